@@ -1,0 +1,1 @@
+"""PHOENIX launcher: CLI, supervisor, control plane, backends."""

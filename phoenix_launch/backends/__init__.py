@@ -1,0 +1,1 @@
+"""Backends that start one agent per node."""

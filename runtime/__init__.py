@@ -1,0 +1,1 @@
+"""PHOENIX runtime, injected into every rank."""
