@@ -1,0 +1,3 @@
+from phoenix_launch.cli import main
+
+main()

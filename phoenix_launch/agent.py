@@ -1,0 +1,362 @@
+"""The node agent: spawns and watches one node's rank processes.
+
+One agent runs per node (a child process under the local backend, an ``srun`` step under Slurm). It
+starts its ranks first, before importing torch, so that their interpreters warm up at once; then joins the
+control plane, heartbeats, reports every rank exit with its error file, kills a hung rank (its heartbeat
+silent past the hang timeout) so that its peers' collectives fail at once, and carries out the
+supervisor's commands (restart the ranks for a new attempt, inject a fault, stop).
+
+If the control plane is unreachable for longer than the node timeout, the agent takes the supervisor for
+dead, ends its ranks and exits: no process outlives the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from phoenix_runtime import protocol as P
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+@dataclass
+class RankProc:
+    slot: int
+    attempt: int
+    proc: subprocess.Popen
+    log_path: Path
+    error_file: Path
+    started: float
+    reported: bool = False
+    tee_threads: tuple = ()
+
+
+class Agent:
+    def __init__(self, spec: dict[str, Any]):
+        self.spec = spec
+        self.node: str = spec["node"]
+        self.nproc: int = spec["nproc"]
+        self.run_dir = Path(spec["run_dir"])
+        self.log_dir = self.run_dir / "logs" / self.node
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.epoch: int = spec.get("epoch", 0)
+        self.ranks: dict[int, RankProc] = {}
+        self.attempts: dict[int, int] = {}
+        self.stopping = False
+        self.store = None
+        self.last_store_ok = time.monotonic()
+        self._stop_signal: int | None = None
+
+    # --- ranks -------------------------------------------------------------------------------------
+    def _rank_env(self, slot: int, role: str, attempt: int, error_file: Path) -> dict[str, str]:
+        s = self.spec
+        env = dict(os.environ)
+        for k in list(env):
+            if k.startswith(("PHOENIX_AGENT_",)):
+                del env[k]
+        env.update(
+            {
+                P.ENV_STORE_HOST: s["store_host"],
+                P.ENV_STORE_PORT: str(s["store_port"]),
+                P.ENV_NODE: self.node,
+                P.ENV_SLOT: str(slot),
+                P.ENV_RUN_DIR: str(self.run_dir),
+                P.ENV_ROLE: role,
+                P.ENV_GEN: str(s.get("gen", 0)),
+                P.ENV_HEARTBEAT_S: str(s["heartbeat_s"]),
+                P.ENV_RUNTIME_CFG: json.dumps(s.get("runtime", {})),
+                P.ENV_ERROR_FILE: str(error_file),
+                "PHOENIX_RUN_ID": s["run_id"],
+                "PHOENIX_ATTEMPT": str(attempt),
+            }
+        )
+        if "OMP_NUM_THREADS" not in os.environ and self.nproc > 1:
+            env["OMP_NUM_THREADS"] = "1"  # torchrun's default
+        if s.get("gpus_per_node"):
+            env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(s["gpus_per_node"])))
+        if role == P.ROLE_ACTIVE:
+            group_rank = s["group_rank"]
+            env.update(
+                P.torchrun_env(
+                    rank=group_rank * self.nproc + slot,
+                    local_rank=slot,
+                    world_size=s["world_size"],
+                    local_world_size=self.nproc,
+                    group_rank=group_rank,
+                    group_world_size=s["world_size"] // self.nproc,
+                    master_addr=s["store_host"],
+                    master_port=s["store_port"],
+                    run_id=s["run_id"],
+                    restart_count=self.epoch,
+                    max_restarts=s["max_restarts"],
+                    error_file=str(error_file),
+                )
+            )
+        else:
+            for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "ROLE_RANK"):
+                env.pop(k, None)
+        return env
+
+    def spawn(self, slot: int, role: str) -> RankProc:
+        attempt = self.attempts.get(slot, -1) + 1
+        self.attempts[slot] = attempt
+        log_path = self.log_dir / f"{slot}.{attempt}.log"
+        error_file = self.log_dir / f"{slot}.{attempt}.error.json"
+        env = self._rank_env(slot, role, attempt, error_file)
+        cmd = [sys.executable, "-m", "phoenix_runtime.bootstrap", *self.spec["argv"]]
+        redirects = self.spec.get("redirects", "3")
+        tee = self.spec.get("tee", "0")
+        logf = open(log_path, "ab", buffering=0)
+        out_target: Any = logf if redirects in ("1", "3") else None
+        err_target: Any = logf if redirects in ("2", "3") else None
+        if tee != "0":
+            out_target = subprocess.PIPE if tee in ("1", "3") else out_target
+            err_target = subprocess.PIPE if tee in ("2", "3") else err_target
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out_target,
+            stderr=err_target,
+            stdin=subprocess.DEVNULL,
+            cwd=self.spec.get("cwd") or None,
+            preexec_fn=_die_with_parent,
+        )
+        threads = []
+        for stream, console in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            if stream is not None:
+                t = threading.Thread(target=_tee, args=(stream, logf, console, f"[{self.node}/{slot}]"), daemon=True)
+                t.start()
+                threads.append(t)
+        logf.close() if not threads else None
+        rp = RankProc(slot, attempt, proc, log_path, error_file, time.time(), tee_threads=tuple(threads))
+        self.ranks[slot] = rp
+        return rp
+
+    def spawn_all(self, role: str) -> None:
+        for slot in range(self.nproc):
+            self.spawn(slot, role)
+
+    def terminate_ranks(self, grace: float) -> None:
+        live = [r for r in self.ranks.values() if r.proc.poll() is None]
+        for r in live:
+            _signal(r.proc, signal.SIGCONT)
+            _signal(r.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(r.proc.poll() is None for r in live):
+            time.sleep(0.02)
+        for r in live:
+            if r.proc.poll() is None:
+                _signal(r.proc, signal.SIGKILL)
+        for r in live:
+            try:
+                r.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    # --- control plane -----------------------------------------------------------------------------
+    def connect(self) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        s = self.spec
+        self.store = dist.TCPStore(
+            s["store_host"], int(s["store_port"]), is_master=False, timeout=timedelta(seconds=30)
+        )
+        self.q_sup = P.Queue(self.store, P.Q_SUPERVISOR)
+        self.q_cmd = P.Queue(self.store, P.q_agent(self.node))
+        self.q_sup.put({"type": "agent_up", "node": self.node, "pid": os.getpid(), "host": os.uname().nodename})
+
+    def report_exit(self, r: RankProc, code: int) -> None:
+        error = None
+        if r.error_file.exists():
+            try:
+                error = json.loads(r.error_file.read_text())
+            except (OSError, json.JSONDecodeError):
+                error = None
+        sig = -code if code < 0 else None
+        self.q_sup.put(
+            {
+                "type": "rank_exit",
+                "node": self.node,
+                "slot": r.slot,
+                "attempt": r.attempt,
+                "epoch": self.epoch,
+                "pid": r.proc.pid,
+                "exit_code": code if code >= 0 else None,
+                "signal": sig,
+                "error": error,
+                "log": str(r.log_path),
+                "log_tail": _tail(r.log_path),
+            }
+        )
+
+    def handle(self, cmd: dict[str, Any]) -> None:
+        kind = cmd.get("cmd")
+        if kind == "restart":  # torchrun's behaviour: a fresh attempt of every rank of this node
+            self.terminate_ranks(self.spec["stop_grace_s"])
+            self.epoch = cmd["epoch"]
+            self.spec.update({k: cmd[k] for k in ("group_rank", "world_size", "gen") if k in cmd})
+            self.spawn_all(cmd.get("role", P.ROLE_ACTIVE))
+        elif kind == "stop":
+            self.stopping = True
+        elif kind == "inject":
+            self.inject(cmd)
+
+    def inject(self, cmd: dict[str, Any]) -> None:
+        mode = cmd["mode"]
+        slots = [cmd["slot"]] if cmd.get("slot") is not None else list(self.ranks)
+        if mode == "crash":  # the whole node: this agent and every rank, SIGKILLed
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        for s in slots:
+            r = self.ranks.get(s)
+            if r is None or r.proc.poll() is not None:
+                continue
+            if mode == "rank":
+                _signal(r.proc, signal.SIGKILL)
+            elif mode == "hang":
+                _signal(r.proc, signal.SIGSTOP)
+
+    def check_hangs(self, hang_timeout: float) -> None:
+        now = time.time()
+        for r in self.ranks.values():
+            if r.proc.poll() is not None or now - r.started < hang_timeout:
+                continue
+            key = P.k_rank_hb(self.node, r.slot)
+            if not self.store.check([key]):
+                continue  # not started yet: still importing
+            hb = json.loads(self.store.get(key))
+            if hb.get("pid") != r.proc.pid:
+                continue
+            silent = now - hb["t"]
+            if silent > hang_timeout:
+                self.q_sup.put(
+                    {"type": "rank_hang", "node": self.node, "slot": r.slot, "silent_s": round(silent, 3), "step": hb.get("step")}
+                )
+                _signal(r.proc, signal.SIGKILL)  # its peers' collectives now fail at once
+                r.started = now  # report once
+
+    # --- main loop ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.spawn_all(self.spec["role"])
+        self.connect()
+        hb_every = float(self.spec["heartbeat_s"])
+        hang_timeout = float(self.spec["hang_timeout_s"])
+        node_timeout = float(self.spec["node_timeout_s"])
+        next_hb = 0.0
+        next_hang = time.monotonic() + hb_every
+        while True:
+            if self._stop_signal is not None:
+                self.stopping = True
+            now = time.monotonic()
+            try:
+                if now >= next_hb:
+                    self.store.set(P.k_agent_hb(self.node), str(time.time()))
+                    next_hb = now + hb_every
+                for cmd in self.q_cmd.get_all():
+                    self.handle(cmd)
+                for r in list(self.ranks.values()):
+                    code = r.proc.poll()
+                    if code is not None and not r.reported:
+                        r.reported = True
+                        for t in r.tee_threads:
+                            t.join(timeout=1)
+                        self.report_exit(r, code)
+                if now >= next_hang:
+                    self.check_hangs(hang_timeout)
+                    next_hang = now + hb_every
+                self.last_store_ok = now
+            except Exception as e:  # store unreachable: the supervisor is gone
+                if time.monotonic() - self.last_store_ok > node_timeout:
+                    print(f"phoenix agent {self.node}: control plane lost ({e}); stopping ranks", file=sys.stderr)
+                    self.terminate_ranks(self.spec["stop_grace_s"])
+                    return 1
+            if self.stopping:
+                self.terminate_ranks(self.spec["stop_grace_s"])
+                for r in self.ranks.values():
+                    if not r.reported and r.proc.poll() is not None:
+                        r.reported = True
+                        try:
+                            self.report_exit(r, r.proc.returncode)
+                        except Exception:
+                            pass
+                return 0
+            time.sleep(0.02)
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except (ProcessLookupError, OSError):
+        pass
+
+
+def _tee(stream, logf, console, prefix: str) -> None:
+    for line in iter(stream.readline, b""):
+        logf.write(line)
+        try:
+            console.write(f"{prefix}: {line.decode(errors='replace')}")
+            console.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _tail(path: Path, n: int = 20, max_bytes: int = 16384) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-n:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="phoenix-agent")
+    ap.add_argument("--spec", required=True, help="JSON spec, or @FILE")
+    ap.add_argument("--node", help="override the node name (Slurm: this host)")
+    ns = ap.parse_args(argv)
+    text = Path(ns.spec[1:]).read_text() if ns.spec.startswith("@") else ns.spec
+    spec = json.loads(text)
+    if ns.node:
+        spec["node"] = ns.node
+    agent = Agent(spec)
+
+    def on_signal(signum, frame):
+        agent._stop_signal = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        return agent.run()
+    except KeyboardInterrupt:
+        agent.terminate_ranks(agent.spec["stop_grace_s"])
+        return 130
+    finally:
+        for r in agent.ranks.values():
+            if r.proc.poll() is None:
+                _signal(r.proc, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

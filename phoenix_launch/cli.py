@@ -1,0 +1,243 @@
+"""``phoenix-run``: a drop-in for torchrun with warm spares and hot-swap.
+
+    phoenix-run [OPTIONS] SCRIPT [ARGS]...       run a job (``-m MODULE`` like python/torchrun)
+    phoenix-run status [RUN_DIR]                 the live snapshot of a running job
+    phoenix-run kill-node TARGET [--mode ...]    inject a failure into a running job
+    phoenix-run simulate [...]                   cost model and Monte Carlo failure simulator
+    phoenix-run sbatch --system perlmutter ...   render (or submit) a Slurm job script
+
+Expected errors end with one line on stderr and a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from phoenix_launch.config import ConfigError, build_config, load_yaml
+
+EXIT_USAGE = 2
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="PHOENIX: fault-tolerant launcher for PyTorch training.")
+
+
+def fail(msg: str, code: int = EXIT_USAGE) -> "typer.Exit":
+    typer.echo(f"phoenix-run: error: {msg}", err=True)
+    return typer.Exit(code)
+
+
+def _parse_nnodes(v: str) -> int:
+    parts = v.split(":")
+    try:
+        lo, hi = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise fail(f"--nnodes must be N or N:N, got {v!r}") from None
+    if lo != hi or len(parts) > 2:
+        raise fail(f"--nnodes {v}: elastic ranges are not supported; PHOENIX keeps the world size and uses --spares")
+    return lo
+
+
+def _parse_nproc(v: str) -> int:
+    if v in ("auto", "gpu", "cpu"):
+        try:
+            import torch
+
+            if v in ("auto", "gpu") and torch.cuda.is_available():
+                return torch.cuda.device_count()
+        except ImportError:
+            pass
+        return 1 if v != "cpu" else (os.cpu_count() or 1)
+    try:
+        return int(v)
+    except ValueError:
+        raise fail(f"--nproc-per-node must be an integer, auto, gpu or cpu, got {v!r}") from None
+
+
+@app.command(
+    "run",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+def run(
+    ctx: typer.Context,
+    script: Optional[str] = typer.Argument(None, help="Training script (or module with -m), then its arguments."),
+    module: bool = typer.Option(False, "-m", "--module", help="Run SCRIPT as a module, like python -m."),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", "--nodes", help="Active nodes (N, or torchrun's N:N)."),
+    nproc_per_node: Optional[str] = typer.Option(None, "--nproc-per-node", "--nproc_per_node", help="Ranks per node."),
+    spares: Optional[int] = typer.Option(None, "--spares", help="Warm spare nodes kept in reserve."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="auto (slurm inside an allocation), local or slurm."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", "--master_addr", help="Address of the control-plane store."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", "--master_port", help="Port of the control-plane store (0: free)."),
+    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts", help="Restarts of all workers when hot-swap is not possible."),
+    log_dir: Optional[str] = typer.Option(None, "--log-dir", "--log_dir", help="Base directory for run directories (torchrun's --log-dir)."),
+    redirects: Optional[str] = typer.Option(None, "--redirects", "-r", help="0 none, 1 stdout, 2 stderr, 3 both to log files."),
+    tee: Optional[str] = typer.Option(None, "--tee", "-t", help="Also echo rank output to the console (0-3)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", "--run_id", help="Job id (default: generated)."),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default: ./phoenix-runs/<run-id>)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML configuration file."),
+    protect: Optional[bool] = typer.Option(None, "--protect/--no-protect", help="In-memory protection of the training state."),
+    replicas: Optional[int] = typer.Option(None, "--replicas", help="Optimizer-shard replicas on distinct DP peers (k)."),
+    standalone: bool = typer.Option(False, "--standalone", hidden=True, help="Accepted for torchrun compatibility."),
+) -> None:
+    """Run SCRIPT on every rank, with warm spares and hot-swap recovery."""
+    if script is None:
+        raise fail("no training script given (phoenix-run [OPTIONS] SCRIPT [ARGS]...)")
+    argv = (["-m", script] if module else [script]) + list(ctx.args)
+    if not module and not Path(script).is_file():
+        raise fail(f"training script {script!r} not found")
+    try:
+        yaml_data = load_yaml(config) if config is not None else None
+        flags = {
+            "launch": {
+                "nodes": _parse_nnodes(nnodes) if nnodes is not None else None,
+                "nproc_per_node": _parse_nproc(nproc_per_node) if nproc_per_node is not None else None,
+                "spares": spares,
+                "backend": backend,
+                "master_addr": master_addr,
+                "master_port": master_port,
+                "max_restarts": max_restarts,
+                "redirects": redirects,
+                "tee": tee,
+                "run_id": run_id,
+                "run_dir": run_dir,
+            },
+            "runtime": {"protect": protect, "replicas": replicas},
+        }
+        cfg = build_config(yaml_data, os.environ, flags)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+
+    from dataclasses import replace
+
+    L = cfg.launch
+    rid = L.run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    rdir = Path(L.run_dir or Path(log_dir or "phoenix-runs") / rid)
+    try:
+        rdir.mkdir(parents=True, exist_ok=True)
+        probe = rdir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise fail(f"run directory {rdir} is not writable: {e.strerror}") from None
+    cfg = replace(cfg, launch=replace(L, run_id=rid, run_dir=str(rdir.resolve())))
+
+    from phoenix_launch.backends import choose_backend
+
+    try:
+        be = choose_backend(cfg, rdir)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    import yaml
+
+    (rdir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+    from phoenix_launch.control import PortInUse
+    from phoenix_launch.events import EventLog  # noqa: F401
+    from phoenix_launch.supervisor import Supervisor
+    from phoenix_launch.ui import LiveUI, PlainUI
+
+    sup = Supervisor(cfg, argv, rdir, be)
+    live = L.live == "on" or (L.live == "auto" and sys.stdout.isatty())
+    sup.ui = LiveUI() if live else PlainUI(sup.events)
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, lambda signum, frame: sup.request_stop(signum))
+    try:
+        code = sup.run()
+    except PortInUse as e:
+        sup.ui.close({})
+        raise fail(str(e)) from None
+    _report(sup, code)
+    raise typer.Exit(code)
+
+
+def _report(sup, code: int) -> None:
+    if code == 0:
+        typer.echo(f"phoenix-run: job succeeded ({sup.run_dir})")
+        return
+    typer.echo(f"phoenix-run: job failed (exit {code}): {sup.stop_reason}", err=True)
+    rc = sup.root_cause
+    if rc is not None:
+        from phoenix_launch.classify import describe_exit
+
+        where = f"rank {rc.rank} on {rc.node}" if rc.rank is not None else f"node {rc.node}"
+        typer.echo(f"phoenix-run: root cause: {where}: {describe_exit(rc.exit_code, rc.signal)}", err=True)
+        tb = (rc.error or {}).get("traceback") if rc.error else None
+        text = tb or rc.log_tail
+        if text:
+            typer.echo(text.rstrip(), err=True)
+    typer.echo(f"phoenix-run: events and logs in {sup.run_dir}", err=True)
+
+
+@app.command("status")
+def status(run_dir: Optional[str] = typer.Argument(None, help="Run directory (default: the newest under .).")) -> None:
+    """Print the live snapshot of a job from its run directory."""
+    import json
+
+    from phoenix_launch.events import find_run_dir
+    from phoenix_launch.ui import print_status
+
+    try:
+        rdir = find_run_dir(run_dir)
+        snap = json.loads((rdir / "status.json").read_text())
+    except (FileNotFoundError, OSError) as e:
+        raise fail(str(e) if isinstance(e, FileNotFoundError) and e.args and isinstance(e.args[0], str) else f"no status in {run_dir}: {e}") from None
+    print_status(snap)
+
+
+@app.command("kill-node")
+def kill_node(
+    target: str = typer.Argument(..., help="A node name, or rank:R."),
+    mode: str = typer.Option("crash", "--mode", help="crash | rank | hang | comm | gpu-ecc | pcie"),
+    at_step: Optional[int] = typer.Option(None, "--at-step", help="Arm the fault to fire when the ranks reach step N."),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default: the newest under .)."),
+    token: Optional[str] = typer.Option(None, "--token", hidden=True, help="Override the job token (tests)."),
+) -> None:
+    """Inject a failure into a running job."""
+    from phoenix_launch.events import find_run_dir
+    from phoenix_launch.inject import MODES, InjectError, send_command
+
+    if mode not in MODES:
+        raise fail(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    try:
+        rdir = find_run_dir(run_dir)
+        reply = send_command(rdir, {"type": "kill", "target": target, "mode": mode, "at_step": at_step}, token=token)
+    except (FileNotFoundError, InjectError) as e:
+        raise fail(str(e), 1) from None
+    if not reply.get("ok"):
+        raise fail(reply.get("error", "refused"), 1)
+    typer.echo(f"phoenix-run kill-node: {reply['message']}")
+
+
+def _register_extras(which: str | None) -> None:
+    if which in (None, "simulate"):
+        from phoenix_launch.cmd_simulate import simulate
+
+        app.command("simulate")(simulate)
+    if which in (None, "sbatch"):
+        from phoenix_launch.sbatch import sbatch
+
+        app.command("sbatch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(sbatch)
+
+
+SUBCOMMANDS = ("run", "status", "kill-node", "simulate", "sbatch")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    first = args[0] if args else None
+    if first in ("simulate", "sbatch"):
+        _register_extras(first)
+    elif first in (None, "--help", "-h"):
+        try:
+            _register_extras(None)
+        except ImportError:
+            pass
+    elif first not in SUBCOMMANDS:
+        args = ["run", *args]  # phoenix-run [OPTIONS] SCRIPT ARGS...: the default command
+    app(args=args, prog_name="phoenix-run")

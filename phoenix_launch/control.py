@@ -1,0 +1,48 @@
+"""The control plane's server side: a torch ``TCPStore`` owned by the supervisor.
+
+It outlives every training process (it lives in the supervisor, not in a rank), and it is the only channel
+between the supervisor, the agents, the ranks and ``phoenix-run kill-node``; its keys are defined in
+``phoenix_runtime.protocol``. It listens on the address the job needs (loopback for the local backend).
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror} (is another job using --master-port {port}?)") from None
+
+
+def start_store(host: str, port: int):
+    """Start the store server; returns (store, port)."""
+    from torch.distributed import TCPStore
+
+    if port:
+        check_port(host, port)
+    else:
+        port = free_port(host)
+    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30), use_libuv=True)
+    return store, port
+
+
+def connect(host: str, port: int, timeout_s: float = 5.0):
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)

@@ -1,0 +1,76 @@
+"""Pure decisions: what the supervisor does about an incident. No I/O, no clock but the one passed in.
+
+``decide(view, verdict, now)`` returns a ``Decision`` whose ``reason`` is also the log line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from phoenix_launch.classify import Action, FailureClass, Verdict
+
+EXIT_OK = 0
+EXIT_RANK_FAILED = 1  # a rank failed and no recovery was possible or allowed (root cause printed)
+EXIT_USAGE = 2  # bad input
+EXIT_UNRECOVERABLE = 3  # recovery from memory impossible: no spare left, or a shard lost with all replicas
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+
+
+class Kind(str, Enum):
+    HOTSWAP = "hotswap"  # replace the failed node with a warm spare, live
+    LOCAL = "local"  # the same node's ranks rejoin as their own replacement
+    RESTART = "restart"  # torchrun's behaviour: stop every worker and start them again
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class JobView:
+    runtime_ready: bool  # every rank of the world runs the PHOENIX runtime with protection on
+    spares: tuple[str, ...]  # warm spares, in the order they should be used
+    restarts_used: int
+    max_restarts: int
+    node_failures: dict[str, int] = field(default_factory=dict)  # failures per node in this job
+    lost_nodes: tuple[str, ...] = ()  # nodes whose agent is gone (they cannot host a restart)
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: Kind
+    reason: str
+    node: str | None = None  # the failed node
+    spare: str | None = None  # the node that takes its place (hot-swap, or restart after a node loss)
+    exit_code: int = EXIT_OK
+
+
+def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
+    node = verdict.node
+    action = verdict.action
+    why = verdict.reason
+    untrusted = node is not None and view.node_failures.get(node, 0) >= 2
+    if action is Action.LOCAL_RECOVERY and untrusted:
+        action = Action.REPLACE_NODE
+        why = f"{why}; {node} failed twice and is not trusted again"
+    if verdict.cls is FailureClass.SOFTWARE:
+        return Decision(Kind.STOP, f"{why}: a software error is not fixed by a restart", node, exit_code=EXIT_RANK_FAILED)
+
+    if view.runtime_ready:
+        if action is Action.LOCAL_RECOVERY:
+            return Decision(Kind.LOCAL, f"{why}: local recovery, {node} rejoins", node)
+        if action is Action.REPLACE_NODE:
+            if view.spares:
+                return Decision(Kind.HOTSWAP, f"{why}: hot-swap {node} -> {view.spares[0]}", node, view.spares[0])
+            return Decision(Kind.STOP, f"{why}: no spare left to replace {node}", node, exit_code=EXIT_UNRECOVERABLE)
+    # torchrun's behaviour: restart every worker, up to --max-restarts
+    if view.restarts_used < view.max_restarts:
+        spare = None
+        if node is not None and node in view.lost_nodes:
+            if not view.spares:
+                return Decision(Kind.STOP, f"{why}: {node} is lost and no spare is left", node, exit_code=EXIT_UNRECOVERABLE)
+            spare = view.spares[0]
+        n = view.restarts_used + 1
+        return Decision(Kind.RESTART, f"{why}: restart {n}/{view.max_restarts} of all workers", node, spare)
+    if view.max_restarts:
+        return Decision(Kind.STOP, f"{why}: restarts exhausted ({view.max_restarts})", node, exit_code=EXIT_RANK_FAILED)
+    return Decision(Kind.STOP, why, node, exit_code=EXIT_RANK_FAILED)

@@ -1,0 +1,128 @@
+"""Rank bootstrap: ``python -m phoenix_runtime.bootstrap [-m MODULE | SCRIPT] ARGS...``.
+
+Runs inside every rank process that ``phoenix-run`` starts, before the user's code:
+1. imports torch and joins the control plane (heartbeat, generation watch) -- the runtime is injected;
+2. a spare blocks here, warm, until the supervisor assigns it a logical rank, then takes the torchrun
+   environment of that rank (RANK, WORLD_SIZE, ...) and marks itself as joining;
+3. runs the script with ``runpy`` (``python script.py`` and ``-m module`` both work), recording an uncaught
+   exception to the error file in torchrun's ``@record`` format (plus type, message and step), so that the
+   supervisor classifies from facts;
+4. exits without running the interpreter's teardown of live process groups (seen here: gloo's destructor
+   can deadlock at exit while DDP holds the group), after running the script's atexit handlers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+
+from phoenix_runtime import protocol as P
+
+
+def write_error_file(exc: BaseException, step: int | None) -> None:
+    path = os.environ.get(P.ENV_ERROR_FILE)
+    if not path:
+        return
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    data = {
+        # torchrun's format (torch.distributed.elastic.multiprocessing.errors)
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": tb, "timestamp": str(int(time.time()))},
+        },
+        # PHOENIX's fields
+        "phoenix": {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": tb,
+            "step": step,
+            "rank": int(os.environ["RANK"]) if os.environ.get("RANK") else None,
+            "time": time.time(),
+        },
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def wait_for_assignment(poll_s: float = 0.01) -> dict:
+    """A spare's warm wait: torch imported, connected, heartbeating; returns the assignment."""
+    from phoenix_runtime.control import STATE, connect_store
+
+    node = os.environ[P.ENV_NODE]
+    slot = int(os.environ[P.ENV_SLOT])
+    store = connect_store()
+    key = P.k_assign(node, slot)
+    STATE.phase = "spare"
+    while not store.check([key]):
+        time.sleep(poll_s)
+    return json.loads(store.get(key))
+
+
+def _run_user_code(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("phoenix bootstrap: no script given")
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            raise SystemExit("phoenix bootstrap: -m needs a module name")
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = argv[0]
+        sys.argv = [script, *argv[1:]]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    import torch  # noqa: F401  (warm: the script's own import is then free)
+
+    from phoenix_runtime.control import STATE, start_control
+
+    role = os.environ.get(P.ENV_ROLE, P.ROLE_ACTIVE)
+    start_control()
+    if role == P.ROLE_SPARE:
+        assignment = wait_for_assignment()
+        os.environ.update({k: str(v) for k, v in assignment["env"].items()})
+        os.environ[P.ENV_GEN] = str(assignment["gen"])
+        os.environ[P.ENV_JOINING] = "1"
+        os.environ[P.ENV_ROLE] = P.ROLE_ACTIVE
+        STATE.gen = int(assignment["gen"])
+    STATE.phase = "running"
+    code = 0
+    try:
+        _run_user_code(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException as e:  # noqa: BLE001 -- recorded, printed once, then a non-zero exit
+        write_error_file(e, STATE.step if STATE.step >= 0 else None)
+        traceback.print_exc()
+        code = 1
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda s, f: _exit(128 + s))
+    main()

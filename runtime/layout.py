@@ -1,0 +1,328 @@
+"""Logical layout of a job: ranks, 3D coordinates, shard identities and replica placement.
+
+Torch-free on purpose: the control plane and the tests use it without importing torch.
+
+Rank order follows Megatron: tensor-parallel fastest, then data-parallel, then pipeline::
+
+    rank = (pp * dp_size + dp) * tp_size + tp
+
+Replica placement
+-----------------
+Only the optimizer shard needs replicas (parameters have DP copies already). The replicas of a
+rank's shard go to ``k`` peers of its DP group (same ``pp`` and ``tp``). Placement is a *ring* over
+the DP group: ``replica_targets(r, k)`` is the next ``k`` members after ``r`` in the ring and
+``replica_sources(r, k)`` the previous ``k``. So every rank sends ``k`` replicas and holds exactly
+``k`` (host memory is balanced), and ``s in replica_sources(r, k)`` iff ``r in replica_targets(s, k)``
+by construction.
+
+The ring order is chosen so that every window of ``k + 1`` consecutive members (a holder and its
+targets) spans as many distinct nodes as possible, then as many distinct failure domains
+(``domains``, e.g. switch or rack) as possible: a deterministic greedy interleaving (largest node
+group first) followed by a bounded local search of swaps. Nodes or domains given as ``""`` (or not
+given at all) count as unknown and distinct from everything. The result depends only on the layout
+and ``k``, so every rank computes the same placement without talking to anybody.
+
+A ring cannot always reach zero conflicts (e.g. 4 ranks on nodes a,a,b,c with k=2);
+``placement_conflicts(k)`` lists the remaining ones so the caller can log them.
+
+Error policy: if the DP group has fewer than ``k + 1`` members, ``replica_targets`` raises
+``PlacementError`` (a ``ValueError``) naming the group size and ``k``; pass ``strict=False`` to get
+the ``dp_size - 1`` peers that exist instead, with a ``PlacementWarning``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from dataclasses import dataclass
+
+__all__ = [
+    "ShardId",
+    "Layout",
+    "PlacementError",
+    "PlacementWarning",
+]
+
+
+class PlacementError(ValueError):
+    """The DP group is too small for the requested replication factor."""
+
+
+class PlacementWarning(UserWarning):
+    """Fewer replicas than requested (strict=False)."""
+
+
+_SHARD_RE = re.compile(r"^(?P<kind>[A-Za-z0-9_.-]+)/dp(?P<dp>\d+)of(?P<dp_size>\d+)/tp(?P<tp>\d+)/pp(?P<pp>\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class ShardId:
+    """Logical identity of a protected piece of state, never a rank number.
+
+    ``str(ShardId("optim", 3, 4, 0, 1)) == "optim/dp3of4/tp0/pp1"`` and ``ShardId.parse`` inverts it.
+    """
+
+    kind: str
+    dp: int
+    dp_size: int
+    tp: int = 0
+    pp: int = 0
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.kind or ""):
+            raise ValueError(f"ShardId kind must be a non-empty [A-Za-z0-9_.-] word, got {self.kind!r}")
+        if not (0 <= self.dp < self.dp_size):
+            raise ValueError(f"ShardId dp={self.dp} out of range for dp_size={self.dp_size}")
+        if self.tp < 0 or self.pp < 0:
+            raise ValueError(f"ShardId tp/pp must be >= 0, got tp={self.tp} pp={self.pp}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}/dp{self.dp}of{self.dp_size}/tp{self.tp}/pp{self.pp}"
+
+    @classmethod
+    def parse(cls, s: str) -> "ShardId":
+        m = _SHARD_RE.match(s.strip())
+        if not m:
+            raise ValueError(f"not a shard id: {s!r} (expected e.g. 'optim/dp3of4/tp0/pp1')")
+        return cls(m["kind"], int(m["dp"]), int(m["dp_size"]), int(m["tp"]), int(m["pp"]))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """World size and parallel configuration of one generation of the job.
+
+    ``nodes[r]``: node name of logical rank ``r`` ("" if unknown). ``domains[r]``: failure domain
+    (switch/rack) of logical rank ``r`` ("" if unknown). Both optional (empty tuple).
+    """
+
+    world_size: int
+    tp_size: int = 1
+    pp_size: int = 1
+    nodes: tuple[str, ...] = ()
+    domains: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.tp_size < 1 or self.pp_size < 1:
+            raise ValueError(f"world_size, tp_size, pp_size must be >= 1: {self}")
+        if self.world_size % (self.tp_size * self.pp_size):
+            raise ValueError(
+                f"world_size={self.world_size} is not divisible by tp_size*pp_size="
+                f"{self.tp_size}*{self.pp_size}"
+            )
+        # accept lists, store tuples (the dataclass is frozen and hashable)
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        object.__setattr__(self, "domains", tuple(self.domains))
+        for name in ("nodes", "domains"):
+            v = getattr(self, name)
+            if v and len(v) != self.world_size:
+                raise ValueError(f"{name} has {len(v)} entries, expected world_size={self.world_size} (or none)")
+
+    # -- coordinates -----------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // (self.tp_size * self.pp_size)
+
+    def _check_rank(self, rank: int) -> None:
+        if not (0 <= rank < self.world_size):
+            raise ValueError(f"rank {rank} out of range for world_size={self.world_size}")
+
+    def coord(self, rank: int) -> tuple[int, int, int]:
+        """(pp, dp, tp) of ``rank``."""
+        self._check_rank(rank)
+        tp = rank % self.tp_size
+        dp = (rank // self.tp_size) % self.dp_size
+        pp = rank // (self.tp_size * self.dp_size)
+        return pp, dp, tp
+
+    def rank_of(self, pp: int, dp: int, tp: int) -> int:
+        if not (0 <= pp < self.pp_size and 0 <= dp < self.dp_size and 0 <= tp < self.tp_size):
+            raise ValueError(f"coordinate (pp={pp}, dp={dp}, tp={tp}) out of range for {self}")
+        return (pp * self.dp_size + dp) * self.tp_size + tp
+
+    def dp_group(self, rank: int) -> list[int]:
+        """Ranks with the same (pp, tp) as ``rank``, ordered by dp index."""
+        pp, _, tp = self.coord(rank)
+        return [self.rank_of(pp, d, tp) for d in range(self.dp_size)]
+
+    def node_of(self, rank: int) -> str:
+        self._check_rank(rank)
+        return self.nodes[rank] if self.nodes else ""
+
+    def domain_of(self, rank: int) -> str:
+        self._check_rank(rank)
+        return self.domains[rank] if self.domains else ""
+
+    # -- shard identity ----------------------------------------------------------------------
+    def shard_of(self, rank: int, kind: str = "optim") -> ShardId:
+        pp, dp, tp = self.coord(rank)
+        return ShardId(kind, dp, self.dp_size, tp, pp)
+
+    def rank_holding(self, shard: ShardId) -> int:
+        """The owner of ``shard`` in this layout."""
+        if shard.dp_size != self.dp_size:
+            raise ValueError(f"shard {shard} belongs to a layout with dp_size={shard.dp_size}, this one has {self.dp_size}")
+        return self.rank_of(shard.pp, shard.dp, shard.tp)
+
+    # -- replica placement -------------------------------------------------------------------
+    def replica_ring(self, rank: int, k: int) -> list[int]:
+        """The placement ring of ``rank``'s DP group for replication factor ``k``."""
+        group = tuple(self.dp_group(rank))
+        if k <= 0 or len(group) < 2:
+            return list(group)
+        kk = min(k, len(group) - 1)
+        nodes = tuple(self.nodes[r] if self.nodes else "" for r in group)
+        doms = tuple(self.domains[r] if self.domains else "" for r in group)
+        order = _ring_order(nodes, doms, kk)
+        return [group[i] for i in order]
+
+    def _window(self, rank: int, k: int, strict: bool) -> tuple[list[int], int]:
+        if k < 0:
+            raise ValueError(f"replication factor must be >= 0, got {k}")
+        n = self.dp_size
+        if k > n - 1:
+            msg = (
+                f"replication factor k={k} needs at least k+1={k + 1} ranks in a DP group, but the DP group "
+                f"of rank {rank} (pp,dp,tp={self.coord(rank)}) has {n}; "
+                f"{'no replica is possible' if n == 1 else f'at most {n - 1} replica(s) fit'}"
+            )
+            if strict:
+                raise PlacementError(msg)
+            warnings.warn(msg, PlacementWarning, stacklevel=3)
+            k = n - 1
+        return self.replica_ring(rank, k), k
+
+    def replica_targets(self, rank: int, k: int, strict: bool = True) -> list[int]:
+        """The ``k`` DP peers that hold replicas of ``rank``'s optimizer shard (ring successors)."""
+        ring, k = self._window(rank, k, strict)
+        if k == 0:
+            return []
+        pos = ring.index(rank)
+        return [ring[(pos + j) % len(ring)] for j in range(1, k + 1)]
+
+    def replica_sources(self, rank: int, k: int, strict: bool = True) -> list[int]:
+        """Ranks whose replica ``rank`` holds (ring predecessors); inverse of ``replica_targets``."""
+        ring, k = self._window(rank, k, strict)
+        if k == 0:
+            return []
+        pos = ring.index(rank)
+        return [ring[(pos - j) % len(ring)] for j in range(1, k + 1)]
+
+    def placement_conflicts(self, k: int) -> list[str]:
+        """Human-readable list of holder/replica pairs that share a node or a failure domain."""
+        out: list[str] = []
+        if k <= 0 or self.dp_size < 2:
+            return out
+        for r in range(self.world_size):
+            group = [r] + self.replica_targets(r, k, strict=False)
+            for i in range(len(group)):
+                for j in range(i + 1, len(group)):
+                    a, b = group[i], group[j]
+                    what = "holder" if i == 0 else "replica"
+                    if self.nodes and self.nodes[a] and self.nodes[a] == self.nodes[b]:
+                        out.append(f"shard {self.shard_of(r)}: {what} rank {a} and replica rank {b} share node {self.nodes[a]!r}")
+                    elif self.domains and self.domains[a] and self.domains[a] == self.domains[b]:
+                        out.append(f"shard {self.shard_of(r)}: {what} rank {a} and replica rank {b} share domain {self.domains[a]!r}")
+        return out
+
+
+# -- ring construction (pure functions of the group's node/domain labels, cached) ----------------
+
+def _labels(values: tuple[str, ...]) -> list[object]:
+    """Unknown ("") labels become unique so that they never count as shared."""
+    return [v if v else ("?", i) for i, v in enumerate(values)]
+
+
+def _window_cost(ring: list[int], start: int, k: int, node: list[object], dom: list[object]) -> tuple[int, int]:
+    """Cost of the window (holder=ring[start], targets=next k): shared-node pairs, shared-domain pairs.
+
+    Pairs involving the holder weigh 2, pairs of two replicas weigh 1.
+    """
+    n = len(ring)
+    members = [ring[(start + j) % n] for j in range(k + 1)]
+    cn = cd = 0
+    for i in range(len(members)):
+        for j in range(i + 1, len(members)):
+            w = 2 if i == 0 else 1
+            a, b = members[i], members[j]
+            if node[a] == node[b]:
+                cn += w
+            if dom[a] == dom[b]:
+                cd += w
+    return cn, cd
+
+
+@functools.lru_cache(maxsize=256)
+def _ring_order(nodes: tuple[str, ...], doms: tuple[str, ...], k: int) -> tuple[int, ...]:
+    n = len(nodes)
+    node = _labels(nodes)
+    dom = _labels(doms)
+    node_left: dict[object, int] = {}
+    dom_left: dict[object, int] = {}
+    for i in range(n):
+        node_left[node[i]] = node_left.get(node[i], 0) + 1
+        dom_left[dom[i]] = dom_left.get(dom[i], 0) + 1
+
+    # Greedy: at each position take the member with the fewest shared nodes/domains among the
+    # members it will share a window with, largest remaining node/domain group first, then index.
+    # Members with the same (node, domain) labels are interchangeable for the cost, so only the
+    # lowest remaining index of each label class is a candidate: O(n * classes * k).
+    classes: dict[tuple, list[int]] = {}
+    for i in range(n):
+        classes.setdefault((node[i], dom[i]), []).append(i)  # ascending indices
+    ring: list[int] = []
+    while len(ring) < n:
+        pos = len(ring)
+        neigh = ring[max(0, pos - k):]
+        wrap = pos + k - n + 1  # near the end the window wraps to the ring's start
+        if wrap > 0:
+            neigh = neigh + ring[:wrap]
+
+        def key(c: int) -> tuple:
+            return (
+                sum(1 for x in neigh if node[x] == node[c]),
+                sum(1 for x in neigh if dom[x] == dom[c]),
+                -node_left[node[c]],
+                -dom_left[dom[c]],
+                c,
+            )
+
+        c = min((members[0] for members in classes.values() if members), key=key)
+        classes[(node[c], dom[c])].pop(0)
+        node_left[node[c]] -= 1
+        dom_left[dom[c]] -= 1
+        ring.append(c)
+
+    # Local search: swap pairs while that strictly lowers the (node, domain) cost. Deterministic.
+    total = [_window_cost(ring, s, k, node, dom) for s in range(n)]
+    if n <= 256 and k >= 1 and any(a or b for a, b in total):
+        def local_cost(starts: set[int]) -> tuple[int, int]:
+            tn = td = 0
+            for s in starts:
+                a, b = _window_cost(ring, s, k, node, dom)
+                tn += a
+                td += b
+            return tn, td
+
+        def affected(i: int, j: int) -> set[int]:
+            return {(p - d) % n for p in (i, j) for d in range(k + 1)}
+
+        for _ in range(8):  # passes; each pass is O(n^2 k^2)
+            improved = False
+            for i in range(n):
+                for j in range(i + 1, n):
+                    if node[ring[i]] == node[ring[j]] and dom[ring[i]] == dom[ring[j]]:
+                        continue  # swapping identical labels changes nothing
+                    starts = affected(i, j)
+                    before = local_cost(starts)
+                    ring[i], ring[j] = ring[j], ring[i]
+                    if local_cost(starts) < before:
+                        improved = True
+                    else:
+                        ring[i], ring[j] = ring[j], ring[i]
+            if not improved:
+                break
+
+    # Canonical rotation: start at the lowest dp index (cosmetic, keeps the output readable).
+    r0 = ring.index(0)
+    return tuple(ring[r0:] + ring[:r0])
