@@ -103,7 +103,7 @@ class Agent:
                     group_rank=group_rank,
                     group_world_size=s["world_size"] // self.nproc,
                     master_addr=s["store_host"],
-                    master_port=s["store_port"],
+                    master_port=s["master_port"],
                     run_id=s["run_id"],
                     restart_count=self.epoch,
                     max_restarts=s["max_restarts"],
@@ -214,7 +214,7 @@ class Agent:
         if kind == "restart":  # torchrun's behaviour: a fresh attempt of every rank of this node
             self.terminate_ranks(self.spec["stop_grace_s"])
             self.epoch = cmd["epoch"]
-            self.spec.update({k: cmd[k] for k in ("group_rank", "world_size", "gen") if k in cmd})
+            self.spec.update({k: cmd[k] for k in ("group_rank", "world_size", "gen", "master_port") if k in cmd})
             self.spawn_all(cmd.get("role", P.ROLE_ACTIVE))
         elif kind == "stop":
             self.stopping = True

@@ -92,6 +92,7 @@ class Supervisor:
         host = self.backend.store_host(L.master_addr)
         self.store, self.port = start_store(host, L.master_port)
         self.store_host = host
+        self._new_rdzv_store()
         write_json_atomic(
             self.run_dir / "control.json",
             {"host": host, "port": self.port, "pid": os.getpid(), "run_id": L.run_id, "backend": self.backend.name},
@@ -125,6 +126,15 @@ class Supervisor:
             self.backend.start_agent(name, self.agent_spec(node))
         self.job.transition(JobState.RUNNING, "agents started")
 
+    def _new_rdzv_store(self) -> None:
+        """A fresh store for each attempt's env:// rendezvous (MASTER_ADDR/PORT), as torchrun does: workers
+        of a restarted attempt must not read the dead attempt's addresses (pytorch/pytorch#135712)."""
+        from phoenix_launch.control import start_store
+
+        old = getattr(self, "rdzv_store", None)
+        self.rdzv_store, self.rdzv_port = start_store(self.store_host, 0)
+        self._old_rdzv = old  # kept alive until the old attempt's workers are gone
+
     def agent_spec(self, node: Node) -> dict[str, Any]:
         L, Dc = self.cfg.launch, self.cfg.detect
         return {
@@ -140,6 +150,7 @@ class Supervisor:
             "run_dir": str(self.run_dir),
             "store_host": self.store_host,
             "store_port": self.port,
+            "master_port": self.rdzv_port,
             "argv": self.argv,
             "cwd": os.getcwd(),
             "heartbeat_s": Dc.heartbeat_s,
@@ -340,7 +351,7 @@ class Supervisor:
                     group_rank=node.group_rank,
                     group_world_size=self.world_size // self.nproc,
                     master_addr=self.store_host,
-                    master_port=self.port,
+                    master_port=self.rdzv_port,
                     run_id=self.cfg.launch.run_id,
                     restart_count=self.epoch,
                     max_restarts=self.cfg.launch.max_restarts,
@@ -417,6 +428,7 @@ class Supervisor:
             self._node_transition(spare, NodeState.JOINING, f"replaces {failed.name} for restart {self.restarts}")
         self.done_ranks.clear()
         self.runtime_ready.clear()
+        self._new_rdzv_store()
         ranks = []
         for n in self.nodes.values():
             if n.group_rank is not None:
@@ -430,7 +442,7 @@ class Supervisor:
         for n in self.nodes.values():
             if n.group_rank is not None:
                 P.Queue(self.store, P.q_agent(n.name)).put(
-                    {"cmd": "restart", "epoch": self.epoch, "group_rank": n.group_rank, "world_size": self.world_size, "gen": self.gen, "role": P.ROLE_ACTIVE}
+                    {"cmd": "restart", "epoch": self.epoch, "master_port": self.rdzv_port, "group_rank": n.group_rank, "world_size": self.world_size, "gen": self.gen, "role": P.ROLE_ACTIVE}
                 )
                 if n.state is NodeState.JOINING:
                     self._node_transition(n, NodeState.ACTIVE, "restarted as active")

@@ -33,6 +33,7 @@ the ``dp_size - 1`` peers that exist instead, with a ``PlacementWarning``.
 from __future__ import annotations
 
 import functools
+import heapq
 import re
 import warnings
 from dataclasses import dataclass
@@ -233,6 +234,18 @@ def _labels(values: tuple[str, ...]) -> list[object]:
     return [v if v else ("?", i) for i, v in enumerate(values)]
 
 
+class _Ord:
+    """Heap payload that never takes part in comparisons (keys are unique)."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v: object) -> None:
+        self.v = v
+
+    def __lt__(self, other: "_Ord") -> bool:
+        return False
+
+
 def _window_cost(ring: list[int], start: int, k: int, node: list[object], dom: list[object]) -> tuple[int, int]:
     """Cost of the window (holder=ring[start], targets=next k): shared-node pairs, shared-domain pairs.
 
@@ -255,6 +268,8 @@ def _window_cost(ring: list[int], start: int, k: int, node: list[object], dom: l
 @functools.lru_cache(maxsize=256)
 def _ring_order(nodes: tuple[str, ...], doms: tuple[str, ...], k: int) -> tuple[int, ...]:
     n = len(nodes)
+    if not any(nodes) and not any(doms):
+        return tuple(range(n))  # nothing known: plain dp order
     node = _labels(nodes)
     dom = _labels(doms)
     node_left: dict[object, int] = {}
@@ -263,13 +278,36 @@ def _ring_order(nodes: tuple[str, ...], doms: tuple[str, ...], k: int) -> tuple[
         node_left[node[i]] = node_left.get(node[i], 0) + 1
         dom_left[dom[i]] = dom_left.get(dom[i], 0) + 1
 
-    # Greedy: at each position take the member with the fewest shared nodes/domains among the
-    # members it will share a window with, largest remaining node/domain group first, then index.
-    # Members with the same (node, domain) labels are interchangeable for the cost, so only the
-    # lowest remaining index of each label class is a candidate: O(n * classes * k).
-    classes: dict[tuple, list[int]] = {}
-    for i in range(n):
-        classes.setdefault((node[i], dom[i]), []).append(i)  # ascending indices
+    # Greedy, two-level (domain, then node): at each position take the member with the fewest
+    # shared nodes, then shared domains, among the members it will share a window with; ties go to
+    # the domain with most members left (then lowest index), then the node with most members left
+    # (then lowest index). Members with the same (node, domain) labels are interchangeable, so the
+    # candidates of a domain are its nodes (lowest remaining index each). Heaps with lazy
+    # invalidation; a step only looks at the conflicting domains/nodes plus one: O(n k^2 log n).
+    members: dict[tuple, list[int]] = {}  # (dom, node) -> remaining indices, descending
+    dom_nodes: dict[object, list] = {}  # dom -> heap of (key, node)
+    for i in range(n - 1, -1, -1):
+        members.setdefault((dom[i], node[i]), []).append(i)
+
+    def node_key(d: object, nd: object) -> tuple:
+        return (-node_left[nd], members[(d, nd)][-1])
+
+    def dom_key(d: object) -> tuple:
+        return (-dom_left[d], min(members[(d, nd)][-1] for nd in dom_live[d]))
+
+    dom_live: dict[object, set] = {}
+    for (d, nd) in members:
+        dom_live.setdefault(d, set()).add(nd)
+    node_cur: dict[tuple, tuple] = {}
+    for (d, nd) in members:
+        node_cur[(d, nd)] = node_key(d, nd)
+        dom_nodes.setdefault(d, []).append((node_cur[(d, nd)], _Ord(nd)))
+    for h in dom_nodes.values():
+        heapq.heapify(h)
+    dom_cur = {d: dom_key(d) for d in dom_live}
+    dheap = [(dom_cur[d], _Ord(d)) for d in dom_live]
+    heapq.heapify(dheap)
+
     ring: list[int] = []
     while len(ring) < n:
         pos = len(ring)
@@ -277,25 +315,63 @@ def _ring_order(nodes: tuple[str, ...], doms: tuple[str, ...], k: int) -> tuple[
         wrap = pos + k - n + 1  # near the end the window wraps to the ring's start
         if wrap > 0:
             neigh = neigh + ring[:wrap]
+        n_cnt: dict[object, int] = {}
+        d_cnt: dict[object, int] = {}
+        for x in neigh:
+            n_cnt[node[x]] = n_cnt.get(node[x], 0) + 1
+            d_cnt[dom[x]] = d_cnt.get(dom[x], 0) + 1
 
-        def key(c: int) -> tuple:
-            return (
-                sum(1 for x in neigh if node[x] == node[c]),
-                sum(1 for x in neigh if dom[x] == dom[c]),
-                -node_left[node[c]],
-                -dom_left[dom[c]],
-                c,
-            )
+        best = None  # (conflicts, dom, node)
+        popped_doms: list[tuple] = []
+        while dheap:
+            dentry = heapq.heappop(dheap)
+            d = dentry[1].v
+            if dom_cur.get(d) != dentry[0]:
+                continue  # stale
+            popped_doms.append(dentry)
+            dc = d_cnt.get(d, 0)
+            if best is not None and (best[0][0], dc) >= best[0] and best[0][0] == 0:
+                continue  # cannot beat the best any more
+            nheap = dom_nodes[d]
+            popped_nodes: list[tuple] = []
+            while nheap:
+                nentry = heapq.heappop(nheap)
+                nd = nentry[1].v
+                if node_cur.get((d, nd)) != nentry[0]:
+                    continue
+                popped_nodes.append(nentry)
+                conflicts = (n_cnt.get(nd, 0), dc)
+                if best is None or conflicts < best[0]:
+                    best = (conflicts, d, nd)
+                if conflicts[0] == 0:
+                    break  # later nodes of this domain cannot do better
+            for e in popped_nodes:
+                heapq.heappush(nheap, e)
+            if best is not None and best[0] == (0, 0):
+                break
+        for e in popped_doms:
+            heapq.heappush(dheap, e)
+        assert best is not None
+        _, d, nd = best
+        lst = members[(d, nd)]
+        ring.append(lst.pop())
+        node_left[nd] -= 1
+        dom_left[d] -= 1
+        if lst:
+            node_cur[(d, nd)] = node_key(d, nd)
+            heapq.heappush(dom_nodes[d], (node_cur[(d, nd)], _Ord(nd)))
+        else:
+            del members[(d, nd)]
+            del node_cur[(d, nd)]
+            dom_live[d].discard(nd)
+        if dom_live[d]:
+            dom_cur[d] = dom_key(d)
+            heapq.heappush(dheap, (dom_cur[d], _Ord(d)))
+        else:
+            del dom_cur[d]
 
-        c = min((members[0] for members in classes.values() if members), key=key)
-        classes[(node[c], dom[c])].pop(0)
-        node_left[node[c]] -= 1
-        dom_left[dom[c]] -= 1
-        ring.append(c)
-
-    # Local search: swap pairs while that strictly lowers the (node, domain) cost. Deterministic.
     total = [_window_cost(ring, s, k, node, dom) for s in range(n)]
-    if n <= 256 and k >= 1 and any(a or b for a, b in total):
+    if n <= 64 and k >= 1 and any(a or b for a, b in total):
         def local_cost(starts: set[int]) -> tuple[int, int]:
             tn = td = 0
             for s in starts:
