@@ -29,10 +29,13 @@ The decision, in order (the first rule that applies wins; each is one function b
    uncorrected ECC counters, a bad Slurm node state, a lost agent heartbeat.
 3. The same exception (type + message, numbers masked) on nearly every rank
    (>= :data:`NEARLY_ALL` of the world, at least two ranks) is a software bug.
-4. Otherwise each report is matched against :data:`PATTERNS` (hardware text > software > comm).
-   Comm errors are consequences whenever any other failure exists (the failed peer is the root);
-   the earliest non-comm report is the root cause. A rank killed by SIGKILL with nothing else
-   known is a host fault. A hardware text seen on every node (>= 2) is shared infrastructure: stop.
+4. Otherwise each report is matched against :data:`PATTERNS` (kernel-grade lines anywhere in the
+   error file or log tail; other rows only in the failure's own text; warning lines never make a
+   hardware verdict). Comm errors are consequences whenever a non-comm report exists (the failed
+   peer is the root). Among the rest the strongest tier wins (hardware text > software text or an
+   error raised at import > an unexplained SIGKILL, taken as a host fault > unknown), and within
+   it the earliest report is the root cause. A hardware text on every node (>= 2) is shared
+   infrastructure, and SIGKILLs on every node an outside kill: neither blames one node.
 5. A node whose rank heartbeat stalled (``hung``) is replaced, unless every node stalled.
 6. Only comm errors: local recovery if every node involved passed its health probe; replace the
    node that failed its probe; unknown when no probe result exists.
@@ -83,7 +86,8 @@ class RankReport:
 
 @dataclass(frozen=True)
 class Signals:
-    """Everything known about one incident."""
+    """Everything known about one incident, about the job's own nodes only (a spare's probe
+    results do not belong here: evidence on any node listed makes that node a suspect)."""
 
     reports: tuple[RankReport, ...]  # every rank failure seen in this incident (may be empty)
     node_lost: tuple[str, ...] = ()  # nodes whose agent heartbeat stopped / agent process vanished
@@ -576,6 +580,15 @@ def _rule_reports(s: Signals, matches: dict[int, Match | None],
     tail = f"; {echoes} comm error(s) on peers taken as consequences" if echoes else ""
 
     if kind == "sigkill":
+        killed = {p[0].node for p in primaries if p[1] == "sigkill"}
+        every = set(_known_nodes(s))
+        if len(every) >= 2 and killed >= every:
+            return _verdict(
+                FailureClass.UNKNOWN, None,
+                f"ranks on every node ({len(every)}) were killed by SIGKILL: the job was killed "
+                f"from outside, no single node to blame; fallback {fallback.value}",
+                root, fallback,
+            )
         probe = ("its node still passes the health probe" if root.node in s.healthy_nodes
                  else "its node did not pass the health probe")
         return _verdict(

@@ -348,12 +348,13 @@ class NodeHealth:
 def assess(node: str, processes: dict, gpu: dict | None = None, xid: Iterable[int] = (),
            slurm_state: str | None = None) -> NodeHealth:
     """Pure: turn probe results into a pass/fail with the reasons. A node fails its probe when one
-    of its ranks is a zombie, stopped or gone, a GPU is lost or has uncorrected ECC errors, the
-    kernel logged a hardware Xid, or Slurm marks it down or drained."""
+    of its rank processes is stopped (frozen), a GPU is lost or has uncorrected ECC errors, the
+    kernel logged a hardware Xid (:data:`~phoenix_launch.classify.XID_CLASS`), or Slurm marks it
+    down or drained. A rank that exited (gone, or a zombie not yet reaped) is the incident being
+    classified, not a fault of the node: it does not fail the probe."""
     h = NodeHealth(node=node, processes=processes, gpu=gpu, xid=tuple(xid), slurm_state=slurm_state)
-    for state in ("zombie", "stopped", "gone"):
-        if processes.get(state):
-            h.problems.append(f"rank process(es) {state}: {processes[state]}")
+    if processes.get("stopped"):
+        h.problems.append(f"rank process(es) stopped: {processes['stopped']}")
     if gpu is not None:
         if gpu.get("lost"):
             h.problems.append("nvidia-smi cannot reach a GPU")

@@ -633,7 +633,7 @@ def _run_strategy(cfg: SimConfig, strategy: str) -> dict[str, np.ndarray]:
     wall_cap = cfg.max_wall_factor * tl.v_end + 10 * (cfg.restart.mean + cfg.hotswap.mean)
 
     # shard-loss factors: P(loss | a failure, window w) = min(1, F * (1 - exp(-mu w))^k)
-    node_rate = cfg.node_rate if cfg.node_rate > 0 else 1.0 / (cfg.mttf_node_sys * max(1, cfg.shards))
+    node_rate = cfg.node_rate
     F_node = cfg.shards * node_rate * cfg.mttf_node_sys
     F_dom = cfg.shards / max(1, cfg.domain_count)
 
@@ -1264,8 +1264,6 @@ def resolve_inputs(explicit: dict[str, Any] | None = None, preset: str | None = 
     src = {k: "default" for k in vals}
     if preset:
         pre = {k: v for k, v in PRESETS[preset].items() if not k.startswith("_")}
-        if "nodes" in pre or "mttf_sys" in pre:
-            vals.pop("gpus", None)
         vals.update(pre)
         src.update({k: f"preset {preset}" for k in pre})
     run_info = None
@@ -1284,15 +1282,14 @@ def resolve_inputs(explicit: dict[str, Any] | None = None, preset: str | None = 
         return parse_duration(vals[name], "--" + name.replace("_", "-"))
 
     gpn = cnt("gpus_per_node", 1)
-    if "nodes" in vals and vals.get("nodes") is not None and ("nodes" in explicit or "gpus" not in explicit):
-        nodes = cnt("nodes", 1)
-        gpus = nodes * gpn
-        if "gpus" in explicit and "nodes" in explicit:
-            if parse_count(vals["gpus"], "--gpus", 1) != gpus:
-                raise SimulateInputError("--gpus and --nodes disagree; give one of them")
-    else:
+    if "gpus" in explicit and "nodes" in explicit:
+        raise SimulateInputError("give --gpus or --nodes, not both")
+    if "gpus" in explicit or vals.get("nodes") is None:
         gpus = cnt("gpus", 1)
         nodes = max(1, math.ceil(gpus / gpn))
+    else:
+        nodes = cnt("nodes", 1)
+        gpus = nodes * gpn
     step_time = dur("step_time")
     if step_time <= 0:
         raise SimulateInputError("--step-time must be > 0")
@@ -1339,14 +1336,12 @@ def resolve_inputs(explicit: dict[str, Any] | None = None, preset: str | None = 
     rate = 1.0 / mttf_node_sys + ((n_dom / mttf_domain) if mttf_domain else 0.0)
     mttf_sys = 1.0 / rate
 
-    has_write = vals.get("ckpt_write") is not None
-    has_ovh = vals.get("ckpt_overhead") is not None
-    if has_write and has_ovh and "ckpt_write" in explicit and "ckpt_overhead" in explicit:
+    if "ckpt_write" in explicit and "ckpt_overhead" in explicit:
         raise SimulateInputError("give --ckpt-write (per write) or --ckpt-overhead (per failure), not both")
-    if has_write and ("ckpt_write" in explicit or not ("ckpt_overhead" in explicit)):
+    if "ckpt_write" in explicit or ("ckpt_overhead" not in explicit and vals.get("ckpt_write") is not None):
         ckpt_write = dur("ckpt_write")
         ckpt_overhead = amortised_ckpt_overhead(ckpt_write, ckpt_every, step_time, mttf_sys)
-    elif has_ovh:
+    elif vals.get("ckpt_overhead") is not None:
         ckpt_overhead = dur("ckpt_overhead")
         ckpt_write = ckpt_overhead * ckpt_every * step_time / mttf_sys
     else:

@@ -271,7 +271,8 @@ def _ring_order(nodes: tuple[str, ...], doms: tuple[str, ...], k: int) -> tuple[
     if not any(nodes) and not any(doms):
         return tuple(range(n))  # nothing known: plain dp order
     node = _labels(nodes)
-    dom = _labels(doms)
+    # an unknown domain is the rank's node (so the top level of the greedy still groups by node)
+    dom = [d if d else ("node", nd) for d, nd in zip(doms, node)] if doms else [("node", nd) for nd in node]
     node_left: dict[object, int] = {}
     dom_left: dict[object, int] = {}
     for i in range(n):

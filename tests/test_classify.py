@@ -10,9 +10,8 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 
 import psutil
@@ -329,6 +328,14 @@ def test_sigkill_on_a_node_that_fails_its_probe_says_so():
     v = classify(s)
     assert (v.cls, v.action, v.node) == (HO, Action.REPLACE_NODE, "n2")
     assert "did not pass the health probe" in v.reason
+
+
+def test_sigkill_on_every_node_is_an_outside_kill():
+    s = Signals(reports=(rep("n1", 0, exit_code=-9, t=1.0), rep("n2", 1, exit_code=-9, t=1.0)),
+                healthy_nodes=frozenset({"n1", "n2"}), world_ranks=2)
+    v = classify(s)
+    assert (v.cls, v.action, v.node) == (UN, Action.STOP, None)
+    assert "from outside" in v.reason
 
 
 def test_shell_status_137_is_sigkill():
@@ -886,9 +893,9 @@ def test_parse_scontrol():
 
 
 def test_assess():
-    ok = assess("n1", {"alive": [10, 11], "zombie": [], "stopped": [], "gone": []},
+    ok = assess("n1", {"alive": [10, 11], "zombie": [12], "stopped": [], "gone": [13]},
                 {"ecc_uncorrected": 0, "lost": False}, (13,), "ALLOCATED")
-    assert ok.passed, ok.problems
+    assert ok.passed, ok.problems  # exited ranks are the incident; Xid 13 is the application's
     bad = assess("n2", {"alive": [10], "zombie": [], "stopped": [11], "gone": []},
                  {"ecc_uncorrected": 3, "lost": True}, (79,), "DOWN*")
     assert not bad.passed and len(bad.problems) == 5
@@ -998,4 +1005,3 @@ def test_probe_node_on_this_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi, no scontrol: only processes
     h = probe_node("here", [os.getpid()])
     assert h.passed and h.gpu is None and h.processes["alive"] == [os.getpid()]
-    assert sys.executable  # the probe ran in-process; nothing to clean up

@@ -17,7 +17,9 @@ def choose_backend(cfg: Config, run_dir: Path):
     L = cfg.launch
     kind = L.backend
     if kind == "auto":
-        kind = "slurm" if os.environ.get("SLURM_JOB_ID") else "local"
+        from phoenix_launch.backends.slurm_env import in_allocation
+
+        kind = "slurm" if in_allocation(os.environ) else "local"
     if kind == "local":
         from phoenix_launch.backends.local import LocalBackend
 
