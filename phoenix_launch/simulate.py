@@ -489,7 +489,7 @@ class SimConfig:
     trials: int = 1000
     seed: int = 0
     trace_gaps: tuple[float, ...] | None = None  # failure inter-arrival times from a trace, replayed cyclically
-    max_wall_factor: float = 50.0        # trials slower than this many failure-free runs are censored
+    max_wall_factor: float = 20.0        # trials slower than this many failure-free runs are censored
 
     @property
     def total_rate(self) -> float:
@@ -540,7 +540,8 @@ class _Timeline:
 class _FailureStream:
     """Failure events per trial, generated in chunks keyed by (seed, chunk): every strategy sees the same stream.
 
-    For each event: absolute time, and three uniforms (domain-or-node, class, loss draw).
+    Event i of trial t has an absolute time and three uniforms (domain-or-node, class, loss draw). Every alive
+    trial consumes one event per loop iteration, so event i is read for all alive trials at iteration i.
     """
 
     CHUNK = 256
@@ -552,9 +553,9 @@ class _FailureStream:
         self.p_domain = 0.0
         if cfg.trace_gaps is None and cfg.domain_mttf_sys:
             self.p_domain = (1.0 / cfg.domain_mttf_sys) / self.rate
-        self._chunks: dict[int, tuple[np.ndarray, ...]] = {}
-        self._ends: dict[int, np.ndarray] = {}
-        self._made = 0
+        self._chunk: tuple[np.ndarray, ...] | None = None
+        self._j = -1
+        self._end = np.zeros(self.T)
         if cfg.trace_gaps is not None:
             rng = np.random.default_rng([cfg.seed, 7, 999])
             self._gaps = np.asarray(cfg.trace_gaps, dtype=float)
@@ -565,43 +566,41 @@ class _FailureStream:
         C, T = self.CHUNK, self.T
         rng = np.random.default_rng([self.cfg.seed, 7, j])
         if self.cfg.trace_gaps is not None:
-            idx = (self._start[:, None] + j * C + np.arange(C)[None, :]) % len(self._gaps)
+            idx = (self._start[None, :] + j * C + np.arange(C)[:, None]) % len(self._gaps)
             gaps = self._gaps[idx]
             if j == 0:
-                gaps[:, 0] *= self._phase  # a random phase into the first gap: trials start anywhere
+                gaps[0] *= self._phase  # a random phase into the first gap: trials start anywhere in the trace
         else:
-            gaps = rng.exponential(1.0 / self.rate, (T, C))
-        base = self._ends[j - 1] if j > 0 else np.zeros(T)
-        times = base[:, None] + np.cumsum(gaps, axis=1)
-        u = rng.random((3, T, C))
-        self._chunks[j] = (times, u[0], u[1], u[2])
-        self._ends[j] = times[:, -1].copy()
-        self._made = j + 1
+            gaps = rng.exponential(1.0 / self.rate, (C, T))
+        times = self._end[None, :] + np.cumsum(gaps, axis=0)
+        u = rng.random((3, C, T))
+        self._chunk = (times, u[0], u[1], u[2])
+        self._end = times[-1].copy()
+        self._j = j
 
-    def lookup(self, rows: np.ndarray, ptr: np.ndarray):
-        C = self.CHUNK
-        cj = ptr // C
-        need = int(cj.max())
-        while self._made <= need:
-            self._make(self._made)
-        lo = int(cj.min())
-        for j in [j for j in self._chunks if j < lo - 1]:
-            del self._chunks[j]
-        out = [np.empty(len(rows)) for _ in range(4)]
-        for j in np.unique(cj):
-            sel = cj == j
-            r, c = rows[sel], ptr[sel] - j * C
-            ch = self._chunks[int(j)]
-            for a in range(4):
-                out[a][sel] = ch[a][r, c]
-        return out
+    def event(self, i: int, ids: np.ndarray):
+        """Event i (time, u_kind, u_class, u_loss) of the given trials; i only ever increases."""
+        j, o = divmod(i, self.CHUNK)
+        while self._j < j:
+            self._make(self._j + 1)
+        ch = self._chunk
+        return ch[0][o][ids], ch[1][o][ids], ch[2][o][ids], ch[3][o][ids]
 
 
 _LOCAL, _HOTSWAP, _RESTART = 0, 1, 2
+_STATS = ("failures", "cascades", "primary", "t_recovery", "t_stall", "t_replay", "t_partial", "t_lost",
+          "sum_R", "n_R", "sum_phi", "dry_events", "spare_failures", "losses", "fallbacks", "local", "hotswaps",
+          "exp_loss_k1", "exp_loss_k2", "exp_loss_k", "exp_loss_dom_k1", "exp_loss_dom_k2", "exp_loss_dom_k")
+_STUCK_EVENTS = 2000
+"""A trial that meets this many failures in a row while still recovering is censored: it makes no progress."""
 
 
 def _run_strategy(cfg: SimConfig, strategy: str) -> dict[str, np.ndarray]:
-    """Simulate one strategy ("ckpt" or "phoenix") over all trials; per-trial arrays."""
+    """Simulate one strategy ("ckpt" or "phoenix") over all trials; per-trial arrays.
+
+    State is kept only for alive trials (compacted when some finish), so every operation is a plain
+    vector operation; event i of the shared stream is processed for all alive trials at iteration i.
+    """
     T, ts, N = cfg.trials, cfg.step_time, cfg.steps
     phx = strategy == "phoenix"
     K = cfg.phx_ckpt_every if phx else cfg.ckpt_every
@@ -609,194 +608,167 @@ def _run_strategy(cfg: SimConfig, strategy: str) -> dict[str, np.ndarray]:
     stream = _FailureStream(cfg)
     rng = np.random.default_rng([cfg.seed, 13 if phx else 11])
 
-    busy = np.zeros(T)          # time the current recovery ends; compute resumes then
-    v0 = np.zeros(T)            # virtual time at which compute resumes
-    ck = np.zeros(T, np.int64)  # last committed persistent checkpoint (step)
-    ptr = np.zeros(T, np.int64)
-    active = np.ones(T, bool)
-    wall = np.full(T, np.nan)
-    censored = np.zeros(T, bool)
-    z = lambda: np.zeros(T)  # noqa: E731
-    st = {name: z() for name in (
-        "failures", "cascades", "primary", "t_recovery", "t_stall", "t_replay", "t_partial", "t_lost",
-        "sum_R", "n_R", "sum_phi", "dry_events", "losses", "fallbacks", "local", "hotswaps",
-        "exp_loss_k1", "exp_loss_k2", "exp_loss_k", "exp_loss_dom_k1", "exp_loss_dom_k2", "exp_loss_dom_k",
-        "spare_failures")}
+    out = {k: np.zeros(T) for k in _STATS}
+    out["wall"] = np.full(T, np.nan)
+    out["censored"] = np.zeros(T, bool)
+
+    ids = np.arange(T)
+    busy = np.zeros(T)           # when the current recovery ends; compute resumes then
+    v0 = np.zeros(T)             # virtual (useful-work) time at which compute resumes
+    ck = np.zeros(T, np.int64)   # last committed persistent checkpoint (step)
+    stuck = np.zeros(T, np.int64)
+    acc = {k: np.zeros(T) for k in _STATS}
 
     use_spares = phx and cfg.spares is not None
     if use_spares:
         avail = np.full(T, float(cfg.spares))
         lam_s = (1.0 / cfg.mttf_node_sys) * max(0.0, 1 - cfg.transient_frac - cfg.unhandled_frac)
-        cap = max(8, int(lam_s * cfg.replenish.mean * 3 + 10 * math.sqrt(lam_s * cfg.replenish.mean + 1)),
-                  cfg.domain_size + 4)
-        slots = np.full((T, cap), np.inf)   # return times of nodes out for repair
+        out_mean = lam_s * cfg.replenish.mean
+        cap = max(8, cfg.domain_size + 4, int(out_mean + 8 * math.sqrt(out_mean) + 8))
+        slots = np.full((T, cap), np.inf)   # return times of the nodes out for repair
     wall_cap = cfg.max_wall_factor * tl.v_end + 10 * (cfg.restart.mean + cfg.hotswap.mean)
 
-    # shard-loss factors: P(loss | a failure, window w) = min(1, F * (1 - exp(-mu w))^k)
-    node_rate = cfg.node_rate
-    F_node = cfg.shards * node_rate * cfg.mttf_node_sys
+    # shard loss: P(loss | failure, exposure window w) = min(1, F * (1 - exp(-mu w))^k); see docs/simulate.md
+    F_node = cfg.shards * cfg.node_rate * cfg.mttf_node_sys
     F_dom = cfg.shards / max(1, cfg.domain_count)
+    p_tr, p_un = cfg.transient_frac, cfg.unhandled_frac
 
-    while active.any():
-        idx = np.flatnonzero(active)
-        f, u_kind, u_cls, u_loss = stream.lookup(idx, ptr[idx])
-        ptr[idx] += 1
-        b = busy[idx]
-        in_rec = f < b
-        v = v0[idx] + (f - b)
+    i = 0
+    while len(ids):
+        f, u_kind, u_cls, u_loss = stream.event(i, ids)
+        i += 1
+        in_rec = f < busy
+        v = v0 + (f - busy)
         fin = ~in_rec & (v >= tl.v_end)
-        if fin.any():
-            fi = idx[fin]
-            wall[fi] = b[fin] + (tl.v_end - v0[fi])
-            active[fi] = False
-        cen = ~fin & (f > wall_cap)
-        if cen.any():
-            ci = idx[cen]
-            wall[ci] = f[cen]
-            censored[ci] = True
-            active[ci] = False
-        ev = ~fin & ~cen
-        if not ev.any():
-            continue
-        idx, f, u_kind, u_cls, u_loss, in_rec, v, b = (
-            a[ev] for a in (idx, f, u_kind, u_cls, u_loss, in_rec, v, b))
-        n = len(idx)
+        stuck = np.where(in_rec, stuck + 1, 0)
+        cen = ~fin & ((f > wall_cap) | (stuck >= _STUCK_EVENTS))
+        done = fin | cen
+        if done.any():
+            d_ids = ids[done]
+            out["wall"][d_ids] = np.where(fin[done], busy[done] + (tl.v_end - v0[done]), f[done])
+            out["censored"][d_ids] = cen[done]
+            for k in _STATS:
+                out[k][d_ids] = acc[k][done]
+            keep = ~done
+            ids, busy, v0, ck, stuck = ids[keep], busy[keep], v0[keep], ck[keep], stuck[keep]
+            f, u_kind, u_cls, u_loss, in_rec, v = f[keep], u_kind[keep], u_cls[keep], u_loss[keep], in_rec[keep], v[keep]
+            acc = {k: a[keep] for k, a in acc.items()}
+            if use_spares:
+                avail, slots = avail[keep], slots[keep]
+            if not len(ids):
+                break
+        n = len(ids)
         prim = ~in_rec
-        st["failures"][idx] += 1
-        st["cascades"][idx] += in_rec
-        st["primary"][idx] += prim
+        acc["failures"] += 1
+        acc["cascades"] += in_rec
+        acc["primary"] += prim
 
-        # where the failure hit (primary failures only; cascades hit during a recovery)
-        s_at = np.zeros(n, np.int64)
-        phi = np.zeros(n)
-        in_w = np.zeros(n, bool)
-        if prim.any():
-            s_p, phi_p, inw_p, c_p = tl.locate(v[prim])
-            s_at[prim], phi[prim], in_w[prim] = s_p, phi_p, inw_p
-            ck[idx[prim]] = np.maximum(ck[idx[prim]], c_p)
-            st["sum_phi"][idx[prim]] += phi_p
-        ckv = tl.g(ck[idx]).astype(float)
+        # where the failure hit (meaningful for primary failures; cascades hit during a recovery)
+        s_at, phi, in_w, c_v = tl.locate(np.where(prim, v, 0.0))
+        phi = np.where(prim, phi, 0.0)
+        ck = np.where(prim, np.maximum(ck, c_v), ck)
+        ckv = tl.g(ck).astype(float)
+        acc["sum_phi"] += phi
 
         # classify
-        is_dom = np.zeros(n, bool)
         if phx:
-            cls = np.full(n, _HOTSWAP)
-            cls[u_cls < cfg.transient_frac] = _LOCAL
-            cls[(u_cls >= cfg.transient_frac) & (u_cls < cfg.transient_frac + cfg.unhandled_frac)] = _RESTART
+            cls = np.where(u_cls < p_tr, _LOCAL, np.where(u_cls < p_tr + p_un, _RESTART, _HOTSWAP))
             is_dom = (u_kind < stream.p_domain) & (cls == _HOTSWAP)
         else:
             cls = np.full(n, _RESTART)
+            is_dom = np.zeros(n, bool)
 
-        start = np.maximum(f, b)  # serialised: a failure during a recovery waits for it
+        start = np.maximum(f, busy)  # serialised: a failure during a recovery waits for it
         stall = np.zeros(n)
-        dur = np.empty(n)
-        new_v0 = v0[idx].copy()
 
         # spares for node replacements
         if use_spares:
-            hw = cls == _HOTSWAP
-            if hw.any():
-                h = np.flatnonzero(hw)
-                rows = idx[h]
-                need = np.where(is_dom[h], cfg.domain_size, 1).astype(np.int64)
-                sl = slots[rows]
+            h = np.flatnonzero(cls == _HOTSWAP)
+            if len(h):
+                need = np.where(is_dom[h], cfg.domain_size, 1)
+                sl = slots[h]
                 back = sl <= start[h][:, None]
-                avail[rows] += back.sum(axis=1)
+                av = avail[h] + back.sum(axis=1)
                 sl[back] = np.inf
-                take = np.minimum(avail[rows], need)
-                avail[rows] -= take
+                take = np.minimum(av, need)
+                av -= take
                 short = (need - take).astype(np.int64)
                 dry = short > 0
-                st["dry_events"][rows] += dry
-                st["spare_failures"][rows] += 1
-                sl.sort(axis=1)
+                acc["dry_events"][h] += dry
+                acc["spare_failures"][h] += 1
                 if dry.any():
+                    sl.sort(axis=1)
                     dr = np.flatnonzero(dry)
-                    t_ok = sl[dr, short[dr] - 1]
+                    t_ok = sl[dr, short[dr] - 1]   # the short-th earliest return serves this failure
                     stall[h[dr]] = np.maximum(0.0, t_ok - start[h][dr])
                     col = np.arange(sl.shape[1])[None, :]
                     sl[dr] = np.where(col < short[dr][:, None], np.inf, sl[dr])
-                    sl.sort(axis=1)
-                n_out = np.isfinite(sl).sum(axis=1)
-                if int((n_out + need).max()) > sl.shape[1]:
-                    grow = int((n_out + need).max()) - sl.shape[1] + 16
-                    sl = np.concatenate([sl, np.full((len(rows), grow), np.inf)], axis=1)
-                    slots = np.concatenate([slots, np.full((T, grow), np.inf)], axis=1)
-                for j in range(int(need.max())):
-                    put = need > j
-                    r_put = np.flatnonzero(put)
-                    sl[r_put, n_out[r_put] + j] = f[h][r_put] + cfg.replenish.sample(rng, len(r_put))
-                slots[rows] = sl
+                # the failed nodes leave for repair and come back a replenishment delay after they failed
+                free = ~np.isfinite(sl)
+                n_free = free.sum(axis=1)
+                if int((need - n_free).max()) > 0:
+                    grow = int((need - n_free).max()) + 16
+                    sl = np.concatenate([sl, np.full((len(h), grow), np.inf)], axis=1)
+                    slots = np.concatenate([slots, np.full((n, grow), np.inf)], axis=1)
+                    free = ~np.isfinite(sl)
+                order = np.cumsum(free, axis=1)  # 1-based rank of each free slot
+                put = free & (order <= need[:, None])
+                r_put, c_put = np.nonzero(put)
+                sl[r_put, c_put] = f[h][r_put] + cfg.replenish.sample(rng, len(r_put))
+                slots[h] = sl
+                avail[h] = av
 
-        # durations, and the shard-loss draw for hot-swaps
-        for c in (_LOCAL, _HOTSWAP, _RESTART):
-            sel = cls == c
-            if sel.any():
-                dur[sel] = (cfg.restart if c == _RESTART else cfg.hotswap).sample(rng, int(sel.sum()))
+        # durations
+        if phx:
+            dur = np.where(cls == _RESTART, cfg.restart.sample(rng, n), cfg.hotswap.sample(rng, n))
+        else:
+            dur = cfg.restart.sample(rng, n)
+
+        # shard loss during a hot-swap: the failed node's shards live only on their k replicas until the spare
+        # holds a restored copy again (start + stall + duration), plus the step in which the failure fell
         if phx:
             hs = cls == _HOTSWAP
             if hs.any():
-                w = (start[hs] + stall[hs] + dur[hs]) - f[hs] + ts  # exposed until the spare holds a copy again
-                h_idx = idx[hs]
-                dom = is_dom[hs]
-                nd = ~dom
-                for k, key in ((1, "exp_loss_k1"), (2, "exp_loss_k2"), (cfg.replicas, "exp_loss_k")):
-                    a_node = np.minimum(1.0, F_node * (-np.expm1(-node_rate * w)) ** k)
-                    st[key][h_idx[nd]] += a_node[nd]
-                    if dom.any():
-                        a_dom = np.minimum(1.0, F_dom * (-np.expm1(-cfg.domain_rate * w)) ** k)
-                        st[key.replace("loss_", "loss_dom_")][h_idx[dom]] += a_dom[dom]
-                a_k = np.where(dom, np.minimum(1.0, F_dom * (-np.expm1(-cfg.domain_rate * w)) ** cfg.replicas),
-                               np.minimum(1.0, F_node * (-np.expm1(-node_rate * w)) ** cfg.replicas))
-                lost = u_loss[hs] < a_k
+                w = np.where(hs, start + stall + dur - f + ts, 0.0)
+                pn = -np.expm1(-cfg.node_rate * w)
+                pd = -np.expm1(-cfg.domain_rate * w) if cfg.domain_rate > 0 else np.zeros(n)
+                nd, dm = hs & ~is_dom, hs & is_dom
+                for k, key in ((1, "k1"), (2, "k2"), (cfg.replicas, "k")):
+                    acc["exp_loss_" + key] += np.where(nd, np.minimum(1.0, F_node * pn ** k), 0.0)
+                    if dm.any():
+                        acc["exp_loss_dom_" + key] += np.where(dm, np.minimum(1.0, F_dom * pd ** k), 0.0)
+                a_k = np.where(dm, np.minimum(1.0, F_dom * pd ** cfg.replicas),
+                               np.where(nd, np.minimum(1.0, F_node * pn ** cfg.replicas), 0.0))
+                lost = u_loss < a_k
                 if lost.any():
-                    li = np.flatnonzero(hs)[lost]
-                    st["losses"][idx[li]] += 1
-                    cls[li] = _RESTART
-                    dur[li] = cfg.restart.sample(rng, len(li))
+                    acc["losses"] += lost
+                    cls = np.where(lost, _RESTART, cls)
+                    dur = np.where(lost, cfg.restart.sample(rng, n), dur)
 
         # where compute resumes, and the work thrown away
         rs = cls == _RESTART
-        keep = ~rs
-        lost_v = np.zeros(n)
-        # primary, resuming at the interrupted step (hot-swap / local): only that step (and a torn write) is redone
-        pk = prim & keep
-        if pk.any():
-            nv = tl.g(s_at[pk]) - np.where(in_w[pk], tl.W, 0.0)
-            lost_v[pk] = v[pk] - nv
-            new_v0[pk] = nv
-            st["t_partial"][idx[pk]] += phi[pk] * ts
-        # restart from the last committed checkpoint
-        pr = prim & rs
-        if pr.any():
-            lost_v[pr] = v[pr] - ckv[pr]
-            new_v0[pr] = ckv[pr]
-            R = s_at[pr] - ck[idx[pr]]
-            st["sum_R"][idx[pr]] += R
-            st["n_R"][idx[pr]] += 1
-            st["t_replay"][idx[pr]] += R * ts
-            st["t_partial"][idx[pr]] += phi[pr] * ts
-        # a restart that arrives during a recovery rolls back whatever the recovery was going to keep
-        cr = in_rec & rs
-        if cr.any():
-            lost_v[cr] = np.maximum(0.0, v0[idx[cr]] - ckv[cr])
-            new_v0[cr] = np.minimum(v0[idx[cr]], ckv[cr])
-            st["t_replay"][idx[cr]] += lost_v[cr]
+        # hot-swap / local, primary: redo only the interrupted step (and a torn checkpoint write)
+        hs_v0 = tl.g(s_at) - np.where(in_w, tl.W, 0.0)
+        new_v0 = np.where(rs, np.where(prim, ckv, np.minimum(v0, ckv)), np.where(prim, hs_v0, v0))
+        lost_v = np.where(prim, v - new_v0, v0 - new_v0)
+        R = np.where(prim & rs, s_at - ck, 0)
+        acc["sum_R"] += R
+        acc["n_R"] += prim & rs
+        acc["t_replay"] += np.where(prim, R * ts, lost_v)
+        acc["t_partial"] += phi * ts
         if phx:
-            st["fallbacks"][idx] += rs
-            st["local"][idx] += cls == _LOCAL
-            st["hotswaps"][idx] += cls == _HOTSWAP
-        v0[idx] = new_v0
-        busy[idx] = start + stall + dur
-        st["t_recovery"][idx] += dur
-        st["t_stall"][idx] += stall
-        st["t_lost"][idx] += lost_v
+            acc["fallbacks"] += rs
+            acc["local"] += cls == _LOCAL
+            acc["hotswaps"] += cls == _HOTSWAP
+        v0 = new_v0
+        busy = start + stall + dur
+        acc["t_recovery"] += dur
+        acc["t_stall"] += stall
+        acc["t_lost"] += lost_v
 
-    out = dict(st)
-    out["wall"] = wall
-    out["censored"] = censored
     out["v_end"] = np.full(T, tl.v_end)
     out["writes_s"] = np.full(T, tl.writes * tl.W)
+    out["iterations"] = i
     return out
 
 

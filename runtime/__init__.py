@@ -1,1 +1,18 @@
-"""PHOENIX runtime, injected into every rank."""
+"""PHOENIX runtime, injected into every rank by ``phoenix-run``.
+
+    import phoenix_runtime as phx
+    phx.init(); trainer = phx.protect(model, optimizer, ddp=dict(find_unused_parameters=True))
+
+The package stays importable without torch (``phoenix_runtime.protocol`` is shared with the launcher):
+the API is loaded on first use.
+"""
+
+__all__ = ["init", "protect", "Trainer"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from phoenix_runtime import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'phoenix_runtime' has no attribute {name!r}")

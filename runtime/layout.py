@@ -17,8 +17,10 @@ by construction.
 
 The ring order is chosen so that every window of ``k + 1`` consecutive members (a holder and its
 targets) spans as many distinct nodes as possible, then as many distinct failure domains
-(``domains``, e.g. switch or rack) as possible: a deterministic greedy interleaving (largest node
-group first) followed by a bounded local search of swaps. Nodes or domains given as ``""`` (or not
+(``domains``, e.g. switch or rack) as possible: a deterministic greedy interleaving (largest
+domain, then largest node group first; O(n k^2 log n)), then, for DP groups of at most 64 members
+with conflicts left, a bounded local search of swaps. With equally sized node groups and at least
+``k + 1`` nodes in the DP group every window spans ``k + 1`` distinct nodes. Nodes or domains given as ``""`` (or not
 given at all) count as unknown and distinct from everything. The result depends only on the layout
 and ``k``, so every rank computes the same placement without talking to anybody.
 

@@ -1,8 +1,7 @@
 """Session fixture ``slurm_cluster``: a real 5-node Slurm 22.05 cluster on this machine (slurm/cluster/up.sh).
 
-Use it from a test module with::
-
-    from slurm_fixture import slurm_cluster  # noqa: F401  (the fixture)
+tests/conftest.py registers it for every module (``from slurm_fixture import *``; ``__all__`` limits that to the
+fixture and its types). Helpers such as :func:`wait_for` are imported explicitly where needed.
 
 It is skipped with a reason ("not root", "apt-get failed", "slurmctld did not start", ...) when the cluster
 cannot start; with ``PHOENIX_REQUIRE_SLURM=1`` those become failures (for CI runners that must test Slurm).
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence, TypeVar
 
 import pytest
+
+__all__ = ["CLUSTER_VARS", "SlurmCluster", "slurm_cluster"]
 
 REPO = Path(__file__).resolve().parents[1]
 UP = REPO / "slurm" / "cluster" / "up.sh"
@@ -110,19 +111,23 @@ def _skip_or_fail(reason: str) -> None:
 
 
 def _classify_up_failure(output: str) -> str:
+    """A short reason from up.sh's own error line (``up.sh: error: ...``), e.g. 'apt-get failed'."""
+    errors = [ln.split("up.sh: error:", 1)[1].strip() for ln in output.splitlines() if "up.sh: error:" in ln]
+    if not errors:
+        last = [ln for ln in output.splitlines() if ln.strip()][-1:] or ["no output"]
+        return f"up.sh failed: {last[0].strip()}"
+    line = errors[0]
     for needle, reason in (
         ("must run as root", "not root"),
         ("apt-get", "apt-get failed"),
-        ("slurmctld did not start", "slurmctld did not start"),
+        ("slurmctld", "slurmctld did not start"),
         ("munge", "munged did not start"),
         ("nodes idle after", "slurmd nodes did not become idle"),
         ("srun -N", "first srun failed"),
     ):
-        if needle in output:
-            tail = [ln for ln in output.splitlines() if "error" in ln.lower()][-1:] or [""]
-            return f"{reason} ({tail[0].strip()})" if tail[0] else reason
-    last = [ln for ln in output.splitlines() if ln.strip()][-1:] or ["no output"]
-    return f"up.sh failed: {last[0]}"
+        if needle in line:
+            return f"{reason}: {line}"
+    return line
 
 
 @pytest.fixture(scope="session")

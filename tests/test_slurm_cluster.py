@@ -21,10 +21,9 @@ import pytest
 from phoenix_launch.backends import slurm_env as se
 from phoenix_launch.sbatch import render_sbatch
 
-try:  # tests/ is on sys.path under pytest's default import mode
-    from slurm_fixture import SlurmCluster, slurm_cluster, wait_for  # noqa: F401  (slurm_cluster: fixture)
-except ImportError:  # pragma: no cover - tests/ imported as a package
-    from tests.slurm_fixture import SlurmCluster, slurm_cluster, wait_for  # type: ignore  # noqa: F401
+# The session fixture `slurm_cluster` is registered once for all test modules by tests/conftest.py
+# (`from slurm_fixture import *`); importing it here too would make a second, separate session fixture.
+from slurm_fixture import SlurmCluster, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -45,10 +44,16 @@ def write_script(path: Path, body: str) -> Path:
 
 def sbatch_wait(cluster: SlurmCluster, script: Path, out: Path, args: Sequence[str] = (),
                 env: dict | None = None) -> str:
-    """Submit with `sbatch -W` (returns when the job has ended) and return the job id."""
-    proc = cluster.run(["sbatch", "--parsable", "-W", "-o", str(out), *args, str(script)], timeout=JOB_TIMEOUT,
-                       cwd=str(REPO), env=env)
-    return proc.stdout.strip().splitlines()[0].split(";")[0]
+    """Submit, poll (deadline) until the job has ended, require COMPLETED, return the job id.
+
+    (Not `sbatch -W`: it polls the controller with growing sleeps, up to ~10 s per job here.)"""
+    proc = cluster.run(["sbatch", "--parsable", "-o", str(out), *args, str(script)], cwd=str(REPO), env=env)
+    job_id = proc.stdout.strip().splitlines()[0].split(";")[0]
+    ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+    state = wait_for(f"job {job_id} to end", lambda: (lambda s: s if s in ended else "")(cluster.job_state(job_id)),
+                     JOB_TIMEOUT, interval=0.05)
+    assert state == "COMPLETED", f"job {job_id} ended {state}:\n{out.read_text() if out.exists() else ''}"
+    return job_id
 
 
 def sbatch_running(cluster: SlurmCluster, script: Path, args: Sequence[str] = ()) -> str:

@@ -324,3 +324,36 @@ def test_slurm_env_is_the_only_reader_of_slurm_variables() -> None:
             if read.search(line):
                 offenders.append(f"{path.relative_to(REPO)}:{no}: {line.strip()}")
     assert not offenders, "read SLURM_* through SlurmJob.from_env instead:\n" + "\n".join(offenders)
+
+
+# ------------------------------------------------------------------------- the slurm_cluster fixture
+
+@pytest.mark.parametrize("require, outcome", [("0", "skipped"), ("1", "error")])
+def test_slurm_cluster_fixture_skips_or_fails_when_not_root(tmp_path: Path, require: str, outcome: str) -> None:
+    """Without root the fixture skips with a reason; PHOENIX_REQUIRE_SLURM=1 makes that a failure."""
+    (tmp_path / "conftest.py").write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "os.geteuid = lambda: 1000  # pretend not to be root\n"
+        "from slurm_fixture import *  # noqa\n", encoding="utf-8")
+    (tmp_path / "test_uses_cluster.py").write_text(
+        "def test_x(slurm_cluster):\n    raise AssertionError('must not run')\n", encoding="utf-8")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PHOENIX_REQUIRE_SLURM"}
+    env["PHOENIX_REQUIRE_SLURM"] = require
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert f"1 {outcome}" in proc.stdout, proc.stdout + proc.stderr
+    assert "not root" in proc.stdout
+    assert (proc.returncode == 0) is (require == "0")
+
+
+def test_slurm_cluster_fixture_reasons_come_from_up_sh_error_lines() -> None:
+    sys.path.insert(0, str(REPO / "tests"))
+    from slurm_fixture import _classify_up_failure as reason
+    assert reason("x\nup.sh: error: apt-get update failed\n").startswith("apt-get failed")
+    assert reason("up.sh: error: slurmctld did not start (see log)").startswith("slurmctld did not start")
+    log_tail = "up.sh: error: only 0 of 5 nodes idle after 3s\n[..] auth/munge: loaded\n"
+    assert reason(log_tail).startswith("slurmd nodes did not become idle")
+    assert reason("up.sh: error: must run as root (network namespaces)").startswith("not root")
+    assert reason("something odd") == "up.sh failed: something odd"

@@ -18,7 +18,16 @@ BRIDGE=${BRIDGE:-${rec_BRIDGE:-slbr0}}
 
 [[ $(id -u) == 0 ]] || { echo "down.sh: must run as root" >&2; exit 1; }
 
-alive() { local p; for p in "$@"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+# alive PID...: true while any of them exists and is not a zombie. Zombies count as gone: with no real init
+# (PID 1 here is not one) exited daemons stay <defunct> for seconds until they are reaped.
+alive() {
+  local p st
+  for p in "$@"; do
+    st=$(sed 's/.*) //' "/proc/$p/stat" 2>/dev/null | cut -d' ' -f1) || continue
+    [[ -n $st && $st != Z ]] && return 0
+  done
+  return 1
+}
 wait_gone() { # wait_gone SECONDS PID... : poll until all are gone or the deadline passes
   local deadline=$(( $(date +%s%N) + $1 * 1000000000 )); shift
   while alive "$@"; do
@@ -47,7 +56,9 @@ for f in "$ROOT"/run/slurmctld.pid "$ROOT"/run/munged.pid "$ROOT"/run/slurmd-*.p
   p=$(tr -dc 0-9 < "$f"); [[ -n $p ]] && kill -0 "$p" 2>/dev/null && daemon_pids+=("$p")
 done
 for d in /proc/[0-9]*; do
-  cmd=$(tr '\0' ' ' < "$d/cmdline" 2>/dev/null) || continue
+  comm=; { read -r comm < "$d/comm"; } 2>/dev/null
+  case "$comm" in slurm*|munged) ;; *) continue;; esac
+  cmd=$(tr '\0' ' ' 2>/dev/null < "$d/cmdline") || continue
   case "$cmd" in
     *slurm*"$ROOT/etc/slurm.conf"*|*munged*"$ROOT/munge/"*) daemon_pids+=("${d#/proc/}");;
   esac

@@ -67,7 +67,9 @@ mkdir -p "$ROOT"/{etc,state,run,log,munge/sock}
 touch "$ROOT/.phoenix-slurm"                      # marker: down.sh only rm -rf's a ROOT that has it
 for i in $(seq 1 "$N"); do mkdir -p "$ROOT/spool/n$i"; done
 chmod 755 "$ROOT" "$ROOT/munge" "$ROOT/munge/sock"
-d=$ROOT; while [[ $d != / ]]; do d=$(dirname "$d"); [[ -d $d ]] && chmod o+x "$d" 2>/dev/null || true; done
+d=$ROOT; while [[ $d != / ]]; do  # parents of ROOT too, but only those that lack o+x
+  d=$(dirname "$d"); find "$d" -maxdepth 0 ! -perm -o=x -exec chmod o+x {} + 2>/dev/null || true
+done
 
 # 4. private munged
 SOCK=$ROOT/munge/sock/munge.socket

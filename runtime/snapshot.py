@@ -1,0 +1,584 @@
+"""Local snapshots: packing, checksums, ping-pong buffers and the D2H engine.
+
+A snapshot ``S_k`` is a rank's state at the *start* of step ``k`` (after step ``k-1``'s optimizer
+step). Its buffer is one contiguous ``uint8`` host tensor: the optimizer region first, then the
+parameter region, each packed by a :class:`Packer` (64-byte aligned entries). The metadata envelope
+(step, user ``meta``, optimizer index) travels next to it as canonical JSON.
+
+Checksum
+--------
+``Snapshot.checksum`` is ``zlib.crc32(envelope, zlib.crc32(optim_region))``: CRC-32 over the bytes of
+the optimizer region, continued over the *envelope*, which is::
+
+    json.dumps({"meta": meta, "optim_index": optim_index, "step": step, "v": 1},
+               sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+(see :func:`encode_envelope`). The parameter region is not covered (parameters are not replicated);
+``Snapshot.param_checksum`` optionally covers it (CRC-32 of the parameter region alone).
+CRC-32 was picked over Adler-32: both ran at ~2.5 GB/s here (zlib 1.2.13, one core, GIL released)
+and CRC-32 detects more error patterns.
+
+Ping-pong
+---------
+:class:`PingPong` holds two equal buffers. ``stage(step)`` hands out the buffer that does *not* hold
+the newest committed snapshot (invalidating the older committed one it may hold); ``commit(step,
+...)`` turns the staging buffer into the newest committed snapshot. A copy that fails or is torn
+midway never reaches ``commit``, so the newest committed snapshot always survives.
+
+A :class:`Snapshot` is a view of its buffer: it stays valid until that buffer is staged again
+(``snap.valid`` tells, ``snap.verify()`` re-checks the bytes). The newest committed snapshot is never
+restaged, so ``latest()`` is always safe to read.
+
+CUDA
+----
+With a CUDA device, :class:`D2H` allocates pinned host buffers and copies on a dedicated
+``torch.cuda.Stream``: ``start`` records an event on the current stream and returns; a worker
+thread makes the copy stream wait for that event, issues ``non_blocking`` copies into the pinned
+buffer (``record_stream`` keeps the sources alive for the allocator), records a completion event,
+waits for it off the main thread, checksums and commits. The state must not change between
+``start(k)`` and the moment ``wait(k)`` (or the replicator's ``wait_committed(k)``) returns: that is
+the contract of the step guard (forward/backward do not touch parameters or optimizer state).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import torch
+
+__all__ = [
+    "ALIGN",
+    "Packer",
+    "checksum",
+    "encode_envelope",
+    "Snapshot",
+    "PingPong",
+    "D2H",
+    "D2HError",
+]
+
+ALIGN = 64
+NamedTensors = list[tuple[str, torch.Tensor]]
+FaultHook = Callable[..., Optional[torch.Tensor]]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _dtype_from(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in snapshot index")
+    return dt
+
+
+def _as_host_bytes(buf: torch.Tensor) -> torch.Tensor:
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.device.type != "cpu":
+        raise ValueError(f"expected a contiguous 1-D uint8 CPU tensor, got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
+    return buf
+
+
+def checksum(buf: torch.Tensor, value: int = 0) -> int:
+    """CRC-32 of a contiguous uint8 CPU tensor (``zlib.crc32`` over a numpy memoryview).
+
+    ``value`` continues a running CRC. Measured ~2.5 GB/s on one core here; the GIL is released.
+    """
+    _as_host_bytes(buf)
+    if buf.numel() == 0:
+        return value
+    return zlib.crc32(memoryview(buf.numpy()), value)
+
+
+def encode_envelope(step: int, meta: dict, optim_index: list) -> bytes:
+    """Canonical JSON of the metadata envelope covered by ``Snapshot.checksum``.
+
+    ``meta`` must be JSON-serialisable (tensors, e.g. RNG states, belong in the packed regions).
+    """
+    try:
+        return json.dumps(
+            {"meta": meta, "optim_index": optim_index, "step": int(step), "v": 1},
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"snapshot meta must be JSON-serialisable with string keys: {e}") from e
+
+
+def decode_envelope(blob: bytes) -> dict:
+    env = json.loads(blob.decode("utf-8"))
+    if not isinstance(env, dict) or env.get("v") != 1:
+        raise ValueError("not a PHOENIX snapshot envelope")
+    return env
+
+
+class Packer:
+    """Flattens named tensors into one contiguous uint8 buffer and back.
+
+    ``index`` is a JSON-serialisable list of ``{"name", "dtype", "shape", "offset", "nbytes"}``;
+    offsets are multiples of 64 bytes; ``nbytes`` is the aligned total.
+    """
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]):
+        self.index: list[dict] = []
+        off = 0
+        seen: set[str] = set()
+        for name, t in named:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
+            if name in seen:
+                raise ValueError(f"duplicate tensor name {name!r}")
+            seen.add(name)
+            nb = t.numel() * t.element_size()
+            self.index.append(
+                {"name": str(name), "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": off, "nbytes": nb}
+            )
+            off = _align(off + nb)
+        self.nbytes: int = off
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def check(self, named: NamedTensors) -> None:
+        """Raise ``ValueError`` unless ``named`` has the names, dtypes and shapes this packer recorded."""
+        if len(named) != len(self.index):
+            raise ValueError(
+                f"state layout changed: {len(named)} tensors now, {len(self.index)} at the first snapshot; "
+                "re-create the snapshot engine after a layout change"
+            )
+        for (name, t), e in zip(named, self.index):
+            if name != e["name"] or _dtype_name(t.dtype) != e["dtype"] or list(t.shape) != e["shape"]:
+                raise ValueError(
+                    f"state layout changed at {name!r}: {_dtype_name(t.dtype)}{list(t.shape)} now, "
+                    f"{e['name']!r} {e['dtype']}{e['shape']} at the first snapshot; re-create the snapshot engine"
+                )
+
+    def pack_into(
+        self,
+        named: NamedTensors,
+        out: torch.Tensor,
+        *,
+        fault: FaultHook | None = None,
+        fault_base: int = 0,
+    ) -> None:
+        """Copy ``named`` into ``out[:nbytes]`` (a uint8 CPU tensor, pinned when the sources are on CUDA).
+
+        Copies from CUDA tensors into pinned memory are ``non_blocking``: the caller synchronises
+        (the D2H engine records an event on its copy stream). ``fault(point, i, None)`` is called
+        with ``("d2h_tensor", fault_base + i)`` before tensor ``i`` (tests inject failures there).
+        """
+        _as_host_bytes(out)
+        if out.numel() < self.nbytes:
+            raise ValueError(f"output buffer has {out.numel()} bytes, {self.nbytes} needed")
+        self.check(named)
+        pinned = out.is_pinned() if torch.cuda.is_available() else False
+        for i, ((_, t), e) in enumerate(zip(named, self.index)):
+            if fault is not None:
+                fault("d2h_tensor", fault_base + i, None)
+            if e["nbytes"] == 0:
+                continue
+            dst = out[e["offset"]: e["offset"] + e["nbytes"]].view(_dtype_from(e["dtype"])).view(e["shape"])
+            dst.copy_(t.detach(), non_blocking=bool(pinned and t.is_cuda))
+
+    @staticmethod
+    def views(index: list, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Zero-copy views of the packed tensors (valid as long as ``buf`` is not overwritten)."""
+        out: dict[str, torch.Tensor] = {}
+        for e in index:
+            nb = int(e["nbytes"])
+            off = int(e["offset"])
+            if off + nb > buf.numel():
+                raise ValueError(f"index entry {e['name']!r} runs past the end of the buffer ({buf.numel()} bytes)")
+            dt = _dtype_from(e["dtype"])
+            if nb == 0:
+                out[e["name"]] = torch.empty(e["shape"], dtype=dt)
+            else:
+                out[e["name"]] = buf[off: off + nb].view(dt).view(e["shape"])
+        return out
+
+    @staticmethod
+    def unpack(index: list, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of the packed tensors (CPU, independent of ``buf``)."""
+        return {k: v.clone() for k, v in Packer.views(index, buf).items()}
+
+
+@dataclass
+class Snapshot:
+    """One committed snapshot (local: optimizer + parameter regions; replica: optimizer region only).
+
+    ``checksum`` = ``zlib.crc32(encode_envelope(step, meta, optim_index), zlib.crc32(optim region))``,
+    i.e. CRC-32 over the optimizer region's bytes continued over the canonical JSON envelope
+    ``{"meta", "optim_index", "step", "v": 1}``. ``param_checksum`` (optional) is the CRC-32 of the
+    parameter region alone. The snapshot is a view of a ping-pong buffer: see ``valid``.
+    """
+
+    step: int
+    meta: dict
+    optim_index: list
+    param_index: list
+    buffer: torch.Tensor
+    optim_nbytes: int
+    checksum: int
+    param_checksum: Optional[int] = None
+    _owner: Optional["PingPong"] = field(default=None, repr=False, compare=False)
+    _slot: int = field(default=-1, repr=False, compare=False)
+    _gen: int = field(default=-1, repr=False, compare=False)
+
+    def optim_bytes(self) -> torch.Tensor:
+        return self.buffer[: self.optim_nbytes]
+
+    def param_bytes(self) -> torch.Tensor:
+        return self.buffer[self.optim_nbytes:]
+
+    def optim_tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the optimizer tensors (CPU)."""
+        return Packer.unpack(self.optim_index, self.optim_bytes())
+
+    def param_tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the parameter tensors (CPU); empty for a replica."""
+        return Packer.unpack(self.param_index, self.param_bytes())
+
+    def envelope(self) -> bytes:
+        return encode_envelope(self.step, self.meta, self.optim_index)
+
+    @property
+    def valid(self) -> bool:
+        """False once the buffer behind this snapshot has been staged again (its bytes may change)."""
+        return self._owner is None or self._owner._is_current(self._slot, self._gen)
+
+    def compute_checksum(self) -> int:
+        return zlib.crc32(self.envelope(), checksum(self.optim_bytes()))
+
+    def verify(self) -> bool:
+        """Recompute the checksums over the bytes now in memory; False on any mismatch or if invalid."""
+        if not self.valid:
+            return False
+        if self.compute_checksum() != self.checksum:
+            return False
+        if self.param_checksum is not None and checksum(self.param_bytes()) != self.param_checksum:
+            return False
+        return self.valid
+
+
+def _alloc_host(nbytes: int, pin: bool) -> torch.Tensor:
+    if pin and torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class PingPong:
+    """Two host buffers of ``nbytes`` each: one committed, one staging; roles swap only on commit.
+
+    Thread-safe. ``committed()`` holds at most two steps: the newest and, until its buffer is staged
+    again, the one before.
+    """
+
+    def __init__(self, nbytes: int, pin: bool = False):
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        self.nbytes = int(nbytes)
+        self.pinned = bool(pin and torch.cuda.is_available())
+        self._bufs = [_alloc_host(self.nbytes, self.pinned), _alloc_host(self.nbytes, self.pinned)]
+        self._snaps: list[Optional[Snapshot]] = [None, None]
+        self._gen = [0, 0]
+        self._newest: Optional[int] = None
+        self._staging: Optional[tuple[int, int]] = None  # (slot, step)
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes_allocated(self) -> int:
+        return sum(b.numel() for b in self._bufs)
+
+    def _is_current(self, slot: int, gen: int) -> bool:
+        with self._lock:
+            return self._gen[slot] == gen and self._snaps[slot] is not None
+
+    def stage(self, step: int) -> torch.Tensor:
+        """The staging buffer for ``step``: never the one with the newest committed snapshot."""
+        with self._lock:
+            slot = 0 if self._newest is None else 1 - self._newest
+            self._snaps[slot] = None  # the older committed snapshot (if any) dies here
+            self._gen[slot] += 1
+            self._staging = (slot, int(step))
+            return self._bufs[slot]
+
+    def abandon(self, step: int) -> None:
+        """Forget a staging that will not be committed (its buffer stays invalid)."""
+        with self._lock:
+            if self._staging is not None and self._staging[1] == step:
+                self._staging = None
+
+    def commit(
+        self,
+        step: int,
+        meta: dict,
+        optim_index: list = (),
+        param_index: list = (),
+        optim_nbytes: Optional[int] = None,
+        checksum: int = 0,
+        param_checksum: Optional[int] = None,
+        buffer_nbytes: Optional[int] = None,
+    ) -> Snapshot:
+        """Turn the staging buffer of ``step`` into the newest committed snapshot (after verification)."""
+        with self._lock:
+            if self._staging is None or self._staging[1] != step:
+                raise RuntimeError(f"commit of step {step} without a matching stage() (staging: {self._staging})")
+            slot = self._staging[0]
+            buf = self._bufs[slot]
+            if buffer_nbytes is not None:
+                buf = buf[:buffer_nbytes]
+            snap = Snapshot(
+                step=int(step),
+                meta=meta,
+                optim_index=list(optim_index),
+                param_index=list(param_index),
+                buffer=buf,
+                optim_nbytes=buf.numel() if optim_nbytes is None else int(optim_nbytes),
+                checksum=int(checksum),
+                param_checksum=param_checksum,
+                _owner=self,
+                _slot=slot,
+                _gen=self._gen[slot],
+            )
+            self._snaps[slot] = snap
+            self._newest = slot
+            self._staging = None
+            return snap
+
+    def committed(self) -> dict[int, Snapshot]:
+        with self._lock:
+            out = {}
+            for slot in ((1 - self._newest, self._newest) if self._newest is not None else ()):
+                s = self._snaps[slot]
+                if s is not None:
+                    out[s.step] = s
+            return out
+
+    def latest(self) -> Optional[Snapshot]:
+        with self._lock:
+            return None if self._newest is None else self._snaps[self._newest]
+
+
+class D2HError(RuntimeError):
+    """A local snapshot copy failed; the previous committed snapshot is intact."""
+
+
+@dataclass
+class _Job:
+    step: int
+    meta: dict
+    envelope: bytes
+    t_start: float
+    done: bool = False
+    snap: Optional[Snapshot] = None
+    error: Optional[BaseException] = None
+
+
+class D2H:
+    """Local snapshot engine: device (or CPU) state -> ping-pong host buffers, off the main thread.
+
+    ``optim_named_fn()`` / ``param_named_fn()`` return ``[(name, tensor), ...]``; their names, dtypes
+    and shapes are fixed by the first ``start`` (re-create the engine after a layout change).
+    Jobs run one at a time, in ``start`` order, on one worker thread.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        optim_named_fn: Callable[[], NamedTensors],
+        param_named_fn: Callable[[], NamedTensors],
+        *,
+        pin: Optional[bool] = None,
+        checksum_params: bool = False,
+        fault: FaultHook | None = None,
+        keep_jobs: int = 8,
+    ):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"D2H on {self.device} but CUDA is not available")
+        self.cuda = self.device.type == "cuda"
+        self._pin = self.cuda if pin is None else bool(pin)
+        self._optim_fn = optim_named_fn
+        self._param_fn = param_named_fn
+        self._checksum_params = checksum_params
+        self._fault = fault
+        self._keep = max(2, keep_jobs)
+        self._optim_packer: Optional[Packer] = None
+        self._param_packer: Optional[Packer] = None
+        self._pp: Optional[PingPong] = None
+        self._cond = threading.Condition()
+        self._jobs: dict[int, _Job] = {}
+        self._queue: "queue.Queue" = queue.Queue()
+        self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._thread = threading.Thread(target=self._worker, name="phoenix-d2h", daemon=True)
+        self._closed = False
+        self.last_d2h_s: float = 0.0
+        self.stats: dict = {"last_d2h_s": 0.0, "last_copy_s": 0.0, "last_checksum_s": 0.0, "snapshots": 0}
+        self._thread.start()
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def optim_nbytes(self) -> int:
+        return self._optim_packer.nbytes if self._optim_packer else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one local snapshot (optimizer + parameter regions); 0 before the first start."""
+        return self.optim_nbytes + (self._param_packer.nbytes if self._param_packer else 0)
+
+    @property
+    def nbytes_allocated(self) -> int:
+        return self._pp.nbytes_allocated if self._pp else 0
+
+    def _setup(self, named_o: NamedTensors, named_p: NamedTensors) -> None:
+        self._optim_packer = Packer(named_o)
+        self._param_packer = Packer(named_p)
+        total = self._optim_packer.nbytes + self._param_packer.nbytes
+        from .replication import check_host_memory  # lazy: replication imports this module
+
+        check_host_memory(2 * total, what="the local ping-pong snapshot buffers")
+        self._pp = PingPong(total, pin=self._pin)
+
+    # -- API ----------------------------------------------------------------------------------
+    def start(self, step: int, meta: dict) -> None:
+        """Begin snapshot ``S_step`` and return at once (layout/meta errors raise here)."""
+        if self._closed:
+            raise D2HError("D2H engine is stopped")
+        named_o = list(self._optim_fn())
+        named_p = list(self._param_fn())
+        if self._optim_packer is None:
+            self._setup(named_o, named_p)
+        else:
+            self._optim_packer.check(named_o)
+            self._param_packer.check(named_p)
+        envelope = encode_envelope(step, meta, self._optim_packer.index)
+        meta_copy = decode_envelope(envelope)["meta"]
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        job = _Job(step=int(step), meta=meta_copy, envelope=envelope, t_start=time.perf_counter())
+        with self._cond:
+            old = self._jobs.get(job.step)
+            if old is not None and not old.done:
+                raise D2HError(f"a D2H snapshot of step {step} is already in flight")
+            self._jobs[job.step] = job
+            while len(self._jobs) > self._keep:
+                oldest = min(s for s, j in self._jobs.items() if j.done) if any(j.done for j in self._jobs.values()) else None
+                if oldest is None:
+                    break
+                del self._jobs[oldest]
+        self._queue.put((job, named_o, named_p, event))
+
+    def wait(self, step: int, timeout: float) -> Snapshot:
+        """The committed snapshot of ``step``; ``TimeoutError`` / ``D2HError`` otherwise."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            job = self._jobs.get(step)
+            if job is None:
+                raise D2HError(f"no D2H snapshot of step {step} was started (known: {sorted(self._jobs)})")
+            while not job.done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    latest = self._pp.latest() if self._pp else None
+                    raise TimeoutError(
+                        f"D2H snapshot of step {step} not complete after {timeout:.3g} s "
+                        f"(started {time.perf_counter() - job.t_start:.3g} s ago; newest committed step: "
+                        f"{latest.step if latest else None})"
+                    )
+                self._cond.wait(left)
+            if job.error is not None:
+                raise D2HError(f"D2H snapshot of step {step} failed: {job.error!r}") from job.error
+            assert job.snap is not None
+            return job.snap
+
+    def committed(self) -> dict[int, Snapshot]:
+        return self._pp.committed() if self._pp else {}
+
+    def latest(self) -> Optional[Snapshot]:
+        return self._pp.latest() if self._pp else None
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the worker after the queued jobs; True if it ended within ``timeout``."""
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # -- worker -------------------------------------------------------------------------------
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, named_o, named_p, event = item
+            try:
+                snap = self._copy(job, named_o, named_p, event)
+                err = None
+            except BaseException as e:  # noqa: BLE001 - reported to the waiter
+                snap, err = None, e
+            finally:
+                del named_o, named_p, event  # drop references to device tensors
+            with self._cond:
+                job.snap, job.error, job.done = snap, err, True
+                self._cond.notify_all()
+
+    def _copy(self, job: _Job, named_o: NamedTensors, named_p: NamedTensors, event) -> Snapshot:
+        assert self._pp is not None and self._optim_packer is not None and self._param_packer is not None
+        op, pp = self._optim_packer, self._param_packer
+        t0 = time.perf_counter()
+        buf = self._pp.stage(job.step)
+        try:
+            o_out = buf[: op.nbytes]
+            p_out = buf[op.nbytes: op.nbytes + pp.nbytes]
+            if self.cuda:
+                with torch.cuda.device(self.device):
+                    stream = self._stream
+                    stream.wait_event(event)  # the state as of start(), on the main stream
+                    with torch.cuda.stream(stream):
+                        for _, t in named_o + named_p:
+                            if t.is_cuda:
+                                t.record_stream(stream)  # allocator: do not reuse before the copy ends
+                        op.pack_into(named_o, o_out, fault=self._fault)
+                        pp.pack_into(named_p, p_out, fault=self._fault, fault_base=len(op))
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                done.synchronize()  # blocks this worker thread only
+            else:
+                op.pack_into(named_o, o_out, fault=self._fault)
+                pp.pack_into(named_p, p_out, fault=self._fault, fault_base=len(op))
+            t1 = time.perf_counter()
+            crc = zlib.crc32(job.envelope, checksum(o_out))
+            pcrc = checksum(p_out) if self._checksum_params else None
+            t2 = time.perf_counter()
+        except BaseException:
+            self._pp.abandon(job.step)
+            raise
+        snap = self._pp.commit(
+            job.step,
+            job.meta,
+            optim_index=op.index,
+            param_index=pp.index,
+            optim_nbytes=op.nbytes,
+            checksum=crc,
+            param_checksum=pcrc,
+        )
+        self.last_d2h_s = time.perf_counter() - job.t_start
+        self.stats.update(
+            last_d2h_s=self.last_d2h_s,
+            last_copy_s=t1 - t0,
+            last_checksum_s=t2 - t1,
+            snapshots=self.stats["snapshots"] + 1,
+            last_step=job.step,
+        )
+        return snap

@@ -1,0 +1,193 @@
+"""Issue 2: the launcher with real processes and real gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import EXAMPLES, SCRIPTS, events, job_processes, kill_job, of_type, run_phoenix, start_phoenix, job_env, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+TORCHRUN_KEYS_SAME = [
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+]
+TORCHRUN_KEYS_PRESENT = ["MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"]
+
+
+def test_env_matches_torchrun(tmp_path):
+    tr, ph = tmp_path / "torchrun", tmp_path / "phoenix"
+    tr.mkdir()
+    ph.mkdir()
+    env = job_env()
+    env.pop("OMP_NUM_THREADS")
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2", str(SCRIPTS / "envdump.py"), str(tr)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert r.returncode == 0, r.stderr
+    r = run_phoenix(["--nnodes", "1", "--nproc-per-node", "2", str(SCRIPTS / "envdump.py"), str(ph)], tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        a = json.loads((tr / f"env.{rank}.json").read_text())
+        b = json.loads((ph / f"env.{rank}.json").read_text())
+        for k in TORCHRUN_KEYS_SAME:
+            assert a.get(k) == b.get(k), (k, a.get(k), b.get(k))
+        for k in TORCHRUN_KEYS_PRESENT:
+            assert k in b, k
+        extra = {k for k in a if k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "LOCAL_", "MASTER_"))} - set(b)
+        assert not extra, f"torchrun sets {extra} but phoenix-run does not"
+        assert b["PHOENIX_NODE"] == "node0" and b["PHOENIX_STORE_PORT"]
+
+
+def test_plain_torchrun_script_trains_unchanged(tmp_path):
+    out = tmp_path / "loss.txt"
+    r = run_phoenix(["--nodes", "2", "--nproc-per-node", "1", str(EXAMPLES / "plain_ddp.py"), "--steps", "5", "--out", str(out)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert float(out.read_text()) > 0
+
+
+def test_spare_ranks_stay_out_of_the_world(tmp_path, run_dir):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = start_phoenix(
+        ["--nodes", "2", "--nproc-per-node", "1", "--spares", "1", "--run-dir", str(run_dir), str(SCRIPTS / "allreduce.py"), str(out)],
+        tmp_path, env=job_env(SLEEP="4"),
+    )
+    try:
+        # the spare's rank is up, warm (heartbeating from the bootstrap) and not in the world
+        def spare_warm():
+            st = run_dir / "status.json"
+            if not st.exists():
+                return False
+            nodes = {n["name"]: n for n in json.loads(st.read_text())["nodes"]}
+            return nodes.get("node2", {}).get("state") == "spare"
+        wait_for(spare_warm, 120, "the spare node to be up")
+        spare = [p for p in job_processes(run_dir) if p.environ().get("PHOENIX_ROLE") == "spare"]
+        assert spare, "the spare's rank process is running"
+        assert "RANK" not in spare[0].environ()
+        proc.wait(timeout=120)
+        assert proc.returncode == 0, proc.stderr.read()
+    finally:
+        kill_job(proc, run_dir)
+    files = sorted(os.listdir(out))
+    assert files == ["rank0.0", "rank1.0"]
+    assert (out / "rank0.0").read_text().split() == ["1.0", "2"]  # world size 2: the spare did not join
+    assert not job_processes(run_dir)
+
+
+def test_sigkilled_rank_restarts_then_succeeds(tmp_path, run_dir):
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_phoenix(
+        ["--nodes", "2", "--nproc-per-node", "1", "--max-restarts", "1", "--run-dir", str(run_dir), str(SCRIPTS / "allreduce.py"), str(out)],
+        tmp_path, env=job_env(FAIL_RANK="1"),
+    )
+    assert r.returncode == 0, r.stderr
+    evs = events(run_dir)
+    assert len(of_type(evs, "restart")) == 1
+    assert (out / "rank0.1").exists() and (out / "rank1.1").exists()
+    assert of_type(evs, "job_end")[0]["state"] == "succeeded"
+
+
+def test_max_restarts_zero_exits_with_root_cause(tmp_path, run_dir):
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_phoenix(
+        ["--nodes", "2", "--nproc-per-node", "1", "--max-restarts", "0", "--run-dir", str(run_dir), str(SCRIPTS / "allreduce.py"), str(out)],
+        tmp_path, env=job_env(FAIL_RANK="1"),
+    )
+    assert r.returncode == 1
+    assert "root cause: rank 1 on node1: killed by SIGKILL" in r.stderr
+    assert not of_type(events(run_dir), "restart")
+
+
+def test_import_error_is_the_users_and_not_retried(tmp_path, run_dir):
+    r = run_phoenix(["--nodes", "1", "--nproc-per-node", "2", "--max-restarts", "3", "--run-dir", str(run_dir), str(SCRIPTS / "import_error.py")], tmp_path)
+    assert r.returncode == 1
+    assert r.stderr.count("Traceback (most recent call last)") == 1, "the user's traceback, shown once"
+    assert "import this_module_does_not_exist" in r.stderr
+    assert "Traceback" not in r.stderr.split("root cause")[0], "no traceback of phoenix-run's own"
+    assert not of_type(events(run_dir), "restart"), "a software error is not retried"
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signals_leave_no_process_behind(tmp_path, run_dir, sig, code):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = start_phoenix(
+        ["--nodes", "2", "--nproc-per-node", "1", "--spares", "1", "--run-dir", str(run_dir), str(SCRIPTS / "allreduce.py"), str(out)],
+        tmp_path, env=job_env(SLEEP="120"),
+    )
+    try:
+        wait_for(lambda: (out / "rank0.0").exists() and (out / "rank1.0").exists(), 120, "both ranks to run")
+        assert len(job_processes(run_dir)) >= 6  # 3 agents + 3 ranks
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        assert proc.returncode == code
+        wait_for(lambda: not job_processes(run_dir), 10, "every job process to exit")
+        assert of_type(events(run_dir), "job_end")[0]["reason"].startswith("received SIG")
+    finally:
+        kill_job(proc, run_dir)
+
+
+# --- bad input: one clear line, non-zero exit, no traceback, nothing left running -------------------
+def _bad(tmp_path, args, expect):
+    r = run_phoenix(args, tmp_path, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = [line for line in r.stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("phoenix-run: error:"), r.stderr
+    assert expect in lines[0], lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_missing_script(tmp_path):
+    _bad(tmp_path, ["--nodes", "1", "nope.py"], "not found")
+
+
+def test_bad_negative_spares(tmp_path):
+    _bad(tmp_path, ["--spares", "-1", str(SCRIPTS / "envdump.py")], "--spares must be >= 0")
+
+
+def test_bad_nproc_zero(tmp_path):
+    _bad(tmp_path, ["--nproc-per-node", "0", str(SCRIPTS / "envdump.py")], "--nproc-per-node must be >= 1")
+
+
+def test_bad_invalid_yaml(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("launch: {nodes: [1,\n")
+    _bad(tmp_path, ["--config", str(cfg), str(SCRIPTS / "envdump.py")], "invalid YAML")
+
+
+def test_bad_unknown_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("launch:\n  nodez: 2\n")
+    _bad(tmp_path, ["--config", str(cfg), str(SCRIPTS / "envdump.py")], "unknown config key launch.nodez; valid: nodes")
+
+
+def test_bad_port_in_use(tmp_path):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        _bad(tmp_path, ["--master-port", str(s.getsockname()[1]), str(SCRIPTS / "envdump.py")], "cannot listen on 127.0.0.1")
+    finally:
+        s.close()
+
+
+def test_bad_run_dir_not_writable(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("")
+    _bad(tmp_path, ["--run-dir", str(f / "sub"), str(SCRIPTS / "envdump.py")], "is not writable")
