@@ -183,7 +183,13 @@ class Agent:
         )
         self.q_sup = P.Queue(self.store, P.Q_SUPERVISOR)
         self.q_cmd = P.Queue(self.store, P.q_agent(self.node))
-        self.q_sup.put({"type": "agent_up", "node": self.node, "pid": os.getpid(), "host": os.uname().nodename})
+        up = {"type": "agent_up", "node": self.node, "pid": os.getpid(), "host": os.uname().nodename}
+        if s.get("join") is not None:
+            # A node joining a running job (Slurm replenishment): the supervisor does not know it yet and
+            # accepts it only with the job's token (run_dir/token, 0600, on the shared filesystem).
+            up["join"] = s["join"]
+            up["token"] = (self.run_dir / "token").read_text().strip()
+        self.q_sup.put(up)
 
     def report_exit(self, r: RankProc, code: int) -> None:
         error = None

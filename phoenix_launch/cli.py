@@ -133,6 +133,9 @@ def run(
         be = choose_backend(cfg, rdir)
     except ConfigError as e:
         raise fail(str(e)) from None
+    nodes_given = nnodes is not None or "nodes" in ((yaml_data or {}).get("launch") or {}) or "PHOENIX_LAUNCH_NODES" in os.environ
+    if not nodes_given and hasattr(be, "use_all_nodes"):  # Slurm: every allocated node but the spares is active
+        cfg = replace(cfg, launch=replace(cfg.launch, nodes=be.use_all_nodes()))
     import yaml
 
     (rdir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

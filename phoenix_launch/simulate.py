@@ -173,8 +173,10 @@ def format_duration(seconds: float) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "inf" if seconds is not None and seconds > 0 else "n/a"
     a = abs(seconds)
+    if a < 1e-6:
+        return "0 s"
     if a < 1e-3:
-        return f"{seconds:.3g} s" if a else "0 s"
+        return f"{seconds:.3g} s"
     if a < 120:
         return f"{seconds:.3g} s" if a < 10 else f"{seconds:.1f} s"
     if a < 7200:
@@ -477,6 +479,7 @@ class SimConfig:
     phx_ckpt_every: int = 0              # PHOENIX's fallback checkpoint interval (0: none; falls back to step 0)
     spares: int | None = None            # None: unlimited
     replenish: Dist = Dist.fixed(4 * 3600.0)
+    cold_spare: float | None = None      # a dry pool waits at most this long (a cold node from the scheduler)
     replicas: int = 1
     shards: int = 1
     node_rate: float = 0.0               # per-node failure rate (1/s), for the shard-loss windows
@@ -515,26 +518,26 @@ class _Timeline:
         self.v_end = steps * ts + self.W * self.writes
 
     def g(self, s: np.ndarray) -> np.ndarray:
-        s = np.asarray(s)
-        if self.K > 0:
-            return s * self.ts + self.W * (s // self.K)
+        """Virtual time after step s (float array of whole numbers) and the write that follows it."""
+        if self.K > 0 and self.W > 0:
+            return s * self.ts + self.W * np.floor(s / self.K)
         return s * self.ts
 
     def locate(self, v: np.ndarray):
-        """Steps completed, fraction phi of the current step, in-write flag, last checkpoint written by v."""
+        """Steps completed (float), fraction phi of the current step, in-write flag, last checkpoint by v."""
         ts, K = self.ts, self.K
         if K <= 0:
             q = v / ts
             s = np.floor(q)
-            return s.astype(np.int64), q - s, np.zeros(v.shape, bool), np.zeros(v.shape, np.int64)
+            return s, q - s, np.zeros(v.shape, bool), np.zeros(v.shape)
         m = np.floor(v / self.P)
-        r = v - m * self.P
-        in_write = r >= K * ts
-        q = np.where(in_write, 0.0, r / ts)
-        j = np.minimum(np.floor(q), K - 1)
-        s = np.where(in_write, (m + 1) * K, m * K + j).astype(np.int64)
-        phi = np.where(in_write, 0.0, np.clip(q - j, 0.0, 1.0 - 1e-12))
-        return s, phi, in_write, (m * K).astype(np.int64)
+        q = (v - m * self.P) / ts
+        j = np.floor(q)
+        in_write = j >= K
+        j = np.minimum(j, K - 1)
+        s = m * K + j + in_write
+        phi = np.where(in_write, 0.0, np.minimum(q - j, 1.0 - 1e-12))
+        return s, phi, in_write, m * K
 
 
 class _FailureStream:
@@ -544,12 +547,13 @@ class _FailureStream:
     trial consumes one event per loop iteration, so event i is read for all alive trials at iteration i.
     """
 
-    CHUNK = 256
-
-    def __init__(self, cfg: SimConfig):
+    def __init__(self, cfg: SimConfig, expected_events: float = 256.0, uniforms: bool = True):
         self.cfg = cfg
+        self.uniforms = uniforms
         self.T = cfg.trials
         self.rate = cfg.total_rate
+        # chunks of about the expected events per trial, bounded by memory (chunk x trials)
+        self.CHUNK = int(min(256, max(16, 1.2 * expected_events + 8, 0), max(16, 4_000_000 // max(1, self.T))))
         self.p_domain = 0.0
         if cfg.trace_gaps is None and cfg.domain_mttf_sys:
             self.p_domain = (1.0 / cfg.domain_mttf_sys) / self.rate
@@ -572,9 +576,13 @@ class _FailureStream:
                 gaps[0] *= self._phase  # a random phase into the first gap: trials start anywhere in the trace
         else:
             gaps = rng.exponential(1.0 / self.rate, (C, T))
-        times = self._end[None, :] + np.cumsum(gaps, axis=0)
-        u = rng.random((3, C, T))
-        self._chunk = (times, u[0], u[1], u[2])
+        times = np.cumsum(gaps, axis=0)
+        times += self._end[None, :]
+        if self.uniforms:  # from their own generator, so that the times do not depend on whether they are drawn
+            u = np.random.default_rng([self.cfg.seed, 8, j]).random((3, C, T))
+            self._chunk = (times, u[0], u[1], u[2])
+        else:
+            self._chunk = (times, None, None, None)
         self._end = times[-1].copy()
         self._j = j
 
@@ -584,7 +592,8 @@ class _FailureStream:
         while self._j < j:
             self._make(self._j + 1)
         ch = self._chunk
-        return ch[0][o][ids], ch[1][o][ids], ch[2][o][ids], ch[3][o][ids]
+        full = len(ids) == self.T  # nobody finished yet: rows in trial order, no gather needed
+        return tuple(None if a is None else (a[o] if full else a[o][ids]) for a in ch)
 
 
 _LOCAL, _HOTSWAP, _RESTART = 0, 1, 2
@@ -605,7 +614,7 @@ def _run_strategy(cfg: SimConfig, strategy: str) -> dict[str, np.ndarray]:
     phx = strategy == "phoenix"
     K = cfg.phx_ckpt_every if phx else cfg.ckpt_every
     tl = _Timeline(N, ts, K, cfg.ckpt_write)
-    stream = _FailureStream(cfg)
+    stream = _FailureStream(cfg, cfg.total_rate * tl.v_end, uniforms=phx)
     rng = np.random.default_rng([cfg.seed, 13 if phx else 11])
 
     out = {k: np.zeros(T) for k in _STATS}
@@ -615,16 +624,24 @@ def _run_strategy(cfg: SimConfig, strategy: str) -> dict[str, np.ndarray]:
     ids = np.arange(T)
     busy = np.zeros(T)           # when the current recovery ends; compute resumes then
     v0 = np.zeros(T)             # virtual (useful-work) time at which compute resumes
-    ck = np.zeros(T, np.int64)   # last committed persistent checkpoint (step)
+    ck = np.zeros(T)             # last committed persistent checkpoint (step, a whole number)
     stuck = np.zeros(T, np.int64)
     acc = {k: np.zeros(T) for k in _STATS}
 
     use_spares = phx and cfg.spares is not None
-    if use_spares:
+    fifo = use_spares and cfg.replenish.kind == "fixed"
+    if fifo:
+        # fixed replenishment delay: nodes come back in the order they failed, so the c-th spare taken (0-based)
+        # is either one of the initial S or the node of failure number c-S; a ring buffer of return times suffices
+        ring = cfg.spares + cfg.domain_size
+        taken = np.zeros(T, np.int64)            # spares taken so far (= failed nodes sent for repair)
+        back_at = np.full((T, ring), np.inf)     # return time of failed node e at column e % ring
+        rep_delay = cfg.replenish.params[0]
+    elif use_spares:
         avail = np.full(T, float(cfg.spares))
         lam_s = (1.0 / cfg.mttf_node_sys) * max(0.0, 1 - cfg.transient_frac - cfg.unhandled_frac)
         out_mean = lam_s * cfg.replenish.mean
-        cap = max(8, cfg.domain_size + 4, int(out_mean + 8 * math.sqrt(out_mean) + 8))
+        cap = max(8, cfg.domain_size + 4, int(out_mean + 6 * math.sqrt(out_mean) + 4))
         slots = np.full((T, cap), np.inf)   # return times of the nodes out for repair
     wall_cap = cfg.max_wall_factor * tl.v_end + 10 * (cfg.restart.mean + cfg.hotswap.mean)
 
@@ -640,9 +657,12 @@ def _run_strategy(cfg: SimConfig, strategy: str) -> dict[str, np.ndarray]:
         in_rec = f < busy
         v = v0 + (f - busy)
         fin = ~in_rec & (v >= tl.v_end)
-        stuck = np.where(in_rec, stuck + 1, 0)
-        cen = ~fin & ((f > wall_cap) | (stuck >= _STUCK_EVENTS))
-        done = fin | cen
+        stuck = (stuck + 1) * in_rec
+        if i % 16 == 0:  # censoring is checked now and then: it is rare and only needs to stop runaway trials
+            cen = ~fin & ((f > wall_cap) | (stuck >= _STUCK_EVENTS))
+            done = fin | cen
+        else:
+            cen, done = fin & False, fin
         if done.any():
             d_ids = ids[done]
             out["wall"][d_ids] = np.where(fin[done], busy[done] + (tl.v_end - v0[done]), f[done])
@@ -651,9 +671,13 @@ def _run_strategy(cfg: SimConfig, strategy: str) -> dict[str, np.ndarray]:
                 out[k][d_ids] = acc[k][done]
             keep = ~done
             ids, busy, v0, ck, stuck = ids[keep], busy[keep], v0[keep], ck[keep], stuck[keep]
-            f, u_kind, u_cls, u_loss, in_rec, v = f[keep], u_kind[keep], u_cls[keep], u_loss[keep], in_rec[keep], v[keep]
+            f, in_rec, v = f[keep], in_rec[keep], v[keep]
+            if phx:
+                u_kind, u_cls, u_loss = u_kind[keep], u_cls[keep], u_loss[keep]
             acc = {k: a[keep] for k, a in acc.items()}
-            if use_spares:
+            if fifo:
+                taken, back_at = taken[keep], back_at[keep]
+            elif use_spares:
                 avail, slots = avail[keep], slots[keep]
             if not len(ids):
                 break
@@ -664,46 +688,62 @@ def _run_strategy(cfg: SimConfig, strategy: str) -> dict[str, np.ndarray]:
         acc["primary"] += prim
 
         # where the failure hit (meaningful for primary failures; cascades hit during a recovery)
-        s_at, phi, in_w, c_v = tl.locate(np.where(prim, v, 0.0))
-        phi = np.where(prim, phi, 0.0)
+        s_at, phi, in_w, c_v = tl.locate(v)
+        phi = phi * prim
         ck = np.where(prim, np.maximum(ck, c_v), ck)
-        ckv = tl.g(ck).astype(float)
+        ckv = tl.g(ck)
         acc["sum_phi"] += phi
 
-        # classify
-        if phx:
-            cls = np.where(u_cls < p_tr, _LOCAL, np.where(u_cls < p_tr + p_un, _RESTART, _HOTSWAP))
-            is_dom = (u_kind < stream.p_domain) & (cls == _HOTSWAP)
-        else:
-            cls = np.full(n, _RESTART)
-            is_dom = np.zeros(n, bool)
+        if not phx:
+            # checkpoint-restart: every failure restarts from the last committed checkpoint; a failure during a
+            # restart queues another restart (and throws nothing away: nothing was computed since the checkpoint)
+            dur = cfg.restart.sample(rng, n)
+            R = (s_at - ck) * prim
+            lost_v = (v - ckv) * prim
+            acc["sum_R"] += R
+            acc["n_R"] += prim
+            acc["t_replay"] += R * ts
+            acc["t_partial"] += phi * ts
+            acc["t_recovery"] += dur
+            acc["t_lost"] += lost_v
+            busy = np.maximum(f, busy) + dur
+            v0 = ckv
+            continue
+
+        # PHOENIX: classify (transient -> local recovery, unhandled -> fallback restart, else hot-swap)
+        cls = np.where(u_cls < p_tr, _LOCAL, np.where(u_cls < p_tr + p_un, _RESTART, _HOTSWAP))
+        is_dom = (u_kind < stream.p_domain) & (cls == _HOTSWAP)
 
         start = np.maximum(f, busy)  # serialised: a failure during a recovery waits for it
         stall = np.zeros(n)
 
-        # spares for node replacements
-        if use_spares:
+        # spares for node replacements. A spare is reserved when the failure is detected (time f): the pool was
+        # dry if fewer than `need` were available then; the swap waits for the return that serves it in
+        # first-come order. Nodes go for repair at f and come back a replenishment delay later.
+        if fifo:
+            hw = cls == _HOTSWAP
+            need = (np.where(is_dom, cfg.domain_size, 1) if stream.p_domain else np.ones(n, np.int64)) * hw
+            rows = np.arange(n)
+            for j in range(int(need.max()) if n else 0):
+                put = need > j
+                back_at[rows[put], (taken[put] + j) % ring] = f[put] + rep_delay
+            # fixed delay: nodes return in the order they failed; this failure's last spare is the initial
+            # pool's (e < 0) or failed node number e's
+            e = taken + need - 1 - cfg.spares
+            t_ok = np.where(hw & (e >= 0), back_at[rows, np.maximum(e, 0) % ring], -np.inf)
+            taken += need
+            dry = t_ok > f
+            stall = np.maximum(0.0, t_ok - start)             # waiting beyond the moment the swap could start
+            acc["dry_events"] += dry
+            acc["spare_failures"] += hw
+        elif use_spares:
             h = np.flatnonzero(cls == _HOTSWAP)
             if len(h):
                 need = np.where(is_dom[h], cfg.domain_size, 1)
                 sl = slots[h]
-                back = sl <= start[h][:, None]
-                av = avail[h] + back.sum(axis=1)
+                back = sl <= f[h][:, None]
+                av = avail[h] + back.sum(axis=1) - need    # negative: this failure is that far down the queue
                 sl[back] = np.inf
-                take = np.minimum(av, need)
-                av -= take
-                short = (need - take).astype(np.int64)
-                dry = short > 0
-                acc["dry_events"][h] += dry
-                acc["spare_failures"][h] += 1
-                if dry.any():
-                    sl.sort(axis=1)
-                    dr = np.flatnonzero(dry)
-                    t_ok = sl[dr, short[dr] - 1]   # the short-th earliest return serves this failure
-                    stall[h[dr]] = np.maximum(0.0, t_ok - start[h][dr])
-                    col = np.arange(sl.shape[1])[None, :]
-                    sl[dr] = np.where(col < short[dr][:, None], np.inf, sl[dr])
-                # the failed nodes leave for repair and come back a replenishment delay after they failed
                 free = ~np.isfinite(sl)
                 n_free = free.sum(axis=1)
                 if int((need - n_free).max()) > 0:
@@ -712,54 +752,61 @@ def _run_strategy(cfg: SimConfig, strategy: str) -> dict[str, np.ndarray]:
                     slots = np.concatenate([slots, np.full((n, grow), np.inf)], axis=1)
                     free = ~np.isfinite(sl)
                 order = np.cumsum(free, axis=1)  # 1-based rank of each free slot
-                put = free & (order <= need[:, None])
-                r_put, c_put = np.nonzero(put)
+                r_put, c_put = np.nonzero(free & (order <= need[:, None]))
                 sl[r_put, c_put] = f[h][r_put] + cfg.replenish.sample(rng, len(r_put))
+                dry = av < 0
+                if dry.any():
+                    dr = np.flatnonzero(dry)
+                    srt = np.sort(sl[dr], axis=1)
+                    t_ok = srt[np.arange(len(dr)), (-av[dr]).astype(np.int64) - 1]
+                    stall[h[dr]] = np.maximum(0.0, t_ok - start[h][dr])
+                acc["dry_events"][h] += dry
+                acc["spare_failures"][h] += 1
                 slots[h] = sl
                 avail[h] = av
 
+        if cfg.cold_spare is not None:
+            stall = np.minimum(stall, cfg.cold_spare)
+
         # durations
-        if phx:
-            dur = np.where(cls == _RESTART, cfg.restart.sample(rng, n), cfg.hotswap.sample(rng, n))
-        else:
-            dur = cfg.restart.sample(rng, n)
+        dur = np.where(cls == _RESTART, cfg.restart.sample(rng, n), cfg.hotswap.sample(rng, n))
 
         # shard loss during a hot-swap: the failed node's shards live only on their k replicas until the spare
         # holds a restored copy again (start + stall + duration), plus the step in which the failure fell
-        if phx:
-            hs = cls == _HOTSWAP
-            if hs.any():
-                w = np.where(hs, start + stall + dur - f + ts, 0.0)
-                pn = -np.expm1(-cfg.node_rate * w)
-                pd = -np.expm1(-cfg.domain_rate * w) if cfg.domain_rate > 0 else np.zeros(n)
-                nd, dm = hs & ~is_dom, hs & is_dom
-                for k, key in ((1, "k1"), (2, "k2"), (cfg.replicas, "k")):
-                    acc["exp_loss_" + key] += np.where(nd, np.minimum(1.0, F_node * pn ** k), 0.0)
-                    if dm.any():
-                        acc["exp_loss_dom_" + key] += np.where(dm, np.minimum(1.0, F_dom * pd ** k), 0.0)
-                a_k = np.where(dm, np.minimum(1.0, F_dom * pd ** cfg.replicas),
-                               np.where(nd, np.minimum(1.0, F_node * pn ** cfg.replicas), 0.0))
-                lost = u_loss < a_k
-                if lost.any():
-                    acc["losses"] += lost
-                    cls = np.where(lost, _RESTART, cls)
-                    dur = np.where(lost, cfg.restart.sample(rng, n), dur)
+        hs = cls == _HOTSWAP
+        if hs.any():
+            w = np.where(hs, start + stall + dur - f + ts, 0.0)
+            pn = -np.expm1(-cfg.node_rate * w)
+            nd, dm = hs & ~is_dom, hs & is_dom
+            any_dom = bool(dm.any())
+            pd = -np.expm1(-cfg.domain_rate * w) if any_dom else None
+            for k, key in ((1, "k1"), (2, "k2"), (cfg.replicas, "k")):
+                a_node = np.minimum(1.0, F_node * pn ** k) * nd
+                acc["exp_loss_" + key] += a_node
+                a_dom = np.minimum(1.0, F_dom * pd ** k) * dm if any_dom else 0.0
+                if any_dom:
+                    acc["exp_loss_dom_" + key] += a_dom
+            a_k = a_node + a_dom  # the last k in the loop is cfg.replicas
+            lost = u_loss < a_k
+            if lost.any():  # unrecoverable: fall back to PHOENIX's persistent checkpoint (or step 0)
+                acc["losses"] += lost
+                cls = np.where(lost, _RESTART, cls)
+                dur = np.where(lost, cfg.restart.sample(rng, n), dur)
 
         # where compute resumes, and the work thrown away
         rs = cls == _RESTART
         # hot-swap / local, primary: redo only the interrupted step (and a torn checkpoint write)
-        hs_v0 = tl.g(s_at) - np.where(in_w, tl.W, 0.0)
+        hs_v0 = tl.g(s_at) - tl.W * in_w
         new_v0 = np.where(rs, np.where(prim, ckv, np.minimum(v0, ckv)), np.where(prim, hs_v0, v0))
-        lost_v = np.where(prim, v - new_v0, v0 - new_v0)
-        R = np.where(prim & rs, s_at - ck, 0)
-        acc["sum_R"] += R
+        R = np.where(prim & rs, s_at - ck, 0.0)
         acc["n_R"] += prim & rs
+        acc["fallbacks"] += rs
+        acc["local"] += cls == _LOCAL
+        acc["hotswaps"] += cls == _HOTSWAP
+        lost_v = np.where(prim, v, v0) - new_v0
+        acc["sum_R"] += R
         acc["t_replay"] += np.where(prim, R * ts, lost_v)
         acc["t_partial"] += phi * ts
-        if phx:
-            acc["fallbacks"] += rs
-            acc["local"] += cls == _LOCAL
-            acc["hotswaps"] += cls == _HOTSWAP
         v0 = new_v0
         busy = start + stall + dur
         acc["t_recovery"] += dur
@@ -937,7 +984,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "5 s amortised checkpoint overhead, 30 s hot-swap; loss risk with D=128, p=1e-6, q=1e-4",
         "mttf_sys": "1080s", "step_time": "20s", "ckpt_every": "100", "restart": "600s", "ckpt_overhead": "5s",
         "hotswap": "30s", "phx_ckpt_every": "0", "steps": "100000", "shards": "128", "p_node": "1e-6",
-        "q_domain": "1e-4", "replicas": "1", "spares": "2",
+        "q_domain": "1e-4", "replicas": "1", "spares": "33",  # 33: fewest with P(dry) <= 1% at 1 failure per 18 min
     },
     "paper-2.3b": {
         "_about": "the paper's 18.8x scenario: 2.3B model, 64 nodes (4 GPUs each), 100K steps of 2.08 s, "
@@ -1181,6 +1228,7 @@ class Inputs:
     hotswap: Dist
     spares: int
     replenish: Dist
+    cold_spare: float | None
     replicas: int
     shards: int
     p_node: float
@@ -1214,7 +1262,7 @@ class Inputs:
             steps=self.steps, step_time=self.step_time, mttf_node_sys=self.mttf_node_sys, restart=self.restart,
             hotswap=self.hotswap, ckpt_every=self.ckpt_every, ckpt_write=self.ckpt_write,
             phx_ckpt_every=self.phx_ckpt_every, spares=self.spares, replenish=self.replenish,
-            replicas=self.replicas, shards=self.shards, node_rate=node_rate, domain_mttf_sys=dom_sys,
+            cold_spare=self.cold_spare, replicas=self.replicas, shards=self.shards, node_rate=node_rate, domain_mttf_sys=dom_sys,
             domain_size=self.domain_size, domain_count=self.domains,
             domain_rate=(1.0 / self.mttf_domain) if self.mttf_domain else 0.0,
             transient_frac=self.transient_frac, unhandled_frac=self.unhandled_frac, trials=self.trials,
@@ -1282,6 +1330,7 @@ def resolve_inputs(explicit: dict[str, Any] | None = None, preset: str | None = 
     restart = parse_dist(vals["restart"], "--restart")
     hotswap = parse_dist(vals["hotswap"], "--hotswap")
     replenish = parse_dist(vals["replenish"], "--replenish")
+    cold_spare = dur("cold_spare") if vals.get("cold_spare") is not None else None
 
     trace_arr = None
     if trace is not None:
@@ -1345,7 +1394,7 @@ def resolve_inputs(explicit: dict[str, Any] | None = None, preset: str | None = 
         gpus=gpus, gpus_per_node=gpn, nodes=nodes, mttf_node=mttf_node, mttf_sys=mttf_sys,
         mttf_node_sys=mttf_node_sys, step_time=step_time, ckpt_every=ckpt_every, ckpt_write=ckpt_write,
         ckpt_overhead=ckpt_overhead, phx_ckpt_every=phx_ckpt_every, restart=restart, hotswap=hotswap,
-        spares=spares, replenish=replenish, replicas=replicas, shards=shards, p_node=p_node, q_domain=q,
+        spares=spares, replenish=replenish, cold_spare=cold_spare, replicas=replicas, shards=shards, p_node=p_node, q_domain=q,
         q_source=q_src, mttf_domain=mttf_domain, domain_size=domain_size, transient_frac=transient,
         unhandled_frac=unhandled, steps=steps, trials=trials, seed=seed, trace=trace_arr,
         trace_path=str(trace) if trace is not None else None, scale_points=pts, scale_source=scale_src,
@@ -1495,7 +1544,8 @@ def _inputs_json(inp: Inputs) -> dict:
         "mttf_node_s": inp.mttf_node, "mttf_sys_s": inp.mttf_sys, "step_time_s": inp.step_time,
         "ckpt_every": inp.ckpt_every, "ckpt_write_s": inp.ckpt_write, "ckpt_overhead_s": inp.ckpt_overhead,
         "phx_ckpt_every": inp.phx_ckpt_every, "restart": inp.restart.to_json(), "hotswap": inp.hotswap.to_json(),
-        "spares": inp.spares, "replenish": inp.replenish.to_json(), "replicas": inp.replicas,
+        "spares": inp.spares, "replenish": inp.replenish.to_json(), "cold_spare_s": inp.cold_spare,
+        "replicas": inp.replicas,
         "shards": inp.shards, "p_node": inp.p_node, "q_domain": inp.q_domain, "mttf_domain_s": inp.mttf_domain,
         "domain_size": inp.domain_size, "transient_frac": inp.transient_frac,
         "unhandled_frac": inp.unhandled_frac, "steps": inp.steps, "trials": inp.trials, "seed": inp.seed,

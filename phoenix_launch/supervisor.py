@@ -83,6 +83,10 @@ class Supervisor:
         self.pending_faults: list[dict] = []
         self.events = EventLog(run_dir / "events.jsonl")
         self.token = create_token(run_dir)
+        # replenishment (slurm.replenish): join id -> time its job was submitted, until its agent joins
+        self.joins: dict[str, float] = {}
+        self._join_seq = 0
+        self._next_replenish = 0.0
 
     # --- setup -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -186,6 +190,9 @@ class Supervisor:
     def handle_message(self, m: dict[str, Any], now: float) -> None:
         t = m.get("type")
         node = self.nodes.get(m.get("node", ""))
+        if t == "agent_up" and (node is None or (m.get("join") is not None and node.state in (NodeState.FAILED, NodeState.DRAINED))):
+            self.adopt(m, now)  # a node this job did not start: a replenished spare, or refused
+            return
         if t == "agent_up" and node is not None:
             if node.state is NodeState.STARTING:
                 self._node_transition(node, NodeState.ACTIVE if node.group_rank is not None else NodeState.SPARE, "agent up")
@@ -457,6 +464,44 @@ class Supervisor:
         if self.job.state is not JobState.STOPPING:
             self.job.transition(JobState.STOPPING, reason)
 
+    # --- replenishment (Slurm): keep the spare pool at its target -----------------------------------
+    def replenish(self, now: float) -> None:
+        """When fewer spares are up or coming than ``--spares``, ask the backend for new ones (a Slurm job
+        whose agent joins this control plane; it arrives as an ``agent_up`` with ``join`` and the token)."""
+        if not self.cfg.slurm.replenish or not hasattr(self.backend, "replenish") or now < self._next_replenish:
+            return
+        if self.job.state not in (JobState.RUNNING, JobState.RECOVERING):
+            return
+        self._next_replenish = now + 1.0
+        coming = sum(1 for n in self.nodes.values() if n.group_rank is None and n.state in (NodeState.STARTING, NodeState.SPARE))
+        for _ in range(self.cfg.launch.spares - coming - len(self.joins)):
+            self._join_seq += 1
+            join = f"r{self._join_seq}"
+            spec = self.agent_spec(Node(f"replenish-{join}", Lifecycle(NodeState.STARTING, NODE_TRANSITIONS)))
+            spec["join"] = join
+            try:
+                job = self.backend.replenish(spec)
+            except Exception as e:  # e.g. sbatch refused: try again later, the job goes on
+                self.events.emit("replenish_failed", join=join, error=str(e)[:500])
+                self._next_replenish = now + 30.0
+                return
+            self.joins[join] = now
+            self.events.emit("replenish", join=join, job=job, spares=len(self.spares()), target=self.cfg.launch.spares)
+
+    def adopt(self, m: dict[str, Any], now: float) -> None:
+        """An agent this job did not start says it is up: with the job's token it joins as a new spare."""
+        name, join = str(m.get("node", "")), m.get("join")
+        if not hmac.compare_digest(str(m.get("token", "")), self.token):
+            self.events.emit("join_refused", node=name, join=join, host=m.get("host"), reason="bad or missing token")
+            return
+        t_submit = self.joins.pop(str(join), None)
+        node = Node(name, Lifecycle(NodeState.STARTING, NODE_TRANSITIONS))
+        self.nodes[name] = node  # (replaces a failed node of the same name: a new incarnation)
+        if hasattr(self.backend, "adopt"):
+            self.backend.adopt(name, join)
+        self.events.emit("node_joined", node=name, join=join, host=m.get("host"), waited_s=round(now - t_submit, 2) if t_submit else None)
+        self._node_transition(node, NodeState.SPARE, f"joined as a new spare (replenishment {join})")
+
     # --- commands (kill-node) ----------------------------------------------------------------------
     def handle_command(self, c: dict[str, Any], now: float) -> None:
         reply_key = f"phx/reply/{c.get('id', 'none')}"
@@ -531,6 +576,7 @@ class Supervisor:
                 if time.monotonic() > next_hb:
                     self.check_heartbeats(now)
                     next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
+                self.replenish(now)
                 if self.job.state is not JobState.STOPPING:
                     self.settle(now)
                 if self.job.state is JobState.RECOVERING and self.recovery_t0 and now - self.recovery_t0 > self.cfg.detect.recovery_timeout_s:

@@ -22,6 +22,7 @@ import json
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -55,6 +56,12 @@ COMM_ERROR_MARKERS = (
     "socket",
     "peer",
 )
+
+
+def log(msg: str) -> None:
+    """A timestamped line in the rank's log (its stderr): what the runtime did and when."""
+    t = time.time()
+    print(f"[phoenix {time.strftime('%H:%M:%S', time.localtime(t))}.{int(t % 1 * 1000):03d} rank {os.environ.get('RANK', '?')}] {msg}", file=sys.stderr, flush=True)
 
 
 class Context:
@@ -147,7 +154,9 @@ class Context:
         STATE.gen = gen
         limit = max(self.recovery_timeout, 600.0) if first else self.recovery_timeout
         self.store.add(P.k_arrived(gen), 1)
+        log(f"generation {gen}: arrived")
         self._wait_all(P.k_arrived(gen), gen, time.monotonic() + limit)
+        log(f"generation {gen}: every rank arrived")
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore(P.k_pg_prefix(gen), self.store),
@@ -157,6 +166,7 @@ class Context:
         )
         # replication gets a group of its own so it never interleaves with training collectives
         self.repl_group = dist.new_group(backend="gloo") if protect else None
+        log(f"generation {gen}: process groups formed")
         if self.latest_gen() > gen:
             raise GenerationAbandoned(f"generation {gen} abandoned")
 
@@ -193,6 +203,8 @@ def init(backend: str | None = None, *, tp: int = 1, pp: int = 1) -> Context:
     if _CTX is not None:
         return _CTX
     ctx = Context(backend, tp, pp)
+    if ctx.joining:
+        log(f"joining generation {ctx.gen} as rank {ctx.rank}")
     protect_on = bool(ctx.cfg.get("protect", True))
     if not ctx.managed:
         if ctx.world_size > 1 or os.environ.get("MASTER_ADDR"):
@@ -279,6 +291,10 @@ class Trainer:
         self.replicator = None
         self.pipeline: _Pipeline | None = None
         self.retained: dict = {}  # replicas held from before the last recovery (still valid by identity)
+        # The optimizer's state appears with its first step (torch creates it lazily), so replication starts
+        # at the step after the first one, on every rank at once (the sizes are fixed from then on). The
+        # first step's own optimizer state is the fresh one: a joiner rebuilds it without a replica.
+        self.first_step: int | None = None
         self._sig = None
         self.stats: dict[str, Any] = {"recoveries": []}
         self._faults: list[dict] = []
@@ -293,7 +309,6 @@ class Trainer:
             self._rejoin(ctx.gen, t_marks={"t0": time.time()})
         else:
             self._wrap()
-            self._start_replication()
         STATE.runtime = True
         ctx.report({"type": "runtime_ready", "protect": self.protect_on, "epoch": ctx.epoch})
 
@@ -350,7 +365,7 @@ class Trainer:
         return str(self._layout().shard_of(rank))
 
     def _start_replication(self) -> None:
-        if not self.protect_on:
+        if not self.protect_on or self.replicator is not None:
             return
         from phoenix_runtime.replication import GlooTransport, Replicator
 
@@ -400,7 +415,11 @@ class Trainer:
             self._fire(k, "begin")
             self.phase = "forward"
             STATE.phase = "forward"
+            if self.first_step is None:
+                self.first_step = k
             if self.protect_on:
+                if self.replicator is None and k > self.first_step:
+                    self._start_replication()
                 meta = S.make_meta(k, self.optimizer, self.data_state, {"shard": self._shard(self.ctx.rank), "rank": self.ctx.rank})
                 self.metas[k] = meta
                 for old in [s for s in self.metas if s < k - 2]:
@@ -511,12 +530,16 @@ class Trainer:
     def _recover(self, cause: BaseException) -> None:
         marks = {"t0": time.time()}
         ctx = self.ctx
+        log(f"step {self.step_idx}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")
+        ctx.abort_groups()  # pending transfers of the pipeline fail at once instead of timing out
         if ctx.ctl.latest_gen <= ctx.gen:  # the supervisor may not know yet (e.g. a transient link fault)
             ctx.report({"type": "rank_error", "gen": ctx.gen, "error": {"type": type(cause).__name__, "message": str(cause)[:2000]}})
         # quiesce: stop the pipeline, drop the interrupted step's gradients
+        tq = time.perf_counter()
         if self.pipeline is not None:
             self.pipeline.stop()
             self.pipeline = None
+        tp = time.perf_counter()
         if self.replicator is not None:
             self.retained = _merge(self.retained, self.replicator.replicas())
             try:
@@ -524,16 +547,19 @@ class Trainer:
             except Exception:
                 pass
             self.replicator = None
+        tr = time.perf_counter()
         live_step, live_clean = self.step_idx, not self.opt_started
         try:
             if self.d2h is not None:
                 self.d2h.wait(live_step, 5.0)
         except Exception:
             pass
+        td = time.perf_counter()
         self.module.zero_grad(set_to_none=True)
-        self.model = self.module
-        gc.collect()
+        self.model = self.module  # drop DDP (it holds the old group) before the group is destroyed
+        log(f"quiesce: pipeline {tp - tq:.3f}s replicator {tr - tp:.3f}s d2h {td - tr:.3f}s")
         marks["quiesced"] = time.time()
+        log("quiesced")
         gen = ctx.gen
         while True:
             gen = ctx.wait_new_gen(gen)
@@ -561,7 +587,7 @@ class Trainer:
             for shard, by_step in src.items():
                 reps.setdefault(str(shard), [])
                 reps[str(shard)] = sorted(set(reps[str(shard)]) | set(by_step))
-        return Descriptor(self.ctx.rank, True, live[0], live[1], tuple(local), reps)
+        return Descriptor(self.ctx.rank, True, live[0], live[1], tuple(local), reps, self.first_step or 0)
 
     def _local(self) -> dict:
         snaps = {}
@@ -584,6 +610,7 @@ class Trainer:
             raise
         R = plan.step
         me = ctx.rank
+        log(f"generation {gen}: plan: resume at step {R}, joiners {list(plan.joiners)}, params from {plan.param_src}, optimizer shards from {plan.optim_src}")
         t_plan = time.time()
         # survivors: roll back to S_R (ZeRO rebuilt first on the new group: no collective in its constructor)
         self._rebuild_optimizer()
@@ -603,12 +630,15 @@ class Trainer:
                 send_named(tensors, meta, j)
             elif me == j:
                 tensors, meta = recv_named(plan.optim_src[j])
-                S.load_optim(self.optimizer, tensors, S.scalars_of(meta))
+                if plan.fresh_optim:
+                    tensors = {}  # the first step's optimizer state is the fresh one
+                S.load_optim(self.optimizer, tensors, S.scalars_of(meta) if tensors else {})
                 S.restore_rng(meta["rng"])
                 S.restore_data(self.data_state, meta.get("data"))
         t_optim = time.time()
         self._wrap()  # DDP on the new group (its init broadcast is harmless: parameters agree now)
-        self._start_replication()
+        self.first_step = plan.first_step
+        self._sig = None
         dist.barrier()
         t_end = time.time()
         self.step_idx = R
@@ -624,6 +654,7 @@ class Trainer:
             "resume_s": round(t_end - t_optim, 4),
         }
         self.stats["recoveries"].append({"gen": gen, "step": R, **breakdown})
+        log(f"generation {gen}: resumed at step {R} ({breakdown})")
         ctx.report({"type": "recovered", "gen": gen, "step": R, "replayed": plan.replayed.get(me, 0), "joiner": live is None, "breakdown": breakdown})
 
     def _restore_local(self, R: int, live: tuple[int, bool]) -> None:
@@ -643,6 +674,9 @@ class Trainer:
         return dict(S.param_named(self.module))  # survivors were restored to S_R just before
 
     def _optim_for(self, shard: str, R: int, live) -> tuple[dict[str, torch.Tensor], dict]:
+        if R == self.first_step and self.kind != "replicated":  # fresh optimizer state; the metadata (RNG, data) of S_R from the peer
+            meta = dict(self.metas.get(R) or S.make_meta(R, self.optimizer, self.data_state, {}))
+            return {}, meta
         if self.kind == "replicated":  # every DP peer holds the same optimizer state
             return dict(S.optim_named(self.optimizer)), S.make_meta(R, self.optimizer, self.data_state, {}) | {"rng": self.metas.get(R, {}).get("rng") or S.capture_rng()}
         for src in (self.replicator.replicas() if self.replicator else {}, self.retained):

@@ -66,6 +66,44 @@ def wait_for_assignment(poll_s: float = 0.01) -> dict:
     return json.loads(store.get(key))
 
 
+def prewarm(argv: list[str]) -> None:
+    """A spare's wait is free time: import what the script will need (the runtime, DDP, ZeRO, and the
+    installed packages its top-level imports name), so that a replacement starts with none of that."""
+    import ast
+    import importlib
+    import importlib.util
+
+    for mod in ("phoenix_runtime.api", "phoenix_runtime.snapshot", "phoenix_runtime.replication",
+                "torch.nn.parallel", "torch.distributed.optim", "torch.distributed.checkpoint",
+                "torch._inductor.config"):  # torch.use_deterministic_algorithms() imports it: seconds
+        try:
+            importlib.import_module(mod)
+        except Exception:
+            pass
+    if not argv or argv[0] == "-m":
+        return
+    script_dir = os.path.dirname(os.path.abspath(argv[0]))
+    try:
+        tree = ast.parse(open(argv[0]).read())
+    except (OSError, SyntaxError, ValueError):
+        return
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name.split(".")[0])
+            origin = getattr(spec, "origin", None) or ""
+            if spec is None or origin.startswith(script_dir) or origin.startswith(os.getcwd() + os.sep):
+                continue  # the user's own modules: importing them early could run their code twice
+            importlib.import_module(name)
+        except Exception:
+            continue
+
+
 def _run_user_code(argv: list[str]) -> None:
     if not argv:
         raise SystemExit("phoenix bootstrap: no script given")
@@ -91,7 +129,9 @@ def main() -> None:
     role = os.environ.get(P.ENV_ROLE, P.ROLE_ACTIVE)
     start_control()
     if role == P.ROLE_SPARE:
+        prewarm(argv)
         assignment = wait_for_assignment()
+        print(f"[phoenix {time.strftime('%H:%M:%S')}] spare assigned rank {assignment['rank']} in generation {assignment['gen']}", file=sys.stderr, flush=True)
         os.environ.update({k: str(v) for k, v in assignment["env"].items()})
         os.environ[P.ENV_GEN] = str(assignment["gen"])
         os.environ[P.ENV_JOINING] = "1"

@@ -36,6 +36,7 @@ class Descriptor:
     live_clean: bool = False  # the optimizer had not started mutating state in the live step
     local_steps: tuple[int, ...] = ()  # committed local snapshots
     replicas: dict[str, list[int]] = field(default_factory=dict)  # str(ShardId) -> committed steps held here
+    first_step: int = 0  # the step this rank's run started at: its optimizer state there is the fresh one
 
     def to_json(self) -> str:
         return json.dumps({**self.__dict__, "local_steps": list(self.local_steps)})
@@ -57,6 +58,8 @@ class Plan:
     param_src: dict[int, int]  # joiner -> survivor that sends the parameters
     optim_src: dict[int, int]  # joiner -> rank that sends the optimizer shard (and its metadata)
     replayed: dict[int, int]  # survivor -> steps it replays
+    first_step: int = 0
+    fresh_optim: bool = False  # R is the first step: joiners keep their fresh optimizer state
 
 
 def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shard_of: dict[int, str], replicated: bool) -> Plan:
@@ -69,6 +72,7 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
         raise Unrecoverable("no rank holds any state")
     candidates = sorted({s for d in survivors for s in d.local_steps} | {d.live_step for d in survivors if d.live_clean and d.live_step is not None}, reverse=True)
     why = "no step is held by every survivor"
+    first = max(d.first_step for d in survivors)
     for step in candidates:
         if not all(d.can_provide(step) for d in survivors):
             continue
@@ -81,7 +85,7 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
                 ok, why = False, f"rank {j} has no data-parallel peer left to take parameters from"
                 break
             param_src[j] = peers[j % len(peers)]  # spread the load over the peers
-            if replicated:
+            if replicated or step == first:
                 optim_src[j] = param_src[j]
                 continue
             holders = sorted(r for r, d in by_rank.items() if d.has_state and step in d.replicas.get(shard_of[j], []))
@@ -91,7 +95,7 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
             optim_src[j] = holders[0]
         if ok:
             replayed = {d.rank: max(0, (d.live_step if d.live_step is not None else step) - step) for d in survivors}
-            return Plan(step, joiners, param_src, optim_src, replayed)
+            return Plan(step, joiners, param_src, optim_src, replayed, first, step == first and not replicated)
     raise Unrecoverable(why)
 
 

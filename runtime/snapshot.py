@@ -271,9 +271,11 @@ class Snapshot:
 
 
 def _alloc_host(nbytes: int, pin: bool) -> torch.Tensor:
+    # zeroed: alignment padding is never written by packing, so packed bytes (and checksums) are a
+    # pure function of the tensors; it also faults the pages in now rather than in the first step
     if pin and torch.cuda.is_available():
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    return torch.zeros(nbytes, dtype=torch.uint8)
 
 
 class PingPong:

@@ -48,6 +48,8 @@ __all__ = [
     "parse_kv_record",
     "parse_topology",
     "run_command",
+    "spare_batch_script",
+    "submit_environ",
 ]
 
 #: Deadline for one Slurm client command (scontrol/squeue answer in milliseconds when slurmctld is up).
@@ -532,3 +534,22 @@ def agent_srun_command(node: str, argv: Sequence[str], extra: Sequence[str] = ()
     cmd.extend(extra)
     cmd.extend(argv)
     return cmd
+
+
+def submit_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment for ``sbatch`` run from inside a job: without this job's ``SLURM_*``, ``SBATCH_*`` and
+    ``SALLOC_*`` variables (they describe this allocation, and sbatch reads some of them as its own input),
+    but with ``SLURM_CONF`` (which cluster to talk to)."""
+    return {k: v for k, v in environ.items()
+            if not k.startswith(("SLURM_", "SBATCH_", "SALLOC_")) or k == "SLURM_CONF"}
+
+
+def spare_batch_script(agent_argv: Sequence[str], *, job_name: str = "phoenix-spare") -> str:
+    """The batch script of a replenishment job: ONE agent, started on the node Slurm picked, that names
+    itself after that node (SLURMD_NODENAME, else the short hostname) with ``--node``."""
+    if not agent_argv:
+        raise ValueError("agent argv is empty")
+    cmd = " ".join(shlex.quote(a) for a in agent_argv)
+    return ("#!/bin/bash\n"
+            f"# PHOENIX replenishment job ({job_name}): a new warm spare that joins a running job.\n"
+            f'exec {cmd} --node "${{SLURMD_NODENAME:-$(hostname -s)}}"\n')
