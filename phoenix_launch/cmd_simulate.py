@@ -27,92 +27,82 @@ _RUN = "Simulation"
 _OUT = "Output"
 
 
+def _opt(flag: str, metavar: str, help: str, panel: str):
+    """A text option (parsed by the simulator, so that bad values give one-line errors)."""
+    return typer.Option(None, flag, metavar=metavar, help=help, rich_help_panel=panel)
+
+
 def simulate(
-    preset: Optional[str] = typer.Option(
-        None, "--preset", help="paper-example (the worked example of eqs. 1-6) or paper-2.3b (the 18.8x "
-        "scenario). Options given explicitly override the preset.", rich_help_panel=_RUN),
-    gpus: Optional[str] = typer.Option(None, "--gpus", help="GPUs in the job [default: 4096].",
-                                       rich_help_panel=_CLUSTER),
-    nodes: Optional[str] = typer.Option(None, "--nodes", help="Nodes in the job (instead of --gpus).",
-                                        rich_help_panel=_CLUSTER),
-    gpus_per_node: Optional[str] = typer.Option(None, "--gpus-per-node", help="[default: 8]",
-                                                rich_help_panel=_CLUSTER),
-    mttf_node: Optional[str] = typer.Option(
-        None, "--mttf-node", help="Mean time to failure of one node, e.g. 2y, 90d [default: 2y].",
-        rich_help_panel=_CLUSTER),
-    mttf_sys: Optional[str] = typer.Option(
-        None, "--mttf-sys", help="Mean time between failures of the whole job (instead of --mttf-node).",
-        rich_help_panel=_CLUSTER),
-    mttf_domain: Optional[str] = typer.Option(
-        None, "--mttf-domain", help="MTTF of one failure domain (switch/rack) whose outage takes down all its "
-        "nodes; adds correlated outages to the simulation.", rich_help_panel=_CLUSTER),
-    domain_size: Optional[str] = typer.Option(None, "--domain-size", help="Nodes per failure domain [default: 8].",
-                                              rich_help_panel=_CLUSTER),
-    trace: Optional[str] = typer.Option(
-        None, "--trace", help="File of failure times (s or with units, one per line) replacing the Poisson "
-        "process; replayed cyclically from a random point per trial.", rich_help_panel=_CLUSTER),
-    step_time: Optional[str] = typer.Option(None, "--step-time", help="Seconds per step [default: 20s].",
-                                            rich_help_panel=_TRAIN),
-    steps: Optional[str] = typer.Option(None, "--steps", help="Steps in the run [default: 100000].",
-                                        rich_help_panel=_TRAIN),
-    ckpt_every: Optional[str] = typer.Option(None, "--ckpt-every", help="Checkpoint every K steps [default: 100].",
-                                             rich_help_panel=_TRAIN),
-    ckpt_write: Optional[str] = typer.Option(
-        None, "--ckpt-write", help="Blocking time of one checkpoint write [default: 0s].", rich_help_panel=_TRAIN),
-    ckpt_overhead: Optional[str] = typer.Option(
-        None, "--ckpt-overhead", help="Eq. (2)'s C_overhead, checkpoint cost amortised per failure (instead of "
-        "--ckpt-write).", rich_help_panel=_TRAIN),
-    phx_ckpt_every: Optional[str] = typer.Option(
-        None, "--phx-ckpt-every", help="Persistent checkpoints PHOENIX keeps as a fallback for unrecoverable "
-        "losses and unhandled failures, every K steps; 0 for none [default: same as --ckpt-every].",
-        rich_help_panel=_TRAIN),
-    restart: Optional[str] = typer.Option(
-        None, "--restart", help="Checkpoint-restart time: 600s, or uniform:LO:HI, lognormal:MEDIAN:SIGMA, "
-        "exp:MEAN, empirical:A,B,... [default: 600s].", rich_help_panel=_RECOV),
-    hotswap: Optional[str] = typer.Option(
-        None, "--hotswap", help="PHOENIX hot-swap time, same forms as --restart [default: 30s].",
-        rich_help_panel=_RECOV),
-    transient_frac: Optional[str] = typer.Option(
-        None, "--transient-frac", help="Share of failures that are transient: local recovery, no spare "
-        "[default: 0].", rich_help_panel=_RECOV),
-    unhandled_frac: Optional[str] = typer.Option(
-        None, "--unhandled-frac", help="Share PHOENIX cannot hot-swap (software bug, SDC): restart from its "
-        "fallback checkpoint [default: 0].", rich_help_panel=_RECOV),
-    from_run: Optional[str] = typer.Option(
-        None, "--from-run", help="Run directory (or events.jsonl): median step time and the measured recovery "
-        "times (as the hot-swap distribution).", rich_help_panel=_RECOV),
-    spares: Optional[str] = typer.Option(None, "--spares", help="Warm spare nodes [default: 2].",
-                                         rich_help_panel=_PROT),
-    replenish: Optional[str] = typer.Option(
-        None, "--replenish", help="Delay before a failed node is back in the spare pool [default: 4h].",
-        rich_help_panel=_PROT),
-    cold_spare: Optional[str] = typer.Option(
-        None, "--cold-spare", help="When the pool is dry, wait at most this long (a cold node from the scheduler) "
-        "[default: wait for a repaired node, as Algorithm 2 does].", rich_help_panel=_PROT),
-    replicas: Optional[str] = typer.Option(None, "--replicas", help="Optimizer-state replicas k [default: 1].",
-                                           rich_help_panel=_PROT),
-    shards: Optional[str] = typer.Option(None, "--shards", help="Data-parallel shards D in eq. (6) "
-                                         "[default: nodes].", rich_help_panel=_PROT),
-    p_node: Optional[str] = typer.Option(
-        None, "--p-node", help="Per-node per-step failure probability p [default: from --mttf-node].",
-        rich_help_panel=_PROT),
-    q_domain: Optional[str] = typer.Option(
-        None, "--q-domain", help="Per-domain per-step failure probability q for correlated losses "
-        "[default: from --mttf-domain, else 100 x p].", rich_help_panel=_PROT),
-    risk_target: Optional[str] = typer.Option(
-        None, "--risk-target", help="Per-run risk used to recommend spares [default: 0.01].",
-        rich_help_panel=_PROT),
-    trials: Optional[str] = typer.Option(None, "--trials", help="Monte Carlo trials [default: 1000].",
-                                         rich_help_panel=_RUN),
-    seed: Optional[str] = typer.Option(None, "--seed", help="[default: 0]", rich_help_panel=_RUN),
+    preset: Optional[str] = _opt(
+        "--preset", "NAME", "paper-example (the worked example of eqs. 1-6) or paper-2.3b (the 18.8x scenario). "
+        "Options given explicitly override the preset.", _RUN),
+    gpus: Optional[str] = _opt("--gpus", "N", "GPUs in the job \\[default: 4096].", _CLUSTER),
+    nodes: Optional[str] = _opt("--nodes", "N", "Nodes in the job (instead of --gpus).", _CLUSTER),
+    gpus_per_node: Optional[str] = _opt("--gpus-per-node", "N", "\\[default: 8]", _CLUSTER),
+    mttf_node: Optional[str] = _opt(
+        "--mttf-node", "DURATION", "Mean time to failure of one node, e.g. 2y, 90d \\[default: 2y].", _CLUSTER),
+    mttf_sys: Optional[str] = _opt(
+        "--mttf-sys", "DURATION", "Mean time between failures of the whole job (instead of --mttf-node).",
+        _CLUSTER),
+    mttf_domain: Optional[str] = _opt(
+        "--mttf-domain", "DURATION", "MTTF of one failure domain (switch/rack) whose outage takes down all its "
+        "nodes; adds correlated outages to the simulation.", _CLUSTER),
+    domain_size: Optional[str] = _opt("--domain-size", "N", "Nodes per failure domain \\[default: 8].", _CLUSTER),
+    trace: Optional[str] = _opt(
+        "--trace", "FILE", "File of failure times (s or with units, one per line) replacing the Poisson process; "
+        "replayed cyclically from a random point per trial.", _CLUSTER),
+    step_time: Optional[str] = _opt("--step-time", "DURATION", "Seconds per step \\[default: 20s].", _TRAIN),
+    steps: Optional[str] = _opt("--steps", "N", "Steps in the run \\[default: 100000].", _TRAIN),
+    ckpt_every: Optional[str] = _opt("--ckpt-every", "K", "Checkpoint every K steps \\[default: 100].", _TRAIN),
+    ckpt_write: Optional[str] = _opt(
+        "--ckpt-write", "DURATION", "Blocking time of one checkpoint write \\[default: 0s].", _TRAIN),
+    ckpt_overhead: Optional[str] = _opt(
+        "--ckpt-overhead", "DURATION", "Eq. (2)'s C_overhead, checkpoint cost amortised per failure (instead of "
+        "--ckpt-write).", _TRAIN),
+    phx_ckpt_every: Optional[str] = _opt(
+        "--phx-ckpt-every", "K", "Persistent checkpoints PHOENIX keeps as a fallback for unrecoverable losses and "
+        "unhandled failures, every K steps; 0 for none \\[default: same as --ckpt-every].", _TRAIN),
+    restart: Optional[str] = _opt(
+        "--restart", "DIST", "Checkpoint-restart time: 600s, or uniform:LO:HI, lognormal:MEDIAN:SIGMA, exp:MEAN, "
+        "empirical:A,B,... \\[default: 600s].", _RECOV),
+    hotswap: Optional[str] = _opt(
+        "--hotswap", "DIST", "PHOENIX hot-swap time, same forms as --restart \\[default: 30s].", _RECOV),
+    transient_frac: Optional[str] = _opt(
+        "--transient-frac", "P", "Share of failures that are transient: local recovery, no spare \\[default: 0].",
+        _RECOV),
+    unhandled_frac: Optional[str] = _opt(
+        "--unhandled-frac", "P", "Share PHOENIX cannot hot-swap (software bug, SDC): restart from its fallback "
+        "checkpoint \\[default: 0].", _RECOV),
+    from_run: Optional[str] = _opt(
+        "--from-run", "RUN_DIR", "Run directory (or events.jsonl): median step time and the measured recovery "
+        "times (as the hot-swap distribution).", _RECOV),
+    spares: Optional[str] = _opt("--spares", "N", "Warm spare nodes \\[default: 2].", _PROT),
+    replenish: Optional[str] = _opt(
+        "--replenish", "DIST", "Delay before a failed node is back in the spare pool \\[default: 4h].", _PROT),
+    cold_spare: Optional[str] = _opt(
+        "--cold-spare", "DURATION", "When the pool is dry, wait at most this long: a cold node from the scheduler. "
+        "'restart' = the restart time, the same access to fresh nodes checkpoint-restart is given; 'none' = wait "
+        "for a repaired node, as Algorithm 2's blocking acquire does \\[default: restart].", _PROT),
+    replicas: Optional[str] = _opt("--replicas", "K", "Optimizer-state replicas k \\[default: 1].", _PROT),
+    shards: Optional[str] = _opt("--shards", "D", "Data-parallel shards D in eq. (6) \\[default: nodes].", _PROT),
+    p_node: Optional[str] = _opt(
+        "--p-node", "P", "Per-node per-step failure probability p \\[default: from --mttf-node].", _PROT),
+    q_domain: Optional[str] = _opt(
+        "--q-domain", "Q", "Per-domain per-step failure probability q for correlated losses \\[default: from "
+        "--mttf-domain, else 100 x p].", _PROT),
+    risk_target: Optional[str] = _opt(
+        "--risk-target", "P", "Per-run risk used to recommend spares \\[default: 0.01].", _PROT),
+    trials: Optional[str] = _opt("--trials", "N", "Monte Carlo trials \\[default: 1000].", _RUN),
+    seed: Optional[str] = _opt("--seed", "N", "\\[default: 0]", _RUN),
     scale_point: Optional[List[str]] = typer.Option(
-        None, "--scale-point", help="Measured recovery GPUS:SECONDS (repeat); replaces the paper's points "
-        "32:17.1, 64:17.1, 512:29.8.", rich_help_panel=_RUN),
-    project_to: Optional[str] = typer.Option(None, "--project-to", help="GPU count to extrapolate recovery time "
-                                             "to [default: 100000].", rich_help_panel=_RUN),
+        None, "--scale-point", metavar="GPUS:SECONDS", help="Measured recovery time at a GPU count (repeat); "
+        "replaces the paper's points 32:17.1, 64:17.1, 512:29.8.", rich_help_panel=_RUN),
+    project_to: Optional[str] = _opt(
+        "--project-to", "GPUS", "GPU count to extrapolate recovery time to \\[default: 100000].", _RUN),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON.", rich_help_panel=_OUT),
-    plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of eta vs cluster size (needs "
-                                       "matplotlib: pip install 'phoenix-run[plot]').", rich_help_panel=_OUT),
+    plot: Optional[str] = _opt(
+        "--plot", "FILE.png", "Write a PNG of eta vs cluster size (needs matplotlib: pip install "
+        "'phoenix-run[plot]').", _OUT),
 ) -> None:
     """Expected cost of failures with checkpoint-restart and with PHOENIX: closed forms (eqs. 1-6) and Monte Carlo."""
     explicit = {
@@ -121,7 +111,8 @@ def simulate(
         "ckpt_every": ckpt_every, "ckpt_write": ckpt_write, "ckpt_overhead": ckpt_overhead,
         "phx_ckpt_every": phx_ckpt_every, "restart": restart, "hotswap": hotswap,
         "transient_frac": transient_frac, "unhandled_frac": unhandled_frac, "spares": spares,
-        "replenish": replenish, "cold_spare": cold_spare, "replicas": replicas, "shards": shards, "p_node": p_node, "q_domain": q_domain,
+        "replenish": replenish, "cold_spare": cold_spare, "replicas": replicas, "shards": shards, "p_node": p_node,
+        "q_domain": q_domain,
         "risk_target": risk_target, "trials": trials, "seed": seed, "project_to": project_to,
     }
     try:
@@ -164,6 +155,10 @@ def _p(x: float | None) -> str:
     if x >= 0.01:
         return f"{x:.3f}".rstrip("0").rstrip(".") if x < 1 else "1"
     return f"{x:.3g}"
+
+
+def _g(x: float | None, spec: str = ".3g") -> str:
+    return "—" if x is None else format(x, spec)
 
 
 def _eta(x: float | None) -> str:
@@ -263,7 +258,7 @@ def render(rep: dict, console=None) -> None:
               f"[bold]{_eta(c['efficiency'])}[/]", _eta(mc["ckpt"]["efficiency"]["mean"]) if mc else "—",
               f"[bold]{_eta(p['efficiency'])}[/]", _eta(mc["phoenix"]["efficiency"]["mean"]) if mc else "—")
     console.print(t)
-    console.print(f"  cost ratio eq.(2)/eq.(5): {cf['cost_ratio']:.1f}×.  MC per-failure terms are pooled over all "
+    console.print(f"  cost ratio eq.(2)/eq.(5): {_g(cf['cost_ratio'], '.1f')}×.  MC per-failure terms are pooled over all "
                   "failures, cascades included; MC η = useful time / wall time.")
 
     if mc:
@@ -284,7 +279,8 @@ def _verdict(rep: dict) -> str:
     mc = rep["monte_carlo"]
     ck, px, r = mc["ckpt"], mc["phoenix"], mc["recovery_ratio"]
     lines = []
-    if ck["lost_time_s"]["mean"] is not None and px["lost_time_s"]["mean"] is not None:
+    if ck["lost_time_s"]["mean"] is not None and px["lost_time_s"]["mean"] is not None \
+            and ck["efficiency"]["mean"] is not None and px["efficiency"]["mean"] is not None:
         saved = ck["lost_time_s"]["mean"] - px["lost_time_s"]["mean"]
         lines.append(f"[bold]Answer[/]: over the run, checkpoint-restart loses {_s(ck['lost_time_s']['mean'])} and "
                      f"PHOENIX {_s(px['lost_time_s']['mean'])} on average (PHOENIX saves {_s(saved)}; "
@@ -335,7 +331,7 @@ def _render_mc(console, Table, rep: dict) -> None:
 
     def ratio_row(label, d):
         if not d.get("n"):
-            t.add_row(label, "no trajectory had a failure", "", "", "", "", "", "")
+            t.add_row(label, "none with a failure (or all censored)", "", "", "", "", "", "")
             return
         h = d["histogram"]
         t.add_row(label, f"{d['p5']:.1f}×", f"{d['p25']:.1f}×", f"[bold]{d['median']:.1f}×[/]", f"{d['p75']:.1f}×",
@@ -349,7 +345,7 @@ def _render_mc(console, Table, rep: dict) -> None:
     console.print(t)
     if r.get("no_failure_frac"):
         console.print(f"  {r['no_failure_frac'] * 100:.1f}% of trajectories had no failure (ratio undefined).")
-    if pt:
+    if pt and pt["percentile_of_model_ratio_among_two_failure"] is not None:
         console.print(
             f"  The paper's trajectory (failures {pt['inputs']['offsets_steps'][0]} and "
             f"{pt['inputs']['offsets_steps'][1]} steps after a checkpoint, hot-swaps "
@@ -361,9 +357,9 @@ def _render_mc(console, Table, rep: dict) -> None:
     sp = px.get("spares")
     if sp:
         console.print(
-            f"  PHOENIX: {px['loss']['fallback_restarts_per_run']:.3g} fallback restarts per run, "
+            f"  PHOENIX: {_g(px['loss']['fallback_restarts_per_run'])} fallback restarts per run, "
             f"{px['loss']['runs_with_loss']} runs with an unrecoverable shard, "
-            f"{px.get('local_recoveries_per_run', 0):.3g} local recoveries per run.")
+            f"{_g(px.get('local_recoveries_per_run'))} local recoveries per run.")
 
 
 def _render_loss(console, Table, rep: dict) -> None:
@@ -397,7 +393,7 @@ def _render_spares(console, Table, rep: dict) -> None:
                     f"(failure rate × replenishment {_s(S['replenish_mean_s'])})", title_justify="left")
     for col in ("spares", "P(a failure finds none)", "E(dry events per run)", "P(dry in run), approx.",
                 "MC P(dry in run) (95% CI)", "MC wait per run"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", no_wrap=col.startswith("MC"))
     for row in S["rows"]:
         mc_p = mc_w = ""
         if sp and row["spares"] == given:
@@ -405,7 +401,8 @@ def _render_spares(console, Table, rep: dict) -> None:
             mc_p = f"{_p(sp['p_dry_per_run'])} \\[{_p(lo)} – {_p(hi)}]"
             mc_w = _s(sp["stall_s"]["mean"])
         label = f"[bold]{row['spares']}[/]" if row["spares"] == given else str(row["spares"])
-        t.add_row(label, _p(row["p_dry_per_failure"]), _p(row["expected_dry_events_per_run"]),
+        ev = row["expected_dry_events_per_run"]
+        t.add_row(label, _p(row["p_dry_per_failure"]), _num(ev) if ev >= 0.01 else _p(ev),
                   _p(row["p_dry_per_run_approx"]), mc_p, mc_w)
     console.print(t)
     console.print(f"  Fewest spares with E(dry events per run) ≤ {_p(rep['inputs']['risk_target'])}: "
@@ -426,7 +423,8 @@ def _render_scaling(console, Table, rep: dict) -> None:
         label = f"[bold]{name}[/] (primary)" if name == sc["primary_model"] else name
         t.add_row(label, mdl["fit"], _s(mdl["recovery_at_scale_s"]),
                   f"{_s(lo)} – {_s(hi)}" if lo is not None else "n/a (2 points)",
-                  f"{_eta(mdl['eta_phoenix_at_scale'])}" + (f" \\[{_eta(elo)} – {_eta(ehi)}]" if elo is not None else ""))
+                  f"{_eta(mdl['eta_phoenix_at_scale'])}"
+                  + (f" \\[{_eta(elo)} – {_eta(ehi)}]" if elo is not None else ""))
     console.print(t)
     console.print(f"  At {G:,} GPUs MTTF_sys = {_s(sc['mttf_sys_at_scale_s'])}: η checkpoint-restart "
                   f"{_eta(sc['eta_ckpt_at_scale'])} (restart held at its given value), η PHOENIX with the hot-swap "

@@ -97,9 +97,14 @@ class RuntimeConfig:
             raise ConfigError("runtime.chunk_mb must be > 0")
 
 
+PHASES = ("begin", "forward", "optimizer", "d2h", "h2h", "recovery")
+
+
 @dataclass(frozen=True)
 class InjectConfig:
-    faults: tuple[dict, ...] = ()  # [{node: n1 | rank: 3, step: 20, mode: crash}]
+    # [{node: node1 | rank: 3, step: 20, mode: crash, phase: begin, gen: 0}]: phase is where in the step it
+    # fires (begin, forward, optimizer, d2h, h2h, recovery); gen: only from that generation on
+    faults: tuple[dict, ...] = ()
     chaos_mtbf_s: float = 0.0  # > 0: draw failures from an exponential distribution (soak runs)
     seed: int = 0
 
@@ -109,14 +114,16 @@ class InjectConfig:
         for f in self.faults:
             if not isinstance(f, Mapping):
                 raise ConfigError(f"inject.faults entries must be mappings, got {f!r}")
-            extra = set(f) - {"node", "rank", "step", "mode"}
+            extra = set(f) - {"node", "rank", "step", "mode", "phase", "gen"}
             if extra:
-                raise ConfigError(f"unknown key(s) {sorted(extra)} in inject.faults; valid: node, rank, step, mode")
+                raise ConfigError(f"unknown key(s) {sorted(extra)} in inject.faults; valid: node, rank, step, mode, phase, gen")
+            if f.get("phase", "begin") not in PHASES:
+                raise ConfigError(f"inject phase {f.get('phase')!r} unknown; valid: {', '.join(PHASES)}")
             if ("node" in f) == ("rank" in f):
                 raise ConfigError(f"each inject.faults entry needs exactly one of node or rank: {dict(f)}")
             if f.get("mode", "crash") not in MODES:
                 raise ConfigError(f"inject mode {f.get('mode')!r} unknown; valid: {', '.join(MODES)}")
-            if not isinstance(f.get("step", 0), int) or f.get("step", 0) < 0:
+            if f.get("step") is not None and (not isinstance(f["step"], int) or f["step"] < 0):
                 raise ConfigError(f"inject.faults step must be an integer >= 0: {dict(f)}")
         if self.chaos_mtbf_s < 0:
             raise ConfigError("inject.chaos_mtbf_s must be >= 0")

@@ -62,6 +62,8 @@ def execute_injection(sup, c: dict[str, Any]) -> tuple[bool, str, dict[str, Any]
         return True, f"armed {mode} on {node}{'' if slot is None else f' slot {slot}'} {when}", info
     if mode == "crash" and slot is None:
         sup.backend.kill_node(node)
+        if sup.nodes[node].group_rank is None:
+            info["immediate"] = False  # a spare holds no rank: its loss is a spare_lost, not an incident to classify
         return True, f"SIGKILLed node {node} (its agent and {sup.nproc} rank(s))", info
     P.Queue(sup.store, P.q_agent(node)).put({"cmd": "inject", "mode": "rank" if mode == "crash" else mode, "slot": slot})
     what = {"crash": "SIGKILL", "rank": "SIGKILL", "hang": "SIGSTOP"}[mode]

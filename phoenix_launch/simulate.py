@@ -392,7 +392,6 @@ def ring_loss_prob_step(shards: int, p: float, k: int) -> float:
     consecutive nodes all fail. Computed as 1 - trace(T^D) over the 2^k states "last k nodes' failure bits",
     forbidding k+1 consecutive failures; exact for D > k.
     """
-    m = k + 1
     if shards <= k:
         return p ** shards  # every node holds every shard; lost only if all fail
     n_states = 1 << k
@@ -404,7 +403,6 @@ def ring_loss_prob_step(shards: int, p: float, k: int) -> float:
             nxt = ((st << 1) | bit) & (n_states - 1)
             T[st, nxt] += w
     ok = float(np.trace(np.linalg.matrix_power(T, shards)))
-    del m
     return max(0.0, 1.0 - ok)
 
 
@@ -428,17 +426,29 @@ def simulate_shard_loss(shards: int, p: float, k: int, steps: int, trials: int, 
 
 
 def poisson_sf(k: int, mu: float) -> float:
-    """P(X >= k) for X ~ Poisson(mu)."""
+    """P(X >= k) for X ~ Poisson(mu), summed in log space (no underflow for large mu)."""
     if k <= 0:
         return 1.0
     if mu <= 0:
         return 0.0
-    term = math.exp(-mu)
-    cdf = term
-    for i in range(1, k):
-        term *= mu / i
-        cdf += term
-    return max(0.0, 1.0 - cdf)
+    log_mu = math.log(mu)
+
+    def logpmf(i: int) -> float:
+        return -mu + i * log_mu - math.lgamma(i + 1)
+
+    if k > mu:  # the upper tail directly: terms shrink by mu/(i+1) < 1
+        ref = logpmf(k)
+        total, i = 0.0, k
+        while True:
+            t = math.exp(logpmf(i) - ref)
+            total += t
+            if t < 1e-17 * total or i > k + 100_000:
+                break
+            i += 1
+        return min(1.0, math.exp(ref) * total)
+    logs = [logpmf(i) for i in range(k)]  # 1 - the lower tail
+    top = max(logs)
+    return max(0.0, 1.0 - math.exp(top) * sum(math.exp(x - top) for x in logs))
 
 
 def spare_dry_prob_per_failure(spare_rate: float, replenish_mean: float, spares: int) -> float:
@@ -452,12 +462,21 @@ def spare_dry_prob_per_failure(spare_rate: float, replenish_mean: float, spares:
 
 
 def spares_needed(spare_rate: float, replenish_mean: float, run_time: float, target: float,
-                  limit: int = 10_000) -> int:
+                  limit: int = 1_000_000) -> int:
     """Smallest spare count with expected dry events per run (rate * T * P_dry) <= target (Markov bound on P)."""
-    for s in range(limit + 1):
-        if spare_rate * run_time * spare_dry_prob_per_failure(spare_rate, replenish_mean, s) <= target:
-            return s
-    return limit
+    def ok(s: int) -> bool:
+        return spare_rate * run_time * spare_dry_prob_per_failure(spare_rate, replenish_mean, s) <= target
+
+    lo, hi = 0, max(1, int(spare_rate * replenish_mean * 2 + 10))
+    while not ok(hi) and hi < limit:
+        lo, hi = hi, min(limit, hi * 2)
+    while lo < hi:  # the expected dry events fall as spares grow
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -923,6 +942,10 @@ def _summarise_strategy(r: dict[str, np.ndarray], steps: int, step_time: float) 
     return out
 
 
+def _mean(x: np.ndarray) -> float | None:
+    return float(x.mean()) if len(x) else None
+
+
 def _summarise_phoenix_extras(r: dict[str, np.ndarray], cfg: SimConfig) -> dict:
     ok = ~r["censored"]
     T = int(ok.sum())
@@ -937,20 +960,20 @@ def _summarise_phoenix_extras(r: dict[str, np.ndarray], cfg: SimConfig) -> dict:
         },
         "loss": {
             "expected_per_run": {
-                "independent_k1": float(r["exp_loss_k1"][ok].mean()),
-                "independent_k2": float(r["exp_loss_k2"][ok].mean()),
-                f"independent_k{cfg.replicas}": float(r["exp_loss_k"][ok].mean()),
+                "independent_k1": _mean(r["exp_loss_k1"][ok]),
+                "independent_k2": _mean(r["exp_loss_k2"][ok]),
+                f"independent_k{cfg.replicas}": _mean(r["exp_loss_k"][ok]),
             },
             "runs_with_loss": int((r["losses"][ok] > 0).sum()),
-            "fallback_restarts_per_run": float(r["fallbacks"][ok].mean()),
+            "fallback_restarts_per_run": _mean(r["fallbacks"][ok]),
         },
-        "local_recoveries_per_run": float(r["local"][ok].mean()),
+        "local_recoveries_per_run": _mean(r["local"][ok]),
     }
     if cfg.domain_mttf_sys:
         out["loss"]["expected_per_run"].update({
-            "correlated_k1": float(r["exp_loss_dom_k1"][ok].mean()),
-            "correlated_k2": float(r["exp_loss_dom_k2"][ok].mean()),
-            f"correlated_k{cfg.replicas}": float(r["exp_loss_dom_k"][ok].mean()),
+            "correlated_k1": _mean(r["exp_loss_dom_k1"][ok]),
+            "correlated_k2": _mean(r["exp_loss_dom_k2"][ok]),
+            f"correlated_k{cfg.replicas}": _mean(r["exp_loss_dom_k"][ok]),
         })
     return out
 
@@ -980,11 +1003,12 @@ FT_HSDP_MTTF_GPU_S = 100_000 * 18 * 60.0
 
 PRESETS: dict[str, dict[str, Any]] = {
     "paper-example": {
-        "_about": "the paper's worked example (eqs. 1-6): MTTF_sys 1080 s, 20 s steps, K=100, 600 s restart, "
-                  "5 s amortised checkpoint overhead, 30 s hot-swap; loss risk with D=128, p=1e-6, q=1e-4",
-        "mttf_sys": "1080s", "step_time": "20s", "ckpt_every": "100", "restart": "600s", "ckpt_overhead": "5s",
-        "hotswap": "30s", "phx_ckpt_every": "0", "steps": "100000", "shards": "128", "p_node": "1e-6",
-        "q_domain": "1e-4", "replicas": "1", "spares": "33",  # 33: fewest with P(dry) <= 1% at 1 failure per 18 min
+        "_about": "the paper's worked example (eqs. 1-6), O(100K) GPUs: MTTF_sys 1080 s, 20 s steps, K=100, "
+                  "600 s restart, 5 s amortised checkpoint overhead, 30 s hot-swap; loss risk with D=128, p=1e-6, "
+                  "q=1e-4; 33 spares, the fewest with P(pool dry in the run) <= 1% at one failure per 18 min",
+        "gpus": "100000", "mttf_sys": "1080s", "step_time": "20s", "ckpt_every": "100", "restart": "600s",
+        "ckpt_overhead": "5s", "hotswap": "30s", "phx_ckpt_every": "0", "steps": "100000", "shards": "128",
+        "p_node": "1e-6", "q_domain": "1e-4", "replicas": "1", "spares": "33",
     },
     "paper-2.3b": {
         "_about": "the paper's 18.8x scenario: 2.3B model, 64 nodes (4 GPUs each), 100K steps of 2.08 s, "
@@ -1004,9 +1028,13 @@ PAPER_23B_TRAJECTORY = {"offsets_steps": (18, 2366), "phoenix_recovery_s": (32.6
 DEFAULTS: dict[str, Any] = {
     "gpus": "4096", "gpus_per_node": "8", "mttf_node": "2y", "step_time": "20s", "ckpt_every": "100",
     "restart": "600s", "hotswap": "30s", "spares": "2", "replicas": "1", "steps": "100000", "trials": "1000",
-    "seed": "0", "replenish": "4h", "domain_size": "8", "transient_frac": "0", "unhandled_frac": "0",
+    "seed": "0", "replenish": "4h", "cold_spare": "restart", "domain_size": "8", "transient_frac": "0",
+    "unhandled_frac": "0",
     "project_to": "100000", "risk_target": "0.01",
 }
+
+
+MAX_TRIALS = 200_000
 
 
 def read_run_events(run_dir: str | Path) -> dict:
@@ -1262,7 +1290,8 @@ class Inputs:
             steps=self.steps, step_time=self.step_time, mttf_node_sys=self.mttf_node_sys, restart=self.restart,
             hotswap=self.hotswap, ckpt_every=self.ckpt_every, ckpt_write=self.ckpt_write,
             phx_ckpt_every=self.phx_ckpt_every, spares=self.spares, replenish=self.replenish,
-            cold_spare=self.cold_spare, replicas=self.replicas, shards=self.shards, node_rate=node_rate, domain_mttf_sys=dom_sys,
+            cold_spare=self.cold_spare, replicas=self.replicas, shards=self.shards, node_rate=node_rate,
+            domain_mttf_sys=dom_sys,
             domain_size=self.domain_size, domain_count=self.domains,
             domain_rate=(1.0 / self.mttf_domain) if self.mttf_domain else 0.0,
             transient_frac=self.transient_frac, unhandled_frac=self.unhandled_frac, trials=self.trials,
@@ -1316,9 +1345,11 @@ def resolve_inputs(explicit: dict[str, Any] | None = None, preset: str | None = 
     steps = cnt("steps", 1)
     ckpt_every = cnt("ckpt_every", 1)
     trials = cnt("trials", 1)
+    if trials > MAX_TRIALS:
+        raise SimulateInputError(f"--trials: at most {MAX_TRIALS:,} (memory grows with trials), got {vals['trials']!r}")
     seed = cnt("seed", 0)
     spares = cnt("spares", 0)
-    replicas = cnt("replicas", 1)
+    replicas = cnt("replicas", 0)
     domain_size = cnt("domain_size", 1)
     project_to = cnt("project_to", 1)
     transient = parse_fraction(vals["transient_frac"], "--transient-frac")
@@ -1330,7 +1361,13 @@ def resolve_inputs(explicit: dict[str, Any] | None = None, preset: str | None = 
     restart = parse_dist(vals["restart"], "--restart")
     hotswap = parse_dist(vals["hotswap"], "--hotswap")
     replenish = parse_dist(vals["replenish"], "--replenish")
-    cold_spare = dur("cold_spare") if vals.get("cold_spare") is not None else None
+    cs = str(vals.get("cold_spare", "restart")).strip().lower()
+    if cs == "restart":
+        cold_spare = restart.mean  # a node from the scheduler: what checkpoint-restart is assumed to get
+    elif cs in ("none", "off", "inf", "never"):
+        cold_spare = None          # wait for a repaired node, as Algorithm 2's blocking acquire does
+    else:
+        cold_spare = dur("cold_spare")
 
     trace_arr = None
     if trace is not None:
@@ -1394,7 +1431,8 @@ def resolve_inputs(explicit: dict[str, Any] | None = None, preset: str | None = 
         gpus=gpus, gpus_per_node=gpn, nodes=nodes, mttf_node=mttf_node, mttf_sys=mttf_sys,
         mttf_node_sys=mttf_node_sys, step_time=step_time, ckpt_every=ckpt_every, ckpt_write=ckpt_write,
         ckpt_overhead=ckpt_overhead, phx_ckpt_every=phx_ckpt_every, restart=restart, hotswap=hotswap,
-        spares=spares, replenish=replenish, cold_spare=cold_spare, replicas=replicas, shards=shards, p_node=p_node, q_domain=q,
+        spares=spares, replenish=replenish, cold_spare=cold_spare, replicas=replicas, shards=shards, p_node=p_node,
+        q_domain=q,
         q_source=q_src, mttf_domain=mttf_domain, domain_size=domain_size, transient_frac=transient,
         unhandled_frac=unhandled, steps=steps, trials=trials, seed=seed, trace=trace_arr,
         trace_path=str(trace) if trace is not None else None, scale_points=pts, scale_source=scale_src,
@@ -1510,7 +1548,22 @@ def analyse(inp: Inputs, run_mc: bool = True) -> dict:
         rep["monte_carlo"] = mc
     rep["scaling"] = _scaling(inp)
     rep["elapsed_s"] = time.perf_counter() - t0
-    return rep
+    return _finite(rep)
+
+
+def _finite(o: Any) -> Any:
+    """Plain JSON-ready data: numpy scalars to Python numbers, NaN and infinities to None."""
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    if isinstance(o, np.ndarray):
+        return [_finite(v) for v in o.tolist()]
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (float, np.floating)):
+        return float(o) if math.isfinite(o) else None
+    return o
 
 
 def _paper_trajectory_section(inp: Inputs, res: dict) -> dict:
@@ -1584,11 +1637,12 @@ def plot_efficiency(inp: Inputs, path: str | Path) -> str:
     c, lo, hi = fit.predict(g)
     e_fit = mttf / (mttf + c + ts / 2)
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(g, e_ck, label=f"checkpoint-restart (K={inp.ckpt_every}, restart {format_duration(inp.restart.mean)})")
-    ax.plot(g, e_fixed, label=f"PHOENIX, hot-swap fixed at {format_duration(inp.hotswap.mean)}")
-    ax.plot(g, e_fit, "--", label=f"PHOENIX, hot-swap scaled: {fit.describe()}")
+    ax.plot(g, e_ck, color="tab:red",
+            label=f"checkpoint-restart (K={inp.ckpt_every}, restart {format_duration(inp.restart.mean)})")
+    ax.plot(g, e_fixed, color="tab:blue", label=f"PHOENIX, hot-swap fixed at {format_duration(inp.hotswap.mean)}")
+    ax.plot(g, e_fit, "--", color="tab:green", label=f"PHOENIX, hot-swap scaled: {fit.describe()}")
     if lo is not None:
-        ax.fill_between(g, mttf / (mttf + hi + ts / 2), mttf / (mttf + lo + ts / 2), alpha=0.2,
+        ax.fill_between(g, mttf / (mttf + hi + ts / 2), mttf / (mttf + lo + ts / 2), color="tab:green", alpha=0.15,
                         label="95% prediction band of the fit")
     ax.axvline(inp.gpus, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log")

@@ -371,14 +371,26 @@ class Supervisor:
         return mem
 
     def hotswap(self, d: D.Decision, inc: Incident, now: float) -> None:
-        failed, spare = self.nodes[d.node], self.nodes[d.spare]
-        self._exclude(failed.name, d.reason)
-        spare.group_rank, failed.group_rank = failed.group_rank, None
-        self._node_transition(spare, NodeState.JOINING, f"replaces {failed.name}")
-        ranks = [P.RankSlot(r.rank, spare.name if r.node == failed.name else r.node, r.slot) for r in self.members.ranks]
+        """Replace the failed node -- and every other node lost in the same incident -- by warm spares."""
+        failed = [d.node] + [n for n in inc.lost if n != d.node]
+        failed = [n for n in dict.fromkeys(failed) if self.nodes[n].group_rank is not None]
+        spares = list(self.spares())
+        if len(spares) < len(failed):
+            for n in failed:
+                self._exclude(n, d.reason)
+            self.stop(f"{d.reason}; {len(failed)} nodes lost and only {len(spares)} spare(s) left", D.EXIT_UNRECOVERABLE, now)
+            return
+        swap = dict(zip(failed, spares))
+        for f, sp in swap.items():
+            fn, spn = self.nodes[f], self.nodes[sp]
+            self._exclude(f, d.reason)
+            spn.group_rank, fn.group_rank = fn.group_rank, None
+            self._node_transition(spn, NodeState.JOINING, f"replaces {f}")
+        ranks = [P.RankSlot(r.rank, swap.get(r.node, r.node), r.slot) for r in self.members.ranks]
         self._begin_recovery(d, inc, now)
         mem = self._publish(ranks, d.reason)
-        self.events.emit("hotswap", gen=mem.gen, failed=failed.name, spare=spare.name, joiners=list(mem.joiners), spares_left=len(self.spares()))
+        for f, sp in swap.items():
+            self.events.emit("hotswap", gen=mem.gen, failed=f, spare=sp, joiners=[r.rank for r in ranks if r.node == sp], spares_left=len(self.spares()))
 
     def local_recovery(self, d: D.Decision, inc: Incident, now: float) -> None:
         node = self.nodes.get(d.node) if d.node else None

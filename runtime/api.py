@@ -305,6 +305,7 @@ class Trainer:
             self._faults = [dict(f, id=f"cfg{i}") for i, f in enumerate(cfg.get("faults", []))]
             ctx.ctl.on_fault.append(self._on_fault)
         self.model = module
+        self._hook_optimizer()
         if ctx.joining and self.protect_on:
             self._rejoin(ctx.gen, t_marks={"t0": time.time()})
         else:
@@ -334,6 +335,19 @@ class Trainer:
         else:
             self.model = self.module
 
+    def _hook_optimizer(self) -> None:
+        """Fault injection "during the optimizer step": after the local update, before ZeRO's broadcast."""
+        if self._faults or self.ctx.managed:
+            local = getattr(self.optimizer, "optim", self.optimizer)
+            if hasattr(local, "register_step_post_hook"):
+                local.register_step_post_hook(lambda opt, args, kwargs: self._fire(self.step_idx, "optimizer"))
+
+    def _fault_hook(self, point: str, index: int, data):
+        """Fault injection inside the D2H copy (before its second tensor) and the H2H copy (a chunk)."""
+        if (point == "d2h_tensor" and index == 1) or (point == "h2h_chunk" and index == 0):
+            self._fire(self.step_idx, "d2h" if point == "d2h_tensor" else "h2h")
+        return None
+
     def _rebuild_optimizer(self) -> None:
         """ZeRO keeps the group it was built with: rebuild it on the new one, keeping the local state."""
         if self.kind != "zero":
@@ -352,6 +366,7 @@ class Trainer:
         )
         S.load_optim(new, named, scalars)
         self.optimizer = new
+        self._hook_optimizer()
 
     def _layout(self):
         from phoenix_runtime.layout import Layout
@@ -393,7 +408,10 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.stop()
         old = self.d2h
-        self.d2h = D2H(self.ctx.device, lambda: S.optim_named(self.optimizer), lambda: S.param_named(self.module))
+        self.d2h = D2H(
+            self.ctx.device, lambda: S.optim_named(self.optimizer), lambda: S.param_named(self.module),
+            fault=self._fault_hook if self._faults else None,
+        )
         self._old_d2h = old  # its committed snapshots stay usable until the new engine has its own
         self.pipeline = _Pipeline(self.d2h, self.replicator, self.replica_timeout)
         self._sig = sig
@@ -427,6 +445,7 @@ class Trainer:
                 self._ensure_d2h()
                 self.d2h.start(k, meta)
                 self.pipeline.q.put(k)
+            self._fire(k, "forward")
             yield self
             self._check_generation()
         except BaseException as e:
@@ -451,8 +470,7 @@ class Trainer:
             self.stats["last_wait_s"] = time.perf_counter() - t0
         self.phase = "optimizer"
         self.opt_started = True
-        self._fire(k, "optimizer")
-        self.optimizer.step()
+        self.optimizer.step()  # phase "optimizer" faults fire inside it (a post-hook of the local optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.phase = "post"
 
@@ -513,6 +531,8 @@ class Trainer:
     def _fire(self, step: int, phase: str) -> None:
         for f in list(self._faults):
             if f.get("step") is not None and f["step"] != step:
+                continue
+            if f.get("gen") is not None and self.ctx.gen < f["gen"]:
                 continue
             if f.get("phase", "begin") != phase:
                 continue
@@ -599,6 +619,7 @@ class Trainer:
     def _rejoin(self, gen: int, t_marks: dict, live: tuple[int, bool] | None = None) -> None:
         """Algorithm 2 on this rank: agree on the plan, restore, transfer, rebuild, resume."""
         ctx = self.ctx
+        self._fire(self.step_idx, "recovery")
         layout = self._layout()
         descs = ctx.exchange(gen, self._descriptor(live))
         dp_groups = {r: layout.dp_group(r) for r in range(ctx.world_size)}

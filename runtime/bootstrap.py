@@ -130,8 +130,10 @@ def main() -> None:
     start_control()
     if role == P.ROLE_SPARE:
         prewarm(argv)
+        print(f"[phoenix {time.strftime('%H:%M:%S')}] spare warm: waiting for an assignment", file=sys.stderr, flush=True)
         assignment = wait_for_assignment()
-        print(f"[phoenix {time.strftime('%H:%M:%S')}] spare assigned rank {assignment['rank']} in generation {assignment['gen']}", file=sys.stderr, flush=True)
+        t = time.time()
+        print(f"[phoenix {time.strftime('%H:%M:%S', time.localtime(t))}.{int(t % 1 * 1000):03d}] spare assigned rank {assignment['rank']} in generation {assignment['gen']}", file=sys.stderr, flush=True)
         os.environ.update({k: str(v) for k, v in assignment["env"].items()})
         os.environ[P.ENV_GEN] = str(assignment["gen"])
         os.environ[P.ENV_JOINING] = "1"

@@ -87,6 +87,8 @@ __all__ = [
     "Replicator",
     "host_bytes_required",
     "check_host_memory",
+    "send_snapshot",
+    "recv_snapshot",
 ]
 
 MAGIC = 0x50484E58  # "PHNX"
@@ -601,6 +603,9 @@ class Replicator:
         elif snap.step != step:
             local_err = f"snapshot step {snap.step} != submitted step {step}"
         self.stats["d2h_wait_s"] = time.monotonic() - t_job
+        if self._stopping:
+            self._finish(step, failure=(None, "replicator stopped"))
+            return
         with self._cond:
             st = self._steps[step]
             st.local_ok = local_err is None
@@ -857,3 +862,105 @@ class Replicator:
                 T.abort()
             except Exception:  # noqa: BLE001
                 pass
+
+
+# ---------------------------------------------------------------------------------------------
+# one-off verified transfers (recovery: a holder sends a replica to the replacement rank)
+# ---------------------------------------------------------------------------------------------
+
+def send_snapshot(transport: Transport, dst: int, snap: Snapshot, timeout: float = 60.0, chunk_bytes: int = 4 << 20) -> None:
+    """Send ``snap``'s optimizer region + envelope to ``dst`` and wait for its verified ack.
+
+    Same wire format as the replicator's (so do not run it on a transport a live ``Replicator``
+    uses). The snapshot is re-verified first: a replica corrupted at rest is never propagated.
+    Raises ``ReplicationError`` naming ``dst`` on any failure.
+    """
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(0.001, deadline - time.monotonic())
+
+    if not snap.verify():
+        raise ReplicationError(f"refusing to send step {snap.step}: it fails its checksum here", step=snap.step, cause="corrupt at rest")
+    region = snap.optim_bytes()
+    nbytes = region.numel()
+    env_t = torch.frombuffer(bytearray(snap.envelope()), dtype=torch.uint8)
+    cb = max(int(chunk_bytes), -(-nbytes // MAX_CHUNKS))
+    chunks = [region[o: o + cb] for o in range(0, nbytes, cb)]
+    header = _hdr(MAGIC, VERSION, snap.step, 0, nbytes, env_t.numel(), snap.checksum, cb, len(chunks))
+    ack = torch.empty(HDR_WORDS * 8, dtype=torch.uint8)
+    try:
+        ack_w = transport.irecv(dst, ack, TAG_ACK)
+        works = [transport.isend(dst, header, TAG_HEADER), transport.isend(dst, env_t, TAG_ENVELOPE)]
+        works += [transport.isend(dst, c, TAG_CHUNK0 + i) for i, c in enumerate(chunks)]
+        ack_w.wait(left())
+    except TransportError as e:
+        raise ReplicationError(f"sending step {snap.step} to rank {dst} failed: {e}", step=snap.step, peer=dst, cause=str(e)) from e
+    magic, _, astep, status, seen = _words(ack)[:5]
+    if magic != MAGIC or astep != snap.step or status != ACK_OK:
+        raise ReplicationError(
+            f"rank {dst} rejected step {snap.step}: {_ACK_NAMES.get(status, status)} (crc seen {seen:#010x})",
+            step=snap.step, peer=dst, cause=_ACK_NAMES.get(status, str(status)),
+        )
+    for w in works:
+        try:
+            w.wait(left())
+        except TransportError as e:
+            raise ReplicationError(f"sending step {snap.step} to rank {dst} failed: {e}", step=snap.step, peer=dst, cause=str(e)) from e
+
+
+def recv_snapshot(transport: Transport, src: int, timeout: float = 60.0, step: Optional[int] = None, pin: bool = False) -> Snapshot:
+    """Receive a snapshot sent with ``send_snapshot``; verified (CRC-32) before it is returned and acked.
+
+    Returns a standalone ``Snapshot`` (optimizer region + meta, ``param_index`` empty) in a fresh
+    host buffer. ``step``: the expected step (``None``: any). ``ReplicationError`` on failure.
+    """
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(0.001, deadline - time.monotonic())
+
+    def nack(status: int, got_step: int, seen: int = 0) -> None:
+        try:
+            transport.isend(src, _hdr(MAGIC, VERSION, got_step, status, seen), TAG_ACK).wait(left())
+        except TransportError:
+            pass
+
+    hdr = torch.empty(HDR_WORDS * 8, dtype=torch.uint8)
+    try:
+        transport.irecv(src, hdr, TAG_HEADER).wait(left())
+    except TransportError as e:
+        raise ReplicationError(f"receiving a snapshot from rank {src} failed: {e}", peer=src, cause=str(e)) from e
+    magic, ver, hstep, flags, nbytes, env_len, crc, cb, nchunks = _words(hdr)[:9]
+    if magic != MAGIC or ver != VERSION or flags or (step is not None and hstep != step):
+        nack(ACK_BAD_HEADER, hstep)
+        raise ReplicationError(f"bad snapshot header from rank {src} (step {hstep}, expected {step})", step=hstep, peer=src, cause="bad header")
+    buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=bool(pin and torch.cuda.is_available()))
+    env_buf = torch.empty(env_len, dtype=torch.uint8)
+    views = [buf[o: o + cb] for o in range(0, nbytes, cb)] if cb > 0 else []
+    if len(views) != nchunks:
+        nack(ACK_BAD_HEADER, hstep)
+        raise ReplicationError(f"bad snapshot header from rank {src}: {nchunks} chunks for {nbytes} B", step=hstep, peer=src, cause="bad header")
+    try:
+        env_w = transport.irecv(src, env_buf, TAG_ENVELOPE)
+        ws = [transport.irecv(src, v, TAG_CHUNK0 + i) for i, v in enumerate(views)]
+        run = 0
+        for v, w in zip(views, ws):
+            w.wait(left())
+            run = checksum(v, run)
+        env_w.wait(left())
+    except TransportError as e:
+        raise ReplicationError(f"snapshot of step {hstep} from rank {src} torn: {e}", step=hstep, peer=src, cause=str(e)) from e
+    env_bytes = bytes(env_buf.numpy())
+    run = zlib.crc32(env_bytes, run)
+    if run != crc:
+        nack(ACK_BAD_CHECKSUM, hstep, run)
+        raise ReplicationError(f"snapshot of step {hstep} from rank {src} failed its checksum", step=hstep, peer=src, cause="checksum mismatch")
+    env = decode_envelope(env_bytes)
+    snap = Snapshot(step=hstep, meta=env["meta"], optim_index=env["optim_index"], param_index=[], buffer=buf,
+                    optim_nbytes=nbytes, checksum=crc)
+    try:
+        transport.isend(src, _hdr(MAGIC, VERSION, hstep, ACK_OK, run), TAG_ACK).wait(left())
+    except TransportError as e:
+        raise ReplicationError(f"acking step {hstep} to rank {src} failed: {e}", step=hstep, peer=src, cause=str(e)) from e
+    return snap

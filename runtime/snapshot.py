@@ -212,7 +212,7 @@ class Packer:
         return {k: v.clone() for k, v in Packer.views(index, buf).items()}
 
 
-@dataclass
+@dataclass(eq=False)
 class Snapshot:
     """One committed snapshot (local: optimizer + parameter regions; replica: optimizer region only).
 
@@ -409,6 +409,8 @@ class D2H:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"D2H on {self.device} but CUDA is not available")
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._pin = self.cuda if pin is None else bool(pin)
         self._optim_fn = optim_named_fn
         self._param_fn = param_named_fn

@@ -251,6 +251,7 @@ def scenario_corrupt(rank, n, group, store, a, outdir):
         except ReplicationError as e:
             res["errors"][step] = {"msg": str(e), "peer": e.peer}
         res["own"][step] = _own_sha(tr)
+        res.setdefault("own_tensors", {})[step] = _tensors_sha({k: v.clone() for k, v in tr.optim_named()})
         if step == 1 and rank == 0:
             # the torn (corrupt) staging was not committed: rank 0 still holds S_0 of rank 1
             res["held_after_corrupt"] = {str(k): sorted(v) for k, v in rep.replicas().items()}
@@ -262,6 +263,27 @@ def scenario_corrupt(rank, n, group, store, a, outdir):
     res["checksum_failures"] = rep.stats["checksum_failures"]
     res["broken"] = rep.broken is not None
     res["stopped"] = rep.stop(5)
+    # recovery-style transfer on the same transport: rank 0 gives rank 1 back its replica of S_2
+    from phoenix_runtime.replication import recv_snapshot, send_snapshot
+
+    if rank == 0:
+        held = rep.replicas()[lay.shard_of(1)]
+        s0 = held[0]
+        s0.buffer[0] ^= 1  # corrupt at rest: refused before anything is sent
+        try:
+            send_snapshot(rep.transport, 1, s0, timeout=20)
+            res["sent_corrupt"] = True
+        except ReplicationError as e:
+            res["sent_corrupt"] = False
+            res["refused"] = str(e)
+        s0.buffer[0] ^= 1
+        send_snapshot(rep.transport, 1, held[2], timeout=30, chunk_bytes=1000)
+    else:
+        got = recv_snapshot(rep.transport, 0, timeout=30, step=2)
+        res["restored_sha"] = _sha(got.optim_bytes())
+        res["restored_meta"] = got.meta
+        res["restored_verify"] = got.verify()
+        res["restored_tensors"] = _tensors_sha(got.optim_tensors())
     d2h.stop(5)
     return res
 
@@ -338,7 +360,8 @@ def scenario_contract(rank, n, group, store, a, outdir):
         threading.Timer(0.3, T.abort).start()
     t0 = time.monotonic()
     try:
-        w.wait(60)
+        # the peer of an MPI abort is not notified: it only checks that its wait is bounded
+        w.wait(60 if (rank == 0 or a["transport"] == "gloo") else 2)
         res["abort"] = "completed?!"
     except TransportError as e:
         res["abort"] = "failed"
@@ -365,11 +388,16 @@ def _worker_main(argv: list[str]) -> int:
     scenario, rank, n, port, outdir, args = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4]), json.loads(argv[5])
     import torch.distributed as dist
 
+    if rank < 0:  # started by mpiexec
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.Get_rank()
+
     torch.set_num_threads(1)
     import faulthandler
 
     faulthandler.dump_traceback_later(float(args.get("dump_after", 35)), exit=False)  # stacks if we hang
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30)) if port else None
     group = None
     if args["transport"] == "gloo":
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=n,
@@ -402,17 +430,22 @@ def _run(scenario: str, n: int, tmp_path: Path, args: dict, timeout: float = RUN
     import torch.distributed as dist
 
     args = dict(args, dump_after=max(5.0, timeout - 15))
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = []
     logs = []
     base = [sys.executable, str(HERE), scenario]
-    for r in range(n):
-        log = open(tmp_path / f"log{r}.txt", "w")
+    if args.get("transport") == "mpi":  # one mpiexec launches all ranks; no store
+        log = open(tmp_path / "log0.txt", "w")
         logs.append(log)
-        cmd = base + [str(r), str(n), str(store.port), str(tmp_path), json.dumps(args)]
+        cmd = ["mpiexec", "-n", str(n)] + base + ["-1", str(n), "0", str(tmp_path), json.dumps(args)]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+        for r in range(n):
+            log = open(tmp_path / f"log{r}.txt", "w")
+            logs.append(log)
+            cmd = base + [str(r), str(n), str(store.port), str(tmp_path), json.dumps(args)]
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):
@@ -432,6 +465,8 @@ def _run(scenario: str, n: int, tmp_path: Path, args: dict, timeout: float = RUN
                 p.kill()
                 p.wait(10)
     codes = {r: p.returncode for r, p in enumerate(procs)}
+    if len(procs) == 1 and n > 1:  # mpiexec: one exit code for all ranks
+        codes = {r: procs[0].returncode for r in range(n)}
     results = {}
     for r in range(n):
         f = tmp_path / f"r{r}.json"
@@ -458,14 +493,14 @@ TRANSPORTS = [
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_transport_contract(transport, tmp_path):
-    if transport == "mpi":
-        pytest.skip("the MPI contract run needs mpiexec as the launcher; wire it in where mpi4py is installed")
     codes, res = _run("contract", 2, tmp_path, {"transport": transport})
     assert codes == {0: 0, 1: 0}, _logs(tmp_path, 2)
     for r in (0, 1):
         assert res[r]["roundtrip"], res
         assert res[r]["abort"] == "failed", res
         assert res[r]["abort_s"] < 10.0, res  # not the 60 s wait timeout
+    # gloo closes the pair, so the peer's pending op fails too; MPI cannot notify the peer
+    for r in ((0, 1) if transport == "gloo" else (0,)):
         assert res[r]["after_abort"] == "unusable", res
 
 
@@ -474,8 +509,6 @@ def test_transport_contract(transport, tmp_path):
 def test_replica_equals_sender_shard_bit_for_bit_tp2(transport, tmp_path):
     """4 ranks, tp=2 x dp=2, k=1: each replica of S_k equals the sender's optimizer shard at the
     start of step k (= after step k-1's update), byte for byte and tensor for tensor."""
-    if transport == "mpi":
-        pytest.skip("needs mpiexec")
     from phoenix_runtime.layout import Layout
 
     n, steps = 4, 4
@@ -575,6 +608,10 @@ def test_corrupt_replica_is_detected_by_checksum(tmp_path):
     assert sorted(held) == ["0", "2"]
     for s in ("0", "2"):
         assert held[s]["sha"] == r1["own"][s] and held[s]["verify"]
+    # send_snapshot / recv_snapshot (recovery path): verified transfer, corrupt-at-rest refused
+    assert r0["sent_corrupt"] is False and "checksum" in r0["refused"]
+    assert r1["restored_sha"] == r1["own"]["2"] and r1["restored_verify"]
+    assert r1["restored_tensors"] == r1["own_tensors"]["2"] and r1["restored_meta"] == {"step": 2}
 
 
 @pytest.mark.timeout(200)

@@ -220,15 +220,20 @@ class SlurmBackend:
         return True, f"drained in Slurm ({argv[-1]})"
 
     def stop_all(self, grace: float) -> None:
+        """Every agent step ends: first on the supervisor's stop command (already sent over the control
+        plane), then on SIGTERM to its step, finally SIGKILL; replenishment jobs are cancelled."""
         live = {n: p for n, p in self.procs.items() if p.poll() is None}
         steps = self._steps() if live else {}
-        ids = [steps[self.step_names[n]] for n in live if self.step_names.get(n) in steps]
-        if ids:
-            self._quiet(["scancel", "--signal=TERM", *ids])  # the agents stop their ranks with grace
         rep = [j for j in self.replenish_jobs.values() if j]
         if rep:
             self._quiet(["scancel", *rep])  # pending ones go at once; running ones get SIGTERM, then SIGKILL
-        deadline = time.monotonic() + grace + 1.0
+        deadline = time.monotonic() + grace / 2
+        while time.monotonic() < deadline and any(p.poll() is None for p in live.values()):
+            time.sleep(0.05)
+        ids = [steps[self.step_names[n]] for n, p in live.items() if p.poll() is None and self.step_names.get(n) in steps]
+        if ids:
+            self._quiet(["scancel", "--signal=TERM", *ids])  # the agents stop their ranks with grace
+        deadline = time.monotonic() + grace / 2 + 1.0
         while time.monotonic() < deadline and any(p.poll() is None for p in live.values()):
             time.sleep(0.05)
         left = [n for n, p in live.items() if p.poll() is None]

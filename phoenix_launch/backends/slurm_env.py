@@ -537,11 +537,11 @@ def agent_srun_command(node: str, argv: Sequence[str], extra: Sequence[str] = ()
 
 
 def submit_environ(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment for ``sbatch`` run from inside a job: without this job's ``SLURM_*``, ``SBATCH_*`` and
-    ``SALLOC_*`` variables (they describe this allocation, and sbatch reads some of them as its own input),
-    but with ``SLURM_CONF`` (which cluster to talk to)."""
+    """The environment for ``sbatch`` run from inside a job: without this job's ``SLURM_*``, ``SLURMD_*``,
+    ``SBATCH_*`` and ``SALLOC_*`` variables (they describe this allocation, and sbatch reads some of them as
+    its own input), but with ``SLURM_CONF`` (which cluster to talk to)."""
     return {k: v for k, v in environ.items()
-            if not k.startswith(("SLURM_", "SBATCH_", "SALLOC_")) or k == "SLURM_CONF"}
+            if not k.startswith(("SLURM_", "SLURMD_", "SBATCH_", "SALLOC_")) or k == "SLURM_CONF"}
 
 
 def spare_batch_script(agent_argv: Sequence[str], *, job_name: str = "phoenix-spare") -> str:

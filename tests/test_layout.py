@@ -1,0 +1,180 @@
+"""Layout, shard identity and replica placement (pure, torch-free)."""
+
+from __future__ import annotations
+
+import random
+import sys
+import warnings
+
+import pytest
+
+from phoenix_runtime.layout import Layout, PlacementError, PlacementWarning, ShardId
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_layout_module_is_torch_free():
+    import subprocess
+
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "runtime" / "layout.py"
+    # load the file alone (the package __init__ may import torch for the public API)
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('phx_layout_alone', {str(path)!r})\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; spec.loader.exec_module(m)\n"
+        "assert m.Layout(4).replica_targets(0, 1) == [1]\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_shard_id_str_parse_order():
+    s = ShardId("optim", 3, 4, 0, 1)
+    assert str(s) == "optim/dp3of4/tp0/pp1"
+    assert ShardId.parse("optim/dp3of4/tp0/pp1") == s
+    assert ShardId.parse(str(ShardId("optim", 0, 1))) == ShardId("optim", 0, 1, 0, 0)
+    assert sorted([ShardId("optim", 2, 4), ShardId("optim", 1, 4)])[0].dp == 1
+    assert len({s, ShardId.parse(str(s))}) == 1  # hashable, equal
+    for bad in ("optim/dp4of4/tp0/pp0", "optim/dp1of4/tp0", "x", "/dp0of1/tp0/pp0"):
+        with pytest.raises(ValueError):
+            ShardId.parse(bad)
+
+
+def test_megatron_rank_order():
+    lay = Layout(16, tp_size=2, pp_size=2)
+    assert lay.dp_size == 4
+    for r in range(16):
+        pp, dp, tp = lay.coord(r)
+        assert r == (pp * lay.dp_size + dp) * lay.tp_size + tp
+        assert lay.rank_of(pp, dp, tp) == r
+    assert lay.coord(0) == (0, 0, 0)
+    assert lay.coord(1) == (0, 0, 1)  # tp fastest
+    assert lay.coord(2) == (0, 1, 0)  # then dp
+    assert lay.coord(8) == (1, 0, 0)  # then pp
+    assert lay.dp_group(5) == [1, 3, 5, 7]
+    assert lay.dp_group(9) == [9, 11, 13, 15]
+    with pytest.raises(ValueError):
+        Layout(6, tp_size=4)
+    with pytest.raises(ValueError):
+        Layout(4, nodes=("a", "b"))
+
+
+def test_shard_identity_survives_renumbering():
+    """A shard is found by identity in a new layout, whatever rank now holds it."""
+    lay = Layout(8, tp_size=2, nodes=tuple("aabbccdd"))
+    shard = lay.shard_of(5)
+    assert str(shard) == "optim/dp2of4/tp1/pp0"
+    assert lay.rank_holding(shard) == 5
+    # a spare replaces node c: same layout shape, other node names -> same owner for the identity
+    lay2 = Layout(8, tp_size=2, nodes=tuple("aabbeedd"))
+    assert lay2.rank_holding(shard) == 5
+    with pytest.raises(ValueError):
+        Layout(4, tp_size=2).rank_holding(shard)  # dp_size differs
+
+
+def _check_consistent(lay: Layout, k: int):
+    for r in range(lay.world_size):
+        t = lay.replica_targets(r, k)
+        s = lay.replica_sources(r, k)
+        assert len(t) == k == len(set(t)) and r not in t
+        assert len(s) == k == len(set(s)) and r not in s
+        for x in t:
+            assert lay.dp_group(x) == lay.dp_group(r)  # same (pp, tp)
+            assert r in lay.replica_sources(x, k)
+        for x in s:
+            assert r in lay.replica_targets(x, k)
+    # every rank holds exactly k replicas (balanced memory)
+    held = [0] * lay.world_size
+    for r in range(lay.world_size):
+        for x in lay.replica_targets(r, k):
+            held[x] += 1
+    assert held == [k] * lay.world_size
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_targets_and_sources_are_inverse(k):
+    lay = Layout(24, tp_size=2, pp_size=3, nodes=tuple(f"n{r // 4}" for r in range(24)))
+    _check_consistent(lay, k)
+
+
+def test_prefers_other_nodes_in_any_rank_order():
+    # 6 DP ranks on 3 nodes, listed node by node: k=2 puts the two replicas on the two other nodes
+    lay = Layout(6, nodes=("a", "a", "b", "b", "c", "c"))
+    _check_consistent(lay, 2)
+    for r in range(6):
+        nodes = [lay.node_of(x) for x in [r] + lay.replica_targets(r, 2)]
+        assert len(set(nodes)) == 3, (r, nodes)
+    assert lay.placement_conflicts(2) == []
+
+
+def test_prefers_other_domains_after_nodes():
+    # 8 ranks, 4 nodes, 2 racks: k=1 replicas go to another rack
+    lay = Layout(8, nodes=tuple("aabbccdd"), domains=tuple("xxxxyyyy"))
+    _check_consistent(lay, 1)
+    for r in range(8):
+        (t,) = lay.replica_targets(r, 1)
+        assert lay.domain_of(t) != lay.domain_of(r)
+    assert lay.placement_conflicts(1) == []
+
+
+def test_placement_is_deterministic_and_order_free_of_history():
+    nodes = tuple(f"n{i % 5}" for i in range(20))
+    a = Layout(20, nodes=nodes)
+    b = Layout(20, nodes=nodes)
+    assert [a.replica_targets(r, 2) for r in range(20)] == [b.replica_targets(r, 2) for r in range(20)]
+
+
+def test_randomised_equal_node_groups_have_no_node_conflicts():
+    rng = random.Random(7)
+    for _ in range(150):
+        n_nodes = rng.randint(2, 10)
+        per = rng.randint(1, 4)
+        k = rng.randint(1, 3)
+        if n_nodes < k + 1:
+            continue
+        nodes = [f"n{i}" for i in range(n_nodes) for _ in range(per)]
+        rng.shuffle(nodes)
+        lay = Layout(len(nodes), nodes=tuple(nodes))
+        _check_consistent(lay, k)
+        conflicts = [c for c in lay.placement_conflicts(k) if "share node" in c]
+        assert conflicts == [], (nodes, k, conflicts)
+
+
+def test_unknown_nodes_are_distinct():
+    lay = Layout(4)
+    assert [lay.replica_targets(r, 1) for r in range(4)] == [[1], [2], [3], [0]]
+    assert lay.placement_conflicts(3) == []
+
+
+def test_conflicts_reported_when_unavoidable():
+    lay = Layout(4, nodes=("a", "a", "b", "c"))
+    _check_consistent(lay, 2)
+    assert lay.placement_conflicts(2)  # a ring of 4 over nodes a,a,b,c cannot separate k=2 windows
+
+
+def test_too_small_dp_group():
+    lay = Layout(4, tp_size=2)  # dp_size 2
+    assert lay.replica_targets(0, 1) == [2]
+    with pytest.raises(PlacementError, match=r"k=2 needs at least k\+1=3 ranks .* has 2"):
+        lay.replica_targets(0, 2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert lay.replica_targets(0, 2, strict=False) == [2]
+        assert lay.replica_sources(0, 2, strict=False) == [2]
+    assert any(issubclass(x.category, PlacementWarning) for x in w)
+    solo = Layout(2, tp_size=2)
+    with pytest.raises(PlacementError, match="no replica is possible"):
+        solo.replica_targets(0, 1)
+    assert solo.replica_targets(0, 0) == []
+
+
+def test_large_group_is_fast():
+    import time
+
+    t0 = time.perf_counter()
+    lay = Layout(4096, nodes=tuple(f"n{r // 8}" for r in range(4096)), domains=tuple(f"d{r // 256}" for r in range(4096)))
+    t = lay.replica_targets(17, 2)
+    assert time.perf_counter() - t0 < 10
+    assert len({lay.node_of(x) for x in t} | {lay.node_of(17)}) == 3

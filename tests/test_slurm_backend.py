@@ -1,0 +1,204 @@
+"""Pure tests of the Slurm backend and the supervisor's join hook: no Slurm needed (commands are faked).
+
+The same behaviour on the real cluster is in tests/test_slurm_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import pytest
+
+from phoenix_launch.backends import slurm_env as se
+from phoenix_launch.backends.slurm import NO_KILL_WARNING, SlurmBackend
+from phoenix_launch.config import ConfigError, build_config
+
+pytestmark = pytest.mark.timeout(60)
+
+TOPOLOGY = """\
+SwitchName=s1 Level=0 LinkSpeed=1 Nodes=n[1-3]
+SwitchName=s2 Level=0 LinkSpeed=1 Nodes=n[4-5]
+SwitchName=top Level=1 LinkSpeed=1 Nodes=n[1-5] Switches=s[1-2]
+"""
+
+BATCH_ENV = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_NUM_NODES": "4", "SLURM_NNODES": "4",
+             "SLURMD_NODENAME": "n1", "SLURM_JOB_PARTITION": "debug", "SLURM_CONF": "/x/slurm.conf", "PATH": "/usr/bin"}
+
+
+def fake(batch_script: str = "#!/bin/bash\n#SBATCH --no-kill\n", nodelist: str = "n[1-4]",
+         extra: Mapping[str, object] | None = None) -> Callable[[Sequence[str]], str]:
+    answers: dict[str, object] = {
+        "scontrol show hostnames": lambda argv: "\n".join(se.expand_hostlist_pure(argv[3])),
+        "scontrol -o show": f"JobId=42 JobState=RUNNING NodeList={nodelist} BatchHost=n1 NumNodes=4",
+        "scontrol --json show": se.SlurmCommandError(["scontrol"], "unrecognized option '--json'"),
+        "scontrol write batch_script": batch_script,
+        "scontrol show topology": TOPOLOGY,
+        **(extra or {}),
+    }
+    calls: list[list[str]] = []
+
+    def run(argv: Sequence[str]) -> str:
+        calls.append(list(argv))
+        ans = answers.get(" ".join(argv[:3]))
+        if ans is None:
+            raise se.SlurmCommandError(argv, "not faked")
+        if isinstance(ans, Exception):
+            raise ans
+        return ans(argv) if callable(ans) else str(ans)
+
+    run.calls = calls  # type: ignore[attr-defined]
+    return run
+
+
+def cfg(nodes: int = 3, spares: int = 1, **slurm):
+    return build_config(None, {}, {"launch": {"nodes": nodes, "spares": spares, "backend": "slurm"}, "slurm": slurm})
+
+
+def test_outside_an_allocation_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^--backend slurm needs a Slurm allocation.*sbatch.*salloc.*--backend local"):
+        SlurmBackend.create(cfg(), tmp_path, environ={"PATH": "/usr/bin"}, run=fake())
+
+
+@pytest.mark.parametrize("nodes, spares, message", [
+    (1, 4, "--spares 4 leaves no active node: the allocation has 4 nodes"),
+    (1, 5, "--spares 5 leaves no active node: the allocation has 4 nodes"),
+    (3, 2, "--nodes 3 + --spares 2 needs 5 nodes, but the allocation has 4 nodes (n1,n2,n3,n4)"),
+])
+def test_counts_that_do_not_fit_the_allocation(tmp_path: Path, nodes: int, spares: int, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        SlurmBackend.create(cfg(nodes, spares), tmp_path, environ=BATCH_ENV, run=fake())
+    assert str(e.value).startswith(message)
+
+
+def test_nodes_active_first_then_spares_and_all_nodes_by_default(tmp_path: Path) -> None:
+    be = SlurmBackend.create(cfg(3, 1), tmp_path, environ=BATCH_ENV, run=fake())
+    assert be.node_names == ["n1", "n2", "n3", "n4"]
+    be = SlurmBackend.create(cfg(1, 1), tmp_path, environ=BATCH_ENV, run=fake())
+    assert be.node_names == ["n1", "n2"]  # --nodes 1 --spares 1 given: n3, n4 stay idle
+    assert be.use_all_nodes() == 3 and be.node_names == ["n1", "n2", "n3", "n4"]  # --nodes not given
+
+
+def test_live_node_list_after_a_shrink(tmp_path: Path) -> None:
+    """After a --no-kill node loss the env still lists n[1-4]; scontrol's live list is used."""
+    be = SlurmBackend.create(cfg(2, 1), tmp_path, environ=BATCH_ENV, run=fake(nodelist="n[1,3-4]"))
+    assert be.node_names == ["n1", "n3", "n4"]
+
+
+@pytest.mark.parametrize("script, warned", [
+    ("#!/bin/bash\n#SBATCH --no-kill\n", False),
+    ("#!/bin/bash\n#SBATCH --no-kill=off\n", True),
+    ("#!/bin/bash\nexec phoenix-run\n", False),  # unknown on Slurm 22.05: no warning
+])
+def test_no_kill_warning(tmp_path: Path, capsys, script: str, warned: bool) -> None:
+    SlurmBackend.create(cfg(), tmp_path, environ=BATCH_ENV, run=fake(batch_script=script))
+    err = capsys.readouterr().err
+    assert err == (NO_KILL_WARNING + "\n" if warned else "")
+
+
+def test_domains_from_the_topology(tmp_path: Path) -> None:
+    be = SlurmBackend.create(cfg(2, 1), tmp_path, environ=BATCH_ENV, run=fake())
+    assert be.domains() == {"n1": "s1", "n2": "s1", "n3": "s1"}
+    be.adopt("n5", None)
+    assert be.domains()["n5"] == "s2"
+
+
+def test_drain_ok_and_refused(tmp_path: Path) -> None:
+    run = fake(extra={"scontrol update nodename=n2": ""})
+    be = SlurmBackend.create(cfg(), tmp_path, environ=BATCH_ENV, run=run)
+    ok, msg = be.drain("n2", "phoenix: node lost")
+    assert ok and "reason=phoenix: node lost" in msg
+    assert run.calls[-1] == ["scontrol", "update", "nodename=n2", "state=drain", "reason=phoenix: node lost"]
+    denied = se.SlurmCommandError(["scontrol"], "exit 1: slurm_update error: Access/permission denied")
+    be = SlurmBackend.create(cfg(), tmp_path, environ=BATCH_ENV, run=fake(extra={"scontrol update nodename=n2": denied}))
+    ok, msg = be.drain("n2", "phoenix: node lost")
+    assert not ok and "permission denied" in msg
+
+
+def test_replenish_submits_one_node_job_off_this_jobs_nodes(tmp_path: Path) -> None:
+    submitted: list[list[str]] = []
+    be = SlurmBackend.create(cfg(replenish=True), tmp_path, environ=BATCH_ENV, run=fake(),
+                             submit=lambda argv: submitted.append(list(argv)) or "77;phoenix\n")
+    job = be.replenish({"node": "?", "join": "r1", "cwd": "/w", "role": "spare"})
+    assert job == "77" and be.replenish_jobs == {"r1": "77"}
+    argv = submitted[0]
+    assert argv[0] == "sbatch" and "--nodes=1" in argv and "--exclude=n1,n2,n3,n4" in argv
+    assert "--partition=debug" in argv and "--time=01:00:00" in argv and "--chdir=/w" in argv
+    script = Path(argv[-1]).read_text()
+    assert "phoenix_launch.agent" in script and '--node "${SLURMD_NODENAME:-$(hostname -s)}"' in script
+    spec = json.loads((tmp_path / "logs" / "replenish" / "r1.spec.json").read_text())
+    assert spec["join"] == "r1" and spec["role"] == "spare"
+    be.adopt("n5", "r1")
+    assert be.adopted == {"n5": "77"}
+
+
+def test_submit_environ_drops_this_jobs_variables() -> None:
+    env = se.submit_environ({**BATCH_ENV, "SBATCH_NO_KILL": "1", "HOME": "/root"})
+    assert env == {"SLURM_CONF": "/x/slurm.conf", "PATH": "/usr/bin", "HOME": "/root"}
+
+
+# ------------------------------------------------------------------------- the supervisor's join hook
+
+class _Backend:
+    name = "fake"
+    node_names = ["a"]
+
+    def __init__(self):
+        self.adopted = {}
+        self.asked = []
+
+    def domains(self):
+        return {}
+
+    def replenish(self, spec):
+        self.asked.append(spec)
+        return f"job{len(self.asked)}"
+
+    def adopt(self, node, join):
+        self.adopted[node] = join
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_join_needs_the_jobs_token(tmp_path: Path) -> None:
+    from phoenix_launch.supervisor import Supervisor
+
+    be = _Backend()
+    sup = Supervisor(build_config(), ["x.py"], tmp_path, be)
+    now = time.time()
+    sup.handle_message({"type": "agent_up", "node": "intruder", "join": "r1", "token": "wrong", "host": "h"}, now)
+    sup.handle_message({"type": "agent_up", "node": "intruder2", "host": "h"}, now)
+    assert "intruder" not in sup.nodes and "intruder2" not in sup.nodes and not be.adopted
+    sup.handle_message({"type": "agent_up", "node": "n9", "join": "r1", "token": sup.token, "host": "h"}, now)
+    assert sup.nodes["n9"].state.value == "spare" and be.adopted == {"n9": "r1"}
+    sup.events.close()
+    evs = _events(tmp_path)
+    assert [e["node"] for e in evs if e["type"] == "join_refused"] == ["intruder", "intruder2"]
+    assert [e["node"] for e in evs if e["type"] == "node_joined"] == ["n9"]
+
+
+def test_replenish_asks_for_the_missing_spares_once(tmp_path: Path) -> None:
+    from phoenix_launch.lifecycle import JobState, Lifecycle, NodeState, NODE_TRANSITIONS
+    from phoenix_launch.supervisor import Node, Supervisor
+
+    be = _Backend()
+    c = build_config(None, {}, {"launch": {"nodes": 1, "spares": 1}, "slurm": {"replenish": True}})
+    sup = Supervisor(c, ["x.py"], tmp_path, be)
+    sup.nodes = {"a": Node("a", Lifecycle(NodeState.ACTIVE, NODE_TRANSITIONS), 0),
+                 "b": Node("b", Lifecycle(NodeState.SPARE, NODE_TRANSITIONS))}
+    sup.agent_spec = lambda node: {"node": node.name, "role": "spare"}  # no control plane in this test
+    sup.job.transition(JobState.RUNNING, "test")
+    sup.replenish(100.0)
+    assert be.asked == []  # the pool is full
+    sup.nodes["b"].life.transition(NodeState.FAILED, "lost")
+    sup.replenish(101.0)
+    sup.replenish(103.0)  # already asked: nothing more until it joins
+    assert [s["join"] for s in be.asked] == ["r1"]
+    sup.handle_message({"type": "agent_up", "node": "c", "join": "r1", "token": sup.token}, 104.0)
+    sup.replenish(106.0)
+    assert len(be.asked) == 1 and sup.spares() == ("c",)
+    sup.events.close()
