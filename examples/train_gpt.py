@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import phoenix_runtime as phx
+from phoenix_runtime import state as phx_state
 
 
 def parse_args(argv=None):
@@ -43,6 +44,11 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulates a bigger model)")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--bug-at-step", type=int, default=-1, help="raise a ValueError on every rank at this step (tests)")
+    p.add_argument("--step-log", default=None, help="rank 0 appends 'step <n> <unix time>' after each step (benchmarks)")
+    p.add_argument("--times-file", default=None, help="rank 0 writes per-step times and PHOENIX stats as JSON")
+    p.add_argument("--fail-at-step", type=int, default=-1, help="without PHOENIX: --fail-ranks SIGKILL themselves at this step, first attempt only")
+    p.add_argument("--fail-ranks", default="", help="comma-separated ranks for --fail-at-step")
     return p.parse_args(argv)
 
 
@@ -165,18 +171,42 @@ def main(argv=None):
     trainer = phx.protect(model, opt, ddp=dict(find_unused_parameters=True))
     trainer.step_idx = max(trainer.step_idx, start)
     t_start = time.time()
+    fail_ranks = {int(r) for r in a.fail_ranks.split(",") if r}
+    step_times, t_prev = [], time.perf_counter()
     for step in trainer.steps(a.steps):
+        if step == a.fail_at_step and rank in fail_ranks and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            with open(a.step_log or os.devnull, "a") as f:
+                f.write(f"kill {step} {time.time()}\n")
+            os.kill(os.getpid(), 9)
         with trainer.step():
             x, y = batch(a, step, rank, ctx.device)
             loss = trainer.model(x, y)
+            if step == a.bug_at_step:
+                raise ValueError(f"loss went NaN at step {step} (injected bug)")
             loss.backward()
             if a.step_sleep:
                 time.sleep(a.step_sleep)
             trainer.optimizer_step()
+        now = time.perf_counter()
+        step_times.append(now - t_prev)
+        t_prev = now
+        if rank == 0 and a.step_log:
+            with open(a.step_log, "a") as f:
+                f.write(f"step {trainer.step_idx - 1} {time.time()}\n")
         if rank == 0 and (step % a.log_every == 0 or step == a.steps - 1):
             print(f"step {step} loss {loss.item():.4f} t={time.time() - t_start:.2f}s", flush=True)
         if a.ckpt_every and a.ckpt_dir and trainer.step_idx % a.ckpt_every == 0 and trainer.step_idx > start:
             save_ckpt(a, trainer.step_idx, trainer.model.module if hasattr(trainer.model, "module") else model, trainer.optimizer)
+    if rank == 0 and a.times_file:
+        st = {k: v for k, v in trainer.stats.items() if k != "recoveries"}
+        if trainer.d2h is not None:
+            st["d2h_s"] = getattr(trainer.d2h, "last_d2h_s", None)
+        if trainer.replicator is not None:
+            st.update({f"h2h_{k}": v for k, v in trainer.replicator.stats.items()})
+        st["optim_bytes"] = sum(t.numel() * t.element_size() for _, t in phx_state.optim_named(trainer.optimizer))
+        st["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        with open(a.times_file, "w") as f:
+            json.dump({"step_times": step_times, "stats": st}, f, default=str)
     d = digest(model, trainer.optimizer)
     if rank == 0:
         print(f"digest {d['digest']}", flush=True)

@@ -83,6 +83,8 @@ def run(
     config: Optional[Path] = typer.Option(None, "--config", help="YAML configuration file."),
     protect: Optional[bool] = typer.Option(None, "--protect/--no-protect", help="In-memory protection of the training state."),
     replicas: Optional[int] = typer.Option(None, "--replicas", help="Optimizer-shard replicas on distinct DP peers (k)."),
+    chaos_mtbf: Optional[float] = typer.Option(None, "--chaos-mtbf", help="Soak runs: crash a random node every SECONDS on average."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of --chaos-mtbf."),
     standalone: bool = typer.Option(False, "--standalone", hidden=True, help="Accepted for torchrun compatibility."),
 ) -> None:
     """Run SCRIPT on every rank, with warm spares and hot-swap recovery."""
@@ -108,6 +110,7 @@ def run(
                 "run_dir": run_dir,
             },
             "runtime": {"protect": protect, "replicas": replicas},
+            "inject": {"chaos_mtbf_s": chaos_mtbf, "seed": seed},
         }
         cfg = build_config(yaml_data, os.environ, flags)
     except ConfigError as e:

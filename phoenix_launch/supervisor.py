@@ -185,6 +185,10 @@ class Supervisor:
     def _open_incident(self, now: float) -> Incident:
         if self.incident is None:
             self.incident = Incident(t0=now)
+            t_fault = getattr(self, "_fault_t", None)
+            if t_fault is not None and now - t_fault < 10.0:  # a fault fired in a rank just before
+                self.incident.t_kill = t_fault
+                self._fault_t = None
         return self.incident
 
     def handle_message(self, m: dict[str, Any], now: float) -> None:
@@ -222,6 +226,9 @@ class Supervisor:
             self.events.emit("progress", step=m["step"], step_time_s=m.get("step_time_s"), sps=m.get("sps"))
         elif t == "unrecoverable":
             self.stop(m.get("reason", "recovery from memory impossible"), D.EXIT_UNRECOVERABLE, now)
+        elif t == "fault_fired":  # a deterministic fault fired inside a rank (config or --at-step)
+            self.events.emit("injected", mode=m.get("mode"), node=m.get("node"), rank=m.get("rank"), step=m.get("step"), phase=m.get("phase"), t_fired=m["t"])
+            self._fault_t = m["t"]
         elif t == "checkpoint":
             self.events.emit("fallback_checkpoint", **{k: v for k, v in m.items() if k not in ("v", "t", "type")})
 
@@ -568,6 +575,27 @@ class Supervisor:
     def request_stop(self, signum: int) -> None:
         self._signal = signum
 
+    def chaos(self, now: float) -> None:
+        """Seeded chaos for soak runs: crash a random active node at exponentially distributed times."""
+        I = self.cfg.inject
+        if I.chaos_mtbf_s <= 0 or self.job.state is not JobState.RUNNING:
+            return
+        if not hasattr(self, "_chaos_rng"):
+            import random
+
+            self._chaos_rng = random.Random(I.seed)
+            self._chaos_next = now + self._chaos_rng.expovariate(1.0 / I.chaos_mtbf_s)
+        if now < self._chaos_next:
+            return
+        self._chaos_next = now + self._chaos_rng.expovariate(1.0 / I.chaos_mtbf_s)
+        active = sorted(n.name for n in self.nodes.values() if n.state is NodeState.ACTIVE)
+        if active:
+            victim = self._chaos_rng.choice(active)
+            self.backend.kill_node(victim)
+            self.events.emit("injected", mode="crash", node=victim, source="chaos", t=now)
+            inc = self._open_incident(now)
+            inc.injected, inc.t_kill = "crash", now
+
     def run(self) -> int:
         self.start()
         next_status = 0.0
@@ -579,10 +607,10 @@ class Supervisor:
                 if self._signal is not None and self.exit_code is None:
                     name = signal.Signals(self._signal).name
                     self.stop(f"received {name}", D.EXIT_SIGINT if self._signal == signal.SIGINT else D.EXIT_SIGTERM, now)
+                for m in self.q_sup.get_all():  # before the agents' exits: a fault report precedes the crash
+                    self.handle_message(m, now)
                 for node, code in self.backend.poll():
                     self.on_agent_exit(node, code, now)
-                for m in self.q_sup.get_all():
-                    self.handle_message(m, now)
                 for c in self.q_cmd.get_all():
                     self.handle_command(c, now)
                 if time.monotonic() > next_hb:
@@ -591,6 +619,7 @@ class Supervisor:
                 self.replenish(now)
                 if self.job.state is not JobState.STOPPING:
                     self.settle(now)
+                    self.chaos(now)
                 if self.job.state is JobState.RECOVERING and self.recovery_t0 and now - self.recovery_t0 > self.cfg.detect.recovery_timeout_s:
                     self.stop(f"recovery did not complete within {self.cfg.detect.recovery_timeout_s:g} s", D.EXIT_UNRECOVERABLE, now)
                 if (

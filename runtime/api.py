@@ -298,6 +298,7 @@ class Trainer:
         self._sig = None
         self.stats: dict[str, Any] = {"recoveries": []}
         self._faults: list[dict] = []
+        self._comm_fault = False
         self._last_progress = 0.0
         self._t_step = time.perf_counter()
         self._step_times: list[float] = []
@@ -508,7 +509,8 @@ class Trainer:
     def _is_failure(self, e: BaseException) -> bool:
         if not (self.ctx.managed and self.protect_on):
             return False
-        if isinstance(e, (GenerationAbandoned,)):
+        if isinstance(e, (GenerationAbandoned,)) or self._comm_fault:
+            self._comm_fault = False
             return True
         if self.ctx.ctl.latest_gen > self.ctx.gen:
             return isinstance(e, Exception)
@@ -744,6 +746,7 @@ def _execute_fault(mode: str, trainer: Trainer | None) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif mode == "comm":  # a transient link fault: this rank's connections drop, the process lives
         if trainer is not None:
+            trainer._comm_fault = True
             trainer.ctx.abort_groups()
     elif mode == "gpu-ecc":
         raise RuntimeError("CUDA error: uncorrectable ECC error encountered (injected by phoenix-run kill-node)")

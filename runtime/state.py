@@ -23,6 +23,8 @@ def _opt_of(optimizer) -> torch.optim.Optimizer:
 
 
 def optim_named(optimizer) -> list[tuple[str, torch.Tensor]]:
+    if hasattr(optimizer, "phoenix_state"):  # the sharded-state protocol (docs/runtime.md)
+        return [(str(name), t) for name, t in optimizer.phoenix_state()]
     opt = _opt_of(optimizer)
     out = []
     for gi, group in enumerate(opt.param_groups):
@@ -38,6 +40,8 @@ def optim_named(optimizer) -> list[tuple[str, torch.Tensor]]:
 
 
 def optim_scalars(optimizer) -> dict[str, Any]:
+    if hasattr(optimizer, "phoenix_state"):
+        return {}
     opt = _opt_of(optimizer)
     out = {}
     for gi, group in enumerate(opt.param_groups):
@@ -50,6 +54,9 @@ def optim_scalars(optimizer) -> dict[str, Any]:
 
 def load_optim(optimizer, tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
     """Replace this rank's optimizer state by the given one (copies; the inputs may be reused)."""
+    if hasattr(optimizer, "phoenix_load"):
+        optimizer.phoenix_load({k: v.detach().clone() for k, v in tensors.items()})
+        return
     opt = _opt_of(optimizer)
     opt.state.clear()
     params = {f"{gi}.{pi}": p for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])}

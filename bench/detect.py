@@ -1,0 +1,90 @@
+"""Detection latency (median, max over N trials) for a crash, a node loss and a hang.
+
+    python bench/detect.py [--trials 10]
+
+One long job (2 active nodes of 1 rank, many spares, small timeouts) takes the failures one after the other:
+- crash: `kill-node NODE` (agent and ranks SIGKILLed): from the kill to the failure event;
+- node loss: the node's whole process group SIGSTOPped (a silent node: no exit, no heartbeat) -- detected
+  by the agent heartbeat timeout;
+- hang: one rank SIGSTOPped (`kill-node rank:R --mode hang`) -- detected by its agent's hang timeout.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from common import GPT, env, events, med, phoenix
+
+HB, HANG, NODE = 0.2, 2.0, 1.5
+
+
+def wait(pred, timeout, what):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trials", type=int, default=10)
+    a = ap.parse_args()
+    kinds = ["crash", "node loss", "hang"]
+    n_fail = a.trials * len(kinds)
+    lat = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory() as td:
+        td = Path(td)
+        cfg = {"detect": {"heartbeat_s": HB, "hang_timeout_s": HANG, "node_timeout_s": NODE}}
+        (td / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+        rd = td / "run"
+        proc = subprocess.Popen(phoenix("--config", td / "cfg.yaml", "--nodes", 2, "--nproc-per-node", 1, "--spares", n_fail,
+                                        "--run-dir", rd, GPT, "--steps", 10**6, "--step-sleep", 0.05),
+                                cwd=td, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait(lambda: any(e["type"] == "progress" for e in events(rd)), 600, "training to start")
+            for i in range(a.trials):
+                for kind in kinds:
+                    n_rec = sum(e["type"] == "recovery" for e in events(rd))
+                    st = json.loads((rd / "status.json").read_text())
+                    victim = next(n["name"] for n in st["nodes"] if n["state"] == "active" and 1 in n["ranks"])
+                    t = time.time()
+                    if kind == "crash":
+                        subprocess.run(phoenix("kill-node", victim, "--run-dir", rd), capture_output=True, timeout=60)
+                    elif kind == "hang":
+                        subprocess.run(phoenix("kill-node", "rank:1", "--mode", "hang", "--run-dir", rd), capture_output=True, timeout=60)
+                    else:
+                        spec = json.loads((rd / "logs" / victim / "agent.spec.json").read_text())
+                        pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _is_agent(p, victim, rd))
+                        os.killpg(os.getpgid(pid), signal.SIGSTOP)
+                    ev = wait(lambda: [e for e in events(rd) if e["type"] == "failure" and e["t"] >= t], 60, kind)[0]
+                    lat[kind].append(ev["t"] - t)
+                    wait(lambda: sum(e["type"] == "recovery" for e in events(rd)) > n_rec, 120, "recovery")
+                    print(f"trial {i} {kind:9s}: detected after {ev['t'] - t:.3f} s ({ev['kind']})", flush=True)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    print(f"\nheartbeat {HB} s, hang timeout {HANG} s, node timeout {NODE} s")
+    for k in kinds:
+        print(f"{k:10s} median {med(lat[k]):.3f} s   max {max(lat[k]):.3f} s   ({len(lat[k])} trials)")
+
+
+def _is_agent(pid: str, node: str, rd: Path) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    return "phoenix_launch.agent" in cmd and f"logs/{node}/agent.spec.json" in cmd and str(rd) in cmd
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Hot-swap vs torchrun + checkpoint, the same job, the same node killed at the same step, side by side.
+
+    python bench/recovery.py [--steps 40] [--kill-at 30] [--no-sweep]
+
+(a) torchrun --max-restarts 3 with a torch.distributed.checkpoint save every 20 steps (with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it torch 2.13's torchrun does not recover here,
+    pytorch/pytorch#135712); the two ranks of "node1" (ranks 2, 3) SIGKILL themselves at the kill step.
+(b) phoenix-run, 2 nodes x 2 ranks + 1 warm spare; node1 (its agent and both ranks) SIGKILLed at the
+    same step.
+Prints for each: time from the kill until training passes the step it had reached, time until the first
+step after recovery, steps replayed, and the ratio. Then PHOENIX's recovery time across model sizes and
+rank counts (from events.jsonl).
+"""
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from common import GPT, env, events, phoenix, run, step_log, torchrun
+
+
+def measure(log: Path, t_kill: float, kill_step: int):
+    steps, _ = step_log(log)
+    after = [(n, t) for n, t in steps if t > t_kill]
+    if not after:
+        return None
+    first_n, first_t = after[0]
+    back = next((t for n, t in after if n >= kill_step), None)
+    return {"first_step_s": first_t - t_kill, "back_s": (back - t_kill) if back else float("nan"), "replayed": kill_step - first_n}
+
+
+def run_torchrun(td: Path, a) -> dict | None:
+    log = td / "torchrun.log"
+    ck = td / "ckpt"
+    cmd = torchrun("--standalone", "--nnodes", 1, "--nproc-per-node", 4, "--max-restarts", 3, GPT, "--steps", a.steps,
+                   "--ckpt-every", 20, "--ckpt-dir", ck, "--step-log", log, "--fail-at-step", a.kill_at, "--fail-ranks", "2,3",
+                   "--d-model", a.d_model)
+    rc, _ = run(cmd, td, env=env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
+    _, kills = step_log(log)
+    return measure(log, min(t for _, t in kills), a.kill_at) if rc == 0 and kills else None
+
+
+def run_phoenix(td: Path, a, name="phoenix", nproc=2, d_model=None) -> tuple[dict | None, dict | None]:
+    d = td / name
+    d.mkdir()
+    (d / "cfg.yaml").write_text(yaml.safe_dump({"inject": {"faults": [{"node": "node1", "step": a.kill_at, "mode": "crash"}]}}))
+    log = d / "steps.log"
+    cmd = phoenix("--config", d / "cfg.yaml", "--nodes", 2, "--nproc-per-node", nproc, "--spares", 1, "--run-dir", d / "run",
+                  GPT, "--steps", a.steps, "--step-log", log, "--d-model", d_model or a.d_model)
+    rc, _ = run(cmd, d)
+    evs = events(d / "run")
+    inj = [e for e in evs if e["type"] == "injected"]
+    rec = [e for e in evs if e["type"] == "recovery"]
+    if rc != 0 or not inj or not rec:
+        return None, None
+    return measure(log, inj[0]["t_fired"], a.kill_at), rec[0]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--kill-at", type=int, default=30)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--no-sweep", action="store_true")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as td:
+        td = Path(td)
+        t = run_torchrun(td, a)
+        p, rec = run_phoenix(td, a)
+        print(f"\nkill at step {a.kill_at}, 4 ranks, d_model {a.d_model}")
+        print(f"{'':28s} {'kill -> first step':>20s} {'kill -> back at progress':>26s} {'steps replayed':>16s}")
+        for name, m in (("torchrun + checkpoint/20", t), ("phoenix-run hot-swap", p)):
+            if m:
+                print(f"{name:28s} {m['first_step_s']:19.2f}s {m['back_s']:25.2f}s {m['replayed']:16d}")
+            else:
+                print(f"{name:28s} (run failed)")
+        if t and p:
+            print(f"ratio torchrun / phoenix (back at pre-failure progress): {t['back_s'] / p['back_s']:.1f}x (target >= 10x; "
+                  f"phoenix target < 2 s: {p['back_s']:.2f} s)")
+        if rec:
+            print("phoenix recovery breakdown:", {k: rec[k] for k in ("detect_s", "quiesce_s", "reconfigure_s", "param_restore_s", "optim_restore_s", "resume_s", "total_s")})
+        if a.no_sweep:
+            return
+        print("\nphoenix recovery time (events.jsonl total_s, detection to training again) across model sizes, 4 ranks:")
+        for dm in (64, 128, 256):
+            _, r = run_phoenix(td, a, f"size{dm}", 2, dm)
+            print(f"  d_model {dm:4d}: {r['total_s'] if r else 'failed'} s")
+        print("across rank counts (2 nodes x 1, 2, 4 ranks):")
+        for nproc in (1, 2, 4):
+            _, r = run_phoenix(td, a, f"ranks{2 * nproc}", nproc)
+            print(f"  {2 * nproc} ranks: {r['total_s'] if r else 'failed'} s")
+
+
+if __name__ == "__main__":
+    main()

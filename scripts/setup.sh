@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Install PHOENIX and what it needs on a fresh machine (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# torch: the pinned CPU build (a looser spec pulls a multi-GB CUDA build)
+$PY -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13") else 1)' 2>/dev/null \
+  || $PY -m pip install -q torch==2.13.0
+$PY -m pip install -q -e '.[test]'

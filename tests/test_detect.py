@@ -1,0 +1,123 @@
+"""Issue 5: detection, classification and injection against running jobs (real processes and signals)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import EXAMPLES, events, job_env, job_processes, kill_job, of_type, phoenix_cmd, run_phoenix, start_phoenix, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+GPT = str(EXAMPLES / "train_gpt.py")
+HB, HANG = 0.2, 2.0
+
+
+def kill_node(run_dir: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(phoenix_cmd("kill-node", *args, "--run-dir", str(run_dir)), capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+def recovered(run_dir: Path, n: int) -> bool:
+    return len(of_type(events(run_dir), "recovery")) >= n
+
+
+def decision_after(run_dir: Path, t: float) -> dict | None:
+    ds = [e for e in of_type(events(run_dir), "decision") if e["t"] >= t]
+    return ds[0] if ds else None
+
+
+@pytest.fixture(scope="module")
+def long_job(tmp_path_factory):
+    d = tmp_path_factory.mktemp("detect")
+    cfg = {"detect": {"heartbeat_s": HB, "hang_timeout_s": HANG, "node_timeout_s": 3.0, "recovery_timeout_s": 90}}
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir = d / "run"
+    proc = start_phoenix(
+        ["--config", str(d / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "1", "--spares", "5", "--run-dir", str(run_dir),
+         GPT, "--steps", "100000", "--step-sleep", "0.05"], d,
+    )
+    try:
+        wait_for(lambda: any(e.get("step", 0) >= 3 for e in of_type(events(run_dir), "progress")), 240, "training to start")
+        yield run_dir, proc
+    finally:
+        kill_job(proc, run_dir)
+
+
+def inject_and_expect(run_dir, n_before, target, mode, cls, decision):
+    t = time.time()
+    r = kill_node(run_dir, target, "--mode", mode)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("phoenix-run kill-node: ")
+    wait_for(lambda: decision_after(run_dir, t), 60, f"a decision after {mode}")
+    d = decision_after(run_dir, t)
+    assert (d["cls"], d["decision"]) == (cls, decision), d
+    wait_for(lambda: recovered(run_dir, n_before + 1), 90, f"recovery after {mode}")
+    return t
+
+
+def test_kill_node_modes_classes_and_actions(long_job):
+    run_dir, proc = long_job
+    # a wrong token is refused and the job is unharmed
+    r = kill_node(run_dir, "node1", "--token", "not-the-token")
+    assert r.returncode == 1 and "refused" in r.stderr
+    assert of_type(events(run_dir), "command_refused")
+    assert "not-the-token" not in (run_dir / "events.jsonl").read_text()
+    # unknown targets: a clear message
+    r = kill_node(run_dir, "node42")
+    assert r.returncode == 1 and "no node 'node42'" in r.stderr
+    r = kill_node(run_dir, "rank:99")
+    assert r.returncode == 1 and "no rank 99" in r.stderr
+
+    t = inject_and_expect(run_dir, 0, "node1", "crash", "host", "hotswap")
+    lost = [e for e in of_type(events(run_dir), "failure") if e["t"] >= t][0]
+    assert lost["kind"] == "node_lost" and lost["t"] - t < 1.0, "a crash is detected within 1 s"
+
+    inject_and_expect(run_dir, 1, "rank:1", "rank", "host", "hotswap")
+
+    t = inject_and_expect(run_dir, 2, "rank:1", "hang", "host", "hotswap")
+    hang = [e for e in of_type(events(run_dir), "failure") if e["t"] >= t and e["kind"] == "hang"][0]
+    assert hang["t"] - t <= HANG + HB + 1.0, "a hang is detected within its timeout plus one heartbeat (+ polling)"
+
+    spares_before = json.loads((run_dir / "status.json").read_text())["spares_left"]
+    inject_and_expect(run_dir, 3, "rank:0", "comm", "transient_comm", "local")
+    assert json.loads((run_dir / "status.json").read_text())["spares_left"] == spares_before, "no spare consumed"
+
+    inject_and_expect(run_dir, 4, "rank:1", "gpu-ecc", "gpu_memory", "hotswap")
+    inject_and_expect(run_dir, 5, "rank:0", "pcie", "host", "hotswap")
+    assert proc.poll() is None, "the job is still running"
+
+
+def test_software_bug_stops_after_one_attempt_with_its_traceback(tmp_path, run_dir):
+    r = run_phoenix(["--nodes", "2", "--nproc-per-node", "1", "--spares", "1", "--max-restarts", "3", "--run-dir", str(run_dir),
+                     GPT, "--steps", "10", "--bug-at-step", "3"], tmp_path)
+    assert r.returncode == 1
+    assert "ValueError: loss went NaN at step 3" in r.stderr
+    assert r.stderr.count("Traceback (most recent call last)") == 1
+    evs = events(run_dir)
+    assert not of_type(evs, "restart") and not of_type(evs, "hotswap")
+    assert of_type(evs, "decision")[0]["cls"] == "software"
+    assert not job_processes(run_dir)
+
+
+def test_kill_node_without_a_running_job(tmp_path):
+    r = subprocess.run(phoenix_cmd("kill-node", "node1"), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 1 and "no PHOENIX run directory" in r.stderr
+    # a run directory whose job has ended
+    d = tmp_path / "old"
+    d.mkdir()
+    (d / "control.json").write_text(json.dumps({"host": "127.0.0.1", "port": 1, "pid": 1}))
+    (d / "token").write_text("x")
+    r = kill_node(d, "node1")
+    assert r.returncode == 1 and "no running job" in r.stderr
+
+
+def test_timeouts_are_checked_for_a_sane_order(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("detect:\n  heartbeat_s: 5\n  hang_timeout_s: 2\n")
+    r = run_phoenix(["--config", str(cfg), GPT], tmp_path, timeout=60)
+    assert r.returncode == 2 and "heartbeat_s < hang_timeout_s < collective_timeout_s" in r.stderr
