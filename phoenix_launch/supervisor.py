@@ -226,6 +226,8 @@ class Supervisor:
             self.events.emit("progress", step=m["step"], step_time_s=m.get("step_time_s"), sps=m.get("sps"))
         elif t == "unrecoverable":
             self.stop(m.get("reason", "recovery from memory impossible"), D.EXIT_UNRECOVERABLE, now)
+        elif t == "protection" and m.get("rank") == 0:
+            self.events.emit("protection", host_bytes=m["host_bytes"], optim_bytes=m["optim_bytes"], param_bytes=m["param_bytes"], replicas=m["replicas"])
         elif t == "fault_fired":  # a deterministic fault fired inside a rank (config or --at-step)
             self.events.emit("injected", mode=m.get("mode"), node=m.get("node"), rank=m.get("rank"), step=m.get("step"), phase=m.get("phase"), t_fired=m["t"])
             self._fault_t = m["t"]

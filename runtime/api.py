@@ -249,6 +249,8 @@ class _Pipeline:
         self.d2h, self.replicator, self.timeout = d2h, replicator, timeout
         self.q: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.submitted = -1
+        self.cond = threading.Condition()
         self.t = threading.Thread(target=self._run, name="phoenix-pipeline", daemon=True)
         self.t.start()
 
@@ -263,6 +265,16 @@ class _Pipeline:
                     self.replicator.submit(snap)
             except BaseException as e:  # noqa: BLE001 -- surfaced in optimizer_step
                 self.error = e
+            with self.cond:
+                self.submitted = k
+                self.cond.notify_all()
+
+    def wait_submitted(self, k: int, timeout: float) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.submitted >= k or self.error is not None, timeout):
+                raise TimeoutError(f"the snapshot of step {k} was not handed to the replicator within {timeout:.3g} s")
+        if self.error is not None:
+            raise self.error
 
     def stop(self) -> None:
         self.q.put(None)
@@ -404,8 +416,17 @@ class Trainer:
         sig = self._signature()
         if sig == self._sig and self.d2h is not None:
             return
+        from phoenix_runtime.replication import check_host_memory, host_bytes_required
         from phoenix_runtime.snapshot import D2H
 
+        optim_b = sum(t.numel() * t.element_size() for _, t in S.optim_named(self.optimizer))
+        param_b = sum(t.numel() * t.element_size() for _, t in S.param_named(self.module))
+        k = self.replicator.k if self.replicator is not None else 0
+        need = host_bytes_required(optim_b + param_b, optim_b, k)
+        check_host_memory(need)  # a clear error (the same on every rank: the job stops) when it does not fit
+        log(f"protection: {need / 2**20:.1f} MiB of host memory (2 x {(optim_b + param_b) / 2**20:.1f} MiB local snapshot + "
+            f"2 x {k} x {optim_b / 2**20:.1f} MiB replicas)")
+        self.ctx.report({"type": "protection", "host_bytes": need, "optim_bytes": optim_b, "param_bytes": param_b, "replicas": k})
         if self.pipeline is not None:
             self.pipeline.stop()
         old = self.d2h
@@ -463,17 +484,31 @@ class Trainer:
         k = self.step_idx
         if self.protect_on:
             t0 = time.perf_counter()
-            self.d2h.wait(k, self.replica_timeout)
-            if self.pipeline.error is not None:
-                raise self.pipeline.error
+            self._wait_sliced(lambda t: self.pipeline.wait_submitted(k, t))
             if self.replicator is not None:
-                self.replicator.wait_committed(k, self.replica_timeout)
+                self._wait_sliced(lambda t: self.replicator.wait_committed(k, t))
             self.stats["last_wait_s"] = time.perf_counter() - t0
         self.phase = "optimizer"
         self.opt_started = True
         self.optimizer.step()  # phase "optimizer" faults fire inside it (a post-hook of the local optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.phase = "post"
+
+    def _wait_sliced(self, fn) -> None:
+        """A bounded wait in short slices, leaving early when the supervisor abandons this generation."""
+        from phoenix_runtime.replication import ReplicationError
+
+        deadline = time.monotonic() + self.replica_timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return fn(max(0.0, min(0.2, left)))
+            except (TimeoutError, ReplicationError) as e:
+                if isinstance(e, ReplicationError) and getattr(e, "cause", None) != "timeout":
+                    raise
+                if left <= 0.2:
+                    raise
+                self._check_generation()
 
     def _progress(self) -> None:
         now = time.perf_counter()

@@ -428,7 +428,7 @@ class Replicator:
         self._queue: "queue.Queue" = queue.Queue()
         self._broken: Optional[ReplicationError] = None
         self._stopping = False
-        self._busy = False
+        self._phase = "idle"  # idle | local | transfer | tail
         self.errors: list[str] = []  # every failure seen (incoming ones included), newest last
         self.stats: dict = {
             "h2h_s": 0.0,
@@ -519,15 +519,23 @@ class Replicator:
     def stop(self, timeout: float, abort: Optional[bool] = None) -> bool:
         """Stop the worker thread within ``timeout`` seconds; True if it ended.
 
-        ``abort=None`` aborts the transport only if the worker is inside a transfer (so that a
-        pending op cannot hold it); ``True`` always aborts (peers' pending ops with us then fail at
-        once); ``False`` never does. Committed replicas stay readable after ``stop``.
+        ``abort=None``: abort the transport at once if the worker is blocked in a step's transfer
+        (waiting on peers), else let it finish what it is doing (e.g. the tail of a step whose
+        ``wait_committed`` already returned) for up to ``timeout / 2`` and abort only if it is
+        still running then. ``True``: abort at once (peers' pending ops with us fail at once too).
+        ``False``: never abort (use it to keep the transport for ``send_snapshot``/``recv_snapshot``).
+        Committed replicas stay readable after ``stop``.
         """
+        deadline = time.monotonic() + timeout
         self._stopping = True
         self._queue.put(None)
-        if abort or (abort is None and self._busy):
+        if abort or (abort is None and self._phase == "transfer"):
             self.transport.abort()
-        self._thread.join(timeout)
+        elif abort is None:
+            self._thread.join(timeout / 2)
+            if self._thread.is_alive():
+                self.transport.abort()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         alive = self._thread.is_alive()
         if alive:
             warnings.warn(f"replicator worker of rank {self.rank} still blocked after {timeout} s; left as a daemon")
@@ -539,7 +547,7 @@ class Replicator:
             job = self._queue.get()
             if job is None:
                 break
-            self._busy = True
+            self._phase = "local"
             try:
                 self._run(job)
             except BaseException as e:  # noqa: BLE001 - never kill the worker silently
@@ -550,7 +558,7 @@ class Replicator:
                 except Exception:  # noqa: BLE001
                     pass
             finally:
-                self._busy = False
+                self._phase = "idle"
         # fail whatever is still queued or unfinished
         with self._cond:
             for st in self._steps.values():
@@ -624,6 +632,7 @@ class Replicator:
         T = self.transport
         t0 = time.monotonic()
         deadline = t0 + self.timeout
+        self._phase = "transfer"
 
         def left() -> float:
             return max(0.001, deadline - time.monotonic())
@@ -823,6 +832,7 @@ class Replicator:
             st.acked = acked
             st.failures.extend(failures)
             st.done = True
+            self._phase = "tail"
             self._cond.notify_all()
 
         # -- let our own sends and acks finish (bounded); skip pairs that already failed

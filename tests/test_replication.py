@@ -262,7 +262,7 @@ def scenario_corrupt(rank, n, group, store, a, outdir):
     }
     res["checksum_failures"] = rep.stats["checksum_failures"]
     res["broken"] = rep.broken is not None
-    res["stopped"] = rep.stop(5)
+    res["stopped"] = rep.stop(5, abort=False)  # keep the transport for the transfer below
     # recovery-style transfer on the same transport: rank 0 gives rank 1 back its replica of S_2
     from phoenix_runtime.replication import recv_snapshot, send_snapshot
 
