@@ -403,9 +403,11 @@ class Trainer:
         self.replicator = None
         if k > 0:
             self.replicator = Replicator(
-                GlooTransport(self.ctx.repl_group), layout, self.ctx.rank, k=k, chunk_bytes=self.chunk, timeout=self.replica_timeout, verify=self.verify
+                GlooTransport(self.ctx.repl_group), layout, self.ctx.rank, k=k, chunk_bytes=self.chunk,
+                timeout=self.replica_timeout, verify=self.verify, strict=False,
+                fault=self._fault_hook if self._faults else None,
             )
-        self._sig = None  # the D2H engine is (re)made at the next step
+        self._sig = None  # the D2H engine and its pipeline are (re)made at this step
 
     def _signature(self):
         return tuple((n, t.dtype, tuple(t.shape)) for n, t in S.optim_named(self.optimizer)) + tuple(

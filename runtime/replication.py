@@ -15,6 +15,11 @@ to its ``k`` targets and receives ``S_k`` of its ``k`` sources (``Layout.replica
 4. waits for the acks of its own targets (``wait_committed`` is released here);
 5. waits for its own sends and ack sends to finish.
 
+All ranks of a DP group must submit the same sequence of steps (the step guard does this: every
+rank protects every step); a rank that skips one is reported as out of lockstep (or times out).
+The caller's loop per step ``k`` is: ``d2h.start(k, meta)``; ``rep.submit_d2h(d2h, k)``;
+forward/backward; ``rep.wait_committed(k, timeout)``; ``optimizer.step()``.
+
 The receive phase depends only on sends that were posted before anybody waits, and acks depend
 only on receive phases, so the ring cannot deadlock. Message kinds use distinct tags (header 1,
 envelope 2, ack 3, chunk ``i`` 16+i, at most 32000 chunks: the chunk size grows for larger regions)

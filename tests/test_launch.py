@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from conftest import EXAMPLES, SCRIPTS, events, job_processes, kill_job, of_type, run_phoenix, start_phoenix, job_env, wait_for
+from conftest import EXAMPLES, phoenix_cmd, SCRIPTS, events, job_processes, kill_job, of_type, run_phoenix, start_phoenix, job_env, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,6 +73,8 @@ def test_spare_ranks_stay_out_of_the_world(tmp_path, run_dir):
             nodes = {n["name"]: n for n in json.loads(st.read_text())["nodes"]}
             return nodes.get("node2", {}).get("state") == "spare"
         wait_for(spare_warm, 120, "the spare node to be up")
+        st = subprocess.run(phoenix_cmd("status", str(run_dir)), capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0 and "node2" in st.stdout and "spare" in st.stdout, st.stdout + st.stderr
         spare = [p for p in job_processes(run_dir) if p.environ().get("PHOENIX_ROLE") == "spare"]
         assert spare, "the spare's rank process is running"
         assert "RANK" not in spare[0].environ()
