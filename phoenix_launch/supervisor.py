@@ -291,6 +291,8 @@ class Supervisor:
         inc = self.incident
         if inc is None or now - inc.t0 < self.cfg.detect.settle_s:
             return
+        if not (inc.reports or inc.lost or inc.hung) and now - inc.t0 < self.cfg.detect.node_timeout_s:
+            return  # an injected fault whose effect has not been observed yet
         self.incident = None
         healthy = frozenset(n.name for n in self.nodes.values() if not n.lost and n.name not in inc.lost)
         signals = Signals(

@@ -307,6 +307,7 @@ class Trainer:
         # at the step after the first one, on every rank at once (the sizes are fixed from then on). The
         # first step's own optimizer state is the fresh one: a joiner rebuilds it without a replica.
         self.first_step: int | None = None
+        self._protected = -1  # a step whose protection was already done during the recovery
         self._sig = None
         self.stats: dict[str, Any] = {"recoveries": []}
         self._faults: list[dict] = []
@@ -320,7 +321,7 @@ class Trainer:
         self.model = module
         self._hook_optimizer()
         if ctx.joining and self.protect_on:
-            self._rejoin(ctx.gen, t_marks={"t0": time.time()})
+            self._recovery_loop(ctx.gen, {"t0": time.time()}, None, formed=True)
         else:
             self._wrap()
         STATE.runtime = True
@@ -459,16 +460,8 @@ class Trainer:
             STATE.phase = "forward"
             if self.first_step is None:
                 self.first_step = k
-            if self.protect_on:
-                if self.replicator is None and k > self.first_step:
-                    self._start_replication()
-                meta = S.make_meta(k, self.optimizer, self.data_state, {"shard": self._shard(self.ctx.rank), "rank": self.ctx.rank})
-                self.metas[k] = meta
-                for old in [s for s in self.metas if s < k - 2]:
-                    del self.metas[old]
-                self._ensure_d2h()
-                self.d2h.start(k, meta)
-                self.pipeline.q.put(k)
+            if self.protect_on and k != self._protected:
+                self._protect_step(k)
             self._fire(k, "forward")
             yield self
             self._check_generation()
@@ -481,6 +474,18 @@ class Trainer:
         self.phase = "idle"
         STATE.step = self.step_idx
         self._progress()
+
+    def _protect_step(self, k: int) -> None:
+        """Start S_k's protection: metadata now, D2H and H2H in the background."""
+        if self.replicator is None and k > self.first_step:
+            self._start_replication()
+        meta = S.make_meta(k, self.optimizer, self.data_state, {"shard": self._shard(self.ctx.rank), "rank": self.ctx.rank})
+        self.metas[k] = meta
+        for old in [s for s in self.metas if s < k - 2]:
+            del self.metas[old]
+        self._ensure_d2h()
+        self.d2h.start(k, meta)
+        self.pipeline.q.put(k)
 
     def optimizer_step(self) -> None:
         k = self.step_idx
@@ -619,23 +624,31 @@ class Trainer:
         log(f"quiesce: pipeline {tp - tq:.3f}s replicator {tr - tp:.3f}s d2h {td - tr:.3f}s")
         marks["quiesced"] = time.time()
         log("quiesced")
-        gen = ctx.gen
+        self._recovery_loop(ctx.wait_new_gen(ctx.gen), marks, (live_step, live_clean), formed=False)
+
+    def _recovery_loop(self, gen: int, marks: dict, live: tuple[int, bool] | None, formed: bool) -> None:
+        """Form generation ``gen`` and run Algorithm 2; a failure meanwhile moves on to the next generation
+        (recoveries are serialised: the supervisor publishes one generation at a time)."""
+        ctx = self.ctx
+        self._live = live
         while True:
-            gen = ctx.wait_new_gen(gen)
             try:
-                ctx.abort_groups()
-                ctx.destroy_groups()
-                ctx.form(gen, self.protect_on)
-                marks["formed"] = time.time()
-                self._rejoin(gen, marks, live=(live_step, live_clean))
+                if not formed:
+                    ctx.abort_groups()
+                    ctx.destroy_groups()
+                    ctx.form(gen, self.protect_on)
+                    marks["formed"] = time.time()
+                formed = False
+                self._rejoin(gen, marks, self._live)
                 return
             except Unrecoverable:
                 raise
             except Exception as e:  # noqa: BLE001 -- a failure during the recovery: wait for the next generation
                 if not self._is_failure(e) and not isinstance(e, (GenerationAbandoned, TimeoutError)):
                     raise
+                log(f"generation {gen} abandoned ({type(e).__name__}: {str(e)[:120]})")
                 self.model = self.module
-                continue
+                gen = ctx.wait_new_gen(gen)
 
     def _descriptor(self, live: tuple[int, bool] | None) -> Descriptor:
         if live is None:
@@ -676,6 +689,7 @@ class Trainer:
         self._rebuild_optimizer()
         if live is not None:
             self._restore_local(R, live)
+            self._live = (R, True)  # if this generation is abandoned, the state is now S_R
         t_local = time.time()
         for j in plan.joiners:
             if me == plan.param_src[j]:
@@ -699,6 +713,15 @@ class Trainer:
         self._wrap()  # DDP on the new group (its init broadcast is harmless: parameters agree now)
         self.first_step = plan.first_step
         self._sig = None
+        self.step_idx = R
+        if self.protect_on and R > self.first_step:
+            # re-protect before resuming: replicas that sat on the lost node are re-made now, so that a
+            # failure in the first step after the recovery finds every shard of S_R in two places again
+            self._protect_step(R)
+            self._wait_sliced(lambda t: self.pipeline.wait_submitted(R, t))
+            if self.replicator is not None:
+                self._wait_sliced(lambda t: self.replicator.wait_committed(R, t))
+            self._protected = R
         dist.barrier()
         t_end = time.time()
         self.step_idx = R

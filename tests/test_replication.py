@@ -19,8 +19,10 @@ import time
 import traceback
 from pathlib import Path
 
-import pytest
-import torch
+_T_START = time.time()  # the worker reports how long importing torch and forming the groups took
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HERE = Path(__file__).resolve()
 RUN_TIMEOUT = 150.0  # per multi-process run; see _run
@@ -124,7 +126,10 @@ def scenario_steps(rank, n, group, store, a, outdir):
         d2h.start(step, {"step": step, "rank": rank, "lr": 1e-2})
         tr.fwd_bwd(step)
         rep.submit_d2h(d2h, step)
+        t_w = time.monotonic()
         rep.wait_committed(step, 30)
+        res.setdefault("wait_s", []).append(round(time.monotonic() - t_w, 4))
+        res.setdefault("h2h_s", []).append(round(rep.stats["h2h_s"], 4))
         res["own"][step] = _own_sha(tr)  # the live state is still S_step here (before optimizer.step)
         res.setdefault("own_tensors", {})[step] = _tensors_sha({k: v.clone() for k, v in tr.optim_named()})
         local = d2h.committed()[step]
@@ -403,8 +408,10 @@ def _worker_main(argv: list[str]) -> int:
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=n,
                                 timeout=datetime.timedelta(seconds=30))
         group = dist.new_group(backend="gloo")
+    t_ready = time.time()
     try:
         res = SCENARIOS[scenario](rank, n, group, store, args, outdir)
+        res["timing"] = {"start_to_ready_s": t_ready - _T_START, "scenario_s": time.time() - t_ready}
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
