@@ -81,6 +81,8 @@ class Supervisor:
         self._signal: int | None = None
         self.progress: dict[str, Any] = {"step": -1, "sps": 0.0}
         self.pending_faults: list[dict] = []
+        self.unrecoverable: dict[int, dict] = {}
+        self.unrecoverable_t0: float | None = None
         self.events = EventLog(run_dir / "events.jsonl")
         self.token = create_token(run_dir)
         # replenishment (slurm.replenish): join id -> time its job was submitted, until its agent joins
@@ -224,8 +226,13 @@ class Supervisor:
         elif t == "progress":
             self.progress = {"step": m["step"], "sps": m.get("sps", 0.0), "step_time_s": m.get("step_time_s")}
             self.events.emit("progress", step=m["step"], step_time_s=m.get("step_time_s"), sps=m.get("sps"))
-        elif t == "unrecoverable":
-            self.stop(m.get("reason", "recovery from memory impossible"), D.EXIT_UNRECOVERABLE, now)
+        elif t == "unrecoverable":  # every rank saves what survives, then the job stops with the reason
+            self.unrecoverable[int(m["rank"])] = m
+            if m.get("checkpoint"):
+                self.events.emit("fallback_checkpoint", rank=m["rank"], path=m["checkpoint"])
+            self.unrecoverable_t0 = self.unrecoverable_t0 or now
+            if len(self.unrecoverable) == self.world_size:
+                self.stop(m.get("reason", "recovery from memory impossible"), D.EXIT_UNRECOVERABLE, now)
         elif t == "protection" and m.get("rank") == 0:
             self.events.emit("protection", host_bytes=m["host_bytes"], optim_bytes=m["optim_bytes"], param_bytes=m["param_bytes"], replicas=m["replicas"])
         elif t == "fault_fired":  # a deterministic fault fired inside a rank (config or --at-step)
@@ -243,7 +250,7 @@ class Supervisor:
             self.done_ranks.add(rank)
             self.events.emit("rank_done", node=node.name, slot=m["slot"], rank=rank)
             return
-        if self.job.state is JobState.STOPPING:
+        if self.job.state is JobState.STOPPING or self.unrecoverable:
             return
         err = (m.get("error") or {}).get("phoenix")
         report = RankReport(node.name, rank, code, sig, err, m.get("log_tail", ""), time=(err or {}).get("time", m["t"]))
@@ -624,6 +631,9 @@ class Supervisor:
                 if self.job.state is not JobState.STOPPING:
                     self.settle(now)
                     self.chaos(now)
+                if self.unrecoverable_t0 and now - self.unrecoverable_t0 > self.cfg.detect.recovery_timeout_s:
+                    reason = next(iter(self.unrecoverable.values())).get("reason", "recovery from memory impossible")
+                    self.stop(reason, D.EXIT_UNRECOVERABLE, now)
                 if self.job.state is JobState.RECOVERING and self.recovery_t0 and now - self.recovery_t0 > self.cfg.detect.recovery_timeout_s:
                     self.stop(f"recovery did not complete within {self.cfg.detect.recovery_timeout_s:g} s", D.EXIT_UNRECOVERABLE, now)
                 if (

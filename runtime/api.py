@@ -788,6 +788,10 @@ class Trainer:
             except Exception as e:  # noqa: BLE001
                 path = f"failed: {e}"
         self.ctx.report({"type": "unrecoverable", "reason": reason, "checkpoint": path})
+        # the supervisor stops the job once every rank has saved what it holds; wait for it (bounded)
+        deadline = time.monotonic() + self.ctx.recovery_timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _merge(a: dict, b: dict) -> dict:

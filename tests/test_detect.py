@@ -13,7 +13,7 @@ import yaml
 
 from conftest import EXAMPLES, events, job_env, job_processes, kill_job, of_type, phoenix_cmd, run_phoenix, start_phoenix, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 GPT = str(EXAMPLES / "train_gpt.py")
 HB, HANG = 0.2, 2.0
 
@@ -42,7 +42,7 @@ def long_job(tmp_path_factory):
          GPT, "--steps", "100000", "--step-sleep", "0.05"], d,
     )
     try:
-        wait_for(lambda: any(e.get("step", 0) >= 3 for e in of_type(events(run_dir), "progress")), 240, "training to start")
+        wait_for(lambda: any(e.get("step", 0) >= 3 for e in of_type(events(run_dir), "progress")), 480, "training to start")
         yield run_dir, proc
     finally:
         kill_job(proc, run_dir)

@@ -81,7 +81,8 @@ def test_first_step_after_a_recovery_fails_too(tmp_path, baseline):
         {"node": "node0", "step": 5, "mode": "crash", "gen": 1},
     ]
     r, run_dir, dg = run_job(tmp_path, "job", 2, 2, 2, faults)
-    assert_recovered(r, run_dir, dg, baseline(2, 2), n_recoveries=2)
+    evs = assert_recovered(r, run_dir, dg, baseline(2, 2))
+    assert [e["spare"] for e in of_type(evs, "hotswap")] == ["node2", "node3"]
 
 
 def test_two_failures_consume_two_spares(tmp_path, baseline):
@@ -92,13 +93,15 @@ def test_two_failures_consume_two_spares(tmp_path, baseline):
 
 
 def test_failure_during_a_recovery(tmp_path, baseline):
+    # 4 nodes of 1 rank, k=1 on a ring: node1's replica lives on node2, node3's on node0
     faults = [
         {"node": "node1", "step": 5, "mode": "crash"},
-        {"node": "node0", "step": None, "mode": "crash", "phase": "recovery", "gen": 1},  # while recovering
+        {"node": "node3", "step": None, "mode": "crash", "phase": "recovery", "gen": 1},  # while recovering
     ]
-    r, run_dir, dg = run_job(tmp_path, "job", 2, 2, 2, faults)
-    evs = assert_recovered(r, run_dir, dg, baseline(2, 2))
-    assert of_type(evs, "recovery_abandoned") or len(of_type(evs, "hotswap")) == 2
+    r, run_dir, dg = run_job(tmp_path, "job", 4, 1, 2, faults)
+    evs = assert_recovered(r, run_dir, dg, baseline(4, 1))
+    assert of_type(evs, "recovery_abandoned")
+    assert [e["failed"] for e in of_type(evs, "hotswap")] == ["node1", "node3"]
 
 
 def test_spare_dies_while_it_joins(tmp_path, baseline):
