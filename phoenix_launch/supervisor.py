@@ -300,6 +300,11 @@ class Supervisor:
             return
         if not (inc.reports or inc.lost or inc.hung) and now - inc.t0 < self.cfg.detect.node_timeout_s:
             return  # an injected fault whose effect has not been observed yet
+        if inc.reports and not (inc.lost or inc.hung) and now - inc.t0 < self.cfg.detect.node_timeout_s:
+            hb = self.cfg.detect.heartbeat_s
+            silent = [n for n in self.nodes.values() if n.state in (NodeState.ACTIVE, NodeState.JOINING) and not n.lost and time.time() - n.last_hb > 3 * hb]
+            if silent and all(r.exit_code is None and r.signal is None for r in inc.reports):
+                return  # only link errors so far, and a node has gone quiet: wait for its heartbeat verdict
         self.incident = None
         healthy = frozenset(n.name for n in self.nodes.values() if not n.lost and n.name not in inc.lost)
         signals = Signals(

@@ -43,6 +43,8 @@ from phoenix_runtime.recovery import (
     send_named,
 )
 
+ABORT_TAG = 32761  # a tag no training op uses: a receive on it only serves to close a pair
+
 COMM_ERROR_MARKERS = (
     "connection closed",
     "connection reset",
@@ -116,9 +118,25 @@ class Context:
                 self.abort_groups()
 
     def abort_groups(self) -> None:
-        for g in (self.repl_group, dist.group.WORLD if dist.is_initialized() else None):
+        """Make every pending op of this generation's groups fail at once, here and at the peers.
+
+        gloo's abort() alone does not fail a pending receive (measured with torch 2.13); a receive whose
+        wait times out closes its pair, which fails every pending op on that pair on both sides. So each
+        peer's pair is closed that way first (a 1 ms wait on a reserved tag), then the group is aborted
+        (NCCL: ncclCommAbort)."""
+        world = dist.group.WORLD if dist.is_initialized() else None
+        for g in (self.repl_group, world):
             if g is None:
                 continue
+            if g is self.repl_group or self.backend == "gloo":
+                probe = torch.empty(1, dtype=torch.uint8)
+                for p in range(g.size()):
+                    if p == g.rank():
+                        continue
+                    try:
+                        g.recv([probe], p, ABORT_TAG).wait(timedelta(milliseconds=1))
+                    except Exception:
+                        pass
             try:
                 g.abort()
             except Exception:
