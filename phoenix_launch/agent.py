@@ -250,8 +250,8 @@ class Agent:
             if not self.store.check([key]):
                 continue  # not started yet: still importing
             hb = json.loads(self.store.get(key))
-            if hb.get("pid") != r.proc.pid:
-                continue
+            if hb.get("pid") != r.proc.pid or hb.get("phase") in ("starting", "spare"):
+                continue  # a warm spare idles by design; a starting rank may hold the GIL in imports
             silent = now - hb["t"]
             if silent > hang_timeout:
                 self.q_sup.put(

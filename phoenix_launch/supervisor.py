@@ -245,6 +245,11 @@ class Supervisor:
         if m.get("epoch", 0) < self.epoch or node.state in (NodeState.FAILED, NodeState.DRAINED, NodeState.STOPPED):
             return  # a worker of an earlier attempt, or of a node already replaced
         code, sig = m.get("exit_code"), m.get("signal")
+        if node.state is NodeState.SPARE or (node.state is NodeState.STARTING and node.group_rank is None):
+            # a warm spare's rank died: the spare is not trusted any more; the job is not disturbed
+            self._exclude(node.name, f"spare rank {m['slot']} {describe_exit(code, sig)}")
+            self.events.emit("failure", kind="spare_lost", node=node.name, exit=describe_exit(code, sig))
+            return
         rank = self.members.rank_at(node.name, m["slot"]) if self.members else None
         if code == 0 and rank is not None:
             self.done_ranks.add(rank)
