@@ -92,20 +92,21 @@ class Supervisor:
 
     # --- setup -------------------------------------------------------------------------------------
     def start(self) -> None:
-        from phoenix_launch.control import start_store
+        """Pick the ports, start the agents, then the stores: the ranks' interpreters and torch imports
+        (seconds) overlap with the supervisor's own torch import; clients retry until the store listens."""
+        from phoenix_launch.control import check_port, free_port, start_store
 
         L = self.cfg.launch
         host = self.backend.store_host(L.master_addr)
-        self.store, self.port = start_store(host, L.master_port)
+        if L.master_port:
+            check_port(host, L.master_port)
         self.store_host = host
-        self._new_rdzv_store()
+        self.port = L.master_port or free_port(host)
+        self.rdzv_port = free_port(host)
         write_json_atomic(
             self.run_dir / "control.json",
             {"host": host, "port": self.port, "pid": os.getpid(), "run_id": L.run_id, "backend": self.backend.name},
         )
-        self.q_sup = P.Queue(self.store, P.Q_SUPERVISOR)
-        self.q_cmd = P.Queue(self.store, P.Q_COMMANDS)
-        self.store.set(P.K_RUN_ID, L.run_id)
         names = self.backend.node_names
         ranks = []
         for i, name in enumerate(names):
@@ -115,6 +116,14 @@ class Supervisor:
                 ranks += [P.RankSlot(i * self.nproc + s, name, s) for s in range(self.nproc)]
         self.members = P.Membership(0, self.world_size, tuple(ranks), domains=self.backend.domains())
         self.stable = self.members
+        for name, node in self.nodes.items():
+            self.backend.start_agent(name, self.agent_spec(node))
+        self.store, _ = start_store(host, self.port)
+        self.rdzv_store, _ = start_store(host, self.rdzv_port)
+        self._old_rdzv = None
+        self.q_sup = P.Queue(self.store, P.Q_SUPERVISOR)
+        self.q_cmd = P.Queue(self.store, P.Q_COMMANDS)
+        self.store.set(P.K_RUN_ID, L.run_id)
         self.store.set(P.k_members(0), self.members.to_json())
         self.store.set(P.K_GEN, "0")
         self.events.emit(
@@ -128,8 +137,6 @@ class Supervisor:
             backend=self.backend.name,
             control=f"{host}:{self.port}",
         )
-        for name, node in self.nodes.items():
-            self.backend.start_agent(name, self.agent_spec(node))
         self.job.transition(JobState.RUNNING, "agents started")
 
     def _new_rdzv_store(self) -> None:
