@@ -273,6 +273,9 @@ class _Pipeline:
         self.t.start()
 
     def _run(self) -> None:
+        from phoenix_runtime.control import background_priority
+
+        background_priority()
         while True:
             k = self.q.get()
             if k is None:

@@ -20,6 +20,15 @@ from typing import Any, Callable
 from phoenix_runtime import protocol as P
 
 
+def background_priority(nice: int = 10) -> None:
+    """Lower the calling thread's CPU priority (Linux: per-thread nice), so that the protection pipeline
+    fills the training thread's idle time instead of competing with its compute."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError):
+        pass
+
+
 class RankState:
     """What the rank reports; written by the training thread, read by the control thread."""
 

@@ -548,6 +548,9 @@ class Replicator:
 
     # -- worker -------------------------------------------------------------------------------
     def _worker(self) -> None:
+        from phoenix_runtime.control import background_priority
+
+        background_priority()
         while True:
             job = self._queue.get()
             if job is None:

@@ -521,6 +521,9 @@ class D2H:
 
     # -- worker -------------------------------------------------------------------------------
     def _worker(self) -> None:
+        from phoenix_runtime.control import background_priority
+
+        background_priority()
         while True:
             item = self._queue.get()
             if item is None:
