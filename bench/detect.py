@@ -40,42 +40,52 @@ def main():
     ap.add_argument("--trials", type=int, default=10)
     a = ap.parse_args()
     kinds = ["crash", "node loss", "hang"]
-    n_fail = a.trials * len(kinds)
+    per_job = 2  # trials of each kind per job (each failure consumes a spare)
     lat = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
         cfg = {"detect": {"heartbeat_s": HB, "hang_timeout_s": HANG, "node_timeout_s": NODE}}
         (td / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-        rd = td / "run"
-        proc = subprocess.Popen(phoenix("--config", td / "cfg.yaml", "--nodes", 2, "--nproc-per-node", 1, "--spares", n_fail,
-                                        "--run-dir", rd, GPT, "--steps", 10**6, "--step-sleep", 0.05),
-                                cwd=td, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait(lambda: any(e["type"] == "progress" for e in events(rd)), 600, "training to start")
-            for i in range(a.trials):
-                for kind in kinds:
-                    n_rec = sum(e["type"] == "recovery" for e in events(rd))
-                    st = json.loads((rd / "status.json").read_text())
-                    victim = next(n["name"] for n in st["nodes"] if n["state"] == "active" and 1 in n["ranks"])
-                    t = time.time()
-                    if kind == "crash":
-                        subprocess.run(phoenix("kill-node", victim, "--run-dir", rd), capture_output=True, timeout=60)
-                    elif kind == "hang":
-                        subprocess.run(phoenix("kill-node", "rank:1", "--mode", "hang", "--run-dir", rd), capture_output=True, timeout=60)
-                    else:
-                        spec = json.loads((rd / "logs" / victim / "agent.spec.json").read_text())
-                        pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _is_agent(p, victim, rd))
-                        os.killpg(os.getpgid(pid), signal.SIGSTOP)
-                    ev = wait(lambda: [e for e in events(rd) if e["type"] == "failure" and e["t"] >= t], 60, kind)[0]
-                    lat[kind].append(ev["t"] - t)
-                    wait(lambda: sum(e["type"] == "recovery" for e in events(rd)) > n_rec, 120, "recovery")
-                    print(f"trial {i} {kind:9s}: detected after {ev['t'] - t:.3f} s ({ev['kind']})", flush=True)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+        done = 0
+        while done < a.trials:
+            n = min(per_job, a.trials - done)
+            rd = td / f"run{done}"
+            proc = subprocess.Popen(phoenix("--config", td / "cfg.yaml", "--nodes", 2, "--nproc-per-node", 1, "--spares", n * len(kinds),
+                                            "--run-dir", rd, GPT, "--steps", 10**6, "--step-sleep", 0.05),
+                                    cwd=td, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait(lambda: any(e["type"] == "progress" for e in events(rd)), 600, "training to start")
+                for i in range(n):
+                    for kind in kinds:
+                        trial(rd, kind, lat, done + i)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+            done += n
     print(f"\nheartbeat {HB} s, hang timeout {HANG} s, node timeout {NODE} s")
     for k in kinds:
         print(f"{k:10s} median {med(lat[k]):.3f} s   max {max(lat[k]):.3f} s   ({len(lat[k])} trials)")
+
+
+def trial(rd: Path, kind: str, lat: dict, i: int) -> None:
+    n_rec = sum(e["type"] == "recovery" for e in events(rd))
+    st = json.loads((rd / "status.json").read_text())
+    victim = next(n["name"] for n in st["nodes"] if n["state"] == "active" and 1 in n["ranks"])
+    t = time.time()
+    if kind == "crash":
+        subprocess.run(phoenix("kill-node", victim, "--run-dir", rd), capture_output=True, timeout=60)
+    elif kind == "hang":
+        subprocess.run(phoenix("kill-node", "rank:1", "--mode", "hang", "--run-dir", rd), capture_output=True, timeout=60)
+    else:
+        pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _is_agent(p, victim, rd))
+        t = time.time()
+        os.killpg(os.getpgid(pid), signal.SIGSTOP)
+    if kind != "node loss":  # from the moment the supervisor executed the kill (not the CLI's start-up)
+        t = wait(lambda: [e for e in events(rd) if e["type"] == "injected" and e["t"] >= t], 60, "injection")[0]["t"]
+    ev = wait(lambda: [e for e in events(rd) if e["type"] == "failure" and e["t"] >= t], 60, kind)[0]
+    lat[kind].append(ev["t"] - t)
+    wait(lambda: sum(e["type"] == "recovery" for e in events(rd)) > n_rec, 120, "recovery")
+    print(f"trial {i} {kind:9s}: detected after {ev['t'] - t:.3f} s ({ev['kind']})", flush=True)
 
 
 def _is_agent(pid: str, node: str, rd: Path) -> bool:

@@ -22,13 +22,22 @@ from common import GPT, env, events, phoenix, run, step_log, torchrun
 
 
 def measure(log: Path, t_kill: float, kill_step: int):
+    """From rank 0's step log: the first step after the kill that goes back (a replayed step), the time until
+    it completed, steps replayed, and the time until training passed the step it had reached before."""
     steps, _ = step_log(log)
-    after = [(n, t) for n, t in steps if t > t_kill]
-    if not after:
-        return None
-    first_n, first_t = after[0]
-    back = next((t for n, t in after if n >= kill_step), None)
-    return {"first_step_s": first_t - t_kill, "back_s": (back - t_kill) if back else float("nan"), "replayed": kill_step - first_n}
+    idx = None
+    for i in range(1, len(steps)):
+        if steps[i][1] > t_kill and steps[i][0] <= steps[i - 1][0]:
+            idx = i
+            break
+    if idx is None:  # nothing replayed: the first step completed after the kill
+        idx = next((i for i, (n, t) in enumerate(steps) if t > t_kill), None)
+        if idx is None:
+            return None
+    reached = max(n for n, t in steps[:idx]) if idx else -1
+    first_n, first_t = steps[idx]
+    back = next((t for n, t in steps[idx:] if n > reached), None)
+    return {"first_step_s": first_t - t_kill, "back_s": (back - t_kill) if back else float("nan"), "replayed": reached + 1 - first_n}
 
 
 def run_torchrun(td: Path, a) -> dict | None:
