@@ -190,7 +190,7 @@ def main(argv=None):
         now = time.perf_counter()
         step_times.append(now - t_prev)
         t_prev = now
-        if rank == 0 and a.step_log:
+        if rank == 0 and a.step_log and trainer.step_idx == step + 1:  # completed (not interrupted by a recovery)
             with open(a.step_log, "a") as f:
                 f.write(f"step {trainer.step_idx - 1} {time.time()}\n")
         if rank == 0 and (step % a.log_every == 0 or step == a.steps - 1):
