@@ -49,6 +49,7 @@ class Incident:
     hung: list[str] = field(default_factory=list)
     injected: str | None = None
     t_kill: float | None = None
+    t_observed: float | None = None  # the first observed effect (an injection opens the incident earlier)
 
 
 class Supervisor:
@@ -214,6 +215,7 @@ class Supervisor:
         elif t == "rank_hang" and node is not None:
             if node.state in (NodeState.ACTIVE, NodeState.JOINING):
                 inc = self._open_incident(now)
+                inc.t_observed = inc.t_observed or now
                 inc.hung.append(node.name)
                 self.events.emit("failure", kind="hang", node=node.name, slot=m["slot"], silent_s=m["silent_s"], step=m.get("step"))
         elif t == "rank_error" and node is not None:  # a live rank saw a collective fail
@@ -267,6 +269,7 @@ class Supervisor:
         err = (m.get("error") or {}).get("phoenix")
         report = RankReport(node.name, rank, code, sig, err, m.get("log_tail", ""), time=(err or {}).get("time", m["t"]))
         inc = self._open_incident(now)
+        inc.t_observed = inc.t_observed or now
         inc.reports.append(report)
         self.events.emit(
             "failure",
@@ -289,6 +292,7 @@ class Supervisor:
             self.events.emit("failure", kind="spare_lost", node=name)
             return
         inc = self._open_incident(now)
+        inc.t_observed = inc.t_observed or now
         inc.lost.append(name)
         self.events.emit("failure", kind="node_lost", node=name, agent_exit=describe_exit(code if code >= 0 else None, -code if code < 0 else None))
 
@@ -456,7 +460,7 @@ class Supervisor:
         ev = {
             "path": "local" if self.recovery_decision and self.recovery_decision.kind is D.Kind.LOCAL else "hotswap",
             "gen": self.gen,
-            "detect_s": round(t_detect - t_kill, 4) if t_kill else None,
+            "detect_s": round(max(0.0, (inc.t_observed or t_detect) - t_kill), 4) if t_kill else None,
             **breakdown,
             "total_s": round(t_end - (t_kill or t_detect), 4),
             "resume_step": reps[0].get("step"),
