@@ -30,15 +30,29 @@ def check_port(host: str, port: int) -> None:
             raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror} (is another job using --master-port {port}?)") from None
 
 
-def start_store(host: str, port: int):
-    """Start the store server; returns (store, port)."""
+def reserve_port(host: str, port: int = 0) -> socket.socket:
+    """Bind and listen now (port 0: a free one), so that no other job can take the port while the agents
+    start; the store takes over the listening socket later (``start_store(sock=...)``)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        s.close()
+        raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror} (is another job using --master-port {port}?)") from None
+    s.listen(1024)
+    return s
+
+
+def start_store(host: str, port: int = 0, sock: socket.socket | None = None):
+    """Start the store server (on a reserved listening socket when given); returns (store, port)."""
     from torch.distributed import TCPStore
 
-    if port:
-        check_port(host, port)
-    else:
-        port = free_port(host)
-    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30), use_libuv=True)
+    if sock is None:
+        sock = reserve_port(host, port)
+    port = sock.getsockname()[1]
+    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30),
+                     master_listen_fd=sock.detach(), use_libuv=True)
     return store, port
 
 

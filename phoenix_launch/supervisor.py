@@ -95,15 +95,13 @@ class Supervisor:
     def start(self) -> None:
         """Pick the ports, start the agents, then the stores: the ranks' interpreters and torch imports
         (seconds) overlap with the supervisor's own torch import; clients retry until the store listens."""
-        from phoenix_launch.control import check_port, free_port, start_store
+        from phoenix_launch.control import reserve_port, start_store
 
         L = self.cfg.launch
         host = self.backend.store_host(L.master_addr)
-        if L.master_port:
-            check_port(host, L.master_port)
         self.store_host = host
-        self.port = L.master_port or free_port(host)
-        self.rdzv_port = free_port(host)
+        sock, rdzv_sock = reserve_port(host, L.master_port), reserve_port(host, 0)
+        self.port, self.rdzv_port = sock.getsockname()[1], rdzv_sock.getsockname()[1]
         write_json_atomic(
             self.run_dir / "control.json",
             {"host": host, "port": self.port, "pid": os.getpid(), "run_id": L.run_id, "backend": self.backend.name},
@@ -119,8 +117,8 @@ class Supervisor:
         self.stable = self.members
         for name, node in self.nodes.items():
             self.backend.start_agent(name, self.agent_spec(node))
-        self.store, _ = start_store(host, self.port)
-        self.rdzv_store, _ = start_store(host, self.rdzv_port)
+        self.store, _ = start_store(host, sock=sock)
+        self.rdzv_store, _ = start_store(host, sock=rdzv_sock)
         self._old_rdzv = None
         self.q_sup = P.Queue(self.store, P.Q_SUPERVISOR)
         self.q_cmd = P.Queue(self.store, P.Q_COMMANDS)
