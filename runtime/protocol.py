@@ -167,21 +167,27 @@ class Queue:
         self.store.set(f"{self.name}/{n}", json.dumps(msg))
         return n
 
-    def get_all(self, grace_s: float = 0.2) -> list[dict[str, Any]]:
-        """Every message not read yet, in order (non-blocking but for ``grace_s`` on a half-written one)."""
+    def get_all(self, hole_timeout_s: float = 30.0) -> list[dict[str, Any]]:
+        """Every message not read yet, in order; never blocks. A reserved-but-unwritten message (its writer
+        was descheduled between the two store calls) is waited for on later calls; only a writer that died
+        in between leaves a hole, skipped after ``hole_timeout_s``."""
         out: list[dict[str, Any]] = []
         reserved = self.store.add(f"{self.name}/n", 0)
-        deadline = time.monotonic() + grace_s
         while self.cursor <= reserved:
             key = f"{self.name}/{self.cursor}"
             if self.store.check([key]):
                 out.append(json.loads(self.store.get(key)))
                 self.cursor += 1
-                deadline = time.monotonic() + grace_s
-            elif time.monotonic() > deadline:  # writer died between add and set: skip the hole
+                self._hole_since = None
+                continue
+            now = time.monotonic()
+            if getattr(self, "_hole_since", None) is None:
+                self._hole_since = now
+            if now - self._hole_since > hole_timeout_s:
                 self.cursor += 1
-            else:
-                time.sleep(0.002)
+                self._hole_since = None
+                continue
+            break
         return out
 
 
