@@ -24,7 +24,13 @@ class NodeState(str, Enum):
 
 
 NODE_TRANSITIONS: dict[NodeState, set[NodeState]] = {
-    NodeState.STARTING: {NodeState.SPARE, NodeState.ACTIVE, NodeState.FAILED, NodeState.STOPPED},
+    NodeState.STARTING: {
+        NodeState.SPARE,  # agent up, warm
+        NodeState.ACTIVE,  # agent up, holds ranks
+        NodeState.JOINING,  # a spare picked before its agent was up
+        NodeState.FAILED,
+        NodeState.STOPPED,
+    },
     NodeState.SPARE: {
         NodeState.JOINING,  # picked to replace a failed node
         NodeState.FAILED,  # a spare can die too

@@ -181,7 +181,11 @@ class Supervisor:
 
     # --- observation -------------------------------------------------------------------------------
     def spares(self) -> tuple[str, ...]:
-        return tuple(n.name for n in self.nodes.values() if n.state is NodeState.SPARE)
+        """Warm spares first, then spares whose agent is still starting (an assignment waits in the store
+        for their ranks: a slow spare still beats stopping the job)."""
+        warm = [n.name for n in self.nodes.values() if n.state is NodeState.SPARE]
+        cold = [n.name for n in self.nodes.values() if n.state is NodeState.STARTING and n.group_rank is None and not n.lost]
+        return tuple(warm + cold)
 
     def _node_transition(self, node: Node, new: NodeState, why: str) -> None:
         if node.state is new:
