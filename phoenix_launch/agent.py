@@ -263,11 +263,6 @@ class Agent:
     # --- main loop ---------------------------------------------------------------------------------
     def run(self) -> int:
         self.spawn_all(self.spec["role"])
-        # the ranks come first: the agent's own torch import (for the store client) yields the CPU to theirs
-        try:
-            os.nice(10)
-        except OSError:
-            pass
         self.connect()
         hb_every = float(self.spec["heartbeat_s"])
         hang_timeout = float(self.spec["hang_timeout_s"])

@@ -34,6 +34,7 @@ class Node:
     group_rank: int | None = None  # which block of logical ranks it holds (None: spare)
     failures: int = 0
     lost: bool = False
+    up: bool = False  # its agent has reported in (heartbeats are judged from then on)
     last_hb: float = field(default_factory=time.time)
 
     @property
@@ -210,6 +211,7 @@ class Supervisor:
             self.adopt(m, now)  # a node this job did not start: a replenished spare, or refused
             return
         if t == "agent_up" and node is not None:
+            node.up, node.last_hb = True, time.time()
             if node.state is NodeState.STARTING:
                 self._node_transition(node, NodeState.ACTIVE if node.group_rank is not None else NodeState.SPARE, "agent up")
         elif t == "rank_exit" and node is not None:
@@ -301,8 +303,8 @@ class Supervisor:
     def check_heartbeats(self, now: float) -> None:
         timeout = self.cfg.detect.node_timeout_s
         for node in self.nodes.values():
-            if node.lost or node.state not in (NodeState.ACTIVE, NodeState.JOINING, NodeState.SPARE):
-                continue
+            if node.lost or not node.up or node.state not in (NodeState.ACTIVE, NodeState.JOINING, NodeState.SPARE):
+                continue  # an agent not up yet is judged by its process (local) or srun step (Slurm)
             key = P.k_agent_hb(node.name)
             if self.store.check([key]):
                 node.last_hb = float(self.store.get(key))
@@ -321,6 +323,7 @@ class Supervisor:
         if inc.reports and not (inc.lost or inc.hung) and now - inc.t0 < self.cfg.detect.node_timeout_s:
             hb = self.cfg.detect.heartbeat_s
             silent = [n for n in self.nodes.values() if n.state in (NodeState.ACTIVE, NodeState.JOINING) and not n.lost and time.time() - n.last_hb > 3 * hb]
+            silent = [n for n in silent if n.up]
             if silent and all(r.exit_code is None and r.signal is None for r in inc.reports):
                 return  # only link errors so far, and a node has gone quiet: wait for its heartbeat verdict
         self.incident = None
