@@ -551,7 +551,7 @@ class Supervisor:
             self.events.emit("join_refused", node=name, join=join, host=m.get("host"), reason="bad or missing token")
             return
         t_submit = self.joins.pop(str(join), None)
-        node = Node(name, Lifecycle(NodeState.STARTING, NODE_TRANSITIONS))
+        node = Node(name, Lifecycle(NodeState.STARTING, NODE_TRANSITIONS), up=True)
         self.nodes[name] = node  # (replaces a failed node of the same name: a new incarnation)
         if hasattr(self.backend, "adopt"):
             self.backend.adopt(name, join)
