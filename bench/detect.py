@@ -70,7 +70,7 @@ def main():
 def trial(rd: Path, kind: str, lat: dict, i: int) -> None:
     n_rec = sum(e["type"] == "recovery" for e in events(rd))
     st = json.loads((rd / "status.json").read_text())
-    victim = next(n["name"] for n in st["nodes"] if n["state"] == "active" and 1 in n["ranks"])
+    victim = next(n["name"] for n in st["nodes"] if n["state"] not in ("failed", "drained", "stopped") and 1 in n["ranks"])
     t = time.time()
     if kind == "crash":
         subprocess.run(phoenix("kill-node", victim, "--run-dir", rd), capture_output=True, timeout=60)
