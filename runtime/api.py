@@ -412,7 +412,11 @@ class Trainer:
         return Layout(self.ctx.world_size, tp_size=self.ctx.tp, pp_size=self.ctx.pp, nodes=nodes, domains=doms)
 
     def _shard(self, rank: int) -> str:
-        return str(self._layout().shard_of(rank))
+        """This generation's logical shard id of ``rank`` (cached: it is read at every step boundary)."""
+        key = (self.ctx.gen, rank)
+        if getattr(self, "_shard_cache", (None, None))[0] != key:
+            self._shard_cache = (key, str(self._layout().shard_of(rank)))
+        return self._shard_cache[1]
 
     def _start_replication(self) -> None:
         if not self.protect_on or self.replicator is not None:

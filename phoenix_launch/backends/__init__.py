@@ -13,6 +13,16 @@ from pathlib import Path
 from phoenix_launch.config import Config, ConfigError
 
 
+def poll_exited(procs: dict, exited: set) -> list[tuple[str, int]]:
+    """The agents (node -> Popen) that exited since the last call, each reported once."""
+    out = []
+    for node, p in procs.items():
+        if node not in exited and p.poll() is not None:
+            exited.add(node)
+            out.append((node, p.returncode))
+    return out
+
+
 def choose_backend(cfg: Config, run_dir: Path):
     L = cfg.launch
     kind = L.backend

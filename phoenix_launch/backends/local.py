@@ -49,12 +49,9 @@ class LocalBackend:
         log.close()
 
     def poll(self) -> list[tuple[str, int]]:
-        out = []
-        for node, p in self.procs.items():
-            if node not in self.exited and p.poll() is not None:
-                self.exited.add(node)
-                out.append((node, p.returncode))
-        return out
+        from phoenix_launch.backends import poll_exited
+
+        return poll_exited(self.procs, self.exited)
 
     def kill_node(self, node: str) -> None:
         p = self.procs.get(node)

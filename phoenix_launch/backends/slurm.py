@@ -183,11 +183,9 @@ class SlurmBackend:
         self.exited.discard(node)
 
     def poll(self) -> list[tuple[str, int]]:
-        out = []
-        for node, p in self.procs.items():
-            if node not in self.exited and p.poll() is not None:
-                self.exited.add(node)
-                out.append((node, p.returncode))
+        from phoenix_launch.backends import poll_exited
+
+        out = poll_exited(self.procs, self.exited)
         self._reap_helpers()
         return out
 
