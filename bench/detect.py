@@ -38,12 +38,14 @@ def wait(pred, timeout, what):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--keep", type=Path, help="keep the run directories under this folder (to inspect)")
     a = ap.parse_args()
     kinds = ["crash", "node loss", "hang"]
     per_job = 2  # trials of each kind per job (each failure consumes a spare)
     lat = {k: [] for k in kinds}
-    with tempfile.TemporaryDirectory() as td:
-        td = Path(td)
+    with tempfile.TemporaryDirectory() as tmp:
+        td = a.keep or Path(tmp)
+        td.mkdir(parents=True, exist_ok=True)
         cfg = {"detect": {"heartbeat_s": HB, "hang_timeout_s": HANG, "node_timeout_s": NODE}}
         (td / "cfg.yaml").write_text(yaml.safe_dump(cfg))
         done = 0

@@ -1,10 +1,11 @@
 """The node agent: spawns and watches one node's rank processes.
 
 One agent runs per node (a child process under the local backend, an ``srun`` step under Slurm). It
-starts its ranks first, before importing torch, so that their interpreters warm up at once; then joins the
-control plane, heartbeats, reports every rank exit with its error file, kills a hung rank (its heartbeat
-silent past the hang timeout) so that its peers' collectives fail at once, and carries out the
-supervisor's commands (restart the ranks for a new attempt, inject a fault, stop).
+starts its ranks first and imports torch (for its control-plane client) only once they are warm, so that
+it does not compete with their imports; then joins the control plane, heartbeats, reports every rank exit
+with its error file, kills a hung rank (its heartbeat silent past the hang timeout) so that its peers'
+collectives fail at once, and carries out the supervisor's commands (restart the ranks for a new attempt,
+inject a fault, stop).
 
 If the control plane is unreachable for longer than the node timeout, the agent takes the supervisor for
 dead, ends its ranks and exits: no process outlives the job.
@@ -16,6 +17,7 @@ import argparse
 import ctypes
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -47,6 +49,7 @@ class RankProc:
     started: float
     reported: bool = False
     tee_threads: tuple = ()
+    warm_fd: int | None = None  # read end of the rank's warm pipe, until the agent has joined the control plane
 
 
 class Agent:
@@ -121,6 +124,10 @@ class Agent:
         log_path = self.log_dir / f"{slot}.{attempt}.log"
         error_file = self.log_dir / f"{slot}.{attempt}.error.json"
         env = self._rank_env(slot, role, attempt, error_file)
+        warm_r = warm_w = None
+        if self.store is None:  # not connected yet: learn when this rank is warm (see wait_warm)
+            warm_r, warm_w = os.pipe()
+            env[P.ENV_WARM_FD] = str(warm_w)
         cmd = [sys.executable, "-m", "phoenix_runtime.bootstrap", *self.spec["argv"]]
         redirects = self.spec.get("redirects", "3")
         tee = self.spec.get("tee", "0")
@@ -138,7 +145,10 @@ class Agent:
             stdin=subprocess.DEVNULL,
             cwd=self.spec.get("cwd") or None,
             preexec_fn=_die_with_parent,
+            pass_fds=(warm_w,) if warm_w is not None else (),
         )
+        if warm_w is not None:
+            os.close(warm_w)
         threads = []
         for stream, console in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             if stream is not None:
@@ -146,7 +156,7 @@ class Agent:
                 t.start()
                 threads.append(t)
         logf.close() if not threads else None
-        rp = RankProc(slot, attempt, proc, log_path, error_file, time.time(), tee_threads=tuple(threads))
+        rp = RankProc(slot, attempt, proc, log_path, error_file, time.time(), tee_threads=tuple(threads), warm_fd=warm_r)
         self.ranks[slot] = rp
         return rp
 
@@ -170,6 +180,27 @@ class Agent:
                 r.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+
+    def wait_warm(self, bound_s: float) -> None:
+        """Before its own torch import (the TCPStore client), wait until every rank is warm: torch imported
+        and joined to the control plane (each writes to its pipe). On a node with few cores the agent's
+        import would otherwise compete with its ranks' and delay the first step. The wait ends early when a
+        rank exits (to report it) or a stop signal arrives, and after ``bound_s`` at the latest; the agent's
+        heartbeat is judged only from its ``agent_up`` on, so the wait is safe for the job."""
+        fds = {r.warm_fd: r for r in self.ranks.values() if r.warm_fd is not None}
+        deadline = time.monotonic() + bound_s
+        try:
+            while fds and time.monotonic() < deadline and self._stop_signal is None:
+                ready, _, _ = select.select(list(fds), [], [], 0.05)
+                for fd in ready:
+                    fds.pop(fd).warm_fd = None
+                    os.close(fd)  # a byte (warm) or EOF (the rank exited): either way, done waiting for it
+                if any(r.proc.poll() is not None for r in self.ranks.values()):
+                    break
+        finally:
+            for fd, r in fds.items():
+                os.close(fd)
+                r.warm_fd = None
 
     # --- control plane -----------------------------------------------------------------------------
     def connect(self) -> None:
@@ -263,6 +294,10 @@ class Agent:
     # --- main loop ---------------------------------------------------------------------------------
     def run(self) -> int:
         self.spawn_all(self.spec["role"])
+        self.wait_warm(float(self.spec.get("warm_wait_s", 120.0)))
+        if self._stop_signal is not None:
+            self.terminate_ranks(self.spec["stop_grace_s"])
+            return 0
         self.connect()
         hb_every = float(self.spec["heartbeat_s"])
         hang_timeout = float(self.spec["hang_timeout_s"])

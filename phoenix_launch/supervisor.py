@@ -182,11 +182,18 @@ class Supervisor:
 
     # --- observation -------------------------------------------------------------------------------
     def spares(self) -> tuple[str, ...]:
-        """Warm spares first, then spares whose agent is still starting (an assignment waits in the store
-        for their ranks: a slow spare still beats stopping the job)."""
-        warm = [n.name for n in self.nodes.values() if n.state is NodeState.SPARE]
-        cold = [n.name for n in self.nodes.values() if n.state is NodeState.STARTING and n.group_rank is None and not n.lost]
-        return tuple(warm + cold)
+        """The spare nodes, in the order they are picked: warm ones first (agent up, or every rank joined
+        to the control plane -- an agent joins only after its ranks), then those still starting (an
+        assignment waits in the store for their ranks: a slow spare still beats stopping the job); in node
+        order within each group."""
+        cands = [n for n in self.nodes.values() if n.group_rank is None and not n.lost and n.state in (NodeState.SPARE, NodeState.STARTING)]
+        return tuple(n.name for n in sorted(cands, key=lambda n: not (n.state is NodeState.SPARE or self._ranks_warm(n))))
+
+    def _ranks_warm(self, node: Node) -> bool:
+        try:
+            return self.store.check([P.k_rank_hb(node.name, s) for s in range(self.nproc)])
+        except Exception:
+            return False
 
     def _node_transition(self, node: Node, new: NodeState, why: str) -> None:
         if node.state is new:
@@ -314,12 +321,23 @@ class Supervisor:
                 self.on_agent_exit(node.name, -9, now)
 
     # --- decision and execution --------------------------------------------------------------------
+    def observe_bound_s(self) -> float:
+        """How long an injected fault may stay unobserved: the slowest detector (a node's heartbeat timeout,
+        or a rank's hang timeout checked by its agent once per heartbeat) plus two heartbeats of slack."""
+        Dc = self.cfg.detect
+        return max(Dc.node_timeout_s, Dc.hang_timeout_s) + 2 * Dc.heartbeat_s
+
     def settle(self, now: float) -> None:
         inc = self.incident
         if inc is None or now - inc.t0 < self.cfg.detect.settle_s:
             return
-        if not (inc.reports or inc.lost or inc.hung) and now - inc.t0 < self.cfg.detect.node_timeout_s:
-            return  # an injected fault whose effect has not been observed yet
+        if not (inc.reports or inc.lost or inc.hung):
+            if now - inc.t0 < self.observe_bound_s():
+                return  # an injected fault whose effect has not been observed yet
+            # nothing seen within the longest detection timeout: the fault hit nothing the job depends on
+            self.incident = None
+            self.events.emit("incident_closed", injected=inc.injected, why=f"no effect observed within {self.observe_bound_s():.1f} s")
+            return
         if inc.reports and not (inc.lost or inc.hung) and now - inc.t0 < self.cfg.detect.node_timeout_s:
             hb = self.cfg.detect.heartbeat_s
             silent = [n for n in self.nodes.values() if n.state in (NodeState.ACTIVE, NodeState.JOINING) and not n.lost and time.time() - n.last_hb > 3 * hb]

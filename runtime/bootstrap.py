@@ -104,6 +104,18 @@ def prewarm(argv: list[str]) -> None:
             continue
 
 
+def signal_warm() -> None:
+    """Tell the agent that this rank is warm (see protocol.ENV_WARM_FD); once, and not inherited further."""
+    fd = os.environ.pop(P.ENV_WARM_FD, None)
+    if not fd:
+        return
+    try:
+        os.write(int(fd), b"w")
+        os.close(int(fd))
+    except (OSError, ValueError):
+        pass
+
+
 def _run_user_code(argv: list[str]) -> None:
     if not argv:
         raise SystemExit("phoenix bootstrap: no script given")
@@ -128,6 +140,7 @@ def main() -> None:
 
     role = os.environ.get(P.ENV_ROLE, P.ROLE_ACTIVE)
     start_control()
+    signal_warm()  # a spare too: its prewarm below is its own business, the agent need not wait for it
     if role == P.ROLE_SPARE:
         prewarm(argv)
         print(f"[phoenix {time.strftime('%H:%M:%S')}] spare warm: waiting for an assignment", file=sys.stderr, flush=True)

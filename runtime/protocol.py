@@ -39,6 +39,9 @@ ENV_GEN = "PHOENIX_GEN"  # generation the rank starts in (joiners: the generatio
 ENV_JOINING = "PHOENIX_JOINING"  # "1" when the rank replaces a lost one
 ENV_HEARTBEAT_S = "PHOENIX_HEARTBEAT_S"
 ENV_RUNTIME_CFG = "PHOENIX_RUNTIME_CONFIG"  # JSON of the runtime config (protect, replicas, timeouts)
+# A pipe's write end: the rank writes a byte and closes it once it is warm (torch imported, control plane
+# joined); its agent defers its own torch import until then, so as not to compete with its ranks' imports.
+ENV_WARM_FD = "PHOENIX_WARM_FD"
 ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torchrun's name; the same file format as its @record
 
 ROLE_ACTIVE = "active"

@@ -62,7 +62,7 @@ def test_spare_ranks_stay_out_of_the_world(tmp_path, run_dir):
     out.mkdir()
     proc = start_phoenix(
         ["--nodes", "2", "--nproc-per-node", "1", "--spares", "1", "--run-dir", str(run_dir), str(SCRIPTS / "allreduce.py"), str(out)],
-        tmp_path, env=job_env(SLEEP="4"),
+        tmp_path, env=job_env(SLEEP="8"),
     )
     try:
         # the spare's rank is up, warm (heartbeating from the bootstrap) and not in the world
