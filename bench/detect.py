@@ -70,8 +70,11 @@ def main():
 
 
 def trial(rd: Path, kind: str, lat: dict, i: int) -> None:
-    n_rec = sum(e["type"] == "recovery" for e in events(rd))
-    st = json.loads((rd / "status.json").read_text())
+    recs = [e for e in events(rd) if e["type"] == "recovery"]
+    n_rec = len(recs)
+    gen = recs[-1]["gen"] if recs else 0
+    # the status snapshot of the generation the last recovery formed (not an older one)
+    st = wait(lambda: (s := json.loads((rd / "status.json").read_text()))["gen"] == gen and s["state"] == "running" and s, 30, "status")
     victim = next(n["name"] for n in st["nodes"] if n["state"] not in ("failed", "drained", "stopped") and 1 in n["ranks"])
     t = time.time()
     if kind == "crash":

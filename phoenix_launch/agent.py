@@ -30,6 +30,7 @@ from typing import Any
 from phoenix_runtime import protocol as P
 
 PR_SET_PDEATHSIG = 1
+WARM_WAIT_S = 120.0  # the longest an agent defers joining the control plane for its ranks' imports
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -294,7 +295,7 @@ class Agent:
     # --- main loop ---------------------------------------------------------------------------------
     def run(self) -> int:
         self.spawn_all(self.spec["role"])
-        self.wait_warm(float(self.spec.get("warm_wait_s", 120.0)))
+        self.wait_warm(WARM_WAIT_S)
         if self._stop_signal is not None:
             self.terminate_ranks(self.spec["stop_grace_s"])
             return 0

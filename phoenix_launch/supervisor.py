@@ -89,7 +89,9 @@ class Supervisor:
         self.token = create_token(run_dir)
         # replenishment (slurm.replenish): join id -> time its job was submitted, until its agent joins
         self.joins: dict[str, float] = {}
+        self._status_due = False
         self._join_seq = 0
+        self._next_join_check = 0.0
         self._next_replenish = 0.0
 
     # --- setup -------------------------------------------------------------------------------------
@@ -200,6 +202,7 @@ class Supervisor:
             return
         old = node.state
         node.life.transition(new, why)
+        self._status_due = True  # status.json follows a node's state change at once, not at the next tick
         self.events.emit("node_state", node=node.name, old=old.value, new=new.value, why=why)
 
     def _open_incident(self, now: float) -> Incident:
@@ -542,9 +545,12 @@ class Supervisor:
     def replenish(self, now: float) -> None:
         """When fewer spares are up or coming than ``--spares``, ask the backend for new ones (a Slurm job
         whose agent joins this control plane; it arrives as an ``agent_up`` with ``join`` and the token)."""
-        if not self.cfg.slurm.replenish or not hasattr(self.backend, "replenish") or now < self._next_replenish:
+        if not self.cfg.slurm.replenish or not hasattr(self.backend, "replenish"):
             return
         if self.job.state not in (JobState.RUNNING, JobState.RECOVERING):
+            return
+        self._check_joins(now)
+        if now < self._next_replenish:
             return
         self._next_replenish = now + 1.0
         coming = sum(1 for n in self.nodes.values() if n.group_rank is None and n.state in (NodeState.STARTING, NodeState.SPARE))
@@ -561,6 +567,19 @@ class Supervisor:
                 return
             self.joins[join] = now
             self.events.emit("replenish", join=join, job=job, spares=len(self.spares()), target=self.cfg.launch.spares)
+
+    def _check_joins(self, now: float) -> None:
+        """A replenishment job that ended without its agent joining is forgotten, so that a new one is
+        submitted (after a back-off: a cluster that keeps failing them is not flooded)."""
+        if not hasattr(self.backend, "replenish_ended") or now < self._next_join_check:
+            return
+        self._next_join_check = now + 5.0
+        for join, t_submit in list(self.joins.items()):
+            state = self.backend.replenish_ended(join)
+            if state is not None:
+                del self.joins[join]
+                self.events.emit("replenish_lost", join=join, state=state, after_s=round(now - t_submit, 1))
+                self._next_replenish = now + 10.0
 
     def adopt(self, m: dict[str, Any], now: float) -> None:
         """An agent this job did not start says it is up: with the job's token it joins as a new spare."""
@@ -688,7 +707,8 @@ class Supervisor:
                     self.stop("all ranks finished", D.EXIT_OK, now)
                 if self.exit_code is not None:
                     break
-                if time.monotonic() > next_status:
+                if time.monotonic() > next_status or self._status_due:
+                    self._status_due = False
                     snap = self.snapshot()
                     write_json_atomic(self.run_dir / "status.json", snap)
                     if self.ui:

@@ -134,6 +134,29 @@ def test_replenish_submits_one_node_job_off_this_jobs_nodes(tmp_path: Path) -> N
     assert be.adopted == {"n5": "77"}
 
 
+def test_replenish_ended_reads_the_jobs_state(tmp_path: Path) -> None:
+    be = SlurmBackend.create(cfg(replenish=True), tmp_path, environ=BATCH_ENV, run=fake(), submit=lambda argv: "77\n")
+    be.replenish({"node": "?", "join": "r1", "cwd": "/w", "role": "spare"})
+
+    def answer(out_or_error):
+        def run(argv):
+            assert argv == ["scontrol", "-o", "show", "job", "77"]
+            if isinstance(out_or_error, Exception):
+                raise out_or_error
+            return out_or_error
+        return run
+
+    for out, want in [("JobId=77 JobName=phoenix-spare JobState=PENDING Reason=Resources", None),
+                      ("JobId=77 JobState=RUNNING NodeList=n5", None),
+                      ("JobId=77 JobState=CANCELLED Reason=None", "CANCELLED"),
+                      ("JobId=77 JobState=NODE_FAIL", "NODE_FAIL"),
+                      (se.SlurmCommandError(["scontrol"], "exit 1: slurm_load_jobs error: Invalid job id specified"), "PURGED"),
+                      (se.SlurmCommandError(["scontrol"], "timed out after 10s"), None)]:
+        be.run = answer(out)
+        assert be.replenish_ended("r1") == want, out
+    assert be.replenish_ended("r9") is None  # not ours
+
+
 def test_submit_environ_drops_this_jobs_variables() -> None:
     env = se.submit_environ({**BATCH_ENV, "SBATCH_NO_KILL": "1", "HOME": "/root"})
     assert env == {"SLURM_CONF": "/x/slurm.conf", "PATH": "/usr/bin", "HOME": "/root"}
@@ -148,6 +171,7 @@ class _Backend:
     def __init__(self):
         self.adopted = {}
         self.asked = []
+        self.ended = {}  # join -> the state its job ended in
 
     def domains(self):
         return {}
@@ -158,6 +182,9 @@ class _Backend:
 
     def adopt(self, node, join):
         self.adopted[node] = join
+
+    def replenish_ended(self, join):
+        return self.ended.get(join)
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -202,3 +229,26 @@ def test_replenish_asks_for_the_missing_spares_once(tmp_path: Path) -> None:
     sup.replenish(106.0)
     assert len(be.asked) == 1 and sup.spares() == ("c",)
     sup.events.close()
+
+
+def test_a_replenishment_job_that_ends_without_joining_is_replaced(tmp_path: Path) -> None:
+    from phoenix_launch.lifecycle import JobState, Lifecycle, NodeState, NODE_TRANSITIONS
+    from phoenix_launch.supervisor import Node, Supervisor
+
+    be = _Backend()
+    c = build_config(None, {}, {"launch": {"nodes": 1, "spares": 1}, "slurm": {"replenish": True}})
+    sup = Supervisor(c, ["x.py"], tmp_path, be)
+    sup.nodes = {"a": Node("a", Lifecycle(NodeState.ACTIVE, NODE_TRANSITIONS), 0)}
+    sup.agent_spec = lambda node: {"node": node.name, "role": "spare"}
+    sup.job.transition(JobState.RUNNING, "test")
+    sup.replenish(100.0)
+    assert [s["join"] for s in be.asked] == ["r1"]
+    be.ended["r1"] = "CANCELLED"  # e.g. scancel'ed, or its node failed, before its agent joined
+    for t in (101.0, 106.0, 110.0):  # seen at the next check (every 5 s); then a back-off of 10 s
+        sup.replenish(t)
+    assert [s["join"] for s in be.asked] == ["r1"] and "r1" not in sup.joins
+    sup.replenish(116.5)
+    assert [s["join"] for s in be.asked] == ["r1", "r2"]
+    sup.events.close()
+    lost = [e for e in _events(tmp_path) if e["type"] == "replenish_lost"]
+    assert [(e["join"], e["state"]) for e in lost] == [("r1", "CANCELLED")]

@@ -285,6 +285,20 @@ class SlurmBackend:
         self.replenish_jobs[join] = job_id
         return job_id
 
+    def replenish_ended(self, join: str) -> str | None:
+        """The final state of replenishment ``join``'s job if it ended (its agent never joined: cancelled,
+        failed, timed out, its node failed, or already purged from slurmctld), else None (pending, running,
+        or unknown because the query failed: asked again later)."""
+        job_id = self.replenish_jobs.get(str(join))
+        if not job_id:
+            return None
+        try:
+            rec = se.parse_kv_record(self._query(["scontrol", "-o", "show", "job", job_id]))
+        except se.SlurmCommandError as e:
+            return "PURGED" if "invalid job id" in e.detail.lower() else None
+        state = rec.get("JobState", "")
+        return state if state in se.ENDED_STATES else None
+
     def adopt(self, node: str, join: str | None) -> None:
         """A replenished agent joined as ``node``: it belongs to the job now (domains, kill_node, stop_all)."""
         self.adopted[node] = self.replenish_jobs.get(str(join)) if join is not None else None

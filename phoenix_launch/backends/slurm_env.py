@@ -64,6 +64,11 @@ class NotInAllocation(SlurmEnvError):
     """``SlurmJob.from_env`` was called outside a Slurm allocation (no SLURM_JOB_ID)."""
 
 
+#: Job states after which a job will never run again (a replenishment job in one of them did not deliver).
+ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                          "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"})
+
+
 class SlurmCommandError(RuntimeError):
     """A Slurm client command failed, timed out, or is not installed."""
 
