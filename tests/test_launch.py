@@ -193,3 +193,53 @@ def test_bad_run_dir_not_writable(tmp_path):
     f = tmp_path / "afile"
     f.write_text("")
     _bad(tmp_path, ["--run-dir", str(f / "sub"), str(SCRIPTS / "envdump.py")], "is not writable")
+
+
+def _agent(tmp_path, script_text: str, nproc: int = 2):
+    from phoenix_launch.agent import Agent
+
+    script = tmp_path / "rank.py"
+    script.write_text(script_text)
+    spec = {"node": "node0", "nproc": nproc, "run_dir": str(tmp_path / "run"), "role": "active", "group_rank": 0,
+            "world_size": nproc, "gen": 0, "epoch": 0, "max_restarts": 0, "run_id": "t", "store_host": "",
+            "store_port": 0, "master_port": 1, "argv": [str(script), str(tmp_path)], "cwd": str(tmp_path),
+            "heartbeat_s": 0.5, "hang_timeout_s": 5, "node_timeout_s": 5, "stop_grace_s": 1, "runtime": {}}
+    return Agent(spec)  # no control plane: store_host "" keeps the ranks' control thread off
+
+
+def test_agent_defers_its_torch_import_until_its_ranks_are_warm(tmp_path):
+    """The agent waits (bounded) on each rank's warm pipe before importing torch for its store client: it
+    returns once every rank wrote to it (torch imported), with the ranks alive and the pipes closed, and the
+    variable is not left to the user's script."""
+    a = _agent(tmp_path, "import os, sys, time\n"
+                         "open(os.path.join(sys.argv[1], f'env.{os.environ[\"LOCAL_RANK\"]}'), 'w').write(repr(os.environ.get('PHOENIX_WARM_FD')))\n"
+                         "time.sleep(120)\n")
+    try:
+        a.spawn_all("active")
+        a.wait_warm(240)
+        assert all(r.proc.poll() is None for r in a.ranks.values()), "it returned because they are warm, not gone"
+        assert all(r.warm_fd is None for r in a.ranks.values())
+        wait_for(lambda: all((tmp_path / f"env.{s}").exists() for s in range(2)), 60, "the scripts to run")
+        assert [(tmp_path / f"env.{s}").read_text() for s in range(2)] == ["None", "None"]
+    finally:
+        a.terminate_ranks(1)
+
+
+def test_agent_warm_wait_is_bounded_and_ends_when_a_rank_exits(tmp_path):
+    a = _agent(tmp_path, "import time; time.sleep(120)\n")
+    try:
+        a.spawn_all("active")
+        t = time.monotonic()
+        a.wait_warm(0.3)  # the ranks are still importing torch: the bound ends the wait
+        assert time.monotonic() - t < 3 and all(r.warm_fd is None for r in a.ranks.values())
+    finally:
+        a.terminate_ranks(1)
+    a = _agent(tmp_path, "import time; time.sleep(120)\n")
+    try:
+        a.spawn_all("active")
+        a.ranks[1].proc.kill()  # dies before it is warm: the agent must connect at once to report it
+        t = time.monotonic()
+        a.wait_warm(240)
+        assert time.monotonic() - t < 30 and a.ranks[1].proc.poll() is not None
+    finally:
+        a.terminate_ranks(1)
