@@ -67,6 +67,13 @@ def run_phoenix(td: Path, a, name="phoenix", nproc=2, d_model=None) -> tuple[dic
     return measure(log, inj[0]["t_fired"], a.kill_at), rec[0]
 
 
+def _parts(r) -> str:
+    if not r:
+        return "failed"
+    parts = ", ".join(f"{k[:-2]} {r[k]}" for k in ("quiesce_s", "reconfigure_s", "param_restore_s", "optim_restore_s", "resume_s"))
+    return f"{r['total_s']} s ({parts})"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
@@ -95,11 +102,11 @@ def main():
         print("\nphoenix recovery time (events.jsonl total_s, detection to training again) across model sizes, 4 ranks:")
         for dm in (64, 128, 256):
             _, r = run_phoenix(td, a, f"size{dm}", 2, dm)
-            print(f"  d_model {dm:4d}: {r['total_s'] if r else 'failed'} s")
+            print(f"  d_model {dm:4d}: {_parts(r)}")
         print("across rank counts (2 nodes x 1, 2, 4 ranks):")
         for nproc in (1, 2, 4):
             _, r = run_phoenix(td, a, f"ranks{2 * nproc}", nproc)
-            print(f"  {2 * nproc} ranks: {r['total_s'] if r else 'failed'} s")
+            print(f"  {2 * nproc} ranks: {_parts(r)}")
 
 
 if __name__ == "__main__":
