@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EXAMPLES, events, job_env, job_processes, kill_job, of_type, phoenix_cmd, run_phoenix, start_phoenix, wait_for
+from conftest import EXAMPLES, SCRIPTS, events, job_env, job_processes, kill_job, of_type, phoenix_cmd, run_phoenix, start_phoenix, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 GPT = str(EXAMPLES / "train_gpt.py")
@@ -127,3 +127,26 @@ def test_timeouts_are_checked_for_a_sane_order(tmp_path):
     cfg.write_text("detect:\n  heartbeat_s: 5\n  hang_timeout_s: 2\n")
     r = run_phoenix(["--config", str(cfg), GPT], tmp_path, timeout=60)
     assert r.returncode == 2 and "heartbeat_s < hang_timeout_s < collective_timeout_s" in r.stderr
+
+
+def test_an_injected_fault_with_no_effect_closes_without_stopping_the_job(tmp_path, run_dir):
+    """`comm` on a script without the runtime: nothing in the rank acts on it, so no failure is ever observed.
+    The incident waits for the slowest detector (max(node, hang timeout) + 2 heartbeats), is closed, and the
+    job runs on to success (it used to be stopped 'with no evidence')."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"detect": {"heartbeat_s": 0.2, "hang_timeout_s": 1.0, "node_timeout_s": 2.0}}))
+    proc = start_phoenix(["--config", str(tmp_path / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "1", "--run-dir", str(run_dir),
+                          str(SCRIPTS / "allreduce.py"), str(out)], tmp_path, env=job_env(SLEEP="12"))
+    try:
+        wait_for(lambda: len(list(out.iterdir())) == 2, 180, "both ranks to be in the script")
+        t = time.time()
+        r = kill_node(run_dir, "rank:0", "--mode", "comm")
+        assert r.returncode == 0, r.stderr
+        closed = wait_for(lambda: [e for e in of_type(events(run_dir), "incident_closed") if e["t"] >= t], 60, "the incident to close")
+        assert closed[0]["injected"] == "comm" and "no effect observed within 2.4 s" in closed[0]["why"]
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    finally:
+        kill_job(proc, run_dir)
+    evs = events(run_dir)
+    assert not of_type(evs, "decision") and not of_type(evs, "restart") and not of_type(evs, "failure")
