@@ -15,21 +15,6 @@ class PortInUse(RuntimeError):
     pass
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def check_port(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror} (is another job using --master-port {port}?)") from None
-
-
 def reserve_port(host: str, port: int = 0) -> socket.socket:
     """Bind and listen now (port 0: a free one), so that no other job can take the port while the agents
     start; the store takes over the listening socket later (``start_store(sock=...)``)."""

@@ -188,8 +188,11 @@ class Supervisor:
         to the control plane -- an agent joins only after its ranks), then those still starting (an
         assignment waits in the store for their ranks: a slow spare still beats stopping the job); in node
         order within each group."""
-        cands = [n for n in self.nodes.values() if n.group_rank is None and not n.lost and n.state in (NodeState.SPARE, NodeState.STARTING)]
+        cands = self._spare_nodes()
         return tuple(n.name for n in sorted(cands, key=lambda n: not (n.state is NodeState.SPARE or self._ranks_warm(n))))
+
+    def _spare_nodes(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.group_rank is None and not n.lost and n.state in (NodeState.SPARE, NodeState.STARTING)]
 
     def _ranks_warm(self, node: Node) -> bool:
         try:
@@ -335,16 +338,17 @@ class Supervisor:
         if inc is None or now - inc.t0 < self.cfg.detect.settle_s:
             return
         if not (inc.reports or inc.lost or inc.hung):
-            if now - inc.t0 < self.observe_bound_s():
+            bound = self.observe_bound_s()
+            if now - inc.t0 < bound:
                 return  # an injected fault whose effect has not been observed yet
             # nothing seen within the longest detection timeout: the fault hit nothing the job depends on
             self.incident = None
-            self.events.emit("incident_closed", injected=inc.injected, why=f"no effect observed within {self.observe_bound_s():.1f} s")
+            self.events.emit("incident_closed", injected=inc.injected, why=f"no effect observed within {bound:.1f} s")
             return
         if inc.reports and not (inc.lost or inc.hung) and now - inc.t0 < self.cfg.detect.node_timeout_s:
             hb = self.cfg.detect.heartbeat_s
-            silent = [n for n in self.nodes.values() if n.state in (NodeState.ACTIVE, NodeState.JOINING) and not n.lost and time.time() - n.last_hb > 3 * hb]
-            silent = [n for n in silent if n.up]
+            silent = [n for n in self.nodes.values()
+                      if n.state in (NodeState.ACTIVE, NodeState.JOINING) and n.up and not n.lost and time.time() - n.last_hb > 3 * hb]
             if silent and all(r.exit_code is None and r.signal is None for r in inc.reports):
                 return  # only link errors so far, and a node has gone quiet: wait for its heartbeat verdict
         self.incident = None
@@ -455,7 +459,7 @@ class Supervisor:
         self._begin_recovery(d, inc, now)
         mem = self._publish(ranks, d.reason)
         for f, sp in swap.items():
-            self.events.emit("hotswap", gen=mem.gen, failed=f, spare=sp, joiners=[r.rank for r in ranks if r.node == sp], spares_left=len(self.spares()))
+            self.events.emit("hotswap", gen=mem.gen, failed=f, spare=sp, joiners=[r.rank for r in ranks if r.node == sp], spares_left=len(self._spare_nodes()))
 
     def local_recovery(self, d: D.Decision, inc: Incident, now: float) -> None:
         node = self.nodes.get(d.node) if d.node else None
@@ -566,7 +570,7 @@ class Supervisor:
                 self._next_replenish = now + 30.0
                 return
             self.joins[join] = now
-            self.events.emit("replenish", join=join, job=job, spares=len(self.spares()), target=self.cfg.launch.spares)
+            self.events.emit("replenish", join=join, job=job, spares=len(self._spare_nodes()), target=self.cfg.launch.spares)
 
     def _check_joins(self, now: float) -> None:
         """A replenishment job that ended without its agent joining is forgotten, so that a new one is
@@ -639,7 +643,7 @@ class Supervisor:
             "world_size": self.world_size,
             "step": min(steps) if steps else -1,
             "steps_per_s": round(min(sps), 3) if sps else 0.0,
-            "spares_left": len(self.spares()),
+            "spares_left": len(self._spare_nodes()),
             "nodes": nodes,
             "events": self.events.recent[-8:],
             "t": time.time(),

@@ -322,6 +322,7 @@ class Trainer:
         self.metas: dict[int, dict] = {}
         self.d2h = None
         self.replicator = None
+        self._shard_cache: tuple = (None, None)  # ((gen, rank), logical shard id), see _shard
         self.pipeline: _Pipeline | None = None
         self.retained: dict = {}  # replicas held from before the last recovery (still valid by identity)
         # The optimizer's state appears with its first step (torch creates it lazily), so replication starts
@@ -414,7 +415,7 @@ class Trainer:
     def _shard(self, rank: int) -> str:
         """This generation's logical shard id of ``rank`` (cached: it is read at every step boundary)."""
         key = (self.ctx.gen, rank)
-        if getattr(self, "_shard_cache", (None, None))[0] != key:
+        if self._shard_cache[0] != key:
             self._shard_cache = (key, str(self._layout().shard_of(rank)))
         return self._shard_cache[1]
 

@@ -156,13 +156,15 @@ class Queue:
     """Append-only message log in a key-value store; many writers, one reader (who keeps a cursor).
 
     ``put`` reserves a sequence number with the store's atomic ``add`` and then writes the message under
-    it; the reader reads messages in sequence order and waits briefly for a reserved-but-unwritten one.
+    it; the reader reads messages in sequence order; a reserved-but-unwritten one holds the reader back
+    (without blocking it) until it is written, or skipped after a timeout.
     """
 
     def __init__(self, store: Store, name: str):
         self.store = store
         self.name = name
         self.cursor = 1
+        self._hole_since: float | None = None  # when the reader first found the message at cursor missing
 
     def put(self, msg: dict[str, Any]) -> int:
         msg = {"v": SCHEMA_VERSION, "t": time.time(), **msg}
@@ -184,7 +186,7 @@ class Queue:
                 self._hole_since = None
                 continue
             now = time.monotonic()
-            if getattr(self, "_hole_since", None) is None:
+            if self._hole_since is None:
                 self._hole_since = now
             if now - self._hole_since > hole_timeout_s:
                 self.cursor += 1

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from phoenix_launch.agent import _die_with_parent
+from phoenix_launch.backends import poll_exited
 
 
 class LocalBackend:
@@ -49,8 +50,6 @@ class LocalBackend:
         log.close()
 
     def poll(self) -> list[tuple[str, int]]:
-        from phoenix_launch.backends import poll_exited
-
         return poll_exited(self.procs, self.exited)
 
     def kill_node(self, node: str) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from phoenix_launch.agent import _die_with_parent
+from phoenix_launch.backends import poll_exited
 from phoenix_launch.backends import slurm_env as se
 from phoenix_launch.config import Config, ConfigError
 
@@ -183,8 +184,6 @@ class SlurmBackend:
         self.exited.discard(node)
 
     def poll(self) -> list[tuple[str, int]]:
-        from phoenix_launch.backends import poll_exited
-
         out = poll_exited(self.procs, self.exited)
         self._reap_helpers()
         return out
