@@ -51,6 +51,7 @@ class RankProc:
     reported: bool = False
     tee_threads: tuple = ()
     warm_fd: int | None = None  # read end of the rank's warm pipe, until the agent has joined the control plane
+    exit_seen: float | None = None  # when the agent first saw it exited (it may report it later: see wait_warm)
 
 
 class Agent:
@@ -196,12 +197,21 @@ class Agent:
                 for fd in ready:
                     fds.pop(fd).warm_fd = None
                     os.close(fd)  # a byte (warm) or EOF (the rank exited): either way, done waiting for it
-                if any(r.proc.poll() is not None for r in self.ranks.values()):
+                if self._exited():
                     break
         finally:
             for fd, r in fds.items():
                 os.close(fd)
                 r.warm_fd = None
+
+    def _exited(self) -> list[RankProc]:
+        """The ranks that have exited, each stamped with when that was first seen."""
+        out = []
+        for r in self.ranks.values():
+            if r.proc.poll() is not None:
+                r.exit_seen = r.exit_seen or time.time()
+                out.append(r)
+        return out
 
     # --- control plane -----------------------------------------------------------------------------
     def connect(self) -> None:
@@ -239,6 +249,7 @@ class Agent:
                 "attempt": r.attempt,
                 "epoch": self.epoch,
                 "pid": r.proc.pid,
+                "t_exit": r.exit_seen or time.time(),
                 "exit_code": code if code >= 0 else None,
                 "signal": sig,
                 "error": error,
@@ -315,13 +326,12 @@ class Agent:
                     next_hb = now + hb_every
                 for cmd in self.q_cmd.get_all():
                     self.handle(cmd)
-                for r in list(self.ranks.values()):
-                    code = r.proc.poll()
-                    if code is not None and not r.reported:
+                for r in self._exited():
+                    if not r.reported:
                         r.reported = True
                         for t in r.tee_threads:
                             t.join(timeout=1)
-                        self.report_exit(r, code)
+                        self.report_exit(r, r.proc.returncode)
                 if now >= next_hang:
                     self.check_hangs(hang_timeout)
                     next_hang = now + hb_every

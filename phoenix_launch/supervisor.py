@@ -284,7 +284,7 @@ class Supervisor:
         if self.job.state is JobState.STOPPING or self.unrecoverable:
             return
         err = (m.get("error") or {}).get("phoenix")
-        report = RankReport(node.name, rank, code, sig, err, m.get("log_tail", ""), time=(err or {}).get("time", m["t"]))
+        report = RankReport(node.name, rank, code, sig, err, m.get("log_tail", ""), time=(err or {}).get("time", m.get("t_exit", m["t"])))
         inc = self._open_incident(now)
         inc.t_observed = inc.t_observed or now
         inc.reports.append(report)
@@ -345,6 +345,11 @@ class Supervisor:
             self.incident = None
             self.events.emit("incident_closed", injected=inc.injected, why=f"no effect observed within {bound:.1f} s")
             return
+        if now - inc.t0 < self.cfg.detect.node_timeout_s and any(
+            n.group_rank is not None and not n.up and not n.lost and n.state in (NodeState.STARTING, NodeState.ACTIVE, NodeState.JOINING)
+            for n in self.nodes.values()
+        ):
+            return  # a node holding ranks has not reported in yet (its agent joins after its ranks): it may hold the cause
         if inc.reports and not (inc.lost or inc.hung) and now - inc.t0 < self.cfg.detect.node_timeout_s:
             hb = self.cfg.detect.heartbeat_s
             silent = [n for n in self.nodes.values()
