@@ -1,0 +1,48 @@
+"""The runtime's settings: one schema, shared by the launcher's ``config.py`` and the rank.
+
+Torch-free and launcher-free: ``phoenix_launch.config`` imports the defaults and the names of fault modes and
+phases from here (a leaf), and the launcher hands each rank the resolved values as JSON
+(``PHOENIX_RUNTIME_CONFIG``), which ``RuntimeSettings.from_json`` reads back. Nothing else restates a default.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+# Where in a step (or a recovery) an injected fault fires. ``recovery`` is kept as the name of the first
+# recovery phase (the descriptor exchange).
+STEP_PHASES = ("begin", "forward", "optimizer", "d2h", "h2h")
+RECOVERY_PHASES = ("recover_exchange", "recover_params", "recover_optim", "recover_reprotect", "recover_barrier")
+FAULT_PHASES = STEP_PHASES + ("recovery",) + RECOVERY_PHASES
+FAULT_MODES = ("crash", "rank", "hang", "comm", "gpu-ecc", "pcie")
+TRANSPORTS = ("gloo", "mpi")
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """What one rank's runtime is told by the launcher (all times in seconds)."""
+
+    protect: bool = True  # the in-memory protection pipeline; off: the step path calls nothing of it
+    replicas: int = 1  # k: optimizer-shard replicas on distinct DP peers
+    chunk_mb: float = 4.0  # H2H chunk size
+    replica_timeout_s: float = 60.0  # optimizer_step() waits at most this long for the replica commit
+    verify: bool = True  # checksum every replica and every recovery transfer
+    transport: str = "gloo"  # the H2H / recovery transport
+    heartbeat_s: float = 0.5
+    hang_timeout_s: float = 10.0
+    collective_timeout_s: float = 120.0
+    recovery_timeout_s: float = 60.0
+    faults: tuple = field(default_factory=tuple)  # deterministic injected faults (see FAULT_PHASES)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes | None) -> "RuntimeSettings":
+        data = json.loads(text) if text else {}
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in data.items() if k in known}
+        if "faults" in kw:
+            kw["faults"] = tuple(dict(f) for f in kw["faults"])
+        return cls(**kw)
