@@ -2,6 +2,7 @@
 
     phoenix-run [OPTIONS] SCRIPT [ARGS]...       run a job (``-m MODULE`` like python/torchrun)
     phoenix-run status [RUN_DIR]                 the live snapshot of a running job
+    phoenix-run report [RUN_DIR]                 one self-contained HTML page of what happened in a run
     phoenix-run kill-node TARGET [--mode ...]    inject a failure into a running job
     phoenix-run simulate [...]                   cost model and Monte Carlo failure simulator
     phoenix-run sbatch --system perlmutter ...   render (or submit) a Slurm job script
@@ -221,6 +222,10 @@ def kill_node(
 
 
 def _register_extras(which: str | None) -> None:
+    if which in (None, "report"):
+        from phoenix_launch.report.command import report
+
+        app.command("report")(report)
     if which in (None, "simulate"):
         from phoenix_launch.simulate.command import simulate
 
@@ -231,13 +236,13 @@ def _register_extras(which: str | None) -> None:
         app.command("sbatch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(sbatch)
 
 
-SUBCOMMANDS = ("run", "status", "kill-node", "simulate", "sbatch")
+SUBCOMMANDS = ("run", "status", "report", "kill-node", "simulate", "sbatch")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     first = args[0] if args else None
-    if first in ("simulate", "sbatch"):
+    if first in ("simulate", "sbatch", "report"):
         _register_extras(first)
     elif first in (None, "--help", "-h"):
         try:
