@@ -11,7 +11,7 @@ import io
 from typing import Any
 
 from .cost import CostComparison
-from .timeline import Timeline
+from .timeline import Timeline, number
 
 INSTALL_HINT = "pip install 'phoenix-run[plot]'"
 STATE_COLOURS = {
@@ -152,9 +152,9 @@ def resources_chart(Figure: Any, tl: Timeline) -> str:
     ax_sp.set_xlabel("wall time (s)")
     ax_sp.set_ylim(bottom=0)
     ax_sp.yaxis.get_major_locator().set_params(integer=True)
-    prot = [e for e in tl.protection if e.get("host_bytes") is not None]
+    prot = [e for e in tl.protection if number(e.get("host_bytes")) is not None]
     if prot:
-        ax_mem.step([float(e["t"]) - tl.t0 for e in prot], [float(e["host_bytes"]) / 2**20 for e in prot], where="post", color="#756bb1")
+        ax_mem.step([float(e["t"]) - tl.t0 for e in prot], [number(e["host_bytes"]) / 2**20 for e in prot], where="post", color="#756bb1")
         ax_mem.set_xlim(0, max(tl.duration_s, 1e-3))
     else:
         ax_mem.text(0.5, 0.5, "no protection events", transform=ax_mem.transAxes, ha="center")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from phoenix_launch.simulate.closed_forms import cost_ckpt, cost_phoenix
 
-from .timeline import Incident, Timeline
+from .timeline import Incident, Timeline, number
 
 DEFAULT_CKPT_EVERY = 100  # the simulator's default (phoenix_launch.simulate.inputs.DEFAULTS)
 DEFAULT_RESTART_S = 600.0  # the simulator's default T_restart: requeue, restart, reload a checkpoint
@@ -62,8 +62,8 @@ def ckpt_every_from_argv(argv: object) -> int | None:
 
 def _phoenix_cost(inc: Incident, step_time: float) -> float:
     rec = inc.recovery or {}
-    total = float(rec.get("total_s") or 0.0)
-    replayed = float(rec.get("steps_replayed") or 0)
+    total = number(rec.get("total_s")) or 0.0
+    replayed = number(rec.get("steps_replayed")) or 0.0
     return total + replayed * step_time
 
 
@@ -91,7 +91,7 @@ def compare(tl: Timeline, ckpt_every: int | None = None, restart_s: float | None
         replay = (step % ckpt_every) if step is not None else (ckpt_every - 1) / 2
         ckpt = restart_s + replay * step_time + step_time  # + the interrupted step
         out.incidents.append(IncidentCost(inc.number, step, _phoenix_cost(inc, step_time), ckpt))
-    mean_recovery = sum(float(i.recovery.get("total_s") or 0.0) for i in recovered) / len(recovered)
+    mean_recovery = sum(number(i.recovery.get("total_s")) or 0.0 for i in recovered) / len(recovered)
     eq2 = cost_ckpt(step_time, ckpt_every, restart_s)
     out.expected_ckpt_s = eq2.total + eq2.partial_not_in_eq
     out.expected_phoenix_s = cost_phoenix(step_time, mean_recovery).total

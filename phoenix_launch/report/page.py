@@ -7,7 +7,7 @@ from html import escape
 from typing import Any
 
 from .cost import CostComparison
-from .timeline import PHASES, Incident, Timeline
+from .timeline import PHASES, Incident, Timeline, number
 
 CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:0;background:#f6f7f9;color:#1d2330}
@@ -34,9 +34,8 @@ OUTCOME_WORDS = {
 
 
 def _fmt_bytes(n: Any) -> str:
-    try:
-        x = float(n)
-    except (TypeError, ValueError):
+    x = number(n)
+    if x is None:
         return "?"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(x) < 1024 or unit == "TiB":
@@ -45,7 +44,8 @@ def _fmt_bytes(n: Any) -> str:
     return f"{x:.1f} TiB"
 
 
-def _fmt_s(x: float | None) -> str:
+def _fmt_s(value: Any) -> str:
+    x = number(value)
     if x is None:
         return "?"
     if x >= 3600:
@@ -153,9 +153,9 @@ def _resources(tl: Timeline, baseline_step_s: float | None) -> str:
         ("replenishments requested / joined", f"{rep['replenish']} / {rep['node_joined']}"),
         ("replenishments failed or lost", rep["replenish_failed"] + rep["replenish_lost"]),
     ]
-    prot = [e for e in tl.protection if e.get("host_bytes") is not None]
+    prot = [e for e in tl.protection if number(e.get("host_bytes")) is not None]
     if prot:
-        peak = max(prot, key=lambda e: float(e["host_bytes"]))
+        peak = max(prot, key=lambda e: number(e["host_bytes"]))
         rows += [
             ("protection host memory, rank 0 (peak)", _fmt_bytes(peak["host_bytes"])),
             ("  of which optimizer / parameters", f"{_fmt_bytes(peak.get('optim_bytes'))} / {_fmt_bytes(peak.get('param_bytes'))}"),

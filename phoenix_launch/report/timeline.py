@@ -30,7 +30,7 @@ class ReportInputError(Exception):
     """A run directory the report cannot read; the message is the one line the user sees."""
 
 
-def _num(value: Any) -> float | None:
+def number(value: Any) -> float | None:
     """A finite float, or None for anything else (missing, null, text, NaN)."""
     try:
         x = float(value)
@@ -60,15 +60,15 @@ class Incident:
 
     @property
     def t_start(self) -> float:
-        times = [_num(e.get("t_fired")) or _num(e.get("t")) for e in self.evidence]
-        times += [_num(self.decision.get("t"))] if self.decision else []
+        times = [number(e.get("t_fired")) or number(e.get("t")) for e in self.evidence]
+        times += [number(self.decision.get("t"))] if self.decision else []
         times = [x for x in times if x is not None]
         return min(times) if times else 0.0
 
     @property
     def t_end(self) -> float:
         for ev in (self.recovery, *(reversed(self.actions)), self.decision):
-            if ev and _num(ev.get("t")) is not None:
+            if ev and number(ev.get("t")) is not None:
                 return float(ev["t"])
         return self.t_start
 
@@ -85,19 +85,17 @@ class Incident:
     @property
     def failure_step(self) -> int | None:
         """The step the failure interrupted: the recovery's resume step, else the injected fault's step."""
-        if self.recovery and self.recovery.get("resume_step") is not None:
-            return int(self.recovery["resume_step"])
-        for e in self.evidence:
-            if e.get("step") is not None and _num(e["step"]) is not None:
-                return int(e["step"])
+        for value in [(self.recovery or {}).get("resume_step")] + [e.get("step") for e in self.evidence]:
+            if number(value) is not None:
+                return int(number(value))
         return None
 
     def phases(self) -> dict[str, float]:
         """The recovery's phases in seconds (missing ones are 0), plus ``other``: the rest of ``total_s``
         (settling the incident, deciding, waiting for the joiners' processes)."""
         rec = self.recovery or {}
-        out = {label: max(0.0, _num(rec.get(key)) or 0.0) for key, label in PHASES}
-        total = _num(rec.get("total_s"))
+        out = {label: max(0.0, number(rec.get(key)) or 0.0) for key, label in PHASES}
+        total = number(rec.get("total_s"))
         out["other"] = max(0.0, total - sum(out.values())) if total is not None else 0.0
         return out
 
@@ -159,7 +157,7 @@ def load_events(path: Path) -> tuple[list[dict[str, Any]], int]:
                 except json.JSONDecodeError:
                     skipped += 1
                     continue
-                if not isinstance(ev, dict) or _num(ev.get("t")) is None:
+                if not isinstance(ev, dict) or number(ev.get("t")) is None:
                     skipped += 1
                     continue
                 ev.setdefault("type", ev.get("event"))  # (the name under "event" in hand-written files)
@@ -251,7 +249,7 @@ def _node_key(name: str) -> tuple:
 def _spares_over_time(events: list[dict[str, Any]], job: dict[str, Any], t0: float) -> list[tuple[float, int]]:
     """Spares left over time: the job's ``spares`` at the start, one less each time a node that held no ranks
     (starting or spare) starts joining the world or a spare is lost, one more each time a replenished node joins."""
-    left = int(_num(job.get("spares")) or 0)
+    left = int(number(job.get("spares")) or 0)
     series: list[tuple[float, int]] = [(t0, left)]
     for ev in events:
         kind = ev.get("type")
@@ -281,9 +279,9 @@ def build_timeline(events: list[dict[str, Any]], skipped: int = 0) -> Timeline:
         kind = str(ev.get("type"))
         tl.counts[kind] = tl.counts.get(kind, 0) + 1
         if kind == "progress":
-            step = _num(ev.get("step"))
+            step = number(ev.get("step"))
             tl.progress.append(ProgressPoint(float(ev["t"]), int(step) if step is not None else None,
-                                             _num(ev.get("step_time_s")), _num(ev.get("sps"))))
+                                             number(ev.get("step_time_s")), number(ev.get("sps"))))
         elif kind == "protection":
             tl.protection.append(ev)
         elif kind in ("replenish", "replenish_failed", "replenish_lost", "node_joined", "join_refused"):
