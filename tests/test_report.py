@@ -44,7 +44,7 @@ def _swap(t: float, failed: str, spare: str, step: int, gen: int, spares_left: i
         _ev(t + 0.32, "node_state", node=failed, old="failed", new="drained", why="excluded"),
         _ev(t + 0.33, "node_state", node=spare, old="spare", new="joining", why=f"replaces {failed}"),
         _ev(t + 0.34, "hotswap", gen=gen, failed=failed, spare=spare, joiners=[1], spares_left=spares_left),
-        _ev(t + 0.9, "recovery", path="hotswap", gen=gen, detect_s=0.1, **PHASES, total_s=0.9, resume_step=step, steps_replayed=1),
+        _ev(t + 0.9, "recovery", path="hotswap", gen=gen, detect_s=0.1, **PHASES, total_s=0.9, resume_step=step - 1, steps_replayed=1),
         _ev(t + 0.91, "node_state", node=spare, old="joining", new="active", why=f"recovered in generation {gen}"),
     ]
 
@@ -179,7 +179,7 @@ def test_report_page_is_self_contained_and_names_everything(tmp_path):
     text = _text(html)
     for needle in ("Incident 1: host failure on node1", "Incident 2: gpu failure on node0", "hot-swap node1 → node2",
                    "hot-swap node0 → node3", "K = 50 steps", "T_restart = 10.0 min", "detect", "optimizer",
-                   "spares used by hot-swaps 2", "3.0 MiB", "succeeded"):
+                   "spares used (hot-swap or restart) 2", "3.0 MiB", "succeeded"):
         assert needle in text, needle
 
 

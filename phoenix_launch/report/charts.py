@@ -151,6 +151,7 @@ def resources_chart(Figure: Any, tl: Timeline) -> str:
     ax_sp.set_title(f"spares left (used {tl.spares_used}, replenished {tl.spares_replenished})", fontsize=9)
     ax_sp.set_xlabel("wall time (s)")
     ax_sp.set_ylim(bottom=0)
+    ax_sp.set_xlim(0, max(tl.duration_s, 1e-3))
     ax_sp.yaxis.get_major_locator().set_params(integer=True)
     prot = [e for e in tl.protection if number(e.get("host_bytes")) is not None]
     if prot:
@@ -178,7 +179,7 @@ def cost_chart(Figure: Any, cmp: CostComparison) -> str:
     ax.set_xticks(xs, [f"#{i.number}" for i in cmp.incidents])
     ax.set_yscale("log")
     ax.set_ylabel("time lost (s, log)")
-    ax.legend(fontsize=8)
+    ax.legend(ncol=2, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return _png(fig)

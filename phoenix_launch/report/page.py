@@ -148,7 +148,7 @@ def _resources(tl: Timeline, baseline_step_s: float | None) -> str:
     rep = {k: sum(1 for e in tl.replenish if e.get("type") == k) for k in ("replenish", "node_joined", "replenish_failed", "replenish_lost")}
     rows = [
         ("warm spares at start", tl.job.get("spares", "?")),
-        ("spares used by hot-swaps", tl.spares_used),
+        ("spares used (hot-swap or restart)", tl.spares_used),
         ("spares lost while waiting", len(tl.spares_lost)),
         ("replenishments requested / joined", f"{rep['replenish']} / {rep['node_joined']}"),
         ("replenishments failed or lost", rep["replenish_failed"] + rep["replenish_lost"]),

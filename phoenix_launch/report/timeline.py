@@ -84,8 +84,12 @@ class Incident:
 
     @property
     def failure_step(self) -> int | None:
-        """The step the failure interrupted: the recovery's resume step, else the injected fault's step."""
-        for value in [(self.recovery or {}).get("resume_step")] + [e.get("step") for e in self.evidence]:
+        """The step the failure reached: the recovery's resume step plus the steps it replayed (the furthest
+        step a survivor had completed), else the injected fault's step."""
+        rec = self.recovery or {}
+        if number(rec.get("resume_step")) is not None:
+            return int(number(rec["resume_step"])) + int(number(rec.get("steps_replayed")) or 0)
+        for value in (e.get("step") for e in self.evidence):
             if number(value) is not None:
                 return int(number(value))
         return None
