@@ -22,7 +22,6 @@ from conftest import EXAMPLES, events, job_env, job_processes, of_type, phoenix_
 from phoenix_launch.report import build_timeline, compare, read_timeline
 from phoenix_launch.report.cost import DEFAULT_CKPT_EVERY, DEFAULT_RESTART_S, ckpt_every_from_argv
 from phoenix_launch.report.page import render_page
-from phoenix_launch.report.timeline import load_events
 from phoenix_launch.simulate.closed_forms import cost_ckpt
 
 T0 = 1_800_000_000.0
@@ -119,6 +118,12 @@ def test_stop_and_undecided_and_no_effect_incidents():
            _ev(6, "failure", kind="node_lost", node="node9")]
     tl = build_timeline(evs)
     assert [i.outcome for i in tl.incidents] == ["no effect", "stopped", "open"]
+    restart = [_ev(0, "job_start"), _ev(1, "failure", kind="rank_exit", node="node0", rank=0, exit="exit code 1"),
+               _ev(2, "decision", cls="unknown", action="stop", decision="restart", node="node0", reason="no runtime"),
+               _ev(2.1, "restart", attempt=1, max_restarts=3, reason="no runtime")]
+    inc = build_timeline(restart).incidents[0]
+    assert (inc.outcome, [a["type"] for a in inc.actions]) == ("restarted", ["restart"])
+    assert "restart 1 of 3" in render_page(build_timeline(restart), {}, None)
     assert compare(tl) is None  # nothing recovered: nothing to compare
 
 
@@ -154,6 +159,16 @@ def test_cost_defaults_are_named_as_assumptions_and_the_scripts_interval_is_used
     cmp = compare(build_timeline(synthetic_run(argv=("t.py", "--ckpt-every", "7"))))
     assert cmp.ckpt_every == 7 and len(cmp.assumptions) == 1
     assert ckpt_every_from_argv(["--ckpt-every=25"]) == 25 and ckpt_every_from_argv(["--ckpt-every", "0"]) is None
+    cmp = compare(build_timeline(synthetic_run()), ckpt_every=10, restart_s=60.0, step_time_s=2.0)
+    assert cmp.step_time_s == 2.0 and cmp.assumptions == ["t_step = 2 s (given with --step-time)"]
+    assert cmp.incidents[0].ckpt_s == 60 + 5 * 2.0 + 2.0
+
+
+def test_protection_overhead_against_a_baseline_run():
+    tl = build_timeline(synthetic_run())
+    text = _text(render_page(tl, {}, None, baseline_step_s=0.4))
+    assert "protection overhead on the step time +25.0 % (0.5 s vs 0.4 s in the baseline run)" in text
+    assert "not measured: give --baseline" in _text(render_page(tl, {}, None))
 
 
 # --- the page and the command ---------------------------------------------------------------------------
@@ -207,10 +222,12 @@ def test_bad_run_dir_is_one_line_and_exit_2(tmp_path, setup, message):
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr and "Traceback" not in r.stderr
 
 
-def test_bad_option_is_one_line_and_exit_2(tmp_path):
+@pytest.mark.parametrize("args,message", [(["--restart", "soon"], "--restart"), (["--baseline", "/nonexistent"], "--baseline: /nonexistent")])
+def test_bad_option_is_one_line_and_exit_2(tmp_path, args, message):
+    pytest.importorskip("matplotlib", reason="the report's charts need matplotlib: pip install 'phoenix-run[plot]'")
     run = write_run(tmp_path / "run", synthetic_run())
-    r = _report([str(run), "--restart", "soon"], tmp_path)
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--restart" in r.stderr
+    r = _report([str(run), *args], tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
 
 
 def test_without_matplotlib_says_how_to_install_it(tmp_path):

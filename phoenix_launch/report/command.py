@@ -46,7 +46,10 @@ def write_report(run_dir: Path, out: Path | None = None, ckpt_every: int | None 
     tl = read_timeline(run_dir)
     baseline_step = None
     if baseline is not None:
-        baseline_step = read_timeline(baseline).median_step_time()
+        try:
+            baseline_step = read_timeline(baseline).median_step_time()
+        except ReportInputError as exc:
+            raise ReportInputError(f"--baseline: {exc}") from None
         if baseline_step is None:
             raise ReportInputError(f"--baseline {baseline}: that run reported no step time")
     cmp = compare(tl, ckpt_every, restart_s, step_time_s)
