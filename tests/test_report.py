@@ -222,7 +222,8 @@ def test_bad_run_dir_is_one_line_and_exit_2(tmp_path, setup, message):
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("args,message", [(["--restart", "soon"], "--restart"), (["--baseline", "/nonexistent"], "--baseline: /nonexistent")])
+@pytest.mark.parametrize("args,message", [(["--restart", "soon"], "--restart"), (["--ckpt-every", "0"], "--ckpt-every"),
+                                          (["--baseline", "/nonexistent"], "--baseline: /nonexistent")])
 def test_bad_option_is_one_line_and_exit_2(tmp_path, args, message):
     pytest.importorskip("matplotlib", reason="the report's charts need matplotlib: pip install 'phoenix-run[plot]'")
     run = write_run(tmp_path / "run", synthetic_run())

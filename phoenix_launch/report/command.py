@@ -65,7 +65,7 @@ def write_report(run_dir: Path, out: Path | None = None, ckpt_every: int | None 
 def report(
     run_dir: Optional[str] = typer.Argument(None, help="Run directory (default: the newest under .)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to write the page (default: RUN_DIR/report.html)."),
-    ckpt_every: Optional[int] = typer.Option(None, "--ckpt-every", min=1, help="Your checkpoint interval in steps, for the comparison (default: the script's --ckpt-every, else 100)."),
+    ckpt_every: Optional[int] = typer.Option(None, "--ckpt-every", help="Your checkpoint interval in steps, for the comparison (default: the script's --ckpt-every, else 100)."),
     restart: Optional[str] = typer.Option(None, "--restart", help="T_restart of checkpoint-restart, e.g. 10m (default 600s)."),
     step_time: Optional[str] = typer.Option(None, "--step-time", help="Step time for the comparison (default: this run's median)."),
     baseline: Optional[Path] = typer.Option(None, "--baseline", help="A run without protection, to measure its overhead on the step time."),
@@ -84,6 +84,8 @@ def report(
         step_s = parse_duration(step_time, "--step-time") if step_time is not None else None
         if step_s is not None and step_s <= 0:
             raise SimulateInputError("--step-time must be positive")
+        if ckpt_every is not None and ckpt_every < 1:
+            raise SimulateInputError(f"--ckpt-every must be at least 1 step, got {ckpt_every}")
         rdir = _resolve_run_dir(run_dir)
         path = write_report(rdir, out, ckpt_every, restart_s, baseline, step_s)
     except (ReportInputError, SimulateInputError) as exc:
