@@ -137,7 +137,7 @@ def run(
     except ConfigError as e:
         raise fail(str(e)) from None
     nodes_given = nnodes is not None or "nodes" in ((yaml_data or {}).get("launch") or {}) or "PHOENIX_LAUNCH_NODES" in os.environ
-    if not nodes_given and hasattr(be, "use_all_nodes"):  # Slurm: every allocated node but the spares is active
+    if not nodes_given and be.capabilities.allocation:  # Slurm: every allocated node but the spares is active
         cfg = replace(cfg, launch=replace(cfg.launch, nodes=be.use_all_nodes()))
     import yaml
 
@@ -207,12 +207,13 @@ def kill_node(
     """Inject a failure into a running job."""
     from phoenix_launch.events import find_run_dir
     from phoenix_launch.inject import MODES, InjectError, send_command
+    from phoenix_runtime.protocol import KillCommand
 
     if mode not in MODES:
         raise fail(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     try:
         rdir = find_run_dir(run_dir)
-        reply = send_command(rdir, {"type": "kill", "target": target, "mode": mode, "at_step": at_step}, token=token)
+        reply = send_command(rdir, KillCommand(target=target, mode=mode, at_step=at_step), token=token)
     except (FileNotFoundError, InjectError) as e:
         raise fail(str(e), 1) from None
     if not reply.get("ok"):

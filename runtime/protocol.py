@@ -216,7 +216,7 @@ class RankExit(Message):
     error: dict | None = None  # the rank's error file (torchrun's format, under "phoenix" our fields)
     log: str = ""
     log_tail: str = ""
-    gen: int | None = None  # the generation the rank was started in (a respawned rank: the one it joins)
+    health: dict | None = None  # the agent's probe of its node at the exit (health.node_health_summary)
     t: float | None = None
 
 
@@ -228,6 +228,7 @@ class RankHang(Message):
     silent_s: float = 0.0  # how long it has not heartbeated, or not completed a step (see ``reason``)
     step: int | None = None
     reason: str = "heartbeat"  # "heartbeat": its heartbeat went silent; "progress": no step completed
+    proc_state: str | None = None  # the process's state when killed (psutil: "stopped", "disk_sleep", ...)
     t: float | None = None
 
 
