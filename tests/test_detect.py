@@ -150,3 +150,27 @@ def test_an_injected_fault_with_no_effect_closes_without_stopping_the_job(tmp_pa
         kill_job(proc, run_dir)
     evs = events(run_dir)
     assert not of_type(evs, "decision") and not of_type(evs, "restart") and not of_type(evs, "failure")
+
+
+def test_a_rank_that_exits_with_a_comm_message_is_respawned_and_the_job_completes(tmp_path, run_dir):
+    """Issue 12: a rank on a healthy node exits with 'Connection reset by peer' in its message. A process that
+    exited is never transient: the decision is a local recovery that respawns it (a joiner of the new
+    generation, restored from its peers), no spare is used, and the job completes with the failure-free digest."""
+    steps = ["--steps", "12"]  # ZeRO (replicated Adam joiners are the runtime's issue-12 RNG case)
+    clean = tmp_path / "clean.json"
+    r = run_phoenix(["--nodes", "2", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "clean"), GPT, *steps,
+                     "--digest-file", str(clean)], tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "digest.json"
+    env = job_env(EXIT_RANK="3", EXIT_AT_STEP="6", EXIT_MESSAGE="[gloo/transport/tcp/pair.cc:598] Connection reset by peer")
+    r = run_phoenix(["--nodes", "2", "--nproc-per-node", "2", "--spares", "1", "--run-dir", str(run_dir),
+                     str(SCRIPTS / "exit_at_step.py"), *steps, "--digest-file", str(out)], tmp_path, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    evs = events(run_dir)
+    d = of_type(evs, "decision")[0]
+    assert (d["cls"], d["decision"]) == ("process_exit", "local"), d
+    local = of_type(evs, "local_recovery")[0]
+    assert local["respawned"] == [3] and not of_type(evs, "hotswap")
+    assert of_type(evs, "recovery")[0]["path"] == "local"
+    assert (run_dir / "logs" / "node1" / "1.1.log").exists(), "the dead rank was started again (attempt 1)"
+    assert json.loads(out.read_text())["digest"] == json.loads(clean.read_text())["digest"]
