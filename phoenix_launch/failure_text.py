@@ -108,6 +108,7 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("conn-reset", r"Connection reset by peer|ECONNRESET|Broken pipe", _C),
     _p("conn-refused", r"Connection refused|ECONNREFUSED", _C),
     _p("gloo-timeout", r"Timed out waiting \d+ms for (?:recv|send) operation to complete", _C),
+    _p("gloo-pair-closure", r"Application timeout caused pair closure", _C),
     _p("nccl-remote", r"ncclRemoteError|remote process exited or there was a network error", _C),
     _p("nccl-system", r"ncclSystemError|unhandled system error", _C),
     _p("nccl-watchdog", r"Watchdog caught collective operation timeout|watchdog callback timed out", _C),

@@ -76,6 +76,9 @@ TABLE: dict[str, Row] = {
     # pytorch/gloo#511 ("Current behavior"); the message is built in gloo/transport/tcp/unbound_buffer.cc
     "gloo-timeout": Row("error", "RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
                         "waiting 1800000ms for recv operation to complete", TC),
+    # observed here (tests/test_detect.py, torch 2.13): a rank whose gloo process groups were aborted under a
+    # pending collective (kill-node --mode comm) raises this; the message is built in gloo/transport/tcp/pair.cc
+    "gloo-pair-closure": Row("error", "RuntimeError: Application timeout caused pair closure", TC),
     # ---- NCCL through c10d ------------------------------------------------------------------
     # NVIDIA/nccl#934 (comment, 2023-11-20)
     "nccl-remote": Row("error", "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/"
@@ -569,8 +572,7 @@ INJECTION_EVIDENCE = {
     "crash": dict(reports=(PEER_CLOSED,), node_lost=("n2",)),
     "rank": dict(reports=(PEER_CLOSED, rep("n2", 2, exit_code=None, sig=signal.SIGKILL, t=1.0))),
     "hang": dict(reports=(PEER_CLOSED,), hung=("n2",)),
-    "comm": dict(reports=(rep("n2", 2, exit_code=None, t=1.0,
-                              error="DistBackendError: Connection reset by peer (phoenix-run kill-node comm)"),
+    "comm": dict(reports=(rep("n2", 2, exit_code=None, t=1.0, error="RuntimeError: Application timeout caused pair closure"),
                           PEER_CLOSED)),
     "gpu-ecc": dict(reports=(PEER_CLOSED, rep("n2", 2, t=1.0,
                     error="RuntimeError: CUDA error: uncorrectable ECC error encountered (injected by phoenix-run kill-node)"))),

@@ -356,3 +356,29 @@ def test_hang_check_uses_progress_when_the_runtime_reports_it():
         assert hang_check(P.RankHeartbeat(t=0.0, phase=phase), 1000.0, 10.0) is None
     old = P.RankHeartbeat.from_json(json.dumps({"t": 100.0, "step": 3, "gen": 0, "pid": 1, "runtime": True, "phase": "forward"}))
     assert hang_check(old, 105.0, 10.0) is None and hang_check(old, 110.5, 10.0) == ("heartbeat", 10.5)
+
+
+def test_a_replica_failure_reported_by_a_rank_is_recorded_and_never_a_job_failure(tmp_path):
+    from phoenix_launch.backends import Capabilities
+    from phoenix_launch.nodes import Node
+    from phoenix_launch.supervisor import Supervisor
+
+    class Backend:
+        name, node_names, capabilities = "fake", ["n0", "n1"], Capabilities()
+
+        def domains(self):
+            return {}
+
+    sup = Supervisor(build_config(None, {}, {"launch": {"nodes": 2}}), ["x.py"], tmp_path, Backend())
+    for i in range(2):
+        sup.nodes.add(Node.new(f"n{i}", i))
+    sup.job.transition(JobState.RUNNING, "test")
+    bad = {"type": "ReplicationError", "message": "replica of optim/dp1of2 failed its checksum (crc32 mismatch)"}
+    sup.handle_message({"type": "rank_error", "node": "n1", "slot": 0, "rank": 1, "gen": 0, "error": bad}, 10.0)
+    assert sup.incidents.current is None
+    sup.handle_message({"type": "rank_error", "node": "n1", "slot": 0, "rank": 1, "gen": 0,
+                        "error": {"type": "DistBackendError", "message": "Connection closed by peer"}}, 11.0)
+    assert sup.incidents.current is not None and len(sup.incidents.current.reports) == 1
+    sup.events.close()
+    evs = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["rank"] for e in evs if e["type"] == "replication_error"] == [1]
