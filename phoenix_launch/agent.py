@@ -87,6 +87,8 @@ class Agent:
         self.last_store_ok = time.monotonic()
         self.t_start_uptime = _uptime()  # kernel-log Xids from before this agent started are not this job's
         self._stop_signal: int | None = None
+        self._gpu_probe: threading.Thread | None = None  # a GPU probe after a rank exit (see probe)
+        self._gpu_reading: dict | None = None
         self.commands = P.Dispatcher({
             P.MsgType.RESTART: self._restart,
             P.MsgType.RESPAWN: self._respawn,
@@ -269,12 +271,33 @@ class Agent:
         ))
 
     def probe(self) -> dict:
-        """The node's health now (cheap, only on an incident): its ranks' process states; the GPUs' ECC
-        counters and the kernel's Xids where nvidia-smi exists."""
-        from phoenix_launch.health import node_health_summary, probe_node
+        """The node's health now, cheaply (only on an incident): its live ranks' process states. Where the
+        NVIDIA tools exist, the GPUs' ECC counters and the kernel's Xids are read in a thread (nvidia-smi may
+        take seconds, or hang on a lost GPU) and follow as a ``NodeProbe`` (see :meth:`send_probe`)."""
+        from phoenix_launch.health import assess, gpu_tools, node_health_summary, probe_local
 
         pids = [r.proc.pid for r in self.ranks.values() if r.proc.poll() is None]
-        return node_health_summary(probe_node(self.node, pids, since_uptime=self.t_start_uptime))
+        summary = node_health_summary(assess(self.node, probe_local(pids)))
+        if gpu_tools():
+            summary["probing"] = True
+            if self._gpu_probe is None:
+                self._gpu_probe = threading.Thread(target=self._probe_gpus, name="phoenix-probe", daemon=True)
+                self._gpu_probe.start()
+        return summary
+
+    def _probe_gpus(self) -> None:
+        from phoenix_launch.health import node_health_summary, probe_node
+
+        self._gpu_reading = node_health_summary(probe_node(self.node, [], since_uptime=self.t_start_uptime))
+
+    def send_probe(self) -> None:
+        """The GPU probe finished: its reading goes to the supervisor (from the main thread, which owns the
+        store client)."""
+        if self._gpu_probe is None or self._gpu_probe.is_alive():
+            return
+        self._gpu_probe = None
+        self.q_sup.put(P.NodeProbe(self.node, self._gpu_reading or {"problems": ["GPU probe failed"]}))  # type: ignore[union-attr]
+        self._gpu_reading = None
 
     def handle(self, raw: dict[str, Any]) -> None:
         self.commands.dispatch(raw)
@@ -364,6 +387,7 @@ class Agent:
                         for t in r.tee_threads:
                             t.join(timeout=1)
                         self.report_exit(r, r.proc.returncode)
+                self.send_probe()
                 if now >= next_hang:
                     self.check_hangs(hang_timeout)
                     next_hang = now + hb_every

@@ -386,7 +386,7 @@ def probe_node(node: str, pids: Iterable[int], *, since_uptime: float | None = N
 __all__ = [
     "DEFAULT_PROBE_TIMEOUT", "GPU_QUERY_FIELDS", "GpuEcc", "NodeHealth", "XidEvent", "assess",
     "parse_nvidia_smi_ecc", "parse_nvidia_smi_query", "parse_scontrol_node", "parse_scontrol_nodes",
-    "node_health_summary", "parse_xid_lines", "probe_gpus", "with_probe_evidence", "probe_kernel_xids", "probe_local", "probe_node",
+    "gpu_tools", "node_health_summary", "parse_xid_lines", "probe_gpus", "with_probe_evidence", "probe_kernel_xids", "probe_local", "probe_node",
     "probe_slurm_node", "read_uptime", "xid_codes_since",
 ]
 
@@ -394,6 +394,11 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # Wiring into classification (pure): the probes' readings become Signals evidence
 # --------------------------------------------------------------------------------------------
+
+
+def gpu_tools() -> bool:
+    """The NVIDIA tools exist here (a GPU probe can run)."""
+    return shutil.which("nvidia-smi") is not None
 
 
 def node_health_summary(h: NodeHealth) -> dict:

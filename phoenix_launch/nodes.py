@@ -102,9 +102,11 @@ class NodeTable:
     def group_ranks(self) -> dict[str, int | None]:
         return {n.name: n.group_rank for n in self}
 
-    def fleet(self, now: float, heartbeat_s: float, world_ranks: int) -> FleetView:
-        waiting = tuple(n.name for n in self if not n.is_spare and not n.up and not n.lost
-                        and n.state in (NodeState.STARTING, NodeState.ACTIVE, NodeState.JOINING))
+    def fleet(self, now: float, heartbeat_s: float, world_ranks: int, probing: set[str] = frozenset()) -> FleetView:  # type: ignore[assignment]
+        """``probing``: nodes whose GPU probe is still to come: an incident waits for them as for a node
+        not reported in (bounded the same way)."""
+        waiting = tuple(n.name for n in self if not n.is_spare and not n.lost and (n.name in probing or (
+            not n.up and n.state in (NodeState.STARTING, NodeState.ACTIVE, NodeState.JOINING))))
         silent = tuple(n.name for n in self if n.state in (NodeState.ACTIVE, NodeState.JOINING) and n.up
                        and not n.lost and now - n.last_hb > 3 * heartbeat_s)
         healthy = frozenset(n.name for n in self if not n.lost)

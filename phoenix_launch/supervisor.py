@@ -63,6 +63,7 @@ class Supervisor:
         self.unrecoverable: dict[int, P.Unrecoverable] = {}
         self.unrecoverable_t0: float | None = None
         self.agent_health: dict[str, dict] = {}  # node -> the probe its agent ran at its latest rank exit
+        self.probing: set[str] = set()  # nodes whose agent's GPU probe is still to come (an incident waits)
         self.root_cause: RankReport | None = None
         self.stop_reason = ""
         self.exit_code: int | None = None
@@ -90,6 +91,7 @@ class Supervisor:
             P.MsgType.PROTECTION: self.on_protection,
             P.MsgType.FAULT_FIRED: self.on_fault_fired,
             P.MsgType.CHECKPOINT: self.on_checkpoint,
+            P.MsgType.NODE_PROBE: self.on_node_probe,
         })
 
     # --- setup -------------------------------------------------------------------------------------
@@ -196,6 +198,8 @@ class Supervisor:
             return
         if m.health:
             self.agent_health[node.name] = m.health
+            if m.health.get("probing"):
+                self.probing.add(node.name)
         err = (m.error or {}).get("phoenix")
         when = (err or {}).get("time", m.t_exit if m.t_exit is not None else (m.t or now))
         self.incidents.rank_failed(RankReport(node.name, rank, m.exit_code, m.signal, err, m.log_tail, time=when), now, exited=True)
@@ -258,6 +262,12 @@ class Supervisor:
     def on_checkpoint(self, m: P.CheckpointSaved, now: float) -> None:
         self.events.emit("fallback_checkpoint", node=m.node, slot=m.slot, rank=m.rank, path=m.path, step=m.step, rank_saved=m.rank_saved)
 
+    def on_node_probe(self, m: P.NodeProbe, now: float) -> None:
+        """The GPU reading that follows a rank exit: the incident's evidence (Xid, ECC, a lost GPU)."""
+        self.probing.discard(m.node)
+        base = self.agent_health.get(m.node, {})
+        self.agent_health[m.node] = {**base, **m.health, "problems": base.get("problems", []) + m.health.get("problems", [])}
+
     def on_agent_exit(self, name: str, code: int, now: float) -> None:
         node = self.nodes[name]
         if node.state in ENDED or self.job.state is JobState.STOPPING:
@@ -286,7 +296,8 @@ class Supervisor:
 
     # --- classify and decide -----------------------------------------------------------------------
     def settle(self, now: float) -> None:
-        outcome = self.incidents.settle(now, self.nodes.fleet(now, self.cfg.detect.heartbeat_s, self.world_size))
+        fleet = self.nodes.fleet(now, self.cfg.detect.heartbeat_s, self.world_size, probing=self.probing)
+        outcome = self.incidents.settle(now, fleet)
         if outcome is None:
             return
         inc = outcome.incident
@@ -295,6 +306,7 @@ class Supervisor:
             return
         signals = with_probe_evidence(outcome.signals, self._agent_probes(outcome.signals), self._scheduler_probes(outcome.signals))
         self.agent_health.clear()
+        self.probing.clear()
         verdict = classify(signals)
         if verdict.root is not None and self.root_cause is None:
             self.root_cause = verdict.root

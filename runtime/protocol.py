@@ -169,6 +169,7 @@ class MsgType(str, Enum):
     PROTECTION = "protection"
     FAULT_FIRED = "fault_fired"
     CHECKPOINT = "checkpoint"
+    NODE_PROBE = "node_probe"
     # supervisor -> one agent (q_agent)
     RESTART = "restart"
     RESPAWN = "respawn"
@@ -229,6 +230,17 @@ class RankHang(Message):
     step: int | None = None
     reason: str = "heartbeat"  # "heartbeat": its heartbeat went silent; "progress": no step completed
     proc_state: str | None = None  # the process's state when killed (psutil: "stopped", "disk_sleep", ...)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class NodeProbe(Message):
+    """An agent's probe of its node's GPUs (ECC counters, Xids), run after a rank exit where the tools exist;
+    it follows the exit report (whose ``health`` says ``probing``) so that the report is not delayed."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_PROBE
+    node: str
+    health: dict = field(default_factory=dict)
     t: float | None = None
 
 
@@ -378,7 +390,7 @@ class RankFault(Message):
 
 MESSAGE_CLASSES: dict[MsgType, type] = {
     cls.TYPE: cls
-    for cls in (AgentUp, RankExit, RankHang, RankError, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
+    for cls in (AgentUp, RankExit, RankHang, NodeProbe, RankError, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
                 FaultFired, CheckpointSaved, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
 }
 _FIELDS = {t: {f.name: f for f in fields(c)} for t, c in MESSAGE_CLASSES.items()}

@@ -1036,3 +1036,20 @@ def test_probe_node_on_this_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi, no scontrol: only processes
     h = probe_node("here", [os.getpid()])
     assert h.passed and h.gpu is None and h.processes["alive"] == [os.getpid()]
+
+
+def test_probe_evidence_reaches_the_classifier():
+    """The agents' readings (Xid, ECC, a stopped rank) and the scheduler's node state become Signals evidence."""
+    from phoenix_launch.health import with_probe_evidence
+
+    base = Signals(reports=(rep("n1", 0, exit_code=None, error=CLOSED, t=1.0), rep("n2", 2, exit_code=None, error=CLOSED, t=1.1)),
+                   healthy_nodes=frozenset({"n1", "n2"}), world_ranks=4)
+    assert classify(base).cls is TC
+    v = classify(with_probe_evidence(base, {"n2": {"xid": [79], "problems": ["kernel logged Xid 79"]}}, {}))
+    assert (v.cls, v.node) == (HO, "n2") and "Xid 79" in v.reason
+    v = classify(with_probe_evidence(base, {"n1": {"ecc_uncorrected": 2, "problems": ["2 uncorrected ECC error(s)"]}}, {}))
+    assert (v.cls, v.node) == (GM, "n1")
+    v = classify(with_probe_evidence(base, {}, {"n2": "IDLE+DRAIN", "n1": "ALLOCATED"}))
+    assert (v.cls, v.node) == (HO, "n2") and "IDLE+DRAIN" in v.reason
+    v = classify(with_probe_evidence(base, {"n1": {"problems": ["rank process(es) in uninterruptible sleep (D): [7]"]}}, {}))
+    assert (v.cls, v.node) == (NS, "n1")  # a comm error on a node that fails its probe: replaced
