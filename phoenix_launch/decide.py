@@ -45,7 +45,8 @@ class Decision:
     node: str | None = None  # the failed node
     spare: str | None = None  # the node that takes its place (hot-swap, or restart after a node loss)
     exit_code: int = EXIT_OK
-    respawn: tuple[int, ...] = ()  # LOCAL: the logical ranks whose process exited, started again as joiners
+    #: the logical ranks whose process exited: started again as joiners (LOCAL; HOTSWAP: those on the nodes kept)
+    respawn: tuple[int, ...] = ()
     fresh: bool = False  # RESTART before any step completed: not counted against --max-restarts
 
 
@@ -66,7 +67,8 @@ def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
             return Decision(Kind.LOCAL, f"{why}: local recovery, {node} rejoins{respawn}", node, respawn=verdict.exited)
         if action is Action.REPLACE_NODE:
             if view.spares:
-                return Decision(Kind.HOTSWAP, f"{why}: hot-swap {node} -> {view.spares[0]}", node, view.spares[0])
+                return Decision(Kind.HOTSWAP, f"{why}: hot-swap {node} -> {view.spares[0]}", node, view.spares[0],
+                                respawn=verdict.exited)
             return Decision(Kind.STOP, f"{why}: no spare left to replace {node}", node, exit_code=EXIT_UNRECOVERABLE)
     if view.nothing_done and action in (Action.LOCAL_RECOVERY, Action.REPLACE_NODE):
         fresh = _fresh_start(view, action, node, why)

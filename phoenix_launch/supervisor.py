@@ -381,7 +381,9 @@ class Supervisor:
             self.nodes.transition(spn, NodeState.JOINING, f"replaces {f}")
         gens = self._gens()
         ranks = [P.RankSlot(r.rank, swap.get(r.node, r.node), r.slot) for r in gens.members.ranks]
-        mem = gens.publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks())
+        respawn = tuple(r for r in d.respawn if gens.members.slot_of(r).node not in swap)  # dead ranks on kept nodes
+        mem = gens.publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), respawned=respawn)
+        self._respawn(mem, respawn)
         self._begin_recovery("hotswap", d, inc, now)
         for f, sp in swap.items():
             self.events.emit("hotswap", gen=mem.gen, failed=f, spare=sp, joiners=[r.rank for r in ranks if r.node == sp],
@@ -395,14 +397,18 @@ class Supervisor:
             self.nodes.transition(node, NodeState.JOINING, "local recovery")
         gens = self._gens()
         mem = gens.publish(gens.members.ranks, d.reason, self._attempt(), self.nodes.group_ranks(), respawned=d.respawn)
+        self._respawn(mem, d.respawn)
+        self._begin_recovery("local", d, inc, now)
+        self.events.emit("local_recovery", gen=mem.gen, node=d.node, respawned=list(d.respawn))
+
+    def _respawn(self, mem: P.Membership, ranks: tuple[int, ...]) -> None:
+        """Ask the agents to start these (dead) ranks again, after their assignments are published."""
         by_node: dict[str, list[int]] = {}
-        for rank in d.respawn:
+        for rank in ranks:
             slot = mem.slot_of(rank)
             by_node.setdefault(slot.node, []).append(slot.slot)
         for name, slots in by_node.items():
             P.Queue(self.store, P.q_agent(name)).put(P.AgentRespawn(tuple(slots), mem.gen))
-        self._begin_recovery("local", d, inc, now)
-        self.events.emit("local_recovery", gen=mem.gen, node=d.node, respawned=list(d.respawn))
 
     def _begin_recovery(self, path: str, d: decisions.Decision, inc: Incident, now: float) -> None:
         self._flush_recovery_event(final=True)
