@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from phoenix_launch.backends import Backend
+from phoenix_launch.backends.base import Backend
 from phoenix_launch.events import EventLog
 from phoenix_launch.incidents import FleetView
 from phoenix_launch.lifecycle import NODE_TRANSITIONS, Lifecycle, NodeState

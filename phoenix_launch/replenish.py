@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from phoenix_launch.backends import Backend
+from phoenix_launch.backends.base import Backend
 from phoenix_launch.events import EventLog
 from phoenix_launch.spec import AgentSpec
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
+from phoenix_launch.events import EventLog
+from phoenix_launch.nodes import NodeTable
 from phoenix_runtime import protocol as P
-
-if TYPE_CHECKING:  # the status is a read-only view of the supervisor's state
-    from phoenix_launch.supervisor import Supervisor
 
 
 def read_rank_heartbeats(store: Any, members: P.Membership) -> dict[tuple[str, int], P.RankHeartbeat]:
@@ -26,27 +26,27 @@ def read_rank_heartbeats(store: Any, members: P.Membership) -> dict[tuple[str, i
     return out
 
 
-def job_status(sup: "Supervisor") -> dict[str, Any]:
-    members = sup.members or P.Membership(0, sup.world_size, ())
-    hbs = read_rank_heartbeats(sup.store, members)
-    nodes = []
-    for n in sup.nodes:
+def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: int, nproc: int, nodes: NodeTable,
+               members: P.Membership, store: Any, events: EventLog) -> dict[str, Any]:
+    hbs = read_rank_heartbeats(store, members)
+    rows = []
+    for n in nodes:
         ranks = [r.rank for r in members.ranks if r.node == n.name]
-        steps = [hbs[(n.name, s)].step if (n.name, s) in hbs else -1 for s in range(sup.nproc)]
-        nodes.append({"name": n.name, "state": n.state.value, "ranks": ranks, "step": max(steps) if ranks else None, "failures": n.failures})
+        steps = [hbs[(n.name, s)].step if (n.name, s) in hbs else -1 for s in range(nproc)]
+        rows.append({"name": n.name, "state": n.state.value, "ranks": ranks, "step": max(steps) if ranks else None, "failures": n.failures})
     steps = [h.step for h in hbs.values()]
     sps = [h.sps for h in hbs.values() if h.sps]
     return {
-        "run_id": sup.cfg.launch.run_id,
-        "run_dir": str(sup.run_dir),
-        "state": sup.job.state.value,
-        "gen": sup.gen,
-        "restarts": sup.restarts,
-        "world_size": sup.world_size,
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "state": state,
+        "gen": gen,
+        "restarts": restarts,
+        "world_size": members.world_size,
         "step": min(steps) if steps else -1,
         "steps_per_s": round(min(sps), 3) if sps else 0.0,
-        "spares_left": len(sup.nodes.spare_nodes()),
-        "nodes": nodes,
-        "events": sup.events.recent[-8:],
+        "spares_left": len(nodes.spare_nodes()),
+        "nodes": rows,
+        "events": events.recent[-8:],
         "t": time.time(),
     }

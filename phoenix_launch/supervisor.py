@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from phoenix_launch import decide as decisions
-from phoenix_launch.backends import Backend
+from phoenix_launch.backends.base import Backend
 from phoenix_launch.classify import RankReport, classify, describe_exit
 from phoenix_launch.commands import CommandHandler
 from phoenix_launch.config import Config, runtime_settings
@@ -568,8 +568,13 @@ class Supervisor:
             self.shutdown()
         return self.exit_code if self.exit_code is not None else decisions.EXIT_RANK_FAILED
 
+    def status(self) -> dict[str, Any]:
+        return job_status(run_id=self.cfg.launch.run_id, run_dir=self.run_dir, state=self.job.state.value, gen=self.gen,
+                          restarts=self.restarts, nproc=self.nproc, nodes=self.nodes, store=self.store, events=self.events,
+                          members=self.members or P.Membership(0, self.world_size, ()))
+
     def _write_status(self) -> dict[str, Any]:
-        snap = job_status(self)
+        snap = self.status()
         write_json_atomic(self.run_dir / "status.json", snap)
         if self.ui:
             self.ui.update(snap)
@@ -596,7 +601,7 @@ class Supervisor:
         self.events.emit("job_end", state=final.value, exit_code=code, reason=self.stop_reason, root_cause=root)
         snap: dict[str, Any] = {}
         try:
-            snap = job_status(self) if self.store is not None else {}
+            snap = self.status() if self.store is not None else {}
             write_json_atomic(self.run_dir / "status.json", snap)
         except Exception:
             pass

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from phoenix_launch.backends import Capabilities, SchedulerView, NotSupported
+from phoenix_launch.backends.base import Capabilities, NotSupported, SchedulerView
 from phoenix_launch.procs import die_with_parent, poll_exited
 from phoenix_launch.spec import AgentSpec
 
