@@ -87,6 +87,19 @@ class NodeTable:
         else:
             self.events.emit("drain_skipped", node=name, why=msg)
 
+    def scheduler_states(self, names: set[str]) -> dict[str, str | None]:
+        """The scheduler's state of these nodes (Slurm), read now (one query per node: only on an incident);
+        each reading, with its drain reason, is an event. Empty where the backend has no scheduler."""
+        if not self.backend.capabilities.node_state:
+            return {}
+        out: dict[str, str | None] = {}
+        for name in sorted(names):
+            view = self.backend.node_state(name)
+            out[name] = view.state
+            if view.state:
+                self.events.emit("probe", node=name, slurm_state=view.state, reason=view.reason)
+        return out
+
     # --- questions ---------------------------------------------------------------------------------
     def spare_nodes(self) -> list[Node]:
         return [n for n in self if n.is_spare and not n.lost and n.state in (NodeState.SPARE, NodeState.STARTING)]

@@ -13,6 +13,7 @@ import hmac
 import os
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from phoenix_launch.backends.base import Backend
 from phoenix_launch.classify import RankReport, classify, describe_exit
 from phoenix_launch.commands import CommandHandler
 from phoenix_launch.config import Config, runtime_settings
+from phoenix_launch.control import ControlPlane
 from phoenix_launch.events import EventLog, create_token, write_json_atomic
 from phoenix_launch.generations import Attempt, GenerationPublisher
 from phoenix_launch.health import with_probe_evidence
@@ -36,6 +38,18 @@ from phoenix_runtime import protocol as P
 
 #: a live rank's error of this type is a failed replica, not a job failure: the step is protected again
 REPLICATION_ERROR = "ReplicationError"
+
+
+@dataclass
+class AttemptProgress:
+    """What the ranks of the current attempt have told the supervisor (reset by a restart)."""
+
+    done_ranks: set[int] = field(default_factory=set)  # exited 0
+    runtime_ready: set[int] = field(default_factory=set)  # run the runtime with protection on
+    protect_on: bool = True
+    step: int = -1  # the latest progress report
+    unrecoverable: dict[int, P.Unrecoverable] = field(default_factory=dict)  # ranks that cannot recover
+    unrecoverable_t0: float | None = None
 
 
 class Supervisor:
@@ -56,12 +70,7 @@ class Supervisor:
         self.runtime_json = runtime_settings(cfg).to_json()
         self.epoch = 0
         self.restarts = 0
-        self.done_ranks: set[int] = set()
-        self.runtime_ready: set[int] = set()
-        self.protect_on = True
-        self.progress: dict[str, Any] = {"step": -1, "sps": 0.0}
-        self.unrecoverable: dict[int, P.Unrecoverable] = {}
-        self.unrecoverable_t0: float | None = None
+        self.attempt = AttemptProgress()
         self.agent_health: dict[str, dict] = {}  # node -> the probe its agent ran at its latest rank exit
         self.probing: set[str] = set()  # nodes whose agent's GPU probe is still to come (an incident waits)
         self.root_cause: RankReport | None = None
@@ -69,16 +78,9 @@ class Supervisor:
         self.exit_code: int | None = None
         self._signal: int | None = None
         self._status_due = False
-        # the control plane (start() opens it)
-        self.store: Any = None
-        self.rdzv_store: Any = None
-        self._old_rdzv: Any = None  # the previous attempt's rendezvous store, alive until its workers are gone
-        self.store_host = ""
-        self.port = self.rdzv_port = 0
+        self.plane: ControlPlane | None = None  # start() opens it
         self.publisher: GenerationPublisher | None = None
         self.commands: CommandHandler | None = None
-        self.q_sup: P.Queue | None = None
-        self.q_cmd: P.Queue | None = None
         self.messages = P.Dispatcher({
             P.MsgType.AGENT_UP: self.on_agent_up,
             P.MsgType.RANK_EXIT: self.on_rank_exit,
@@ -98,14 +100,10 @@ class Supervisor:
     def start(self) -> None:
         """Pick the ports, start the agents, then the stores: the ranks' interpreters and torch imports
         (seconds) overlap with the supervisor's own torch import; clients retry until the store listens."""
-        from phoenix_launch.control import reserve_port, start_store
-
         launch = self.cfg.launch
-        host = self.store_host = self.backend.store_host(launch.master_addr)
-        sock, rdzv_sock = reserve_port(host, launch.master_port), reserve_port(host, 0)
-        self.port, self.rdzv_port = sock.getsockname()[1], rdzv_sock.getsockname()[1]
+        plane = self.plane = ControlPlane(self.backend.store_host(launch.master_addr), launch.master_port)
         write_json_atomic(self.run_dir / "control.json",
-                          {"host": host, "port": self.port, "pid": os.getpid(), "run_id": launch.run_id, "backend": self.backend.name})
+                          {"host": plane.host, "port": plane.port, "pid": os.getpid(), "run_id": launch.run_id, "backend": self.backend.name})
         ranks = []
         for i, name in enumerate(self.backend.node_names):
             active = i < launch.nodes
@@ -114,16 +112,14 @@ class Supervisor:
                 ranks += [P.RankSlot(i * self.nproc + s, name, s) for s in range(self.nproc)]
         for node in self.nodes:
             self.backend.start_agent(node.name, self.agent_spec(node))
-        self.store, _ = start_store(host, sock=sock)
-        self.rdzv_store, _ = start_store(host, sock=rdzv_sock)
-        self.q_sup, self.q_cmd = P.Queue(self.store, P.Q_SUPERVISOR), P.Queue(self.store, P.Q_COMMANDS)
+        plane.listen()
         self.store.set(P.K_RUN_ID, launch.run_id)
         self.publisher = GenerationPublisher(self.store, world_size=self.world_size, nproc=self.nproc, run_id=launch.run_id,
                                              max_restarts=launch.max_restarts, domains=self.backend.domains)
         self.publisher.first(ranks)
         self.commands = CommandHandler(self.store, self.token, self.events, self._job_targets(), self.incidents.injected)
         self.events.emit("job_start", run_id=launch.run_id, nodes=launch.nodes, nproc_per_node=self.nproc, spares=launch.spares,
-                         world_size=self.world_size, argv=self.argv, backend=self.backend.name, control=f"{host}:{self.port}")
+                         world_size=self.world_size, argv=self.argv, backend=self.backend.name, control=f"{plane.host}:{plane.port}")
         self.job.transition(JobState.RUNNING, "agents started")
 
     def _job_targets(self) -> JobTargets:
@@ -134,6 +130,10 @@ class Supervisor:
     def _gens(self) -> GenerationPublisher:
         assert self.publisher is not None, "the control plane is not started"
         return self.publisher
+
+    @property
+    def store(self):
+        return self.plane.store if self.plane else None
 
     @property
     def gen(self) -> int:
@@ -149,7 +149,8 @@ class Supervisor:
             node=node.name, nproc=self.nproc, run_dir=str(self.run_dir), argv=tuple(self.argv),
             role=P.ROLE_SPARE if node.is_spare else P.ROLE_ACTIVE, group_rank=node.group_rank,
             world_size=self.world_size, gen=self.gen, epoch=self.epoch, max_restarts=launch.max_restarts,
-            run_id=launch.run_id, store_host=self.store_host, store_port=self.port, master_port=self.rdzv_port,
+            run_id=launch.run_id, store_host=self.plane.host if self.plane else "", store_port=self.plane.port if self.plane else 0,
+            master_port=self.plane.rdzv_port if self.plane else 0,
             cwd=os.getcwd(), heartbeat_s=detect.heartbeat_s, hang_timeout_s=detect.hang_timeout_s,
             node_timeout_s=detect.node_timeout_s, stop_grace_s=launch.stop_grace_s, redirects=launch.redirects,
             tee=launch.tee, runtime_json=self.runtime_json, join=join,
@@ -191,10 +192,10 @@ class Supervisor:
             return
         rank = self._gens().members.rank_at(node.name, m.slot)
         if m.exit_code == 0 and rank is not None:
-            self.done_ranks.add(rank)
+            self.attempt.done_ranks.add(rank)
             self.events.emit("rank_done", node=node.name, slot=m.slot, rank=rank)
             return
-        if self.job.state is JobState.STOPPING or self.unrecoverable:
+        if self.job.state is JobState.STOPPING or self.attempt.unrecoverable:
             return
         if m.health:
             self.agent_health[node.name] = m.health
@@ -226,27 +227,27 @@ class Supervisor:
         self.incidents.rank_failed(RankReport(node.name, m.rank, None, None, err, "", time=m.t or now), now, exited=False)
 
     def on_runtime_ready(self, m: P.RuntimeReady, now: float) -> None:
-        self.protect_on = bool(m.protect)
+        self.attempt.protect_on = bool(m.protect)
         if m.epoch == self.epoch and m.protect and m.rank is not None:
-            self.runtime_ready.add(int(m.rank))
+            self.attempt.runtime_ready.add(int(m.rank))
 
     def on_recovered(self, m: P.Recovered, now: float) -> None:
         if self.job.state is JobState.RECOVERING and self.recovery.recovered(m, now):
             self.finish_recovery(now)
 
     def on_progress(self, m: P.Progress, now: float) -> None:
-        self.progress = {"step": m.step, "sps": m.sps, "step_time_s": m.step_time_s}
+        self.attempt.step = m.step
         self.events.emit("progress", step=m.step, step_time_s=m.step_time_s, sps=m.sps)
 
     def on_unrecoverable(self, m: P.Unrecoverable, now: float) -> None:
         """Every rank saves what survives, then the job stops with the reason."""
         if m.rank is None:
             return
-        self.unrecoverable[int(m.rank)] = m
+        self.attempt.unrecoverable[int(m.rank)] = m
         if m.checkpoint:
             self.events.emit("fallback_checkpoint", rank=m.rank, path=m.checkpoint)
-        self.unrecoverable_t0 = self.unrecoverable_t0 or now
-        if len(self.unrecoverable) == self.world_size:
+        self.attempt.unrecoverable_t0 = self.attempt.unrecoverable_t0 or now
+        if len(self.attempt.unrecoverable) == self.world_size:
             self.stop(m.reason, decisions.EXIT_UNRECOVERABLE, now)
 
     def on_protection(self, m: P.Protection, now: float) -> None:
@@ -304,7 +305,10 @@ class Supervisor:
         if outcome.signals is None:
             self.events.emit("incident_closed", injected=inc.injected, why=outcome.closed_why)
             return
-        signals = with_probe_evidence(outcome.signals, self._agent_probes(outcome.signals), self._scheduler_probes(outcome.signals))
+        sig = outcome.signals
+        involved = {r.node for r in sig.reports} | set(sig.hung)
+        agents = {n: h for n, h in self.agent_health.items() if n in involved}
+        signals = with_probe_evidence(sig, agents, self.nodes.scheduler_states(involved | set(sig.node_lost)))
         self.agent_health.clear()
         self.probing.clear()
         verdict = classify(signals)
@@ -313,7 +317,7 @@ class Supervisor:
         if verdict.node and verdict.node in self.nodes:
             self.nodes[verdict.node].failures += 1
         view = decisions.JobView(
-            runtime_ready=self.protect_on and len(self.runtime_ready) == self.world_size,
+            runtime_ready=self.attempt.protect_on and len(self.attempt.runtime_ready) == self.world_size,
             spares=self.spares(),
             restarts_used=self.restarts,
             max_restarts=self.cfg.launch.max_restarts,
@@ -334,35 +338,20 @@ class Supervisor:
         else:
             self.restart(d, now)
 
-    def _agent_probes(self, signals) -> dict[str, dict]:
-        involved = {r.node for r in signals.reports} | set(signals.hung)
-        return {n: h for n, h in self.agent_health.items() if n in involved}
-
-    def _scheduler_probes(self, signals) -> dict[str, str | None]:
-        """The scheduler's state of the incident's nodes (Slurm), read now: one query per node."""
-        if not self.backend.capabilities.node_state:
-            return {}
-        out: dict[str, str | None] = {}
-        for name in sorted({r.node for r in signals.reports} | set(signals.node_lost) | set(signals.hung)):
-            view = self.backend.node_state(name)
-            out[name] = view.state
-            if view.state:
-                self.events.emit("probe", node=name, slurm_state=view.state, reason=view.reason)
-        return out
-
     def _nothing_done(self) -> bool:
         """No step completed in this attempt, and the job runs the runtime (a rank said so) or is still
         starting (not every rank has joined the control plane): starting fresh loses nothing."""
-        if self.progress.get("step", -1) >= 1:
+        if self.attempt.step >= 1:
             return False
         hbs = read_rank_heartbeats(self.store, self._gens().members)
         if any(hb.step >= 1 for hb in hbs.values()):
             return False
-        return bool(self.runtime_ready) or len(hbs) < self.world_size
+        return bool(self.attempt.runtime_ready) or len(hbs) < self.world_size
 
     # --- repair (hot-swap, local recovery, restart) ------------------------------------------------
     def _attempt(self) -> Attempt:
-        return Attempt(self.epoch, self.store_host, self.rdzv_port)
+        assert self.plane is not None
+        return Attempt(self.epoch, self.plane.host, self.plane.rdzv_port)
 
     def hotswap(self, d: decisions.Decision, inc: Incident, now: float) -> None:
         """Replace the failed node -- and every other node lost in the same incident -- by warm spares."""
@@ -459,8 +448,7 @@ class Supervisor:
 
     def restart(self, d: decisions.Decision, now: float) -> None:
         """Every worker starts again (torchrun's restart; ``fresh``: before any step, not counted)."""
-        from phoenix_launch.control import start_store
-
+        assert self.plane is not None
         self.restarts += 0 if d.fresh else 1
         self.epoch += 1
         self.job.transition(JobState.RESTARTING, d.reason)
@@ -469,19 +457,14 @@ class Supervisor:
             self.nodes.exclude(failed.name, d.reason)
             spare.group_rank, failed.group_rank = failed.group_rank, None
             self.nodes.transition(spare, NodeState.JOINING, f"replaces {failed.name} for restart {self.epoch}")
-        self.done_ranks.clear()
-        self.runtime_ready.clear()
-        self.progress = {"step": -1, "sps": 0.0}
-        # a fresh rendezvous store per attempt, as torchrun does: workers of a restarted attempt must not read
-        # the dead attempt's addresses (pytorch/pytorch#135712); the old one lives until its workers are gone
-        self._old_rdzv = self.rdzv_store
-        self.rdzv_store, self.rdzv_port = start_store(self.store_host, 0)
+        self.attempt = AttemptProgress()
+        rdzv_port = self.plane.new_rendezvous()
         ranks = [P.RankSlot(n.group_rank * self.nproc + s, n.name, s) for n in self.nodes if n.group_rank is not None for s in range(self.nproc)]
         mem = self._gens().publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), fresh=True)
         for n in self.nodes:
             if n.group_rank is not None:
                 P.Queue(self.store, P.q_agent(n.name)).put(
-                    P.AgentRestart(self.epoch, self.rdzv_port, n.group_rank, self.world_size, mem.gen, P.ROLE_ACTIVE))
+                    P.AgentRestart(self.epoch, rdzv_port, n.group_rank, self.world_size, mem.gen, P.ROLE_ACTIVE))
                 if n.state is NodeState.JOINING:
                     self.nodes.transition(n, NodeState.ACTIVE, "restarted as active")
         self.events.emit("restart", attempt=self.restarts, max_restarts=self.cfg.launch.max_restarts, reason=d.reason, fresh=d.fresh)
@@ -529,20 +512,21 @@ class Supervisor:
         if self._signal is not None and self.exit_code is None:
             name = signal.Signals(self._signal).name
             self.stop(f"received {name}", decisions.EXIT_SIGINT if self._signal == signal.SIGINT else decisions.EXIT_SIGTERM, now)
-        for m in self.q_sup.get_all():  # type: ignore[union-attr]  (before the agents' exits: a fault report precedes the crash)
+        assert self.plane is not None and self.commands is not None, "start() opens the control plane"
+        for m in self.plane.reports.get_all():  # before the agents' exits: a fault report precedes the crash
             self.handle_message(m, now)
         for node, code in self.backend.poll():
             self.on_agent_exit(node, code, now)
-        for c in self.q_cmd.get_all():  # type: ignore[union-attr]
-            self.commands.handle(c, now)  # type: ignore[union-attr]
+        for c in self.plane.commands.get_all():
+            self.commands.handle(c, now)
         self.replenish(now)
         if self.job.state is not JobState.STOPPING:
             self.settle(now)
             self.run_chaos(now)
             self.check_recovery_deadline(now)
-        if self.unrecoverable_t0 and now - self.unrecoverable_t0 > self.cfg.detect.recovery_timeout_s:
-            self.stop(next(iter(self.unrecoverable.values())).reason, decisions.EXIT_UNRECOVERABLE, now)
-        if self.job.state is JobState.RUNNING and self.incidents.current is None and len(self.done_ranks) == self.world_size:
+        if self.attempt.unrecoverable_t0 and now - self.attempt.unrecoverable_t0 > self.cfg.detect.recovery_timeout_s:
+            self.stop(next(iter(self.attempt.unrecoverable.values())).reason, decisions.EXIT_UNRECOVERABLE, now)
+        if self.job.state is JobState.RUNNING and self.incidents.current is None and len(self.attempt.done_ranks) == self.world_size:
             self._flush_recovery_event(final=True)
             self.stop("all ranks finished", decisions.EXIT_OK, now)
 

@@ -255,3 +255,27 @@ def test_a_replenishment_job_that_ends_without_joining_is_replaced(tmp_path: Pat
     sup.events.close()
     lost = [e for e in _events(tmp_path) if e["type"] == "replenish_lost"]
     assert [(e["join"], e["state"]) for e in lost] == [("r1", "CANCELLED")]
+
+
+def test_node_state_and_drain_reason_reach_the_incident(tmp_path: Path) -> None:
+    """The Slurm backend reads a node's state and reason on an incident (capability ``node_state``); the node
+    table turns it into classifier evidence and a ``probe`` event."""
+    from phoenix_launch.events import EventLog
+    from phoenix_launch.nodes import NodeTable
+
+    def show(argv):
+        if argv[3] == "node":
+            return {"n2": "NodeName=n2 Arch=x86_64 State=DOWN* ThreadsPerCore=1 Reason=Not responding [slurm@2024-05-01T10:00:00]",
+                    "n3": "NodeName=n3 State=ALLOCATED"}[argv[4]]
+        return "JobId=42 JobState=RUNNING NodeList=n[1-4] BatchHost=n1 NumNodes=4"
+
+    be = SlurmBackend.create(cfg(), tmp_path, environ=BATCH_ENV, run=fake(extra={"scontrol -o show": show}))
+    assert be.capabilities.node_state
+    view = be.node_state("n2")
+    assert (view.state, view.reason) == ("DOWN*", "Not responding")
+    events = EventLog(tmp_path / "events.jsonl")
+    table = NodeTable(be, events, drain=False, on_change=lambda: None)
+    assert table.scheduler_states({"n2", "n3"}) == {"n2": "DOWN*", "n3": "ALLOCATED"}
+    events.close()
+    probes = [e for e in _events(tmp_path) if e["type"] == "probe"]
+    assert [(e["node"], e["reason"]) for e in probes] == [("n2", "Not responding"), ("n3", None)]
