@@ -346,7 +346,8 @@ class Supervisor:
         hbs = read_rank_heartbeats(self.store, self._gens().members)
         if any(hb.step >= 1 for hb in hbs.values()):
             return False
-        return bool(self.attempt.runtime_ready) or len(hbs) < self.world_size
+        uses_runtime = bool(self.attempt.runtime_ready) or any(hb.runtime for hb in hbs.values())
+        return uses_runtime or len(hbs) < self.world_size
 
     # --- repair (hot-swap, local recovery, restart) ------------------------------------------------
     def _attempt(self) -> Attempt:
