@@ -170,7 +170,12 @@ class Supervisor:
 
     # --- messages (detect) -------------------------------------------------------------------------
     def handle_message(self, raw: dict[str, Any] | P.Message, now: float) -> None:
-        self.messages.dispatch(raw, now)
+        """Decode and dispatch by type; an unknown or malformed message is dropped and counted (an event the
+        first time a type is dropped)."""
+        if self.messages.dispatch(raw, now) is None and isinstance(raw, dict):
+            kind = str(raw.get("type"))
+            if self.messages.dropped.get(kind) == 1:
+                self.events.emit("message_dropped", message_type=kind, why="unknown type or missing field")
 
     def on_agent_up(self, m: P.AgentUp, now: float) -> None:
         node = self.nodes.get(m.node)
