@@ -3,9 +3,10 @@
 One agent runs per node (a child process under the local backend, an ``srun`` step under Slurm). It
 starts its ranks first and imports torch (for its control-plane client) only once they are warm, so that
 it does not compete with their imports; then joins the control plane, heartbeats, reports every rank exit
-with its error file, kills a hung rank (its heartbeat silent past the hang timeout) so that its peers'
-collectives fail at once, and carries out the supervisor's commands (restart the ranks for a new attempt,
-inject a fault, stop).
+with its error file and a probe of the node (process states; Xid and ECC where the NVIDIA tools exist),
+kills a hung rank (no step completed, or its heartbeat silent, past the hang timeout: :func:`hang_check`)
+so that its peers' collectives fail at once, and carries out the supervisor's commands (restart the ranks
+for a new attempt, respawn dead ranks as joiners of a new generation, inject a fault, stop).
 
 If the control plane is unreachable for longer than the node timeout, the agent takes the supervisor for
 dead, ends its ranks and exits: no process outlives the job.
@@ -14,7 +15,6 @@ dead, ends its ranks and exits: no process outlives the job.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import select
@@ -23,21 +23,36 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from phoenix_launch.procs import die_with_parent
+from phoenix_launch.procs import send_signal as _signal
+from phoenix_launch.spec import AgentSpec, SpecError
 from phoenix_runtime import protocol as P
 
-PR_SET_PDEATHSIG = 1
 WARM_WAIT_S = 120.0  # the longest an agent defers joining the control plane for its ranks' imports
+#: phases in which a rank is not expected to complete steps (the hang check falls back to its heartbeat)
+IDLE_PHASES = ("starting", "spare", "recovering", "done")
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+def hang_check(hb: P.RankHeartbeat, now: float, hang_timeout_s: float) -> tuple[str, float] | None:
+    """Pure: is the rank whose latest heartbeat is ``hb`` hung at ``now``? Returns (why, seconds) or None.
+
+    With ``phase`` and ``t_step`` (the runtime's progress report): in phase "training", no step completed
+    for ``hang_timeout_s`` is a hang, whatever its heartbeat thread says (the main thread may be blocked
+    while that thread beats on). Outside training (start-up, a recovery, done) and from a rank without
+    them, only a heartbeat silent for ``hang_timeout_s`` is. A warm spare idles by design; a starting rank
+    may hold the GIL in imports: neither is judged by its heartbeat."""
+    silent = now - hb.t
+    if hb.phase in ("starting", "spare"):
+        return None
+    if hb.phase == "training" and hb.t_step is not None and now - hb.t_step > hang_timeout_s:
+        return "progress", now - hb.t_step
+    if silent > hang_timeout_s:
+        return "heartbeat", silent
+    return None
 
 
 @dataclass
@@ -55,23 +70,34 @@ class RankProc:
 
 
 class Agent:
-    def __init__(self, spec: dict[str, Any]):
+    def __init__(self, spec: AgentSpec):
         self.spec = spec
-        self.node: str = spec["node"]
-        self.nproc: int = spec["nproc"]
-        self.run_dir = Path(spec["run_dir"])
+        self.node = spec.node
+        self.nproc = spec.nproc
+        self.run_dir = Path(spec.run_dir)
         self.log_dir = self.run_dir / "logs" / self.node
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.epoch: int = spec.get("epoch", 0)
+        self.epoch = spec.epoch
         self.ranks: dict[int, RankProc] = {}
         self.attempts: dict[int, int] = {}
         self.stopping = False
-        self.store = None
+        self.store: Any = None
+        self.q_sup: P.Queue | None = None
+        self.q_cmd: P.Queue | None = None
         self.last_store_ok = time.monotonic()
+        self.t_start_uptime = _uptime()  # kernel-log Xids from before this agent started are not this job's
         self._stop_signal: int | None = None
+        self._gpu_probe: threading.Thread | None = None  # a GPU probe after a rank exit (see probe)
+        self._gpu_reading: dict | None = None
+        self.commands = P.Dispatcher({
+            P.MsgType.RESTART: self._restart,
+            P.MsgType.RESPAWN: self._respawn,
+            P.MsgType.STOP: self._stop,
+            P.MsgType.INJECT: self.inject,
+        })
 
     # --- ranks -------------------------------------------------------------------------------------
-    def _rank_env(self, slot: int, role: str, attempt: int, error_file: Path) -> dict[str, str]:
+    def _rank_env(self, slot: int, role: str, attempt: int, error_file: Path, gen: int) -> dict[str, str]:
         s = self.spec
         env = dict(os.environ)
         for k in list(env):
@@ -79,39 +105,40 @@ class Agent:
                 del env[k]
         env.update(
             {
-                P.ENV_STORE_HOST: s["store_host"],
-                P.ENV_STORE_PORT: str(s["store_port"]),
+                P.ENV_STORE_HOST: s.store_host,
+                P.ENV_STORE_PORT: str(s.store_port),
                 P.ENV_NODE: self.node,
                 P.ENV_SLOT: str(slot),
                 P.ENV_RUN_DIR: str(self.run_dir),
                 P.ENV_ROLE: role,
-                P.ENV_GEN: str(s.get("gen", 0)),
-                P.ENV_HEARTBEAT_S: str(s["heartbeat_s"]),
-                P.ENV_RUNTIME_CFG: json.dumps(s.get("runtime", {})),
+                P.ENV_GEN: str(gen),
+                P.ENV_HEARTBEAT_S: str(s.heartbeat_s),
+                P.ENV_RUNTIME_CFG: s.runtime_json,
                 P.ENV_ERROR_FILE: str(error_file),
-                "PHOENIX_RUN_ID": s["run_id"],
+                "PHOENIX_RUN_ID": s.run_id,
                 "PHOENIX_ATTEMPT": str(attempt),
             }
         )
         if "OMP_NUM_THREADS" not in os.environ and self.nproc > 1:
             env["OMP_NUM_THREADS"] = "1"  # torchrun's default
-        if s.get("gpus_per_node"):
-            env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(s["gpus_per_node"])))
+        env.update(s.extra_env)
+        if s.gpus_per_node:
+            env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(s.gpus_per_node)))
         if role == P.ROLE_ACTIVE:
-            group_rank = s["group_rank"]
+            group_rank = s.group_rank or 0
             env.update(
                 P.torchrun_env(
                     rank=group_rank * self.nproc + slot,
                     local_rank=slot,
-                    world_size=s["world_size"],
+                    world_size=s.world_size,
                     local_world_size=self.nproc,
                     group_rank=group_rank,
-                    group_world_size=s["world_size"] // self.nproc,
-                    master_addr=s["store_host"],
-                    master_port=s["master_port"],
-                    run_id=s["run_id"],
+                    group_world_size=s.world_size // self.nproc,
+                    master_addr=s.store_host,
+                    master_port=s.master_port,
+                    run_id=s.run_id,
                     restart_count=self.epoch,
-                    max_restarts=s["max_restarts"],
+                    max_restarts=s.max_restarts,
                     error_file=str(error_file),
                 )
             )
@@ -120,19 +147,19 @@ class Agent:
                 env.pop(k, None)
         return env
 
-    def spawn(self, slot: int, role: str) -> RankProc:
+    def spawn(self, slot: int, role: str, gen: int | None = None) -> RankProc:
         attempt = self.attempts.get(slot, -1) + 1
         self.attempts[slot] = attempt
         log_path = self.log_dir / f"{slot}.{attempt}.log"
         error_file = self.log_dir / f"{slot}.{attempt}.error.json"
-        env = self._rank_env(slot, role, attempt, error_file)
+        env = self._rank_env(slot, role, attempt, error_file, self.spec.gen if gen is None else gen)
         warm_r = warm_w = None
         if self.store is None:  # not connected yet: learn when this rank is warm (see wait_warm)
             warm_r, warm_w = os.pipe()
             env[P.ENV_WARM_FD] = str(warm_w)
-        cmd = [sys.executable, "-m", "phoenix_runtime.bootstrap", *self.spec["argv"]]
-        redirects = self.spec.get("redirects", "3")
-        tee = self.spec.get("tee", "0")
+        cmd = [sys.executable, "-m", "phoenix_runtime.bootstrap", *self.spec.argv]
+        redirects = self.spec.redirects
+        tee = self.spec.tee
         logf = open(log_path, "ab", buffering=0)
         out_target: Any = logf if redirects in ("1", "3") else None
         err_target: Any = logf if redirects in ("2", "3") else None
@@ -145,8 +172,8 @@ class Agent:
             stdout=out_target,
             stderr=err_target,
             stdin=subprocess.DEVNULL,
-            cwd=self.spec.get("cwd") or None,
-            preexec_fn=_die_with_parent,
+            cwd=self.spec.cwd or None,
+            preexec_fn=die_with_parent,
             pass_fds=(warm_w,) if warm_w is not None else (),
         )
         if warm_w is not None:
@@ -220,18 +247,15 @@ class Agent:
         import torch.distributed as dist
 
         s = self.spec
-        self.store = dist.TCPStore(
-            s["store_host"], int(s["store_port"]), is_master=False, timeout=timedelta(seconds=30)
-        )
+        self.store = dist.TCPStore(s.store_host, int(s.store_port), is_master=False, timeout=timedelta(seconds=30))
         self.q_sup = P.Queue(self.store, P.Q_SUPERVISOR)
         self.q_cmd = P.Queue(self.store, P.q_agent(self.node))
-        up = {"type": "agent_up", "node": self.node, "pid": os.getpid(), "host": os.uname().nodename}
-        if s.get("join") is not None:
+        token = ""
+        if s.join is not None:
             # A node joining a running job (Slurm replenishment): the supervisor does not know it yet and
             # accepts it only with the job's token (run_dir/token, 0600, on the shared filesystem).
-            up["join"] = s["join"]
-            up["token"] = (self.run_dir / "token").read_text().strip()
-        self.q_sup.put(up)
+            token = (self.run_dir / "token").read_text().strip()
+        self.q_sup.put(P.AgentUp(self.node, os.getpid(), os.uname().nodename, s.join, token))
 
     def report_exit(self, r: RankProc, code: int) -> None:
         error = None
@@ -240,39 +264,69 @@ class Agent:
                 error = json.loads(r.error_file.read_text())
             except (OSError, json.JSONDecodeError):
                 error = None
-        sig = -code if code < 0 else None
-        self.q_sup.put(
-            {
-                "type": "rank_exit",
-                "node": self.node,
-                "slot": r.slot,
-                "attempt": r.attempt,
-                "epoch": self.epoch,
-                "pid": r.proc.pid,
-                "t_exit": r.exit_seen or time.time(),
-                "exit_code": code if code >= 0 else None,
-                "signal": sig,
-                "error": error,
-                "log": str(r.log_path),
-                "log_tail": _tail(r.log_path),
-            }
-        )
+        self.q_sup.put(P.RankExit(  # type: ignore[union-attr]
+            node=self.node, slot=r.slot, attempt=r.attempt, epoch=self.epoch, pid=r.proc.pid,
+            t_exit=r.exit_seen or time.time(), exit_code=code if code >= 0 else None, signal=-code if code < 0 else None,
+            error=error, log=str(r.log_path), log_tail=_tail(r.log_path), health=self.probe(),
+        ))
 
-    def handle(self, cmd: dict[str, Any]) -> None:
-        kind = cmd.get("cmd")
-        if kind == "restart":  # torchrun's behaviour: a fresh attempt of every rank of this node
-            self.terminate_ranks(self.spec["stop_grace_s"])
-            self.epoch = cmd["epoch"]
-            self.spec.update({k: cmd[k] for k in ("group_rank", "world_size", "gen", "master_port") if k in cmd})
-            self.spawn_all(cmd.get("role", P.ROLE_ACTIVE))
-        elif kind == "stop":
-            self.stopping = True
-        elif kind == "inject":
-            self.inject(cmd)
+    def probe(self) -> dict:
+        """The node's health now, cheaply (only on an incident): its live ranks' process states. Where the
+        NVIDIA tools exist, the GPUs' ECC counters and the kernel's Xids are read in a thread (nvidia-smi may
+        take seconds, or hang on a lost GPU) and follow as a ``NodeProbe`` (see :meth:`send_probe`)."""
+        from phoenix_launch.health import assess, gpu_tools, node_health_summary, probe_local
 
-    def inject(self, cmd: dict[str, Any]) -> None:
-        mode = cmd["mode"]
-        slots = [cmd["slot"]] if cmd.get("slot") is not None else list(self.ranks)
+        pids = [r.proc.pid for r in self.ranks.values() if r.proc.poll() is None]
+        summary = node_health_summary(assess(self.node, probe_local(pids)))
+        if gpu_tools():
+            summary["probing"] = True
+            if self._gpu_probe is None:
+                self._gpu_probe = threading.Thread(target=self._probe_gpus, name="phoenix-probe", daemon=True)
+                self._gpu_probe.start()
+        return summary
+
+    def _probe_gpus(self) -> None:
+        from phoenix_launch.health import node_health_summary, probe_node
+
+        self._gpu_reading = node_health_summary(probe_node(self.node, [], since_uptime=self.t_start_uptime))
+
+    def send_probe(self) -> None:
+        """The GPU probe finished: its reading goes to the supervisor (from the main thread, which owns the
+        store client)."""
+        if self._gpu_probe is None or self._gpu_probe.is_alive():
+            return
+        self._gpu_probe = None
+        self.q_sup.put(P.NodeProbe(self.node, self._gpu_reading or {"problems": ["GPU probe failed"]}))  # type: ignore[union-attr]
+        self._gpu_reading = None
+
+    def handle(self, raw: dict[str, Any]) -> None:
+        self.commands.dispatch(raw)
+
+    def _restart(self, cmd: P.AgentRestart) -> None:
+        """torchrun's behaviour: a fresh attempt of every rank of this node."""
+        self.terminate_ranks(self.spec.stop_grace_s)
+        self.epoch = cmd.epoch
+        self.spec = replace(self.spec, group_rank=cmd.group_rank, world_size=cmd.world_size, gen=cmd.gen,
+                            master_port=cmd.master_port, epoch=cmd.epoch)
+        self.spawn_all(cmd.role)
+
+    def _respawn(self, cmd: P.AgentRespawn) -> None:
+        """Start dead ranks again as joiners of generation ``cmd.gen``: each waits for its assignment, as a
+        spare's rank does, then restores its state from its peers."""
+        for slot in cmd.slots:
+            r = self.ranks.get(slot)
+            if r is not None and r.proc.poll() is None:
+                continue  # alive after all: the recovery takes it as a survivor
+            if r is not None and not r.reported:
+                r.reported = True  # its exit is the incident being repaired
+            self.spawn(slot, P.ROLE_SPARE, gen=cmd.gen)
+
+    def _stop(self, cmd: P.AgentStop) -> None:
+        self.stopping = True
+
+    def inject(self, cmd: P.AgentInject) -> None:
+        mode = cmd.mode
+        slots = [cmd.slot] if cmd.slot is not None else list(self.ranks)
         if mode == "crash":  # the whole node: this agent and every rank, SIGKILLed
             os.killpg(os.getpgid(0), signal.SIGKILL)
         for s in slots:
@@ -292,28 +346,29 @@ class Agent:
             key = P.k_rank_hb(self.node, r.slot)
             if not self.store.check([key]):
                 continue  # not started yet: still importing
-            hb = json.loads(self.store.get(key))
-            if hb.get("pid") != r.proc.pid or hb.get("phase") in ("starting", "spare"):
-                continue  # a warm spare idles by design; a starting rank may hold the GIL in imports
-            silent = now - hb["t"]
-            if silent > hang_timeout:
-                self.q_sup.put(
-                    {"type": "rank_hang", "node": self.node, "slot": r.slot, "silent_s": round(silent, 3), "step": hb.get("step")}
-                )
-                _signal(r.proc, signal.SIGKILL)  # its peers' collectives now fail at once
-                r.started = now  # report once
+            hb = P.RankHeartbeat.from_json(self.store.get(key))
+            if hb.pid != r.proc.pid:
+                continue
+            hung = hang_check(hb, now, hang_timeout)
+            if hung is None:
+                continue
+            why, seconds = hung
+            state = _proc_state(r.proc.pid)
+            self.q_sup.put(P.RankHang(self.node, r.slot, round(seconds, 3), hb.step, why, state))  # type: ignore[union-attr]
+            _signal(r.proc, signal.SIGKILL)  # its peers' collectives now fail at once
+            r.started = now  # report once
 
     # --- main loop ---------------------------------------------------------------------------------
     def run(self) -> int:
-        self.spawn_all(self.spec["role"])
+        self.spawn_all(self.spec.role)
         self.wait_warm(WARM_WAIT_S)
         if self._stop_signal is not None:
-            self.terminate_ranks(self.spec["stop_grace_s"])
+            self.terminate_ranks(self.spec.stop_grace_s)
             return 0
         self.connect()
-        hb_every = float(self.spec["heartbeat_s"])
-        hang_timeout = float(self.spec["hang_timeout_s"])
-        node_timeout = float(self.spec["node_timeout_s"])
+        hb_every = float(self.spec.heartbeat_s)
+        hang_timeout = float(self.spec.hang_timeout_s)
+        node_timeout = float(self.spec.node_timeout_s)
         next_hb = 0.0
         next_hang = time.monotonic() + hb_every
         while True:
@@ -332,6 +387,7 @@ class Agent:
                         for t in r.tee_threads:
                             t.join(timeout=1)
                         self.report_exit(r, r.proc.returncode)
+                self.send_probe()
                 if now >= next_hang:
                     self.check_hangs(hang_timeout)
                     next_hang = now + hb_every
@@ -339,10 +395,10 @@ class Agent:
             except Exception as e:  # store unreachable: the supervisor is gone
                 if time.monotonic() - self.last_store_ok > node_timeout:
                     print(f"phoenix agent {self.node}: control plane lost ({e}); stopping ranks", file=sys.stderr)
-                    self.terminate_ranks(self.spec["stop_grace_s"])
+                    self.terminate_ranks(self.spec.stop_grace_s)
                     return 1
             if self.stopping:
-                self.terminate_ranks(self.spec["stop_grace_s"])
+                self.terminate_ranks(self.spec.stop_grace_s)
                 for r in self.ranks.values():
                     if not r.reported and r.proc.poll() is not None:
                         r.reported = True
@@ -354,11 +410,17 @@ class Agent:
             time.sleep(0.02)
 
 
-def _signal(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        proc.send_signal(sig)
-    except (ProcessLookupError, OSError):
-        pass
+def _proc_state(pid: int) -> str | None:
+    from phoenix_launch.health import probe_local
+
+    states = probe_local([pid])["pids"]
+    return states.get(pid)
+
+
+def _uptime() -> float | None:
+    from phoenix_launch.health import read_uptime
+
+    return read_uptime()
 
 
 def _tee(stream, logf, console, prefix: str) -> None:
@@ -388,10 +450,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", required=True, help="JSON spec, or @FILE")
     ap.add_argument("--node", help="override the node name (Slurm: this host)")
     ns = ap.parse_args(argv)
-    text = Path(ns.spec[1:]).read_text() if ns.spec.startswith("@") else ns.spec
-    spec = json.loads(text)
+    try:
+        text = Path(ns.spec[1:]).read_text() if ns.spec.startswith("@") else ns.spec
+        spec = AgentSpec.from_json(text)
+    except (OSError, SpecError) as e:
+        print(f"phoenix agent: {e}", file=sys.stderr)
+        return 2
     if ns.node:
-        spec["node"] = ns.node
+        spec = replace(spec, node=ns.node)
     agent = Agent(spec)
 
     def on_signal(signum, frame):
@@ -402,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return agent.run()
     except KeyboardInterrupt:
-        agent.terminate_ranks(agent.spec["stop_grace_s"])
+        agent.terminate_ranks(agent.spec.stop_grace_s)
         return 130
     finally:
         for r in agent.ranks.values():

@@ -10,7 +10,10 @@ Classes and actions (PHOENIX.md, "Failure path", Table II):
 class                  typical signals                                action
 =====================  =============================================  =========================
 TRANSIENT_COMM         gloo/NCCL connection closed/reset/timed out    LOCAL_RECOVERY (the same
-                       while every node involved is healthy           node rejoins)
+                       while every node involved is healthy, every    node rejoins)
+                       process alive
+PROCESS_EXIT           a rank exited with only a comm error while     LOCAL_RECOVERY, its dead
+                       its node is healthy                            ranks respawned
 GPU_MEMORY             "uncorrectable ECC error", Xid 48/63/64/94/95  REPLACE_NODE
 HOST                   Xid 79 "fallen off the bus", agent heartbeat   REPLACE_NODE
                        lost, Slurm DOWN/DRAIN, an unexplained SIGKILL
@@ -23,23 +26,24 @@ UNKNOWN                anything else                                  the config
 
 The decision, in order (the first rule that applies wins; each is one function below):
 
-1. ``injected``: a failure injected by ``phoenix-run kill-node`` is classified by its mode
-   (:data:`INJECTED_CLASS`); the node still comes from the observed evidence.
-2. Hardware evidence from the probes outranks any exception text: Xid codes (:data:`XID_CLASS`),
+An injected fault (``phoenix-run kill-node``, a configured fault) is classified from its evidence
+like any other: the injection itself never marks the class.
+
+1. Hardware evidence from the probes outranks any exception text: Xid codes (:data:`XID_CLASS`),
    uncorrected ECC counters, a bad Slurm node state, a lost agent heartbeat.
-3. The same exception (type + message, numbers masked) on nearly every rank
+2. The same exception (type + message, numbers masked) on nearly every rank
    (>= :data:`NEARLY_ALL` of the world, at least two ranks) is a software bug.
-4. Otherwise each report is matched against :data:`PATTERNS` (kernel-grade lines anywhere in the
+3. Otherwise each report is matched against :data:`PATTERNS` (kernel-grade lines anywhere in the
    error file or log tail; other rows only in the failure's own text; warning lines never make a
    hardware verdict). Comm errors are consequences whenever a non-comm report exists (the failed
    peer is the root). Among the rest the strongest tier wins (hardware text > software text or an
    error raised at import > an unexplained SIGKILL, taken as a host fault > unknown), and within
    it the earliest report is the root cause. A hardware text on every node (>= 2) is shared
    infrastructure, and SIGKILLs on every node an outside kill: neither blames one node.
-5. A node whose rank heartbeat stalled (``hung``) is replaced, unless every node stalled.
-6. Only comm errors: local recovery if every node involved passed its health probe; replace the
+4. A node whose rank heartbeat stalled (``hung``) is replaced, unless every node stalled.
+5. Only comm errors: local recovery if every node involved passed its health probe; replace the
    node that failed its probe; unknown when no probe result exists.
-7. Nothing recognisable: UNKNOWN, with ``fallback`` as the action.
+6. Nothing recognisable: UNKNOWN, with ``fallback`` as the action.
 """
 
 from __future__ import annotations
@@ -47,20 +51,27 @@ from __future__ import annotations
 import re
 import signal as _signal
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Iterable, Mapping
 
-
-class FailureClass(str, Enum):
-    """What kind of fault an incident is (the paper's Table II rows)."""
-
-    TRANSIENT_COMM = "transient_comm"
-    GPU_MEMORY = "gpu_memory"
-    HOST = "host"  # PCIe / host / kernel / reboot
-    NETWORK_STORAGE = "network_storage"
-    SOFTWARE = "software"
-    UNKNOWN = "unknown"
+from phoenix_launch.failure_text import (
+    CRASH_SIGNALS,
+    HARDWARE_CLASSES,
+    PATTERNS,
+    XID_CLASS,
+    XID_LINE,
+    FailureClass,
+    Match,
+    Pattern,
+    _signal_name,
+    describe_exit,
+    effective_signal,
+    match_failure,
+    match_text,
+    slurm_state_bad,
+    xid_codes,
+)
 
 
 class Action(str, Enum):
@@ -97,7 +108,6 @@ class Signals:
     ecc_uncorrected: Mapping[str, int] = field(default_factory=dict)  # per node
     slurm_state: Mapping[str, str] = field(default_factory=dict)  # per node, e.g. "DOWN*", "IDLE"
     world_ranks: int = 0  # how many ranks the job has
-    injected: str | None = None  # kill-node mode: crash, rank, hang, comm, gpu-ecc, pcie
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,8 @@ class Verdict:
     node: str | None  # the node to replace / rejoin, when any
     reason: str  # one human line, also the log line
     root: RankReport | None = None  # the report taken as root cause
+    #: the logical ranks of the incident whose process exited (a local recovery respawns them)
+    exited: tuple[int, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,6 +127,7 @@ class Verdict:
 
 ACTION_FOR: dict[FailureClass, Action] = {
     FailureClass.TRANSIENT_COMM: Action.LOCAL_RECOVERY,
+    FailureClass.PROCESS_EXIT: Action.LOCAL_RECOVERY,
     FailureClass.GPU_MEMORY: Action.REPLACE_NODE,
     FailureClass.HOST: Action.REPLACE_NODE,
     FailureClass.NETWORK_STORAGE: Action.REPLACE_NODE,
@@ -122,152 +135,10 @@ ACTION_FOR: dict[FailureClass, Action] = {
     # UNKNOWN: the caller's fallback
 }
 
-HARDWARE_CLASSES = frozenset(
-    {FailureClass.GPU_MEMORY, FailureClass.HOST, FailureClass.NETWORK_STORAGE}
-)
-
-#: Xid codes that mean the node must go (NVIDIA Xid catalog; the dynamic page retirement and
-#: A100 memory error management documents). Codes not listed (13, 31, 43: the application's own
-#: faults, 45: channel preempted, ...) are not hardware evidence; the exception text decides.
-XID_CLASS: dict[int, FailureClass] = {
-    48: FailureClass.GPU_MEMORY,  # double bit ECC error (DBE)
-    63: FailureClass.GPU_MEMORY,  # ECC page retirement / row remapping event
-    64: FailureClass.GPU_MEMORY,  # ECC page retirement / row remapping failure
-    94: FailureClass.GPU_MEMORY,  # contained ECC error
-    95: FailureClass.GPU_MEMORY,  # uncontained ECC error
-    74: FailureClass.HOST,  # NVLink error
-    79: FailureClass.HOST,  # GPU has fallen off the bus
-    119: FailureClass.HOST,  # GSP RPC timeout
-    120: FailureClass.HOST,  # GSP error
-}
-
-#: ``phoenix-run kill-node`` modes and the class each one simulates.
-INJECTED_CLASS: dict[str, FailureClass] = {
-    "crash": FailureClass.HOST,  # the node's agent and ranks die: a node crash
-    "rank": FailureClass.HOST,  # one rank SIGKILLed: an unexplained kill is a host fault
-    "hang": FailureClass.HOST,  # a rank stops (SIGSTOP): the node stalls
-    "comm": FailureClass.TRANSIENT_COMM,  # connections dropped, every process alive
-    "gpu-ecc": FailureClass.GPU_MEMORY,
-    "pcie": FailureClass.HOST,
-}
-
 #: "Nearly every rank": the share of the world that must raise the same exception.
 NEARLY_ALL = 0.75
 
-#: Signals that say the process itself crashed (as opposed to being killed from outside).
-CRASH_SIGNALS = frozenset({_signal.SIGSEGV, _signal.SIGABRT, _signal.SIGBUS, _signal.SIGFPE,
-                           _signal.SIGILL})
-
-#: Matches one NVIDIA kernel-log Xid line; group 1 is the device, group 2 the code. Seen forms:
-#: ``NVRM: Xid (PCI:0000:3b:00): 79, pid=...``, ``NVRM: Xid (0000:03:00): 14, Channel 00000001``,
-#: ``NVRM: Xid (PCI:0000:01:00 GPU-I:05): 94, pid=7194, Contained: ...``.
-XID_LINE = re.compile(r"NVRM: Xid \(([^)]*)\): (\d+)\b")
-
-
-@dataclass(frozen=True)
-class Pattern:
-    """One row of the text table: a regex over error text or log lines, and its class."""
-
-    name: str
-    regex: re.Pattern[str]
-    cls: FailureClass
-    #: Trusted anywhere in a rank's log tail (kernel-grade evidence). False for errno-grade
-    #: strings, which count only in the failure's own text (the error file, or the log tail
-    #: when there is no error file).
-    in_logs: bool = True
-
-
-def _p(name: str, regex: str, cls: FailureClass, in_logs: bool = True) -> Pattern:
-    return Pattern(name, re.compile(regex, re.IGNORECASE), cls, in_logs)
-
-
-_G, _H, _N = FailureClass.GPU_MEMORY, FailureClass.HOST, FailureClass.NETWORK_STORAGE
-_S, _C = FailureClass.SOFTWARE, FailureClass.TRANSIENT_COMM
-
-#: The text table. A report takes the class of its strongest match (hardware > software > comm),
-#: ties going to the earlier row. Xid lines are matched separately (:data:`XID_LINE`, :data:`XID_CLASS`).
-PATTERNS: tuple[Pattern, ...] = (
-    # GPU memory
-    _p("cuda-ecc", r"uncorrectable ECC error|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable", _G),
-    _p("double-bit-ecc", r"double[- ]bit (?:ECC )?error", _G),
-    _p("row-remap-failure", r"Row Remapper: Failed|Remapping Failure Occurred\s*:\s*Yes", _G),
-    # PCIe / host / kernel
-    _p("fallen-off-bus", r"fallen off the bus", _H),
-    _p("gpu-lost", r"GPU is lost|Reboot the system to recover this GPU", _H),
-    _p("machine-check", r"Machine check events logged|\[Hardware Error\]", _H),
-    _p("host-memory-ue", r"EDAC MC\d+: \d+ UE ", _H),
-    _p("kernel-panic", r"Kernel panic - not syncing", _H),
-    # network / storage on the node
-    _p("nic-down", r"NIC Link is Down|Port: \d+ Link DOWN|\blink is not ready\b", _N),
-    _p("net-unreachable", r"Network is unreachable|ENETUNREACH", _N, in_logs=False),
-    _p("io-error", r"Input/output error|\bI/O error\b|\[Errno 5\]|\bEIO\b", _N, in_logs=False),
-    _p("fs-error", r"EXT4-fs error|XFS \(\S+\): .*(?:I/O error|Corruption)|Read-only file system", _N),
-    _p("disk-full", r"No space left on device|\[Errno 28\]|ENOSPC", _N, in_logs=False),
-    # software / numerical
-    _p("cuda-oom", r"CUDA out of memory|OutOfMemoryError", _S),
-    _p("host-oom", r"Out of memory: Killed process|Memory cgroup out of memory|\boom-kill:", _S),
-    _p("nan-loss", r"Loss became infinite or NaN|returned nan values in its \w+ output"
-                   r"|\bloss\b[^\n]{0,40}?\b(?:nan|inf|infinite)\b", _S),
-    _p("import-error", r"\b(?:ModuleNotFoundError|ImportError)\b|No module named ", _S),
-    _p("syntax-error", r"\b(?:SyntaxError|IndentationError|TabError)\b", _S),
-    _p("device-assert", r"device-side assert triggered", _S),
-    _p("illegal-memory-access", r"an illegal memory access was encountered", _S),
-    _p("dataloader-shm", r"out of shared memory", _S),
-    _p("floating-point", r"\bFloatingPointError\b", _S),
-    # communication symptoms (consequences whenever a peer failed)
-    _p("gloo-closed", r"Connection closed by (?:remote )?peer", _C),
-    _p("conn-reset", r"Connection reset by peer|ECONNRESET|Broken pipe", _C),
-    _p("conn-refused", r"Connection refused|ECONNREFUSED", _C),
-    _p("gloo-timeout", r"Timed out waiting \d+ms for (?:recv|send) operation to complete", _C),
-    _p("nccl-remote", r"ncclRemoteError|remote process exited or there was a network error", _C),
-    _p("nccl-system", r"ncclSystemError|unhandled system error", _C),
-    _p("nccl-watchdog", r"Watchdog caught collective operation timeout|watchdog callback timed out", _C),
-    _p("nccl-aborted", r"NCCL communicator was aborted", _C),
-    _p("ib-completion", r"NET/IB ?: Got completion from peer", _C),
-    _p("store-recv", r"failed to recv, got 0 bytes|recvValue failed|\bSocket Timeout\b"
-                     r"|DistNetworkError|DistStoreError", _C),
-)
-
-_PRIORITY = {_G: 3, _H: 3, _N: 3, _S: 2, _C: 1}
-
 _SIGKILL = int(_signal.SIGKILL)
-
-
-# --------------------------------------------------------------------------------------------
-# Small pure helpers
-# --------------------------------------------------------------------------------------------
-
-
-def effective_signal(exit_code: int | None, signal: int | None) -> int | None:
-    """The signal that ended a process: the explicit one, a negative Popen code (-9), or a shell
-    status above 128 (137 = 128 + SIGKILL, as srun reports a killed task)."""
-    if signal:
-        return int(signal)
-    if exit_code is not None and exit_code < 0:
-        return -exit_code
-    if exit_code is not None and 128 < exit_code <= 128 + 64:
-        return exit_code - 128
-    return None
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return _signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def describe_exit(exit_code: int | None, signal: int | None) -> str:
-    """``"killed by SIGKILL"``, ``"exit code 1"``, ``"exit code 137 (128+SIGKILL)"``."""
-    if signal:
-        return f"killed by {_signal_name(int(signal))}"
-    if exit_code is None:
-        return "no exit status"
-    if exit_code < 0:
-        return f"killed by {_signal_name(-exit_code)}"
-    if 128 < exit_code <= 128 + 64:
-        return f"exit code {exit_code} (128+{_signal_name(exit_code - 128)})"
-    return f"exit code {exit_code}"
 
 
 def root_cause(reports: Iterable[RankReport]) -> RankReport | None:
@@ -279,109 +150,6 @@ def root_cause(reports: Iterable[RankReport]) -> RankReport | None:
     return best
 
 
-def xid_codes(text: str) -> tuple[int, ...]:
-    """Xid codes in kernel-log text, in order; a multi-line "fallen off the bus" message without
-    an Xid line counts as 79 (newer drivers print it that way)."""
-    codes = [int(m.group(2)) for m in XID_LINE.finditer(text)]
-    if not codes and re.search(r"NVRM: .*fallen off the bus|has fallen off the bus", text):
-        codes.append(79)
-    return tuple(codes)
-
-
-def slurm_state_bad(state: str | None) -> bool:
-    """True for a Slurm node state that takes the node out: DOWN, DRAIN(ED/ING), FAIL(ING),
-    NOT_RESPONDING (or the ``*`` suffix), INVAL, REBOOT."""
-    if not state:
-        return False
-    s = state.strip().upper()
-    if s.endswith("*"):  # not responding
-        return True
-    flags = set(re.split(r"[+ ]", s.rstrip("~#!%$@^-")))
-    bad = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING", "INVAL",
-           "REBOOT", "REBOOT_ISSUED", "REBOOT_REQUESTED"}
-    return bool(flags & bad)
-
-
-@dataclass(frozen=True)
-class Match:
-    """The strongest pattern a report matched."""
-
-    cls: FailureClass
-    name: str  # the pattern's name, or "xid-<code>"
-    text: str  # the matched text, for the reason line
-
-
-def _best(text: str, allowed: frozenset[FailureClass] | None = None,
-          logs_only: bool = False) -> Match | None:
-    """The strongest match in ``text`` (hardware > software > comm; ties: the earlier row).
-    ``logs_only`` keeps the rows trusted anywhere in a log (:attr:`Pattern.in_logs`)."""
-    best: tuple[int, int, Match] | None = None
-
-    def offer(cls: FailureClass, order: int, match: Match) -> None:
-        nonlocal best
-        if allowed is not None and cls not in allowed:
-            return
-        cand = (_PRIORITY[cls], -order, match)
-        if best is None or cand[:2] > best[:2]:
-            best = cand
-
-    for code in xid_codes(text):
-        cls = XID_CLASS.get(code)
-        if cls is not None:
-            offer(cls, -1, Match(cls, f"xid-{code}", f"Xid {code}"))
-    for i, pat in enumerate(PATTERNS):
-        if logs_only and not pat.in_logs:
-            continue
-        m = pat.regex.search(text)
-        if m is not None:
-            offer(pat.cls, i, Match(pat.cls, pat.name, m.group(0)))
-    return best[2] if best else None
-
-
-def match_text(text: str) -> Match | None:
-    """Classify one piece of text by the table: Xid lines (:data:`XID_CLASS`) and :data:`PATTERNS`."""
-    return _best(text)
-
-
-def _error_text(error: dict | None) -> str:
-    if not error:
-        return ""
-    etype = str(error.get("type") or "")
-    msg = str(error.get("message") or "")
-    tb = str(error.get("traceback") or "")
-    head = f"{etype}: {msg}" if etype else msg
-    return f"{head}\n{tb}" if tb else head
-
-
-#: torch's C++ warning lines (``[W socket.cpp:663] ...``, ``[rank1]:[W520 21:12:22.80 TCPStore.cpp:115]``)
-#: and Python warnings: a log tail keeps them long after they stopped mattering.
-_WARNING_LINE = re.compile(r"^\s*(?:\[rank\d+\]:)?\[W[\d ]|\w+Warning: ")
-
-
-def _drop_warnings(log: str) -> str:
-    return "\n".join(line for line in log.splitlines() if not _WARNING_LINE.search(line))
-
-
-_NOT_HARDWARE = frozenset(FailureClass) - HARDWARE_CLASSES
-
-
-def match_report(report: RankReport) -> Match | None:
-    """The strongest match for one report.
-
-    Kernel-grade hardware rows (Xid, ECC, fallen off the bus, NIC link down, ...) count anywhere in
-    the error file or the log tail. Every other row counts only in the failure's own text: the
-    error file when there is one, else the log tail. Warning lines of a log tail never make a
-    hardware verdict (torch warns ``(errno: 101 - Network is unreachable)`` at a healthy start)."""
-    err = _error_text(report.error)
-    quiet = _drop_warnings(report.log_tail)
-    hw = _best(err + "\n" + quiet, HARDWARE_CLASSES, logs_only=True)
-    if hw is not None:
-        return hw
-    if err:
-        return _best(err)
-    return _best(quiet, HARDWARE_CLASSES) or _best(report.log_tail, _NOT_HARDWARE)
-
-
 _EXC_LINE = re.compile(
     r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)): ?(.*)$",
     re.MULTILINE,
@@ -391,6 +159,11 @@ _EXC_LINE = re.compile(
 def _last_exception(log_tail: str) -> tuple[str, str] | None:
     found = _EXC_LINE.findall(log_tail)
     return found[-1] if found else None
+
+
+def match_report(report: RankReport) -> Match | None:
+    """The strongest match for one report (see :func:`failure_text.match_failure`)."""
+    return match_failure(report.error, report.log_tail)
 
 
 def _mask(message: str) -> str:
@@ -664,20 +437,25 @@ def _rule_comm_only(s: Signals, matches: dict[int, Match | None],
                         f"comm error ({m.name}) on {node} and {node} failed its health probe; "
                         f"replacing {node}",
                         root_cause([r for r in comm if r.node == node]), fallback)
+    dead = [r for r in comm if _exited(r)]
+    if dead:
+        first = root_cause(dead)
+        assert first is not None
+        return _verdict(FailureClass.PROCESS_EXIT, first.node,
+                        f"{_who(first)} exited ({describe_exit(first.exit_code, first.signal)}) with a comm "
+                        f"error ({m.name}: {m.text!r}) while every node involved ({', '.join(involved)}) is "
+                        f"healthy: a process that exited is not transient; {first.node} rejoins with its "
+                        f"dead rank(s) respawned", first, fallback)
     return _verdict(FailureClass.TRANSIENT_COMM, root.node,
                     f"{_who(root)}: comm error ({m.name}: {m.text!r}) while every node involved "
-                    f"({', '.join(involved)}) is healthy and no peer failed; {root.node} rejoins",
+                    f"({', '.join(involved)}) is healthy, every process alive and no peer failed; "
+                    f"{root.node} rejoins",
                     root, fallback)
 
 
-def _suspect_node(s: Signals, verdict: Verdict | None) -> str | None:
-    if verdict is not None and verdict.node is not None:
-        return verdict.node
-    for group in (s.node_lost, s.hung, tuple(_hardware_evidence(s))):
-        if group:
-            return group[0]
-    root = root_cause(s.reports)
-    return root.node if root else None
+def _exited(r: RankReport) -> bool:
+    """The rank's process ended (an exit code or a signal), as opposed to a live rank reporting an error."""
+    return r.exit_code is not None or r.signal is not None
 
 
 def _classify_observed(s: Signals, fallback: Action) -> Verdict:
@@ -698,23 +476,13 @@ def _classify_observed(s: Signals, fallback: Action) -> Verdict:
 
 def classify(signals: Signals, *, fallback: Action = Action.STOP) -> Verdict:
     """Classify one incident. Pure: the same signals always give the same verdict."""
-    observed = _classify_observed(signals, fallback)
-    if signals.injected is None:
-        return observed
-    cls = INJECTED_CLASS.get(signals.injected)
-    if cls is None:
-        return Verdict(observed.cls, observed.action, observed.node,
-                       f"unknown injected mode {signals.injected!r} ignored; {observed.reason}",
-                       observed.root)
-    node = _suspect_node(signals, observed)
-    return _verdict(cls, node,
-                    f"injected {signals.injected} (phoenix-run kill-node) on {node}: "
-                    f"{cls.value}; observed: {observed.reason}",
-                    observed.root, fallback)
+    verdict = _classify_observed(signals, fallback)
+    exited = tuple(sorted({r.rank for r in signals.reports if _exited(r) and r.rank is not None}))
+    return replace(verdict, exited=exited) if exited else verdict
 
 
 __all__ = [
-    "ACTION_FOR", "Action", "CRASH_SIGNALS", "FailureClass", "INJECTED_CLASS", "Match",
+    "ACTION_FOR", "Action", "CRASH_SIGNALS", "FailureClass", "Match",
     "NEARLY_ALL", "PATTERNS", "Pattern", "RankReport", "Signals", "Verdict", "XID_CLASS",
     "XID_LINE", "classify", "describe_exit", "effective_signal", "match_report", "match_text",
     "root_cause", "slurm_state_bad", "xid_codes",

@@ -117,11 +117,18 @@ def run(
     except ConfigError as e:
         raise fail(str(e)) from None
 
+    cfg, rdir = _prepare_run_dir(cfg, log_dir)
+    cfg, be = _open_backend(cfg, rdir, nodes_given=nnodes is not None or "nodes" in ((yaml_data or {}).get("launch") or {}))
+    _supervise(cfg, argv, rdir, be)
+
+
+def _prepare_run_dir(cfg, log_dir: Optional[str]):
+    """The run id and a writable run directory (a clear error when it is not)."""
     from dataclasses import replace
 
-    L = cfg.launch
-    rid = L.run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-    rdir = Path(L.run_dir or Path(log_dir or "phoenix-runs") / rid)
+    launch = cfg.launch
+    rid = launch.run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    rdir = Path(launch.run_dir or Path(log_dir or "phoenix-runs") / rid)
     try:
         rdir.mkdir(parents=True, exist_ok=True)
         probe = rdir / ".write-test"
@@ -129,7 +136,12 @@ def run(
         probe.unlink()
     except OSError as e:
         raise fail(f"run directory {rdir} is not writable: {e.strerror}") from None
-    cfg = replace(cfg, launch=replace(L, run_id=rid, run_dir=str(rdir.resolve())))
+    return replace(cfg, launch=replace(launch, run_id=rid, run_dir=str(rdir.resolve()))), rdir
+
+
+def _open_backend(cfg, rdir: Path, *, nodes_given: bool):
+    """The backend (Slurm inside an allocation); the resolved configuration is saved in the run directory."""
+    from dataclasses import replace
 
     from phoenix_launch.backends import choose_backend
 
@@ -137,20 +149,22 @@ def run(
         be = choose_backend(cfg, rdir)
     except ConfigError as e:
         raise fail(str(e)) from None
-    nodes_given = nnodes is not None or "nodes" in ((yaml_data or {}).get("launch") or {}) or "PHOENIX_LAUNCH_NODES" in os.environ
-    if not nodes_given and hasattr(be, "use_all_nodes"):  # Slurm: every allocated node but the spares is active
+    nodes_given = nodes_given or "PHOENIX_LAUNCH_NODES" in os.environ
+    if not nodes_given and be.capabilities.allocation:  # Slurm: every allocated node but the spares is active
         cfg = replace(cfg, launch=replace(cfg.launch, nodes=be.use_all_nodes()))
     import yaml
 
     (rdir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return cfg, be
 
+
+def _supervise(cfg, argv: list[str], rdir: Path, be) -> None:
     from phoenix_launch.control import PortInUse
-    from phoenix_launch.events import EventLog  # noqa: F401
     from phoenix_launch.supervisor import Supervisor
     from phoenix_launch.ui import LiveUI, PlainUI
 
     sup = Supervisor(cfg, argv, rdir, be)
-    live = L.live == "on" or (L.live == "auto" and sys.stdout.isatty())
+    live = cfg.launch.live == "on" or (cfg.launch.live == "auto" and sys.stdout.isatty())
     sup.ui = LiveUI() if live else PlainUI(sup.events)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, lambda signum, frame: sup.request_stop(signum))
@@ -208,12 +222,13 @@ def kill_node(
     """Inject a failure into a running job."""
     from phoenix_launch.events import find_run_dir
     from phoenix_launch.inject import MODES, InjectError, send_command
+    from phoenix_runtime.protocol import KillCommand
 
     if mode not in MODES:
         raise fail(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     try:
         rdir = find_run_dir(run_dir)
-        reply = send_command(rdir, {"type": "kill", "target": target, "mode": mode, "at_step": at_step}, token=token)
+        reply = send_command(rdir, KillCommand(target=target, mode=mode, at_step=at_step), token=token)
     except (FileNotFoundError, InjectError) as e:
         raise fail(str(e), 1) from None
     if not reply.get("ok"):

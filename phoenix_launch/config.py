@@ -15,6 +15,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from phoenix_runtime.settings import FAULT_MODES, FAULT_PHASES, TRANSPORTS, RuntimeSettings
+
+#: The runtime's defaults, owned by ``phoenix_runtime.settings`` (the rank reads the same schema).
+RUNTIME_DEFAULTS = RuntimeSettings()
+
 
 class ConfigError(ValueError):
     """A configuration problem the user can fix; its message is shown as one line."""
@@ -59,12 +64,14 @@ class LaunchConfig:
 
 @dataclass(frozen=True)
 class DetectConfig:
-    heartbeat_s: float = 0.5  # rank and agent heartbeat interval
-    hang_timeout_s: float = 10.0  # heartbeat silent this long: the rank is hung (its agent kills it)
+    heartbeat_s: float = RUNTIME_DEFAULTS.heartbeat_s  # rank and agent heartbeat interval
+    # no step completed (or heartbeat silent) this long: the rank is hung (its agent kills it)
+    hang_timeout_s: float = RUNTIME_DEFAULTS.hang_timeout_s
     node_timeout_s: float = 5.0  # agent heartbeat silent this long: the node is lost
-    collective_timeout_s: float = 120.0  # timeout given to the process groups
+    collective_timeout_s: float = RUNTIME_DEFAULTS.collective_timeout_s  # timeout given to the process groups
     settle_s: float = 0.3  # how long to gather related reports before classifying an incident
-    recovery_timeout_s: float = 60.0  # one recovery attempt; past it the attempt is abandoned
+    # one recovery generation; past it that generation is abandoned (its stragglers replaced)
+    recovery_timeout_s: float = RUNTIME_DEFAULTS.recovery_timeout_s
 
     def validate(self) -> None:
         if self.heartbeat_s <= 0:
@@ -84,26 +91,31 @@ class DetectConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    protect: bool = True  # the in-memory protection pipeline; off: the step path calls nothing of it
-    replicas: int = 1  # k: optimizer-shard replicas on distinct DP peers
-    chunk_mb: float = 4.0  # H2H chunk size
-    replica_timeout_s: float = 60.0  # optimizer_step() waits at most this long for the replica commit
-    verify: bool = True  # checksum every replica
+    """The ``runtime`` section: the keys of ``RuntimeSettings`` a user sets (meanings and defaults there)."""
+
+    protect: bool = RUNTIME_DEFAULTS.protect
+    replicas: int = RUNTIME_DEFAULTS.replicas
+    chunk_mb: float = RUNTIME_DEFAULTS.chunk_mb
+    replica_timeout_s: float = RUNTIME_DEFAULTS.replica_timeout_s
+    verify: bool = RUNTIME_DEFAULTS.verify
+    transport: str = RUNTIME_DEFAULTS.transport  # gloo | mpi
 
     def validate(self) -> None:
         if self.replicas < 0:
             raise ConfigError(f"runtime.replicas must be >= 0, got {self.replicas}")
         if self.chunk_mb <= 0:
             raise ConfigError("runtime.chunk_mb must be > 0")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"runtime.transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
 
 
-from phoenix_runtime.settings import FAULT_MODES, FAULT_PHASES as PHASES  # noqa: E402  (one list for both sides)
+PHASES = FAULT_PHASES
 
 
 @dataclass(frozen=True)
 class InjectConfig:
-    # [{node: node1 | rank: 3, step: 20, mode: crash, phase: begin, gen: 0}]: phase is where in the step it
-    # fires (begin, forward, optimizer, d2h, h2h, recovery); gen: only from that generation on
+    # [{node: node1 | rank: 3, step: 20, mode: crash, phase: begin, gen: 0}]: phase is where in the step (or
+    # the recovery) it fires (phoenix_runtime.settings.FAULT_PHASES); gen: only from that generation on
     faults: tuple[dict, ...] = ()
     chaos_mtbf_s: float = 0.0  # > 0: draw failures from an exponential distribution (soak runs)
     seed: int = 0
@@ -155,6 +167,20 @@ class Config:
 
 
 SECTIONS = {f.name: f for f in fields(Config)}
+
+
+def runtime_settings(cfg: Config) -> RuntimeSettings:
+    """What every rank is told (``PHOENIX_RUNTIME_CONFIG``): the runtime section, the detection timeouts
+    and the configured faults, in the runtime's own schema."""
+    detect = cfg.detect
+    return RuntimeSettings(
+        **dataclasses.asdict(cfg.runtime),
+        heartbeat_s=detect.heartbeat_s,
+        hang_timeout_s=detect.hang_timeout_s,
+        collective_timeout_s=detect.collective_timeout_s,
+        recovery_timeout_s=detect.recovery_timeout_s,
+        faults=tuple(dict(f) for f in cfg.inject.faults),
+    )
 
 
 def _coerce(section: str, key: str, typ: Any, value: Any) -> Any:

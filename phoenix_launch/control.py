@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
+from typing import Any
 
 
 class PortInUse(RuntimeError):
@@ -45,3 +46,36 @@ def connect(host: str, port: int, timeout_s: float = 5.0):
     from torch.distributed import TCPStore
 
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
+
+
+class ControlPlane:
+    """The supervisor's side of the control plane: the store and its two queues, and the env:// rendezvous
+    store of the current attempt. Its ports are reserved at construction (the agents are told them while
+    they start); the stores listen from :meth:`listen` on (after the agents were started, so that the
+    ranks' imports overlap with the supervisor's own torch import)."""
+
+    def __init__(self, host: str, port: int):
+        self.host = host
+        self._sock, self._rdzv_sock = reserve_port(host, port), reserve_port(host, 0)
+        self.port: int = self._sock.getsockname()[1]
+        self.rdzv_port: int = self._rdzv_sock.getsockname()[1]
+        self.store: Any = None
+        self.rdzv_store: Any = None
+        self._old_rdzv: Any = None  # the previous attempt's rendezvous store, alive until its workers are gone
+        self.reports: Any = None  # Queue: agents and ranks -> supervisor
+        self.commands: Any = None  # Queue: kill-node -> supervisor
+
+    def listen(self) -> None:
+        from phoenix_runtime import protocol
+
+        self.store, _ = start_store(self.host, sock=self._sock)
+        self.rdzv_store, _ = start_store(self.host, sock=self._rdzv_sock)
+        self.reports = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
+        self.commands = protocol.Queue(self.store, protocol.Q_COMMANDS)
+
+    def new_rendezvous(self) -> int:
+        """A fresh store for the next attempt's env:// rendezvous (MASTER_ADDR/PORT), as torchrun does: workers
+        of a restarted attempt must not read the dead attempt's addresses (pytorch/pytorch#135712)."""
+        self._old_rdzv = self.rdzv_store
+        self.rdzv_store, self.rdzv_port = start_store(self.host, 0)
+        return self.rdzv_port

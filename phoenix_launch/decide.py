@@ -33,6 +33,9 @@ class JobView:
     max_restarts: int
     node_failures: dict[str, int] = field(default_factory=dict)  # failures per node in this job
     lost_nodes: tuple[str, ...] = ()  # nodes whose agent is gone (they cannot host a restart)
+    #: nothing to lose: the job runs the runtime (or has not started far enough to tell) and no step has
+    #: completed in this attempt, so every worker may start again from scratch
+    nothing_done: bool = False
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class Decision:
     node: str | None = None  # the failed node
     spare: str | None = None  # the node that takes its place (hot-swap, or restart after a node loss)
     exit_code: int = EXIT_OK
+    #: the logical ranks whose process exited: started again as joiners (LOCAL; HOTSWAP: those on the nodes kept)
+    respawn: tuple[int, ...] = ()
+    fresh: bool = False  # RESTART before any step completed: not counted against --max-restarts
 
 
 def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
@@ -57,11 +63,17 @@ def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
 
     if view.runtime_ready:
         if action is Action.LOCAL_RECOVERY:
-            return Decision(Kind.LOCAL, f"{why}: local recovery, {node} rejoins", node)
+            respawn = f" with rank(s) {', '.join(map(str, verdict.exited))} respawned" if verdict.exited else ""
+            return Decision(Kind.LOCAL, f"{why}: local recovery, {node} rejoins{respawn}", node, respawn=verdict.exited)
         if action is Action.REPLACE_NODE:
             if view.spares:
-                return Decision(Kind.HOTSWAP, f"{why}: hot-swap {node} -> {view.spares[0]}", node, view.spares[0])
+                return Decision(Kind.HOTSWAP, f"{why}: hot-swap {node} -> {view.spares[0]}", node, view.spares[0],
+                                respawn=verdict.exited)
             return Decision(Kind.STOP, f"{why}: no spare left to replace {node}", node, exit_code=EXIT_UNRECOVERABLE)
+    if view.nothing_done and action in (Action.LOCAL_RECOVERY, Action.REPLACE_NODE):
+        fresh = _fresh_start(view, action, node, why)
+        if fresh is not None:
+            return fresh
     # torchrun's behaviour: restart every worker, up to --max-restarts
     if view.restarts_used < view.max_restarts:
         spare = None
@@ -74,3 +86,16 @@ def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
     if view.max_restarts:
         return Decision(Kind.STOP, f"{why}: restarts exhausted ({view.max_restarts})", node, exit_code=EXIT_RANK_FAILED)
     return Decision(Kind.STOP, why, node, exit_code=EXIT_RANK_FAILED)
+
+
+def _fresh_start(view: JobView, action: Action, node: str | None, why: str) -> Decision | None:
+    """Before anything is protected (no step completed): nothing is lost by starting every worker again,
+    so the failed node is replaced by a spare (or, for a rank that exited on a healthy node, rejoins) and
+    the attempt starts fresh; not counted against ``--max-restarts``. None when it cannot be done."""
+    lost = node is not None and node in view.lost_nodes
+    if action is Action.REPLACE_NODE or lost:
+        if not view.spares:
+            return None
+        return Decision(Kind.RESTART, f"{why}: no step completed yet: {node} replaced by {view.spares[0]}, every "
+                        "worker starts fresh", node, view.spares[0], fresh=True)
+    return Decision(Kind.RESTART, f"{why}: no step completed yet: every worker starts fresh", node, fresh=True)

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import psutil
 
-from phoenix_launch.classify import XID_CLASS, XID_LINE, slurm_state_bad
+from phoenix_launch.failure_text import XID_CLASS, XID_LINE, slurm_state_bad
 
 DEFAULT_PROBE_TIMEOUT = timedelta(seconds=5)
 
@@ -243,11 +243,12 @@ def _run(argv: list[str], timeout: timedelta) -> tuple[int | None, str, str | No
 
 
 def probe_local(pids: Iterable[int]) -> dict:
-    """Which of ``pids`` are alive, zombie, stopped (SIGSTOP shows as 'stopped') or gone.
+    """Which of ``pids`` are alive, zombie, stopped (SIGSTOP shows as 'stopped'), in uninterruptible
+    sleep (D: 'disk_sleep') or gone.
 
     Returns ``{"pids": {pid: state}, "alive": [...], "zombie": [...], "stopped": [...],
-    "gone": [...]}`` (JSON-friendly apart from the int keys)."""
-    result: dict = {"pids": {}, "alive": [], "zombie": [], "stopped": [], "gone": []}
+    "disk_sleep": [...], "gone": [...]}`` (JSON-friendly apart from the int keys)."""
+    result: dict = {"pids": {}, "alive": [], "zombie": [], "stopped": [], "disk_sleep": [], "gone": []}
     for pid in pids:
         try:
             status = psutil.Process(int(pid)).status()
@@ -262,6 +263,8 @@ def probe_local(pids: Iterable[int]) -> dict:
                 state = "zombie"
             elif status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
                 state = "stopped"
+            elif status == psutil.STATUS_DISK_SLEEP:
+                state = "disk_sleep"  # uninterruptible (D): blocked in the kernel (I/O, a driver call)
             elif status == psutil.STATUS_DEAD:
                 state = "gone"
             else:
@@ -355,6 +358,8 @@ def assess(node: str, processes: dict, gpu: dict | None = None, xid: Iterable[in
     h = NodeHealth(node=node, processes=processes, gpu=gpu, xid=tuple(xid), slurm_state=slurm_state)
     if processes.get("stopped"):
         h.problems.append(f"rank process(es) stopped: {processes['stopped']}")
+    if processes.get("disk_sleep"):
+        h.problems.append(f"rank process(es) in uninterruptible sleep (D): {processes['disk_sleep']}")
     if gpu is not None:
         if gpu.get("lost"):
             h.problems.append("nvidia-smi cannot reach a GPU")
@@ -381,6 +386,37 @@ def probe_node(node: str, pids: Iterable[int], *, since_uptime: float | None = N
 __all__ = [
     "DEFAULT_PROBE_TIMEOUT", "GPU_QUERY_FIELDS", "GpuEcc", "NodeHealth", "XidEvent", "assess",
     "parse_nvidia_smi_ecc", "parse_nvidia_smi_query", "parse_scontrol_node", "parse_scontrol_nodes",
-    "parse_xid_lines", "probe_gpus", "probe_kernel_xids", "probe_local", "probe_node",
+    "gpu_tools", "node_health_summary", "parse_xid_lines", "probe_gpus", "with_probe_evidence", "probe_kernel_xids", "probe_local", "probe_node",
     "probe_slurm_node", "read_uptime", "xid_codes_since",
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# Wiring into classification (pure): the probes' readings become Signals evidence
+# --------------------------------------------------------------------------------------------
+
+
+def gpu_tools() -> bool:
+    """The NVIDIA tools exist here (a GPU probe can run)."""
+    return shutil.which("nvidia-smi") is not None
+
+
+def node_health_summary(h: NodeHealth) -> dict:
+    """What an agent reports with a rank exit (JSON): the readings the classifier uses."""
+    gpu = h.gpu or {}
+    return {"xid": list(h.xid), "ecc_uncorrected": int(gpu.get("ecc_uncorrected") or 0),
+            "gpu_lost": bool(gpu.get("lost")), "problems": list(h.problems),
+            "stopped": list(h.processes.get("stopped", [])), "disk_sleep": list(h.processes.get("disk_sleep", []))}
+
+
+def with_probe_evidence(signals, agent_health: dict[str, dict], scheduler: dict[str, str | None]):
+    """``signals`` with the probes' evidence added: Xid codes and uncorrected ECC counts the agents read on
+    their nodes, the scheduler's node state; a node with a probe problem is not healthy any more."""
+    from dataclasses import replace
+
+    xid = {n: tuple(h["xid"]) for n, h in agent_health.items() if h.get("xid")}
+    ecc = {n: int(h["ecc_uncorrected"]) for n, h in agent_health.items() if h.get("ecc_uncorrected")}
+    slurm = {n: s for n, s in scheduler.items() if s}
+    failing = {n for n, h in agent_health.items() if h.get("problems")} | {n for n, s in slurm.items() if slurm_state_bad(s)}
+    return replace(signals, xid={**signals.xid, **xid}, ecc_uncorrected={**signals.ecc_uncorrected, **ecc},
+                   slurm_state={**signals.slurm_state, **slurm}, healthy_nodes=signals.healthy_nodes - failing)

@@ -1,4 +1,5 @@
-"""Failure injection: ``phoenix-run kill-node`` (the client) and its execution in the supervisor.
+"""Failure injection: ``phoenix-run kill-node`` (the client) and its execution (the supervisor's command
+handler calls :func:`execute_injection` with a narrow :class:`JobTargets` view of the job).
 
 Modes: ``crash`` (the whole node: agent and ranks SIGKILLed), ``rank`` (one rank SIGKILLed), ``hang``
 (SIGSTOP), ``comm`` (a transient communication failure of the node's ranks: their process groups are
@@ -12,65 +13,83 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from phoenix_runtime import protocol as P
+from phoenix_runtime.settings import FAULT_MODES
 
-MODES = ("crash", "rank", "hang", "comm", "gpu-ecc", "pcie")
+MODES = FAULT_MODES
 
 
 class InjectError(RuntimeError):
     pass
 
 
-def resolve_target(sup, target: str) -> tuple[str, int | None]:
+@dataclass(frozen=True)
+class JobTargets:
+    """What an injection needs to know about the running job, and the two ways it acts on it."""
+
+    world_size: int
+    nproc: int
+    members: Callable[[], P.Membership]  # the current membership
+    node_states: Callable[[], Mapping[str, str]]  # node -> its lifecycle state's value
+    holds_ranks: Callable[[str], bool]  # the node is active (not a spare)
+    store: P.Store
+    kill_node: Callable[[str], None]  # the backend's: SIGKILL the node's agent and ranks
+
+
+def resolve_target(job: JobTargets, target: str) -> tuple[str, int | None]:
     """TARGET is a node name or ``rank:R``; returns (node, slot or None for the whole node)."""
     if target.startswith("rank:"):
         try:
             r = int(target.split(":", 1)[1])
         except ValueError:
             raise InjectError(f"bad target {target!r}: use rank:R with an integer R") from None
-        if not 0 <= r < sup.world_size:
-            raise InjectError(f"no rank {r} in this job (world size {sup.world_size})")
-        rs = sup.members.slot_of(r)
+        if not 0 <= r < job.world_size:
+            raise InjectError(f"no rank {r} in this job (world size {job.world_size})")
+        rs = job.members().slot_of(r)
         return rs.node, rs.slot
-    if target not in sup.nodes:
-        raise InjectError(f"no node {target!r} in this job; nodes: {', '.join(sup.nodes)}")
-    if sup.nodes[target].state.value in ("failed", "drained", "stopped"):
-        raise InjectError(f"node {target} is {sup.nodes[target].state.value}; nothing to inject")
+    states = job.node_states()
+    if target not in states:
+        raise InjectError(f"no node {target!r} in this job; nodes: {', '.join(states)}")
+    if states[target] in ("failed", "drained", "stopped"):
+        raise InjectError(f"node {target} is {states[target]}; nothing to inject")
     return target, None
 
 
-def execute_injection(sup, c: dict[str, Any]) -> tuple[bool, str, dict[str, Any]]:
-    mode = c.get("mode", "crash")
+def execute_injection(job: JobTargets, c: P.KillCommand) -> tuple[bool, str, dict[str, Any]]:
+    """Carry out one ``kill-node`` command; returns (ok, the reply's message, the ``injected`` event's fields;
+    ``immediate``: its effect is due now, so an incident opens at once)."""
+    mode = c.mode
     if mode not in MODES:
         return False, f"unknown mode {mode!r}; valid: {', '.join(MODES)}", {}
     try:
-        node, slot = resolve_target(sup, str(c.get("target", "")))
+        node, slot = resolve_target(job, c.target)
     except InjectError as e:
         return False, str(e), {}
-    at_step = c.get("at_step")
+    at_step = c.at_step
     t = time.time()
     info = {"mode": mode, "node": node, "slot": slot, "at_step": at_step, "t": t, "immediate": at_step is None}
-    slots = [slot] if slot is not None else list(range(sup.nproc))
+    slots = [slot] if slot is not None else list(range(job.nproc))
     if at_step is not None or mode in ("comm", "gpu-ecc", "pcie"):
         for s in slots:
-            P.Queue(sup.store, P.q_rank(node, s)).put({"mode": mode, "at_step": at_step, "id": c.get("id")})
+            P.Queue(job.store, P.q_rank(node, s)).put(P.RankFault(mode, at_step, c.id))
         when = f"at step {at_step}" if at_step is not None else "now"
         info["immediate"] = at_step is None and mode == "comm"
         return True, f"armed {mode} on {node}{'' if slot is None else f' slot {slot}'} {when}", info
     if mode == "crash" and slot is None:
-        sup.backend.kill_node(node)
-        if sup.nodes[node].group_rank is None:
+        job.kill_node(node)
+        if not job.holds_ranks(node):
             info["immediate"] = False  # a spare holds no rank: its loss is a spare_lost, not an incident to classify
-        return True, f"SIGKILLed node {node} (its agent and {sup.nproc} rank(s))", info
-    P.Queue(sup.store, P.q_agent(node)).put({"cmd": "inject", "mode": "rank" if mode == "crash" else mode, "slot": slot})
+        return True, f"SIGKILLed node {node} (its agent and {job.nproc} rank(s))", info
+    P.Queue(job.store, P.q_agent(node)).put(P.AgentInject("rank" if mode == "crash" else mode, slot))
     what = {"crash": "SIGKILL", "rank": "SIGKILL", "hang": "SIGSTOP"}[mode]
     return True, f"{what} sent to {node} {'every rank' if slot is None else f'slot {slot}'}", info
 
 
-def send_command(run_dir: Path, cmd: dict[str, Any], token: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+def send_command(run_dir: Path, cmd: P.KillCommand, token: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
     """Client side: put a token-authenticated command on the job's control plane and wait for the reply."""
     from phoenix_launch.control import connect
     from phoenix_launch.events import read_token
@@ -86,7 +105,7 @@ def send_command(run_dir: Path, cmd: dict[str, Any], token: str | None = None, t
     except Exception:
         raise InjectError(f"no running job at {ctl['host']}:{ctl['port']} (run directory {run_dir})") from None
     cid = uuid.uuid4().hex
-    P.Queue(store, P.Q_COMMANDS).put({**cmd, "token": token, "id": cid})
+    P.Queue(store, P.Q_COMMANDS).put(replace(cmd, token=token, id=cid))
     key = f"phx/reply/{cid}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -97,3 +116,25 @@ def send_command(run_dir: Path, cmd: dict[str, Any], token: str | None = None, t
             raise InjectError("the job stopped before it answered") from None
         time.sleep(0.02)
     raise InjectError(f"the job did not answer within {timeout_s:g} s")
+
+
+class Chaos:
+    """Seeded chaos for soak runs: a node crash at exponentially distributed times (``inject.chaos_mtbf_s``)."""
+
+    def __init__(self, mtbf_s: float, seed: int):
+        import random
+
+        self.mtbf_s = mtbf_s
+        self.rng = random.Random(seed)
+        self.next_t: float | None = None
+
+    def victim(self, now: float, active: list[str]) -> str | None:
+        """The node to crash now, or None (not due yet, chaos off, or no active node)."""
+        if self.mtbf_s <= 0:
+            return None
+        if self.next_t is None:
+            self.next_t = now + self.rng.expovariate(1.0 / self.mtbf_s)
+        if now < self.next_t:
+            return None
+        self.next_t = now + self.rng.expovariate(1.0 / self.mtbf_s)
+        return self.rng.choice(sorted(active)) if active else None

@@ -11,7 +11,8 @@ Key space (all under ``phx/``)::
     phx/gen/<g>/pg/...            the process groups of generation g (a PrefixStore scope)
     phx/gen/<g>/arrived           ranks that reached generation g's rendezvous (counter)
     phx/assign/<node>/<slot>      logical-rank assignment of a warm spare rank (JSON)
-    phx/hb/rank/<node>/<slot>     rank heartbeat (JSON: t, step, gen, pid, runtime)
+    phx/hb/rank/<node>/<slot>     rank heartbeat (JSON, see ``RankHeartbeat``: t, step, gen, pid, runtime,
+                                  phase, t_step)
     phx/hb/agent/<node>           agent heartbeat (unix time as text)
     phx/q/sup/...                 queue: agents and ranks -> supervisor (reports)
     phx/q/agent/<node>/...        queue: supervisor -> one agent (commands)
@@ -23,8 +24,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+from typing import Any, Callable, ClassVar, Protocol
 
 SCHEMA_VERSION = 1
 
@@ -151,6 +153,317 @@ def read_members(store: Store, gen: int) -> Membership:
     return Membership.from_json(store.get(k_members(gen)))
 
 
+# --- typed messages ---------------------------------------------------------------------------------
+class MsgType(str, Enum):
+    """Every message on the control plane's queues, by its ``type`` field."""
+
+    # rank / agent -> supervisor (Q_SUPERVISOR)
+    AGENT_UP = "agent_up"
+    RANK_EXIT = "rank_exit"
+    RANK_HANG = "rank_hang"
+    RANK_ERROR = "rank_error"
+    RUNTIME_READY = "runtime_ready"
+    RECOVERED = "recovered"
+    PROGRESS = "progress"
+    UNRECOVERABLE = "unrecoverable"
+    PROTECTION = "protection"
+    FAULT_FIRED = "fault_fired"
+    CHECKPOINT = "checkpoint"
+    NODE_PROBE = "node_probe"
+    # supervisor -> one agent (q_agent)
+    RESTART = "restart"
+    RESPAWN = "respawn"
+    STOP = "stop"
+    INJECT = "inject"
+    # ``phoenix-run kill-node`` -> supervisor (Q_COMMANDS)
+    KILL = "kill"
+    # supervisor -> one rank (q_rank): a fault to inject
+    FAULT = "fault"
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message: ``t`` is when it was put (filled in by ``Queue.put`` when None)."""
+
+    TYPE: ClassVar[MsgType]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if not (k == "t" and v is None)}
+        return {"type": self.TYPE.value, **d}
+
+
+@dataclass(frozen=True)
+class AgentUp(Message):
+    TYPE: ClassVar[MsgType] = MsgType.AGENT_UP
+    node: str
+    pid: int | None = None
+    host: str = ""
+    join: str | None = None  # a replenished node's request id (it then carries the job's token)
+    token: str = ""
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class RankExit(Message):
+    TYPE: ClassVar[MsgType] = MsgType.RANK_EXIT
+    node: str
+    slot: int
+    attempt: int = 0
+    epoch: int = 0
+    pid: int | None = None
+    t_exit: float | None = None  # when the agent first saw it exited
+    exit_code: int | None = None  # >= 0, or None when killed by a signal
+    signal: int | None = None
+    error: dict | None = None  # the rank's error file (torchrun's format, under "phoenix" our fields)
+    log: str = ""
+    log_tail: str = ""
+    health: dict | None = None  # the agent's probe of its node at the exit (health.node_health_summary)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class RankHang(Message):
+    TYPE: ClassVar[MsgType] = MsgType.RANK_HANG
+    node: str
+    slot: int
+    silent_s: float = 0.0  # how long it has not heartbeated, or not completed a step (see ``reason``)
+    step: int | None = None
+    reason: str = "heartbeat"  # "heartbeat": its heartbeat went silent; "progress": no step completed
+    proc_state: str | None = None  # the process's state when killed (psutil: "stopped", "disk_sleep", ...)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class NodeProbe(Message):
+    """An agent's probe of its node's GPUs (ECC counters, Xids), run after a rank exit where the tools exist;
+    it follows the exit report (whose ``health`` says ``probing``) so that the report is not delayed."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_PROBE
+    node: str
+    health: dict = field(default_factory=dict)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class RankMessage(Message):
+    """A message a rank's runtime sends (``Context.report`` adds node, slot and rank)."""
+
+    node: str = ""
+    slot: int = 0
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class RankError(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.RANK_ERROR
+    gen: int = 0
+    error: dict | None = None  # {"type", "message"}
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeReady(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.RUNTIME_READY
+    protect: bool = True
+    epoch: int = 0
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class Recovered(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.RECOVERED
+    gen: int = 0
+    step: int | None = None
+    replayed: int = 0
+    joiner: bool = False
+    breakdown: dict = field(default_factory=dict)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class Progress(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.PROGRESS
+    step: int = -1
+    step_time_s: float | None = None
+    sps: float = 0.0
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class Unrecoverable(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.UNRECOVERABLE
+    reason: str = "recovery from memory impossible"
+    checkpoint: str | None = None
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class Protection(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.PROTECTION
+    host_bytes: int = 0
+    optim_bytes: int = 0
+    param_bytes: int = 0
+    replicas: int = 0
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class FaultFired(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.FAULT_FIRED
+    mode: str = "crash"
+    step: int | None = None
+    phase: str | None = None
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointSaved(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.CHECKPOINT
+    path: str = ""
+    step: int | None = None
+    rank_saved: int | None = None
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class AgentRestart(Message):
+    """A fresh attempt of every rank of the node (torchrun's restart), in the given role."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RESTART
+    epoch: int
+    master_port: int
+    group_rank: int | None
+    world_size: int
+    gen: int
+    role: str = "active"
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class AgentRespawn(Message):
+    """Start the given (dead) slots again as joiners of generation ``gen``: each waits, warm, for its
+    assignment (``k_assign``), as a spare's rank does."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RESPAWN
+    slots: tuple[int, ...]
+    gen: int
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class AgentStop(Message):
+    TYPE: ClassVar[MsgType] = MsgType.STOP
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class AgentInject(Message):
+    TYPE: ClassVar[MsgType] = MsgType.INJECT
+    mode: str
+    slot: int | None = None
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class KillCommand(Message):
+    """``phoenix-run kill-node TARGET --mode M [--at-step N]``, authenticated by the job's token."""
+
+    TYPE: ClassVar[MsgType] = MsgType.KILL
+    target: str = ""
+    mode: str = "crash"
+    at_step: int | None = None
+    token: str = ""
+    id: str = "none"
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class RankFault(Message):
+    """A fault for one rank's runtime to fire (now, or when it reaches ``at_step``)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.FAULT
+    mode: str
+    at_step: int | None = None
+    id: str | None = None
+    t: float | None = None
+
+
+MESSAGE_CLASSES: dict[MsgType, type] = {
+    cls.TYPE: cls
+    for cls in (AgentUp, RankExit, RankHang, NodeProbe, RankError, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
+                FaultFired, CheckpointSaved, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
+}
+_FIELDS = {t: {f.name: f for f in fields(c)} for t, c in MESSAGE_CLASSES.items()}
+
+
+class DecodeError(ValueError):
+    pass
+
+
+def decode(raw: dict[str, Any]) -> Message:
+    """A message object from its dict form (as ``Queue.put`` wrote it, or an older writer's plain dict):
+    unknown keys are ignored, missing optional fields take their defaults. ``DecodeError`` when the type
+    is unknown or a required field is missing."""
+    kind = raw.get("type", raw.get("cmd"))  # "cmd": agent commands of an older writer
+    try:
+        mtype = MsgType(kind)
+    except ValueError:
+        raise DecodeError(f"unknown message type {kind!r}") from None
+    known = _FIELDS[mtype]
+    kw = {k: v for k, v in raw.items() if k in known}
+    if mtype is MsgType.RESPAWN and "slots" in kw:
+        kw["slots"] = tuple(kw["slots"])
+    try:
+        return MESSAGE_CLASSES[mtype](**kw)
+    except TypeError as e:
+        raise DecodeError(f"bad {mtype.value} message: {e}") from None
+
+
+class Dispatcher:
+    """Calls the handler registered for each message's type; messages of a type with no handler, of an
+    unknown type or malformed are dropped and counted (``dropped``), never raised."""
+
+    def __init__(self, handlers: dict[MsgType, Callable[..., None]]):
+        self.handlers = handlers
+        self.dropped: dict[str, int] = {}
+
+    def dispatch(self, raw: dict[str, Any] | Message, *args: Any) -> Message | None:
+        try:
+            msg = raw if isinstance(raw, Message) else decode(raw)
+        except DecodeError:
+            kind = str(raw.get("type", raw.get("cmd")))  # type: ignore[union-attr]
+            self.dropped[kind] = self.dropped.get(kind, 0) + 1
+            return None
+        handler = self.handlers.get(msg.TYPE)
+        if handler is None:
+            self.dropped[msg.TYPE.value] = self.dropped.get(msg.TYPE.value, 0) + 1
+            return None
+        handler(msg, *args)
+        return msg
+
+
+# --- the rank heartbeat -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankHeartbeat:
+    """What a rank's control thread writes at ``k_rank_hb`` (JSON). ``phase`` and ``t_step`` may be absent
+    (an older runtime): then only the heartbeat's own time ``t`` tells whether the rank is alive."""
+
+    t: float
+    step: int = -1
+    gen: int = 0
+    pid: int | None = None
+    runtime: bool = False
+    phase: str | None = None  # "starting", "training", "recovering", "done" (or "spare")
+    t_step: float | None = None  # unix time of the last completed step, or of entering the current phase
+    sps: float = 0.0
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "RankHeartbeat":
+        d = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
 # --- queues: an append-only log in the store, one reader each ---------------------------------------
 class Queue:
     """Append-only message log in a key-value store; many writers, one reader (who keeps a cursor).
@@ -166,12 +479,15 @@ class Queue:
         self.cursor = 1
         self._hole_since: float | None = None  # when the reader first found the message at cursor missing
 
-    def put(self, msg: dict[str, Any]) -> int:
-        msg = {"v": SCHEMA_VERSION, "t": time.time(), **msg}
+    def put(self, msg: Message | dict[str, Any]) -> int:
+        """Append a message object (or, from writers not converted yet, a plain dict with a ``type``)."""
+        body = msg.to_dict() if isinstance(msg, Message) else dict(msg)
+        if body.get("t") is None:
+            body["t"] = time.time()
+        body = {"v": SCHEMA_VERSION, **body}
         n = self.store.add(f"{self.name}/n", 1)
-        self.store.set(f"{self.name}/{n}", json.dumps(msg))
+        self.store.set(f"{self.name}/{n}", json.dumps(body))
         return n
-
     def get_all(self, hole_timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Every message not read yet, in order; never blocks. A reserved-but-unwritten message (its writer
         was descheduled between the two store calls) is waited for on later calls; only a writer that died

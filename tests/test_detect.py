@@ -150,3 +150,65 @@ def test_an_injected_fault_with_no_effect_closes_without_stopping_the_job(tmp_pa
         kill_job(proc, run_dir)
     evs = events(run_dir)
     assert not of_type(evs, "decision") and not of_type(evs, "restart") and not of_type(evs, "failure")
+
+
+STEPS_2X2 = ["--steps", "12"]  # ZeRO (replicated Adam joiners are the runtime's issue-12 RNG case)
+
+
+@pytest.fixture(scope="module")
+def clean_2x2_digest(tmp_path_factory):
+    d = tmp_path_factory.mktemp("clean2x2")
+    out = d / "clean.json"
+    r = run_phoenix(["--nodes", "2", "--nproc-per-node", "2", "--run-dir", str(d / "run"), GPT, *STEPS_2X2, "--digest-file", str(out)], d, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text())["digest"]
+
+
+def test_a_rank_that_exits_with_a_comm_message_is_respawned_and_the_job_completes(tmp_path, run_dir, clean_2x2_digest):
+    """Issue 12: a rank on a healthy node exits with 'Connection reset by peer' in its message. A process that
+    exited is never transient: the decision is a local recovery that respawns it (a joiner of the new
+    generation, restored from its peers), no spare is used, and the job completes with the failure-free digest."""
+    out = tmp_path / "digest.json"
+    env = job_env(EXIT_RANK="3", EXIT_AT_STEP="6", EXIT_MESSAGE="[gloo/transport/tcp/pair.cc:598] Connection reset by peer")
+    r = run_phoenix(["--nodes", "2", "--nproc-per-node", "2", "--spares", "1", "--run-dir", str(run_dir),
+                     str(SCRIPTS / "exit_at_step.py"), *STEPS_2X2, "--digest-file", str(out)], tmp_path, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    evs = events(run_dir)
+    d = of_type(evs, "decision")[0]
+    assert (d["cls"], d["decision"]) == ("process_exit", "local"), d
+    local = of_type(evs, "local_recovery")[0]
+    assert local["respawned"] == [3] and not of_type(evs, "hotswap")
+    assert of_type(evs, "recovery")[0]["path"] == "local"
+    assert (run_dir / "logs" / "node1" / "1.1.log").exists(), "the dead rank was started again (attempt 1)"
+    assert json.loads(out.read_text())["digest"] == clean_2x2_digest
+
+
+def test_a_rank_killed_before_the_first_step_replaces_its_node_and_starts_fresh(tmp_path, run_dir, clean_2x2_digest):
+    """Issue 12: a rank SIGKILLed before anything is protected (here: before it even joined the control plane),
+    a spare available: the node is replaced and every worker starts fresh (not counted as a restart); nothing is
+    lost, so the job completes with the failure-free digest (it used to stop, exit 1)."""
+    import psutil
+
+    out = tmp_path / "digest.json"
+    proc = start_phoenix(["--nodes", "2", "--nproc-per-node", "2", "--spares", "1", "--run-dir", str(run_dir), GPT, *STEPS_2X2,
+                          "--digest-file", str(out)], tmp_path)
+    try:
+        def victim():
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    env = p.environ()
+                except psutil.Error:
+                    continue
+                if env.get("PHOENIX_NODE") == "node1" and env.get("PHOENIX_SLOT") == "0" and env.get("PHOENIX_ATTEMPT") == "0":
+                    return p
+            return None
+        wait_for(victim, 120, "node1's first rank to start").kill()  # at once: long before its first step
+        assert proc.wait(timeout=600) == 0, proc.stderr.read()
+    finally:
+        kill_job(proc, run_dir)
+    evs = events(run_dir)
+    d = of_type(evs, "decision")[0]
+    assert (d["decision"], d["node"], d["spare"]) == ("restart", "node1", "node2"), d
+    restart = of_type(evs, "restart")[0]
+    assert restart["fresh"] is True and restart["attempt"] == 0
+    assert json.loads(out.read_text())["digest"] == clean_2x2_digest

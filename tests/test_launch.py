@@ -197,13 +197,13 @@ def test_bad_run_dir_not_writable(tmp_path):
 
 def _agent(tmp_path, script_text: str, nproc: int = 2):
     from phoenix_launch.agent import Agent
+    from phoenix_launch.spec import AgentSpec
 
     script = tmp_path / "rank.py"
     script.write_text(script_text)
-    spec = {"node": "node0", "nproc": nproc, "run_dir": str(tmp_path / "run"), "role": "active", "group_rank": 0,
-            "world_size": nproc, "gen": 0, "epoch": 0, "max_restarts": 0, "run_id": "t", "store_host": "",
-            "store_port": 0, "master_port": 1, "argv": [str(script), str(tmp_path)], "cwd": str(tmp_path),
-            "heartbeat_s": 0.5, "hang_timeout_s": 5, "node_timeout_s": 5, "stop_grace_s": 1, "runtime": {}}
+    spec = AgentSpec(node="node0", nproc=nproc, run_dir=str(tmp_path / "run"), role="active", group_rank=0,
+                     world_size=nproc, run_id="t", store_host="", master_port=1, argv=(str(script), str(tmp_path)),
+                     cwd=str(tmp_path), hang_timeout_s=5, node_timeout_s=5, stop_grace_s=1)
     return Agent(spec)  # no control plane: store_host "" keeps the ranks' control thread off
 
 

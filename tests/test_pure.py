@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pytest
 
 from phoenix_launch import decide as D
@@ -186,3 +187,198 @@ def test_membership_roundtrip():
     m = P.Membership(3, 2, (P.RankSlot(0, "n0", 0), P.RankSlot(1, "n2", 0)), joiners=(1,), reason="x")
     m2 = P.Membership.from_json(m.to_json())
     assert m2 == m and m2.rank_at("n2", 0) == 1 and m2.nodes() == ["n0", "n2"]
+
+
+def test_typed_messages_roundtrip_and_old_dicts_decode():
+    st = DictStore()
+    q = P.Queue(st, "q")
+    q.put(P.RankExit("n1", 1, exit_code=None, signal=9, log_tail="x"))
+    q.put({"type": "progress", "node": "n0", "slot": 0, "rank": 0, "step": 7})  # a writer not converted yet
+    q.put({"type": "something_new", "x": 1})
+    q.put({"type": "rank_exit"})  # a required field missing
+    seen = []
+    d = P.Dispatcher({P.MsgType.RANK_EXIT: lambda m, now: seen.append(m), P.MsgType.PROGRESS: lambda m, now: seen.append(m)})
+    for raw in P.Queue(st, "q").get_all():
+        d.dispatch(raw, 0.0)
+    assert isinstance(seen[0], P.RankExit) and (seen[0].signal, seen[0].exit_code, seen[0].slot) == (9, None, 1)
+    assert seen[0].t is not None  # stamped by put
+    assert isinstance(seen[1], P.Progress) and seen[1].step == 7 and seen[1].sps == 0.0  # defaults for the rest
+    assert d.dropped == {"something_new": 1, "rank_exit": 1}
+    # every message class survives its own dict form
+    for cls, kw in [(P.AgentRestart, dict(epoch=1, master_port=2, group_rank=0, world_size=4, gen=3)),
+                    (P.AgentRespawn, dict(slots=(0, 1), gen=4)), (P.KillCommand, dict(target="rank:1", at_step=3))]:
+        m = cls(**kw)
+        assert P.decode(m.to_dict()) == m
+    assert P.decode({"cmd": "stop"}) == P.AgentStop()  # an older agent command
+
+
+# --- the supervisor's parts, on a fake clock ------------------------------------------------------------
+from phoenix_launch.classify import RankReport  # noqa: E402
+from phoenix_launch.config import DetectConfig  # noqa: E402
+from phoenix_launch.generations import Attempt, GenerationPublisher  # noqa: E402
+from phoenix_launch.incidents import FleetView, IncidentTracker  # noqa: E402
+from phoenix_launch.recovery_watch import RecoveryWatch  # noqa: E402
+
+DETECT = DetectConfig(heartbeat_s=0.5, hang_timeout_s=10.0, node_timeout_s=5.0, settle_s=0.3)
+FLEET = FleetView(healthy=frozenset({"n0", "n1"}), world_ranks=4)
+
+
+def _exit(node="n1", rank=2, t=0.0):
+    return RankReport(node, rank, None, 9, None, "", time=t)
+
+
+def test_incident_settles_after_the_window_with_every_report():
+    tr = IncidentTracker(DETECT)
+    tr.rank_failed(_exit(), 100.0, exited=True)
+    tr.rank_failed(RankReport("n0", 0, None, None, {"type": "E", "message": "Connection closed by peer"}), 100.1, exited=False)
+    assert tr.settle(100.2, FLEET) is None  # still gathering
+    out = tr.settle(100.31, FLEET)
+    assert out is not None and len(out.signals.reports) == 2 and out.incident.t_observed == 100.0
+    assert out.signals.healthy_nodes == {"n0", "n1"} and out.signals.world_ranks == 4
+    assert tr.current is None and tr.settle(200.0, FLEET) is None
+
+
+def test_incident_waits_for_a_node_not_reported_in_and_for_a_silent_node_but_bounded():
+    tr = IncidentTracker(DETECT)
+    tr.rank_failed(_exit(), 100.0, exited=True)
+    assert tr.settle(101.0, FleetView(waiting=("n1",), healthy=FLEET.healthy)) is None
+    assert tr.settle(105.1, FleetView(waiting=("n1",), healthy=FLEET.healthy)) is not None  # the node timeout bounds it
+    tr.rank_failed(RankReport("n0", 0, None, None, {"type": "E", "message": "Connection closed by peer"}), 200.0, exited=False)
+    quiet = FleetView(silent=("n1",), healthy=FLEET.healthy)
+    assert tr.settle(201.0, quiet) is None  # only link errors and a node gone quiet: wait for its verdict
+    tr.node_lost("n1", 202.0)
+    out = tr.settle(202.1, quiet)
+    assert out.signals.node_lost == ("n1",) and "n1" not in out.signals.healthy_nodes
+
+
+def test_an_injection_with_no_effect_closes_after_the_slowest_detector():
+    tr = IncidentTracker(DETECT)
+    tr.injected("comm", 50.0, 50.0)
+    bound = tr.observe_bound_s()
+    assert bound == 11.0
+    assert tr.settle(50.0 + bound - 0.1, FLEET) is None
+    out = tr.settle(50.0 + bound + 0.1, FLEET)
+    assert out.signals is None and "no effect observed within 11.0 s" in out.closed_why and out.incident.injected == "comm"
+
+
+def test_a_fired_fault_times_the_incident_it_causes():
+    tr = IncidentTracker(DETECT)
+    tr.fault_fired(99.5)
+    tr.node_lost("n1", 100.0)
+    assert tr.current.t_kill == 99.5
+    tr.settle(100.5, FLEET)
+    tr.fault_fired(10.0)
+    tr.node_lost("n1", 100.0)  # a fault fired long before is not this incident's cause
+    assert tr.current.t_kill is None
+
+
+def test_publisher_one_path_for_hotswap_local_and_restart():
+    st = DictStore()
+    pub = GenerationPublisher(st, world_size=4, nproc=2, run_id="r", max_restarts=0, domains=dict)
+    ranks = [P.RankSlot(r, f"n{r // 2}", r % 2) for r in range(4)]
+    pub.first(ranks)
+    att = Attempt(0, "h", 1234)
+    # hot-swap: n1 -> n2; ranks 2 and 3 join, with their assignments written before the bump
+    swapped = [P.RankSlot(r.rank, "n2" if r.node == "n1" else r.node, r.slot) for r in ranks]
+    mem = pub.publish(swapped, "swap", att, {"n0": 0, "n2": 1})
+    assert (mem.gen, mem.joiners) == (1, (2, 3)) and P.read_gen(st) == 1
+    a = json.loads(st.get(P.k_assign("n2", 1)))
+    assert a["rank"] == 3 and a["gen"] == 1 and a["env"]["GROUP_RANK"] == "1" and a["env"]["MASTER_PORT"] == "1234"
+    # a failure during that recovery: the joiners are still counted from the last stable generation
+    mem = pub.publish(swapped, "again", att, {"n0": 0, "n2": 1})
+    assert (mem.gen, mem.joiners) == (2, (2, 3))
+    pub.recovered()
+    # local recovery with rank 1 respawned on its own node
+    mem = pub.publish(swapped, "local", att, {"n0": 0, "n2": 1}, respawned=(1,))
+    assert (mem.gen, mem.joiners) == (3, (1,)) and json.loads(st.get(P.k_assign("n0", 1)))["gen"] == 3
+    # restart: no joiners, a new stable base at once
+    mem = pub.publish(ranks, "restart", Attempt(1, "h", 99), {"n0": 0, "n1": 1}, fresh=True)
+    assert (mem.gen, mem.joiners, mem.epoch) == (4, (), 1) and pub.stable is mem
+    assert P.read_members(st, 4) == mem
+
+
+def _recovered(rank, gen, t, step=5, **kw):
+    return P.Recovered(node="n", slot=0, rank=rank, gen=gen, step=step, t=t, **kw)
+
+
+def test_recovery_event_covers_the_time_to_the_first_step_after_it():
+    w = RecoveryWatch(2, timeout_s=60.0)
+    assert not w.begin("hotswap", 1, 100.2, t_detect=100.1, t_kill=100.0, t_observed=100.05)
+    assert not w.recovered(_recovered(0, 1, 100.5, breakdown={"quiesce_s": 0.1}), 100.5)
+    assert not w.recovered(_recovered(1, 0, 100.6), 100.6)  # an older generation's report
+    assert w.recovered(_recovered(1, 1, 100.7, replayed=1), 100.7) and w.awaiting_first_step
+    assert w.first_step({0: (6, 101.0), 1: (5, 100.0)}) is None  # rank 1 has not completed a step after it
+    ev = w.first_step({0: (6, 101.0), 1: (6, 160.7)})  # e.g. a hidden 60 s wait before the first step
+    assert ev["total_s"] == 60.7 and ev["recovered_s"] == 0.7 and ev["first_step_s"] == 60.0
+    assert (ev["resume_step"], ev["steps_replayed"], ev["quiesce_s"], ev["detect_s"]) == (5, 1, 0.1, 0.05)
+    assert w.current is None
+
+
+def test_recovery_deadline_is_per_generation_and_names_the_missing_ranks():
+    w = RecoveryWatch(3, timeout_s=10.0)
+    w.begin("hotswap", 1, 100.0, t_detect=99.0, t_kill=None, t_observed=None)
+    w.recovered(_recovered(0, 1, 101.0), 101.0)
+    assert not w.expired(109.9) and w.expired(110.1) and w.missing() == (1, 2)
+    assert w.begin("hotswap", 2, 110.2, t_detect=110.1, t_kill=None, t_observed=None)  # abandons generation 1
+    assert not w.expired(120.1) and w.expired(120.3) and w.missing() == (0, 1, 2)
+    for r in range(3):
+        w.recovered(_recovered(r, 2, 121.0), 121.0)
+    ev = w.first_step({}, final=True)  # the job ended before a step after it: still reported
+    assert ev["generations"] == 2 and ev["first_step_s"] is None and ev["total_s"] == round(121.0 - 99.0, 4)
+
+
+def test_decisions_for_exited_ranks_and_failures_before_the_first_step():
+    exited = Verdict(FailureClass.PROCESS_EXIT, Action.LOCAL_RECOVERY, "n1", "rank 3 exited", exited=(3,))
+    d = D.decide(view(), exited)
+    assert (d.kind, d.respawn) == (D.Kind.LOCAL, (3,)) and "respawned" in d.reason
+    # a rank killed before any step completed, a spare available: replace and start fresh, not stop
+    d = D.decide(view(runtime_ready=False, nothing_done=True), V(FailureClass.HOST, Action.REPLACE_NODE))
+    assert (d.kind, d.spare, d.fresh) == (D.Kind.RESTART, "s1", True) and "stop" not in d.reason
+    d = D.decide(view(runtime_ready=False, nothing_done=True), exited)
+    assert (d.kind, d.spare, d.fresh) == (D.Kind.RESTART, None, True)
+    # without a spare (or once a step completed), the old rules
+    d = D.decide(view(runtime_ready=False, nothing_done=True, spares=()), V(FailureClass.HOST, Action.REPLACE_NODE))
+    assert d.kind is D.Kind.STOP
+    d = D.decide(view(runtime_ready=False), V(FailureClass.HOST, Action.REPLACE_NODE))
+    assert d.kind is D.Kind.STOP
+
+
+def test_hang_check_uses_progress_when_the_runtime_reports_it():
+    from phoenix_launch.agent import hang_check
+
+    hb = P.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0)
+    assert hang_check(hb, 100.2, 10.0) == ("progress", pytest.approx(20.2))  # heartbeat fresh, no step for 20 s
+    assert hang_check(P.RankHeartbeat(t=100.0, step=7, phase="training", t_step=95.0), 100.2, 10.0) is None
+    for phase in ("recovering", "done"):  # outside training only a silent heartbeat is a hang
+        assert hang_check(P.RankHeartbeat(t=100.0, phase=phase, t_step=50.0), 100.2, 10.0) is None
+        assert hang_check(P.RankHeartbeat(t=100.0, phase=phase, t_step=50.0), 111.0, 10.0)[0] == "heartbeat"
+    for phase in ("starting", "spare"):
+        assert hang_check(P.RankHeartbeat(t=0.0, phase=phase), 1000.0, 10.0) is None
+    old = P.RankHeartbeat.from_json(json.dumps({"t": 100.0, "step": 3, "gen": 0, "pid": 1, "runtime": True, "phase": "forward"}))
+    assert hang_check(old, 105.0, 10.0) is None and hang_check(old, 110.5, 10.0) == ("heartbeat", 10.5)
+
+
+def test_a_replica_failure_reported_by_a_rank_is_recorded_and_never_a_job_failure(tmp_path):
+    from phoenix_launch.backends import Capabilities
+    from phoenix_launch.nodes import Node
+    from phoenix_launch.supervisor import Supervisor
+
+    class Backend:
+        name, node_names, capabilities = "fake", ["n0", "n1"], Capabilities()
+
+        def domains(self):
+            return {}
+
+    sup = Supervisor(build_config(None, {}, {"launch": {"nodes": 2}}), ["x.py"], tmp_path, Backend())
+    for i in range(2):
+        sup.nodes.add(Node.new(f"n{i}", i))
+    sup.job.transition(JobState.RUNNING, "test")
+    bad = {"type": "ReplicationError", "message": "replica of optim/dp1of2 failed its checksum (crc32 mismatch)"}
+    sup.handle_message({"type": "rank_error", "node": "n1", "slot": 0, "rank": 1, "gen": 0, "error": bad}, 10.0)
+    assert sup.incidents.current is None
+    sup.handle_message({"type": "rank_error", "node": "n1", "slot": 0, "rank": 1, "gen": 0,
+                        "error": {"type": "DistBackendError", "message": "Connection closed by peer"}}, 11.0)
+    assert sup.incidents.current is not None and len(sup.incidents.current.reports) == 1
+    sup.events.close()
+    evs = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["rank"] for e in evs if e["type"] == "replication_error"] == [1]

@@ -14,7 +14,9 @@ import pytest
 
 from phoenix_launch.backends import slurm_env as se
 from phoenix_launch.backends.slurm import NO_KILL_WARNING, SlurmBackend
+from phoenix_launch.backends import Capabilities
 from phoenix_launch.config import ConfigError, build_config
+from phoenix_launch.spec import AgentSpec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -121,7 +123,7 @@ def test_replenish_submits_one_node_job_off_this_jobs_nodes(tmp_path: Path) -> N
     submitted: list[list[str]] = []
     be = SlurmBackend.create(cfg(replenish=True), tmp_path, environ=BATCH_ENV, run=fake(),
                              submit=lambda argv: submitted.append(list(argv)) or "77;phoenix\n")
-    job = be.replenish({"node": "?", "join": "r1", "cwd": "/w", "role": "spare"})
+    job = be.replenish(AgentSpec(node="?", nproc=1, run_dir=str(tmp_path), argv=("x.py",), join="r1", cwd="/w", role="spare"))
     assert job == "77" and be.replenish_jobs == {"r1": "77"}
     argv = submitted[0]
     assert argv[0] == "sbatch" and "--nodes=1" in argv and "--exclude=n1,n2,n3,n4" in argv
@@ -136,7 +138,7 @@ def test_replenish_submits_one_node_job_off_this_jobs_nodes(tmp_path: Path) -> N
 
 def test_replenish_ended_reads_the_jobs_state(tmp_path: Path) -> None:
     be = SlurmBackend.create(cfg(replenish=True), tmp_path, environ=BATCH_ENV, run=fake(), submit=lambda argv: "77\n")
-    be.replenish({"node": "?", "join": "r1", "cwd": "/w", "role": "spare"})
+    be.replenish(AgentSpec(node="?", nproc=1, run_dir=str(tmp_path), argv=("x.py",), join="r1", cwd="/w", role="spare"))
 
     def answer(out_or_error):
         def run(argv):
@@ -167,6 +169,7 @@ def test_submit_environ_drops_this_jobs_variables() -> None:
 class _Backend:
     name = "fake"
     node_names = ["a"]
+    capabilities = Capabilities(replenish=True)
 
     def __init__(self):
         self.adopted = {}
@@ -210,21 +213,21 @@ def test_join_needs_the_jobs_token(tmp_path: Path) -> None:
 
 def test_replenish_asks_for_the_missing_spares_once(tmp_path: Path) -> None:
     from phoenix_launch.lifecycle import JobState, Lifecycle, NodeState, NODE_TRANSITIONS
-    from phoenix_launch.supervisor import Node, Supervisor
+    from phoenix_launch.nodes import Node
+    from phoenix_launch.supervisor import Supervisor
 
     be = _Backend()
     c = build_config(None, {}, {"launch": {"nodes": 1, "spares": 1}, "slurm": {"replenish": True}})
     sup = Supervisor(c, ["x.py"], tmp_path, be)
-    sup.nodes = {"a": Node("a", Lifecycle(NodeState.ACTIVE, NODE_TRANSITIONS), 0),
-                 "b": Node("b", Lifecycle(NodeState.SPARE, NODE_TRANSITIONS))}
-    sup.agent_spec = lambda node: {"node": node.name, "role": "spare"}  # no control plane in this test
+    sup.nodes.add(Node("a", Lifecycle(NodeState.ACTIVE, NODE_TRANSITIONS), 0))
+    sup.nodes.add(Node("b", Lifecycle(NodeState.SPARE, NODE_TRANSITIONS)))
     sup.job.transition(JobState.RUNNING, "test")
     sup.replenish(100.0)
     assert be.asked == []  # the pool is full
     sup.nodes["b"].life.transition(NodeState.FAILED, "lost")
     sup.replenish(101.0)
     sup.replenish(103.0)  # already asked: nothing more until it joins
-    assert [s["join"] for s in be.asked] == ["r1"]
+    assert [s.join for s in be.asked] == ["r1"] and be.asked[0].role == "spare"
     sup.handle_message({"type": "agent_up", "node": "c", "join": "r1", "token": sup.token}, 104.0)
     sup.replenish(106.0)
     assert len(be.asked) == 1 and sup.spares() == ("c",)
@@ -233,22 +236,46 @@ def test_replenish_asks_for_the_missing_spares_once(tmp_path: Path) -> None:
 
 def test_a_replenishment_job_that_ends_without_joining_is_replaced(tmp_path: Path) -> None:
     from phoenix_launch.lifecycle import JobState, Lifecycle, NodeState, NODE_TRANSITIONS
-    from phoenix_launch.supervisor import Node, Supervisor
+    from phoenix_launch.nodes import Node
+    from phoenix_launch.supervisor import Supervisor
 
     be = _Backend()
     c = build_config(None, {}, {"launch": {"nodes": 1, "spares": 1}, "slurm": {"replenish": True}})
     sup = Supervisor(c, ["x.py"], tmp_path, be)
-    sup.nodes = {"a": Node("a", Lifecycle(NodeState.ACTIVE, NODE_TRANSITIONS), 0)}
-    sup.agent_spec = lambda node: {"node": node.name, "role": "spare"}
+    sup.nodes.add(Node("a", Lifecycle(NodeState.ACTIVE, NODE_TRANSITIONS), 0))
     sup.job.transition(JobState.RUNNING, "test")
     sup.replenish(100.0)
-    assert [s["join"] for s in be.asked] == ["r1"]
+    assert [s.join for s in be.asked] == ["r1"]
     be.ended["r1"] = "CANCELLED"  # e.g. scancel'ed, or its node failed, before its agent joined
     for t in (101.0, 106.0, 110.0):  # seen at the next check (every 5 s); then a back-off of 10 s
         sup.replenish(t)
-    assert [s["join"] for s in be.asked] == ["r1"] and "r1" not in sup.joins
+    assert [s.join for s in be.asked] == ["r1"] and "r1" not in sup.replenisher.joins
     sup.replenish(116.5)
-    assert [s["join"] for s in be.asked] == ["r1", "r2"]
+    assert [s.join for s in be.asked] == ["r1", "r2"]
     sup.events.close()
     lost = [e for e in _events(tmp_path) if e["type"] == "replenish_lost"]
     assert [(e["join"], e["state"]) for e in lost] == [("r1", "CANCELLED")]
+
+
+def test_node_state_and_drain_reason_reach_the_incident(tmp_path: Path) -> None:
+    """The Slurm backend reads a node's state and reason on an incident (capability ``node_state``); the node
+    table turns it into classifier evidence and a ``probe`` event."""
+    from phoenix_launch.events import EventLog
+    from phoenix_launch.nodes import NodeTable
+
+    def show(argv):
+        if argv[3] == "node":
+            return {"n2": "NodeName=n2 Arch=x86_64 State=DOWN* ThreadsPerCore=1 Reason=Not responding [slurm@2024-05-01T10:00:00]",
+                    "n3": "NodeName=n3 State=ALLOCATED"}[argv[4]]
+        return "JobId=42 JobState=RUNNING NodeList=n[1-4] BatchHost=n1 NumNodes=4"
+
+    be = SlurmBackend.create(cfg(), tmp_path, environ=BATCH_ENV, run=fake(extra={"scontrol -o show": show}))
+    assert be.capabilities.node_state
+    view = be.node_state("n2")
+    assert (view.state, view.reason) == ("DOWN*", "Not responding")
+    events = EventLog(tmp_path / "events.jsonl")
+    table = NodeTable(be, events, drain=False, on_change=lambda: None)
+    assert table.scheduler_states({"n2", "n3"}) == {"n2": "DOWN*", "n3": "ALLOCATED"}
+    events.close()
+    probes = [e for e in _events(tmp_path) if e["type"] == "probe"]
+    assert [(e["node"], e["reason"]) for e in probes] == [("n2", "Not responding"), ("n3", None)]

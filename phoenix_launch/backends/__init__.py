@@ -1,8 +1,10 @@
 """Backends start one agent per node: ``local`` (agent processes on this machine) and ``slurm``.
 
-Interface (duck-typed): ``name``, ``node_names`` (active nodes first, then spares), ``store_host(addr)``,
-``domains()`` (node -> failure domain), ``start_agent(node, spec)``, ``poll()`` (agents that exited),
-``kill_node(node)``, ``drain(node, reason) -> (ok, message)``, ``stop_all(grace)``.
+Every backend implements :class:`~phoenix_launch.backends.base.Backend`; what only some can do is declared
+in its ``capabilities`` (the supervisor asks those, never ``hasattr``): ``replenish`` (submit a job whose
+agent joins as a new spare, see ``replenish``, ``replenish_ended`` and ``adopt``), ``node_state`` (the
+scheduler's view of a node: its state and drain reason, read on an incident) and ``allocation``
+(``use_all_nodes``). A backend without a capability raises ``NotSupported`` from its methods.
 """
 
 from __future__ import annotations
@@ -10,22 +12,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from phoenix_launch.config import Config, ConfigError
+from phoenix_launch.backends.base import Backend, Capabilities, NotSupported, SchedulerView
+from phoenix_launch.config import Config
+
+__all__ = ["Backend", "Capabilities", "NotSupported", "SchedulerView", "choose_backend"]
 
 
-def poll_exited(procs: dict, exited: set) -> list[tuple[str, int]]:
-    """The agents (node -> Popen) that exited since the last call, each reported once."""
-    out = []
-    for node, p in procs.items():
-        if node not in exited and p.poll() is not None:
-            exited.add(node)
-            out.append((node, p.returncode))
-    return out
-
-
-def choose_backend(cfg: Config, run_dir: Path):
-    L = cfg.launch
-    kind = L.backend
+def choose_backend(cfg: Config, run_dir: Path) -> Backend:
+    launch = cfg.launch
+    kind = launch.backend
     if kind == "auto":
         from phoenix_launch.backends.slurm_env import in_allocation
 
@@ -33,7 +28,7 @@ def choose_backend(cfg: Config, run_dir: Path):
     if kind == "local":
         from phoenix_launch.backends.local import LocalBackend
 
-        return LocalBackend(run_dir, L.nodes + L.spares)
+        return LocalBackend(run_dir, launch.nodes + launch.spares)
     from phoenix_launch.backends.slurm import SlurmBackend
 
     return SlurmBackend.create(cfg, run_dir)

@@ -6,21 +6,21 @@ group (the agent and its ranks), as a dead host would vanish.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from phoenix_launch.agent import _die_with_parent
-from phoenix_launch.backends import poll_exited
+from phoenix_launch.backends.base import Capabilities, NotSupported, SchedulerView
+from phoenix_launch.procs import die_with_parent, poll_exited
+from phoenix_launch.spec import AgentSpec
 
 
 class LocalBackend:
     name = "local"
+    capabilities = Capabilities()  # no replenishment, no scheduler to ask about a node
 
     def __init__(self, run_dir: Path, n_nodes: int):
         self.run_dir = run_dir
@@ -34,18 +34,18 @@ class LocalBackend:
     def domains(self) -> dict[str, str]:
         return {}
 
-    def start_agent(self, node: str, spec: dict[str, Any]) -> None:
+    def start_agent(self, node: str, spec: AgentSpec) -> None:
         spec_path = self.run_dir / "logs" / node / "agent.spec.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
-        spec_path.write_text(json.dumps(spec))
+        spec_path.write_text(spec.to_json())
         log = open(self.run_dir / "logs" / node / "agent.log", "ab")
         self.procs[node] = subprocess.Popen(
             [sys.executable, "-m", "phoenix_launch.agent", "--spec", f"@{spec_path}"],
-            stdout=log if spec.get("tee", "0") == "0" else None,
+            stdout=log if spec.tee == "0" else None,
             stderr=log,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: the node's unit of failure
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         log.close()
 
@@ -63,6 +63,21 @@ class LocalBackend:
 
     def drain(self, node: str, reason: str) -> tuple[bool, str]:
         return True, "local backend: node excluded from the job"
+
+    def replenish(self, spec: AgentSpec) -> str:
+        raise NotSupported("the local backend cannot add nodes")
+
+    def replenish_ended(self, join: str) -> str | None:
+        raise NotSupported("the local backend cannot add nodes")
+
+    def adopt(self, node: str, join: str | None) -> None:
+        raise NotSupported("the local backend cannot add nodes")
+
+    def node_state(self, node: str) -> SchedulerView:
+        raise NotSupported("no scheduler")
+
+    def use_all_nodes(self) -> int:
+        raise NotSupported("the local backend has no allocation")
 
     def stop_all(self, grace: float) -> None:
         live = [(n, p) for n, p in self.procs.items() if p.poll() is None]

@@ -21,8 +21,8 @@ argv builders of :mod:`slurm_env`.
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,12 +30,14 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from dataclasses import replace
 from typing import Any, Mapping
 
-from phoenix_launch.agent import _die_with_parent
-from phoenix_launch.backends import poll_exited
+from phoenix_launch.backends.base import Capabilities, SchedulerView
 from phoenix_launch.backends import slurm_env as se
 from phoenix_launch.config import Config, ConfigError
+from phoenix_launch.procs import die_with_parent, poll_exited
+from phoenix_launch.spec import AgentSpec
 
 #: Deadline for a Slurm query made from the supervisor's loop (squeue/scontrol answer in milliseconds).
 QUERY_TIMEOUT = timedelta(seconds=5)
@@ -54,6 +56,7 @@ def _plural(n: int, word: str) -> str:
 
 class SlurmBackend:
     name = "slurm"
+    capabilities = Capabilities(replenish=True, node_state=True, allocation=True)
 
     def __init__(self, cfg: Config, run_dir: Path, job: se.SlurmJob, allocation: tuple[str, ...], *,
                  run: se.Runner = se.run_command, submit: se.Runner | None = None):
@@ -152,33 +155,32 @@ class SlurmBackend:
         return {n: s for n, s in self._topology.items() if n in known}
 
     # --- agents ------------------------------------------------------------------------------------
-    def _spec_for_slurm(self, spec: dict[str, Any]) -> dict[str, Any]:
-        spec = dict(spec)
+    def _spec_for_slurm(self, spec: AgentSpec, **changes: Any) -> AgentSpec:
         if self.job.gpus_per_node:
-            spec["gpus_per_node"] = self.job.gpus_per_node  # the agent gives its ranks CUDA_VISIBLE_DEVICES
-        return spec
+            changes["gpus_per_node"] = self.job.gpus_per_node  # the agent gives its ranks CUDA_VISIBLE_DEVICES
+        return replace(spec, **changes)
 
     def _agent_argv(self, spec_path: Path) -> list[str]:
         return [sys.executable, "-m", "phoenix_launch.agent", "--spec", f"@{spec_path}"]
 
-    def start_agent(self, node: str, spec: dict[str, Any]) -> None:
+    def start_agent(self, node: str, spec: AgentSpec) -> None:
         spec = self._spec_for_slurm(spec)
         node_dir = self.run_dir / "logs" / node
         node_dir.mkdir(parents=True, exist_ok=True)
         spec_path = node_dir / "agent.spec.json"
-        spec_path.write_text(json.dumps(spec))  # the run directory is on the shared filesystem
+        spec_path.write_text(spec.to_json())  # the run directory is on the shared filesystem
         step_name = f"phoenix-agent-{node}"
         argv = se.agent_srun_command(node, self._agent_argv(spec_path), gpus_per_node=self.job.gpus_per_node,
                                      step_name=step_name)
         with open(node_dir / "agent.log", "ab") as log:
             self.procs[node] = subprocess.Popen(
                 argv,
-                stdout=log if spec.get("tee", "0") == "0" else None,
+                stdout=log if spec.tee == "0" else None,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
-                cwd=spec.get("cwd") or None,
+                cwd=spec.cwd or None,
                 start_new_session=True,  # its own process group: signalled as a unit, never by the terminal
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.step_names[node] = step_name
         self.exited.discard(node)
@@ -256,21 +258,21 @@ class SlurmBackend:
         self._helpers.clear()
 
     # --- replenishment -----------------------------------------------------------------------------
-    def replenish(self, spec: dict[str, Any]) -> str:
+    def replenish(self, spec: AgentSpec) -> str:
         """Submit a one-node job whose agent joins this job's control plane as a new spare; returns its job
-        id. ``spec["join"]`` names the request (the agent echoes it, with the job's token, in agent_up)."""
-        join = str(spec["join"])
+        id. ``spec.join`` names the request (the agent echoes it, with the job's token, in agent_up)."""
+        join = str(spec.join)
         d = self.run_dir / "logs" / "replenish"
         d.mkdir(parents=True, exist_ok=True)
-        spec = self._spec_for_slurm({**spec, "node": f"replenish-{join}"})  # --node names it on arrival
+        spec = self._spec_for_slurm(spec, node=f"replenish-{join}")  # --node names it on arrival
         spec_path = d / f"{join}.spec.json"
-        spec_path.write_text(json.dumps(spec))
+        spec_path.write_text(spec.to_json())
         script = d / f"{join}.sbatch"
         script.write_text(se.spare_batch_script(self._agent_argv(spec_path)))
         exclude = sorted(set(self.allocation) | set(self.adopted))
         argv = ["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--job-name=phoenix-spare",
                 f"--time={self.cfg.slurm.replenish_time}", f"--output={d}/{join}-%j.out",
-                f"--chdir={spec.get('cwd') or os.getcwd()}", f"--exclude={','.join(exclude)}"]
+                f"--chdir={spec.cwd or os.getcwd()}", f"--exclude={','.join(exclude)}"]
         if self.job.partition:
             argv.append(f"--partition={self.job.partition}")
         if self.job.account:
@@ -301,6 +303,17 @@ class SlurmBackend:
     def adopt(self, node: str, join: str | None) -> None:
         """A replenished agent joined as ``node``: it belongs to the job now (domains, kill_node, stop_all)."""
         self.adopted[node] = self.replenish_jobs.get(str(join)) if join is not None else None
+
+    def node_state(self, node: str) -> SchedulerView:
+        """Slurm's state of ``node`` and its reason (``scontrol -o show node``); empty when the query fails."""
+        try:
+            text = self._query(["scontrol", "-o", "show", "node", node])
+        except (se.SlurmCommandError, se.SlurmEnvError):
+            return SchedulerView()
+        rec = se.parse_kv_record(text)
+        m = re.search(r"\bReason=(.*?)(?:\s+\[[^\]]*\])?(?=\s+[A-Za-z][A-Za-z0-9_/:]*=|\s*$)", text)
+        reason = m.group(1).strip() if m else None
+        return SchedulerView(rec.get("State") or None, None if reason in (None, "", "(null)", "none") else reason)
 
     # --- helpers -----------------------------------------------------------------------------------
     def _query(self, argv: list[str]) -> str:

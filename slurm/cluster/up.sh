@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Bring up a real multi-node Slurm 22.05 cluster on this one machine (layout B of
-# /work/shared/design/slurm-test-cluster.md): one network + UTS + mount namespace per node,
+# Bring up a real multi-node Slurm 22.05 cluster on this one machine (the "one namespace per node"
+# layout of the project's Slurm test-cluster notes): one network + UTS + mount namespace per node,
 # one slurmd per namespace (nsenter + unshare, NOT `ip netns exec`, which hides /sys/fs/cgroup),
 # a private munged on its own socket, slurmctld in the root namespace on the bridge address,
 # and a two-switch tree topology.

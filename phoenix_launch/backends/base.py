@@ -1,0 +1,46 @@
+"""What every backend implements (:class:`Backend`) and the capabilities only some have."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from phoenix_launch.spec import AgentSpec
+
+
+class NotSupported(RuntimeError):
+    """The backend does not have this capability (see ``Backend.capabilities``)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    replenish: bool = False  # replenish / replenish_ended / adopt
+    node_state: bool = False  # node_state(node) -> (state, reason) from the scheduler
+    allocation: bool = False  # use_all_nodes(): the node count comes from an allocation (--nodes not given)
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    """The scheduler's view of one node (Slurm: ``scontrol show node``)."""
+
+    state: str | None = None  # e.g. "ALLOCATED", "DOWN*", "MIXED+DRAIN"
+    reason: str | None = None  # the drain / down reason, when one is set
+
+
+class Backend(Protocol):
+    name: str
+    node_names: list[str]  # active nodes first, then spares
+    capabilities: Capabilities
+
+    def store_host(self, requested: str) -> str: ...
+    def domains(self) -> dict[str, str]: ...  # node -> failure domain (switch)
+    def start_agent(self, node: str, spec: AgentSpec) -> None: ...
+    def poll(self) -> list[tuple[str, int]]: ...  # agents that exited since the last call
+    def kill_node(self, node: str) -> None: ...
+    def drain(self, node: str, reason: str) -> tuple[bool, str]: ...
+    def stop_all(self, grace: float) -> None: ...
+    def replenish(self, spec: AgentSpec) -> str: ...  # capability "replenish": the job id
+    def replenish_ended(self, join: str) -> str | None: ...
+    def adopt(self, node: str, join: str | None) -> None: ...
+    def node_state(self, node: str) -> SchedulerView: ...  # capability "node_state"
+    def use_all_nodes(self) -> int: ...  # capability "allocation": the active node count

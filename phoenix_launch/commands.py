@@ -1,0 +1,50 @@
+"""The command handler: ``phoenix-run kill-node`` requests, authenticated by the job's token.
+
+It sees the job only through :class:`~phoenix_launch.inject.JobTargets` and tells the supervisor about an
+injection whose effect is due now through ``on_injected`` (an incident opens before anything is observed).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any, Callable
+
+from phoenix_launch.events import EventLog
+from phoenix_launch.inject import JobTargets, execute_injection
+from phoenix_runtime import protocol as P
+
+
+def reply_key(command_id: str) -> str:
+    return f"phx/reply/{command_id}"
+
+
+class CommandHandler:
+    def __init__(self, store: P.Store, token: str, events: EventLog, job: JobTargets,
+                 on_injected: Callable[[str, float, float], None]):
+        self.store = store
+        self.token = token
+        self.events = events
+        self.job = job
+        self.on_injected = on_injected  # (mode, t_kill, now)
+        self.dispatcher = P.Dispatcher({P.MsgType.KILL: self._kill})
+
+    def handle(self, raw: dict[str, Any], now: float) -> None:
+        if self.dispatcher.dispatch(raw, now) is None:
+            self.events.emit("command_refused", command=raw.get("type"), reason="unknown or malformed command")
+            self._reply(str(raw.get("id", "none")), False, "refused: unknown or malformed command")
+
+    def _kill(self, c: P.KillCommand, now: float) -> None:
+        if not hmac.compare_digest(str(c.token), self.token):
+            self.events.emit("command_refused", command=c.TYPE.value, reason="bad or missing token")
+            self._reply(c.id, False, "refused: the job's token does not match")
+            return
+        ok, msg, info = execute_injection(self.job, c)
+        self._reply(c.id, ok, msg)
+        if ok:
+            self.events.emit("injected", **info)
+            if info.get("immediate"):
+                self.on_injected(info["mode"], info["t"], now)
+
+    def _reply(self, command_id: str, ok: bool, msg: str) -> None:
+        self.store.set(reply_key(command_id), json.dumps({"ok": ok, "message" if ok else "error": msg}))

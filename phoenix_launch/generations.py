@@ -1,0 +1,89 @@
+"""The generation publisher: the only writer of memberships (repair, in the failure path).
+
+Hot-swap, local recovery and restart all end in the same act: a new generation with its membership, the
+joiners' assignments, then the generation bump that the survivors abort on. A hot-swap's joiners are the
+ranks whose (node, slot) changed since the last stable generation; a local recovery adds the ranks it
+respawned on the same node; a restart (``fresh``) has no joiners: every worker starts again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+from phoenix_runtime import protocol as P
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What the ranks of one attempt are told besides their membership (torchrun's view of it)."""
+
+    epoch: int  # restart count
+    master_host: str
+    master_port: int  # this attempt's env:// rendezvous store
+
+
+class GenerationPublisher:
+    def __init__(self, store: P.Store, *, world_size: int, nproc: int, run_id: str, max_restarts: int,
+                 domains: Callable[[], dict[str, str]]):
+        self.store = store
+        self.world_size = world_size
+        self.nproc = nproc
+        self.run_id = run_id
+        self.max_restarts = max_restarts
+        self.domains = domains
+        self.gen = 0
+        self.members = P.Membership(0, world_size, ())
+        self.stable = self.members  # the last generation every rank reached (joiners are counted from it)
+
+    def first(self, ranks: Iterable[P.RankSlot]) -> P.Membership:
+        """Generation 0, as the agents start it."""
+        self.members = self.stable = P.Membership(0, self.world_size, tuple(ranks), domains=self.domains())
+        self.store.set(P.k_members(0), self.members.to_json())
+        self.store.set(P.K_GEN, "0")
+        return self.members
+
+    def publish(self, ranks: Iterable[P.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
+                *, respawned: Iterable[int] = (), fresh: bool = False) -> P.Membership:
+        """A new generation: membership first, then the joiners' assignments, then the bump."""
+        ranks = tuple(sorted(ranks, key=lambda r: r.rank))
+        self.gen += 1
+        if fresh:
+            joiners: tuple[int, ...] = ()
+        else:
+            before = {r.rank: (r.node, r.slot) for r in self.stable.ranks}
+            again = set(respawned)
+            joiners = tuple(r.rank for r in ranks if before.get(r.rank) != (r.node, r.slot) or r.rank in again)
+        mem = P.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains())
+        self.store.set(P.k_members(self.gen), mem.to_json())
+        for r in ranks:
+            if r.rank in joiners:
+                self.store.set(P.k_assign(r.node, r.slot), json.dumps(self._assignment(r, group_ranks[r.node], attempt)))
+        self.store.set(P.K_GEN, str(self.gen))
+        self.members = mem
+        if fresh:
+            self.stable = mem
+        return mem
+
+    def recovered(self) -> None:
+        """Every rank reached the current generation: it is the base the next joiners are counted from."""
+        self.stable = self.members
+
+    def _assignment(self, r: P.RankSlot, group_rank: int | None, attempt: Attempt) -> dict:
+        env = P.torchrun_env(
+            rank=r.rank,
+            local_rank=r.slot,
+            world_size=self.world_size,
+            local_world_size=self.nproc,
+            group_rank=group_rank if group_rank is not None else r.rank // self.nproc,
+            group_world_size=self.world_size // self.nproc,
+            master_addr=attempt.master_host,
+            master_port=attempt.master_port,
+            run_id=self.run_id,
+            restart_count=attempt.epoch,
+            max_restarts=self.max_restarts,
+            error_file="",
+        )
+        env.pop(P.ENV_ERROR_FILE)
+        return {"rank": r.rank, "gen": self.gen, "env": env}

@@ -1,0 +1,52 @@
+"""The job's status (``status.json`` and the live view), read from the ranks' heartbeats."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from phoenix_launch.events import EventLog
+from phoenix_launch.nodes import NodeTable
+from phoenix_runtime import protocol as P
+
+
+def read_rank_heartbeats(store: Any, members: P.Membership) -> dict[tuple[str, int], P.RankHeartbeat]:
+    """(node, slot) -> the rank's latest heartbeat, for the ranks of ``members`` that have written one."""
+    out: dict[tuple[str, int], P.RankHeartbeat] = {}
+    if store is None:
+        return out
+    for r in members.ranks:
+        key = P.k_rank_hb(r.node, r.slot)
+        try:
+            if store.check([key]):
+                out[(r.node, r.slot)] = P.RankHeartbeat.from_json(store.get(key))
+        except Exception:
+            continue
+    return out
+
+
+def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: int, nproc: int, nodes: NodeTable,
+               members: P.Membership, store: Any, events: EventLog) -> dict[str, Any]:
+    hbs = read_rank_heartbeats(store, members)
+    rows = []
+    for n in nodes:
+        ranks = [r.rank for r in members.ranks if r.node == n.name]
+        steps = [hbs[(n.name, s)].step if (n.name, s) in hbs else -1 for s in range(nproc)]
+        rows.append({"name": n.name, "state": n.state.value, "ranks": ranks, "step": max(steps) if ranks else None, "failures": n.failures})
+    steps = [h.step for h in hbs.values()]
+    sps = [h.sps for h in hbs.values() if h.sps]
+    return {
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "state": state,
+        "gen": gen,
+        "restarts": restarts,
+        "world_size": members.world_size,
+        "step": min(steps) if steps else -1,
+        "steps_per_s": round(min(sps), 3) if sps else 0.0,
+        "spares_left": len(nodes.spare_nodes()),
+        "nodes": rows,
+        "events": events.recent[-8:],
+        "t": time.time(),
+    }
