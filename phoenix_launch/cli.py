@@ -222,7 +222,7 @@ def kill_node(
 
 def _register_extras(which: str | None) -> None:
     if which in (None, "simulate"):
-        from phoenix_launch.cmd_simulate import simulate
+        from phoenix_launch.simulate.command import simulate
 
         app.command("simulate")(simulate)
     if which in (None, "sbatch"):

@@ -97,7 +97,7 @@ class RuntimeConfig:
             raise ConfigError("runtime.chunk_mb must be > 0")
 
 
-PHASES = ("begin", "forward", "optimizer", "d2h", "h2h", "recovery")
+from phoenix_runtime.settings import FAULT_MODES, FAULT_PHASES as PHASES  # noqa: E402  (one list for both sides)
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,6 @@ class InjectConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        from phoenix_launch.inject import MODES
-
         for f in self.faults:
             if not isinstance(f, Mapping):
                 raise ConfigError(f"inject.faults entries must be mappings, got {f!r}")
@@ -121,8 +119,8 @@ class InjectConfig:
                 raise ConfigError(f"inject phase {f.get('phase')!r} unknown; valid: {', '.join(PHASES)}")
             if ("node" in f) == ("rank" in f):
                 raise ConfigError(f"each inject.faults entry needs exactly one of node or rank: {dict(f)}")
-            if f.get("mode", "crash") not in MODES:
-                raise ConfigError(f"inject mode {f.get('mode')!r} unknown; valid: {', '.join(MODES)}")
+            if f.get("mode", "crash") not in FAULT_MODES:
+                raise ConfigError(f"inject mode {f.get('mode')!r} unknown; valid: {', '.join(FAULT_MODES)}")
             if f.get("step") is not None and (not isinstance(f["step"], int) or f["step"] < 0):
                 raise ConfigError(f"inject.faults step must be an integer >= 0: {dict(f)}")
         if self.chaos_mtbf_s < 0:

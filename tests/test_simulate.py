@@ -1,4 +1,4 @@
-"""Cost model and Monte Carlo failure simulator (phoenix_launch.simulate, `phoenix-run simulate`)."""
+"""Cost model and Monte Carlo failure simulator (the phoenix_launch.simulate package, `phoenix-run simulate`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,17 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from phoenix_launch import simulate as S
-from phoenix_launch.cmd_simulate import simulate as simulate_cmd
+from phoenix_launch.simulate import (PAPER_RECOVERY_POINTS, PRESETS, Dist, SimConfig, SimulateInputError,
+                                     amortised_ckpt_overhead, analyse, cost_ckpt, cost_phoenix, cost_rate, efficiency,
+                                     expected_replay_steps, fit_scaling, load_trace, loss_prob_run,
+                                     loss_prob_run_exact, loss_prob_step, paper_trajectory_ratio, parse_count,
+                                     parse_dist, parse_duration, parse_fraction, parse_scale_point,
+                                     per_step_probability, poisson_sf, read_run_events, resolve_inputs,
+                                     ring_loss_prob_step, run_monte_carlo, simulate_shard_loss,
+                                     spare_dry_prob_per_failure, spares_needed)
+from phoenix_launch.simulate.command import simulate as simulate_cmd
+from phoenix_launch.simulate.montecarlo import FailureStream, Timeline, run_strategy
+from phoenix_launch.simulate.summary import ratio_estimate, summarise_strategy, wilson_interval
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -61,41 +70,41 @@ def _in_ci(est: dict, value: float) -> bool:
     ("1h30m", 5400), ("600", 600), ("1e3s", 1000), (" 2 h ", 7200), ("1w", 7 * 86400), (45, 45.0),
 ])
 def test_parse_duration(text, seconds):
-    assert S.parse_duration(text) == pytest.approx(seconds)
+    assert parse_duration(text) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("text", ["abc", "-5s", "5 parsecs", "", "1h 2", "inf", "nan", "s", "2yy", True])
 def test_parse_duration_rejects(text):
-    with pytest.raises(S.SimulateInputError):
-        S.parse_duration(text, "--x")
+    with pytest.raises(SimulateInputError):
+        parse_duration(text, "--x")
 
 
 def test_parse_count_and_fraction():
-    assert S.parse_count("100k") == 100_000
-    assert S.parse_count("1e5") == 100_000
-    assert S.parse_count("4096") == 4096
+    assert parse_count("100k") == 100_000
+    assert parse_count("1e5") == 100_000
+    assert parse_count("4096") == 4096
     for bad in ("abc", "1.5", "-1", "nan"):
-        with pytest.raises(S.SimulateInputError):
-            S.parse_count(bad, "--n", minimum=0)
-    assert S.parse_fraction("10%") == pytest.approx(0.1)
-    with pytest.raises(S.SimulateInputError):
-        S.parse_fraction("1.5")
+        with pytest.raises(SimulateInputError):
+            parse_count(bad, "--n", minimum=0)
+    assert parse_fraction("10%") == pytest.approx(0.1)
+    with pytest.raises(SimulateInputError):
+        parse_fraction("1.5")
 
 
 def test_parse_dist_forms_and_means():
     rng = np.random.default_rng(0)
-    assert S.parse_dist("30s") == S.Dist.fixed(30.0)
-    u = S.parse_dist("uniform:25s:35s")
+    assert parse_dist("30s") == Dist.fixed(30.0)
+    u = parse_dist("uniform:25s:35s")
     assert u.mean == 30 and 25 <= u.sample(rng, 1000).min() and u.sample(rng, 1000).max() <= 35
-    ln = S.parse_dist("lognormal:30s:0.5")
+    ln = parse_dist("lognormal:30s:0.5")
     assert ln.mean == pytest.approx(30 * math.exp(0.125))
     assert np.median(ln.sample(rng, 20000)) == pytest.approx(30, rel=0.03)
-    assert S.parse_dist("exp:1m").mean == 60
-    emp = S.parse_dist("empirical:29.8s,32.6s")
+    assert parse_dist("exp:1m").mean == 60
+    emp = parse_dist("empirical:29.8s,32.6s")
     assert emp.mean == pytest.approx(31.2) and set(emp.sample(rng, 100)) <= {29.8, 32.6}
     for bad in ("uniform:5s", "uniform:9s:5s", "lognormal:30s:x", "gamma:3s", "empirical:", "weird:1:2:3"):
-        with pytest.raises(S.SimulateInputError):
-            S.parse_dist(bad, "--hotswap")
+        with pytest.raises(SimulateInputError):
+            parse_dist(bad, "--hotswap")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -103,14 +112,14 @@ def test_parse_dist_forms_and_means():
 # ------------------------------------------------------------------------------------------------------
 
 def test_eq1_expected_replay():
-    assert S.expected_replay_steps(100) == 49.5
-    assert S.expected_replay_steps(1) == 0.0
-    with pytest.raises(S.SimulateInputError):
-        S.expected_replay_steps(0)
+    assert expected_replay_steps(100) == 49.5
+    assert expected_replay_steps(1) == 0.0
+    with pytest.raises(SimulateInputError):
+        expected_replay_steps(0)
 
 
 def test_eq2_ckpt_cost_worked_example():
-    c = S.cost_ckpt(step_time=20, ckpt_every=100, restart=600, overhead=5)
+    c = cost_ckpt(step_time=20, ckpt_every=100, restart=600, overhead=5)
     assert c.replay == 990
     assert c.total == 1595           # 5 + 600 + 990, exactly
     assert c.partial == 0            # eq. (2) has no partial-step term ...
@@ -118,21 +127,21 @@ def test_eq2_ckpt_cost_worked_example():
 
 
 def test_eq3_eq4_ckpt_efficiency():
-    c = S.cost_ckpt(20, 100, 600, 5)
-    assert S.cost_rate(1080, c) == pytest.approx(1595 / 1080)
-    eta = S.efficiency(1080, c)
+    c = cost_ckpt(20, 100, 600, 5)
+    assert cost_rate(1080, c) == pytest.approx(1595 / 1080)
+    eta = efficiency(1080, c)
     assert eta == 1080 / 2675
     assert round(eta, 3) == 0.404
 
 
 def test_eq5_phoenix_cost_and_efficiency():
-    p = S.cost_phoenix(step_time=20, hotswap=30, mean_phi=0.5)
+    p = cost_phoenix(step_time=20, hotswap=30, mean_phi=0.5)
     assert p.total == 40             # 0 + 30 + 10, exactly
     assert p.overhead == 0
-    eta = S.efficiency(1080, p)
+    eta = efficiency(1080, p)
     assert eta == 1080 / 1120
     assert round(eta, 3) == 0.964
-    assert S.cost_ckpt(20, 100, 600, 5).total / p.total == pytest.approx(39.875)  # "ratio ~ 40x"
+    assert cost_ckpt(20, 100, 600, 5).total / p.total == pytest.approx(39.875)  # "ratio ~ 40x"
 
 
 @pytest.mark.parametrize("x,k,expected", [
@@ -140,18 +149,18 @@ def test_eq5_phoenix_cost_and_efficiency():
     (1e-4, 1, 0.128), (1e-4, 2, 1.28e-5),      # correlated (failure domains)
 ])
 def test_eq6_loss_risk_worked_example(x, k, expected):
-    assert S.loss_prob_run(128, x, k, 100_000) == pytest.approx(expected, rel=1e-12)
-    assert S.loss_prob_step(128, x, k) == pytest.approx(128 * x ** (k + 1), rel=1e-15)
-    exact = S.loss_prob_run_exact(128, x, k, 100_000)
-    assert exact <= S.loss_prob_run(128, x, k, 100_000) * (1 + 1e-12)
+    assert loss_prob_run(128, x, k, 100_000) == pytest.approx(expected, rel=1e-12)
+    assert loss_prob_step(128, x, k) == pytest.approx(128 * x ** (k + 1), rel=1e-15)
+    exact = loss_prob_run_exact(128, x, k, 100_000)
+    assert exact <= loss_prob_run(128, x, k, 100_000) * (1 + 1e-12)
     assert exact == pytest.approx(-math.expm1(100_000 * math.log1p(-128 * x ** (k + 1))))
 
 
 def test_amortised_overhead_round_trip():
     # 5 s per failure at MTTF 1080 s, K=100, 20 s steps corresponds to a 9.26 s write
     w = 5 * 100 * 20 / 1080
-    assert S.amortised_ckpt_overhead(w, 100, 20, 1080) == pytest.approx(5)
-    assert S.per_step_probability(20, 2e7) == pytest.approx(1e-6, rel=1e-5)
+    assert amortised_ckpt_overhead(w, 100, 20, 1080) == pytest.approx(5)
+    assert per_step_probability(20, 2e7) == pytest.approx(1e-6, rel=1e-5)
 
 
 @pytest.mark.parametrize("D,k", [(5, 1), (6, 2), (7, 1), (4, 3)])
@@ -162,73 +171,73 @@ def test_ring_loss_exact_matches_enumeration(D, k):
         lost = any(all(bits[(i + j) % D] for j in range(k + 1)) for i in range(D))
         if lost:
             total += p ** sum(bits) * (1 - p) ** (D - sum(bits))
-    assert S.ring_loss_prob_step(D, p, k) == pytest.approx(total, rel=1e-12)
-    assert S.ring_loss_prob_step(D, p, k) <= S.loss_prob_step(D, p, k)
+    assert ring_loss_prob_step(D, p, k) == pytest.approx(total, rel=1e-12)
+    assert ring_loss_prob_step(D, p, k) <= loss_prob_step(D, p, k)
 
 
 def test_shard_loss_monte_carlo_agrees_with_exact_ring():
     D, p, k, steps, trials = 16, 0.02, 1, 40, 4000
-    lost = S.simulate_shard_loss(D, p, k, steps, trials, seed=3)
-    exact = 1 - (1 - S.ring_loss_prob_step(D, p, k)) ** steps
-    lo, hi = S._wilson(int(lost.sum()), trials)
+    lost = simulate_shard_loss(D, p, k, steps, trials, seed=3)
+    exact = 1 - (1 - ring_loss_prob_step(D, p, k)) ** steps
+    lo, hi = wilson_interval(int(lost.sum()), trials)
     assert lo <= exact <= hi
-    assert exact <= S.loss_prob_run(D, p, k, steps)  # eq. (6) is an upper bound
+    assert exact <= loss_prob_run(D, p, k, steps)  # eq. (6) is an upper bound
 
 
 def test_poisson_sf_and_spares():
-    assert S.poisson_sf(0, 3.0) == 1.0
-    assert S.poisson_sf(1, 2.0) == pytest.approx(1 - math.exp(-2))
-    assert S.poisson_sf(2, 1.5) == pytest.approx(1 - math.exp(-1.5) * 2.5)
-    assert S.spare_dry_prob_per_failure(1 / 100, 150, 2) == pytest.approx(1 - math.exp(-1.5) * 2.5)
+    assert poisson_sf(0, 3.0) == 1.0
+    assert poisson_sf(1, 2.0) == pytest.approx(1 - math.exp(-2))
+    assert poisson_sf(2, 1.5) == pytest.approx(1 - math.exp(-1.5) * 2.5)
+    assert spare_dry_prob_per_failure(1 / 100, 150, 2) == pytest.approx(1 - math.exp(-1.5) * 2.5)
     # large means: no underflow (exp(-1440) is 0 in floating point); compare with the normal approximation
-    assert S.poisson_sf(1440, 1440.0) == pytest.approx(0.5, abs=0.02)
-    assert 1e-6 < S.poisson_sf(1600, 1440.0) < 1e-4
-    assert S.poisson_sf(5, 1e-3) == pytest.approx(1e-15 / 120, rel=0.01)
-    n = S.spares_needed(1 / 1080, 4 * 3600, 2e6, 0.01)
-    assert 2e6 / 1080 * S.spare_dry_prob_per_failure(1 / 1080, 4 * 3600, n) <= 0.01
-    assert 2e6 / 1080 * S.spare_dry_prob_per_failure(1 / 1080, 4 * 3600, n - 1) > 0.01
+    assert poisson_sf(1440, 1440.0) == pytest.approx(0.5, abs=0.02)
+    assert 1e-6 < poisson_sf(1600, 1440.0) < 1e-4
+    assert poisson_sf(5, 1e-3) == pytest.approx(1e-15 / 120, rel=0.01)
+    n = spares_needed(1 / 1080, 4 * 3600, 2e6, 0.01)
+    assert 2e6 / 1080 * spare_dry_prob_per_failure(1 / 1080, 4 * 3600, n) <= 0.01
+    assert 2e6 / 1080 * spare_dry_prob_per_failure(1 / 1080, 4 * 3600, n - 1) > 0.01
 
 
 # ------------------------------------------------------------------------------------------------------
 # Monte Carlo
 # ------------------------------------------------------------------------------------------------------
 
-def _cfg(**kw) -> S.SimConfig:
-    base = dict(steps=100_000, step_time=1.0, mttf_node_sys=1e5, restart=S.Dist.fixed(60.0),
-                hotswap=S.Dist.fixed(10.0), ckpt_every=100, ckpt_write=0.0, phx_ckpt_every=0, spares=None,
+def _cfg(**kw) -> SimConfig:
+    base = dict(steps=100_000, step_time=1.0, mttf_node_sys=1e5, restart=Dist.fixed(60.0),
+                hotswap=Dist.fixed(10.0), ckpt_every=100, ckpt_write=0.0, phx_ckpt_every=0, spares=None,
                 trials=2000, seed=11)
     base.update(kw)
-    return S.SimConfig(**base)
+    return SimConfig(**base)
 
 
 def test_monte_carlo_mean_agrees_with_closed_forms():
     """Where eqs. (1)-(5) hold (failures rare against the checkpoint interval), the seeded MC mean agrees with
     each closed form within its own 95% confidence interval."""
     cfg = _cfg()
-    res = S.run_monte_carlo(cfg)
-    ck = S._summarise_strategy(res["ckpt"], cfg.steps, cfg.step_time)["per_failure"]
-    px = S._summarise_strategy(res["phoenix"], cfg.steps, cfg.step_time)["per_failure"]
+    res = run_monte_carlo(cfg)
+    ck = summarise_strategy(res["ckpt"], cfg.steps, cfg.step_time)["per_failure"]
+    px = summarise_strategy(res["phoenix"], cfg.steps, cfg.step_time)["per_failure"]
     assert ck["E_R"]["n"] > 1500
-    assert _in_ci(ck["E_R"], S.expected_replay_steps(100)), ck["E_R"]                       # eq. (1)
-    eq2 = S.cost_ckpt(1.0, 100, 60.0)
+    assert _in_ci(ck["E_R"], expected_replay_steps(100)), ck["E_R"]                       # eq. (1)
+    eq2 = cost_ckpt(1.0, 100, 60.0)
     assert _in_ci(ck["total_s"], eq2.total + eq2.partial_not_in_eq), ck["total_s"]           # eq. (2) + the step
     assert _in_ci(ck["replay_s"], eq2.replay), ck["replay_s"]
-    assert _in_ci(px["total_s"], S.cost_phoenix(1.0, 10.0).total), px["total_s"]            # eq. (5)
+    assert _in_ci(px["total_s"], cost_phoenix(1.0, 10.0).total), px["total_s"]            # eq. (5)
     assert _in_ci(px["E_phi"], 0.5) and _in_ci(ck["E_phi"], 0.5)
     # eq. (4): efficiency from the pooled wall time; lambda*C ~ 1e-3, so the renewal approximation holds
     for r, c in ((res["ckpt"], eq2.total + eq2.partial_not_in_eq), (res["phoenix"], 10.5)):
-        eta = S._ratio_estimate(np.full(cfg.trials, cfg.steps * cfg.step_time), r["wall"])
-        assert _in_ci(eta, S.efficiency(cfg.mttf_node_sys, c)), eta
+        eta = ratio_estimate(np.full(cfg.trials, cfg.steps * cfg.step_time), r["wall"])
+        assert _in_ci(eta, efficiency(cfg.mttf_node_sys, c)), eta
 
 
 def test_monte_carlo_accounting_identity_and_determinism():
     cfg = _cfg(steps=20_000, step_time=2.0, mttf_node_sys=3_000.0, ckpt_write=7.0, phx_ckpt_every=500,
-               restart=S.parse_dist("lognormal:100s:0.3"), hotswap=S.parse_dist("uniform:5s:15s"), spares=1,
-               replenish=S.parse_dist("exp:2h"), transient_frac=0.2, unhandled_frac=0.1, node_rate=1e-3,
+               restart=parse_dist("lognormal:100s:0.3"), hotswap=parse_dist("uniform:5s:15s"), spares=1,
+               replenish=parse_dist("exp:2h"), transient_frac=0.2, unhandled_frac=0.1, node_rate=1e-3,
                shards=64, domain_mttf_sys=20_000.0, domain_size=4, domain_count=16, domain_rate=1 / 320_000,
                trials=300, seed=5)
-    a = S.run_monte_carlo(cfg)
-    b = S.run_monte_carlo(cfg)
+    a = run_monte_carlo(cfg)
+    b = run_monte_carlo(cfg)
     for strat in ("ckpt", "phoenix"):
         r = a[strat]
         ok = ~r["censored"]
@@ -241,26 +250,26 @@ def test_monte_carlo_accounting_identity_and_determinism():
     px = a["phoenix"]
     assert px["local"].sum() > 0 and px["fallbacks"].sum() > 0 and px["dry_events"].sum() > 0
     assert px["exp_loss_dom_k1"].sum() > 0
-    c = S.run_monte_carlo(S.SimConfig(**{**cfg.__dict__, "seed": 6}))
+    c = run_monte_carlo(SimConfig(**{**cfg.__dict__, "seed": 6}))
     assert not np.array_equal(c["ckpt"]["wall"], a["ckpt"]["wall"])
 
 
 def test_both_strategies_see_the_same_failures():
     cfg = _cfg(trials=50, mttf_node_sys=500.0)
-    s1 = S._FailureStream(cfg, 100, uniforms=False)
-    s2 = S._FailureStream(cfg, 100, uniforms=True)
+    s1 = FailureStream(cfg, 100, uniforms=False)
+    s2 = FailureStream(cfg, 100, uniforms=True)
     ids = np.arange(50)
     for i in range(300):  # crosses chunk boundaries
         np.testing.assert_array_equal(s1.event(i, ids)[0], s2.event(i, ids)[0])
     # and a PHOENIX trajectory's first failure is the checkpoint-restart one's
-    r = S.run_monte_carlo(_cfg(trials=200, steps=5000, mttf_node_sys=3000.0))
+    r = run_monte_carlo(_cfg(trials=200, steps=5000, mttf_node_sys=3000.0))
     had = r["phoenix"]["failures"] > 0
     assert (r["ckpt"]["failures"][had] >= 1).all()
 
 
 def test_failure_position_within_interval_and_step_is_exact():
     """With one failure landing at a known virtual time, the replay and the partial step are exact."""
-    tl = S._Timeline(steps=1000, ts=2.0, K=100, W=10.0)
+    tl = Timeline(steps=1000, step_time=2.0, ckpt_every=100, write_s=10.0)
     v = np.array([0.0, 3.0, 205.0, 200.5, 313.0, 419.0])
     s, phi, in_w, ck = tl.locate(v)
     # step 100 ends at 200 s and its write at 210 s; step 200 ends at 410 s and its write at 420 s
@@ -268,14 +277,14 @@ def test_failure_position_within_interval_and_step_is_exact():
     np.testing.assert_allclose(phi, [0, 0.5, 0, 0, 0.5, 0])
     np.testing.assert_array_equal(in_w, [False, False, True, True, False, True])
     np.testing.assert_array_equal(ck, [0, 0, 0, 0, 100, 100])  # the write of step 200 is not committed yet
-    np.testing.assert_allclose(tl.g(np.array([100.0, 200.0, 150.0])), [210.0, 420.0, 310.0])
+    np.testing.assert_allclose(tl.time_after_step(np.array([100.0, 200.0, 150.0])), [210.0, 420.0, 310.0])
     assert tl.v_end == 1000 * 2.0 + 9 * 10.0
 
 
 def test_cascades_queue_behind_the_recovery():
     # restarts (1000 s) much longer than the MTTF (2000 s): many failures land during a restart
-    cfg = _cfg(steps=2000, step_time=1.0, mttf_node_sys=2000.0, restart=S.Dist.fixed(1000.0), trials=200)
-    r = S.run_monte_carlo(cfg)["ckpt"]
+    cfg = _cfg(steps=2000, step_time=1.0, mttf_node_sys=2000.0, restart=Dist.fixed(1000.0), trials=200)
+    r = run_monte_carlo(cfg)["ckpt"]
     # each 1000 s restart draws Poisson(m = 0.5) further failures, each queueing another restart: a branching
     # process with 1/(1-m) restarts per primary failure, so a fraction m of all failures are cascades
     frac = r["cascades"].sum() / r["failures"].sum()
@@ -286,28 +295,28 @@ def test_cascades_queue_behind_the_recovery():
 def test_spare_pool_matches_mg_inf_closed_form():
     """A failure finds the pool empty with probability P(Poisson(rate x delay) >= spares), whatever the delay's
     distribution (fixed delays take the ring-buffer path, random ones the general path)."""
-    want = S.spare_dry_prob_per_failure(1 / 100, 150, 2)
-    for rep in (S.Dist.fixed(150.0), S.parse_dist("uniform:50s:250s")):
-        cfg = _cfg(steps=10_000, step_time=5.0, mttf_node_sys=100.0, hotswap=S.Dist.fixed(1.0), spares=2,
+    want = spare_dry_prob_per_failure(1 / 100, 150, 2)
+    for rep in (Dist.fixed(150.0), parse_dist("uniform:50s:250s")):
+        cfg = _cfg(steps=10_000, step_time=5.0, mttf_node_sys=100.0, hotswap=Dist.fixed(1.0), spares=2,
                    replenish=rep, trials=200, seed=1)
-        r = S._run_strategy(cfg, "phoenix")
-        est = S._ratio_estimate(r["dry_events"], r["spare_failures"])
+        r = run_strategy(cfg, "phoenix")
+        est = ratio_estimate(r["dry_events"], r["spare_failures"])
         assert abs(est["mean"] - want) < max(0.006, est["ci95"][1] - est["mean"]), (rep, est, want)
 
 
 def test_dry_pool_stalls_and_cold_spare_caps_the_wait():
-    base = dict(steps=5000, step_time=10.0, mttf_node_sys=2000.0, spares=1, replenish=S.Dist.fixed(3600.0),
+    base = dict(steps=5000, step_time=10.0, mttf_node_sys=2000.0, spares=1, replenish=Dist.fixed(3600.0),
                 trials=200)
-    waits = S._run_strategy(_cfg(**base), "phoenix")
-    capped = S._run_strategy(_cfg(**base, cold_spare=60.0), "phoenix")
+    waits = run_strategy(_cfg(**base), "phoenix")
+    capped = run_strategy(_cfg(**base, cold_spare=60.0), "phoenix")
     assert waits["t_stall"].mean() > capped["t_stall"].mean() > 0
     assert (capped["t_stall"] <= 60.0 * capped["failures"] + 1e-9).all()
 
 
 def test_domain_outage_takes_several_spares():
     cfg = _cfg(steps=5000, step_time=10.0, mttf_node_sys=1e9, domain_mttf_sys=5000.0, domain_size=4,
-               domain_count=8, domain_rate=1 / 40_000, spares=3, replenish=S.Dist.fixed(600.0), trials=300)
-    r = S._run_strategy(cfg, "phoenix")
+               domain_count=8, domain_rate=1 / 40_000, spares=3, replenish=Dist.fixed(600.0), trials=300)
+    r = run_strategy(cfg, "phoenix")
     # every outage needs 4 > 3 spares: each one finds the pool short
     assert r["dry_events"].sum() == r["spare_failures"].sum() > 0
 
@@ -316,18 +325,18 @@ def test_unrecoverable_loss_expectation_matches_eq6_when_exposure_is_one_step():
     # window = step + hot-swap; with hot-swap ~0 the MC expected losses per run approach eq. (6) over wall time
     p, D, steps, ts = 1e-3, 50, 5_000, 1.0
     mu = -math.log1p(-p) / ts
-    cfg = _cfg(steps=steps, step_time=ts, mttf_node_sys=1 / (D * mu), hotswap=S.Dist.fixed(1e-9),
-               restart=S.Dist.fixed(1e-9), shards=D, node_rate=mu, trials=200)
-    r = S._run_strategy(cfg, "phoenix")
+    cfg = _cfg(steps=steps, step_time=ts, mttf_node_sys=1 / (D * mu), hotswap=Dist.fixed(1e-9),
+               restart=Dist.fixed(1e-9), shards=D, node_rate=mu, trials=200)
+    r = run_strategy(cfg, "phoenix")
     per_run = r["exp_loss_k1"].mean()
-    expected = S.loss_prob_step(D, p, 1) * (r["wall"].mean() / ts)
+    expected = loss_prob_step(D, p, 1) * (r["wall"].mean() / ts)
     assert per_run == pytest.approx(expected, rel=0.02)
     assert r["losses"].sum() > 0 and r["fallbacks"].sum() == r["losses"].sum()
 
 
 def test_trace_replay():
     cfg = _cfg(steps=10_000, step_time=1.0, trace_gaps=(1000.0,) * 5, trials=50)
-    r = S.run_monte_carlo(cfg)
+    r = run_monte_carlo(cfg)
     for strat in ("ckpt", "phoenix"):
         fails = r[strat]["failures"]
         assert np.all(np.abs(fails - r[strat]["wall"] / 1000.0) <= 1.0)
@@ -335,19 +344,19 @@ def test_trace_replay():
 
 def test_runaway_trials_are_censored():
     # restarts far longer than the MTTF: checkpoint-restart never gets anywhere
-    cfg = _cfg(steps=1000, step_time=1.0, mttf_node_sys=10.0, restart=S.Dist.fixed(600.0), trials=20)
+    cfg = _cfg(steps=1000, step_time=1.0, mttf_node_sys=10.0, restart=Dist.fixed(600.0), trials=20)
     t = time.perf_counter()
-    r = S._run_strategy(cfg, "ckpt")
+    r = run_strategy(cfg, "ckpt")
     assert r["censored"].all()
     assert time.perf_counter() - t < 10
 
 
 def test_fast_enough_for_the_issue_example():
-    inp = S.resolve_inputs({"gpus": "4096", "mttf_node": "2y", "step_time": "20s", "ckpt_every": "100",
+    inp = resolve_inputs({"gpus": "4096", "mttf_node": "2y", "step_time": "20s", "ckpt_every": "100",
                             "restart": "600s", "hotswap": "30s", "spares": "2", "replicas": "1",
                             "steps": "100000", "trials": "1000"})
     t = time.process_time()
-    S.run_monte_carlo(inp.sim_config())
+    run_monte_carlo(inp.sim_config())
     assert time.process_time() - t < 5
 
 
@@ -356,26 +365,26 @@ def test_fast_enough_for_the_issue_example():
 # ------------------------------------------------------------------------------------------------------
 
 def test_preset_paper_example_reproduces_worked_numbers():
-    inp = S.resolve_inputs({}, preset="paper-example")
-    cf = S.analyse(inp, run_mc=False)["closed_form"]
+    inp = resolve_inputs({}, preset="paper-example")
+    cf = analyse(inp, run_mc=False)["closed_form"]
     assert cf["mttf_sys_s"] == 1080
     assert cf["ckpt"]["E_R"] == 49.5 and cf["ckpt"]["replay_s"] == 990
     assert cf["ckpt"]["total_s"] == pytest.approx(1595, abs=1e-9)
     assert round(cf["ckpt"]["efficiency"], 3) == 0.404
     assert cf["phoenix"]["total_s"] == 40
     assert round(cf["phoenix"]["efficiency"], 3) == 0.964
-    loss = {(r["model"], r["k"]): r["per_run_bound"] for r in S.analyse(inp, run_mc=False)["loss"]["rows"]}
+    loss = {(r["model"], r["k"]): r["per_run_bound"] for r in analyse(inp, run_mc=False)["loss"]["rows"]}
     assert loss[("independent", 1)] == pytest.approx(1.28e-5)
     assert loss[("independent", 2)] == pytest.approx(1.28e-11)
     assert loss[("correlated", 1)] == pytest.approx(0.128)
     assert loss[("correlated", 2)] == pytest.approx(1.28e-5)
 
 
-@pytest.mark.parametrize("preset", sorted(S.PRESETS))
+@pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_presets_run_under_ten_seconds(preset):
-    inp = S.resolve_inputs({}, preset=preset)
+    inp = resolve_inputs({}, preset=preset)
     t = time.process_time()
-    rep = S.analyse(inp)
+    rep = analyse(inp)
     assert time.process_time() - t < 10, preset  # CPU time: other processes on the machine do not count
     assert rep["monte_carlo"]["ckpt"]["censored"] == 0 and rep["monte_carlo"]["phoenix"]["censored"] == 0
 
@@ -383,19 +392,19 @@ def test_presets_run_under_ten_seconds(preset):
 def test_preset_paper_example_monte_carlo_shows_eq4_is_optimistic_for_ckpt():
     # a failure every 18 min against a 33 min checkpoint interval: eq. (1)'s uniform replay and eq. (4)'s
     # renewal approximation both flatter checkpoint-restart; PHOENIX, with tiny per-failure cost, matches eq. (4)
-    inp = S.resolve_inputs({"steps": "20000", "trials": "100"}, preset="paper-example")
-    mc = S.analyse(inp)["monte_carlo"]
+    inp = resolve_inputs({"steps": "20000", "trials": "100"}, preset="paper-example")
+    mc = analyse(inp)["monte_carlo"]
     assert mc["ckpt"]["efficiency"]["mean"] < 0.404 - 0.15
     assert mc["ckpt"]["per_failure"]["E_R"]["mean"] < 49.5 - 5
     assert mc["phoenix"]["efficiency"]["mean"] == pytest.approx(1080 / 1120, abs=0.005)
 
 
 def test_preset_paper_23b_paper_trajectory():
-    ours = S.paper_trajectory_ratio((18, 2366), 2.08, 150.0, (32.6, 29.8))
+    ours = paper_trajectory_ratio((18, 2366), 2.08, 150.0, (32.6, 29.8))
     assert ours == pytest.approx((300 + (18.5 + 2366.5) * 2.08) / (62.4 + 2.08))
-    inp = S.resolve_inputs({"trials": "3000"}, preset="paper-2.3b")
+    inp = resolve_inputs({"trials": "3000"}, preset="paper-2.3b")
     assert inp.nodes == 64 and inp.ckpt_every == 5000 and inp.step_time == 2.08 and inp.ckpt_write == 8.9
-    pt = S.analyse(inp)["monte_carlo"]["paper_trajectory"]
+    pt = analyse(inp)["monte_carlo"]["paper_trajectory"]
     assert pt["ratio_by_this_model"] == pytest.approx(ours)
     two = pt["two_failure_trajectories"]
     assert two["n"] > 50 and two["p5"] < two["median"] < two["p95"]
@@ -403,19 +412,19 @@ def test_preset_paper_23b_paper_trajectory():
 
 
 def test_explicit_values_override_preset_and_defaults():
-    inp = S.resolve_inputs({"restart": "300s", "steps": "5000"}, preset="paper-example")
+    inp = resolve_inputs({"restart": "300s", "steps": "5000"}, preset="paper-example")
     assert inp.restart.mean == 300 and inp.steps == 5000 and inp.step_time == 20
     assert inp.sources["restart"] == "explicit" and inp.sources["step_time"] == "preset paper-example"
-    d = S.resolve_inputs({})
+    d = resolve_inputs({})
     assert d.gpus == 4096 and d.nodes == 512 and d.mttf_sys == pytest.approx(2 * 365 * 86400 / 512)
     assert d.phx_ckpt_every == d.ckpt_every
     assert d.cold_spare == d.restart.mean == 600  # a dry pool gets a node as fast as a restart would
-    assert S.resolve_inputs({"cold_spare": "none"}).cold_spare is None
-    assert S.resolve_inputs({"cold_spare": "5m"}).cold_spare == 300
-    with pytest.raises(S.SimulateInputError, match="not both"):
-        S.resolve_inputs({"ckpt_write": "5s", "ckpt_overhead": "5s"})
-    with pytest.raises(S.SimulateInputError, match="not both"):
-        S.resolve_inputs({"gpus": "64", "nodes": "8"})
+    assert resolve_inputs({"cold_spare": "none"}).cold_spare is None
+    assert resolve_inputs({"cold_spare": "5m"}).cold_spare == 300
+    with pytest.raises(SimulateInputError, match="not both"):
+        resolve_inputs({"ckpt_write": "5s", "ckpt_overhead": "5s"})
+    with pytest.raises(SimulateInputError, match="not both"):
+        resolve_inputs({"gpus": "64", "nodes": "8"})
 
 
 def _write_events(path, lines):
@@ -432,40 +441,40 @@ def test_read_run_events(tmp_path):
            json.dumps({"v": 1, "t": 61.0, "type": "something_else"}),
            '{"v": 1, "t": 62.0, "type": "progr']   # a torn last line
     _write_events(tmp_path / "events.jsonl", ev)
-    info = S.read_run_events(tmp_path)
+    info = read_run_events(tmp_path)
     assert info["step_time_s"] == pytest.approx(2.15)
     assert info["recovery_s"] == [12.5, 3.0]
     assert info["paths"] == {"hotswap": 1, "local": 1}
     assert info["skipped_lines"] == 1
-    inp = S.resolve_inputs({}, from_run=tmp_path)
+    inp = resolve_inputs({}, from_run=tmp_path)
     assert inp.step_time == pytest.approx(2.15) and inp.hotswap.kind == "empirical"
-    assert S.resolve_inputs({"step_time": "3s"}, from_run=tmp_path).step_time == 3  # explicit wins
+    assert resolve_inputs({"step_time": "3s"}, from_run=tmp_path).step_time == 3  # explicit wins
 
 
 def test_read_run_events_errors(tmp_path):
-    with pytest.raises(S.SimulateInputError, match="no events.jsonl"):
-        S.read_run_events(tmp_path / "nope")
+    with pytest.raises(SimulateInputError, match="no events.jsonl"):
+        read_run_events(tmp_path / "nope")
     _write_events(tmp_path / "events.jsonl", [json.dumps({"v": 1, "t": 1, "type": "progress", "step": 1,
                                                           "step_time_s": 1.0})])
-    with pytest.raises(S.SimulateInputError, match="no recovery events"):
-        S.read_run_events(tmp_path)
+    with pytest.raises(SimulateInputError, match="no recovery events"):
+        read_run_events(tmp_path)
     _write_events(tmp_path / "events.jsonl", [json.dumps({"v": 1, "t": 1, "type": "recovery", "total_s": 1.0})])
-    with pytest.raises(S.SimulateInputError, match="no progress events"):
-        S.read_run_events(tmp_path)
+    with pytest.raises(SimulateInputError, match="no progress events"):
+        read_run_events(tmp_path)
 
 
 def test_load_trace(tmp_path):
     f = tmp_path / "trace.csv"
     f.write_text("time,node\n# comment\n100,n1\n3.5h,n2\n\n7200s,n3\n")
-    np.testing.assert_allclose(S.load_trace(f), [100, 7200, 12600])
-    inp = S.resolve_inputs({}, trace=f)
+    np.testing.assert_allclose(load_trace(f), [100, 7200, 12600])
+    inp = resolve_inputs({}, trace=f)
     assert inp.mttf_node_sys == pytest.approx(6250) and inp.sim_config().trace_gaps[-1] == pytest.approx(6250)
     f.write_text("100\n")
-    with pytest.raises(S.SimulateInputError, match="at least 2"):
-        S.load_trace(f)
+    with pytest.raises(SimulateInputError, match="at least 2"):
+        load_trace(f)
     f.write_text("100\n200\nbanana\n")
-    with pytest.raises(S.SimulateInputError, match="line 3"):
-        S.load_trace(f)
+    with pytest.raises(SimulateInputError, match="line 3"):
+        load_trace(f)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -474,7 +483,7 @@ def test_load_trace(tmp_path):
 
 def test_scaling_fit_recovers_a_power_law():
     pts = [(g, 5.0 * g ** 0.3) for g in (8, 64, 512, 4096)]
-    fit = S.fit_scaling(pts, "power")
+    fit = fit_scaling(pts, "power")
     assert fit.b == pytest.approx(0.3) and math.exp(fit.a) == pytest.approx(5.0)
     c, lo, hi = fit.predict(100_000)
     assert c == pytest.approx(5.0 * 100_000 ** 0.3)
@@ -482,24 +491,24 @@ def test_scaling_fit_recovers_a_power_law():
 
 
 def test_scaling_fit_paper_points():
-    fit = S.fit_scaling(S.PAPER_RECOVERY_POINTS, "power")
+    fit = fit_scaling(PAPER_RECOVERY_POINTS, "power")
     assert 0.15 < fit.b < 0.3
     c, lo, hi = fit.predict(100_000)
     assert 60 < c < 130 and lo < c < hi  # 3 points, 1 degree of freedom: a wide interval
     assert fit.predict(512)[0] == pytest.approx(29.8, rel=0.05)
-    log = S.fit_scaling(S.PAPER_RECOVERY_POINTS, "log")
-    lin = S.fit_scaling(S.PAPER_RECOVERY_POINTS, "linear")
+    log = fit_scaling(PAPER_RECOVERY_POINTS, "log")
+    lin = fit_scaling(PAPER_RECOVERY_POINTS, "linear")
     assert log.predict(100_000)[0] < c < lin.predict(100_000)[0]
-    two = S.fit_scaling([(64, 17.1), (512, 29.8)], "power")
+    two = fit_scaling([(64, 17.1), (512, 29.8)], "power")
     assert two.predict(100_000)[1] is None  # no interval from two points
-    with pytest.raises(S.SimulateInputError):
-        S.fit_scaling([(64, 17.1)], "power")
-    with pytest.raises(S.SimulateInputError):
-        S.parse_scale_point("512")
+    with pytest.raises(SimulateInputError):
+        fit_scaling([(64, 17.1)], "power")
+    with pytest.raises(SimulateInputError):
+        parse_scale_point("512")
 
 
 def test_scaling_section_reports_eta_at_scale():
-    sc = S.analyse(S.resolve_inputs({}), run_mc=False)["scaling"]
+    sc = analyse(resolve_inputs({}), run_mc=False)["scaling"]
     assert sc["project_to"] == 100_000
     assert sc["mttf_sys_at_scale_s"] == pytest.approx(2 * 365 * 86400 / 12_500)
     pw = sc["models"]["power"]

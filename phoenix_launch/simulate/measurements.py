@@ -1,0 +1,96 @@
+"""Measured inputs: a PHOENIX run's ``events.jsonl`` (``--from-run``) and a file of failure times (``--trace``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from .quantities import SimulateInputError, parse_duration
+
+
+def read_run_events(run_dir: str | Path) -> dict:
+    """Step time and recovery durations from a run's ``events.jsonl`` (a run directory or the file itself).
+
+    Returns {"path", "step_time_s" (median of progress events), "recovery_s" [total_s of each recovery],
+    "paths" {hotswap: n, local: n}, "skipped_lines"}. Raises SimulateInputError when the file is missing or
+    holds no progress or no recovery events.
+    """
+    p = Path(run_dir)
+    f = p / "events.jsonl" if p.is_dir() else p
+    if not f.is_file():
+        raise SimulateInputError(f"--from-run: no events.jsonl at {f}")
+    step_times, recov, paths, skipped = [], [], {}, 0
+    with f.open("r", encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                skipped += 1  # a torn last line of a killed run, typically
+                continue
+            if not isinstance(ev, dict) or ev.get("v", 1) != 1:
+                skipped += 1
+                continue
+            typ = ev.get("type")
+            try:
+                if typ == "progress" and ev.get("step_time_s") is not None:
+                    x = float(ev["step_time_s"])
+                    if math.isfinite(x) and x > 0:
+                        step_times.append(x)
+                elif typ == "recovery" and ev.get("total_s") is not None:
+                    x = float(ev["total_s"])
+                    if math.isfinite(x) and x >= 0:
+                        recov.append(x)
+                        pth = str(ev.get("path", "unknown"))
+                        paths[pth] = paths.get(pth, 0) + 1
+            except (TypeError, ValueError):
+                skipped += 1
+    if not step_times:
+        raise SimulateInputError(f"--from-run: {f} has no progress events with step_time_s")
+    if not recov:
+        raise SimulateInputError(f"--from-run: {f} has no recovery events with total_s")
+    return {"path": str(f), "step_time_s": float(statistics.median(step_times)), "recovery_s": recov,
+            "paths": paths, "skipped_lines": skipped, "progress_events": len(step_times)}
+
+
+def load_trace(path: str | Path) -> np.ndarray:
+    """Failure times (seconds, whole system) from a text/CSV file: one per line, first field; '#' comments.
+
+    Values may carry units ("3.5h"); a header line is skipped. Returns the sorted times; needs >= 2.
+    """
+    f = Path(path)
+    if not f.is_file():
+        raise SimulateInputError(f"--trace: no such file {f}")
+    times = []
+    with f.open("r", encoding="utf-8", errors="replace") as fh:
+        for i, line in enumerate(fh):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            first = re.split(r"[,\s;]+", line)[0]
+            try:
+                times.append(parse_duration(first, "trace"))
+            except SimulateInputError:
+                if i == 0 or not times:
+                    continue  # header
+                raise SimulateInputError(f"--trace: line {i + 1} of {f}: cannot read {first!r} as a time") from None
+    if len(times) < 2:
+        raise SimulateInputError(f"--trace: {f} needs at least 2 failure times, found {len(times)}")
+    t = np.sort(np.asarray(times, float))
+    if t[-1] <= t[0]:
+        raise SimulateInputError(f"--trace: {f}: failure times must span a positive interval")
+    return t
+
+
+def trace_gaps(t: np.ndarray) -> tuple[float, ...]:
+    """The gaps between a trace's failure times, as the Monte Carlo replays them (cyclically)."""
+    gaps = np.diff(t)
+    wrap = float(gaps.mean())  # the gap from the last failure back to the first when the trace is replayed
+    return tuple(float(g) for g in np.append(gaps, wrap))
