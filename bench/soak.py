@@ -5,9 +5,11 @@ equal the failure-free run's, and the ranks' RSS and thread counts must stay fla
 
 Spares: the local backend does not replenish the pool (``Supervisor.replenish`` acts only with
 ``slurm.replenish`` on a backend that has ``replenish``: Slurm), so the job starts with enough warm spares for
-every chaos kill it may see (default: 1.5 x the target + 2); chaos kills only active nodes. The length of
-the run (``--steps``, default from a short calibration of the step time) is sized for the target number of
-recoveries at the given MTBF; a run that ends with fewer recoveries says so and fails.
+every chaos kill it may see (default: the target + 6; each warm spare is an agent and its warm ranks, about
+0.5 GiB here, checked against the available memory first); chaos kills only active nodes, and a kill that
+finds no spare stops the job. The length of the run (``--steps``, default from a short calibration of the
+step time) is sized for the target + 1 kills expected at the given MTBF; a run that ends with fewer
+recoveries says so and fails.
 
 Sampled every ``--sample-s`` over the run (psutil): RSS and thread count of every rank process of the job.
 No rank survives every kill (chaos picks any active node), so the figures are printed per process, with the
@@ -42,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--nproc", type=int, default=1)
-    p.add_argument("--spares", type=int, default=0, help="warm spares (default: 1.5 x --recoveries + 2)")
+    p.add_argument("--spares", type=int, default=0, help="warm spares (default: --recoveries + 6)")
     p.add_argument("--steps", type=int, default=0, help="training steps (default: sized from a calibration run)")
     p.add_argument("--step-sleep", type=float, default=0.05, help="extra seconds per step (a bigger model)")
     p.add_argument("--recovery-guess-s", type=float, default=3.0, help="detection + recovery time used to size the run")
@@ -134,12 +136,17 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     base = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="phoenix-soak-"))
     base.mkdir(parents=True, exist_ok=True)
-    spares = a.spares or math.ceil(1.5 * a.recoveries) + 2
+    spares = a.spares or a.recoveries + 6
+    need = (a.nodes + spares) * (0.2 + 0.3 * a.nproc) * 2**30  # agent + warm ranks per node (measured here)
+    if psutil.virtual_memory().available < need:
+        print(f"soak: {a.nodes + spares} nodes need about {need / 2**30:.1f} GiB; only "
+              f"{psutil.virtual_memory().available / 2**30:.1f} GiB available (lower --spares/--recoveries)", file=sys.stderr)
+        return 2
     steps = a.steps
     if not steps:
         (base / "calib").mkdir(exist_ok=True)
         step_s = calibrate(base / "calib", a)
-        steps = math.ceil(1.15 * a.recoveries * (a.mtbf + a.recovery_guess_s) / step_s)
+        steps = math.ceil((a.recoveries + 1) * (a.mtbf + a.recovery_guess_s) / step_s)
         print(f"calibration: {step_s * 1000:.1f} ms/step -> {steps} steps for ~{a.recoveries} recoveries at MTBF {a.mtbf:g} s")
     print(f"soak: {a.nodes} nodes x {a.nproc} ranks + {spares} spares (the local backend does not replenish), {steps} steps, "
           f"chaos MTBF {a.mtbf:g} s, seed {a.seed}; runs in {base}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -51,12 +52,30 @@ DETECT = {"heartbeat_s": 0.25, "hang_timeout_s": 6.0, "node_timeout_s": 4.0, "co
 JOB_TIMEOUT_S = 300
 
 
+def _alive(procs):
+    out = []
+    for q in procs:
+        try:
+            q.cmdline()
+            out.append(q)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 class Job:
     def __init__(self, d: Path, result, wall_s: float):
         self.dir, self.result, self.wall_s = d, result, wall_s
         self.run_dir = d / "run"
         self.digest_path = d / "digest.json"
         self.evs = events(self.run_dir)
+        # what outlived the job (asserted empty by the rows), then killed: no orphans whatever the outcome
+        self.leftover = [f"{q.pid} {' '.join(q.cmdline()[:4])}" for q in _alive(job_processes(self.run_dir))]
+        for q in job_processes(self.run_dir):
+            try:
+                q.kill()
+            except psutil.NoSuchProcess:
+                pass
 
     def explain(self) -> str:
         return (f"exit {self.result.returncode}; stderr tail:\n{self.result.stderr[-2500:]}\n"
@@ -105,7 +124,7 @@ def assert_recovered(job: Job, expected: dict, n_recoveries: int = 1, failed_at:
     assert_same_digest(job.digest_path, expected)
     # one snapshot engine per generation: at most the first step's (no optimizer state yet) and the full one
     assert all(n <= 2 for n in by_generation(job.evs, "protection").values()), by_generation(job.evs, "protection")
-    assert not job_processes(job.run_dir), "processes of the job outlived it"
+    assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
     return recs
 
 
