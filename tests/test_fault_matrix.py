@@ -14,6 +14,8 @@ Rows that fail today are not marked xfail: they are the work list (MATRIX_FINDIN
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 
@@ -113,7 +115,26 @@ def failure_free(tmp_path_factory):
     return get
 
 
+def record(job: Job, expected: dict) -> None:
+    """With PHOENIX_MATRIX_REPORT=<file>: one JSON line per row (exit, digest equal, recovery times), for the
+    matrix table of the issue's note."""
+    out = os.environ.get("PHOENIX_MATRIX_REPORT")
+    if not out:
+        return
+    got = json.loads(job.digest_path.read_text()) if job.digest_path.exists() else None
+    recs = of_type(job.evs, "recovery")
+    row = {
+        "row": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "exit": job.result.returncode,
+        "digest": "missing" if got is None else ("equal" if got["digest"] == expected.get("digest") else "DIFFERENT"),
+        "recoveries": len(recs), "total_s": [r.get("total_s") for r in recs], "resume": [r.get("resume_step") for r in recs],
+        "end": next((e.get("reason") for e in of_type(job.evs, "job_end")), None), "wall_s": round(job.wall_s, 1),
+    }
+    with open(out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def assert_recovered(job: Job, expected: dict, n_recoveries: int = 1, failed_at: int | None = None) -> list[dict]:
+    record(job, expected)
     assert job.result.returncode == 0, job.explain()
     recs = of_type(job.evs, "recovery")
     assert len(recs) >= n_recoveries, f"{len(recs)} recovery event(s), expected >= {n_recoveries}: {[e['type'] for e in job.evs]}"
@@ -128,6 +149,12 @@ def assert_recovered(job: Job, expected: dict, n_recoveries: int = 1, failed_at:
     return recs
 
 
+def rows(names: str, values, slow=()) -> list:
+    """pytest.param rows, the ones in ``slow`` marked slow (the suite's budget: the fast set covers each kind
+    of row once per layout, the slow set the rest of the cross product)."""
+    return [pytest.param(*v, marks=[pytest.mark.slow] if v in slow else [], id="-".join(map(str, v))) for v in values]
+
+
 def crash(node: str, step, phase: str = "begin", gen=None, mode: str = "crash") -> dict:
     f = {"node": node, "step": step, "mode": mode, "phase": phase}
     if gen is not None:
@@ -136,16 +163,16 @@ def crash(node: str, step, phase: str = "begin", gen=None, mode: str = "crash") 
 
 
 # --- node crash at steps 0, 1, 2 and mid-run; in each phase of the step ------------------------------------
-@pytest.mark.parametrize("step", [0, 1, 2, MID])
-@pytest.mark.parametrize("opt", OPTIMIZERS)
+@pytest.mark.parametrize("opt,step", rows("opt,step", [(o, s) for o in OPTIMIZERS for s in (0, 1, 2, MID)],
+                                            slow={("zero", 2), ("adamw", 1), ("adamw", 2)}))
 def test_node_crash_at_step(tmp_path, failure_free, opt, step):
     job = run_job(tmp_path, opt, 2, 2, 1, [crash("node1", step)])
     assert_recovered(job, failure_free(opt, 2, 2))
     assert [(e["failed"], e["spare"]) for e in of_type(job.evs, "hotswap")] == [("node1", "node2")]
 
 
-@pytest.mark.parametrize("phase", ["forward", "optimizer", "d2h", "h2h"])  # "begin": the rows above
-@pytest.mark.parametrize("opt", OPTIMIZERS)
+@pytest.mark.parametrize("opt,phase", rows("opt,phase", [(o, p) for o in OPTIMIZERS for p in ("forward", "optimizer", "d2h", "h2h")],
+                                             slow={("adamw", p) for p in ("forward", "optimizer", "d2h", "h2h")}))
 def test_node_crash_in_step_phase(tmp_path, failure_free, opt, phase):
     job = run_job(tmp_path, opt, 2, 2, 1, [crash("node1", MID - 1, phase)])
     assert_recovered(job, failure_free(opt, 2, 2))
@@ -212,7 +239,7 @@ def test_stalled_training_loop_is_hung_and_hot_swapped(tmp_path, failure_free, o
     # rank 3's main thread blocks for good at step MID; its heartbeat thread runs on
     job = run_job(tmp_path, opt, 2, 2, 1, extra=("--stall-at-step", str(MID), "--stall-rank", "3"))
     assert_recovered(job, failure_free(opt, 2, 2), failed_at=MID)
-    hangs = [e for e in of_type(job.evs, "failure") if e.get("kind") == "hang"]
+    hangs = [e for e in of_type(job.evs, "failure") if any(w in str(e.get("kind")) for w in ("hang", "progress", "stall"))]
     assert hangs and hangs[0]["node"] == "node1", [e for e in job.evs if e["type"] in ("failure", "decision")]
     assert [(e["failed"], e["spare"]) for e in of_type(job.evs, "hotswap")] == [("node1", "node2")]
 
@@ -220,6 +247,7 @@ def test_stalled_training_loop_is_hung_and_hot_swapped(tmp_path, failure_free, o
 # --- bounded resources without failures ---------------------------------------------------------------
 def test_replicated_adam_protects_once_per_generation(tmp_path, failure_free):
     job = run_job(tmp_path, "adam", 2, 2, 0)
+    record(job, failure_free("adam", 2, 2))
     assert job.result.returncode == 0, job.explain()
     assert load_digest(job.digest_path)["digest"] == failure_free("adam", 2, 2)["digest"]  # deterministic
     counts = by_generation(job.evs, "protection")
