@@ -163,7 +163,7 @@ class ProtectedTraining:
         self.teardown_protection()
         self.protection = ProtectionSession(self.d2h, self.ctx.repl_group, self.layout(), self.ctx.rank, self.replicas,
                                             self.settings, self.faults.copy_hook if self.faults.active else None)
-        self._reported_bytes = None
+        self._reported_layouts = -1  # each generation reports its protection once (and after a layout change)
 
     def teardown_protection(self) -> None:
         """Stop this generation's pipeline and replicator; the replicas it held stay usable (retained)."""
@@ -180,12 +180,16 @@ class ProtectedTraining:
         for old in [s for s in self.metas if s < k - 2]:
             del self.metas[old]
         self.protection.protect(k, meta)
-        self._report_protection()
+        self._report_protection(k)
 
-    def _report_protection(self) -> None:
-        if self.d2h.layout_changes == getattr(self, "_reported_layouts", 0):
+    def _report_protection(self, k: int) -> None:
+        """Once per generation, when the sizes are known: the optimizer state exists (it appears lazily at the
+        first step) or the run is past its first step."""
+        if self._reported_layouts == self.ctx.gen:
             return
-        self._reported_layouts = self.d2h.layout_changes
+        if not state.optim_named(self.objs.optimizer) and k <= (self.first_step or 0):
+            return
+        self._reported_layouts = self.ctx.gen
         info = self.protection.host_bytes()
         self.protection.check_memory()
         log(f"protection: {info['host_bytes'] / 2**20:.1f} MiB of host memory (local snapshot {self.d2h.nbytes / 2**20:.1f} MiB x 2, "
