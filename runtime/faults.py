@@ -56,7 +56,7 @@ class FaultInjector:
             return False
         return "rank" not in f or f["rank"] == self.rank
 
-    def fire(self, step: int, phase: str) -> None:
+    def fire(self, step: int | None, phase: str) -> None:
         for f in list(self.pending):
             if not self._matches(f, step, phase):
                 continue

@@ -62,7 +62,7 @@ class RecoverySession:
     def _recover_in(self, gen: int, live, marks: dict, deadline: float):
         ctx, t = self.ctx, self.t
         t.faults.where(ctx.rank, gen)
-        t.faults.fire(t.step_idx, "recover_exchange")
+        t.faults.fire(live[0] if live is not None else None, "recover_exchange")  # a joiner's step: not known yet
         layout = t.layout()
         raw = ctx.exchange(gen, self.descriptor(live).to_json(), deadline)
         descs = [Descriptor.from_json(d) for d in raw]

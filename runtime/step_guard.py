@@ -56,17 +56,17 @@ class StepGuard:
     def step(self):
         t = self.t
         t.recover_if_pending()
-        k = t.step_idx
+        step = t.step_idx
         t.opt_started = False
-        t.faults.step = k
+        t.faults.step = step
         try:
             t.ctx.check_generation() if t.ctx.managed else None
-            t.faults.fire(k, "begin")
+            t.faults.fire(step, "begin")
             if t.first_step is None:
-                t.first_step = k
-            if t.protect_on and k != t.protected_step:
-                t.protect_now(k)
-            t.faults.fire(k, "forward")
+                t.first_step = step
+            if t.protect_on and step != t.protected_step:
+                t.protect_now(step)
+            t.faults.fire(step, "forward")
             yield t
             t.ctx.check_generation() if t.ctx.managed else None
         except BaseException as e:
@@ -74,25 +74,25 @@ class StepGuard:
                 raise
             t.recover(e)
             return
-        t.step_idx = k + 1
+        t.step_idx = step + 1
         STATE.stepped(t.step_idx)
         self._progress()
 
     def optimizer_step(self) -> None:
         t = self.t
-        k = t.step_idx
+        step = t.step_idx
         if t.protect_on and t.protection is not None:
             t0 = time.perf_counter()
             try:
-                t.protection.wait(k, t.ctx.check_generation)
+                t.protection.wait(step, t.ctx.check_generation)
             except ReplicationError as e:
-                self._replica_failed(k, e)
+                self._replica_failed(step, e)
             t.stats["last_wait_s"] = time.perf_counter() - t0
         t.opt_started = True
         t.objs.optimizer.step()  # phase "optimizer" faults fire inside it (a post-hook of the local optimizer)
         t.objs.optimizer.zero_grad(set_to_none=True)
 
-    def _replica_failed(self, k: int, e: ReplicationError) -> None:
+    def _replica_failed(self, step: int, e: ReplicationError) -> None:
         """A replica that failed (after its bounded resends) never stops a healthy job: report it and go on.
         A peer that died is a failure of the generation, though: give the supervisor a moment to say so."""
         t = self.t
@@ -103,10 +103,10 @@ class StepGuard:
         while e.cause not in ("checksum mismatch", "skipped") and time.monotonic() < deadline:
             t.ctx.check_generation()
             time.sleep(0.02)
-        log(f"step {k}: replication failed, training goes on unprotected for this step: {str(e)[:300]}")
+        log(f"step {step}: replication failed, training goes on unprotected for this step: {str(e)[:300]}")
         t.stats["replication_errors"] = t.stats.get("replication_errors", 0) + 1
         t.ctx.report({"type": "rank_error", "gen": t.ctx.gen, "fatal": False,
-                      "error": {"type": "ReplicationError", "message": str(e)[:2000], "step": k, "peer": e.peer}})
+                      "error": {"type": "ReplicationError", "message": str(e)[:2000], "step": step, "peer": e.peer}})
 
     def _progress(self) -> None:
         t = self.t

@@ -171,23 +171,23 @@ class ProtectedTraining:
             self.retained = merge_replicas(self.retained, self.protection.close())
             self.protection = None
 
-    def protect_now(self, k: int) -> None:
+    def protect_now(self, step: int) -> None:
         """Capture S_k's envelope and start its protection."""
         if self.protection is None:
             self.start_protection(self.ctx.gen)
-        meta = state.capture_envelope(k, self.objs, {"shard": str(self.layout().shard_of(self.ctx.rank)), "rank": self.ctx.rank})
-        self.metas[k] = meta
-        for old in [s for s in self.metas if s < k - 2]:
+        meta = state.capture_envelope(step, self.objs, {"shard": str(self.layout().shard_of(self.ctx.rank)), "rank": self.ctx.rank})
+        self.metas[step] = meta
+        for old in [s for s in self.metas if s < step - 2]:
             del self.metas[old]
-        self.protection.protect(k, meta)
-        self._report_protection(k)
+        self.protection.protect(step, meta)
+        self._report_protection(step)
 
-    def _report_protection(self, k: int) -> None:
+    def _report_protection(self, step: int) -> None:
         """Once per generation, when the sizes are known: the optimizer state exists (it appears lazily at the
         first step) or the run is past its first step."""
         if self._reported_layouts == self.ctx.gen:
             return
-        if not state.optim_named(self.objs.optimizer) and k <= (self.first_step or 0):
+        if not state.optim_named(self.objs.optimizer) and step <= (self.first_step or 0):
             return
         self._reported_layouts = self.ctx.gen
         info = self.protection.host_bytes()
