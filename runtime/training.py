@@ -65,7 +65,7 @@ class ProtectedTraining:
         if self.protect_on:
             self.d2h = D2H(ctx.device, lambda: state.shard_named(self.objs.optimizer, self.replicated),
                            lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated),
-                           fault=self.faults.copy_hook if self.faults.active else None)
+                           fault=self.faults.copy_hook)
         self.model = objs.module
         self.guard = StepGuard(self)
         self._hook_optimizer()
@@ -130,7 +130,7 @@ class ProtectedTraining:
     def _hook_optimizer(self) -> None:
         """Fault point "optimizer": after the local update, before ZeRO's broadcast."""
         local = state.local_optimizer(self.objs.optimizer)
-        if self.faults.active and hasattr(local, "register_step_post_hook"):
+        if self.ctx.managed and hasattr(local, "register_step_post_hook"):
             local.register_step_post_hook(self.faults.optimizer_hook)
 
     def rebuild_optimizer(self) -> None:
@@ -162,7 +162,7 @@ class ProtectedTraining:
     def start_protection(self, gen: int) -> None:
         self.teardown_protection()
         self.protection = ProtectionSession(self.d2h, self.ctx.repl_group, self.layout(), self.ctx.rank, self.replicas,
-                                            self.settings, self.faults.copy_hook if self.faults.active else None)
+                                            self.settings, self.faults.copy_hook)
         self._reported_layouts = -1  # each generation reports its protection once (and after a layout change)
 
     def teardown_protection(self) -> None:
