@@ -140,7 +140,8 @@ def check_resume_steps(evs: list[dict], failed_at: int | None = None) -> list[tu
     replayed). Returns (failed step, resume step) per recovery."""
     out, pending = [], []
     for e in evs:
-        if e["type"] == "injected" and e.get("step") is not None and e.get("source") != "chaos":
+        if (e["type"] == "injected" and e.get("step") is not None and e.get("source") != "chaos"
+                and not str(e.get("phase") or "").startswith("recover")):  # a fault during a recovery fails no step
             pending.append(int(e["step"]))
         elif e["type"] == "recovery":
             failed = min(pending) if pending else failed_at
