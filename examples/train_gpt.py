@@ -363,7 +363,8 @@ def main(argv=None):
         if rank == 0 and a.step_log and trainer.step_idx == step + 1:  # completed (not interrupted by a recovery)
             with open(a.step_log, "a") as f:
                 f.write(f"step {trainer.step_idx - 1} {time.time()}\n")
-        if rank == 0 and (step % a.log_every == 0 or step == a.steps - 1):
+        completed = trainer.step_idx == step + 1  # not interrupted by a recovery (which may come before the loss)
+        if rank == 0 and completed and (step % a.log_every == 0 or step == a.steps - 1):
             print(f"step {step} loss {loss.item():.4f} t={time.time() - t_start:.2f}s", flush=True)
         if a.ckpt_every and a.ckpt_dir and trainer.step_idx % a.ckpt_every == 0 and trainer.step_idx > start:
             save_ckpt(a, trainer.step_idx, trainer.model.module if hasattr(trainer.model, "module") else model, trainer.optimizer)
