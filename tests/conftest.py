@@ -137,7 +137,8 @@ def check_resume_steps(evs: list[dict], failed_at: int | None = None) -> list[tu
     """Each ``recovery`` event's resume step against the step that failed (the earliest step of the
     faults injected since the previous recovery, or ``failed_at`` for a failure the test caused itself): a
     step that failed resumes at that step or the one before it (nothing completed is lost, at most one step is
-    replayed). Returns (failed step, resume step) per recovery."""
+    replayed). A fault injected during a recovery (phase recover*) fails no step: the recovery it interrupts is still
+    checked against the step that failed first. Returns (failed step, resume step) per recovery."""
     out, pending = [], []
     for e in evs:
         if (e["type"] == "injected" and e.get("step") is not None and e.get("source") != "chaos"
