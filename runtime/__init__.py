@@ -1,13 +1,13 @@
 """PHOENIX runtime, injected into every rank by ``phoenix-run``.
 
     import phoenix_runtime as phx
-    phx.init(); trainer = phx.protect(model, optimizer, ddp=dict(find_unused_parameters=True))
+    phx.init(); training = phx.protect(model, optimizer, ddp=dict(find_unused_parameters=True))
 
-The package stays importable without torch (``phoenix_runtime.protocol`` is shared with the launcher):
-the API is loaded on first use.
+The package stays importable without torch (``phoenix_runtime.protocol`` and ``settings`` are shared with
+the launcher): the API is loaded on first use.
 """
 
-__all__ = ["init", "protect", "Trainer"]
+__all__ = ["init", "protect", "ProtectedTraining", "Trainer"]
 
 
 def __getattr__(name):

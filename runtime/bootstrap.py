@@ -22,11 +22,13 @@ import sys
 import time
 import traceback
 
-from phoenix_runtime import protocol as P
+from phoenix_runtime import protocol
+from phoenix_runtime import rank_env as rank_env_module
 
 
 def write_error_file(exc: BaseException, step: int | None) -> None:
-    path = os.environ.get(P.ENV_ERROR_FILE)
+    env = rank_env_module.rank_env()
+    path = env.error_file
     if not path:
         return
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -42,7 +44,7 @@ def write_error_file(exc: BaseException, step: int | None) -> None:
             "message": str(exc),
             "traceback": tb,
             "step": step,
-            "rank": int(os.environ["RANK"]) if os.environ.get("RANK") else None,
+            "rank": env.rank if env.role == protocol.ROLE_ACTIVE else None,
             "time": time.time(),
         },
     }
@@ -54,13 +56,11 @@ def write_error_file(exc: BaseException, step: int | None) -> None:
 
 def wait_for_assignment(poll_s: float = 0.01) -> dict:
     """A spare's warm wait: torch imported, connected, heartbeating; returns the assignment."""
-    from phoenix_runtime.control import STATE, connect_store
+    from phoenix_runtime.control import connect_store
 
-    node = os.environ[P.ENV_NODE]
-    slot = int(os.environ[P.ENV_SLOT])
-    store = connect_store()
-    key = P.k_assign(node, slot)
-    STATE.phase = "spare"
+    env = rank_env_module.rank_env()
+    store = connect_store(env)
+    key = protocol.k_assign(env.node, env.slot)
     while not store.check([key]):
         time.sleep(poll_s)
     return json.loads(store.get(key))
@@ -106,7 +106,7 @@ def prewarm(argv: list[str]) -> None:
 
 def signal_warm() -> None:
     """Tell the agent that this rank is warm (see protocol.ENV_WARM_FD); once, and not inherited further."""
-    fd = os.environ.pop(P.ENV_WARM_FD, None)
+    fd = os.environ.pop(protocol.ENV_WARM_FD, None)  # not inherited by the script's own children
     if not fd:
         return
     try:
@@ -138,21 +138,24 @@ def main() -> None:
 
     from phoenix_runtime.control import STATE, start_control
 
-    role = os.environ.get(P.ENV_ROLE, P.ROLE_ACTIVE)
+    role = rank_env_module.rank_env().role
     start_control()
     signal_warm()  # a spare too: its prewarm below is its own business, the agent need not wait for it
-    if role == P.ROLE_SPARE:
+    if role == protocol.ROLE_SPARE:
         prewarm(argv)
         print(f"[phoenix {time.strftime('%H:%M:%S')}] spare warm: waiting for an assignment", file=sys.stderr, flush=True)
         assignment = wait_for_assignment()
         t = time.time()
         print(f"[phoenix {time.strftime('%H:%M:%S', time.localtime(t))}.{int(t % 1 * 1000):03d}] spare assigned rank {assignment['rank']} in generation {assignment['gen']}", file=sys.stderr, flush=True)
+        # the user's script may read torchrun's variables: the assignment goes into the environment, which
+        # is then parsed again (the one place the runtime writes it)
         os.environ.update({k: str(v) for k, v in assignment["env"].items()})
-        os.environ[P.ENV_GEN] = str(assignment["gen"])
-        os.environ[P.ENV_JOINING] = "1"
-        os.environ[P.ENV_ROLE] = P.ROLE_ACTIVE
+        os.environ[protocol.ENV_GEN] = str(assignment["gen"])
+        os.environ[protocol.ENV_JOINING] = "1"
+        os.environ[protocol.ENV_ROLE] = protocol.ROLE_ACTIVE
+        rank_env_module.reload()
         STATE.gen = int(assignment["gen"])
-    STATE.phase = "running"
+        STATE.enter("starting")
     code = 0
     try:
         _run_user_code(argv)
@@ -166,6 +169,7 @@ def main() -> None:
         write_error_file(e, STATE.step if STATE.step >= 0 else None)
         traceback.print_exc()
         code = 1
+    STATE.enter("done")
     _exit(code)
 
 

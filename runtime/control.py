@@ -1,8 +1,14 @@
 """The rank's side of the control plane: one background thread with a store connection of its own.
 
-It heartbeats (time, step, generation, pid), watches the job generation (a bump means the current process
-groups are abandoned: it calls the registered abort callbacks so that collectives blocked on a lost peer
-fail at once instead of waiting out their timeout), and receives injected faults addressed to this rank.
+It heartbeats, watches the job generation (a bump means the current process groups are abandoned: it calls
+the registered abort callbacks so that collectives blocked on a lost peer fail at once instead of waiting out
+their timeout), and receives injected faults addressed to this rank.
+
+The heartbeat (JSON at ``protocol.k_rank_hb``): ``t`` (now), ``step`` (the next step to run), ``gen``,
+``pid``, ``runtime`` (protect() was called), ``phase`` -- ``starting`` (importing, forming, a spare's wait),
+``training``, ``recovering``, ``done`` -- and ``t_step``: the unix time of the last completed step, or of
+entering the current phase. The agent calls a rank hung when ``phase == "training"`` and ``t_step`` is
+older than its hang timeout, whatever this thread's own liveness says.
 
 A TCPStore client must not be shared between a thread that blocks in it and another thread (seen here: a
 blocked ``wait`` holds the connection), so this thread owns its own client and never blocks in it.
@@ -17,16 +23,11 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-from phoenix_runtime import protocol as P
+from phoenix_runtime import protocol
+from phoenix_runtime.rank_env import RankEnv, rank_env
+from phoenix_runtime.threads import background_priority  # noqa: F401  (the old import path)
 
-
-def background_priority(nice: int = 10) -> None:
-    """Lower the calling thread's CPU priority (Linux: per-thread nice), so that the protection pipeline
-    fills the training thread's idle time instead of competing with its compute."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except (OSError, AttributeError):
-        pass
+PHASES = ("starting", "training", "recovering", "done")
 
 
 class RankState:
@@ -34,33 +35,41 @@ class RankState:
 
     def __init__(self) -> None:
         self.step: int = -1
-        self.gen: int = int(os.environ.get(P.ENV_GEN, "0") or 0)
+        self.gen: int = 0
         self.runtime: bool = False
         self.phase: str = "starting"
+        self.t_step: float = time.time()
         self.steps_per_s: float = 0.0
 
+    def enter(self, phase: str) -> None:
+        """A new phase; ``t_step`` restarts from now (progress is measured within a phase)."""
+        if phase != self.phase:
+            self.phase = phase
+            self.t_step = time.time()
 
-def connect_store(timeout_s: float = 30.0):
+    def stepped(self, step: int) -> None:
+        self.step = step
+        self.t_step = time.time()
+
+
+def connect_store(env: RankEnv | None = None, timeout_s: float = 30.0):
     from torch.distributed import TCPStore
 
-    host = os.environ[P.ENV_STORE_HOST]
-    port = int(os.environ[P.ENV_STORE_PORT])
-    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
+    env = env or rank_env()
+    return TCPStore(env.store_host, env.store_port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
 
 
 class ControlThread:
-    def __init__(self, state: RankState, heartbeat_s: float | None = None):
+    def __init__(self, state: RankState, env: RankEnv):
         self.state = state
-        self.node = os.environ.get(P.ENV_NODE, "")
-        self.slot = int(os.environ.get(P.ENV_SLOT, "0"))
-        self.heartbeat_s = heartbeat_s or float(os.environ.get(P.ENV_HEARTBEAT_S, "0.5"))
-        self.store = connect_store()
-        self.q_rank = P.Queue(self.store, P.q_rank(self.node, self.slot))
-        self.latest_gen = P.read_gen(self.store)
+        self.node = env.node
+        self.slot = env.slot
+        self.heartbeat_s = env.settings.heartbeat_s
+        self.store = connect_store(env)
+        self.q_rank = protocol.Queue(self.store, protocol.q_rank(self.node, self.slot))
+        self.latest_gen = protocol.read_gen(self.store)
         self.on_gen_change: list[Callable[[int], None]] = []
         self.on_fault: list[Callable[[dict[str, Any]], None]] = []
-        self.faults: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phoenix-control", daemon=True)
         self._thread.start()
@@ -73,9 +82,10 @@ class ControlThread:
             "pid": os.getpid(),
             "runtime": self.state.runtime,
             "phase": self.state.phase,
+            "t_step": self.state.t_step,
             "sps": round(self.state.steps_per_s, 3),
         }
-        self.store.set(P.k_rank_hb(self.node, self.slot), json.dumps(hb))
+        self.store.set(protocol.k_rank_hb(self.node, self.slot), json.dumps(hb))
 
     def _run(self) -> None:
         next_hb = 0.0
@@ -85,7 +95,7 @@ class ControlThread:
                 if now >= next_hb:
                     self.beat()
                     next_hb = now + self.heartbeat_s
-                g = P.read_gen(self.store)
+                g = protocol.read_gen(self.store)
                 if g > self.latest_gen:
                     self.latest_gen = g
                     for cb in list(self.on_gen_change):
@@ -115,6 +125,8 @@ def control() -> ControlThread | None:
 def start_control() -> ControlThread | None:
     """Start the control thread once per process (no-op when not launched by phoenix-run)."""
     global _CONTROL
-    if _CONTROL is None and os.environ.get(P.ENV_STORE_HOST):
-        _CONTROL = ControlThread(STATE)
+    env = rank_env()
+    if _CONTROL is None and env.managed:
+        STATE.gen = env.gen
+        _CONTROL = ControlThread(STATE, env)
     return _CONTROL

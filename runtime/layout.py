@@ -267,20 +267,77 @@ def _window_cost(ring: list[int], start: int, k: int, node: list[object], dom: l
     return cn, cd
 
 
-@functools.lru_cache(maxsize=256)
-def _ring_order(nodes: tuple[str, ...], doms: tuple[str, ...], k: int) -> tuple[int, ...]:
-    n = len(nodes)
-    if not any(nodes) and not any(doms):
-        return tuple(range(n))  # nothing known: plain dp order
-    node = _labels(nodes)
-    # an unknown domain is the rank's node (so the top level of the greedy still groups by node)
-    dom = [d if d else ("node", nd) for d, nd in zip(doms, node)] if doms else [("node", nd) for nd in node]
-    node_left: dict[object, int] = {}
-    dom_left: dict[object, int] = {}
-    for i in range(n):
-        node_left[node[i]] = node_left.get(node[i], 0) + 1
-        dom_left[dom[i]] = dom_left.get(dom[i], 0) + 1
+def _improve_by_swaps(ring: list[int], k: int, node: list[object], dom: list[object]) -> None:
+    """For DP groups of at most 64 members with conflicts left: a bounded local search of swaps (in place)."""
+    n = len(ring)
+    total = [_window_cost(ring, s, k, node, dom) for s in range(n)]
+    if n <= 64 and k >= 1 and any(a or b for a, b in total):
+        def local_cost(starts: set[int]) -> tuple[int, int]:
+            tn = td = 0
+            for s in starts:
+                a, b = _window_cost(ring, s, k, node, dom)
+                tn += a
+                td += b
+            return tn, td
 
+        def affected(i: int, j: int) -> set[int]:
+            return {(p - d) % n for p in (i, j) for d in range(k + 1)}
+
+        for _ in range(8):  # passes; each pass is O(n^2 k^2)
+            improved = False
+            for i in range(n):
+                for j in range(i + 1, n):
+                    if node[ring[i]] == node[ring[j]] and dom[ring[i]] == dom[ring[j]]:
+                        continue  # swapping identical labels changes nothing
+                    starts = affected(i, j)
+                    before = local_cost(starts)
+                    ring[i], ring[j] = ring[j], ring[i]
+                    if local_cost(starts) < before:
+                        improved = True
+                    else:
+                        ring[i], ring[j] = ring[j], ring[i]
+            if not improved:
+                break
+
+
+
+def _pick(dheap: list, dom_cur: dict, dom_nodes: dict, node_cur: dict, n_cnt: dict, d_cnt: dict):
+    """The best (conflicts, domain, node) for the next ring position (heaps with lazy invalidation)."""
+    best = None  # (conflicts, dom, node)
+    popped_doms: list[tuple] = []
+    while dheap:
+        dentry = heapq.heappop(dheap)
+        d = dentry[1].v
+        if dom_cur.get(d) != dentry[0]:
+            continue  # stale
+        popped_doms.append(dentry)
+        dc = d_cnt.get(d, 0)
+        if best is not None and (best[0][0], dc) >= best[0] and best[0][0] == 0:
+            continue  # cannot beat the best any more
+        nheap = dom_nodes[d]
+        popped_nodes: list[tuple] = []
+        while nheap:
+            nentry = heapq.heappop(nheap)
+            nd = nentry[1].v
+            if node_cur.get((d, nd)) != nentry[0]:
+                continue
+            popped_nodes.append(nentry)
+            conflicts = (n_cnt.get(nd, 0), dc)
+            if best is None or conflicts < best[0]:
+                best = (conflicts, d, nd)
+            if conflicts[0] == 0:
+                break  # later nodes of this domain cannot do better
+        for e in popped_nodes:
+            heapq.heappush(nheap, e)
+        if best is not None and best[0] == (0, 0):
+            break
+    for e in popped_doms:
+        heapq.heappush(dheap, e)
+    return best
+
+
+def _greedy_ring(n: int, k: int, node: list[object], dom: list[object], node_left: dict, dom_left: dict) -> list[int]:
+    """The greedy interleaving of ``_ring_order`` (see there)."""
     # Greedy, two-level (domain, then node): at each position take the member with the fewest
     # shared nodes, then shared domains, among the members it will share a window with; ties go to
     # the domain with most members left (then lowest index), then the node with most members left
@@ -324,36 +381,7 @@ def _ring_order(nodes: tuple[str, ...], doms: tuple[str, ...], k: int) -> tuple[
             n_cnt[node[x]] = n_cnt.get(node[x], 0) + 1
             d_cnt[dom[x]] = d_cnt.get(dom[x], 0) + 1
 
-        best = None  # (conflicts, dom, node)
-        popped_doms: list[tuple] = []
-        while dheap:
-            dentry = heapq.heappop(dheap)
-            d = dentry[1].v
-            if dom_cur.get(d) != dentry[0]:
-                continue  # stale
-            popped_doms.append(dentry)
-            dc = d_cnt.get(d, 0)
-            if best is not None and (best[0][0], dc) >= best[0] and best[0][0] == 0:
-                continue  # cannot beat the best any more
-            nheap = dom_nodes[d]
-            popped_nodes: list[tuple] = []
-            while nheap:
-                nentry = heapq.heappop(nheap)
-                nd = nentry[1].v
-                if node_cur.get((d, nd)) != nentry[0]:
-                    continue
-                popped_nodes.append(nentry)
-                conflicts = (n_cnt.get(nd, 0), dc)
-                if best is None or conflicts < best[0]:
-                    best = (conflicts, d, nd)
-                if conflicts[0] == 0:
-                    break  # later nodes of this domain cannot do better
-            for e in popped_nodes:
-                heapq.heappush(nheap, e)
-            if best is not None and best[0] == (0, 0):
-                break
-        for e in popped_doms:
-            heapq.heappush(dheap, e)
+        best = _pick(dheap, dom_cur, dom_nodes, node_cur, n_cnt, d_cnt)
         assert best is not None
         _, d, nd = best
         lst = members[(d, nd)]
@@ -372,35 +400,25 @@ def _ring_order(nodes: tuple[str, ...], doms: tuple[str, ...], k: int) -> tuple[
             heapq.heappush(dheap, (dom_cur[d], _Ord(d)))
         else:
             del dom_cur[d]
+    return ring
 
-    total = [_window_cost(ring, s, k, node, dom) for s in range(n)]
-    if n <= 64 and k >= 1 and any(a or b for a, b in total):
-        def local_cost(starts: set[int]) -> tuple[int, int]:
-            tn = td = 0
-            for s in starts:
-                a, b = _window_cost(ring, s, k, node, dom)
-                tn += a
-                td += b
-            return tn, td
 
-        def affected(i: int, j: int) -> set[int]:
-            return {(p - d) % n for p in (i, j) for d in range(k + 1)}
+@functools.lru_cache(maxsize=256)
+def _ring_order(nodes: tuple[str, ...], doms: tuple[str, ...], k: int) -> tuple[int, ...]:
+    n = len(nodes)
+    if not any(nodes) and not any(doms):
+        return tuple(range(n))  # nothing known: plain dp order
+    node = _labels(nodes)
+    # an unknown domain is the rank's node (so the top level of the greedy still groups by node)
+    dom = [d if d else ("node", nd) for d, nd in zip(doms, node)] if doms else [("node", nd) for nd in node]
+    node_left: dict[object, int] = {}
+    dom_left: dict[object, int] = {}
+    for i in range(n):
+        node_left[node[i]] = node_left.get(node[i], 0) + 1
+        dom_left[dom[i]] = dom_left.get(dom[i], 0) + 1
 
-        for _ in range(8):  # passes; each pass is O(n^2 k^2)
-            improved = False
-            for i in range(n):
-                for j in range(i + 1, n):
-                    if node[ring[i]] == node[ring[j]] and dom[ring[i]] == dom[ring[j]]:
-                        continue  # swapping identical labels changes nothing
-                    starts = affected(i, j)
-                    before = local_cost(starts)
-                    ring[i], ring[j] = ring[j], ring[i]
-                    if local_cost(starts) < before:
-                        improved = True
-                    else:
-                        ring[i], ring[j] = ring[j], ring[i]
-            if not improved:
-                break
+    ring = _greedy_ring(n, k, node, dom, node_left, dom_left)
+    _improve_by_swaps(ring, k, node, dom)
 
     # Canonical rotation: start at the lowest dp index (cosmetic, keeps the output readable).
     r0 = ring.index(0)

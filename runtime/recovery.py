@@ -6,9 +6,14 @@ store, before any collective, so that a joiner and the survivors agree without a
 whom. Sources and targets are matched by logical shard identity, never by rank number.
 
 Resume step R: the newest step such that every survivor can provide its own state at R (a committed local
-snapshot, or its live state when the optimizer had not started stepping) and every joiner's optimizer
-shard at R is held by someone (an in-memory replica; for a replicated optimizer, any DP peer). Survivors
-that were one step ahead roll back to R from their local snapshot: partial progress is never committed (I4).
+snapshot, or its live state when the optimizer had not started stepping) and every joiner's replica of
+S_R is held by someone: its optimizer shard (sharded layouts) and, whatever the layout, its own envelope
+(RNG states, data position, schedulers...): a joiner never takes a peer's. Survivors that were one step
+ahead roll back to R from their local snapshot: partial progress is never committed (I4).
+
+The first step of a run needs no replica: a joiner that replaces a rank at that step rebuilds it fresh
+(it ran the same script to the same point: its own state is the lost rank's), so a failure before
+anything was protected restarts from the first step, nothing lost.
 """
 
 from __future__ import annotations
@@ -17,15 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-
-class Unrecoverable(RuntimeError):
-    """Recovery from memory is impossible (a shard lost with every replica, or no state at all)."""
-
-
-class GenerationAbandoned(RuntimeError):
-    """The supervisor published a newer generation while this one was being formed."""
+from phoenix_runtime.context import GenerationAbandoned, Unrecoverable  # noqa: E402,F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -55,11 +52,12 @@ class Descriptor:
 class Plan:
     step: int
     joiners: tuple[int, ...]
-    param_src: dict[int, int]  # joiner -> survivor that sends the parameters
-    optim_src: dict[int, int]  # joiner -> rank that sends the optimizer shard (and its metadata)
+    param_src: dict[int, int]  # joiner -> survivor that sends the parameters (and a replicated optimizer's state)
+    optim_src: dict[int, int]  # joiner -> holder of its replica of S_R (optimizer shard + its own envelope)
     replayed: dict[int, int]  # survivor -> steps it replays
     first_step: int = 0
-    fresh_optim: bool = False  # R is the first step: joiners keep their fresh optimizer state
+    fresh_optim: bool = False  # some joiner rebuilds S_first fresh (no replica of it exists)
+    fresh: tuple[int, ...] = ()  # those joiners
 
 
 def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shard_of: dict[int, str], replicated: bool) -> Plan:
@@ -82,6 +80,7 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
             continue
         param_src: dict[int, int] = {}
         optim_src: dict[int, int] = {}
+        fresh: list[int] = []
         ok = True
         for j in joiners:
             peers = [r for r in dp_groups[j] if r != j and by_rank[r].has_state]
@@ -89,63 +88,21 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
                 ok, why = False, f"rank {j} has no data-parallel peer left to take parameters from"
                 break
             param_src[j] = peers[j % len(peers)]  # spread the load over the peers
-            if replicated or step == first:
-                optim_src[j] = param_src[j]
-                continue
             holders = sorted(r for r, d in by_rank.items() if d.has_state and step in d.replicas.get(shard_of[j], []))
-            if not holders:
-                ok, why = False, f"the optimizer shard {shard_of[j]} at step {step} survives nowhere (its holder and every replica were lost)"
+            if holders:
+                optim_src[j] = holders[j % len(holders)]
+            elif step == first:
+                optim_src[j] = param_src[j]  # nothing to send: the joiner's own fresh state is S_first
+                fresh.append(j)
+            else:
+                what = "optimizer shard" if not replicated else "envelope (RNG, data position)"
+                ok, why = False, f"the {what} of {shard_of[j]} at step {step} survives nowhere (its holder and every replica were lost)"
                 break
-            optim_src[j] = holders[0]
         if ok:
             replayed = {d.rank: max(0, (d.live_step if d.live_step is not None else step) - step) for d in survivors}
-            return Plan(step, joiners, param_src, optim_src, replayed, first, step == first and not replicated)
+            return Plan(step, joiners, param_src, optim_src, replayed, first, bool(fresh), tuple(fresh))
     raise Unrecoverable(why)
 
 
-# --- transfers of named tensors between two ranks of the current generation ------------------------
-def pack(named: dict[str, torch.Tensor]) -> tuple[list, torch.Tensor]:
-    index, parts, off = [], [], 0
-    for name, t in named.items():
-        t = t.detach().to("cpu").contiguous()
-        b = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        index.append([name, str(t.dtype).replace("torch.", ""), list(t.shape), off, b.numel()])
-        parts.append(b)
-        off += b.numel()
-    buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    return index, buf
-
-
-def unpack(index: list, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, dtype, shape, off, n in index:
-        dt = getattr(torch, dtype)
-        out[name] = buf[off : off + n].view(dt).reshape(shape).clone() if n else torch.empty(shape, dtype=dt)
-    return out
-
-
-def send_named(named: dict[str, torch.Tensor], meta: dict[str, Any], dst: int, group=None) -> int:
-    import torch.distributed as dist
-
-    index, buf = pack(named)
-    head = json.dumps({"index": index, "meta": meta}).encode()
-    sizes = torch.tensor([len(head), buf.numel()], dtype=torch.int64)
-    dist.send(sizes, dst, group=group)
-    dist.send(torch.frombuffer(bytearray(head), dtype=torch.uint8), dst, group=group)
-    if buf.numel():
-        dist.send(buf, dst, group=group)
-    return buf.numel()
-
-
-def recv_named(src: int, group=None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    import torch.distributed as dist
-
-    sizes = torch.empty(2, dtype=torch.int64)
-    dist.recv(sizes, src, group=group)
-    head = torch.empty(int(sizes[0]), dtype=torch.uint8)
-    dist.recv(head, src, group=group)
-    d = json.loads(bytes(head.numpy()).decode())
-    buf = torch.empty(int(sizes[1]), dtype=torch.uint8)
-    if buf.numel():
-        dist.recv(buf, src, group=group)
-    return unpack(d["index"], buf), d["meta"]
+# --- the codec of named tensors: one, in codec.py (these names are kept for callers of 0.x) -------------
+from phoenix_runtime.codec import pack, unpack  # noqa: E402,F401

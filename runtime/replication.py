@@ -25,16 +25,18 @@ only on receive phases, so the ring cannot deadlock. Message kinds use distinct 
 envelope 2, ack 3, chunk ``i`` 16+i, at most 32000 chunks: the chunk size grows for larger regions)
 and the header carries the step, so a rank out of lockstep is reported, not misread.
 
-Header: 16 int64 ``[MAGIC, VERSION, step, flags, optim_nbytes, envelope_len, checksum, chunk_bytes,
-nchunks, 0...]``; ``flags & 1`` (SKIP) means the sender has no snapshot of this step (its D2H
-failed) and nothing follows. Ack: 16 int64 ``[MAGIC, VERSION, step, status, crc_seen, 0...]``.
+The header, ack and chunk format is ``wire.py``'s (shared with the recovery transfers). A replica's
+size may change from one step to the next (the optimizer state appears lazily at the first step):
+only the staging buffer of that source is reallocated, its newest committed replica stays.
 
 Failure semantics
 -----------------
 * A receiver only commits a replica whose CRC-32 matches (``verify=True``): a corrupt or torn
   transfer leaves the previously committed replica intact (ping-pong), and the sender's
   ``wait_committed`` raises ``ReplicationError`` naming the peer and the cause.
-* A checksum mismatch fails that step only; the next step replicates afresh.
+* A checksum mismatch is answered with a nack and the sender sends that replica again, at most
+  ``resends`` times (both sides know who was nacked: a retry round is as deadlock-free as the first);
+  only then does the step fail (that step only; the next step replicates afresh).
 * A transport error, a timeout (``timeout`` bounds a whole step's transfers) or a protocol error
   *breaks* the replicator: the step's remaining waits still complete or fail (healthy pairs keep
   working, e.g. acks of live targets), then the transport is aborted so that peers fail at once
@@ -43,15 +45,7 @@ Failure semantics
 * ``wait_committed(k)`` succeeds iff the local ``S_k`` is committed and every target acked a
   verified, committed replica of ``S_k`` - even if a *source* failed in the same step.
 
-Transports
-----------
-``GlooTransport`` uses a dedicated gloo group (``dist.new_group(backend="gloo")``). Measured with
-torch 2.13 here: a gloo ``Work.wait(timeout)`` that times out closes the pair to that peer
-("Application timeout caused pair closure") and the peer's pending ops on it fail at once;
-``ProcessGroup.abort()``, ``shutdown()`` and ``destroy_process_group`` do *not* unblock a pending
-p2p wait. ``GlooTransport.abort()`` therefore closes every pair it used by posting a 1-byte recv with
-a reserved tag and waiting 1 ms on it (then calls the backend's ``abort()`` as well): pending ops
-fail at once on both sides. ``MpiTransport`` (mpi4py) polls requests and cancels them on abort.
+Transports: see ``transport.py`` (``GlooTransport``, ``MpiTransport``).
 
 Fault hook (tests)
 ------------------
@@ -63,23 +57,44 @@ CRC), and ``("h2h_ack", source, None)`` before an ack is sent.
 Do not use a TCPStore client from the worker thread (not thread-safe with blocking waits); this
 module never touches the store.
 """
-
 from __future__ import annotations
 
-import datetime
 import queue
 import threading
 import time
 import warnings
-import zlib
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from .layout import Layout, ShardId
-from .snapshot import D2H, PingPong, Snapshot, checksum, decode_envelope
+from phoenix_runtime.hostmem import GiB, HostMemoryError, check_host_memory, host_bytes_required  # noqa: F401
+from phoenix_runtime.layout import Layout, ShardId
+from phoenix_runtime.snapshot import D2H, PingPong, Snapshot, decode_envelope
+from phoenix_runtime.threads import background_priority
+from phoenix_runtime.transport import GlooTransport, MpiTransport, Transport, TransportError, Work  # noqa: F401
+from phoenix_runtime.replica_exchange import StepExchange
+from phoenix_runtime.wire import (
+    ACK_BAD_CHECKSUM,
+    ACK_BAD_HEADER,
+    ACK_NAMES,
+    ACK_OK,
+    ACK_SKIPPED,
+    DEFAULT_RESENDS,
+    FLAG_SKIP,
+    MAGIC,
+    TAG_ACK,
+    TAG_HEADER,
+    VERSION,
+    Incoming,
+    Outgoing,
+    ReplicationError,
+    empty_header,
+    header,
+    recv_verified,
+    send_verified,
+    words,
+)
 
 __all__ = [
     "Work",
@@ -95,270 +110,6 @@ __all__ = [
     "send_snapshot",
     "recv_snapshot",
 ]
-
-MAGIC = 0x50484E58  # "PHNX"
-VERSION = 1
-HDR_WORDS = 16
-TAG_HEADER = 1
-TAG_ENVELOPE = 2
-TAG_ACK = 3
-TAG_CHUNK0 = 16
-MAX_CHUNKS = 32000
-TAG_ABORT = 32760  # below MPI's guaranteed tag upper bound (32767)
-
-FLAG_SKIP = 1
-ACK_OK = 1
-ACK_BAD_CHECKSUM = 2
-ACK_BAD_HEADER = 3
-ACK_SKIPPED = 4
-_ACK_NAMES = {ACK_OK: "ok", ACK_BAD_CHECKSUM: "checksum mismatch", ACK_BAD_HEADER: "bad header", ACK_SKIPPED: "skipped"}
-
-GiB = 1 << 30
-
-
-# ---------------------------------------------------------------------------------------------
-# host memory
-# ---------------------------------------------------------------------------------------------
-
-class HostMemoryError(MemoryError):
-    """Not enough free host memory for the protection buffers."""
-
-
-def host_bytes_required(local_nbytes: int, optim_nbytes: int, k: int) -> int:
-    """Host bytes for one rank: 2 x its local snapshot + 2 x each of the ``k`` replicas it holds.
-
-    ``optim_nbytes`` is the size of one received optimizer region (DP shards are equal-sized).
-    """
-    return 2 * int(local_nbytes) + 2 * int(k) * int(optim_nbytes)
-
-
-def check_host_memory(required: int, available: Optional[int] = None, what: str = "ping-pong snapshot and replica buffers") -> None:
-    """Raise ``HostMemoryError`` if ``required`` bytes exceed ``available`` (default: psutil's free memory)."""
-    if available is None:
-        import psutil
-
-        available = int(psutil.virtual_memory().available)
-    if required > available:
-        raise HostMemoryError(
-            f"PHOENIX needs {required / GiB:.2f} GiB of host memory for {what} "
-            f"but only {available / GiB:.2f} GiB are free"
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# transports
-# ---------------------------------------------------------------------------------------------
-
-class TransportError(RuntimeError):
-    """A point-to-point operation failed (peer gone, pair closed, timeout, aborted)."""
-
-
-class Work(ABC):
-    @abstractmethod
-    def wait(self, timeout: float) -> None:
-        """Block until done; ``TransportError`` on failure or after ``timeout`` seconds."""
-
-
-class Transport(ABC):
-    """Point-to-point bytes between logical ranks of the current generation.
-
-    Buffers are contiguous uint8 CPU tensors. Ops to/from one peer with distinct tags may be in
-    flight together. A ``wait`` that times out may leave the transport unusable with that peer
-    (gloo closes the pair): treat it as a failure of the peer.
-    """
-
-    rank: int = -1
-    size: int = -1
-
-    @abstractmethod
-    def isend(self, dst: int, buf: torch.Tensor, tag: int) -> Work: ...
-
-    @abstractmethod
-    def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work: ...
-
-    @abstractmethod
-    def abort(self) -> None:
-        """Make pending ops fail at once; the transport is unusable afterwards."""
-
-
-class _GlooWork(Work):
-    def __init__(self, work, what: str):
-        self._work = work
-        self._what = what
-
-    def wait(self, timeout: float) -> None:
-        ms = max(1, int(timeout * 1000))
-        try:
-            ok = self._work.wait(datetime.timedelta(milliseconds=ms))
-        except Exception as e:  # gloo raises RuntimeError
-            raise TransportError(f"{self._what}: {str(e).splitlines()[0][:300]}") from e
-        if ok is False:
-            raise TransportError(f"{self._what}: wait returned False")
-
-
-class GlooTransport(Transport):
-    """Point-to-point over a dedicated gloo process group (group ranks = logical ranks).
-
-    Create the group with ``dist.new_group(backend="gloo")`` so replication never interleaves with
-    the training collectives.
-    """
-
-    def __init__(self, group=None):
-        import torch.distributed as dist
-
-        if group is None:
-            group = dist.distributed_c10d._get_default_group()
-        backend = dist.get_backend(group)
-        if str(backend).lower() != "gloo":
-            raise ValueError(f"GlooTransport needs a gloo process group, got backend {backend!r}")
-        self.group = group
-        self.rank = group.rank()
-        self.size = group.size()
-        self._peers: set[int] = set()
-        self._aborted = False
-        self._lock = threading.Lock()
-
-    def _check(self, peer: int) -> None:
-        if self._aborted:
-            raise TransportError("transport was aborted")
-        if not (0 <= peer < self.size) or peer == self.rank:
-            raise ValueError(f"bad peer {peer} (rank {self.rank} of {self.size})")
-        with self._lock:
-            self._peers.add(peer)
-
-    def isend(self, dst: int, buf: torch.Tensor, tag: int) -> Work:
-        self._check(dst)
-        what = f"send to rank {dst} (tag {tag}, {buf.numel()} B)"
-        try:
-            return _GlooWork(self.group.send([buf], dst, tag), what)
-        except Exception as e:
-            raise TransportError(f"{what}: {str(e).splitlines()[0][:300]}") from e
-
-    def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work:
-        self._check(src)
-        what = f"recv from rank {src} (tag {tag}, {buf.numel()} B)"
-        try:
-            return _GlooWork(self.group.recv([buf], src, tag), what)
-        except Exception as e:
-            raise TransportError(f"{what}: {str(e).splitlines()[0][:300]}") from e
-
-    def abort(self) -> None:
-        with self._lock:
-            self._aborted = True
-            peers = sorted(self._peers)
-        for p in peers:
-            # A timed-out wait closes the pair: every pending op with p fails at once, here and there.
-            try:
-                w = self.group.recv([torch.empty(1, dtype=torch.uint8)], p, TAG_ABORT)
-                w.wait(datetime.timedelta(milliseconds=1))
-            except Exception:
-                pass
-        try:
-            self.group.abort()
-        except Exception:
-            pass
-
-
-class _MpiWork(Work):
-    def __init__(self, req, buf, what: str, transport: "MpiTransport"):
-        self._req = req
-        self._buf = buf  # keep the memory alive while MPI owns it
-        self._what = what
-        self._t = transport
-
-    def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        pause = 50e-6
-        while True:
-            if self._t._aborted:
-                raise TransportError(f"{self._what}: transport was aborted")
-            try:
-                done = self._req.Test()
-            except Exception as e:
-                raise TransportError(f"{self._what}: {e}") from e
-            if done:
-                self._t._forget(self._req)
-                return
-            if time.monotonic() >= deadline:
-                raise TransportError(f"{self._what}: timed out after {timeout:.3g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
-
-
-class MpiTransport(Transport):
-    """Point-to-point over MPI (mpi4py). Needs ``MPI_THREAD_MULTIPLE`` if ``abort`` may be called
-    from another thread than the replicator's worker. On abort, pending receives are cancelled;
-    peers are not notified (MPI has no pair closure) and fail by their own timeout.
-    """
-
-    def __init__(self, comm=None):
-        try:
-            from mpi4py import MPI  # noqa: F401
-        except ImportError as e:
-            raise ImportError(
-                "MpiTransport needs mpi4py (pip install 'phoenix-run[mpi]' with an MPI library installed)"
-            ) from e
-        from mpi4py import MPI
-
-        self._MPI = MPI
-        self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
-        self._pending: set = set()
-        self._aborted = False
-        self._lock = threading.Lock()
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            warnings.warn("MPI is not initialised with MPI_THREAD_MULTIPLE; abort() from another thread is unsafe")
-
-    def _forget(self, req) -> None:
-        with self._lock:
-            self._pending.discard(req)
-
-    def _buf(self, buf: torch.Tensor):
-        if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.device.type != "cpu":
-            raise ValueError("MpiTransport needs contiguous uint8 CPU tensors")
-        return [buf.numpy(), self._MPI.BYTE]
-
-    def isend(self, dst: int, buf: torch.Tensor, tag: int) -> Work:
-        if self._aborted:
-            raise TransportError("transport was aborted")
-        req = self.comm.Isend(self._buf(buf), dest=dst, tag=tag)
-        with self._lock:
-            self._pending.add(req)
-        return _MpiWork(req, buf, f"send to rank {dst} (tag {tag})", self)
-
-    def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work:
-        if self._aborted:
-            raise TransportError("transport was aborted")
-        req = self.comm.Irecv(self._buf(buf), source=src, tag=tag)
-        with self._lock:
-            self._pending.add(req)
-        return _MpiWork(req, buf, f"recv from rank {src} (tag {tag})", self)
-
-    def abort(self) -> None:
-        with self._lock:
-            self._aborted = True
-            pending = list(self._pending)
-            self._pending.clear()
-        for req in pending:
-            try:
-                req.Cancel()
-            except Exception:
-                pass
-
-
-# ---------------------------------------------------------------------------------------------
-# replicator
-# ---------------------------------------------------------------------------------------------
-
-class ReplicationError(RuntimeError):
-    """Replication of a step failed; ``peer`` (if known), ``step`` and ``cause`` say why."""
-
-    def __init__(self, message: str, *, step: Optional[int] = None, peer: Optional[int] = None, cause: str = ""):
-        super().__init__(message)
-        self.step = step
-        self.peer = peer
-        self.cause = cause or message
 
 
 @dataclass
@@ -376,17 +127,6 @@ class _Job:
     step: int
     snap: Optional[Snapshot] = None
     d2h: Optional[D2H] = None
-
-
-def _hdr(*words: int) -> torch.Tensor:
-    t = torch.zeros(HDR_WORDS, dtype=torch.int64)
-    for i, w in enumerate(words):
-        t[i] = int(w)
-    return t.view(torch.uint8)
-
-
-def _words(buf: torch.Tensor) -> list[int]:
-    return buf.view(torch.int64).tolist()
 
 
 class Replicator:
@@ -410,6 +150,7 @@ class Replicator:
         pin: bool = False,
         keep_steps: int = 16,
         strict: bool = True,
+        resends: int = DEFAULT_RESENDS,
     ):
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be >= 1")
@@ -427,6 +168,7 @@ class Replicator:
         self._fault = fault
         self._pin = pin
         self._keep = max(2, keep_steps)
+        self.resends = max(0, int(resends))
         self._recv: dict[int, PingPong] = {}  # source rank -> its replica buffers
         self._cond = threading.Condition()
         self._steps: dict[int, _StepState] = {}
@@ -442,6 +184,7 @@ class Replicator:
             "total_bytes_sent": 0,
             "total_bytes_received": 0,
             "checksum_failures": 0,
+            "resends": 0,
             "steps": 0,
             "last_step": None,
             "d2h_wait_s": 0.0,
@@ -548,8 +291,6 @@ class Replicator:
 
     # -- worker -------------------------------------------------------------------------------
     def _worker(self) -> None:
-        from phoenix_runtime.control import background_priority
-
         background_priority()
         while True:
             job = self._queue.get()
@@ -637,348 +378,92 @@ class Replicator:
         self._transfer(step, snap if local_err is None else None)
 
     def _transfer(self, step: int, snap: Optional[Snapshot]) -> None:
-        T = self.transport
-        t0 = time.monotonic()
-        deadline = t0 + self.timeout
+        """One step's exchange with every target and source, then bounded resend rounds for replicas
+        that failed their checksum at the receiver (both sides know which: a nack was exchanged)."""
         self._phase = "transfer"
-
-        def left() -> float:
-            return max(0.001, deadline - time.monotonic())
-
-        errors: dict[int, str] = {}  # peer -> cause (transport/protocol level: breaks the replicator)
-
-        def fail(peer: int, cause: str) -> None:
-            errors.setdefault(peer, cause)
-            self.errors.append(f"step {step}, rank {peer}: {cause}")
-
-        # -- post: header recvs from sources, ack recvs from targets
-        hdr_in: dict[int, torch.Tensor] = {}
-        hdr_w: dict[int, Work] = {}
-        for s in self.sources:
-            hdr_in[s] = torch.empty(HDR_WORDS * 8, dtype=torch.uint8)
-            try:
-                hdr_w[s] = T.irecv(s, hdr_in[s], TAG_HEADER)
-            except Exception as e:  # noqa: BLE001
-                fail(s, f"posting header recv: {e}")
-        ack_in: dict[int, torch.Tensor] = {}
-        ack_w: dict[int, Work] = {}
-        for t in self.targets:
-            ack_in[t] = torch.empty(HDR_WORDS * 8, dtype=torch.uint8)
-            try:
-                ack_w[t] = T.irecv(t, ack_in[t], TAG_ACK)
-            except Exception as e:  # noqa: BLE001
-                fail(t, f"posting ack recv: {e}")
-
-        # -- post: sends to targets
-        send_w: dict[int, list[Work]] = {t: [] for t in self.targets}
-        keep_alive: list[torch.Tensor] = []
-        sent = 0
-        if snap is None:
-            header = _hdr(MAGIC, VERSION, step, FLAG_SKIP, 0, 0, 0, 0, 0)
-            chunks: list[torch.Tensor] = []
-            env_t = None
-        else:
-            region = snap.optim_bytes()
-            nbytes = region.numel()
-            env = snap.envelope()
-            env_t = torch.frombuffer(bytearray(env), dtype=torch.uint8)
-            cb = max(self.chunk_bytes, -(-nbytes // MAX_CHUNKS))
-            chunks = [region[o: o + cb] for o in range(0, nbytes, cb)]
-            header = _hdr(MAGIC, VERSION, step, 0, nbytes, len(env), snap.checksum, cb, len(chunks))
-        for t in self.targets:
-            try:
-                send_w[t].append(T.isend(t, header, TAG_HEADER))
-                if env_t is not None:
-                    send_w[t].append(T.isend(t, env_t, TAG_ENVELOPE))
-                    sent += header.numel() + env_t.numel()
-            except Exception as e:  # noqa: BLE001
-                fail(t, f"posting header send: {e}")
-        for i, chunk in enumerate(chunks):
-            for t in self.targets:
-                if t in errors:
-                    continue
-                data = self._call_fault("h2h_chunk", i, chunk)
-                if data is None:
-                    data = chunk
-                else:
-                    keep_alive.append(data)
-                try:
-                    send_w[t].append(T.isend(t, data, TAG_CHUNK0 + i))
-                    sent += data.numel()
-                except Exception as e:  # noqa: BLE001
-                    fail(t, f"posting chunk {i} send: {e}")
-
-        # -- receive phase: headers, then envelopes + chunks into each source's staging buffer
-        incoming: dict[int, dict] = {}
-        ack_status: dict[int, tuple[int, int]] = {}
-        received = 0
-        for s in self.sources:
-            if s in errors or s not in hdr_w:
-                continue
-            try:
-                hdr_w[s].wait(left())
-            except TransportError as e:
-                fail(s, f"header of step {step}: {e}")
-                continue
-            w = _words(hdr_in[s])
-            magic, ver, hstep, flags, nbytes, env_len, crc, cb, nchunks = w[:9]
-            if magic != MAGIC or ver != VERSION or hstep != step:
-                fail(s, f"protocol: expected a v{VERSION} header of step {step}, got magic={magic:#x} v{ver} step {hstep}")
-                ack_status[s] = (ACK_BAD_HEADER, 0)
-                continue
-            if flags & FLAG_SKIP:
-                ack_status[s] = (ACK_SKIPPED, 0)
-                self.errors.append(f"step {step}: rank {s} sent no snapshot (its local snapshot failed)")
-                continue
-            pp = self._recv.get(s)
-            if pp is not None and pp.nbytes != nbytes:
-                fail(s, f"protocol: replica size changed from {pp.nbytes} to {nbytes} bytes (re-create the replicator after a layout change)")
-                ack_status[s] = (ACK_BAD_HEADER, 0)
-                continue
-            if pp is None:
-                try:
-                    check_host_memory(2 * nbytes, what=f"the replica buffers of rank {s}'s optimizer shard")
-                    pp = self._recv[s] = PingPong(nbytes, pin=self._pin)
-                except MemoryError as e:
-                    fail(s, str(e))
-                    ack_status[s] = (ACK_BAD_HEADER, 0)
-                    continue
-            buf = pp.stage(step)
-            env_buf = torch.empty(env_len, dtype=torch.uint8)
-            try:
-                env_w = T.irecv(s, env_buf, TAG_ENVELOPE)
-                views = [buf[o: o + cb] for o in range(0, nbytes, cb)] if cb > 0 else []
-                if len(views) != nchunks:
-                    raise TransportError(f"protocol: {nchunks} chunks announced for {nbytes} bytes in chunks of {cb}")
-                chunk_w = [T.irecv(s, v, TAG_CHUNK0 + i) for i, v in enumerate(views)]
-            except Exception as e:  # noqa: BLE001
-                pp.abandon(step)
-                fail(s, f"posting recvs: {e}")
-                continue
-            incoming[s] = dict(pp=pp, env_buf=env_buf, env_w=env_w, views=views, chunk_w=chunk_w, crc=crc, nbytes=nbytes)
-
-        for s, inc in incoming.items():
-            pp = inc["pp"]
-            try:
-                run = 0
-                for i, (v, w) in enumerate(zip(inc["views"], inc["chunk_w"])):
-                    w.wait(left())
-                    self._call_fault("h2h_recv_chunk", i, v)
-                    if self.verify:
-                        run = checksum(v, run)
-                inc["env_w"].wait(left())
-                received += inc["nbytes"] + inc["env_buf"].numel() + HDR_WORDS * 8
-            except TransportError as e:
-                pp.abandon(step)
-                fail(s, f"replica of step {step} torn: {e}")
-                continue
-            env_bytes = bytes(inc["env_buf"].numpy())
-            if self.verify:
-                run = zlib.crc32(env_bytes, run)
-            if self.verify and run != inc["crc"]:
-                pp.abandon(step)
-                self.stats["checksum_failures"] += 1
-                self.errors.append(f"step {step}: replica from rank {s} failed its checksum ({run:#010x} != {inc['crc']:#010x}); not committed")
-                ack_status[s] = (ACK_BAD_CHECKSUM, run)
-                continue
-            try:
-                env = decode_envelope(env_bytes)
-                if env["step"] != step:
-                    raise ValueError(f"envelope of step {env['step']}")
-                pp.commit(step, env["meta"], optim_index=env["optim_index"], param_index=[],
-                          optim_nbytes=inc["nbytes"], checksum=inc["crc"])
-            except Exception as e:  # noqa: BLE001
-                pp.abandon(step)
-                fail(s, f"protocol: bad envelope: {e}")
-                ack_status[s] = (ACK_BAD_HEADER, run)
-                continue
-            ack_status[s] = (ACK_OK, run)
-
-        ack_out_w: dict[int, Work] = {}
-        for s, (status, seen) in ack_status.items():
-            if s in errors and status == ACK_OK:
-                continue
-            self._call_fault("h2h_ack", s, None)
-            try:
-                ack_out_w[s] = T.isend(s, _hdr(MAGIC, VERSION, step, status, seen), TAG_ACK)
-            except Exception as e:  # noqa: BLE001
-                fail(s, f"posting ack: {e}")
-
-        # -- acks of this rank's targets: this is what wait_committed waits for
-        failures: list[tuple] = []
-        acked: set = set()
-        for t in self.targets:
-            if t in errors or t not in ack_w:
-                failures.append((t, errors.get(t, "no ack")))
-                continue
-            try:
-                ack_w[t].wait(left())
-            except TransportError as e:
-                fail(t, f"ack of step {step}: {e}")
-                failures.append((t, errors[t]))
-                continue
-            w = _words(ack_in[t])
-            magic, ver, astep, status, seen = w[:5]
-            if magic != MAGIC or astep != step:
-                fail(t, f"protocol: ack for step {astep} while replicating step {step}")
-                failures.append((t, errors[t]))
-            elif status == ACK_OK:
-                acked.add(t)
-            elif status == ACK_BAD_CHECKSUM:
-                failures.append((t, f"replica failed its checksum at the peer (crc {seen:#010x}, expected "
-                                    f"{snap.checksum if snap else 0:#010x}); the peer kept its previous replica"))
-            elif status == ACK_SKIPPED:
-                failures.append((t, "skipped"))
-            else:
-                fail(t, f"peer rejected the transfer: {_ACK_NAMES.get(status, status)}")
-                failures.append((t, errors[t]))
-        if snap is None:
-            failures = [f for f in failures if f[1] != "skipped"]
-        h2h_s = time.monotonic() - t0
+        xfer = StepExchange(self, step, snap)
+        xfer.post_ack_receives(self.targets)
+        xfer.post_header_receives(self.sources)
+        xfer.post_sends(self.targets, 0)
+        xfer.receive(self.sources)
+        xfer.send_acks()
+        xfer.collect_acks(self.targets)
+        for attempt in range(1, self.resends + 1):
+            targets = [t for t in self.targets if xfer.nacked_by.get(t)]
+            sources = [s for s, (status, _) in xfer.ack_status.items() if status == ACK_BAD_CHECKSUM]
+            if not targets and not sources:
+                break
+            self.stats["resends"] += len(targets)
+            xfer.ack_status = {s: xfer.ack_status[s] for s in xfer.ack_status if s not in sources}
+            xfer.post_ack_receives(targets)
+            xfer.post_header_receives(sources)
+            xfer.post_sends(targets, attempt)
+            xfer.receive(sources)
+            xfer.send_acks(sources)
+            xfer.collect_acks(targets)
+        failures = xfer.failures()
+        h2h_s = time.monotonic() - xfer.t0
         with self._cond:
             st = self._steps[step]
-            st.acked = acked
+            st.acked = set(xfer.acked)
             st.failures.extend(failures)
             st.done = True
             self._phase = "tail"
             self._cond.notify_all()
-
-        # -- let our own sends and acks finish (bounded); skip pairs that already failed
-        for t, works in send_w.items():
-            if t in errors or t not in acked:
-                continue
-            for w in works:
-                try:
-                    w.wait(left())
-                except TransportError as e:
-                    fail(t, f"send of step {step}: {e}")
-                    break
-        for s, w in ack_out_w.items():
-            try:
-                w.wait(left())
-            except TransportError as e:
-                fail(s, f"ack send of step {step}: {e}")
-        del keep_alive
-
+        xfer.finish_sends()
         self.stats.update(
             h2h_s=h2h_s,
-            bytes_sent=sent,
-            bytes_received=received,
-            total_bytes_sent=self.stats["total_bytes_sent"] + sent,
-            total_bytes_received=self.stats["total_bytes_received"] + received,
+            bytes_sent=xfer.sent,
+            bytes_received=xfer.received,
+            total_bytes_sent=self.stats["total_bytes_sent"] + xfer.sent,
+            total_bytes_received=self.stats["total_bytes_received"] + xfer.received,
             steps=self.stats["steps"] + 1,
             last_step=step,
         )
-        if errors:
-            peer = min(errors)
+        if xfer.errors:
+            peer = min(xfer.errors)
             self._break(ReplicationError(
-                f"replicator of rank {self.rank} broken at step {step}: " + "; ".join(f"rank {p}: {c}" for p, c in sorted(errors.items())),
-                step=step, peer=peer, cause=errors[peer],
+                f"replicator of rank {self.rank} broken at step {step}: " + "; ".join(f"rank {p}: {c}" for p, c in sorted(xfer.errors.items())),
+                step=step, peer=peer, cause=xfer.errors[peer],
             ))
-            # tell the peers at once instead of letting them wait for their timeout
-            try:
-                T.abort()
+            try:  # tell the peers at once instead of letting them wait for their timeout
+                self.transport.abort()
             except Exception:  # noqa: BLE001
                 pass
 
+    def _staging(self, src: int, step: int, nbytes: int) -> torch.Tensor:
+        """The staging buffer of ``src``'s replica of ``step`` (allocated, or resized, on demand)."""
+        pp = self._recv.get(src)
+        if pp is None or pp.nbytes != nbytes:
+            check_host_memory(2 * nbytes if pp is None else nbytes, what=f"the replica buffers of rank {src}'s optimizer shard")
+        if pp is None:
+            pp = self._recv[src] = PingPong(nbytes, pin=self._pin)
+        return pp.stage(step, nbytes)
+
 
 # ---------------------------------------------------------------------------------------------
-# one-off verified transfers (recovery: a holder sends a replica to the replacement rank)
+# one-off verified transfers of a snapshot's replicated region (the wire format of wire.py)
 # ---------------------------------------------------------------------------------------------
 
-def send_snapshot(transport: Transport, dst: int, snap: Snapshot, timeout: float = 60.0, chunk_bytes: int = 4 << 20) -> None:
-    """Send ``snap``'s optimizer region + envelope to ``dst`` and wait for its verified ack.
-
-    Same wire format as the replicator's (so do not run it on a transport a live ``Replicator``
-    uses). The snapshot is re-verified first: a replica corrupted at rest is never propagated.
-    Raises ``ReplicationError`` naming ``dst`` on any failure.
-    """
-    deadline = time.monotonic() + timeout
-
-    def left() -> float:
-        return max(0.001, deadline - time.monotonic())
-
+def send_snapshot(transport: Transport, dst: int, snap: Snapshot, timeout: float = 60.0, chunk_bytes: int = 4 << 20,
+                  resends: int = DEFAULT_RESENDS) -> None:
+    """Send ``snap``'s optimizer region + envelope to ``dst`` and wait for its verified ack (resent on a
+    checksum mismatch, bounded). The snapshot is re-verified first: a replica corrupted at rest is never
+    propagated. ``ReplicationError`` naming ``dst`` on any failure."""
     if not snap.verify():
         raise ReplicationError(f"refusing to send step {snap.step}: it fails its checksum here", step=snap.step, cause="corrupt at rest")
-    region = snap.optim_bytes()
-    nbytes = region.numel()
-    env_t = torch.frombuffer(bytearray(snap.envelope()), dtype=torch.uint8)
-    cb = max(int(chunk_bytes), -(-nbytes // MAX_CHUNKS))
-    chunks = [region[o: o + cb] for o in range(0, nbytes, cb)]
-    header = _hdr(MAGIC, VERSION, snap.step, 0, nbytes, env_t.numel(), snap.checksum, cb, len(chunks))
-    ack = torch.empty(HDR_WORDS * 8, dtype=torch.uint8)
-    try:
-        ack_w = transport.irecv(dst, ack, TAG_ACK)
-        works = [transport.isend(dst, header, TAG_HEADER), transport.isend(dst, env_t, TAG_ENVELOPE)]
-        works += [transport.isend(dst, c, TAG_CHUNK0 + i) for i, c in enumerate(chunks)]
-        ack_w.wait(left())
-    except TransportError as e:
-        raise ReplicationError(f"sending step {snap.step} to rank {dst} failed: {e}", step=snap.step, peer=dst, cause=str(e)) from e
-    magic, _, astep, status, seen = _words(ack)[:5]
-    if magic != MAGIC or astep != snap.step or status != ACK_OK:
-        raise ReplicationError(
-            f"rank {dst} rejected step {snap.step}: {_ACK_NAMES.get(status, status)} (crc seen {seen:#010x})",
-            step=snap.step, peer=dst, cause=_ACK_NAMES.get(status, str(status)),
-        )
-    for w in works:
-        try:
-            w.wait(left())
-        except TransportError as e:
-            raise ReplicationError(f"sending step {snap.step} to rank {dst} failed: {e}", step=snap.step, peer=dst, cause=str(e)) from e
+    send_verified(transport, dst, Outgoing(snap.step, snap.optim_bytes(), snap.envelope(), snap.checksum, chunk_bytes), timeout, resends)
 
 
-def recv_snapshot(transport: Transport, src: int, timeout: float = 60.0, step: Optional[int] = None, pin: bool = False) -> Snapshot:
+def recv_snapshot(transport: Transport, src: int, timeout: float = 60.0, step: Optional[int] = None, pin: bool = False,
+                  resends: int = DEFAULT_RESENDS) -> Snapshot:
     """Receive a snapshot sent with ``send_snapshot``; verified (CRC-32) before it is returned and acked.
 
-    Returns a standalone ``Snapshot`` (optimizer region + meta, ``param_index`` empty) in a fresh
-    host buffer. ``step``: the expected step (``None``: any). ``ReplicationError`` on failure.
-    """
-    deadline = time.monotonic() + timeout
+    Returns a standalone ``Snapshot`` (optimizer region + meta, ``param_index`` empty) in a fresh host buffer."""
+    def alloc(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.uint8, pin_memory=bool(pin and torch.cuda.is_available()))
 
-    def left() -> float:
-        return max(0.001, deadline - time.monotonic())
-
-    def nack(status: int, got_step: int, seen: int = 0) -> None:
-        try:
-            transport.isend(src, _hdr(MAGIC, VERSION, got_step, status, seen), TAG_ACK).wait(left())
-        except TransportError:
-            pass
-
-    hdr = torch.empty(HDR_WORDS * 8, dtype=torch.uint8)
-    try:
-        transport.irecv(src, hdr, TAG_HEADER).wait(left())
-    except TransportError as e:
-        raise ReplicationError(f"receiving a snapshot from rank {src} failed: {e}", peer=src, cause=str(e)) from e
-    magic, ver, hstep, flags, nbytes, env_len, crc, cb, nchunks = _words(hdr)[:9]
-    if magic != MAGIC or ver != VERSION or flags or (step is not None and hstep != step):
-        nack(ACK_BAD_HEADER, hstep)
-        raise ReplicationError(f"bad snapshot header from rank {src} (step {hstep}, expected {step})", step=hstep, peer=src, cause="bad header")
-    buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=bool(pin and torch.cuda.is_available()))
-    env_buf = torch.empty(env_len, dtype=torch.uint8)
-    views = [buf[o: o + cb] for o in range(0, nbytes, cb)] if cb > 0 else []
-    if len(views) != nchunks:
-        nack(ACK_BAD_HEADER, hstep)
-        raise ReplicationError(f"bad snapshot header from rank {src}: {nchunks} chunks for {nbytes} B", step=hstep, peer=src, cause="bad header")
-    try:
-        env_w = transport.irecv(src, env_buf, TAG_ENVELOPE)
-        ws = [transport.irecv(src, v, TAG_CHUNK0 + i) for i, v in enumerate(views)]
-        run = 0
-        for v, w in zip(views, ws):
-            w.wait(left())
-            run = checksum(v, run)
-        env_w.wait(left())
-    except TransportError as e:
-        raise ReplicationError(f"snapshot of step {hstep} from rank {src} torn: {e}", step=hstep, peer=src, cause=str(e)) from e
-    env_bytes = bytes(env_buf.numpy())
-    run = zlib.crc32(env_bytes, run)
-    if run != crc:
-        nack(ACK_BAD_CHECKSUM, hstep, run)
-        raise ReplicationError(f"snapshot of step {hstep} from rank {src} failed its checksum", step=hstep, peer=src, cause="checksum mismatch")
-    env = decode_envelope(env_bytes)
-    snap = Snapshot(step=hstep, meta=env["meta"], optim_index=env["optim_index"], param_index=[], buffer=buf,
-                    optim_nbytes=nbytes, checksum=crc)
-    try:
-        transport.isend(src, _hdr(MAGIC, VERSION, hstep, ACK_OK, run), TAG_ACK).wait(left())
-    except TransportError as e:
-        raise ReplicationError(f"acking step {hstep} to rank {src} failed: {e}", step=hstep, peer=src, cause=str(e)) from e
-    return snap
+    hstep, buf, env, crc = recv_verified(transport, src, timeout, step, resends, alloc)
+    envelope = decode_envelope(env)
+    return Snapshot(step=hstep, meta=envelope["meta"], optim_index=envelope["optim_index"], param_index=[], buffer=buf,
+                    optim_nbytes=buf.numel(), checksum=crc)

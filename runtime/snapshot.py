@@ -25,6 +25,10 @@ the newest committed snapshot (invalidating the older committed one it may hold)
 ...)`` turns the staging buffer into the newest committed snapshot. A copy that fails or is torn
 midway never reaches ``commit``, so the newest committed snapshot always survives.
 
+A staging may ask for another size (``stage(step, nbytes)``): the optimizer state appears lazily at the
+first step, so the layout of ``S_0`` differs from ``S_1``'s; only the staging slot is reallocated, the
+newest committed snapshot stays where it is.
+
 A :class:`Snapshot` is a view of its buffer: it stays valid until that buffer is staged again
 (``snap.valid`` tells, ``snap.verify()`` re-checks the bytes). The newest committed snapshot is never
 restaged, so ``latest()`` is always safe to read.
@@ -42,15 +46,26 @@ the contract of the step guard (forward/backward do not touch parameters or opti
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
+
+from phoenix_runtime.codec import (  # noqa: F401  (re-exported: the snapshot's codec)
+    ALIGN,
+    FaultHook,
+    NamedTensors,
+    Packer,
+    checksum,
+    decode_envelope,
+    encode_envelope,
+)
+from phoenix_runtime.hostmem import check_host_memory
+from phoenix_runtime.threads import background_priority
 
 __all__ = [
     "ALIGN",
@@ -62,154 +77,6 @@ __all__ = [
     "D2H",
     "D2HError",
 ]
-
-ALIGN = 64
-NamedTensors = list[tuple[str, torch.Tensor]]
-FaultHook = Callable[..., Optional[torch.Tensor]]
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
-
-
-def _dtype_from(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in snapshot index")
-    return dt
-
-
-def _as_host_bytes(buf: torch.Tensor) -> torch.Tensor:
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.device.type != "cpu":
-        raise ValueError(f"expected a contiguous 1-D uint8 CPU tensor, got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
-    return buf
-
-
-def checksum(buf: torch.Tensor, value: int = 0) -> int:
-    """CRC-32 of a contiguous uint8 CPU tensor (``zlib.crc32`` over a numpy memoryview).
-
-    ``value`` continues a running CRC. Measured ~2.5 GB/s on one core here; the GIL is released.
-    """
-    _as_host_bytes(buf)
-    if buf.numel() == 0:
-        return value
-    return zlib.crc32(memoryview(buf.numpy()), value)
-
-
-def encode_envelope(step: int, meta: dict, optim_index: list) -> bytes:
-    """Canonical JSON of the metadata envelope covered by ``Snapshot.checksum``.
-
-    ``meta`` must be JSON-serialisable (tensors, e.g. RNG states, belong in the packed regions).
-    """
-    try:
-        return json.dumps(
-            {"meta": meta, "optim_index": optim_index, "step": int(step), "v": 1},
-            sort_keys=True,
-            separators=(",", ":"),
-        ).encode("utf-8")
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"snapshot meta must be JSON-serialisable with string keys: {e}") from e
-
-
-def decode_envelope(blob: bytes) -> dict:
-    env = json.loads(blob.decode("utf-8"))
-    if not isinstance(env, dict) or env.get("v") != 1:
-        raise ValueError("not a PHOENIX snapshot envelope")
-    return env
-
-
-class Packer:
-    """Flattens named tensors into one contiguous uint8 buffer and back.
-
-    ``index`` is a JSON-serialisable list of ``{"name", "dtype", "shape", "offset", "nbytes"}``;
-    offsets are multiples of 64 bytes; ``nbytes`` is the aligned total.
-    """
-
-    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]):
-        self.index: list[dict] = []
-        off = 0
-        seen: set[str] = set()
-        for name, t in named:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
-            if name in seen:
-                raise ValueError(f"duplicate tensor name {name!r}")
-            seen.add(name)
-            nb = t.numel() * t.element_size()
-            self.index.append(
-                {"name": str(name), "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": off, "nbytes": nb}
-            )
-            off = _align(off + nb)
-        self.nbytes: int = off
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def check(self, named: NamedTensors) -> None:
-        """Raise ``ValueError`` unless ``named`` has the names, dtypes and shapes this packer recorded."""
-        if len(named) != len(self.index):
-            raise ValueError(
-                f"state layout changed: {len(named)} tensors now, {len(self.index)} at the first snapshot; "
-                "re-create the snapshot engine after a layout change"
-            )
-        for (name, t), e in zip(named, self.index):
-            if name != e["name"] or _dtype_name(t.dtype) != e["dtype"] or list(t.shape) != e["shape"]:
-                raise ValueError(
-                    f"state layout changed at {name!r}: {_dtype_name(t.dtype)}{list(t.shape)} now, "
-                    f"{e['name']!r} {e['dtype']}{e['shape']} at the first snapshot; re-create the snapshot engine"
-                )
-
-    def pack_into(
-        self,
-        named: NamedTensors,
-        out: torch.Tensor,
-        *,
-        fault: FaultHook | None = None,
-        fault_base: int = 0,
-    ) -> None:
-        """Copy ``named`` into ``out[:nbytes]`` (a uint8 CPU tensor, pinned when the sources are on CUDA).
-
-        Copies from CUDA tensors into pinned memory are ``non_blocking``: the caller synchronises
-        (the D2H engine records an event on its copy stream). ``fault(point, i, None)`` is called
-        with ``("d2h_tensor", fault_base + i)`` before tensor ``i`` (tests inject failures there).
-        """
-        _as_host_bytes(out)
-        if out.numel() < self.nbytes:
-            raise ValueError(f"output buffer has {out.numel()} bytes, {self.nbytes} needed")
-        self.check(named)
-        pinned = out.is_pinned() if torch.cuda.is_available() else False
-        for i, ((_, t), e) in enumerate(zip(named, self.index)):
-            if fault is not None:
-                fault("d2h_tensor", fault_base + i, None)
-            if e["nbytes"] == 0:
-                continue
-            dst = out[e["offset"]: e["offset"] + e["nbytes"]].view(_dtype_from(e["dtype"])).view(e["shape"])
-            dst.copy_(t.detach(), non_blocking=bool(pinned and t.is_cuda))
-
-    @staticmethod
-    def views(index: list, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Zero-copy views of the packed tensors (valid as long as ``buf`` is not overwritten)."""
-        out: dict[str, torch.Tensor] = {}
-        for e in index:
-            nb = int(e["nbytes"])
-            off = int(e["offset"])
-            if off + nb > buf.numel():
-                raise ValueError(f"index entry {e['name']!r} runs past the end of the buffer ({buf.numel()} bytes)")
-            dt = _dtype_from(e["dtype"])
-            if nb == 0:
-                out[e["name"]] = torch.empty(e["shape"], dtype=dt)
-            else:
-                out[e["name"]] = buf[off: off + nb].view(dt).view(e["shape"])
-        return out
-
-    @staticmethod
-    def unpack(index: list, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copies of the packed tensors (CPU, independent of ``buf``)."""
-        return {k: v.clone() for k, v in Packer.views(index, buf).items()}
 
 
 @dataclass(eq=False)
@@ -305,12 +172,19 @@ class PingPong:
         with self._lock:
             return self._gen[slot] == gen and self._snaps[slot] is not None
 
-    def stage(self, step: int) -> torch.Tensor:
-        """The staging buffer for ``step``: never the one with the newest committed snapshot."""
+    def stage(self, step: int, nbytes: Optional[int] = None) -> torch.Tensor:
+        """The staging buffer for ``step``: never the one with the newest committed snapshot.
+
+        ``nbytes``: the size this staging needs when it differs from the buffers' (a layout change):
+        that slot alone is reallocated (the newest committed snapshot is untouched)."""
         with self._lock:
             slot = 0 if self._newest is None else 1 - self._newest
             self._snaps[slot] = None  # the older committed snapshot (if any) dies here
             self._gen[slot] += 1
+            if nbytes is not None and int(nbytes) != self._bufs[slot].numel():
+                self._bufs[slot] = torch.empty(0, dtype=torch.uint8)  # free the old one first
+                self._bufs[slot] = _alloc_host(int(nbytes), self.pinned)
+                self.nbytes = int(nbytes)
             self._staging = (slot, int(step))
             return self._bufs[slot]
 
@@ -384,13 +258,22 @@ class _Job:
     done: bool = False
     snap: Optional[Snapshot] = None
     error: Optional[BaseException] = None
+    packers: tuple = ()
+
+
+def _same_layout(packer: Packer, named: NamedTensors) -> bool:
+    if len(named) != len(packer.index):
+        return False
+    return all(n == e["name"] and str(t.dtype).removeprefix("torch.") == e["dtype"] and list(t.shape) == e["shape"]
+               for (n, t), e in zip(named, packer.index))
 
 
 class D2H:
     """Local snapshot engine: device (or CPU) state -> ping-pong host buffers, off the main thread.
 
-    ``optim_named_fn()`` / ``param_named_fn()`` return ``[(name, tensor), ...]``; their names, dtypes
-    and shapes are fixed by the first ``start`` (re-create the engine after a layout change).
+    ``optim_named_fn()`` / ``param_named_fn()`` return ``[(name, tensor), ...]``; a change of their names,
+    dtypes or shapes between two ``start`` calls (lazily created optimizer state) repacks into a staging
+    buffer of the new size, keeping the newest committed snapshot.
     Jobs run one at a time, in ``start`` order, on one worker thread.
     """
 
@@ -427,6 +310,7 @@ class D2H:
         self._thread = threading.Thread(target=self._worker, name="phoenix-d2h", daemon=True)
         self._closed = False
         self.last_d2h_s: float = 0.0
+        self.layout_changes = 0
         self.stats: dict = {"last_d2h_s": 0.0, "last_copy_s": 0.0, "last_checksum_s": 0.0, "snapshots": 0}
         self._thread.start()
 
@@ -444,44 +328,47 @@ class D2H:
     def nbytes_allocated(self) -> int:
         return self._pp.nbytes_allocated if self._pp else 0
 
-    def _setup(self, named_o: NamedTensors, named_p: NamedTensors) -> None:
-        self._optim_packer = Packer(named_o)
-        self._param_packer = Packer(named_p)
-        total = self._optim_packer.nbytes + self._param_packer.nbytes
-        from .replication import check_host_memory  # lazy: replication imports this module
-
+    def _layout_for(self, named_o: NamedTensors, named_p: NamedTensors) -> tuple[Packer, Packer]:
+        """The packers of this state: the current ones, or new ones when the layout changed (the optimizer
+        state appears lazily; a parameter that got no gradient yet has none). Only the staging slot is then
+        reallocated, the newest committed snapshot stays readable."""
+        op, pp = self._optim_packer, self._param_packer
+        if op is not None and _same_layout(op, named_o) and _same_layout(pp, named_p):
+            return op, pp
+        op, pp = Packer(named_o), Packer(named_p)
+        total = op.nbytes + pp.nbytes
         check_host_memory(2 * total, what="the local ping-pong snapshot buffers")
-        self._pp = PingPong(total, pin=self._pin)
+        if self._pp is None:
+            self._pp = PingPong(total, pin=self._pin)
+        self._optim_packer, self._param_packer = op, pp
+        self.layout_changes += 1
+        return op, pp
 
     # -- API ----------------------------------------------------------------------------------
     def start(self, step: int, meta: dict) -> None:
-        """Begin snapshot ``S_step`` and return at once (layout/meta errors raise here)."""
+        """Begin snapshot ``S_step`` and return at once (meta errors raise here)."""
         if self._closed:
             raise D2HError("D2H engine is stopped")
         named_o = list(self._optim_fn())
         named_p = list(self._param_fn())
-        if self._optim_packer is None:
-            self._setup(named_o, named_p)
-        else:
-            self._optim_packer.check(named_o)
-            self._param_packer.check(named_p)
-        envelope = encode_envelope(step, meta, self._optim_packer.index)
+        op, pp = self._layout_for(named_o, named_p)
+        envelope = encode_envelope(step, meta, op.index)
         meta_copy = decode_envelope(envelope)["meta"]
         event = None
         if self.cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        job = _Job(step=int(step), meta=meta_copy, envelope=envelope, t_start=time.perf_counter())
+        job = _Job(step=int(step), meta=meta_copy, envelope=envelope, t_start=time.perf_counter(), packers=(op, pp))
         with self._cond:
             old = self._jobs.get(job.step)
             if old is not None and not old.done:
                 raise D2HError(f"a D2H snapshot of step {step} is already in flight")
             self._jobs[job.step] = job
             while len(self._jobs) > self._keep:
-                oldest = min(s for s, j in self._jobs.items() if j.done) if any(j.done for j in self._jobs.values()) else None
-                if oldest is None:
+                done = [s for s, j in self._jobs.items() if j.done]
+                if not done:
                     break
-                del self._jobs[oldest]
+                del self._jobs[min(done)]
         self._queue.put((job, named_o, named_p, event))
 
     def wait(self, step: int, timeout: float) -> Snapshot:
@@ -521,8 +408,6 @@ class D2H:
 
     # -- worker -------------------------------------------------------------------------------
     def _worker(self) -> None:
-        from phoenix_runtime.control import background_priority
-
         background_priority()
         while True:
             item = self._queue.get()
@@ -541,10 +426,10 @@ class D2H:
                 self._cond.notify_all()
 
     def _copy(self, job: _Job, named_o: NamedTensors, named_p: NamedTensors, event) -> Snapshot:
-        assert self._pp is not None and self._optim_packer is not None and self._param_packer is not None
-        op, pp = self._optim_packer, self._param_packer
+        assert self._pp is not None
+        op, pp = job.packers
         t0 = time.perf_counter()
-        buf = self._pp.stage(job.step)
+        buf = self._pp.stage(job.step, op.nbytes + pp.nbytes)
         try:
             o_out = buf[: op.nbytes]
             p_out = buf[op.nbytes: op.nbytes + pp.nbytes]

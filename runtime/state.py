@@ -1,10 +1,13 @@
-"""What a rank must save to be replaced: named tensors of the optimizer shard and of the parameters, and
-the metadata envelope (step, RNG states, data position). Pure helpers, no communication.
+"""What a rank must save to be replaced, and how it is captured and restored. Pure helpers, no communication.
 
-Optimizer tensors are named by their position in the optimizer's param groups (``"<group>.<index>.<key>"``),
-which is the same on the rank that held the shard and on the joiner that takes its place, because both
-build the same model and, for ZeRO, the same partition of it (the partition depends only on the parameter
-sizes and the world size). Non-tensor optimizer state (an int step, say) travels in the metadata.
+Tensors: the parameters AND buffers of the module (``p.<name>``, ``b.<name>``), and the optimizer state
+named by its position in the optimizer's param groups (``"<group>.<index>.<key>"``), which is the same on
+the rank that held it and on the joiner that takes its place (same model; for ZeRO, the same partition).
+
+The envelope (small, JSON-able, replicated to k peers every step whatever the optimizer layout): the step,
+the RNG states (torch, CUDA, numpy, python), the param-group hyperparameters (lr, weight decay, betas...),
+the non-tensor optimizer state, and the state dicts of everything else the loop holds: LR schedulers, a
+GradScaler, and any ``stateful`` object (``state_dict()/load_state_dict()``: a data loader's position...).
 """
 
 from __future__ import annotations
@@ -12,20 +15,35 @@ from __future__ import annotations
 import base64
 import pickle
 import random
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 
-def _opt_of(optimizer) -> torch.optim.Optimizer:
+@dataclass
+class LoopObjects:
+    """Everything a training loop holds that ``protect()`` was given."""
+
+    module: torch.nn.Module
+    optimizer: Any
+    schedulers: tuple = ()
+    scaler: Any = None
+    stateful: dict[str, Any] = field(default_factory=dict)
+
+
+def local_optimizer(optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's state: ZeRO's local one, or the optimizer itself."""
     return getattr(optimizer, "optim", optimizer)
+
+
+_opt_of = local_optimizer  # the old private name
 
 
 def optim_named(optimizer) -> list[tuple[str, torch.Tensor]]:
     if hasattr(optimizer, "phoenix_state"):  # the sharded-state protocol (docs/runtime.md)
         return [(str(name), t) for name, t in optimizer.phoenix_state()]
-    opt = _opt_of(optimizer)
+    opt = local_optimizer(optimizer)
     out = []
     for gi, group in enumerate(opt.param_groups):
         for pi, p in enumerate(group["params"]):
@@ -42,7 +60,7 @@ def optim_named(optimizer) -> list[tuple[str, torch.Tensor]]:
 def optim_scalars(optimizer) -> dict[str, Any]:
     if hasattr(optimizer, "phoenix_state"):
         return {}
-    opt = _opt_of(optimizer)
+    opt = local_optimizer(optimizer)
     out = {}
     for gi, group in enumerate(opt.param_groups):
         for pi, p in enumerate(group["params"]):
@@ -57,7 +75,7 @@ def load_optim(optimizer, tensors: dict[str, torch.Tensor], scalars: dict[str, A
     if hasattr(optimizer, "phoenix_load"):
         optimizer.phoenix_load({k: v.detach().clone() for k, v in tensors.items()})
         return
-    opt = _opt_of(optimizer)
+    opt = local_optimizer(optimizer)
     opt.state.clear()
     params = {f"{gi}.{pi}": p for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])}
     for name, t in tensors.items():
@@ -67,10 +85,10 @@ def load_optim(optimizer, tensors: dict[str, torch.Tensor], scalars: dict[str, A
     for name, v in scalars.items():
         gi, pi, key = name.split(".", 2)
         opt.state.setdefault(params[f"{gi}.{pi}"], {})[key] = v
-    # keep the dict keyed like torch does (state is a defaultdict(dict) in torch.optim)
 
 
 def param_named(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers (BatchNorm running statistics are state too)."""
     named = [(f"p.{n}", p.data) for n, p in module.named_parameters()]
     named += [(f"b.{n}", b) for n, b in module.named_buffers()]
     return named
@@ -85,6 +103,30 @@ def load_params(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
             b.copy_(tensors[f"b.{n}"])
 
 
+# --- the two regions of a local snapshot ---------------------------------------------------------------
+def shard_named(optimizer, replicated: bool) -> list[tuple[str, torch.Tensor]]:
+    """The region replicated to peers: this rank's optimizer shard (nothing when every DP peer holds the
+    same optimizer state: then only the envelope travels)."""
+    return [] if replicated else optim_named(optimizer)
+
+
+def local_named(module: torch.nn.Module, optimizer, replicated: bool) -> list[tuple[str, torch.Tensor]]:
+    """The region kept locally only: parameters and buffers, plus a replicated optimizer's state."""
+    named = param_named(module)
+    if replicated:
+        named += [(f"o.{n}", t) for n, t in optim_named(optimizer)]
+    return named
+
+
+def load_local(objs: LoopObjects, shard: dict[str, torch.Tensor], local: dict[str, torch.Tensor], meta: dict) -> None:
+    """Restore a rank's tensors from the two regions of a snapshot (or of the transfers of a recovery)."""
+    load_params(objs.module, local)
+    optim = dict(shard)
+    optim.update({n[2:]: t for n, t in local.items() if n.startswith("o.")})
+    load_optim(objs.optimizer, optim, scalars_of(meta))
+
+
+# --- the envelope ----------------------------------------------------------------------------------------
 def _b64(obj: Any) -> str:
     return base64.b64encode(pickle.dumps(obj)).decode()
 
@@ -119,11 +161,9 @@ def restore_rng(blob: str) -> None:
 
 
 def capture_data(data_state) -> str | None:
-    if data_state is None:
+    if data_state is None or not hasattr(data_state, "state_dict"):
         return None
-    if hasattr(data_state, "state_dict"):
-        return _b64(data_state.state_dict())
-    return None
+    return _b64(data_state.state_dict())
 
 
 def restore_data(data_state, blob: str | None) -> None:
@@ -131,14 +171,55 @@ def restore_data(data_state, blob: str | None) -> None:
         data_state.load_state_dict(_unb64(blob))
 
 
-def make_meta(step: int, optimizer, data_state, extra: dict[str, Any]) -> dict[str, Any]:
+def _groups(optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _load_groups(optimizer, groups: list[dict[str, Any]]) -> None:
+    targets = [optimizer] + ([local_optimizer(optimizer)] if local_optimizer(optimizer) is not optimizer else [])
+    for opt in targets:
+        if len(opt.param_groups) != len(groups):
+            continue  # ZeRO's local optimizer mirrors the wrapper's groups (synced at each step)
+        for g, saved in zip(opt.param_groups, groups):
+            g.update(saved)
+
+
+def capture_envelope(step: int, objs: LoopObjects, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The envelope of S_step (JSON-able; pickled parts are base64)."""
+    loop = {
+        "groups": _groups(objs.optimizer),
+        "schedulers": [s.state_dict() for s in objs.schedulers],
+        "scaler": objs.scaler.state_dict() if objs.scaler is not None else None,
+        "stateful": {name: obj.state_dict() for name, obj in objs.stateful.items()},
+    }
     return {
         "step": step,
         "rng": capture_rng(),
-        "data": capture_data(data_state),
-        "optim_scalars": _b64(optim_scalars(optimizer)),
-        **extra,
+        "optim_scalars": _b64(optim_scalars(objs.optimizer)),
+        "loop": _b64(loop),
+        **(extra or {}),
     }
+
+
+def restore_envelope(meta: dict[str, Any], objs: LoopObjects) -> None:
+    """Everything but the tensors: RNG, hyperparameters, schedulers, scaler, stateful objects."""
+    restore_rng(meta["rng"])
+    loop = _unb64(meta["loop"]) if meta.get("loop") else {}
+    if loop.get("groups") is not None:
+        _load_groups(objs.optimizer, loop["groups"])
+    for sched, sd in zip(objs.schedulers, loop.get("schedulers", ())):
+        sched.load_state_dict(sd)
+    if objs.scaler is not None and loop.get("scaler") is not None:
+        objs.scaler.load_state_dict(loop["scaler"])
+    for name, sd in (loop.get("stateful") or {}).items():
+        if name in objs.stateful:
+            objs.stateful[name].load_state_dict(sd)
+
+
+def make_meta(step: int, optimizer, data_state, extra: dict[str, Any]) -> dict[str, Any]:
+    """The envelope of the old API (optimizer and data position only); kept for callers of 0.x."""
+    objs = LoopObjects(torch.nn.Module(), optimizer, stateful={"data": data_state} if data_state is not None else {})
+    return capture_envelope(step, objs, extra)
 
 
 def scalars_of(meta: dict[str, Any]) -> dict[str, Any]:

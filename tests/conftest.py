@@ -99,3 +99,83 @@ def kill_job(proc: subprocess.Popen, run_dir: Path | None) -> None:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+# --- digests and recovery checks shared by the end-to-end tests ---------------------------------------
+def load_digest(path: Path, what: str = "run") -> dict:
+    """The digest file of a run; a missing or unreadable file FAILS the test (two missing digests are not
+    equal: a run that wrote none did not complete)."""
+    path = Path(path)
+    if not path.exists():
+        raise AssertionError(f"the {what} wrote no digest file ({path}): it did not complete every step")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise AssertionError(f"the {what}'s digest file {path} is not valid JSON: {e}") from None
+
+
+def digest_diff(got: dict, expected: dict) -> str:
+    """Which parts of which rank differ (train_gpt.py's ``components``), for the assertion message."""
+    a, b = got.get("components"), expected.get("components")
+    if not a or not b:
+        return "(no per-rank components in the digest files)"
+    if len(a) != len(b):
+        return f"world sizes differ: {len(a)} vs {len(b)}"
+    diffs = [f"rank {r}: {', '.join(k for k in b[r] if a[r].get(k) != b[r][k])}" for r in range(len(b)) if a[r] != b[r]]
+    return "; ".join(diffs) or "(components equal, digest differs)"
+
+
+def assert_same_digest(got_path: Path, expected: dict) -> None:
+    got = load_digest(got_path, "run with failures")
+    assert expected.get("digest"), "the failure-free run's digest is missing"
+    assert got["digest"] == expected["digest"], (
+        f"the final digest differs from the failure-free run's: {digest_diff(got, expected)}"
+    )
+
+
+def check_resume_steps(evs: list[dict], failed_at: int | None = None) -> list[tuple[int, int]]:
+    """Each ``recovery`` event's resume step against the step that failed (the earliest step of the
+    faults injected since the previous recovery, or ``failed_at`` for a failure the test caused itself): a
+    step that failed resumes at that step or the one before it (nothing completed is lost, at most one step is
+    replayed). A fault injected during a recovery (phase recover*) fails no step: the recovery it interrupts is still
+    checked against the step that failed first. Returns (failed step, resume step) per recovery."""
+    out, pending = [], []
+    for e in evs:
+        if (e["type"] == "injected" and e.get("step") is not None and e.get("source") != "chaos"
+                and not str(e.get("phase") or "").startswith("recover")):  # a fault during a recovery fails no step
+            pending.append(int(e["step"]))
+        elif e["type"] == "recovery":
+            failed = min(pending) if pending else failed_at
+            assert failed is not None, f"a recovery with no failed step to check it against: {e}"
+            resume = e.get("resume_step")
+            assert resume is not None, f"the recovery event names no resume step: {e}"
+            assert max(0, failed - 1) <= resume <= failed, (
+                f"step {failed} failed and the job resumed at step {resume} (expected {max(0, failed - 1)}..{failed})"
+            )
+            out.append((failed, resume))
+            pending = []
+    return out
+
+
+def by_generation(evs: list[dict], t: str) -> dict[int, int]:
+    """How many events of type ``t`` each generation emitted (a generation starts at a hotswap,
+    local_recovery or restart event that names it)."""
+    gen, counts = 0, {0: 0}
+    for e in evs:
+        if e["type"] in ("hotswap", "local_recovery", "restart") and e.get("gen") is not None:
+            gen = max(gen, int(e["gen"]))
+            counts.setdefault(gen, 0)
+        elif e["type"] == t:
+            counts[gen] = counts.get(gen, 0) + 1
+    return counts
+
+
+def rank_log_tail(run_dir: Path, pattern: str = "phoenix|Error|error|Traceback", lines: int = 30) -> str:
+    """The last matching lines of every log of the run (for failure messages and findings)."""
+    import re
+
+    rx, out = re.compile(pattern), []
+    for p in sorted(Path(run_dir).glob("logs/*/*.log")):
+        hits = [ln for ln in p.read_text(errors="replace").splitlines() if rx.search(ln)]
+        out += [f"{p.parent.name}/{p.name}: {ln}" for ln in hits[-lines:]]
+    return "\n".join(out[-lines * 3:])

@@ -119,11 +119,37 @@ def test_prefers_other_domains_after_nodes():
     assert lay.placement_conflicts(1) == []
 
 
+_PLACEMENT_CODE = (
+    "import json, sys\n"
+    "from phoenix_runtime.layout import Layout\n"
+    "for n in range(2, 9):\n"  # another history first: other layouts fill the ring cache
+    "    Layout(4 * n, nodes=tuple(f'm{i % n}' for i in range(4 * n))).replica_targets(0, 1)\n"
+    "nodes = tuple(f'n{i % 5}' for i in range(20))\n"
+    "lay = Layout(20, nodes=nodes)\n"
+    "print(json.dumps([lay.replica_targets(r, 2) for r in range(20)]))\n"
+)
+
+
 def test_placement_is_deterministic_and_order_free_of_history():
+    """The placement is a function of the layout alone: computed here and, independently, in a fresh
+    interpreter (another hash seed, another history of cached rings), it is the same."""
+    import json
+    import os
+    import subprocess
+
+    from phoenix_runtime import layout as layout_module
+
     nodes = tuple(f"n{i % 5}" for i in range(20))
-    a = Layout(20, nodes=nodes)
-    b = Layout(20, nodes=nodes)
-    assert [a.replica_targets(r, 2) for r in range(20)] == [b.replica_targets(r, 2) for r in range(20)]
+    layout_module._ring_order.cache_clear()  # nothing cached from other tests
+    here = [Layout(20, nodes=nodes).replica_targets(r, 2) for r in range(20)]
+    _check_consistent(Layout(20, nodes=nodes), 2)
+    for seed in ("1", "4242"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", _PLACEMENT_CODE], env=env, capture_output=True, text=True, timeout=60, check=True)
+        assert json.loads(out.stdout) == here, f"PYTHONHASHSEED={seed}: another placement"
+    # the same labels listed under other names give the same ring (names are labels, not an order)
+    renamed = tuple(f"z{int(n[1:])}" for n in nodes)
+    assert [Layout(20, nodes=renamed).replica_targets(r, 2) for r in range(20)] == here
 
 
 def test_randomised_equal_node_groups_have_no_node_conflicts():

@@ -138,9 +138,13 @@ def test_plan_first_step_needs_no_replica_and_replicated_uses_any_peer():
     descs = [surv(0, 0, True, [0], {}), Descriptor(1, False)]
     p = plan_recovery(descs, {0: [0, 1], 1: [0, 1]}, SH, replicated=False)
     assert p.step == 0 and p.fresh_optim and p.optim_src == {1: 0}
-    descs = [surv(0, 5, True, [4, 5], {}), Descriptor(1, False)]
+    # replicated optimizer: the state comes from any DP peer, but the joiner's own envelope (RNG, data
+    # position) only from a replica of it
+    descs = [surv(0, 5, True, [4, 5], {SH[1]: [4, 5]}), Descriptor(1, False)]
     p = plan_recovery(descs, {0: [0, 1], 1: [0, 1]}, SH, replicated=True)
-    assert p.step == 5 and p.optim_src == {1: 0} and not p.fresh_optim
+    assert p.step == 5 and p.optim_src == {1: 0} and p.param_src == {1: 0} and not p.fresh_optim
+    with pytest.raises(Unrecoverable, match="envelope"):
+        plan_recovery([surv(0, 5, True, [4, 5], {}), Descriptor(1, False)], {0: [0, 1], 1: [0, 1]}, SH, replicated=True)
 
 
 def test_pack_roundtrip():

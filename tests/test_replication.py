@@ -230,16 +230,20 @@ def scenario_torn(rank, n, group, store, a, outdir):
 
 
 def scenario_corrupt(rank, n, group, store, a, outdir):
-    """Rank 0 flips a bit of rank 1's replica of S_1 on arrival; the checksum must catch it."""
+    """Rank 0 flips a bit of rank 1's replica of S_1 on arrival, every time (the checksum catches it, the
+    bounded resends fail too), and of S_2 once (the resend commits it)."""
     from phoenix_runtime.replication import ReplicationError, Replicator
     from phoenix_runtime.snapshot import D2H
 
     lay = _layout(a, n)
     tr = _Trainer(seed=300 + rank)
-    cur = {"step": -1}
+    cur = {"step": -1, "flipped2": False}
 
     def fault(point, i, data):
-        if rank == 0 and point == "h2h_recv_chunk" and cur["step"] == 1 and i == 1:
+        if rank == 0 and point == "h2h_recv_chunk" and i == 1 and cur["step"] in (1, 2):
+            if cur["step"] == 2 and cur["flipped2"]:
+                return
+            cur["flipped2"] = cur["step"] == 2
             data[5] ^= 0x04
 
     d2h = D2H("cpu", tr.optim_named, tr.param_named)
@@ -266,6 +270,7 @@ def scenario_corrupt(rank, n, group, store, a, outdir):
         for k, v in rep.replicas().items()
     }
     res["checksum_failures"] = rep.stats["checksum_failures"]
+    res["resends"] = rep.stats["resends"]
     res["broken"] = rep.broken is not None
     res["stopped"] = rep.stop(5, abort=False)  # keep the transport for the transfer below
     # recovery-style transfer on the same transport: rank 0 gives rank 1 back its replica of S_2
@@ -602,12 +607,14 @@ def test_corrupt_replica_is_detected_by_checksum(tmp_path):
     assert codes == {0: 0, 1: 0}, _logs(tmp_path, 2)
     lay = Layout(2)
     r0, r1 = res[0], res[1]
-    # rank 1's replica of S_1 arrived corrupt at rank 0: rejected, reported to rank 1 naming rank 0
+    # rank 1's replica of S_1 arrived corrupt at rank 0 three times (the first send and 2 resends):
+    # rejected, reported to rank 1 naming rank 0; S_2 arrived corrupt once and its resend was committed
     err = r1["errors"]["1"]
     assert err and err["peer"] == 0 and "checksum" in err["msg"], r1
     assert r1["errors"]["0"] is None and r1["errors"]["2"] is None  # only that step failed
     assert all(v is None for v in r0["errors"].values()), r0
-    assert r0["checksum_failures"] == 1 and not r0["broken"] and not r1["broken"]
+    assert r0["checksum_failures"] == 3 + 1 and not r0["broken"] and not r1["broken"]
+    assert r1["resends"] == 2 + 1, r1
     # never committed: rank 0 kept S_0, then committed S_2; both equal rank 1's shards
     shard1 = str(lay.shard_of(1))
     assert r0["held_after_corrupt"][shard1] == [0]

@@ -274,15 +274,28 @@ def test_d2h_runs_concurrently_and_wait_times_out_clearly():
         assert d2h.stop(5)
 
 
-def test_d2h_rejects_layout_change():
+def test_d2h_layout_change_keeps_the_previous_snapshot_in_one_engine():
+    """The optimizer state appears lazily (empty at step 0): the same engine repacks at the new layout,
+    and the newest committed snapshot of the old layout stays readable until it is restaged."""
     m = _Model(3)
-    d2h = D2H("cpu", lambda: m.optim, lambda: m.params)
+    extra = []
+    d2h = D2H("cpu", lambda: m.optim + extra, lambda: m.params)
     try:
+        before = (m.clone_optim(), m.clone_params())
         d2h.start(0, {})
         d2h.wait(0, 10)
-        m.optim.append(("extra", torch.zeros(3)))
-        with pytest.raises(ValueError, match="re-create"):
-            d2h.start(1, {})
+        threads = threading.active_count()
+        extra.append(("extra", torch.arange(3.0)))
+        d2h.start(1, {})
+        s1 = d2h.wait(1, 10)
+        assert set(d2h.committed()) == {0, 1} and d2h.layout_changes == 2
+        _check_snapshot(d2h.committed()[0], *before)  # S_0, packed at the old layout, intact
+        assert torch.equal(s1.optim_tensors()["extra"], torch.arange(3.0))
+        d2h.start(2, {})
+        d2h.wait(2, 10)
+        assert set(d2h.committed()) == {1, 2} and d2h.layout_changes == 2
+        assert d2h.nbytes_allocated == 2 * d2h.nbytes  # both slots at the new size now
+        assert threading.active_count() == threads  # no new engine, no new thread
     finally:
         d2h.stop(5)
 

@@ -1,0 +1,196 @@
+"""Soak: one job, seeded chaos (``--chaos-mtbf``) for at least ``--recoveries`` hot-swaps; the final digest must
+equal the failure-free run's, and the ranks' RSS and thread counts must stay flat.
+
+    python bench/soak.py [--recoveries 20] [--mtbf 4] [--nodes 2 --nproc 1] [--spares N] [--steps N]
+
+Spares: the local backend does not replenish the pool (``Supervisor.replenish`` acts only with
+``slurm.replenish`` on a backend that has ``replenish``: Slurm), so the job starts with enough warm spares for
+every chaos kill it may see (default: the target + 6; each warm spare is an agent and its warm ranks, about
+0.5 GiB here, checked against the available memory first); chaos kills only active nodes, and a kill that
+finds no spare stops the job. The length of the run (``--steps``, default from a short calibration of the
+step time) is sized for the target + 1 kills expected at the given MTBF; a run that ends with fewer
+recoveries says so and fails.
+
+Sampled every ``--sample-s`` over the run (psutil): RSS and thread count of every rank process of the job.
+No rank survives every kill (chaos picks any active node), so the figures are printed per process, with the
+number of recoveries each one lived through, and the longest-lived survivor is checked for growth.
+Exit 0 only when: both runs succeeded, recoveries >= target, digests equal, survivor flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+from common import GPT, env, events, phoenix
+
+TRAIN = ("--optimizer", "zero", "--scheduler", "cosine", "--norm", "batch", "--data", "sampler",
+         "--d-model", "64", "--layers", "2", "--log-every", "1000000")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recoveries", type=int, default=20, help="target number of recoveries in the chaos job")
+    p.add_argument("--mtbf", type=float, default=4.0, help="--chaos-mtbf seconds")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--spares", type=int, default=0, help="warm spares (default: --recoveries + 6)")
+    p.add_argument("--steps", type=int, default=0, help="training steps (default: sized from a calibration run)")
+    p.add_argument("--step-sleep", type=float, default=0.05, help="extra seconds per step (a bigger model)")
+    p.add_argument("--recovery-guess-s", type=float, default=3.0, help="detection + recovery time used to size the run")
+    p.add_argument("--sample-s", type=float, default=1.0)
+    p.add_argument("--growth-limit", type=float, default=0.25, help="max relative RSS growth of the survivor (first -> last sample)")
+    p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument("--keep", default=None, help="directory for the runs (default: a temporary one)")
+    return p.parse_args(argv)
+
+
+def config(d: Path, a) -> Path:
+    cfg = {"detect": {"heartbeat_s": 0.25, "hang_timeout_s": 8.0, "node_timeout_s": 4.0, "collective_timeout_s": 60.0,
+                      "recovery_timeout_s": 60.0},
+           "inject": {"chaos_mtbf_s": a.mtbf, "seed": a.seed}}
+    path = d / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def job_ranks(run_dir: Path) -> dict[int, psutil.Process]:
+    """Live rank processes of the job (active or spare), by pid."""
+    rd, out = str(run_dir.resolve()), {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if "phoenix_runtime.bootstrap" in " ".join(p.info["cmdline"] or []) and p.environ().get("PHOENIX_RUN_DIR") == rd:
+                out[p.pid] = p
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def run_sampled(cmd, cwd: Path, run_dir: Path, a) -> tuple[int, float, dict[int, list]]:
+    """Run the job; every ``sample_s`` record (t, rss_mib, threads, role) of each rank process."""
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    samples: dict[int, list] = {}
+    deadline = time.monotonic() + a.timeout_s
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit(f"soak: the job ran past {a.timeout_s:g} s; killed")
+            for pid, p in job_ranks(run_dir).items():
+                try:
+                    with p.oneshot():
+                        role = p.environ().get("PHOENIX_ROLE", "?")
+                        samples.setdefault(pid, []).append((time.time() - t0, p.memory_info().rss / 2**20, p.num_threads(), role))
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            time.sleep(a.sample_s)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    if proc.returncode != 0:
+        print(f"  job failed ({proc.returncode}):\n{err[-3000:]}", file=sys.stderr)
+    return proc.returncode, t0, samples
+
+
+def calibrate(d: Path, a) -> float:
+    """Seconds per step of this job on this machine now (rank 0's step log, first steps excluded)."""
+    log = d / "steps.log"
+    cmd = phoenix("--nodes", a.nodes, "--nproc-per-node", a.nproc, "--run-dir", d / "run", GPT, "--steps", 60,
+                  "--step-sleep", a.step_sleep, "--step-log", log, *TRAIN)
+    subprocess.run(cmd, cwd=d, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600, check=True)
+    ts = [float(line.split()[2]) for line in log.read_text().splitlines() if line.startswith("step")]
+    return (ts[-1] - ts[10]) / max(1, len(ts) - 11)
+
+
+def survivor_report(samples: dict[int, list], recoveries: list[float]) -> tuple[int | None, list[str]]:
+    """Per process: lifetime, recoveries lived through, RSS and threads first/max/last. Returns the pid of the
+    active rank that lived through the most recoveries."""
+    lines, best, best_n = [], None, -1
+    for pid, s in sorted(samples.items(), key=lambda kv: kv[1][0][0]):
+        t_first, t_last = s[0][0], s[-1][0]
+        lived = sum(1 for t in recoveries if t_first < t < t_last)
+        act = [x for x in s if x[3] == "active"] or s
+        rss = [x[1] for x in act]
+        thr = [x[2] for x in act]
+        lines.append(f"  pid {pid:>7} {s[-1][3]:>6}  {t_first:7.1f}-{t_last:7.1f}s  recoveries lived {lived:>2}  "
+                     f"RSS MiB first {rss[0]:7.1f} max {max(rss):7.1f} last {rss[-1]:7.1f}  threads first {thr[0]:>3} max {max(thr):>3} last {thr[-1]:>3}")
+        if any(x[3] == "active" for x in s) and lived > best_n:
+            best, best_n = pid, lived
+    return best, lines
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    base = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="phoenix-soak-"))
+    base.mkdir(parents=True, exist_ok=True)
+    spares = a.spares or a.recoveries + 6
+    need = (a.nodes + spares) * (0.2 + 0.3 * a.nproc) * 2**30  # agent + warm ranks per node (measured here)
+    if psutil.virtual_memory().available < need:
+        print(f"soak: {a.nodes + spares} nodes need about {need / 2**30:.1f} GiB; only "
+              f"{psutil.virtual_memory().available / 2**30:.1f} GiB available (lower --spares/--recoveries)", file=sys.stderr)
+        return 2
+    steps = a.steps
+    if not steps:
+        (base / "calib").mkdir(exist_ok=True)
+        step_s = calibrate(base / "calib", a)
+        steps = math.ceil((a.recoveries + 1) * (a.mtbf + a.recovery_guess_s) / step_s)
+        print(f"calibration: {step_s * 1000:.1f} ms/step -> {steps} steps for ~{a.recoveries} recoveries at MTBF {a.mtbf:g} s")
+    print(f"soak: {a.nodes} nodes x {a.nproc} ranks + {spares} spares (the local backend does not replenish), {steps} steps, "
+          f"chaos MTBF {a.mtbf:g} s, seed {a.seed}; runs in {base}")
+    common = ("--step-sleep", a.step_sleep, *TRAIN, "--steps", steps)
+
+    d0 = base / "clean"
+    d0.mkdir(exist_ok=True)
+    rc0, _, _ = run_sampled(phoenix("--nodes", a.nodes, "--nproc-per-node", a.nproc, "--run-dir", d0 / "run", GPT, *common,
+                                    "--digest-file", d0 / "digest.json"), d0, d0 / "run", a)
+    d1 = base / "chaos"
+    d1.mkdir(exist_ok=True)
+    rc1, t0, samples = run_sampled(
+        phoenix("--config", config(d1, a), "--nodes", a.nodes, "--nproc-per-node", a.nproc, "--spares", spares,
+                "--run-dir", d1 / "run", GPT, *common, "--digest-file", d1 / "digest.json"), d1, d1 / "run", a)
+
+    evs = events(d1 / "run")
+    recs = [e for e in evs if e["type"] == "recovery"]
+    kills = [e for e in evs if e["type"] == "injected" and e.get("source") == "chaos"]
+    totals = sorted(e["total_s"] for e in recs if e.get("total_s") is not None)
+    print(f"chaos job: exit {rc1}, {len(kills)} chaos kills, {len(recs)} recoveries, "
+          f"{sum(1 for e in evs if e['type'] == 'recovery_abandoned')} abandoned generations")
+    if totals:
+        print(f"recovery total_s: median {totals[len(totals) // 2]:.3f}  max {totals[-1]:.3f}")
+    dg = [json.loads(p.read_text())["digest"] if p.exists() else None for p in (d0 / "digest.json", d1 / "digest.json")]
+    same = dg[0] is not None and dg[0] == dg[1]
+    print(f"digest failure-free {dg[0]}\ndigest chaos        {dg[1]}\n-> {'EQUAL' if same else 'DIFFERENT or MISSING'}")
+
+    best, lines = survivor_report(samples, [e["t"] - t0 for e in recs])
+    print("rank processes (sampled every %.1f s):" % a.sample_s)
+    print("\n".join(lines))
+    flat = False
+    if best is not None:
+        act = [x for x in samples[best] if x[3] == "active"]
+        rss0, rss1 = act[0][1], act[-1][1]
+        thr0, thr1 = act[0][2], act[-1][2]
+        flat = rss1 <= rss0 * (1 + a.growth_limit) and thr1 <= thr0 + 2
+        print(f"longest-lived survivor pid {best}: RSS {rss0:.1f} -> {rss1:.1f} MiB, threads {thr0} -> {thr1}: "
+              f"{'flat' if flat else 'GROWS'}")
+    ok = rc0 == 0 and rc1 == 0 and len(recs) >= a.recoveries and same and flat
+    if len(recs) < a.recoveries:
+        print(f"only {len(recs)} recoveries (target {a.recoveries}): raise --steps or lower --mtbf")
+    print("SOAK", "PASSED" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

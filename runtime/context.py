@@ -1,0 +1,252 @@
+"""The process-wide runtime state of one rank: control-plane connection, generations, process groups.
+
+``init()`` joins the training world: under phoenix-run, the current generation's groups on the control plane
+(a replacement rank joins the generation it was assigned to); elsewhere ``init_process_group`` from the
+environment (torchrun), with no recovery.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phoenix_runtime import protocol
+from phoenix_runtime.control import STATE, connect_store, start_control
+from phoenix_runtime.rank_env import RankEnv, rank_env
+
+ABORT_TAG = 32761  # a tag no training op uses: a receive on it only serves to close a pair
+
+
+class Unrecoverable(RuntimeError):
+    """Recovery from memory is impossible (a shard lost with every replica, or no state at all)."""
+
+
+class GenerationAbandoned(RuntimeError):
+    """The supervisor published a newer generation while this one was running or being formed."""
+
+
+def log(msg: str) -> None:
+    """A timestamped line in the rank's log (its stderr): what the runtime did and when."""
+    t = time.time()
+    rank = _CTX.rank if _CTX is not None else rank_env().rank
+    print(f"[phoenix {time.strftime('%H:%M:%S', time.localtime(t))}.{int(t % 1 * 1000):03d} rank {rank}] {msg}", file=sys.stderr, flush=True)
+
+
+def desc_key(gen: int, rank: int) -> str:
+    """The store key of rank ``rank``'s recovery descriptor in generation ``gen`` (owned by the runtime)."""
+    return f"phx/gen/{gen}/desc/{rank}"
+
+
+class Context:
+    def __init__(self, env: RankEnv, backend: str | None, tp: int, pp: int):
+        self.env = env
+        self.settings = env.settings
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.tp, self.pp = tp, pp
+        self.managed = env.managed
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.node, self.slot = env.node, env.slot
+        self.joining = env.joining  # the one representation of "this rank replaces a lost one"
+        self.gen = env.gen
+        self.epoch = env.restart_count
+        self.repl_group = None  # a gloo group of each generation: replicas and recovery transfers
+        self.members: protocol.Membership | None = None
+        self._aborted_gen = -1
+        self._lock = threading.Lock()
+        self._own_keys: list[tuple[int, str]] = []
+        self.timeout = timedelta(seconds=self.settings.collective_timeout_s)
+        self.recovery_timeout = self.settings.recovery_timeout_s
+        if torch.cuda.is_available():
+            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        if self.managed:
+            self.ctl = start_control()
+            self.store = connect_store(env)
+            self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
+            self.ctl.on_gen_change.append(self._on_gen_change)
+
+    @property
+    def formed_after_a_failure(self) -> bool:
+        """This rank joined a generation that replaced the one it was started in: the ranks agree on the
+        state (a recovery) before the first step."""
+        return self.joining or self.gen > self.env.gen
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def report(self, msg: dict[str, Any]) -> None:
+        if self.managed:
+            self.q_sup.put({"node": self.node, "slot": self.slot, "rank": self.rank, **msg})
+
+    # --- generations ---------------------------------------------------------------------------------
+    def latest_gen(self) -> int:
+        return protocol.read_gen(self.store)
+
+    def abandoned(self) -> bool:
+        """The supervisor published a newer generation (the control thread's view: no store round trip)."""
+        return self.managed and self.ctl.latest_gen > self.gen
+
+    def check_generation(self) -> None:
+        if self.abandoned():
+            raise GenerationAbandoned(f"generation {self.gen} was replaced by {self.ctl.latest_gen}")
+
+    def _on_gen_change(self, new_gen: int) -> None:
+        """Control thread: a newer generation abandons ours; make blocked collectives fail at once."""
+        with self._lock:
+            if new_gen > self.gen and self._aborted_gen < self.gen:
+                self._aborted_gen = self.gen
+                self.abort_groups()
+
+    def abort_groups(self) -> None:
+        """Make every pending op of this generation's groups fail at once, here and at the peers.
+
+        gloo's abort() alone does not fail a pending receive (measured with torch 2.13); a receive whose
+        wait times out closes its pair, which fails every pending op on that pair on both sides. So each
+        peer's pair is closed that way first (a 1 ms wait on a reserved tag), then the group is aborted
+        (NCCL: ncclCommAbort)."""
+        world = dist.group.WORLD if dist.is_initialized() else None
+        for g in (self.repl_group, world):
+            if g is None:
+                continue
+            if g is self.repl_group or self.backend == "gloo":
+                probe = torch.empty(1, dtype=torch.uint8)
+                for p in range(g.size()):
+                    if p == g.rank():
+                        continue
+                    try:
+                        g.recv([probe], p, ABORT_TAG).wait(timedelta(milliseconds=1))
+                    except Exception:
+                        pass
+            try:
+                g.abort()
+            except Exception:
+                pass
+
+    def destroy_groups(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        self.repl_group = None
+
+    def _wait_all(self, key: str, gen: int, deadline: float) -> None:
+        while True:
+            if int(self.store.add(key, 0)) >= self.world_size:
+                return
+            if self.latest_gen() > gen:
+                raise GenerationAbandoned(f"generation {gen} abandoned")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation {gen}: not every rank arrived within the recovery timeout")
+            time.sleep(0.005)
+
+    def form(self, gen: int, deadline: float) -> None:
+        """Form generation ``gen``'s process groups on a fresh generation-scoped store prefix."""
+        self.gen = gen
+        self.members = protocol.read_members(self.store, gen)
+        me = self.members.rank_at(self.node, self.slot)
+        if me is None:
+            raise Unrecoverable(f"{self.node}/{self.slot} is not a member of generation {gen}")
+        self.rank = me
+        STATE.gen = gen
+        self.store.add(protocol.k_arrived(gen), 1)
+        log(f"generation {gen}: arrived")
+        self._wait_all(protocol.k_arrived(gen), gen, deadline)
+        log(f"generation {gen}: every rank arrived")
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(protocol.k_pg_prefix(gen), self.store),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=self.timeout,
+        )
+        # CPU tensors (replicas, recovery transfers) travel on a gloo group of their own: never interleaved
+        # with training collectives, and an NCCL group cannot carry them
+        self.repl_group = dist.new_group(backend="gloo") if self.settings.protect else None
+        log(f"generation {gen}: process groups formed")
+        if self.latest_gen() > gen:
+            raise GenerationAbandoned(f"generation {gen} abandoned")
+
+    def wait_new_gen(self, after: int) -> int:
+        deadline = time.monotonic() + self.recovery_timeout
+        while time.monotonic() < deadline:
+            g = self.latest_gen()
+            if g > after:
+                return g
+            time.sleep(0.005)
+        raise TimeoutError(f"no new generation after {after} within {self.recovery_timeout:g} s")
+
+    def exchange(self, gen: int, desc_json: str, deadline: float) -> list[bytes]:
+        """Publish this rank's descriptor of generation ``gen`` and read everybody's (bounded)."""
+        key = desc_key(gen, self.rank)
+        self.store.set(key, desc_json)
+        self._own_keys.append((gen, key))
+        keys = [desc_key(gen, r) for r in range(self.world_size)]
+        while not self.store.check(keys):
+            if self.latest_gen() > gen:
+                raise GenerationAbandoned(f"generation {gen} abandoned")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation {gen}: descriptors missing after the recovery timeout")
+            time.sleep(0.003)
+        return [self.store.get(k) for k in keys]
+
+    def delete_old_keys(self) -> None:
+        """Delete the store keys this rank wrote for generations before the current one."""
+        keep = []
+        for gen, key in self._own_keys:
+            if gen < self.gen:
+                try:
+                    self.store.delete_key(key)
+                except Exception:  # noqa: BLE001 -- a key the store lost is as good as deleted
+                    pass
+            else:
+                keep.append((gen, key))
+        self._own_keys = keep
+
+
+_CTX: Context | None = None
+
+
+def init(backend: str | None = None, *, tp: int = 1, pp: int = 1) -> Context:
+    """Join the training world (idempotent)."""
+    global _CTX
+    if _CTX is not None:
+        return _CTX
+    env = rank_env()
+    ctx = Context(env, backend, tp, pp)
+    if not ctx.managed:
+        if ctx.world_size > 1 or env.master_addr:
+            dist.init_process_group(ctx.backend, timeout=ctx.timeout)
+        else:
+            dist.init_process_group(ctx.backend, store=dist.HashStore(), rank=0, world_size=1)
+        _CTX = ctx
+        return ctx
+    if ctx.joining:
+        log(f"joining generation {ctx.gen} as rank {ctx.rank}")
+    gen = max(ctx.gen, ctx.latest_gen()) if ctx.joining else ctx.gen
+    first = not ctx.joining  # the job's start: every rank imports torch at once, allow for it
+    while True:
+        limit = max(ctx.recovery_timeout, 600.0) if first else ctx.recovery_timeout
+        try:
+            ctx.form(gen, time.monotonic() + limit)
+            break
+        except Unrecoverable:
+            raise
+        except (GenerationAbandoned, RuntimeError) as e:
+            log(f"generation {gen} not formed ({type(e).__name__}: {str(e)[:120]})")
+            ctx.destroy_groups()
+            gen = ctx.wait_new_gen(gen)
+    _CTX = ctx
+    return ctx
+
+
+def current() -> Context | None:
+    return _CTX
+

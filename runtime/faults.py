@@ -1,0 +1,94 @@
+"""Fault injection, a plug-in outside the step path: the step guard and the recovery session call
+``fire(step, phase)`` at named points; nothing else of the runtime knows about faults.
+
+Points: the step phases ``settings.STEP_PHASES`` (``begin``, ``forward``, ``optimizer`` -- after the local
+update, before ZeRO's broadcast --, ``d2h`` -- inside the local snapshot copy --, ``h2h`` -- inside the replica
+transfer) and the recovery phases ``settings.RECOVERY_PHASES`` (``recover_exchange``, ``recover_params``,
+``recover_optim``, ``recover_reprotect``, ``recover_barrier``; ``recovery`` is an alias of
+``recover_exchange``). A fault fires once per job (a store counter), even when its step is replayed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any, Callable
+
+ALIASES = {"recovery": "recover_exchange"}
+
+
+class FaultInjector:
+    """The faults addressed to this rank: from the configuration, or sent by ``phoenix-run kill-node``."""
+
+    def __init__(self, faults, node: str, store, report: Callable[[dict], None], abort_links: Callable[[], None]):
+        self.pending: list[dict[str, Any]] = [dict(f, id=f"cfg{i}") for i, f in enumerate(faults)]
+        self.node = node
+        self.store = store
+        self.report = report
+        self.abort_links = abort_links
+        self.comm_fault = False  # set by a "comm" fault: the next communication error is a failure
+        self.rank = -1
+        self.gen = 0
+        self.step = 0  # the step in progress (the D2H/H2H hooks run on other threads)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.pending)
+
+    def where(self, rank: int, gen: int) -> None:
+        self.rank, self.gen = rank, gen
+
+    def on_message(self, msg: dict) -> None:
+        """Control thread: a fault sent to this rank (at once, or at a later step)."""
+        if msg.get("at_step") is None and msg["mode"] in ("crash", "rank", "hang", "comm"):
+            self.execute(msg["mode"])
+        else:
+            self.pending.append(dict(msg, step=msg.get("at_step")))
+
+    def _matches(self, f: dict, step: int, phase: str) -> bool:
+        if f.get("step") is not None and f["step"] != step:
+            return False
+        if f.get("gen") is not None and self.gen < f["gen"]:
+            return False
+        if ALIASES.get(f.get("phase", "begin"), f.get("phase", "begin")) != phase:
+            return False
+        if "node" in f and f["node"] != self.node:
+            return False
+        return "rank" not in f or f["rank"] == self.rank
+
+    def fire(self, step: int | None, phase: str) -> None:
+        for f in list(self.pending):
+            if not self._matches(f, step, phase):
+                continue
+            self.pending.remove(f)
+            if self.store is not None and self.store.add(f"phx/fault/{f.get('id')}", 1) != 1:
+                continue  # fire once per job, even if this step is replayed after a recovery
+            mode = f.get("mode", "crash")
+            self.report({"type": "fault_fired", "mode": mode, "step": step, "phase": phase})
+            self.execute(mode)
+
+    def optimizer_hook(self, *args, **kwargs) -> None:
+        """A post-hook of the local optimizer: "during the optimizer step"."""
+        self.fire(self.step, "optimizer")
+
+    def copy_hook(self, point: str, index: int, data):
+        """The D2H engine's and the replicator's fault hook: before the second tensor of the local copy,
+        before the first chunk of a replica."""
+        if (point == "d2h_tensor" and index == 1) or (point == "h2h_chunk" and index == 0):
+            self.fire(self.step, "d2h" if point == "d2h_tensor" else "h2h")
+        return None
+
+    def execute(self, mode: str) -> None:
+        if mode == "crash":  # the whole node: the agent and every rank of it (one process group)
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        elif mode == "rank":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif mode == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif mode == "comm":  # a transient link fault: this rank's connections drop, the process lives
+            self.comm_fault = True
+            self.abort_links()
+        elif mode == "gpu-ecc":
+            raise RuntimeError("CUDA error: uncorrectable ECC error encountered (injected by phoenix-run kill-node)")
+        elif mode == "pcie":
+            raise RuntimeError("CUDA error: unspecified launch failure; NVRM: Xid 79, GPU has fallen off the bus (injected by phoenix-run kill-node)")

@@ -1,0 +1,32 @@
+"""Host memory accounting of the protection buffers (a leaf)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+GiB = 1 << 30
+
+
+class HostMemoryError(MemoryError):
+    """Not enough free host memory for the protection buffers."""
+
+
+def host_bytes_required(local_nbytes: int, optim_nbytes: int, k: int) -> int:
+    """Host bytes for one rank: 2 x its local snapshot + 2 x each of the ``k`` replicas it holds.
+
+    ``optim_nbytes`` is the size of one received optimizer region (DP shards are equal-sized).
+    """
+    return 2 * int(local_nbytes) + 2 * int(k) * int(optim_nbytes)
+
+
+def check_host_memory(required: int, available: Optional[int] = None, what: str = "ping-pong snapshot and replica buffers") -> None:
+    """Raise ``HostMemoryError`` if ``required`` bytes exceed ``available`` (default: psutil's free memory)."""
+    if available is None:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    if required > available:
+        raise HostMemoryError(
+            f"PHOENIX needs {required / GiB:.2f} GiB of host memory for {what} "
+            f"but only {available / GiB:.2f} GiB are free"
+        )

@@ -1,0 +1,124 @@
+"""The step guard: ``with training.step():`` and ``training.optimizer_step()``.
+
+A step ``k`` runs as: fault point ``begin``; the envelope of S_k is captured and S_k's protection starts (D2H
+now, H2H in the background); fault point ``forward``; the user's forward/backward; ``optimizer_step()`` waits
+(bounded) until S_k is committed locally and at its replica targets, then lets the optimizer mutate the
+state. A failure anywhere inside the ``with`` (a collective that fails because a peer died, the
+supervisor's notice of a new generation) is caught here, the step's partial progress is discarded and the
+recovery session runs; the loop then continues at the resume step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch.distributed as dist
+
+from phoenix_runtime.context import GenerationAbandoned, log
+from phoenix_runtime.control import STATE
+from phoenix_runtime.transport import TransportError
+from phoenix_runtime.wire import ReplicationError
+
+COMM_ERROR_MARKERS = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "gloo",
+    "nccl",
+    "aborted",
+    "connectfullmesh",
+    "socket",
+    "peer",
+)
+
+
+def looks_like_comm_failure(e: BaseException) -> bool:
+    """A communication failure (a peer died, a link dropped), as opposed to a bug in the training code."""
+    if isinstance(e, (ReplicationError, TransportError, dist.DistError)):
+        return True
+    if isinstance(e, RuntimeError):
+        text = str(e).lower()
+        return any(m in text for m in COMM_ERROR_MARKERS)
+    return False
+
+
+class StepGuard:
+    def __init__(self, training):
+        self.t = training
+        self._t_step = time.perf_counter()
+        self._step_times: list[float] = []
+        self._last_progress = 0.0
+
+    @contextlib.contextmanager
+    def step(self):
+        t = self.t
+        t.recover_if_pending()
+        step = t.step_idx
+        t.opt_started = False
+        t.faults.step = step
+        try:
+            t.ctx.check_generation() if t.ctx.managed else None
+            t.faults.fire(step, "begin")
+            if t.first_step is None:
+                t.first_step = step
+            if t.protect_on and step != t.protected_step:
+                t.protect_now(step)
+            t.faults.fire(step, "forward")
+            yield t
+            t.ctx.check_generation() if t.ctx.managed else None
+        except BaseException as e:
+            if not t.is_failure(e):
+                raise
+            t.recover(e)
+            return
+        t.step_idx = step + 1
+        STATE.stepped(t.step_idx)
+        self._progress()
+
+    def optimizer_step(self) -> None:
+        t = self.t
+        step = t.step_idx
+        if t.protect_on and t.protection is not None:
+            t0 = time.perf_counter()
+            try:
+                t.protection.wait(step, t.ctx.check_generation)
+            except ReplicationError as e:
+                self._replica_failed(step, e)
+            t.stats["last_wait_s"] = time.perf_counter() - t0
+        t.opt_started = True
+        t.objs.optimizer.step()  # phase "optimizer" faults fire inside it (a post-hook of the local optimizer)
+        t.objs.optimizer.zero_grad(set_to_none=True)
+
+    def _replica_failed(self, step: int, e: ReplicationError) -> None:
+        """A replica that failed (after its bounded resends) never stops a healthy job: report it and go on.
+        A peer that died is a failure of the generation, though: give the supervisor a moment to say so."""
+        t = self.t
+        if t.replication_failed_gen == t.ctx.gen:
+            return  # reported once per generation (a broken replicator fails every later step at once)
+        t.replication_failed_gen = t.ctx.gen
+        deadline = time.monotonic() + max(1.0, 4 * t.ctx.settings.heartbeat_s)
+        while e.cause not in ("checksum mismatch", "skipped") and time.monotonic() < deadline:
+            t.ctx.check_generation()
+            time.sleep(0.02)
+        log(f"step {step}: replication failed, training goes on unprotected for this step: {str(e)[:300]}")
+        t.stats["replication_errors"] = t.stats.get("replication_errors", 0) + 1
+        t.ctx.report({"type": "rank_error", "gen": t.ctx.gen, "fatal": False,
+                      "error": {"type": "ReplicationError", "message": str(e)[:2000], "step": step, "peer": e.peer}})
+
+    def _progress(self) -> None:
+        t = self.t
+        now = time.perf_counter()
+        self._step_times.append(now - self._t_step)
+        self._step_times = self._step_times[-20:]
+        self._t_step = now
+        STATE.steps_per_s = len(self._step_times) / max(sum(self._step_times), 1e-9)
+        if t.ctx.rank == 0 and t.ctx.managed and time.time() - self._last_progress > 2.0:
+            self._last_progress = time.time()
+            median = sorted(self._step_times)[len(self._step_times) // 2]
+            t.ctx.report({"type": "progress", "step": t.step_idx, "step_time_s": round(median, 5), "sps": round(STATE.steps_per_s, 3)})
+
+
+__all__ = ["StepGuard", "looks_like_comm_failure", "GenerationAbandoned"]

@@ -1,0 +1,318 @@
+"""``ProtectedTraining`` (``Trainer`` in 0.x): what ``phx.protect()`` returns, wiring the three parts.
+
+- the step guard (``step_guard.StepGuard``): ``with training.step():`` and ``training.optimizer_step()``;
+- the protection (``protection``): one local snapshot engine, and per generation a replicator + pipeline;
+- the recovery session (``recovery_session.RecoverySession``): one entry point, survivors and joiners alike.
+
+Fault injection is a plug-in (``faults.FaultInjector``) called at named points.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Any, Iterator
+
+import torch
+
+from phoenix_runtime import state
+from phoenix_runtime.context import Context, GenerationAbandoned, Unrecoverable, log
+from phoenix_runtime.control import STATE
+from phoenix_runtime.faults import FaultInjector
+from phoenix_runtime.protection import ProtectionSession, merge_replicas
+from phoenix_runtime.recovery_session import RecoverySession
+from phoenix_runtime.snapshot import D2H
+from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
+
+
+def optimizer_kind(optimizer) -> str:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return "zero"
+    if hasattr(optimizer, "phoenix_state"):
+        return "custom"
+    return "replicated"
+
+
+class ProtectedTraining:
+    """A protected training loop's state: model, optimizer, everything else it holds, and its protection."""
+
+    def __init__(self, ctx: Context, objs: state.LoopObjects, *, ddp: dict | None, replicas: int | None):
+        self.ctx = ctx
+        self.objs = objs
+        self.ddp_kwargs = ddp
+        self.settings = ctx.settings
+        self.protect_on = self.settings.protect and ctx.managed
+        self.replicas = int(replicas if replicas is not None else self.settings.replicas)
+        self.kind = optimizer_kind(objs.optimizer)
+        self.replicated = self.kind == "replicated"
+        self.step_idx = 0
+        self.opt_started = False
+        self.first_step: int | None = None  # the step this process's run started at
+        self.protected_step = -1  # a step whose protection was already done by the recovery
+        self.replication_failed_gen = -1
+        self.stats: dict[str, Any] = {"recoveries": []}
+        self.metas: dict[int, dict] = {}  # envelopes of the last steps (the live step's, for a rollback)
+        self.retained: dict = {}  # replicas held from the generations being recovered from
+        self.protection: ProtectionSession | None = None
+        self.faults = FaultInjector(self.settings.faults, ctx.node, getattr(ctx, "store", None), ctx.report, ctx.abort_groups)
+        self.faults.where(ctx.rank, ctx.gen)
+        if ctx.managed:
+            ctx.ctl.on_fault.append(self.faults.on_message)
+        self.d2h: D2H | None = None
+        if self.protect_on:
+            self.d2h = D2H(ctx.device, lambda: state.shard_named(self.objs.optimizer, self.replicated),
+                           lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated),
+                           fault=self.faults.copy_hook)
+        self.model = objs.module
+        self.guard = StepGuard(self)
+        self._hook_optimizer()
+        # the first step() / steps() recovers (a joiner, or a rank whose first generation replaced the one it
+        # started in) or builds DDP: both are collectives, so a peer lost meanwhile is a failure recovered from
+        self._pending = ctx.formed_after_a_failure and self.protect_on
+        self._wrapped = False
+        STATE.runtime = True
+        STATE.enter("training")
+        ctx.report({"type": "runtime_ready", "protect": self.protect_on, "epoch": ctx.epoch})
+
+    # --- the public API ------------------------------------------------------------------------------------
+    @property
+    def optimizer(self):
+        return self.objs.optimizer
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.objs.module
+
+    @property
+    def replicator(self):
+        return self.protection.replicator if self.protection is not None else None
+
+    def steps(self, total: int) -> Iterator[int]:
+        try:
+            self.recover_if_pending()
+            while self.step_idx < total:
+                yield self.step_idx
+        finally:
+            self.close()
+
+    def step(self):
+        return self.guard.step()
+
+    def optimizer_step(self) -> None:
+        self.guard.optimizer_step()
+
+    def close(self) -> None:
+        self.teardown_protection()
+        self.retained = {}
+        if self.d2h is not None:
+            self.d2h.stop(5.0)
+        STATE.enter("done")
+        # free everything that holds the process group before it is destroyed (seen here: a deadlock in
+        # gloo's teardown at exit while DDP still held the group)
+        self.model = self.objs.module
+        gc.collect()
+
+    # --- wiring ----------------------------------------------------------------------------------------------
+    def wrap(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if self.ddp_kwargs is not None and self.ctx.world_size > 1:
+            kw = dict(self.ddp_kwargs)
+            if self.ctx.backend == "nccl":
+                kw.setdefault("device_ids", [torch.cuda.current_device()])
+            self.model = DDP(self.objs.module, **kw)
+        else:
+            self.model = self.objs.module
+
+    def _hook_optimizer(self) -> None:
+        """Fault point "optimizer": after the local update, before ZeRO's broadcast."""
+        local = state.local_optimizer(self.objs.optimizer)
+        if self.ctx.managed and hasattr(local, "register_step_post_hook"):
+            local.register_step_post_hook(self.faults.optimizer_hook)
+
+    def rebuild_optimizer(self) -> None:
+        """ZeRO keeps the group it was built with: re-initialise it IN PLACE on the new group, keeping the
+        local state and the param groups' hyperparameters, so that the user's references (their own variable,
+        an LR scheduler's ``optimizer``) keep acting on the live optimizer."""
+        if self.kind != "zero":
+            return
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        zero = self.objs.optimizer
+        named = dict(state.optim_named(zero))
+        scalars = state.optim_scalars(zero)
+        groups = [dict(g) for g in zero.param_groups]
+        ZeroRedundancyOptimizer.__init__(zero, groups, optimizer_class=zero._optim_constructor,
+                                         parameters_as_bucket_view=zero.parameters_as_bucket_view, **zero._optim_defaults)
+        state.load_optim(zero, named, scalars)
+        self._hook_optimizer()
+
+    def layout(self):
+        from phoenix_runtime.layout import Layout
+
+        m = self.ctx.members
+        nodes = tuple(m.slot_of(r).node for r in range(self.ctx.world_size)) if m else ()
+        doms = tuple(m.domains.get(n, "") for n in nodes) if m and m.domains else ()
+        return Layout(self.ctx.world_size, tp_size=self.ctx.tp, pp_size=self.ctx.pp, nodes=nodes, domains=doms)
+
+    # --- protection ------------------------------------------------------------------------------------------
+    def start_protection(self, gen: int) -> None:
+        self.teardown_protection()
+        self.protection = ProtectionSession(self.d2h, self.ctx.repl_group, self.layout(), self.ctx.rank, self.replicas,
+                                            self.settings, self.faults.copy_hook)
+        self._reported_layouts = -1  # each generation reports its protection once (and after a layout change)
+
+    def teardown_protection(self) -> None:
+        """Stop this generation's pipeline and replicator; the replicas it held stay usable (retained)."""
+        if self.protection is not None:
+            self.retained = merge_replicas(self.retained, self.protection.close())
+            self.protection = None
+
+    def protect_now(self, step: int) -> None:
+        """Capture S_k's envelope and start its protection."""
+        if self.protection is None:
+            self.start_protection(self.ctx.gen)
+        meta = state.capture_envelope(step, self.objs, {"shard": str(self.layout().shard_of(self.ctx.rank)), "rank": self.ctx.rank})
+        self.metas[step] = meta
+        for old in [s for s in self.metas if s < step - 2]:
+            del self.metas[old]
+        self.protection.protect(step, meta)
+        self._report_protection(step)
+
+    def _report_protection(self, step: int) -> None:
+        """Once per generation, when the sizes are known: the optimizer state exists (it appears lazily at the
+        first step) or the run is past its first step."""
+        if self._reported_layouts == self.ctx.gen:
+            return
+        if not state.optim_named(self.objs.optimizer) and step <= (self.first_step or 0):
+            return
+        self._reported_layouts = self.ctx.gen
+        info = self.protection.host_bytes()
+        self.protection.check_memory()
+        log(f"protection: {info['host_bytes'] / 2**20:.1f} MiB of host memory (local snapshot {self.d2h.nbytes / 2**20:.1f} MiB x 2, "
+            f"{info['replicas']} replica(s) of {info['optim_bytes'] / 2**20:.1f} MiB x 2)")
+        self.ctx.report({"type": "protection", **info})
+
+    def held_replicas(self) -> dict:
+        return merge_replicas(self.retained, self.protection.replicas() if self.protection is not None else {})
+
+    def d2h_committed(self) -> dict:
+        return self.d2h.committed() if self.d2h is not None else {}
+
+    def replica_of(self, shard: str, step: int):
+        for sid, by_step in self.held_replicas().items():
+            if str(sid) == shard and step in by_step:
+                return by_step[step]
+        raise Unrecoverable(f"replica of {shard} at step {step} vanished")
+
+    # --- failures and recovery -------------------------------------------------------------------------------
+    def is_failure(self, e: BaseException) -> bool:
+        if not (self.ctx.managed and self.protect_on):
+            return False
+        if isinstance(e, GenerationAbandoned) or self.faults.comm_fault:
+            self.faults.comm_fault = False
+            return True
+        if self.ctx.abandoned():
+            return isinstance(e, Exception)
+        return looks_like_comm_failure(e)
+
+    def recover_if_pending(self) -> None:
+        """Before the first step: a joiner (or a rank whose first generation replaced the one it started in)
+        recovers through the same entry point as the survivors; the others build DDP, and a failure while they
+        do (a peer lost before the first step) is recovered from like any other."""
+        if not self._pending:
+            if not self._wrapped:
+                self._wrapped = True
+                try:
+                    self.wrap()
+                except Exception as e:  # noqa: BLE001
+                    if self.first_step is None:
+                        self.first_step = self.step_idx
+                    if not self.is_failure(e):
+                        raise
+                    self.recover(e)
+            return
+        self._pending = False
+        self._wrapped = True
+        live = None if self.ctx.joining else (self.step_idx, True)
+        if live is not None and self.first_step is None:
+            self.first_step = self.step_idx
+        RecoverySession(self).run(self.ctx.gen, live, {"t0": time.time()}, formed=True)
+
+    def recover(self, cause: BaseException) -> None:
+        """The step guard caught a failure: quiesce, then recover in the next generation."""
+        marks = {"t0": time.time()}
+        ctx = self.ctx
+        STATE.enter("recovering")
+        log(f"step {self.step_idx}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")
+        ctx.abort_groups()  # pending transfers of the pipeline fail at once instead of timing out
+        if not ctx.abandoned():  # the supervisor may not know yet (e.g. a transient link fault)
+            ctx.report({"type": "rank_error", "gen": ctx.gen, "error": {"type": type(cause).__name__, "message": str(cause)[:2000]}})
+        live = (self.step_idx, not self.opt_started)
+        self.teardown_protection()
+        try:
+            if self.d2h is not None:
+                self.d2h.wait(live[0], 5.0)
+        except Exception:  # noqa: BLE001 -- a copy that failed: the previous snapshot stays committed
+            pass
+        self.objs.module.zero_grad(set_to_none=True)
+        self.model = self.objs.module  # drop DDP (it holds the old group) before the group is destroyed
+        marks["quiesced"] = time.time()
+        log(f"quiesced in {marks['quiesced'] - marks['t0']:.3f}s")
+        RecoverySession(self).run(ctx.wait_new_gen(ctx.gen), live, marks, formed=False)
+
+    def live_after_abandon(self, live):
+        return live
+
+    def restore_local(self, R: int, live: tuple[int, bool]) -> None:
+        """A survivor rolls back to S_R (or keeps its live state when it is S_R but for the consumed RNG)."""
+        live_step, live_clean = live
+        if live_clean and live_step == R:
+            meta = self.metas.get(R)
+        else:
+            snap = self.d2h.committed()[R]
+            state.load_local(self.objs, snap.optim_tensors(), snap.param_tensors(), snap.meta)
+            meta = snap.meta
+        if meta is not None:
+            state.restore_envelope(meta, self.objs)
+
+    def fresh_envelope(self, R: int) -> dict:
+        """A joiner at the first step: its own live envelope is the lost rank's (same script, same point)."""
+        return self.metas.get(R) or state.capture_envelope(R, self.objs)
+
+    def after_recovery(self, R: int, first: int) -> None:
+        self.first_step = first if self.first_step is None else min(self.first_step, first)
+        self.protected_step = R
+        self.step_idx = R
+        self.opt_started = False
+        self.retained = {}  # every shard of S_R is in two places again: the old replicas are freed
+        STATE.stepped(R)
+
+    def give_up(self, reason: str, live) -> None:
+        """Recovery from memory is impossible: save what survives (DCP format) and stop with the reason."""
+        path = None
+        if live is not None:
+            try:
+                import torch.distributed.checkpoint as dcp
+
+                path = os.path.join(self.ctx.env.run_dir, "fallback", f"rank{self.ctx.rank}")
+                saved = {
+                    "model": dict(state.param_named(self.objs.module)),
+                    "optim": dict(state.optim_named(self.objs.optimizer)),
+                    "step": torch.tensor(live[0]),
+                }
+                dcp.save(saved, checkpoint_id=path, no_dist=True)
+                self.ctx.report({"type": "checkpoint", "path": path, "step": live[0], "rank_saved": self.ctx.rank})
+            except Exception as e:  # noqa: BLE001
+                path = f"failed: {e}"
+        self.ctx.report({"type": "unrecoverable", "reason": reason, "checkpoint": path})
+        # the supervisor stops the job once every rank has saved what it holds; wait for it (bounded)
+        deadline = time.monotonic() + self.ctx.recovery_timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+Trainer = ProtectedTraining  # the 0.x name

@@ -1,0 +1,224 @@
+"""Point-to-point bytes between the logical ranks of one generation: the ``Transport`` interface.
+
+Every state transfer of the runtime goes through it: the replicas (``replication.Replicator``) and the
+recovery transfers (``wire.send_verified`` / ``recv_verified``). Buffers are contiguous ``uint8`` CPU
+tensors, so on NCCL jobs the transport runs on a gloo group of its own (a send of a CPU tensor on an
+NCCL group fails): ``Context.form`` builds one per generation (``Context.repl_group``).
+
+``GlooTransport``: measured with torch 2.13 here, a gloo ``Work.wait(timeout)`` that times out closes the
+pair to that peer ("Application timeout caused pair closure") and the peer's pending ops on it fail at once;
+``ProcessGroup.abort()``, ``shutdown()`` and ``destroy_process_group`` do *not* unblock a pending p2p wait.
+``GlooTransport.abort()`` therefore closes every pair it used by posting a 1-byte recv with a reserved tag
+and waiting 1 ms on it (then calls the backend's ``abort()`` as well): pending ops fail at once on both
+sides. ``MpiTransport`` (mpi4py) polls requests and cancels them on abort.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import warnings
+from abc import ABC, abstractmethod
+
+import torch
+
+TAG_ABORT = 32760  # below MPI's guaranteed tag upper bound (32767)
+
+
+class TransportError(RuntimeError):
+    """A point-to-point operation failed (peer gone, pair closed, timeout, aborted)."""
+
+
+class Work(ABC):
+    @abstractmethod
+    def wait(self, timeout: float) -> None:
+        """Block until done; ``TransportError`` on failure or after ``timeout`` seconds."""
+
+
+class Transport(ABC):
+    """Point-to-point bytes between logical ranks of the current generation.
+
+    Buffers are contiguous uint8 CPU tensors. Ops to/from one peer with distinct tags may be in
+    flight together. A ``wait`` that times out may leave the transport unusable with that peer
+    (gloo closes the pair): treat it as a failure of the peer.
+    """
+
+    rank: int = -1
+    size: int = -1
+
+    @abstractmethod
+    def isend(self, dst: int, buf: torch.Tensor, tag: int) -> Work: ...
+
+    @abstractmethod
+    def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work: ...
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Make pending ops fail at once; the transport is unusable afterwards."""
+
+
+class _GlooWork(Work):
+    def __init__(self, work, what: str):
+        self._work = work
+        self._what = what
+
+    def wait(self, timeout: float) -> None:
+        ms = max(1, int(timeout * 1000))
+        try:
+            ok = self._work.wait(datetime.timedelta(milliseconds=ms))
+        except Exception as e:  # gloo raises RuntimeError
+            raise TransportError(f"{self._what}: {str(e).splitlines()[0][:300]}") from e
+        if ok is False:
+            raise TransportError(f"{self._what}: wait returned False")
+
+
+class GlooTransport(Transport):
+    """Point-to-point over a dedicated gloo process group (group ranks = logical ranks).
+
+    Create the group with ``dist.new_group(backend="gloo")`` so replication never interleaves with
+    the training collectives.
+    """
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        if group is None:
+            group = dist.distributed_c10d._get_default_group()
+        backend = dist.get_backend(group)
+        if str(backend).lower() != "gloo":
+            raise ValueError(f"GlooTransport needs a gloo process group, got backend {backend!r}")
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self._peers: set[int] = set()
+        self._aborted = False
+        self._lock = threading.Lock()
+
+    def _check(self, peer: int) -> None:
+        if self._aborted:
+            raise TransportError("transport was aborted")
+        if not (0 <= peer < self.size) or peer == self.rank:
+            raise ValueError(f"bad peer {peer} (rank {self.rank} of {self.size})")
+        with self._lock:
+            self._peers.add(peer)
+
+    def isend(self, dst: int, buf: torch.Tensor, tag: int) -> Work:
+        self._check(dst)
+        what = f"send to rank {dst} (tag {tag}, {buf.numel()} B)"
+        try:
+            return _GlooWork(self.group.send([buf], dst, tag), what)
+        except Exception as e:
+            raise TransportError(f"{what}: {str(e).splitlines()[0][:300]}") from e
+
+    def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work:
+        self._check(src)
+        what = f"recv from rank {src} (tag {tag}, {buf.numel()} B)"
+        try:
+            return _GlooWork(self.group.recv([buf], src, tag), what)
+        except Exception as e:
+            raise TransportError(f"{what}: {str(e).splitlines()[0][:300]}") from e
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            peers = sorted(self._peers)
+        for p in peers:
+            # A timed-out wait closes the pair: every pending op with p fails at once, here and there.
+            try:
+                w = self.group.recv([torch.empty(1, dtype=torch.uint8)], p, TAG_ABORT)
+                w.wait(datetime.timedelta(milliseconds=1))
+            except Exception:
+                pass
+        try:
+            self.group.abort()
+        except Exception:
+            pass
+
+
+class _MpiWork(Work):
+    def __init__(self, req, buf, what: str, transport: "MpiTransport"):
+        self._req = req
+        self._buf = buf  # keep the memory alive while MPI owns it
+        self._what = what
+        self._t = transport
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pause = 50e-6
+        while True:
+            if self._t._aborted:
+                raise TransportError(f"{self._what}: transport was aborted")
+            try:
+                done = self._req.Test()
+            except Exception as e:
+                raise TransportError(f"{self._what}: {e}") from e
+            if done:
+                self._t._forget(self._req)
+                return
+            if time.monotonic() >= deadline:
+                raise TransportError(f"{self._what}: timed out after {timeout:.3g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+
+
+class MpiTransport(Transport):
+    """Point-to-point over MPI (mpi4py). Needs ``MPI_THREAD_MULTIPLE`` if ``abort`` may be called
+    from another thread than the replicator's worker. On abort, pending receives are cancelled;
+    peers are not notified (MPI has no pair closure) and fail by their own timeout.
+    """
+
+    def __init__(self, comm=None):
+        try:
+            from mpi4py import MPI  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "MpiTransport needs mpi4py (pip install 'phoenix-run[mpi]' with an MPI library installed)"
+            ) from e
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self._pending: set = set()
+        self._aborted = False
+        self._lock = threading.Lock()
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            warnings.warn("MPI is not initialised with MPI_THREAD_MULTIPLE; abort() from another thread is unsafe")
+
+    def _forget(self, req) -> None:
+        with self._lock:
+            self._pending.discard(req)
+
+    def _buf(self, buf: torch.Tensor):
+        if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.device.type != "cpu":
+            raise ValueError("MpiTransport needs contiguous uint8 CPU tensors")
+        return [buf.numpy(), self._MPI.BYTE]
+
+    def isend(self, dst: int, buf: torch.Tensor, tag: int) -> Work:
+        if self._aborted:
+            raise TransportError("transport was aborted")
+        req = self.comm.Isend(self._buf(buf), dest=dst, tag=tag)
+        with self._lock:
+            self._pending.add(req)
+        return _MpiWork(req, buf, f"send to rank {dst} (tag {tag})", self)
+
+    def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work:
+        if self._aborted:
+            raise TransportError("transport was aborted")
+        req = self.comm.Irecv(self._buf(buf), source=src, tag=tag)
+        with self._lock:
+            self._pending.add(req)
+        return _MpiWork(req, buf, f"recv from rank {src} (tag {tag})", self)
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            pending = list(self._pending)
+            self._pending.clear()
+        for req in pending:
+            try:
+                req.Cancel()
+            except Exception:
+                pass

@@ -1,0 +1,197 @@
+"""Runtime parts in isolation: the rank's environment, fault matching, the envelope, the wire's resends.
+
+Pure logic, plus the wire format over an in-process loopback transport (two threads; the real gloo path is
+tests/test_replication.py's)."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+
+import pytest
+import torch
+
+from phoenix_runtime import protocol, state
+from phoenix_runtime.faults import FaultInjector
+from phoenix_runtime.rank_env import RankEnv
+from phoenix_runtime.settings import RuntimeSettings
+from phoenix_runtime.transport import Transport, TransportError, Work
+from phoenix_runtime.wire import ReplicationError, recv_named, send_named
+
+
+# --- the rank's environment ----------------------------------------------------------------------------
+def test_rank_env_parses_once_with_the_settings_schema():
+    settings = RuntimeSettings(replicas=2, recovery_timeout_s=7.0, faults=({"node": "n1", "step": 3},))
+    env = RankEnv.from_environ({
+        protocol.ENV_STORE_HOST: "h", protocol.ENV_STORE_PORT: "123", protocol.ENV_NODE: "n1", protocol.ENV_SLOT: "1",
+        protocol.ENV_GEN: "4", protocol.ENV_JOINING: "1", protocol.ENV_RUNTIME_CFG: settings.to_json(),
+        protocol.ENV_HEARTBEAT_S: "0.25", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+    })
+    assert env.managed and (env.store_host, env.store_port, env.node, env.slot) == ("h", 123, "n1", 1)
+    assert env.joining and env.gen == 4 and (env.rank, env.world_size, env.local_rank) == (3, 4, 1)
+    assert env.settings.replicas == 2 and env.settings.recovery_timeout_s == 7.0 and env.settings.heartbeat_s == 0.25
+    assert env.settings.faults == ({"node": "n1", "step": 3},)
+    bare = RankEnv.from_environ({})
+    assert not bare.managed and not bare.joining and bare.world_size == 1
+    assert bare.settings == RuntimeSettings()  # the defaults are the schema's, not restated
+
+
+# --- fault injection -----------------------------------------------------------------------------------
+class _Store:
+    def __init__(self):
+        self.n = {}
+
+    def add(self, key, v):
+        self.n[key] = self.n.get(key, 0) + v
+        return self.n[key]
+
+
+def test_faults_fire_once_at_their_point_with_the_recovery_alias():
+    fired, executed = [], []
+    inj = FaultInjector([{"node": "n1", "step": 5, "mode": "rank", "phase": "optimizer"},
+                         {"node": "n1", "step": None, "mode": "comm", "phase": "recovery", "gen": 1},
+                         {"node": "n2", "step": 5, "mode": "rank"}], "n1", _Store(), fired.append, lambda: None)
+    inj.execute = executed.append
+    inj.where(rank=2, gen=0)
+    inj.fire(5, "begin")
+    inj.fire(4, "optimizer")
+    assert executed == []
+    inj.fire(5, "optimizer")
+    assert executed == ["rank"] and fired[0]["phase"] == "optimizer"
+    inj.fire(5, "optimizer")  # once per job
+    inj.fire(None, "recover_exchange")  # "recovery" is recover_exchange, but only from generation 1
+    assert executed == ["rank"]
+    inj.where(rank=2, gen=1)
+    inj.fire(None, "recover_exchange")
+    assert executed == ["rank", "comm"] and fired[1]["step"] is None
+
+
+# --- the envelope ----------------------------------------------------------------------------------------
+class _Position:
+    def __init__(self):
+        self.i = 0
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, sd):
+        self.i = sd["i"]
+
+
+def _loop():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return state.LoopObjects(model, opt, (sched,), None, {"data": _Position()})
+
+
+def _train(objs, n):
+    for _ in range(n):
+        objs.module(torch.randn(8, 4)).sum().backward()
+        objs.optimizer.step()
+        objs.optimizer.zero_grad()
+        objs.schedulers[0].step()
+        objs.stateful["data"].i += 1
+        random.random()
+
+
+def test_envelope_restores_rng_hyperparameters_schedulers_and_stateful_objects():
+    objs = _loop()
+    _train(objs, 2)
+    env = state.capture_envelope(2, objs)
+    tensors = {n: t.clone() for n, t in state.local_named(objs.module, objs.optimizer, True)}
+    expected_rand = (torch.rand(3), random.random())
+    lr = objs.optimizer.param_groups[0]["lr"]
+    _train(objs, 3)  # the state moves on; then roll back to S_2
+    assert objs.optimizer.param_groups[0]["lr"] != lr
+    state.load_local(objs, {}, tensors, env)
+    state.restore_envelope(env, objs)
+    assert objs.optimizer.param_groups[0]["lr"] == lr and objs.schedulers[0].last_epoch == 2
+    assert objs.stateful["data"].i == 2
+    assert torch.equal(torch.rand(3), expected_rand[0]) and random.random() == expected_rand[1]
+    now = dict(state.local_named(objs.module, objs.optimizer, True))
+    assert set(now) == set(tensors) and all(torch.equal(now[n], tensors[n]) for n in now)
+    assert any(n.startswith("b.") for n in now) and any(n.startswith("o.") for n in now)  # buffers, optimizer
+
+
+# --- the wire: resends on a checksum mismatch, bounded --------------------------------------------------
+class _Done(Work):
+    def __init__(self, event: threading.Event, what: str):
+        self.event, self.what = event, what
+
+    def wait(self, timeout: float) -> None:
+        if not self.event.wait(timeout):
+            raise TransportError(f"{self.what}: timed out")
+
+
+class _Loopback(Transport):
+    """Two ends of an in-process pipe: a send completes when the matching receive has copied it."""
+
+    def __init__(self, rank: int, boxes: dict, corrupt: list):
+        self.rank, self.size, self.boxes, self.corrupt = rank, 2, boxes, corrupt
+
+    def isend(self, dst, buf, tag):
+        done = threading.Event()
+        data = buf.clone()
+        if self.corrupt and tag == 16 and data.numel():  # the first chunk: flip a bit while it travels
+            self.corrupt.pop()
+            data[0] ^= 1
+        self.boxes[(self.rank, dst, tag)].put((data, done))
+        return _Done(done, f"send {tag}")
+
+    def irecv(self, src, buf, tag):
+        done = threading.Event()
+
+        def run():
+            data, sent = self.boxes[(src, self.rank, tag)].get()
+            buf.copy_(data)
+            sent.set()
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        return _Done(done, f"recv {tag}")
+
+    def abort(self):
+        pass
+
+
+def _pair(corrupt: int):
+    boxes: dict = {}
+    for a in (0, 1):
+        for b in (0, 1):
+            for tag in range(0, 64):
+                boxes[(a, b, tag)] = queue.Queue()
+    flips = [1] * corrupt
+    return _Loopback(0, boxes, flips), _Loopback(1, boxes, flips)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("corrupt,ok", [(0, True), (2, True), (3, False)])
+def test_named_transfer_is_verified_and_resent(corrupt, ok):
+    sender, receiver = _pair(corrupt)
+    named = {"p.w": torch.arange(1000, dtype=torch.float32), "o.0.0.step": torch.tensor(3.0), "b.n": torch.zeros(0)}
+    out: dict = {}
+
+    def recv():
+        try:
+            out["got"] = recv_named(receiver, 0, step=7, timeout=20, resends=2)
+        except ReplicationError as e:
+            out["err"] = e
+
+    th = threading.Thread(target=recv)
+    th.start()
+    try:
+        send_named(sender, 1, named, {"k": "v"}, 7, timeout=20, chunk_bytes=512, resends=2)
+        sent = True
+    except ReplicationError as e:
+        sent = e
+    th.join(30)
+    if ok:
+        assert sent is True and "err" not in out
+        tensors, meta = out["got"]
+        assert meta == {"k": "v"} and all(torch.equal(tensors[n], named[n]) for n in named)
+    else:  # three corrupt copies with two resends: a failure on both sides, naming the cause
+        assert isinstance(sent, ReplicationError) and "checksum" in str(sent)
+        assert "checksum" in str(out["err"])
