@@ -264,9 +264,6 @@ class ProtectedTraining:
         log(f"quiesced in {marks['quiesced'] - marks['t0']:.3f}s")
         RecoverySession(self).run(ctx.wait_new_gen(ctx.gen), live, marks, formed=False)
 
-    def live_after_abandon(self, live):
-        return live
-
     def restore_local(self, R: int, live: tuple[int, bool]) -> None:
         """A survivor rolls back to S_R (or keeps its live state when it is S_R but for the consumed RNG)."""
         live_step, live_clean = live
