@@ -190,10 +190,11 @@ class ProtectedTraining:
         if not state.optim_named(self.objs.optimizer) and step <= (self.first_step or 0):
             return
         self._reported_layouts = self.ctx.gen
-        info = self.protection.host_bytes()
+        size = lambda named: sum(t.numel() * t.element_size() for _, t in named)  # noqa: E731
+        info = self.protection.host_bytes(size(state.optim_named(self.objs.optimizer)), size(state.param_named(self.objs.module)))
         self.protection.check_memory()
         log(f"protection: {info['host_bytes'] / 2**20:.1f} MiB of host memory (local snapshot {self.d2h.nbytes / 2**20:.1f} MiB x 2, "
-            f"{info['replicas']} replica(s) of {info['optim_bytes'] / 2**20:.1f} MiB x 2)")
+            f"{info['replicas']} replica(s) of {info['replica_bytes'] / 2**20:.1f} MiB x 2)")
         self.ctx.report({"type": "protection", **info})
 
     def held_replicas(self) -> dict:
