@@ -64,7 +64,7 @@ class ProtectedTraining:
         self.d2h: D2H | None = None
         if self.protect_on:
             self.d2h = D2H(ctx.device, lambda: state.shard_named(self.objs.optimizer, self.replicated),
-                           lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated),
+                           lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated, frozen=True),
                            fault=self.faults.copy_hook)
         self.model = objs.module
         self.guard = StepGuard(self)
