@@ -114,15 +114,15 @@ class ProtectionSession:
                 pass
         return held
 
-    def host_bytes(self) -> dict:
-        """What this rank holds in host memory for the protection (after the first snapshot)."""
-        optim_b = self.d2h.optim_nbytes
-        local_b = self.d2h.nbytes
-        need = host_bytes_required(local_b, optim_b, self.gen_replicas)
-        return {"host_bytes": need, "optim_bytes": optim_b, "param_bytes": local_b - optim_b, "replicas": self.gen_replicas}
+    def host_bytes(self, optim_bytes: int, param_bytes: int) -> dict:
+        """What this rank holds in host memory for the protection (after the first snapshot): two local
+        snapshots, and two of each of the ``k`` replicas it holds (the shard region + envelope)."""
+        need = host_bytes_required(self.d2h.nbytes, self.d2h.optim_nbytes, self.gen_replicas)
+        return {"host_bytes": need, "optim_bytes": optim_bytes, "param_bytes": param_bytes,
+                "replica_bytes": self.d2h.optim_nbytes, "replicas": self.gen_replicas}
 
     def check_memory(self) -> None:
-        check_host_memory(self.host_bytes()["host_bytes"])
+        check_host_memory(host_bytes_required(self.d2h.nbytes, self.d2h.optim_nbytes, self.gen_replicas))
 
 
 def wait_sliced(fn: Callable[[float], None], timeout: float, check: Callable[[], None]) -> None:

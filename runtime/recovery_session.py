@@ -36,6 +36,7 @@ class RecoverySession:
         """Recover in generation ``gen`` (formed already when ``formed``), or in the next ones if it fails."""
         ctx = self.ctx
         STATE.enter("recovering")
+        self.live = live  # updated as the state changes: a survivor rolled back, or a joiner that installed S_R
         while True:
             deadline = time.monotonic() + ctx.recovery_timeout  # each generation gets its own
             try:
@@ -45,7 +46,7 @@ class RecoverySession:
                     ctx.form(gen, deadline)
                 marks["formed"] = time.time()
                 formed = False
-                live = self._recover_in(gen, live, marks, deadline)
+                self._recover_in(gen, marks, deadline)
                 return
             except Unrecoverable:
                 raise
@@ -53,14 +54,13 @@ class RecoverySession:
                 if not self.t.is_failure(e) and not isinstance(e, (GenerationAbandoned, TimeoutError)):
                     raise
                 log(f"generation {gen} abandoned during its recovery ({type(e).__name__}: {str(e)[:160]})")
-                live = self.t.live_after_abandon(live)
                 self.t.teardown_protection()
                 self.t.model = self.t.objs.module
                 gen = ctx.wait_new_gen(gen)
 
     # --- one generation ---------------------------------------------------------------------------------
-    def _recover_in(self, gen: int, live, marks: dict, deadline: float):
-        ctx, t = self.ctx, self.t
+    def _recover_in(self, gen: int, marks: dict, deadline: float) -> None:
+        ctx, t, live = self.ctx, self.t, self.live
         t.faults.where(ctx.rank, gen)
         t.faults.fire(live[0] if live is not None else None, "recover_exchange")  # a joiner's step: not known yet
         layout = t.layout()
@@ -73,13 +73,15 @@ class RecoverySession:
             t.give_up(str(e), live)
             raise
         R = plan.step
+        if t.first_step is None:
+            t.first_step = plan.first_step  # a joiner learns where the run started
         log(f"generation {gen}: plan: resume at step {R}, joiners {list(plan.joiners)}, params from {plan.param_src}, "
             f"replicas from {plan.optim_src}{', fresh ' + str(list(plan.fresh)) if plan.fresh else ''}")
         marks["planned"] = time.time()
         t.rebuild_optimizer()  # ZeRO on the new group, in place (the user's scheduler keeps acting on it)
         if live is not None:
             t.restore_local(R, live)
-            live = (R, True)  # if this generation is abandoned now, the live state is S_R
+            self.live = (R, True)  # if this generation is abandoned now, the live state is S_R
         marks["local"] = time.time()
         transport = GlooTransport(ctx.repl_group)
         t.faults.fire(R, "recover_params")
@@ -97,7 +99,6 @@ class RecoverySession:
         t.faults.fire(R, "recover_barrier")
         dist.barrier()
         self._finish(gen, plan, live, marks)
-        return live
 
     def descriptor(self, live) -> Descriptor:
         t = self.t
@@ -136,6 +137,8 @@ class RecoverySession:
                     shard, meta = snap.optim_tensors(), snap.meta
                 state.load_local(t.objs, shard, local or {}, meta)
                 state.restore_envelope(meta, t.objs)
+                t.metas[R] = meta
+                self.live = (R, True)  # it holds S_R now: if this generation is abandoned, it is a survivor
 
     def _finish(self, gen: int, plan: Plan, live, marks: dict) -> None:
         ctx, t = self.ctx, self.t

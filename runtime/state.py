@@ -110,9 +110,15 @@ def shard_named(optimizer, replicated: bool) -> list[tuple[str, torch.Tensor]]:
     return [] if replicated else optim_named(optimizer)
 
 
-def local_named(module: torch.nn.Module, optimizer, replicated: bool) -> list[tuple[str, torch.Tensor]]:
-    """The region kept locally only: parameters and buffers, plus a replicated optimizer's state."""
+def local_named(module: torch.nn.Module, optimizer, replicated: bool, frozen: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The region kept locally only: parameters and buffers, plus a replicated optimizer's state.
+
+    ``frozen``: for a snapshot copied in the background while the step runs: buffers are cloned now (the
+    forward updates BatchNorm's running statistics in place; parameters and optimizer state change only in
+    the optimizer step, which waits for the snapshot)."""
     named = param_named(module)
+    if frozen:
+        named = [(n, t.detach().clone() if n.startswith("b.") else t) for n, t in named]
     if replicated:
         named += [(f"o.{n}", t) for n, t in optim_named(optimizer)]
     return named

@@ -64,7 +64,7 @@ class ProtectedTraining:
         self.d2h: D2H | None = None
         if self.protect_on:
             self.d2h = D2H(ctx.device, lambda: state.shard_named(self.objs.optimizer, self.replicated),
-                           lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated),
+                           lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated, frozen=True),
                            fault=self.faults.copy_hook)
         self.model = objs.module
         self.guard = StepGuard(self)
@@ -190,10 +190,11 @@ class ProtectedTraining:
         if not state.optim_named(self.objs.optimizer) and step <= (self.first_step or 0):
             return
         self._reported_layouts = self.ctx.gen
-        info = self.protection.host_bytes()
+        size = lambda named: sum(t.numel() * t.element_size() for _, t in named)  # noqa: E731
+        info = self.protection.host_bytes(size(state.optim_named(self.objs.optimizer)), size(state.param_named(self.objs.module)))
         self.protection.check_memory()
         log(f"protection: {info['host_bytes'] / 2**20:.1f} MiB of host memory (local snapshot {self.d2h.nbytes / 2**20:.1f} MiB x 2, "
-            f"{info['replicas']} replica(s) of {info['optim_bytes'] / 2**20:.1f} MiB x 2)")
+            f"{info['replicas']} replica(s) of {info['replica_bytes'] / 2**20:.1f} MiB x 2)")
         self.ctx.report({"type": "protection", **info})
 
     def held_replicas(self) -> dict:
@@ -263,9 +264,6 @@ class ProtectedTraining:
         marks["quiesced"] = time.time()
         log(f"quiesced in {marks['quiesced'] - marks['t0']:.3f}s")
         RecoverySession(self).run(ctx.wait_new_gen(ctx.gen), live, marks, formed=False)
-
-    def live_after_abandon(self, live):
-        return live
 
     def restore_local(self, R: int, live: tuple[int, bool]) -> None:
         """A survivor rolls back to S_R (or keeps its live state when it is S_R but for the consumed RNG)."""

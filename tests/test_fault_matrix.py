@@ -70,6 +70,7 @@ class Job:
         self.dir, self.result, self.wall_s = d, result, wall_s
         self.run_dir = d / "run"
         self.digest_path = d / "digest.json"
+        self.step_log = d / "steps.log"
         self.evs = events(self.run_dir)
         # what outlived the job (asserted empty by the rows), then killed: no orphans whatever the outcome
         self.leftover = [f"{q.pid} {' '.join(q.cmdline()[:4])}" for q in _alive(job_processes(self.run_dir))]
@@ -92,7 +93,7 @@ def run_job(d: Path, layout: str, nodes: int, nproc: int, spares: int, faults=()
     r = run_phoenix(
         ["--config", str(d / "cfg.yaml"), "--nodes", str(nodes), "--nproc-per-node", str(nproc), "--spares", str(spares),
          "--run-dir", str(d / "run"), GPT, "--steps", str(steps), *LAYOUTS[layout], "--digest-file", str(d / "digest.json"),
-         *extra],
+         "--step-log", str(d / "steps.log"), *extra],
         d, timeout=JOB_TIMEOUT_S,
     )
     return Job(d, r, time.monotonic() - t0)
@@ -113,6 +114,28 @@ def failure_free(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+HIDDEN_WAIT_SLACK_S = 3.0  # one step and the report's way to the supervisor, on a loaded 2-core machine
+
+
+def check_no_hidden_wait(job: Job) -> None:
+    """A recovery's ``total_s`` covers the wall time from the failure to the first step after it: the first step
+    rank 0 completes after an injected fault fired must complete within total_s + a step's slack."""
+    steps = [(int(n), float(t)) for kind, n, t in (ln.split() for ln in job.step_log.read_text().splitlines()) if kind == "step"] \
+        if job.step_log.exists() else []
+    fired: list[float] = []
+    for e in job.evs:
+        if e["type"] == "injected" and e.get("t_fired") is not None:
+            fired.append(float(e["t_fired"]))
+        elif e["type"] == "recovery" and fired and e.get("total_s") is not None:
+            t_fail = min(fired)
+            t_first = next((t for _, t in steps if t > t_fail), None)
+            assert t_first is not None, "no step completed after the failure (rank 0's step log)"
+            assert t_first - t_fail <= e["total_s"] + HIDDEN_WAIT_SLACK_S, (
+                f"the first step after the failure completed {t_first - t_fail:.2f} s after it, but the recovery says "
+                f"total_s {e['total_s']:.2f} s: a wait the recovery event does not show")
+            fired = []
 
 
 def record(job: Job, expected: dict) -> None:
@@ -142,6 +165,7 @@ def assert_recovered(job: Job, expected: dict, n_recoveries: int = 1, failed_at:
     for rec in recs:
         for k in ("quiesce_s", "reconfigure_s", "param_restore_s", "optim_restore_s", "resume_s", "total_s"):
             assert rec.get(k) is not None and rec[k] >= 0, rec
+    check_no_hidden_wait(job)
     assert_same_digest(job.digest_path, expected)
     # one snapshot engine per generation: at most the first step's (no optimizer state yet) and the full one
     assert all(n <= 2 for n in by_generation(job.evs, "protection").values()), by_generation(job.evs, "protection")
