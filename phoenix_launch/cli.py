@@ -85,6 +85,7 @@ def run(
     replicas: Optional[int] = typer.Option(None, "--replicas", help="Optimizer-shard replicas on distinct DP peers (k)."),
     chaos_mtbf: Optional[float] = typer.Option(None, "--chaos-mtbf", help="Soak runs: crash a random node every SECONDS on average."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of --chaos-mtbf."),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics on this port (0: off)."),
     standalone: bool = typer.Option(False, "--standalone", hidden=True, help="Accepted for torchrun compatibility."),
 ) -> None:
     """Run SCRIPT on every rank, with warm spares and hot-swap recovery."""
@@ -111,6 +112,7 @@ def run(
             },
             "runtime": {"protect": protect, "replicas": replicas},
             "inject": {"chaos_mtbf_s": chaos_mtbf, "seed": seed},
+            "metrics": {"port": metrics_port},
         }
         cfg = build_config(yaml_data, os.environ, flags)
     except ConfigError as e:

@@ -469,6 +469,7 @@ class Trainer:
 
     # --- the training loop ------------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
+        self.total_steps = total  # sent with the progress reports (the live view's bar and ETA)
         try:
             while self.step_idx < total:
                 yield self.step_idx
@@ -553,7 +554,7 @@ class Trainer:
         if self.ctx.rank == 0 and self.ctx.managed and time.time() - self._last_progress > 2.0:
             self._last_progress = time.time()
             st = sorted(self._step_times)[len(self._step_times) // 2]
-            self.ctx.report({"type": "progress", "step": self.step_idx, "step_time_s": round(st, 5), "sps": round(STATE.steps_per_s, 3)})
+            self.ctx.report({"type": "progress", "step": self.step_idx, "step_time_s": round(st, 5), "sps": round(STATE.steps_per_s, 3), "total": getattr(self, "total_steps", None)})
 
     def close(self) -> None:
         if self.pipeline is not None:
