@@ -254,6 +254,10 @@ SUBCOMMANDS = ("run", "status", "kill-node", "simulate", "sbatch")
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     first = args[0] if args else None
+    if first == "kill-node":  # answers at once: argparse, not typer (whose parameters import pydantic)
+        from phoenix_launch.kill_cli import main as kill_node_main
+
+        raise SystemExit(kill_node_main(args[1:]))
     if first in ("simulate", "sbatch"):
         _register_extras(first)
     elif first in (None, "--help", "-h"):
