@@ -229,20 +229,22 @@ def assert_fast(cmd: list[str], what: str, check=lambda r: None, tries: int = 3)
     assert wall < limit, f"{what}: {wall:.2f} s (a bare interpreter: {bare:.2f} s)"
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def kill_node_cmd(run_dir: Path, *args: str) -> list[str]:
     return phoenix_cmd("kill-node", *args, "--run-dir", str(run_dir))
 
 
 def test_kill_node_on_a_stopped_job_is_one_line_at_once(tmp_path):
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
     rd = tmp_path / "run"
     rd.mkdir()
     (rd / "token").write_text("x")
-    (rd / "control.json").write_text(json.dumps({"host": "127.0.0.1", "port": 9, "pid": gone.pid, "node": os.uname().nodename}))
-    stale = socket.socket(socket.AF_UNIX)
-    stale.bind(str(rd / SOCKET_NAME))
-    stale.close()
+    port = free_port()  # nothing listens there
+    (rd / "control.json").write_text(json.dumps({"host": "127.0.0.1", "port": port, "pid": os.getpid(), "node": os.uname().nodename}))
 
     def one_line(expect: str):
         def check(r):
@@ -250,19 +252,16 @@ def test_kill_node_on_a_stopped_job_is_one_line_at_once(tmp_path):
             assert r.stderr.count("\n") == 1 and r.stderr.startswith("phoenix-run: error: ") and expect in r.stderr, r.stderr
         return check
 
-    assert_fast(kill_node_cmd(rd, "node1"), "kill-node, supervisor gone", one_line("its supervisor (pid"))
-    # its supervisor alive but not listening (a stale socket): refused, one line
-    (rd / "control.json").write_text(json.dumps({"host": "127.0.0.1", "port": 9, "pid": os.getpid(), "node": os.uname().nodename}))
-    assert_fast(kill_node_cmd(rd, "node1"), "kill-node, stale socket", one_line("nothing listens on its command socket"))
+    # an ended job: its socket removed, its store's port closed
+    assert_fast(kill_node_cmd(rd, "node1"), "kill-node, ended job", one_line(f"no running job at 127.0.0.1:{port}"))
+    # a supervisor that was SIGKILLed left its socket behind: refused, one line
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(rd / SOCKET_NAME))
+    stale.close()
+    assert_fast(kill_node_cmd(rd, "node1"), "kill-node, SIGKILLed supervisor", one_line("nothing listens on its command socket"))
 
 
 # --- a real job: metrics scraped while it runs, kill-node timed, the end --------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def scrape(url: str):
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
