@@ -86,6 +86,7 @@ def run(
     replicas: Optional[int] = typer.Option(None, "--replicas", help="Optimizer-shard replicas on distinct DP peers (k)."),
     chaos_mtbf: Optional[float] = typer.Option(None, "--chaos-mtbf", help="Soak runs: crash a random node every SECONDS on average."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of --chaos-mtbf."),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics on this port (0: off)."),
     standalone: bool = typer.Option(False, "--standalone", hidden=True, help="Accepted for torchrun compatibility."),
 ) -> None:
     """Run SCRIPT on every rank, with warm spares and hot-swap recovery."""
@@ -112,6 +113,7 @@ def run(
             },
             "runtime": {"protect": protect, "replicas": replicas},
             "inject": {"chaos_mtbf_s": chaos_mtbf, "seed": seed},
+            "metrics": {"port": metrics_port},
         }
         cfg = build_config(yaml_data, os.environ, flags)
     except ConfigError as e:
@@ -257,6 +259,10 @@ SUBCOMMANDS = ("run", "status", "report", "kill-node", "simulate", "sbatch")
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     first = args[0] if args else None
+    if first == "kill-node":  # answers at once: argparse, not typer (whose parameters import pydantic)
+        from phoenix_launch.kill_cli import main as kill_node_main
+
+        raise SystemExit(kill_node_main(args[1:]))
     if first in ("simulate", "sbatch", "report"):
         _register_extras(first)
     elif first in (None, "--help", "-h"):

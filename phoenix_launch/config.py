@@ -1,6 +1,6 @@
 """Configuration: one frozen dataclass per concern, layered defaults < YAML < environment < flags.
 
-The YAML file has one mapping per concern (``launch``, ``detect``, ``runtime``, ``inject``, ``slurm``);
+The YAML file has one mapping per concern (``launch``, ``detect``, ``runtime``, ``inject``, ``slurm``, ``metrics``);
 an environment variable ``PHOENIX_<CONCERN>_<KEY>`` (e.g. ``PHOENIX_DETECT_HEARTBEAT_S=0.2``) overrides
 the file; a command-line flag overrides both. Unknown keys are an error that lists the valid ones.
 """
@@ -150,12 +150,28 @@ class SlurmConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Prometheus metrics (:mod:`phoenix_launch.metrics`); both off by default."""
+
+    port: int = 0  # > 0: serve GET /metrics on this port
+    host: str = ""  # the address to bind; empty: the job's control-plane address
+    textfile: str = ""  # a path (*.prom) for node_exporter's textfile collector, written atomically
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--metrics-port must be in 0..65535 (0: off), got {self.port}")
+        if self.textfile and not Path(self.textfile).parent.is_dir():
+            raise ConfigError(f"metrics.textfile: directory {Path(self.textfile).parent} does not exist")
+
+
+@dataclass(frozen=True)
 class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     detect: DetectConfig = field(default_factory=DetectConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     inject: InjectConfig = field(default_factory=InjectConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def validate(self) -> "Config":
         for f in fields(self):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from phoenix_launch import command_socket
 from phoenix_runtime import protocol as P
 from phoenix_runtime.settings import FAULT_MODES
 
@@ -100,11 +101,19 @@ def send_command(run_dir: Path, cmd: P.KillCommand, token: str | None = None, ti
             token = read_token(run_dir)
         except OSError as e:
             raise InjectError(f"cannot read the job's token in {run_dir}: {e.strerror}") from None
+    cid = uuid.uuid4().hex
+    try:  # the run directory's unix socket (no torch import); the store only for a supervisor elsewhere
+        reply = command_socket.send(run_dir, ctl, replace(cmd, token=token, id=cid).to_dict(), timeout_s)
+        if reply is None:
+            command_socket.probe_store(ctl["host"], int(ctl["port"]), run_dir)
+    except command_socket.JobUnreachable as e:
+        raise InjectError(str(e)) from None
+    if reply is not None:
+        return reply
     try:
         store = connect(ctl["host"], int(ctl["port"]), timeout_s=3.0)
     except Exception:
         raise InjectError(f"no running job at {ctl['host']}:{ctl['port']} (run directory {run_dir})") from None
-    cid = uuid.uuid4().hex
     P.Queue(store, P.Q_COMMANDS).put(replace(cmd, token=token, id=cid))
     key = f"phx/reply/{cid}"
     deadline = time.monotonic() + timeout_s

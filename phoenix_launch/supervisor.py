@@ -30,6 +30,7 @@ from phoenix_launch.incidents import Incident, IncidentTracker
 from phoenix_launch.inject import Chaos, JobTargets
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState
 from phoenix_launch.nodes import ENDED, Node, NodeTable
+from phoenix_launch.operator_io import OperatorIO
 from phoenix_launch.recovery_watch import RecoveryWatch
 from phoenix_launch.replenish import Replenisher
 from phoenix_launch.spec import AgentSpec
@@ -81,6 +82,7 @@ class Supervisor:
         self.plane: ControlPlane | None = None  # start() opens it
         self.publisher: GenerationPublisher | None = None
         self.commands: CommandHandler | None = None
+        self.operator_io = OperatorIO(cfg.metrics, run_dir, self.events)  # command socket, metrics, progress
         self.messages = P.Dispatcher({
             P.MsgType.AGENT_UP: self.on_agent_up,
             P.MsgType.RANK_EXIT: self.on_rank_exit,
@@ -103,7 +105,7 @@ class Supervisor:
         launch = self.cfg.launch
         plane = self.plane = ControlPlane(self.backend.store_host(launch.master_addr), launch.master_port)
         write_json_atomic(self.run_dir / "control.json",
-                          {"host": plane.host, "port": plane.port, "pid": os.getpid(), "run_id": launch.run_id, "backend": self.backend.name})
+                          {"host": plane.host, "port": plane.port, "pid": os.getpid(), "node": os.uname().nodename, "run_id": launch.run_id, "backend": self.backend.name})
         ranks = []
         for i, name in enumerate(self.backend.node_names):
             active = i < launch.nodes
@@ -118,6 +120,7 @@ class Supervisor:
                                              max_restarts=launch.max_restarts, domains=self.backend.domains)
         self.publisher.first(ranks)
         self.commands = CommandHandler(self.store, self.token, self.events, self._job_targets(), self.incidents.injected)
+        self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, self.token, self.events, self._job_targets(), self.incidents.injected))
         self.events.emit("job_start", run_id=launch.run_id, nodes=launch.nodes, nproc_per_node=self.nproc, spares=launch.spares,
                          world_size=self.world_size, argv=self.argv, backend=self.backend.name, control=f"{plane.host}:{plane.port}")
         self.job.transition(JobState.RUNNING, "agents started")
@@ -242,7 +245,7 @@ class Supervisor:
 
     def on_progress(self, m: P.Progress, now: float) -> None:
         self.attempt.step = m.step
-        self.events.emit("progress", step=m.step, step_time_s=m.step_time_s, sps=m.sps)
+        self.events.emit("progress", step=m.step, step_time_s=m.step_time_s, sps=m.sps, total=m.total)
 
     def on_unrecoverable(self, m: P.Unrecoverable, now: float) -> None:
         """Every rank saves what survives, then the job stops with the reason."""
@@ -525,6 +528,7 @@ class Supervisor:
             self.on_agent_exit(node, code, now)
         for c in self.plane.commands.get_all():
             self.commands.handle(c, now)
+        self.operator_io.serve(now)
         self.replenish(now)
         if self.job.state is not JobState.STOPPING:
             self.settle(now)
@@ -564,13 +568,14 @@ class Supervisor:
                           members=self.members or P.Membership(0, self.world_size, ()))
 
     def _write_status(self) -> dict[str, Any]:
-        snap = self.status()
+        snap = self.operator_io.observe(self.status())
         write_json_atomic(self.run_dir / "status.json", snap)
         if self.ui:
             self.ui.update(snap)
         return snap
 
     def shutdown(self) -> None:
+        self.operator_io.close_commands()  # kill-node now says 'stopped' at once
         try:
             for n in self.nodes:
                 P.Queue(self.store, P.q_agent(n.name)).put(P.AgentStop())
@@ -591,10 +596,11 @@ class Supervisor:
         self.events.emit("job_end", state=final.value, exit_code=code, reason=self.stop_reason, root_cause=root)
         snap: dict[str, Any] = {}
         try:
-            snap = self.status() if self.store is not None else {}
+            snap = self.operator_io.observe(self.status(), final=True) if self.store is not None else {}
             write_json_atomic(self.run_dir / "status.json", snap)
         except Exception:
             pass
+        self.operator_io.close()
         if self.ui:
             self.ui.close(snap)
         self.events.close()

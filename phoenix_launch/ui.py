@@ -38,7 +38,26 @@ def render(snap: dict[str, Any]):
     ev = Table(show_header=False, box=None)
     for e in snap.get("events", [])[-6:]:
         ev.add_row(format_event(e))
-    return Group(head, t, ev)
+    return Group(head, *_progress(snap.get("progress") or {}), t, ev)
+
+
+def _progress(prog: dict[str, Any]) -> list:
+    """A bar of the steps done out of the total with the ETA (only when the total is known), and the last
+    incident on one line (texts from :mod:`phoenix_launch.observe`)."""
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    from phoenix_launch.observe import progress_text
+
+    rows: list = []
+    if prog.get("total"):
+        bar = Table.grid(padding=(0, 1))
+        bar.add_row(ProgressBar(total=prog["total"], completed=min(prog["done"], prog["total"]), width=40), Text(progress_text(prog)))
+        rows.append(bar)
+    if prog.get("last_incident"):
+        rows.append(Text(f"last incident: {prog['last_incident']}", style="yellow", no_wrap=True, overflow="ellipsis"))
+    return rows
 
 
 def print_status(snap: dict[str, Any], out: TextIO | None = None) -> None:

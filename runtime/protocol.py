@@ -286,6 +286,7 @@ class Progress(RankMessage):
     step: int = -1
     step_time_s: float | None = None
     sps: float = 0.0
+    total: int | None = None  # the loop's total steps (``trainer.steps(total)``), when known
     t: float | None = None
 
 

@@ -91,6 +91,7 @@ class ProtectedTraining:
         return self.protection.replicator if self.protection is not None else None
 
     def steps(self, total: int) -> Iterator[int]:
+        self.total_steps = total  # the live view's progress bar and ETA
         try:
             self.recover_if_pending()
             while self.step_idx < total:

@@ -1,0 +1,52 @@
+"""``phoenix-run kill-node`` without typer: the command a person types while the job runs must answer at
+once, and typer's parameter handling imports pydantic (~0.15 s of CPU, more than the rest of the command).
+``cli.main`` sends ``kill-node`` here; the options, messages and exit codes are those of ``cli.kill_node``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from phoenix_runtime.settings import FAULT_MODES
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="phoenix-run kill-node", description="Inject a failure into a running job.")
+    p.add_argument("target", help="A node name, or rank:R.")
+    p.add_argument("--mode", default="crash", help=" | ".join(FAULT_MODES))
+    p.add_argument("--at-step", type=int, default=None, help="Arm the fault to fire when the ranks reach step N.")
+    p.add_argument("--run-dir", default=None, help="Run directory (default: the newest under .).")
+    p.add_argument("--token", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _fail(msg: str, code: int) -> int:
+    print(f"phoenix-run: error: {msg}", file=sys.stderr)
+    return code
+
+
+def main(args: list[str]) -> int:
+    try:
+        a = _parser().parse_args(args)
+    except SystemExit as e:  # argparse printed its usage line (or --help)
+        return int(e.code or 0) and EXIT_USAGE
+    if a.mode not in FAULT_MODES:
+        return _fail(f"unknown mode {a.mode!r}; valid: {', '.join(FAULT_MODES)}", EXIT_USAGE)
+    from phoenix_launch.events import find_run_dir
+    from phoenix_launch.inject import InjectError, send_command
+    from phoenix_runtime.protocol import KillCommand
+
+    try:
+        rdir = find_run_dir(a.run_dir)
+        reply = send_command(rdir, KillCommand(target=a.target, mode=a.mode, at_step=a.at_step), token=a.token)
+    except (FileNotFoundError, InjectError) as e:
+        return _fail(str(e), 1)
+    except (OSError, ValueError, KeyError) as e:
+        return _fail(f"cannot read the job's control.json: {e}", 1)
+    if not reply.get("ok"):
+        return _fail(reply.get("error", "refused"), 1)
+    print(f"phoenix-run kill-node: {reply['message']}")
+    return 0

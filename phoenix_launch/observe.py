@@ -1,0 +1,114 @@
+"""What the job's events add up to, for the metrics and the live view: counters kept from the events, the
+latest progress report (with the loop's total, when the runtime knows it), and the last incident on one line.
+
+Pure logic: fed the events (dicts, as in ``events.jsonl``) one at a time, read by :mod:`metrics` and by
+:func:`progress_view`, which adds the ``progress`` entry of a status snapshot (bar, ETA, last incident).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Summary:
+    count: int = 0
+    total: float = 0.0
+    last: float | None = None
+
+    def add(self, v: float | None) -> None:
+        if v is None:
+            return
+        self.count += 1
+        self.total += float(v)
+        self.last = float(v)
+
+
+class JobCounters:
+    """Counters kept from the events (the snapshot has the job's state; these have its history)."""
+
+    def __init__(self) -> None:
+        self.progress: dict[str, Any] = {}  # the latest progress event: step, step_time_s, sps, total, t
+        self.failures: dict[str, int] = {}
+        self.incidents: dict[tuple[str, str], int] = {}  # (class, decision) -> count
+        self.recoveries: dict[tuple[str, str], int] = {}  # (class, path) -> count
+        self.durations = {"detect_s": Summary(), "recovered_s": Summary(), "total_s": Summary()}
+        self.last_incident: dict[str, Any] | None = None
+        self._cls = "unknown"  # the class of the incident whose recovery comes next
+
+    def feed(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("type")
+        if kind == "progress":
+            total = ev.get("total", self.progress.get("total"))
+            self.progress = {**ev, "total": total}
+        elif kind == "failure":
+            self.failures[str(ev.get("kind"))] = self.failures.get(str(ev.get("kind")), 0) + 1
+        elif kind == "decision":
+            self._cls = str(ev.get("cls"))
+            key = (self._cls, str(ev.get("decision")))
+            self.incidents[key] = self.incidents.get(key, 0) + 1
+            self.last_incident = {"t": ev.get("t"), "cls": ev.get("cls"), "decision": ev.get("decision"),
+                                  "node": ev.get("node"), "spare": ev.get("spare"), "reason": ev.get("reason")}
+        elif kind == "recovery":
+            key = (self._cls, str(ev.get("path")))
+            self.recoveries[key] = self.recoveries.get(key, 0) + 1
+            for name, summary in self.durations.items():
+                summary.add(ev.get(name))
+            if self.last_incident is not None:
+                self.last_incident.update(recovered_s=ev.get("recovered_s"), resume_step=ev.get("resume_step"))
+        elif kind == "incident_closed":
+            self.last_incident = {"t": ev.get("t"), "cls": "none", "decision": "closed", "reason": ev.get("why")}
+
+
+def incident_line(inc: dict[str, Any] | None) -> str:
+    """The last incident on one line: when, what, where, the decision and how long the recovery took."""
+    if not inc:
+        return ""
+    when = time.strftime("%H:%M:%S", time.localtime(inc.get("t") or time.time()))
+    where = f" on {inc['node']}" if inc.get("node") else ""
+    to = f" -> {inc['spare']}" if inc.get("spare") else ""
+    text = f"{when} {inc.get('cls')}{where}: {inc.get('decision')}{to}"
+    if inc.get("recovered_s") is not None:
+        text += f", recovered in {inc['recovered_s']:.2f} s"
+        if inc.get("resume_step") is not None:
+            text += f" (resumed at step {inc['resume_step']})"
+    elif inc.get("reason"):
+        text += f" ({inc['reason']})"
+    return text
+
+
+def format_duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def progress_view(snap: dict[str, Any], counters: JobCounters) -> dict[str, Any]:
+    """The snapshot's ``progress`` entry: steps done (of ``total`` when known), the ETA at the current
+    throughput, and the last incident's line. ``step`` counts completed steps (the slowest rank's)."""
+    total = counters.progress.get("total")
+    step = int(snap.get("step", -1))
+    done = max(step if step >= 0 else int(counters.progress.get("step", 0)), 0)  # no heartbeat yet: the last report
+    sps = float(snap.get("steps_per_s") or counters.progress.get("sps") or 0.0)
+    eta_s = None
+    if total is not None and sps > 0 and done < total:
+        eta_s = round((total - done) / sps, 1)
+    elif total is not None and done >= total:
+        eta_s = 0.0
+    return {"done": done, "total": total, "eta_s": eta_s, "last_incident": incident_line(counters.last_incident)}
+
+
+def progress_text(prog: dict[str, Any]) -> str:
+    """``step 40/100 (40%)  ETA 1m23s`` (no total: ``step 40``)."""
+    done, total = prog.get("done", 0), prog.get("total")
+    if not total:
+        return f"step {done}"
+    text = f"step {done}/{total} ({100 * done // total}%)"
+    if prog.get("eta_s") is not None:
+        text += f"  ETA {format_duration(prog['eta_s'])}"
+    return text
