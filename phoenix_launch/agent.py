@@ -44,11 +44,16 @@ def hang_check(hb: P.RankHeartbeat, now: float, hang_timeout_s: float) -> tuple[
     for ``hang_timeout_s`` is a hang, whatever its heartbeat thread says (the main thread may be blocked
     while that thread beats on). Outside training (start-up, a recovery, done) and from a rank without
     them, only a heartbeat silent for ``hang_timeout_s`` is. A warm spare idles by design; a starting rank
-    may hold the GIL in imports: neither is judged by its heartbeat."""
+    may hold the GIL in imports: neither is judged by its heartbeat. When one rank's loop stalls, its peers
+    stop progressing too, blocked in the next collective: a rank whose main thread waits in a collective
+    (``blocked_in``) is not the hung one; the one stuck in its own code is (a job whose every rank waits in
+    a collective is left to the collective timeout)."""
     silent = now - hb.t
     if hb.phase in ("starting", "spare"):
         return None
     if hb.phase == "training" and hb.t_step is not None and now - hb.t_step > hang_timeout_s:
+        if hb.blocked_in == "collective" and silent <= hang_timeout_s:
+            return None  # waiting for a peer: the peer stuck in its own code is the hung one
         return "progress", now - hb.t_step
     if silent > hang_timeout_s:
         return "heartbeat", silent

@@ -8,7 +8,8 @@ The heartbeat (JSON at ``protocol.k_rank_hb``): ``t`` (now), ``step`` (the next 
 ``pid``, ``runtime`` (protect() was called), ``phase`` -- ``starting`` (importing, forming, a spare's wait),
 ``training``, ``recovering``, ``done`` -- and ``t_step``: the unix time of the last completed step, or of
 entering the current phase. The agent calls a rank hung when ``phase == "training"`` and ``t_step`` is
-older than its hang timeout, whatever this thread's own liveness says.
+older than its hang timeout, whatever this thread's own liveness says, unless ``blocked_in`` says the main
+thread waits in a collective (then a peer is the one stalled: see ``main_thread_blocked_in``).
 
 A TCPStore client must not be shared between a thread that blocks in it and another thread (seen here: a
 blocked ``wait`` holds the connection), so this thread owns its own client and never blocks in it.
@@ -28,6 +29,29 @@ from phoenix_runtime.rank_env import RankEnv, rank_env
 from phoenix_runtime.threads import background_priority  # noqa: F401  (the old import path)
 
 PHASES = ("starting", "training", "recovering", "done")
+
+# Where a rank's main thread is blocked, seen from its control thread: inside these (torch's collectives,
+# autograd's backward where DDP's all-reduce waits, DDP itself, or the runtime's own bounded waits) it waits
+# for a peer; anywhere else it is running (or stuck in) the user's own code.
+_WAITING_ON_PEERS = (
+    os.sep + os.path.join("torch", "distributed") + os.sep,
+    os.sep + os.path.join("torch", "autograd") + os.sep,
+    os.sep + os.path.join("torch", "nn", "parallel") + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+)
+
+
+def main_thread_blocked_in() -> str:
+    """``"collective"`` when the main thread's innermost Python frame waits on peers (see above), else
+    ``"code"``. A rank whose loop stalls makes its peers stop progressing too, blocked in the next
+    collective: this tells the stalled rank (``code``) from the ranks waiting for it (``collective``)."""
+    import sys
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "code"
+    path = os.path.abspath(frame.f_code.co_filename)
+    return "collective" if any(p in path for p in _WAITING_ON_PEERS) else "code"
 
 
 class RankState:
@@ -83,6 +107,7 @@ class ControlThread:
             "runtime": self.state.runtime,
             "phase": self.state.phase,
             "t_step": self.state.t_step,
+            "blocked_in": main_thread_blocked_in() if self.state.phase == "training" else None,
             "sps": round(self.state.steps_per_s, 3),
         }
         self.store.set(protocol.k_rank_hb(self.node, self.slot), json.dumps(hb))

@@ -456,6 +456,7 @@ class RankHeartbeat:
     runtime: bool = False
     phase: str | None = None  # "starting", "training", "recovering", "done" (or "spare")
     t_step: float | None = None  # unix time of the last completed step, or of entering the current phase
+    blocked_in: str | None = None  # in training: "collective" (the main thread waits on peers) or "code"
     sps: float = 0.0
 
     @classmethod

@@ -353,6 +353,11 @@ def test_hang_check_uses_progress_when_the_runtime_reports_it():
     hb = P.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0)
     assert hang_check(hb, 100.2, 10.0) == ("progress", pytest.approx(20.2))  # heartbeat fresh, no step for 20 s
     assert hang_check(P.RankHeartbeat(t=100.0, step=7, phase="training", t_step=95.0), 100.2, 10.0) is None
+    # a stalled loop stops its peers too: those waiting in a collective are not the hung ones
+    waiting = P.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0, blocked_in="collective")
+    assert hang_check(waiting, 100.2, 10.0) is None
+    assert hang_check(P.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0, blocked_in="code"), 100.2, 10.0)[0] == "progress"
+    assert hang_check(waiting, 111.0, 10.0)[0] == "progress"  # ... unless its heartbeat went silent as well
     for phase in ("recovering", "done"):  # outside training only a silent heartbeat is a hang
         assert hang_check(P.RankHeartbeat(t=100.0, phase=phase, t_step=50.0), 100.2, 10.0) is None
         assert hang_check(P.RankHeartbeat(t=100.0, phase=phase, t_step=50.0), 111.0, 10.0)[0] == "heartbeat"
