@@ -46,7 +46,8 @@ class AgentSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        """JSON without the optional fields that are not set (``from_json`` restores their defaults)."""
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "AgentSpec":

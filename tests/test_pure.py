@@ -391,3 +391,16 @@ def test_a_replica_failure_reported_by_a_rank_is_recorded_and_never_a_job_failur
     sup.events.close()
     evs = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["rank"] for e in evs if e["type"] == "replication_error"] == [1]
+
+
+def test_agent_spec_roundtrip_and_bad_specs():
+    from phoenix_launch.spec import AgentSpec, SpecError
+
+    spec = AgentSpec(node="n1", nproc=2, run_dir="/r", argv=("train.py", "--x"), join="r3")
+    text = spec.to_json()
+    assert AgentSpec.from_json(text) == spec
+    assert "gpus_per_node" not in json.loads(text)  # unset optional fields are left out of the file
+    with pytest.raises(SpecError, match="unknown agent spec key"):
+        AgentSpec.from_json(json.dumps({**json.loads(text), "bogus": 1}))
+    with pytest.raises(SpecError, match="not JSON"):
+        AgentSpec.from_json("{")

@@ -434,13 +434,7 @@ class SlurmJob:
                 local_id=opt_int("SLURM_LOCALID") or 0,
             )
 
-        batch_host = None
-        if run is not None:
-            try:
-                rec = parse_kv_record(run(["scontrol", "-o", "show", "job", job_id]))
-            except SlurmCommandError:
-                rec = {}
-            batch_host = rec.get("BatchHost") if rec.get("BatchHost") not in (None, "", "(null)") else None
+        batch_host = _batch_host(job_id, run) if run is not None else None
         no_kill, source = detect_no_kill(job_id, env, run=run)
         steps_no_kill = opt("SLURM_NO_KILL") is not None and env["SLURM_NO_KILL"].lower() != "off"
 
@@ -466,6 +460,15 @@ class SlurmJob:
             steps_no_kill=steps_no_kill,
             step=step,
         )
+
+
+def _batch_host(job_id: str, run: Runner) -> str | None:
+    """The job's BatchHost (``scontrol show job``), or None when unknown."""
+    try:
+        rec = parse_kv_record(run(["scontrol", "-o", "show", "job", job_id]))
+    except SlurmCommandError:
+        return None
+    return rec.get("BatchHost") if rec.get("BatchHost") not in (None, "", "(null)") else None
 
 
 def in_allocation(environ: Mapping[str, str]) -> bool:
