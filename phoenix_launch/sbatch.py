@@ -176,17 +176,10 @@ def _env_pairs(extra_env: Union[Mapping[str, str], Sequence[Union[str, Tuple[str
     return pairs
 
 
-def render_sbatch(system: str, nodes: int, spares: int, script: str, script_args: Sequence[str], *,
-                  account: Optional[str] = None, time: str = "12:00:00", job_name: str = "phoenix",
-                  gpus_per_node: Optional[int] = None, nproc_per_node: Optional[int] = None,
-                  extra_sbatch: Sequence[str] = (),
-                  extra_env: Union[Mapping[str, str], Sequence[Union[str, Tuple[str, str]]]] = ()) -> str:
-    """The sbatch script for a PHOENIX job: ``nodes`` active + ``spares`` spare nodes, ``--no-kill``.
-
-    Pure: the same arguments always give the same text. Raises ValueError with a one-line message on bad
-    input. ``script`` and ``script_args`` are shell-quoted; ``extra_sbatch`` entries are ``#SBATCH``
-    options (``--mail-type=END``); ``extra_env`` is NAME=VALUE strings, pairs or a mapping.
-    """
+def _checked_inputs(system, nodes, spares, script, script_args, account, time, job_name, gpus_per_node,
+                    nproc_per_node, extra_sbatch, extra_env):
+    """render_sbatch's arguments checked (ValueError with one line on bad input) and resolved against the
+    system's profile: (profile, gpus, nproc, script args, extra #SBATCH options, extra environment)."""
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose one of: {', '.join(SYSTEMS)}")
     prof = SYSTEMS[system]
@@ -218,6 +211,23 @@ def render_sbatch(system: str, nodes: int, spares: int, script: str, script_args
             raise ValueError(f"extra sbatch option {opt!r} must be one option starting with '-'")
         extra_directives.append(opt)
     env_pairs = _env_pairs(extra_env)
+    return prof, gpus, nproc, args, extra_directives, env_pairs
+
+
+def render_sbatch(system: str, nodes: int, spares: int, script: str, script_args: Sequence[str], *,
+                  account: Optional[str] = None, time: str = "12:00:00", job_name: str = "phoenix",
+                  gpus_per_node: Optional[int] = None, nproc_per_node: Optional[int] = None,
+                  extra_sbatch: Sequence[str] = (),
+                  extra_env: Union[Mapping[str, str], Sequence[Union[str, Tuple[str, str]]]] = ()) -> str:
+    """The sbatch script for a PHOENIX job: ``nodes`` active + ``spares`` spare nodes, ``--no-kill``.
+
+    Pure: the same arguments always give the same text. Raises ValueError with a one-line message on bad
+    input. ``script`` and ``script_args`` are shell-quoted; ``extra_sbatch`` entries are ``#SBATCH``
+    options (``--mail-type=END``); ``extra_env`` is NAME=VALUE strings, pairs or a mapping.
+    """
+    prof, gpus, nproc, args, extra_directives, env_pairs = _checked_inputs(
+        system, nodes, spares, script, script_args, account, time, job_name, gpus_per_node, nproc_per_node,
+        extra_sbatch, extra_env)
 
     total = nodes + spares
     out: List[str] = []

@@ -1,0 +1,61 @@
+"""Architecture checks: no production file over 600 lines, no function over 80, no import cycle, the
+runtime never imports the launcher, and the launcher imports only the runtime's torch-free leaves.
+
+    python3 scripts/archcheck.py [REPO_ROOT]       # exit 1 and one line per problem when any is found
+"""
+import ast
+import collections
+import pathlib
+import sys
+
+root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).resolve().parent.parent)
+pkgs = {"phoenix_launch": root / "phoenix_launch", "phoenix_runtime": root / "runtime"}
+mods = {}
+for pkg, d in pkgs.items():
+    for f in d.rglob("*.py"):
+        rel = f.relative_to(d).with_suffix("")
+        name = ".".join([pkg, *rel.parts]).removesuffix(".__init__")
+        mods[name] = f
+bad = []
+graph = collections.defaultdict(set)
+for name, f in mods.items():
+    src = f.read_text(); tree = ast.parse(src)
+    n = len(src.splitlines())
+    if n > 600: bad.append(f"file {f} {n} lines")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            ln = node.end_lineno - node.lineno + 1
+            if ln > 80: bad.append(f"function {f}:{node.lineno} {node.name} {ln} lines")
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
+            targets = subs if len(subs) == len(node.names) else [node.module] + subs
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t in mods and t != name:
+                graph[name].add(t)
+for name, deps in graph.items():
+    if name.startswith("phoenix_runtime") and any(d.startswith("phoenix_launch") for d in deps):
+        bad.append(f"runtime imports launcher: {name}")
+    if name.startswith("phoenix_launch"):
+        for d in deps:
+            if d.startswith("phoenix_runtime") and d not in ("phoenix_runtime.protocol", "phoenix_runtime.settings", "phoenix_runtime"):
+                bad.append(f"launcher imports runtime module {d} from {name}")
+# cycles (module level and function level imports alike)
+sys.setrecursionlimit(10000)
+state = {}
+def dfs(u, stack):
+    state[u] = 1; stack.append(u)
+    for v in graph.get(u, ()):
+        if state.get(v) == 1:
+            bad.append("cycle: " + " -> ".join(stack[stack.index(v):] + [v]))
+        elif v not in state:
+            dfs(v, stack)
+    stack.pop(); state[u] = 2
+for m in mods:
+    if m not in state: dfs(m, [])
+print(f"{len(mods)} modules; {sum(len(v) for v in graph.values())} internal imports")
+print("\n".join(bad) if bad else "OK: no file > 600 lines, no function > 80 lines, no cycle, no upward import")
+sys.exit(1 if bad else 0)
