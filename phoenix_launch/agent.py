@@ -30,14 +30,14 @@ from typing import Any
 from phoenix_launch.procs import die_with_parent
 from phoenix_launch.procs import send_signal as _signal
 from phoenix_launch.spec import AgentSpec, SpecError
-from phoenix_runtime import protocol as P
+from phoenix_runtime import protocol
 
 WARM_WAIT_S = 120.0  # the longest an agent defers joining the control plane for its ranks' imports
 #: phases in which a rank is not expected to complete steps (the hang check falls back to its heartbeat)
 IDLE_PHASES = ("starting", "spare", "recovering", "done")
 
 
-def hang_check(hb: P.RankHeartbeat, now: float, hang_timeout_s: float) -> tuple[str, float] | None:
+def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float) -> tuple[str, float] | None:
     """Pure: is the rank whose latest heartbeat is ``hb`` hung at ``now``? Returns (why, seconds) or None.
 
     With ``phase`` and ``t_step`` (the runtime's progress report): in phase "training", no step completed
@@ -87,18 +87,18 @@ class Agent:
         self.attempts: dict[int, int] = {}
         self.stopping = False
         self.store: Any = None
-        self.q_sup: P.Queue | None = None
-        self.q_cmd: P.Queue | None = None
+        self.q_sup: protocol.Queue | None = None
+        self.q_cmd: protocol.Queue | None = None
         self.last_store_ok = time.monotonic()
         self.t_start_uptime = _uptime()  # kernel-log Xids from before this agent started are not this job's
         self._stop_signal: int | None = None
         self._gpu_probe: threading.Thread | None = None  # a GPU probe after a rank exit (see probe)
         self._gpu_reading: dict | None = None
-        self.commands = P.Dispatcher({
-            P.MsgType.RESTART: self._restart,
-            P.MsgType.RESPAWN: self._respawn,
-            P.MsgType.STOP: self._stop,
-            P.MsgType.INJECT: self.inject,
+        self.commands = protocol.Dispatcher({
+            protocol.MsgType.RESTART: self._restart,
+            protocol.MsgType.RESPAWN: self._respawn,
+            protocol.MsgType.STOP: self._stop,
+            protocol.MsgType.INJECT: self.inject,
         })
 
     # --- ranks -------------------------------------------------------------------------------------
@@ -110,16 +110,16 @@ class Agent:
                 del env[k]
         env.update(
             {
-                P.ENV_STORE_HOST: s.store_host,
-                P.ENV_STORE_PORT: str(s.store_port),
-                P.ENV_NODE: self.node,
-                P.ENV_SLOT: str(slot),
-                P.ENV_RUN_DIR: str(self.run_dir),
-                P.ENV_ROLE: role,
-                P.ENV_GEN: str(gen),
-                P.ENV_HEARTBEAT_S: str(s.heartbeat_s),
-                P.ENV_RUNTIME_CFG: s.runtime_json,
-                P.ENV_ERROR_FILE: str(error_file),
+                protocol.ENV_STORE_HOST: s.store_host,
+                protocol.ENV_STORE_PORT: str(s.store_port),
+                protocol.ENV_NODE: self.node,
+                protocol.ENV_SLOT: str(slot),
+                protocol.ENV_RUN_DIR: str(self.run_dir),
+                protocol.ENV_ROLE: role,
+                protocol.ENV_GEN: str(gen),
+                protocol.ENV_HEARTBEAT_S: str(s.heartbeat_s),
+                protocol.ENV_RUNTIME_CFG: s.runtime_json,
+                protocol.ENV_ERROR_FILE: str(error_file),
                 "PHOENIX_RUN_ID": s.run_id,
                 "PHOENIX_ATTEMPT": str(attempt),
             }
@@ -129,10 +129,10 @@ class Agent:
         env.update(s.extra_env)
         if s.gpus_per_node:
             env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(s.gpus_per_node)))
-        if role == P.ROLE_ACTIVE:
+        if role == protocol.ROLE_ACTIVE:
             group_rank = s.group_rank or 0
             env.update(
-                P.torchrun_env(
+                protocol.torchrun_env(
                     rank=group_rank * self.nproc + slot,
                     local_rank=slot,
                     world_size=s.world_size,
@@ -161,7 +161,7 @@ class Agent:
         warm_r = warm_w = None
         if self.store is None:  # not connected yet: learn when this rank is warm (see wait_warm)
             warm_r, warm_w = os.pipe()
-            env[P.ENV_WARM_FD] = str(warm_w)
+            env[protocol.ENV_WARM_FD] = str(warm_w)
         cmd = [sys.executable, "-m", "phoenix_runtime.bootstrap", *self.spec.argv]
         redirects = self.spec.redirects
         tee = self.spec.tee
@@ -253,14 +253,14 @@ class Agent:
 
         s = self.spec
         self.store = dist.TCPStore(s.store_host, int(s.store_port), is_master=False, timeout=timedelta(seconds=30))
-        self.q_sup = P.Queue(self.store, P.Q_SUPERVISOR)
-        self.q_cmd = P.Queue(self.store, P.q_agent(self.node))
+        self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
+        self.q_cmd = protocol.Queue(self.store, protocol.q_agent(self.node))
         token = ""
         if s.join is not None:
             # A node joining a running job (Slurm replenishment): the supervisor does not know it yet and
             # accepts it only with the job's token (run_dir/token, 0600, on the shared filesystem).
             token = (self.run_dir / "token").read_text().strip()
-        self.q_sup.put(P.AgentUp(self.node, os.getpid(), os.uname().nodename, s.join, token))
+        self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, s.join, token))
 
     def report_exit(self, r: RankProc, code: int) -> None:
         error = None
@@ -269,7 +269,7 @@ class Agent:
                 error = json.loads(r.error_file.read_text())
             except (OSError, json.JSONDecodeError):
                 error = None
-        self.q_sup.put(P.RankExit(  # type: ignore[union-attr]
+        self.q_sup.put(protocol.RankExit(  # type: ignore[union-attr]
             node=self.node, slot=r.slot, attempt=r.attempt, epoch=self.epoch, pid=r.proc.pid,
             t_exit=r.exit_seen or time.time(), exit_code=code if code >= 0 else None, signal=-code if code < 0 else None,
             error=error, log=str(r.log_path), log_tail=_tail(r.log_path), health=self.probe(),
@@ -301,13 +301,13 @@ class Agent:
         if self._gpu_probe is None or self._gpu_probe.is_alive():
             return
         self._gpu_probe = None
-        self.q_sup.put(P.NodeProbe(self.node, self._gpu_reading or {"problems": ["GPU probe failed"]}))  # type: ignore[union-attr]
+        self.q_sup.put(protocol.NodeProbe(self.node, self._gpu_reading or {"problems": ["GPU probe failed"]}))  # type: ignore[union-attr]
         self._gpu_reading = None
 
     def handle(self, raw: dict[str, Any]) -> None:
         self.commands.dispatch(raw)
 
-    def _restart(self, cmd: P.AgentRestart) -> None:
+    def _restart(self, cmd: protocol.AgentRestart) -> None:
         """torchrun's behaviour: a fresh attempt of every rank of this node."""
         self.terminate_ranks(self.spec.stop_grace_s)
         self.epoch = cmd.epoch
@@ -315,7 +315,7 @@ class Agent:
                             master_port=cmd.master_port, epoch=cmd.epoch)
         self.spawn_all(cmd.role)
 
-    def _respawn(self, cmd: P.AgentRespawn) -> None:
+    def _respawn(self, cmd: protocol.AgentRespawn) -> None:
         """Start dead ranks again as joiners of generation ``cmd.gen``: each waits for its assignment, as a
         spare's rank does, then restores its state from its peers."""
         for slot in cmd.slots:
@@ -324,12 +324,12 @@ class Agent:
                 continue  # alive after all: the recovery takes it as a survivor
             if r is not None and not r.reported:
                 r.reported = True  # its exit is the incident being repaired
-            self.spawn(slot, P.ROLE_SPARE, gen=cmd.gen)
+            self.spawn(slot, protocol.ROLE_SPARE, gen=cmd.gen)
 
-    def _stop(self, cmd: P.AgentStop) -> None:
+    def _stop(self, cmd: protocol.AgentStop) -> None:
         self.stopping = True
 
-    def inject(self, cmd: P.AgentInject) -> None:
+    def inject(self, cmd: protocol.AgentInject) -> None:
         mode = cmd.mode
         slots = [cmd.slot] if cmd.slot is not None else list(self.ranks)
         if mode == "crash":  # the whole node: this agent and every rank, SIGKILLed
@@ -348,10 +348,10 @@ class Agent:
         for r in self.ranks.values():
             if r.proc.poll() is not None or now - r.started < hang_timeout:
                 continue
-            key = P.k_rank_hb(self.node, r.slot)
+            key = protocol.k_rank_hb(self.node, r.slot)
             if not self.store.check([key]):
                 continue  # not started yet: still importing
-            hb = P.RankHeartbeat.from_json(self.store.get(key))
+            hb = protocol.RankHeartbeat.from_json(self.store.get(key))
             if hb.pid != r.proc.pid:
                 continue
             hung = hang_check(hb, now, hang_timeout)
@@ -359,7 +359,7 @@ class Agent:
                 continue
             why, seconds = hung
             state = _proc_state(r.proc.pid)
-            self.q_sup.put(P.RankHang(self.node, r.slot, round(seconds, 3), hb.step, why, state))  # type: ignore[union-attr]
+            self.q_sup.put(protocol.RankHang(self.node, r.slot, round(seconds, 3), hb.step, why, state))  # type: ignore[union-attr]
             _signal(r.proc, signal.SIGKILL)  # its peers' collectives now fail at once
             r.started = now  # report once
 
@@ -382,7 +382,7 @@ class Agent:
             now = time.monotonic()
             try:
                 if now >= next_hb:
-                    self.store.set(P.k_agent_hb(self.node), str(time.time()))
+                    self.store.set(protocol.k_agent_hb(self.node), str(time.time()))
                     next_hb = now + hb_every
                 for cmd in self.q_cmd.get_all():
                     self.handle(cmd)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from phoenix_launch.events import EventLog
 from phoenix_launch.inject import JobTargets, execute_injection
-from phoenix_runtime import protocol as P
+from phoenix_runtime import protocol
 
 
 def reply_key(command_id: str) -> str:
@@ -20,21 +20,21 @@ def reply_key(command_id: str) -> str:
 
 
 class CommandHandler:
-    def __init__(self, store: P.Store, token: str, events: EventLog, job: JobTargets,
+    def __init__(self, store: protocol.Store, token: str, events: EventLog, job: JobTargets,
                  on_injected: Callable[[str, float, float], None]):
         self.store = store
         self.token = token
         self.events = events
         self.job = job
         self.on_injected = on_injected  # (mode, t_kill, now)
-        self.dispatcher = P.Dispatcher({P.MsgType.KILL: self._kill})
+        self.dispatcher = protocol.Dispatcher({protocol.MsgType.KILL: self._kill})
 
     def handle(self, raw: dict[str, Any], now: float) -> None:
         if self.dispatcher.dispatch(raw, now) is None:
             self.events.emit("command_refused", command=raw.get("type"), reason="unknown or malformed command")
             self._reply(str(raw.get("id", "none")), False, "refused: unknown or malformed command")
 
-    def _kill(self, c: P.KillCommand, now: float) -> None:
+    def _kill(self, c: protocol.KillCommand, now: float) -> None:
         if not hmac.compare_digest(str(c.token), self.token):
             self.events.emit("command_refused", command=c.TYPE.value, reason="bad or missing token")
             self._reply(c.id, False, "refused: the job's token does not match")

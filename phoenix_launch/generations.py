@@ -9,10 +9,10 @@ respawned on the same node; a restart (``fresh``) has no joiners: every worker s
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from phoenix_runtime import protocol as P
+from phoenix_runtime import protocol
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Attempt:
 
 
 class GenerationPublisher:
-    def __init__(self, store: P.Store, *, world_size: int, nproc: int, run_id: str, max_restarts: int,
+    def __init__(self, store: protocol.Store, *, world_size: int, nproc: int, run_id: str, max_restarts: int,
                  domains: Callable[[], dict[str, str]]):
         self.store = store
         self.world_size = world_size
@@ -34,18 +34,18 @@ class GenerationPublisher:
         self.max_restarts = max_restarts
         self.domains = domains
         self.gen = 0
-        self.members = P.Membership(0, world_size, ())
+        self.members = protocol.Membership(0, world_size, ())
         self.stable = self.members  # the last generation every rank reached (joiners are counted from it)
 
-    def first(self, ranks: Iterable[P.RankSlot]) -> P.Membership:
+    def first(self, ranks: Iterable[protocol.RankSlot]) -> protocol.Membership:
         """Generation 0, as the agents start it."""
-        self.members = self.stable = P.Membership(0, self.world_size, tuple(ranks), domains=self.domains())
-        self.store.set(P.k_members(0), self.members.to_json())
-        self.store.set(P.K_GEN, "0")
+        self.members = self.stable = protocol.Membership(0, self.world_size, tuple(ranks), domains=self.domains())
+        self.store.set(protocol.k_members(0), self.members.to_json())
+        self.store.set(protocol.K_GEN, "0")
         return self.members
 
-    def publish(self, ranks: Iterable[P.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
-                *, respawned: Iterable[int] = (), fresh: bool = False) -> P.Membership:
+    def publish(self, ranks: Iterable[protocol.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
+                *, respawned: Iterable[int] = (), fresh: bool = False) -> protocol.Membership:
         """A new generation: membership first, then the joiners' assignments, then the bump."""
         ranks = tuple(sorted(ranks, key=lambda r: r.rank))
         self.gen += 1
@@ -55,12 +55,12 @@ class GenerationPublisher:
             before = {r.rank: (r.node, r.slot) for r in self.stable.ranks}
             again = set(respawned)
             joiners = tuple(r.rank for r in ranks if before.get(r.rank) != (r.node, r.slot) or r.rank in again)
-        mem = P.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains())
-        self.store.set(P.k_members(self.gen), mem.to_json())
+        mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains())
+        self.store.set(protocol.k_members(self.gen), mem.to_json())
         for r in ranks:
             if r.rank in joiners:
-                self.store.set(P.k_assign(r.node, r.slot), json.dumps(self._assignment(r, group_ranks[r.node], attempt)))
-        self.store.set(P.K_GEN, str(self.gen))
+                self.store.set(protocol.k_assign(r.node, r.slot), json.dumps(self._assignment(r, group_ranks[r.node], attempt)))
+        self.store.set(protocol.K_GEN, str(self.gen))
         self.members = mem
         if fresh:
             self.stable = mem
@@ -70,8 +70,8 @@ class GenerationPublisher:
         """Every rank reached the current generation: it is the base the next joiners are counted from."""
         self.stable = self.members
 
-    def _assignment(self, r: P.RankSlot, group_rank: int | None, attempt: Attempt) -> dict:
-        env = P.torchrun_env(
+    def _assignment(self, r: protocol.RankSlot, group_rank: int | None, attempt: Attempt) -> dict:
+        env = protocol.torchrun_env(
             rank=r.rank,
             local_rank=r.slot,
             world_size=self.world_size,
@@ -85,5 +85,17 @@ class GenerationPublisher:
             max_restarts=self.max_restarts,
             error_file="",
         )
-        env.pop(P.ENV_ERROR_FILE)
+        env.pop(protocol.ENV_ERROR_FILE)
         return {"rank": r.rank, "gen": self.gen, "env": env}
+
+
+@dataclass
+class AttemptProgress:
+    """What the ranks of the current attempt have told the supervisor (reset by a restart)."""
+
+    done_ranks: set[int] = field(default_factory=set)  # exited 0
+    runtime_ready: set[int] = field(default_factory=set)  # run the runtime with protection on
+    protect_on: bool = True
+    step: int = -1  # the latest progress report
+    unrecoverable: dict[int, protocol.Unrecoverable] = field(default_factory=dict)  # ranks that cannot recover
+    unrecoverable_t0: float | None = None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from phoenix_launch import command_socket
-from phoenix_runtime import protocol as P
+from phoenix_runtime import protocol
 from phoenix_runtime.settings import FAULT_MODES
 
 MODES = FAULT_MODES
@@ -34,10 +34,10 @@ class JobTargets:
 
     world_size: int
     nproc: int
-    members: Callable[[], P.Membership]  # the current membership
+    members: Callable[[], protocol.Membership]  # the current membership
     node_states: Callable[[], Mapping[str, str]]  # node -> its lifecycle state's value
     holds_ranks: Callable[[str], bool]  # the node is active (not a spare)
-    store: P.Store
+    store: protocol.Store
     kill_node: Callable[[str], None]  # the backend's: SIGKILL the node's agent and ranks
 
 
@@ -60,7 +60,7 @@ def resolve_target(job: JobTargets, target: str) -> tuple[str, int | None]:
     return target, None
 
 
-def execute_injection(job: JobTargets, c: P.KillCommand) -> tuple[bool, str, dict[str, Any]]:
+def execute_injection(job: JobTargets, c: protocol.KillCommand) -> tuple[bool, str, dict[str, Any]]:
     """Carry out one ``kill-node`` command; returns (ok, the reply's message, the ``injected`` event's fields;
     ``immediate``: its effect is due now, so an incident opens at once)."""
     mode = c.mode
@@ -76,7 +76,7 @@ def execute_injection(job: JobTargets, c: P.KillCommand) -> tuple[bool, str, dic
     slots = [slot] if slot is not None else list(range(job.nproc))
     if at_step is not None or mode in ("comm", "gpu-ecc", "pcie"):
         for s in slots:
-            P.Queue(job.store, P.q_rank(node, s)).put(P.RankFault(mode, at_step, c.id))
+            protocol.Queue(job.store, protocol.q_rank(node, s)).put(protocol.RankFault(mode, at_step, c.id))
         when = f"at step {at_step}" if at_step is not None else "now"
         info["immediate"] = at_step is None and mode == "comm"
         return True, f"armed {mode} on {node}{'' if slot is None else f' slot {slot}'} {when}", info
@@ -85,12 +85,12 @@ def execute_injection(job: JobTargets, c: P.KillCommand) -> tuple[bool, str, dic
         if not job.holds_ranks(node):
             info["immediate"] = False  # a spare holds no rank: its loss is a spare_lost, not an incident to classify
         return True, f"SIGKILLed node {node} (its agent and {job.nproc} rank(s))", info
-    P.Queue(job.store, P.q_agent(node)).put(P.AgentInject("rank" if mode == "crash" else mode, slot))
+    protocol.Queue(job.store, protocol.q_agent(node)).put(protocol.AgentInject("rank" if mode == "crash" else mode, slot))
     what = {"crash": "SIGKILL", "rank": "SIGKILL", "hang": "SIGSTOP"}[mode]
     return True, f"{what} sent to {node} {'every rank' if slot is None else f'slot {slot}'}", info
 
 
-def send_command(run_dir: Path, cmd: P.KillCommand, token: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+def send_command(run_dir: Path, cmd: protocol.KillCommand, token: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
     """Client side: put a token-authenticated command on the job's control plane and wait for the reply."""
     from phoenix_launch.control import connect
     from phoenix_launch.events import read_token
@@ -114,7 +114,7 @@ def send_command(run_dir: Path, cmd: P.KillCommand, token: str | None = None, ti
         store = connect(ctl["host"], int(ctl["port"]), timeout_s=3.0)
     except Exception:
         raise InjectError(f"no running job at {ctl['host']}:{ctl['port']} (run directory {run_dir})") from None
-    P.Queue(store, P.Q_COMMANDS).put(replace(cmd, token=token, id=cid))
+    protocol.Queue(store, protocol.Q_COMMANDS).put(replace(cmd, token=token, id=cid))
     key = f"phx/reply/{cid}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from phoenix_runtime import protocol as P
+from phoenix_runtime import protocol
 
 PHASES = ("quiesce_s", "reconfigure_s", "param_restore_s", "optim_restore_s", "resume_s")
 
@@ -26,7 +26,7 @@ class Recovery:
     gen: int = 0
     t_gen: float = 0.0  # the current generation was published
     generations: int = 0
-    recovered: dict[int, P.Recovered] = field(default_factory=dict)
+    recovered: dict[int, protocol.Recovered] = field(default_factory=dict)
     t_recovered: float | None = None  # every rank reported ``recovered`` for ``gen``
     resume_step: int | None = None
 
@@ -59,7 +59,7 @@ class RecoveryWatch:
         cur.recovered = {}
         return abandoned
 
-    def recovered(self, msg: P.Recovered, now: float) -> bool:
+    def recovered(self, msg: protocol.Recovered, now: float) -> bool:
         """A rank recovered; True when it was the last of the world for the current generation."""
         cur = self.current
         if cur is None or cur.t_recovered is not None or msg.gen != cur.gen or msg.rank is None:

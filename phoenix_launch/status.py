@@ -8,26 +8,26 @@ from typing import Any
 
 from phoenix_launch.events import EventLog
 from phoenix_launch.nodes import NodeTable
-from phoenix_runtime import protocol as P
+from phoenix_runtime import protocol
 
 
-def read_rank_heartbeats(store: Any, members: P.Membership) -> dict[tuple[str, int], P.RankHeartbeat]:
+def read_rank_heartbeats(store: Any, members: protocol.Membership) -> dict[tuple[str, int], protocol.RankHeartbeat]:
     """(node, slot) -> the rank's latest heartbeat, for the ranks of ``members`` that have written one."""
-    out: dict[tuple[str, int], P.RankHeartbeat] = {}
+    out: dict[tuple[str, int], protocol.RankHeartbeat] = {}
     if store is None:
         return out
     for r in members.ranks:
-        key = P.k_rank_hb(r.node, r.slot)
+        key = protocol.k_rank_hb(r.node, r.slot)
         try:
             if store.check([key]):
-                out[(r.node, r.slot)] = P.RankHeartbeat.from_json(store.get(key))
+                out[(r.node, r.slot)] = protocol.RankHeartbeat.from_json(store.get(key))
         except Exception:
             continue
     return out
 
 
 def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: int, nproc: int, nodes: NodeTable,
-               members: P.Membership, store: Any, events: EventLog) -> dict[str, Any]:
+               members: protocol.Membership, store: Any, events: EventLog) -> dict[str, Any]:
     hbs = read_rank_heartbeats(store, members)
     rows = []
     for n in nodes:

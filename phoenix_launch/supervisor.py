@@ -13,7 +13,6 @@ import hmac
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from phoenix_launch.commands import CommandHandler
 from phoenix_launch.config import Config, runtime_settings
 from phoenix_launch.control import ControlPlane
 from phoenix_launch.events import EventLog, create_token, write_json_atomic
-from phoenix_launch.generations import Attempt, GenerationPublisher
+from phoenix_launch.generations import Attempt, AttemptProgress, GenerationPublisher
 from phoenix_launch.health import with_probe_evidence
 from phoenix_launch.incidents import Incident, IncidentTracker
 from phoenix_launch.inject import Chaos, JobTargets
@@ -35,22 +34,10 @@ from phoenix_launch.recovery_watch import RecoveryWatch
 from phoenix_launch.replenish import Replenisher
 from phoenix_launch.spec import AgentSpec
 from phoenix_launch.status import job_status, read_rank_heartbeats
-from phoenix_runtime import protocol as P
+from phoenix_runtime import protocol
 
 #: a live rank's error of this type is a failed replica, not a job failure: the step is protected again
 REPLICATION_ERROR = "ReplicationError"
-
-
-@dataclass
-class AttemptProgress:
-    """What the ranks of the current attempt have told the supervisor (reset by a restart)."""
-
-    done_ranks: set[int] = field(default_factory=set)  # exited 0
-    runtime_ready: set[int] = field(default_factory=set)  # run the runtime with protection on
-    protect_on: bool = True
-    step: int = -1  # the latest progress report
-    unrecoverable: dict[int, P.Unrecoverable] = field(default_factory=dict)  # ranks that cannot recover
-    unrecoverable_t0: float | None = None
 
 
 class Supervisor:
@@ -83,19 +70,19 @@ class Supervisor:
         self.publisher: GenerationPublisher | None = None
         self.commands: CommandHandler | None = None
         self.operator_io = OperatorIO(cfg.metrics, run_dir, self.events)  # command socket, metrics, progress
-        self.messages = P.Dispatcher({
-            P.MsgType.AGENT_UP: self.on_agent_up,
-            P.MsgType.RANK_EXIT: self.on_rank_exit,
-            P.MsgType.RANK_HANG: self.on_rank_hang,
-            P.MsgType.RANK_ERROR: self.on_rank_error,
-            P.MsgType.RUNTIME_READY: self.on_runtime_ready,
-            P.MsgType.RECOVERED: self.on_recovered,
-            P.MsgType.PROGRESS: self.on_progress,
-            P.MsgType.UNRECOVERABLE: self.on_unrecoverable,
-            P.MsgType.PROTECTION: self.on_protection,
-            P.MsgType.FAULT_FIRED: self.on_fault_fired,
-            P.MsgType.CHECKPOINT: self.on_checkpoint,
-            P.MsgType.NODE_PROBE: self.on_node_probe,
+        self.messages = protocol.Dispatcher({
+            protocol.MsgType.AGENT_UP: self.on_agent_up,
+            protocol.MsgType.RANK_EXIT: self.on_rank_exit,
+            protocol.MsgType.RANK_HANG: self.on_rank_hang,
+            protocol.MsgType.RANK_ERROR: self.on_rank_error,
+            protocol.MsgType.RUNTIME_READY: self.on_runtime_ready,
+            protocol.MsgType.RECOVERED: self.on_recovered,
+            protocol.MsgType.PROGRESS: self.on_progress,
+            protocol.MsgType.UNRECOVERABLE: self.on_unrecoverable,
+            protocol.MsgType.PROTECTION: self.on_protection,
+            protocol.MsgType.FAULT_FIRED: self.on_fault_fired,
+            protocol.MsgType.CHECKPOINT: self.on_checkpoint,
+            protocol.MsgType.NODE_PROBE: self.on_node_probe,
         })
 
     # --- setup -------------------------------------------------------------------------------------
@@ -111,11 +98,11 @@ class Supervisor:
             active = i < launch.nodes
             self.nodes.add(Node.new(name, i if active else None))
             if active:
-                ranks += [P.RankSlot(i * self.nproc + s, name, s) for s in range(self.nproc)]
+                ranks += [protocol.RankSlot(i * self.nproc + s, name, s) for s in range(self.nproc)]
         for node in self.nodes:
             self.backend.start_agent(node.name, self.agent_spec(node))
         plane.listen()
-        self.store.set(P.K_RUN_ID, launch.run_id)
+        self.store.set(protocol.K_RUN_ID, launch.run_id)
         self.publisher = GenerationPublisher(self.store, world_size=self.world_size, nproc=self.nproc, run_id=launch.run_id,
                                              max_restarts=launch.max_restarts, domains=self.backend.domains)
         self.publisher.first(ranks)
@@ -143,14 +130,14 @@ class Supervisor:
         return self.publisher.gen if self.publisher else 0
 
     @property
-    def members(self) -> P.Membership | None:
+    def members(self) -> protocol.Membership | None:
         return self.publisher.members if self.publisher else None
 
     def agent_spec(self, node: Node, join: str | None = None) -> AgentSpec:
         launch, detect = self.cfg.launch, self.cfg.detect
         return AgentSpec(
             node=node.name, nproc=self.nproc, run_dir=str(self.run_dir), argv=tuple(self.argv),
-            role=P.ROLE_SPARE if node.is_spare else P.ROLE_ACTIVE, group_rank=node.group_rank,
+            role=protocol.ROLE_SPARE if node.is_spare else protocol.ROLE_ACTIVE, group_rank=node.group_rank,
             world_size=self.world_size, gen=self.gen, epoch=self.epoch, max_restarts=launch.max_restarts,
             run_id=launch.run_id, store_host=self.plane.host if self.plane else "", store_port=self.plane.port if self.plane else 0,
             master_port=self.plane.rdzv_port if self.plane else 0,
@@ -167,12 +154,12 @@ class Supervisor:
 
     def _ranks_warm(self, node: Node) -> bool:
         try:
-            return bool(self.store is not None and self.store.check([P.k_rank_hb(node.name, s) for s in range(self.nproc)]))
+            return bool(self.store is not None and self.store.check([protocol.k_rank_hb(node.name, s) for s in range(self.nproc)]))
         except Exception:
             return False
 
     # --- messages (detect) -------------------------------------------------------------------------
-    def handle_message(self, raw: dict[str, Any] | P.Message, now: float) -> None:
+    def handle_message(self, raw: dict[str, Any] | protocol.Message, now: float) -> None:
         """Decode and dispatch by type; an unknown or malformed message is dropped and counted (an event the
         first time a type is dropped)."""
         if self.messages.dispatch(raw, now) is None and isinstance(raw, dict):
@@ -180,7 +167,7 @@ class Supervisor:
             if self.messages.dropped.get(kind) == 1:
                 self.events.emit("message_dropped", message_type=kind, why="unknown type or missing field")
 
-    def on_agent_up(self, m: P.AgentUp, now: float) -> None:
+    def on_agent_up(self, m: protocol.AgentUp, now: float) -> None:
         node = self.nodes.get(m.node)
         if node is None or (m.join is not None and node.state in (NodeState.FAILED, NodeState.DRAINED)):
             self.adopt(m, now)  # a node this job did not start: a replenished spare, or refused
@@ -189,7 +176,7 @@ class Supervisor:
         if node.state is NodeState.STARTING:
             self.nodes.transition(node, NodeState.SPARE if node.is_spare else NodeState.ACTIVE, "agent up")
 
-    def on_rank_exit(self, m: P.RankExit, now: float) -> None:
+    def on_rank_exit(self, m: protocol.RankExit, now: float) -> None:
         node = self.nodes.get(m.node)
         if node is None or m.epoch < self.epoch or node.state in (*ENDED,):
             return  # a worker of an earlier attempt, or of a node already replaced
@@ -215,14 +202,14 @@ class Supervisor:
         self.events.emit("failure", kind="rank_exit", node=node.name, slot=m.slot, rank=rank, exit=describe_exit(m.exit_code, m.signal),
                          error=(err or {}).get("type"), message=((err or {}).get("message") or "")[:500])
 
-    def on_rank_hang(self, m: P.RankHang, now: float) -> None:
+    def on_rank_hang(self, m: protocol.RankHang, now: float) -> None:
         node = self.nodes.get(m.node)
         if node is not None and node.state in (NodeState.ACTIVE, NodeState.JOINING):
             self.incidents.node_hung(node.name, now)
             self.events.emit("failure", kind="hang", node=node.name, slot=m.slot, silent_s=m.silent_s, step=m.step,
                              reason=m.reason, proc_state=m.proc_state)
 
-    def on_rank_error(self, m: P.RankError, now: float) -> None:
+    def on_rank_error(self, m: protocol.RankError, now: float) -> None:
         """A live rank saw a step fail (a collective, a replica)."""
         node = self.nodes.get(m.node)
         err = m.error or {}
@@ -234,20 +221,20 @@ class Supervisor:
             return
         self.incidents.rank_failed(RankReport(node.name, m.rank, None, None, err, "", time=m.t or now), now, exited=False)
 
-    def on_runtime_ready(self, m: P.RuntimeReady, now: float) -> None:
+    def on_runtime_ready(self, m: protocol.RuntimeReady, now: float) -> None:
         self.attempt.protect_on = bool(m.protect)
         if m.epoch == self.epoch and m.protect and m.rank is not None:
             self.attempt.runtime_ready.add(int(m.rank))
 
-    def on_recovered(self, m: P.Recovered, now: float) -> None:
+    def on_recovered(self, m: protocol.Recovered, now: float) -> None:
         if self.job.state is JobState.RECOVERING and self.recovery.recovered(m, now):
             self.finish_recovery(now)
 
-    def on_progress(self, m: P.Progress, now: float) -> None:
+    def on_progress(self, m: protocol.Progress, now: float) -> None:
         self.attempt.step = m.step
         self.events.emit("progress", step=m.step, step_time_s=m.step_time_s, sps=m.sps, total=m.total)
 
-    def on_unrecoverable(self, m: P.Unrecoverable, now: float) -> None:
+    def on_unrecoverable(self, m: protocol.Unrecoverable, now: float) -> None:
         """Every rank saves what survives, then the job stops with the reason."""
         if m.rank is None:
             return
@@ -258,20 +245,20 @@ class Supervisor:
         if len(self.attempt.unrecoverable) == self.world_size:
             self.stop(m.reason, decisions.EXIT_UNRECOVERABLE, now)
 
-    def on_protection(self, m: P.Protection, now: float) -> None:
+    def on_protection(self, m: protocol.Protection, now: float) -> None:
         if m.rank == 0:
             self.events.emit("protection", host_bytes=m.host_bytes, optim_bytes=m.optim_bytes, param_bytes=m.param_bytes, replicas=m.replicas)
 
-    def on_fault_fired(self, m: P.FaultFired, now: float) -> None:
+    def on_fault_fired(self, m: protocol.FaultFired, now: float) -> None:
         """A deterministic fault fired inside a rank (config or --at-step)."""
         t = m.t or now
         self.events.emit("injected", mode=m.mode, node=m.node, rank=m.rank, step=m.step, phase=m.phase, t_fired=t)
         self.incidents.fault_fired(t)
 
-    def on_checkpoint(self, m: P.CheckpointSaved, now: float) -> None:
+    def on_checkpoint(self, m: protocol.CheckpointSaved, now: float) -> None:
         self.events.emit("fallback_checkpoint", node=m.node, slot=m.slot, rank=m.rank, path=m.path, step=m.step, rank_saved=m.rank_saved)
 
-    def on_node_probe(self, m: P.NodeProbe, now: float) -> None:
+    def on_node_probe(self, m: protocol.NodeProbe, now: float) -> None:
         """The GPU reading that follows a rank exit: the incident's evidence (Xid, ECC, a lost GPU)."""
         self.probing.discard(m.node)
         base = self.agent_health.get(m.node, {})
@@ -295,7 +282,7 @@ class Supervisor:
         for node in self.nodes:
             if node.lost or not node.up or node.state not in (NodeState.ACTIVE, NodeState.JOINING, NodeState.SPARE):
                 continue  # an agent not up yet is judged by its process (local) or srun step (Slurm)
-            key = P.k_agent_hb(node.name)
+            key = protocol.k_agent_hb(node.name)
             if self.store.check([key]):
                 node.last_hb = float(self.store.get(key))
             if time.time() - node.last_hb > timeout:
@@ -378,7 +365,7 @@ class Supervisor:
             spn.group_rank, fn.group_rank = fn.group_rank, None
             self.nodes.transition(spn, NodeState.JOINING, f"replaces {f}")
         gens = self._gens()
-        ranks = [P.RankSlot(r.rank, swap.get(r.node, r.node), r.slot) for r in gens.members.ranks]
+        ranks = [protocol.RankSlot(r.rank, swap.get(r.node, r.node), r.slot) for r in gens.members.ranks]
         respawn = tuple(r for r in d.respawn if gens.members.slot_of(r).node not in swap)  # dead ranks on kept nodes
         mem = gens.publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), respawned=respawn)
         self._respawn(mem, respawn)
@@ -399,14 +386,14 @@ class Supervisor:
         self._begin_recovery("local", d, inc, now)
         self.events.emit("local_recovery", gen=mem.gen, node=d.node, respawned=list(d.respawn))
 
-    def _respawn(self, mem: P.Membership, ranks: tuple[int, ...]) -> None:
+    def _respawn(self, mem: protocol.Membership, ranks: tuple[int, ...]) -> None:
         """Ask the agents to start these (dead) ranks again, after their assignments are published."""
         by_node: dict[str, list[int]] = {}
         for rank in ranks:
             slot = mem.slot_of(rank)
             by_node.setdefault(slot.node, []).append(slot.slot)
         for name, slots in by_node.items():
-            P.Queue(self.store, P.q_agent(name)).put(P.AgentRespawn(tuple(slots), mem.gen))
+            protocol.Queue(self.store, protocol.q_agent(name)).put(protocol.AgentRespawn(tuple(slots), mem.gen))
 
     def _begin_recovery(self, path: str, d: decisions.Decision, inc: Incident, now: float) -> None:
         self._flush_recovery_event(final=True)
@@ -468,12 +455,12 @@ class Supervisor:
             self.nodes.transition(spare, NodeState.JOINING, f"replaces {failed.name} for restart {self.epoch}")
         self.attempt = AttemptProgress()
         rdzv_port = self.plane.new_rendezvous()
-        ranks = [P.RankSlot(n.group_rank * self.nproc + s, n.name, s) for n in self.nodes if n.group_rank is not None for s in range(self.nproc)]
+        ranks = [protocol.RankSlot(n.group_rank * self.nproc + s, n.name, s) for n in self.nodes if n.group_rank is not None for s in range(self.nproc)]
         mem = self._gens().publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), fresh=True)
         for n in self.nodes:
             if n.group_rank is not None:
-                P.Queue(self.store, P.q_agent(n.name)).put(
-                    P.AgentRestart(self.epoch, rdzv_port, n.group_rank, self.world_size, mem.gen, P.ROLE_ACTIVE))
+                protocol.Queue(self.store, protocol.q_agent(n.name)).put(
+                    protocol.AgentRestart(self.epoch, rdzv_port, n.group_rank, self.world_size, mem.gen, protocol.ROLE_ACTIVE))
                 if n.state is NodeState.JOINING:
                     self.nodes.transition(n, NodeState.ACTIVE, "restarted as active")
         self.events.emit("restart", attempt=self.restarts, max_restarts=self.cfg.launch.max_restarts, reason=d.reason, fresh=d.fresh)
@@ -492,7 +479,7 @@ class Supervisor:
             coming = sum(1 for n in self.nodes if n.is_spare and n.state in (NodeState.STARTING, NodeState.SPARE))
             self.replenisher.tick(now, coming, len(self.nodes.spare_nodes()))
 
-    def adopt(self, m: P.AgentUp, now: float) -> None:
+    def adopt(self, m: protocol.AgentUp, now: float) -> None:
         """An agent this job did not start says it is up: with the job's token it joins as a new spare."""
         if not self.backend.capabilities.replenish or not hmac.compare_digest(str(m.token), self.token):
             self.events.emit("join_refused", node=m.node, join=m.join, host=m.host, reason="bad or missing token")
@@ -565,7 +552,7 @@ class Supervisor:
     def status(self) -> dict[str, Any]:
         return job_status(run_id=self.cfg.launch.run_id, run_dir=self.run_dir, state=self.job.state.value, gen=self.gen,
                           restarts=self.restarts, nproc=self.nproc, nodes=self.nodes, store=self.store, events=self.events,
-                          members=self.members or P.Membership(0, self.world_size, ()))
+                          members=self.members or protocol.Membership(0, self.world_size, ()))
 
     def _write_status(self) -> dict[str, Any]:
         snap = self.operator_io.observe(self.status())
@@ -578,7 +565,7 @@ class Supervisor:
         self.operator_io.close_commands()  # kill-node now says 'stopped' at once
         try:
             for n in self.nodes:
-                P.Queue(self.store, P.q_agent(n.name)).put(P.AgentStop())
+                protocol.Queue(self.store, protocol.q_agent(n.name)).put(protocol.AgentStop())
         except Exception:
             pass
         self.backend.stop_all(self.cfg.launch.stop_grace_s)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import pytest
 
-from phoenix_launch import decide as D
+from phoenix_launch import decide as decisions
 from phoenix_launch.classify import Action, FailureClass, Verdict
 from phoenix_launch.config import ConfigError, build_config
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState, TransitionError
-from phoenix_runtime import protocol as P
+from phoenix_runtime import protocol
 from phoenix_runtime.recovery import Descriptor, Unrecoverable, pack, plan_recovery, unpack
 
 pytestmark = pytest.mark.timeout(30)
@@ -78,26 +78,26 @@ def V(cls, action, node="n1"):
 def view(**kw):
     base = dict(runtime_ready=True, spares=("s1",), restarts_used=0, max_restarts=0)
     base.update(kw)
-    return D.JobView(**base)
+    return decisions.JobView(**base)
 
 
 def test_decisions():
-    assert D.decide(view(), V(FailureClass.HOST, Action.REPLACE_NODE)).kind is D.Kind.HOTSWAP
-    d = D.decide(view(spares=()), V(FailureClass.HOST, Action.REPLACE_NODE))
-    assert (d.kind, d.exit_code) == (D.Kind.STOP, D.EXIT_UNRECOVERABLE) and "no spare left" in d.reason
-    assert D.decide(view(), V(FailureClass.TRANSIENT_COMM, Action.LOCAL_RECOVERY)).kind is D.Kind.LOCAL
+    assert decisions.decide(view(), V(FailureClass.HOST, Action.REPLACE_NODE)).kind is decisions.Kind.HOTSWAP
+    d = decisions.decide(view(spares=()), V(FailureClass.HOST, Action.REPLACE_NODE))
+    assert (d.kind, d.exit_code) == (decisions.Kind.STOP, decisions.EXIT_UNRECOVERABLE) and "no spare left" in d.reason
+    assert decisions.decide(view(), V(FailureClass.TRANSIENT_COMM, Action.LOCAL_RECOVERY)).kind is decisions.Kind.LOCAL
     # a node that failed twice is not trusted again: replaced instead of rejoining
-    d = D.decide(view(node_failures={"n1": 2}), V(FailureClass.TRANSIENT_COMM, Action.LOCAL_RECOVERY))
-    assert d.kind is D.Kind.HOTSWAP and "not trusted" in d.reason
+    d = decisions.decide(view(node_failures={"n1": 2}), V(FailureClass.TRANSIENT_COMM, Action.LOCAL_RECOVERY))
+    assert d.kind is decisions.Kind.HOTSWAP and "not trusted" in d.reason
     # software errors stop, whatever the restarts left
-    d = D.decide(view(runtime_ready=False, max_restarts=5), V(FailureClass.SOFTWARE, Action.STOP))
-    assert d.kind is D.Kind.STOP and d.exit_code == D.EXIT_RANK_FAILED
+    d = decisions.decide(view(runtime_ready=False, max_restarts=5), V(FailureClass.SOFTWARE, Action.STOP))
+    assert d.kind is decisions.Kind.STOP and d.exit_code == decisions.EXIT_RANK_FAILED
     # without the runtime: torchrun's behaviour
-    assert D.decide(view(runtime_ready=False, max_restarts=1), V(FailureClass.HOST, Action.REPLACE_NODE)).kind is D.Kind.RESTART
-    d = D.decide(view(runtime_ready=False, max_restarts=1, restarts_used=1), V(FailureClass.HOST, Action.REPLACE_NODE))
-    assert d.kind is D.Kind.STOP and "restarts exhausted" in d.reason
-    d = D.decide(view(runtime_ready=False, max_restarts=1, lost_nodes=("n1",)), V(FailureClass.HOST, Action.REPLACE_NODE))
-    assert (d.kind, d.spare) == (D.Kind.RESTART, "s1")
+    assert decisions.decide(view(runtime_ready=False, max_restarts=1), V(FailureClass.HOST, Action.REPLACE_NODE)).kind is decisions.Kind.RESTART
+    d = decisions.decide(view(runtime_ready=False, max_restarts=1, restarts_used=1), V(FailureClass.HOST, Action.REPLACE_NODE))
+    assert d.kind is decisions.Kind.STOP and "restarts exhausted" in d.reason
+    d = decisions.decide(view(runtime_ready=False, max_restarts=1, lost_nodes=("n1",)), V(FailureClass.HOST, Action.REPLACE_NODE))
+    assert (d.kind, d.spare) == (decisions.Kind.RESTART, "s1")
 
 
 # --- recovery plan -----------------------------------------------------------------------------------
@@ -177,43 +177,43 @@ class DictStore:
 
 def test_queue_in_order_and_skips_a_hole():
     st = DictStore()
-    q = P.Queue(st, "q")
+    q = protocol.Queue(st, "q")
     q.put({"a": 1})
     st.add("q/n", 1)  # a writer died between reserving and writing
     q.put({"a": 3})
-    r = P.Queue(st, "q")
+    r = protocol.Queue(st, "q")
     assert [m["a"] for m in r.get_all()] == [1]  # the reserved message may still come: not skipped yet
     assert [m["a"] for m in r.get_all(hole_timeout_s=0.0)] == [3]  # a writer that died: skipped at last
     assert r.get_all() == []
 
 
 def test_membership_roundtrip():
-    m = P.Membership(3, 2, (P.RankSlot(0, "n0", 0), P.RankSlot(1, "n2", 0)), joiners=(1,), reason="x")
-    m2 = P.Membership.from_json(m.to_json())
+    m = protocol.Membership(3, 2, (protocol.RankSlot(0, "n0", 0), protocol.RankSlot(1, "n2", 0)), joiners=(1,), reason="x")
+    m2 = protocol.Membership.from_json(m.to_json())
     assert m2 == m and m2.rank_at("n2", 0) == 1 and m2.nodes() == ["n0", "n2"]
 
 
 def test_typed_messages_roundtrip_and_old_dicts_decode():
     st = DictStore()
-    q = P.Queue(st, "q")
-    q.put(P.RankExit("n1", 1, exit_code=None, signal=9, log_tail="x"))
+    q = protocol.Queue(st, "q")
+    q.put(protocol.RankExit("n1", 1, exit_code=None, signal=9, log_tail="x"))
     q.put({"type": "progress", "node": "n0", "slot": 0, "rank": 0, "step": 7})  # a writer not converted yet
     q.put({"type": "something_new", "x": 1})
     q.put({"type": "rank_exit"})  # a required field missing
     seen = []
-    d = P.Dispatcher({P.MsgType.RANK_EXIT: lambda m, now: seen.append(m), P.MsgType.PROGRESS: lambda m, now: seen.append(m)})
-    for raw in P.Queue(st, "q").get_all():
+    d = protocol.Dispatcher({protocol.MsgType.RANK_EXIT: lambda m, now: seen.append(m), protocol.MsgType.PROGRESS: lambda m, now: seen.append(m)})
+    for raw in protocol.Queue(st, "q").get_all():
         d.dispatch(raw, 0.0)
-    assert isinstance(seen[0], P.RankExit) and (seen[0].signal, seen[0].exit_code, seen[0].slot) == (9, None, 1)
+    assert isinstance(seen[0], protocol.RankExit) and (seen[0].signal, seen[0].exit_code, seen[0].slot) == (9, None, 1)
     assert seen[0].t is not None  # stamped by put
-    assert isinstance(seen[1], P.Progress) and seen[1].step == 7 and seen[1].sps == 0.0  # defaults for the rest
+    assert isinstance(seen[1], protocol.Progress) and seen[1].step == 7 and seen[1].sps == 0.0  # defaults for the rest
     assert d.dropped == {"something_new": 1, "rank_exit": 1}
     # every message class survives its own dict form
-    for cls, kw in [(P.AgentRestart, dict(epoch=1, master_port=2, group_rank=0, world_size=4, gen=3)),
-                    (P.AgentRespawn, dict(slots=(0, 1), gen=4)), (P.KillCommand, dict(target="rank:1", at_step=3))]:
+    for cls, kw in [(protocol.AgentRestart, dict(epoch=1, master_port=2, group_rank=0, world_size=4, gen=3)),
+                    (protocol.AgentRespawn, dict(slots=(0, 1), gen=4)), (protocol.KillCommand, dict(target="rank:1", at_step=3))]:
         m = cls(**kw)
-        assert P.decode(m.to_dict()) == m
-    assert P.decode({"cmd": "stop"}) == P.AgentStop()  # an older agent command
+        assert protocol.decode(m.to_dict()) == m
+    assert protocol.decode({"cmd": "stop"}) == protocol.AgentStop()  # an older agent command
 
 
 # --- the supervisor's parts, on a fake clock ------------------------------------------------------------
@@ -279,14 +279,14 @@ def test_a_fired_fault_times_the_incident_it_causes():
 def test_publisher_one_path_for_hotswap_local_and_restart():
     st = DictStore()
     pub = GenerationPublisher(st, world_size=4, nproc=2, run_id="r", max_restarts=0, domains=dict)
-    ranks = [P.RankSlot(r, f"n{r // 2}", r % 2) for r in range(4)]
+    ranks = [protocol.RankSlot(r, f"n{r // 2}", r % 2) for r in range(4)]
     pub.first(ranks)
     att = Attempt(0, "h", 1234)
     # hot-swap: n1 -> n2; ranks 2 and 3 join, with their assignments written before the bump
-    swapped = [P.RankSlot(r.rank, "n2" if r.node == "n1" else r.node, r.slot) for r in ranks]
+    swapped = [protocol.RankSlot(r.rank, "n2" if r.node == "n1" else r.node, r.slot) for r in ranks]
     mem = pub.publish(swapped, "swap", att, {"n0": 0, "n2": 1})
-    assert (mem.gen, mem.joiners) == (1, (2, 3)) and P.read_gen(st) == 1
-    a = json.loads(st.get(P.k_assign("n2", 1)))
+    assert (mem.gen, mem.joiners) == (1, (2, 3)) and protocol.read_gen(st) == 1
+    a = json.loads(st.get(protocol.k_assign("n2", 1)))
     assert a["rank"] == 3 and a["gen"] == 1 and a["env"]["GROUP_RANK"] == "1" and a["env"]["MASTER_PORT"] == "1234"
     # a failure during that recovery: the joiners are still counted from the last stable generation
     mem = pub.publish(swapped, "again", att, {"n0": 0, "n2": 1})
@@ -294,15 +294,15 @@ def test_publisher_one_path_for_hotswap_local_and_restart():
     pub.recovered()
     # local recovery with rank 1 respawned on its own node
     mem = pub.publish(swapped, "local", att, {"n0": 0, "n2": 1}, respawned=(1,))
-    assert (mem.gen, mem.joiners) == (3, (1,)) and json.loads(st.get(P.k_assign("n0", 1)))["gen"] == 3
+    assert (mem.gen, mem.joiners) == (3, (1,)) and json.loads(st.get(protocol.k_assign("n0", 1)))["gen"] == 3
     # restart: no joiners, a new stable base at once
     mem = pub.publish(ranks, "restart", Attempt(1, "h", 99), {"n0": 0, "n1": 1}, fresh=True)
     assert (mem.gen, mem.joiners, mem.epoch) == (4, (), 1) and pub.stable is mem
-    assert P.read_members(st, 4) == mem
+    assert protocol.read_members(st, 4) == mem
 
 
 def _recovered(rank, gen, t, step=5, **kw):
-    return P.Recovered(node="n", slot=0, rank=rank, gen=gen, step=step, t=t, **kw)
+    return protocol.Recovered(node="n", slot=0, rank=rank, gen=gen, step=step, t=t, **kw)
 
 
 def test_recovery_event_covers_the_time_to_the_first_step_after_it():
@@ -333,37 +333,37 @@ def test_recovery_deadline_is_per_generation_and_names_the_missing_ranks():
 
 def test_decisions_for_exited_ranks_and_failures_before_the_first_step():
     exited = Verdict(FailureClass.PROCESS_EXIT, Action.LOCAL_RECOVERY, "n1", "rank 3 exited", exited=(3,))
-    d = D.decide(view(), exited)
-    assert (d.kind, d.respawn) == (D.Kind.LOCAL, (3,)) and "respawned" in d.reason
+    d = decisions.decide(view(), exited)
+    assert (d.kind, d.respawn) == (decisions.Kind.LOCAL, (3,)) and "respawned" in d.reason
     # a rank killed before any step completed, a spare available: replace and start fresh, not stop
-    d = D.decide(view(runtime_ready=False, nothing_done=True), V(FailureClass.HOST, Action.REPLACE_NODE))
-    assert (d.kind, d.spare, d.fresh) == (D.Kind.RESTART, "s1", True) and "stop" not in d.reason
-    d = D.decide(view(runtime_ready=False, nothing_done=True), exited)
-    assert (d.kind, d.spare, d.fresh) == (D.Kind.RESTART, None, True)
+    d = decisions.decide(view(runtime_ready=False, nothing_done=True), V(FailureClass.HOST, Action.REPLACE_NODE))
+    assert (d.kind, d.spare, d.fresh) == (decisions.Kind.RESTART, "s1", True) and "stop" not in d.reason
+    d = decisions.decide(view(runtime_ready=False, nothing_done=True), exited)
+    assert (d.kind, d.spare, d.fresh) == (decisions.Kind.RESTART, None, True)
     # without a spare (or once a step completed), the old rules
-    d = D.decide(view(runtime_ready=False, nothing_done=True, spares=()), V(FailureClass.HOST, Action.REPLACE_NODE))
-    assert d.kind is D.Kind.STOP
-    d = D.decide(view(runtime_ready=False), V(FailureClass.HOST, Action.REPLACE_NODE))
-    assert d.kind is D.Kind.STOP
+    d = decisions.decide(view(runtime_ready=False, nothing_done=True, spares=()), V(FailureClass.HOST, Action.REPLACE_NODE))
+    assert d.kind is decisions.Kind.STOP
+    d = decisions.decide(view(runtime_ready=False), V(FailureClass.HOST, Action.REPLACE_NODE))
+    assert d.kind is decisions.Kind.STOP
 
 
 def test_hang_check_uses_progress_when_the_runtime_reports_it():
     from phoenix_launch.agent import hang_check
 
-    hb = P.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0)
+    hb = protocol.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0)
     assert hang_check(hb, 100.2, 10.0) == ("progress", pytest.approx(20.2))  # heartbeat fresh, no step for 20 s
-    assert hang_check(P.RankHeartbeat(t=100.0, step=7, phase="training", t_step=95.0), 100.2, 10.0) is None
+    assert hang_check(protocol.RankHeartbeat(t=100.0, step=7, phase="training", t_step=95.0), 100.2, 10.0) is None
     # a stalled loop stops its peers too: those waiting in a collective are not the hung ones
-    waiting = P.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0, blocked_in="collective")
+    waiting = protocol.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0, blocked_in="collective")
     assert hang_check(waiting, 100.2, 10.0) is None
-    assert hang_check(P.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0, blocked_in="code"), 100.2, 10.0)[0] == "progress"
+    assert hang_check(protocol.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0, blocked_in="code"), 100.2, 10.0)[0] == "progress"
     assert hang_check(waiting, 111.0, 10.0)[0] == "progress"  # ... unless its heartbeat went silent as well
     for phase in ("recovering", "done"):  # outside training only a silent heartbeat is a hang
-        assert hang_check(P.RankHeartbeat(t=100.0, phase=phase, t_step=50.0), 100.2, 10.0) is None
-        assert hang_check(P.RankHeartbeat(t=100.0, phase=phase, t_step=50.0), 111.0, 10.0)[0] == "heartbeat"
+        assert hang_check(protocol.RankHeartbeat(t=100.0, phase=phase, t_step=50.0), 100.2, 10.0) is None
+        assert hang_check(protocol.RankHeartbeat(t=100.0, phase=phase, t_step=50.0), 111.0, 10.0)[0] == "heartbeat"
     for phase in ("starting", "spare"):
-        assert hang_check(P.RankHeartbeat(t=0.0, phase=phase), 1000.0, 10.0) is None
-    old = P.RankHeartbeat.from_json(json.dumps({"t": 100.0, "step": 3, "gen": 0, "pid": 1, "runtime": True, "phase": "forward"}))
+        assert hang_check(protocol.RankHeartbeat(t=0.0, phase=phase), 1000.0, 10.0) is None
+    old = protocol.RankHeartbeat.from_json(json.dumps({"t": 100.0, "step": 3, "gen": 0, "pid": 1, "runtime": True, "phase": "forward"}))
     assert hang_check(old, 105.0, 10.0) is None and hang_check(old, 110.5, 10.0) == ("heartbeat", 10.5)
 
 
