@@ -270,16 +270,21 @@ class ProtectedTraining:
         RecoverySession(self).run(ctx.wait_new_gen(ctx.gen), live, marks, formed=False)
 
     def restore_local(self, R: int, live: tuple[int, bool]) -> None:
-        """A survivor rolls back to S_R (or keeps its live state when it is S_R but for the consumed RNG)."""
-        live_step, live_clean = live
-        if live_clean and live_step == R:
-            meta = self.metas.get(R)
-            if self.boundary_buffers and self.boundary_step == R:
-                state.load_buffers(self.objs.module, self.boundary_buffers)  # the interrupted forward changed them
-        else:
-            snap = self.d2h.committed()[R]
+        """A survivor rolls back to S_R: from its committed local snapshot of R when it has one (everything:
+        parameters, buffers, optimizer, envelope); else its live state is S_R (the optimizer had not started)
+        but for what the interrupted step changed: the RNG and the loop's objects (the envelope captured at
+        the boundary) and the buffers (the forward updates BatchNorm's statistics in place, DDP broadcasts
+        them): both restored from the boundary's copies."""
+        snap = self.d2h.committed().get(R) if self.d2h is not None else None
+        if snap is not None:
             state.load_local(self.objs, snap.optim_tensors(), snap.param_tensors(), snap.meta)
             meta = snap.meta
+        else:
+            live_step, live_clean = live
+            assert live_clean and live_step == R, f"no snapshot of step {R} and the live state is of step {live_step}"
+            meta = self.metas.get(R)
+            if self.boundary_step == R:
+                state.load_buffers(self.objs.module, self.boundary_buffers)
         if meta is not None:
             state.restore_envelope(meta, self.objs)
 
