@@ -44,7 +44,7 @@ def write_error_file(exc: BaseException, step: int | None) -> None:
             "message": str(exc),
             "traceback": tb,
             "step": step,
-            "rank": env.rank if env.role == protocol.ROLE_ACTIVE else None,
+            "rank": _current_rank(env),
             "time": time.time(),
         },
     }
@@ -52,6 +52,16 @@ def write_error_file(exc: BaseException, step: int | None) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f)
     os.replace(tmp, path)
+
+
+def _current_rank(env) -> int | None:
+    """The rank in the current generation (the context's, once ``phx.init()`` ran), None for a spare."""
+    from phoenix_runtime import context
+
+    ctx = context.current() if "torch" in sys.modules else None
+    if ctx is not None:
+        return ctx.rank
+    return env.rank if env.role == protocol.ROLE_ACTIVE else None
 
 
 def wait_for_assignment(poll_s: float = 0.01) -> dict:

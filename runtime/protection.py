@@ -79,7 +79,7 @@ class ProtectionSession:
             self.replicator = Replicator(
                 GlooTransport(repl_group), layout, rank, k=self.gen_replicas,
                 chunk_bytes=int(settings.chunk_mb * (1 << 20)), timeout=settings.replica_timeout_s,
-                verify=settings.verify, strict=False, fault=fault,
+                verify=settings.verify, strict=False, fault=fault, resends=settings.resends,
             )
         self.pipeline = Pipeline(d2h, self.replicator, settings.replica_timeout_s)
         self.closed = False

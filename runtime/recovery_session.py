@@ -116,9 +116,10 @@ class RecoverySession:
         local = None
         for j in plan.joiners:
             if me == plan.param_src[j]:
-                send_named(transport, j, dict(state.local_named(t.objs.module, t.objs.optimizer, t.replicated)), {}, R, timeout)
+                send_named(transport, j, dict(state.local_named(t.objs.module, t.objs.optimizer, t.replicated)), {}, R, timeout,
+                           resends=self.ctx.settings.resends)
             elif me == j:
-                local, _ = recv_named(transport, plan.param_src[j], R, timeout)
+                local, _ = recv_named(transport, plan.param_src[j], R, timeout, resends=self.ctx.settings.resends)
         return local
 
     def _transfer_replicas(self, plan: Plan, transport, local: dict | None) -> None:
@@ -128,12 +129,13 @@ class RecoverySession:
         timeout = self.ctx.recovery_timeout
         for j in plan.joiners:
             if me == plan.optim_src[j] and j not in plan.fresh:
-                send_snapshot(transport, j, t.replica_of(str(t.layout().shard_of(j)), R), timeout)
+                send_snapshot(transport, j, t.replica_of(str(t.layout().shard_of(j)), R), timeout,
+                              resends=self.ctx.settings.resends)
             elif me == j:
                 if j in plan.fresh:
                     shard, meta = dict(state.shard_named(t.objs.optimizer, t.replicated)), t.fresh_envelope(R)
                 else:
-                    snap = recv_snapshot(transport, plan.optim_src[j], timeout, step=R)
+                    snap = recv_snapshot(transport, plan.optim_src[j], timeout, step=R, resends=self.ctx.settings.resends)
                     shard, meta = snap.optim_tensors(), snap.meta
                 state.load_local(t.objs, shard, local or {}, meta)
                 state.restore_envelope(meta, t.objs)

@@ -28,6 +28,7 @@ class RuntimeSettings:
     chunk_mb: float = 4.0  # H2H chunk size
     replica_timeout_s: float = 60.0  # optimizer_step() waits at most this long for the replica commit
     verify: bool = True  # checksum every replica and every recovery transfer
+    resends: int = 2  # a transfer that fails its checksum at the receiver is sent again at most this often
     transport: str = "gloo"  # the H2H / recovery transport
     heartbeat_s: float = 0.5
     hang_timeout_s: float = 10.0

@@ -110,18 +110,30 @@ def shard_named(optimizer, replicated: bool) -> list[tuple[str, torch.Tensor]]:
     return [] if replicated else optim_named(optimizer)
 
 
-def local_named(module: torch.nn.Module, optimizer, replicated: bool, frozen: bool = False) -> list[tuple[str, torch.Tensor]]:
+def local_named(module: torch.nn.Module, optimizer, replicated: bool, buffers: dict | None = None) -> list[tuple[str, torch.Tensor]]:
     """The region kept locally only: parameters and buffers, plus a replicated optimizer's state.
 
-    ``frozen``: for a snapshot copied in the background while the step runs: buffers are cloned now (the
-    forward updates BatchNorm's running statistics in place; parameters and optimizer state change only in
-    the optimizer step, which waits for the snapshot)."""
+    ``buffers``: copies taken at the step boundary to use instead of the live buffers (a snapshot is copied
+    in the background while the step runs, and the forward updates BatchNorm's running statistics in place;
+    parameters and optimizer state change only in the optimizer step, which waits for the snapshot)."""
     named = param_named(module)
-    if frozen:
-        named = [(n, t.detach().clone() if n.startswith("b.") else t) for n, t in named]
+    if buffers:
+        named = [(n, buffers.get(n, t)) for n, t in named]
     if replicated:
         named += [(f"o.{n}", t) for n, t in optim_named(optimizer)]
     return named
+
+
+@torch.no_grad()
+def load_buffers(module: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    for n, b in module.named_buffers():
+        if f"b.{n}" in buffers:
+            b.copy_(buffers[f"b.{n}"])
+
+
+def buffers_now(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the module's buffers (small): the step boundary's, see ``local_named``."""
+    return {f"b.{n}": b.detach().clone() for n, b in module.named_buffers()}
 
 
 def load_local(objs: LoopObjects, shard: dict[str, torch.Tensor], local: dict[str, torch.Tensor], meta: dict) -> None:

@@ -55,6 +55,8 @@ class ProtectedTraining:
         self.replication_failed_gen = -1
         self.stats: dict[str, Any] = {"recoveries": []}
         self.metas: dict[int, dict] = {}  # envelopes of the last steps (the live step's, for a rollback)
+        self.boundary_buffers: dict = {}  # the buffers at the live step's boundary (the forward changes them)
+        self.boundary_step = -1
         self.retained: dict = {}  # replicas held from the generations being recovered from
         self.protection: ProtectionSession | None = None
         self.faults = FaultInjector(self.settings.faults, ctx.node, getattr(ctx, "store", None), ctx.report, ctx.abort_groups)
@@ -64,7 +66,7 @@ class ProtectedTraining:
         self.d2h: D2H | None = None
         if self.protect_on:
             self.d2h = D2H(ctx.device, lambda: state.shard_named(self.objs.optimizer, self.replicated),
-                           lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated, frozen=True),
+                           lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated, self.boundary_buffers),
                            fault=self.faults.copy_hook)
         self.model = objs.module
         self.guard = StepGuard(self)
@@ -180,6 +182,8 @@ class ProtectedTraining:
         self.metas[step] = meta
         for old in [s for s in self.metas if s < step - 2]:
             del self.metas[old]
+        self.boundary_buffers = state.buffers_now(self.objs.module)
+        self.boundary_step = step
         self.protection.protect(step, meta)
         self._report_protection(step)
 
@@ -267,14 +271,21 @@ class ProtectedTraining:
         RecoverySession(self).run(ctx.wait_new_gen(ctx.gen), live, marks, formed=False)
 
     def restore_local(self, R: int, live: tuple[int, bool]) -> None:
-        """A survivor rolls back to S_R (or keeps its live state when it is S_R but for the consumed RNG)."""
-        live_step, live_clean = live
-        if live_clean and live_step == R:
-            meta = self.metas.get(R)
-        else:
-            snap = self.d2h.committed()[R]
+        """A survivor rolls back to S_R: from its committed local snapshot of R when it has one (everything:
+        parameters, buffers, optimizer, envelope); else its live state is S_R (the optimizer had not started)
+        but for what the interrupted step changed: the RNG and the loop's objects (the envelope captured at
+        the boundary) and the buffers (the forward updates BatchNorm's statistics in place, DDP broadcasts
+        them): both restored from the boundary's copies."""
+        snap = self.d2h.committed().get(R) if self.d2h is not None else None
+        if snap is not None:
             state.load_local(self.objs, snap.optim_tensors(), snap.param_tensors(), snap.meta)
             meta = snap.meta
+        else:
+            live_step, live_clean = live
+            assert live_clean and live_step == R, f"no snapshot of step {R} and the live state is of step {live_step}"
+            meta = self.metas.get(R)
+            if self.boundary_step == R:
+                state.load_buffers(self.objs.module, self.boundary_buffers)
         if meta is not None:
             state.restore_envelope(meta, self.objs)
 

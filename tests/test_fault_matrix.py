@@ -49,8 +49,8 @@ LAYOUTS = {
 }
 OPTIMIZERS = ["zero", "adamw"]
 # short timeouts: detection within a second, a stall called hung after 6 s without a completed step
-DETECT = {"heartbeat_s": 0.25, "hang_timeout_s": 6.0, "node_timeout_s": 4.0, "collective_timeout_s": 40.0,
-          "settle_s": 0.3, "recovery_timeout_s": 45.0}
+DETECT = {"heartbeat_s": 0.25, "hang_timeout_s": 6.0, "node_timeout_s": 4.0, "collective_timeout_s": 25.0,
+          "settle_s": 0.3, "recovery_timeout_s": 30.0}
 JOB_TIMEOUT_S = 300
 
 
