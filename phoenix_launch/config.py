@@ -30,6 +30,7 @@ class LaunchConfig:
     nodes: int = 1  # active nodes
     nproc_per_node: int = 1
     spares: int = 0  # warm spare nodes
+    replenish: bool = False  # keep the spare pool at --spares: start a new spare when one is used (every backend that can add nodes)
     backend: str = "auto"  # auto | local | slurm
     master_addr: str = "127.0.0.1"  # where the control-plane store listens
     master_port: int = 0  # 0: a free port

@@ -52,7 +52,7 @@ class Supervisor:
         self.nodes = NodeTable(backend, self.events, drain=cfg.slurm.drain, on_change=self._status_changed)
         self.incidents = IncidentTracker(cfg.detect)
         self.recovery = RecoveryWatch(self.world_size, cfg.detect.recovery_timeout_s)
-        self.replenisher = Replenisher(backend, self.events, target=launch.spares, enabled=cfg.slurm.replenish,
+        self.replenisher = Replenisher(backend, self.events, target=launch.spares, enabled=launch.replenish or cfg.slurm.replenish,
                                        spec_for=lambda join: self.agent_spec(Node.new(f"replenish-{join}"), join=join))
         self.chaos = Chaos(cfg.inject.chaos_mtbf_s, cfg.inject.seed)
         self.runtime_json = runtime_settings(cfg).to_json()

@@ -20,13 +20,16 @@ from phoenix_launch.spec import AgentSpec
 
 class LocalBackend:
     name = "local"
-    capabilities = Capabilities()  # no replenishment, no scheduler to ask about a node
+    # replenishment: a new spare is one more agent on this machine (it joins with the job's token, as a
+    # Slurm replenishment job's agent does); no scheduler to ask about a node
+    capabilities = Capabilities(replenish=True)
 
     def __init__(self, run_dir: Path, n_nodes: int):
         self.run_dir = run_dir
         self.node_names = [f"node{i}" for i in range(n_nodes)]
         self.procs: dict[str, subprocess.Popen] = {}
         self.exited: set[str] = set()
+        self.pending: dict[str, subprocess.Popen] = {}  # replenishment join id -> its agent, until adopted
 
     def store_host(self, requested: str) -> str:
         return requested or "127.0.0.1"
@@ -50,7 +53,8 @@ class LocalBackend:
         log.close()
 
     def poll(self) -> list[tuple[str, int]]:
-        return poll_exited(self.procs, self.exited)
+        adopted = {n: p for n, p in self.procs.items() if p not in self.pending.values()}
+        return poll_exited(adopted, self.exited)
 
     def kill_node(self, node: str) -> None:
         p = self.procs.get(node)
@@ -65,13 +69,23 @@ class LocalBackend:
         return True, "local backend: node excluded from the job"
 
     def replenish(self, spec: AgentSpec) -> str:
-        raise NotSupported("the local backend cannot add nodes")
+        """Start one more agent here as a new spare; it joins with the job's token (``spec.join``)."""
+        self.start_agent(spec.node, spec)
+        proc = self.procs[spec.node]
+        self.pending[str(spec.join)] = proc
+        return f"local-{proc.pid}"
 
     def replenish_ended(self, join: str) -> str | None:
-        raise NotSupported("the local backend cannot add nodes")
+        """Its agent exited before it joined: how (it is forgotten and replaced); else None."""
+        proc = self.pending.get(str(join))
+        if proc is None or proc.poll() is None:
+            return None
+        del self.pending[str(join)]
+        return f"EXITED {proc.returncode}"
 
     def adopt(self, node: str, join: str | None) -> None:
-        raise NotSupported("the local backend cannot add nodes")
+        """Its agent joined: from now on it is a node of the job (poll, kill_node, stop_all)."""
+        self.pending.pop(str(join), None)
 
     def node_state(self, node: str) -> SchedulerView:
         raise NotSupported("no scheduler")
