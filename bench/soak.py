@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--spares", type=int, default=0, help="warm spares (default: --recoveries + 12)")
     p.add_argument("--steps", type=int, default=0, help="training steps (default: sized from a calibration run)")
     p.add_argument("--step-sleep", type=float, default=0.05, help="extra seconds per step (a bigger model)")
-        p.add_argument("--sample-s", type=float, default=1.0)
+    p.add_argument("--sample-s", type=float, default=1.0)
     p.add_argument("--growth-limit", type=float, default=0.25, help="max relative RSS growth of the survivor (first -> last sample)")
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--keep", default=None, help="directory for the runs (default: a temporary one)")
