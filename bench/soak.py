@@ -6,7 +6,7 @@ equal the failure-free run's, and the ranks' RSS and thread counts must stay fla
 Spares: the local backend does not replenish the pool (``Supervisor.replenish`` acts only with
 ``slurm.replenish`` on a backend that has ``replenish``: Slurm), so the job starts with enough warm spares for
 every chaos kill it may see (default: the target + 12; each warm spare is an agent and its warm ranks, about
-0.35 GiB here, checked against the available memory first); chaos kills only active nodes, and a kill that
+0.15 GiB of memory in use here, checked against the available memory first); chaos kills only active nodes, and a kill that
 finds no spare stops the job. The length of the run (``--steps``, default from a short calibration of the
 step time) is sized for the target + 3 kills expected at the given MTBF; a run that ends with fewer
 recoveries says so and fails.
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     base = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="phoenix-soak-"))
     base.mkdir(parents=True, exist_ok=True)
     spares = a.spares or a.recoveries + 12
-    need = (a.nodes + spares) * (0.2 + 0.3 * a.nproc) * 2**30  # agent + warm ranks per node (measured here)
+    need = (a.nodes + spares) * (0.1 + 0.15 * a.nproc) * 2**30  # agent + warm ranks per node (measured here: 28 nodes took 4 GiB)
     if psutil.virtual_memory().available < need:
         print(f"soak: {a.nodes + spares} nodes need about {need / 2**30:.1f} GiB; only "
               f"{psutil.virtual_memory().available / 2**30:.1f} GiB available (lower --spares/--recoveries)", file=sys.stderr)
