@@ -120,7 +120,8 @@ WARMUP_S = 3.0  # after a rank starts training (DDP, protection buffers): its fi
 def active_since(evs: list[dict], t0: float, nodes: int) -> dict[str, float]:
     """When each node started training (seconds since t0): the first ``nodes`` at the start, a spare when it was
     swapped in."""
-    out = {f"node{i}": 0.0 for i in range(nodes)}
+    first = next((e["t"] - t0 for e in evs if e["type"] == "protection"), 0.0)  # training began
+    out = {f"node{i}": first for i in range(nodes)}
     for e in evs:
         if e["type"] == "hotswap":
             out.setdefault(e["spare"], e["t"] - t0)
