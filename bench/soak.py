@@ -5,10 +5,10 @@ equal the failure-free run's, and the ranks' RSS and thread counts must stay fla
 
 Spares: the local backend does not replenish the pool (``Supervisor.replenish`` acts only with
 ``slurm.replenish`` on a backend that has ``replenish``: Slurm), so the job starts with enough warm spares for
-every chaos kill it may see (default: the target + 6; each warm spare is an agent and its warm ranks, about
-0.5 GiB here, checked against the available memory first); chaos kills only active nodes, and a kill that
+every chaos kill it may see (default: the target + 12; each warm spare is an agent and its warm ranks, about
+0.15 GiB of memory in use here, checked against the available memory first); chaos kills only active nodes, and a kill that
 finds no spare stops the job. The length of the run (``--steps``, default from a short calibration of the
-step time) is sized for the target + 1 kills expected at the given MTBF; a run that ends with fewer
+step time) is sized for the target + 3 kills expected at the given MTBF; a run that ends with fewer
 recoveries says so and fails.
 
 Sampled every ``--sample-s`` over the run (psutil): RSS and thread count of every rank process of the job.
@@ -44,10 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--nproc", type=int, default=1)
-    p.add_argument("--spares", type=int, default=0, help="warm spares (default: --recoveries + 6)")
+    p.add_argument("--spares", type=int, default=0, help="warm spares (default: --recoveries + 12)")
     p.add_argument("--steps", type=int, default=0, help="training steps (default: sized from a calibration run)")
     p.add_argument("--step-sleep", type=float, default=0.05, help="extra seconds per step (a bigger model)")
-    p.add_argument("--recovery-guess-s", type=float, default=3.0, help="detection + recovery time used to size the run")
     p.add_argument("--sample-s", type=float, default=1.0)
     p.add_argument("--growth-limit", type=float, default=0.25, help="max relative RSS growth of the survivor (first -> last sample)")
     p.add_argument("--timeout-s", type=float, default=1800)
@@ -90,8 +89,8 @@ def run_sampled(cmd, cwd: Path, run_dir: Path, a) -> tuple[int, float, dict[int,
             for pid, p in job_ranks(run_dir).items():
                 try:
                     with p.oneshot():
-                        role = p.environ().get("PHOENIX_ROLE", "?")
-                        samples.setdefault(pid, []).append((time.time() - t0, p.memory_info().rss / 2**20, p.num_threads(), role))
+                        node = p.environ().get("PHOENIX_NODE", "?")  # (PHOENIX_ROLE stays "spare" after a swap)
+                        samples.setdefault(pid, []).append((time.time() - t0, p.memory_info().rss / 2**20, p.num_threads(), node))
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     pass
             time.sleep(a.sample_s)
@@ -115,20 +114,38 @@ def calibrate(d: Path, a) -> float:
     return (ts[-1] - ts[10]) / max(1, len(ts) - 11)
 
 
-def survivor_report(samples: dict[int, list], recoveries: list[float]) -> tuple[int | None, list[str]]:
-    """Per process: lifetime, recoveries lived through, RSS and threads first/max/last. Returns the pid of the
-    active rank that lived through the most recoveries."""
+WARMUP_S = 3.0  # after a rank starts training (DDP, protection buffers): its first steady sample
+
+
+def active_since(evs: list[dict], t0: float, nodes: int) -> dict[str, float]:
+    """When each node started training (seconds since t0): the first ``nodes`` at the start, a spare when it was
+    swapped in."""
+    first = next((e["t"] - t0 for e in evs if e["type"] == "protection"), 0.0)  # training began
+    out = {f"node{i}": first for i in range(nodes)}
+    for e in evs:
+        if e["type"] == "hotswap":
+            out.setdefault(e["spare"], e["t"] - t0)
+    return out
+
+
+def survivor_report(samples: dict[int, list], recoveries: list[float], since: dict[str, float]) -> tuple[list | None, list[str]]:
+    """Per rank that trained: node, active interval, recoveries it lived through while active, RSS and threads
+    (first steady sample, max, last). Returns the steady samples of the one that lived through the most."""
     lines, best, best_n = [], None, -1
     for pid, s in sorted(samples.items(), key=lambda kv: kv[1][0][0]):
-        t_first, t_last = s[0][0], s[-1][0]
-        lived = sum(1 for t in recoveries if t_first < t < t_last)
-        act = [x for x in s if x[3] == "active"] or s
-        rss = [x[1] for x in act]
-        thr = [x[2] for x in act]
-        lines.append(f"  pid {pid:>7} {s[-1][3]:>6}  {t_first:7.1f}-{t_last:7.1f}s  recoveries lived {lived:>2}  "
-                     f"RSS MiB first {rss[0]:7.1f} max {max(rss):7.1f} last {rss[-1]:7.1f}  threads first {thr[0]:>3} max {max(thr):>3} last {thr[-1]:>3}")
-        if any(x[3] == "active" for x in s) and lived > best_n:
-            best, best_n = pid, lived
+        node = s[-1][3]
+        if node not in since:
+            continue  # a spare that never trained
+        steady = [x for x in s if x[0] >= since[node] + WARMUP_S]
+        if len(steady) < 2:
+            continue
+        lived = sum(1 for t in recoveries if steady[0][0] < t < steady[-1][0])
+        rss = [x[1] for x in steady]
+        thr = [x[2] for x in steady]
+        lines.append(f"  {node:>7} pid {pid:>7}  active {since[node]:6.1f}-{steady[-1][0]:6.1f}s  recoveries lived {lived:>2}  "
+                     f"RSS MiB {rss[0]:6.1f} max {max(rss):6.1f} last {rss[-1]:6.1f}  threads {thr[0]:>2} max {max(thr):>2} last {thr[-1]:>2}")
+        if lived > best_n:
+            best, best_n = (pid, node, lived, steady), lived
     return best, lines
 
 
@@ -136,8 +153,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     base = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="phoenix-soak-"))
     base.mkdir(parents=True, exist_ok=True)
-    spares = a.spares or a.recoveries + 6
-    need = (a.nodes + spares) * (0.2 + 0.3 * a.nproc) * 2**30  # agent + warm ranks per node (measured here)
+    spares = a.spares or a.recoveries + 12
+    need = (a.nodes + spares) * (0.1 + 0.15 * a.nproc) * 2**30  # agent + warm ranks per node (measured here: 28 nodes took 4 GiB)
     if psutil.virtual_memory().available < need:
         print(f"soak: {a.nodes + spares} nodes need about {need / 2**30:.1f} GiB; only "
               f"{psutil.virtual_memory().available / 2**30:.1f} GiB available (lower --spares/--recoveries)", file=sys.stderr)
@@ -146,7 +163,9 @@ def main(argv=None) -> int:
     if not steps:
         (base / "calib").mkdir(exist_ok=True)
         step_s = calibrate(base / "calib", a)
-        steps = math.ceil((a.recoveries + 1) * (a.mtbf + a.recovery_guess_s) / step_s)
+        # chaos draws its next kill when one fires (recoveries do not stop its clock), and a step under chaos took
+        # about 2x the calibrated time here (replays, 30 warm spares): kills ~ steps * 2 * step_s / mtbf
+        steps = math.ceil((a.recoveries + 3) * a.mtbf / (2.0 * step_s))
         print(f"calibration: {step_s * 1000:.1f} ms/step -> {steps} steps for ~{a.recoveries} recoveries at MTBF {a.mtbf:g} s")
     print(f"soak: {a.nodes} nodes x {a.nproc} ranks + {spares} spares (the local backend does not replenish), {steps} steps, "
           f"chaos MTBF {a.mtbf:g} s, seed {a.seed}; runs in {base}")
@@ -174,17 +193,17 @@ def main(argv=None) -> int:
     same = dg[0] is not None and dg[0] == dg[1]
     print(f"digest failure-free {dg[0]}\ndigest chaos        {dg[1]}\n-> {'EQUAL' if same else 'DIFFERENT or MISSING'}")
 
-    best, lines = survivor_report(samples, [e["t"] - t0 for e in recs])
-    print("rank processes (sampled every %.1f s):" % a.sample_s)
+    best, lines = survivor_report(samples, [e["t"] - t0 for e in recs], active_since(evs, t0, a.nodes))
+    print(f"ranks that trained (sampled every {a.sample_s:g} s; steady = from {WARMUP_S:g} s after they started training):")
     print("\n".join(lines))
     flat = False
     if best is not None:
-        act = [x for x in samples[best] if x[3] == "active"]
-        rss0, rss1 = act[0][1], act[-1][1]
-        thr0, thr1 = act[0][2], act[-1][2]
+        pid, node, lived, steady = best
+        rss0, rss1 = steady[0][1], steady[-1][1]
+        thr0, thr1 = steady[0][2], steady[-1][2]
         flat = rss1 <= rss0 * (1 + a.growth_limit) and thr1 <= thr0 + 2
-        print(f"longest-lived survivor pid {best}: RSS {rss0:.1f} -> {rss1:.1f} MiB, threads {thr0} -> {thr1}: "
-              f"{'flat' if flat else 'GROWS'}")
+        print(f"longest-lived survivor {node} (pid {pid}, {lived} recoveries): RSS {rss0:.1f} -> {rss1:.1f} MiB "
+              f"(max {max(x[1] for x in steady):.1f}), threads {thr0} -> {thr1}: {'flat' if flat else 'GROWS'}")
     ok = rc0 == 0 and rc1 == 0 and len(recs) >= a.recoveries and same and flat
     if len(recs) < a.recoveries:
         print(f"only {len(recs)} recoveries (target {a.recoveries}): raise --steps or lower --mtbf")

@@ -99,6 +99,8 @@ class Outgoing:
         if self.skip:
             return works
         works.append(transport.isend(dst, self.envelope, TAG_ENVELOPE))
+        if not self.chunks and fault is not None:
+            fault("h2h_chunk", 0, None)  # an envelope-only message (a replicated optimizer): its fault point
         for i, chunk in enumerate(self.chunks):
             data = fault("h2h_chunk", i, chunk) if fault is not None else None
             if data is not None and keep_alive is not None:

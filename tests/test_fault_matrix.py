@@ -10,6 +10,11 @@ failure-free run's with the same arguments (computed once per layout in this ses
 a recovery event, and its resume step against the step that failed.
 
 Rows that fail today are not marked xfail: they are the work list (MATRIX_FINDINGS.md at the repository root).
+
+Cost: 39 rows and 5 failure-free runs (4 layouts of the 2x2 and 4x1 jobs, replicated Adam). A job is ~20 s on a
+quiet 2-core machine; measured on the shared one (load average 22-28): the fast set (``-m "not slow"``, 18 rows)
+28 min, the slow set (21 rows) 18 min -- a failing row waits for its timeouts (collective 25 s, recovery 30 s).
+``PHOENIX_MATRIX_REPORT=<file>`` writes one JSON line per row (exit, digest, resume steps, recovery total_s).
 """
 
 from __future__ import annotations
