@@ -104,10 +104,13 @@ def load_params(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
 
 
 # --- the two regions of a local snapshot ---------------------------------------------------------------
-def shard_named(optimizer, replicated: bool) -> list[tuple[str, torch.Tensor]]:
+def shard_named(optimizer, replicated: bool, buffers: dict | None = None) -> list[tuple[str, torch.Tensor]]:
     """The region replicated to peers: this rank's optimizer shard (nothing when every DP peer holds the
-    same optimizer state: then only the envelope travels)."""
-    return [] if replicated else optim_named(optimizer)
+    same optimizer state) and its buffers (``b.*``, the step boundary's copies): BatchNorm's running
+    statistics are the rank's own, like its RNG (each rank's forward updates them from its own batch, and
+    DDP broadcasts rank 0's at the next forward), so a replacement must get its own, not a peer's."""
+    named = [] if replicated else optim_named(optimizer)
+    return named + sorted((buffers or {}).items())
 
 
 def local_named(module: torch.nn.Module, optimizer, replicated: bool, buffers: dict | None = None) -> list[tuple[str, torch.Tensor]]:
@@ -139,7 +142,8 @@ def buffers_now(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def load_local(objs: LoopObjects, shard: dict[str, torch.Tensor], local: dict[str, torch.Tensor], meta: dict) -> None:
     """Restore a rank's tensors from the two regions of a snapshot (or of the transfers of a recovery)."""
     load_params(objs.module, local)
-    optim = dict(shard)
+    load_buffers(objs.module, {n: t for n, t in shard.items() if n.startswith("b.")})  # the rank's own
+    optim = {n: t for n, t in shard.items() if not n.startswith("b.")}
     optim.update({n[2:]: t for n, t in local.items() if n.startswith("o.")})
     load_optim(objs.optimizer, optim, scalars_of(meta))
 

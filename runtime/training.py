@@ -65,7 +65,7 @@ class ProtectedTraining:
             ctx.ctl.on_fault.append(self.faults.on_message)
         self.d2h: D2H | None = None
         if self.protect_on:
-            self.d2h = D2H(ctx.device, lambda: state.shard_named(self.objs.optimizer, self.replicated),
+            self.d2h = D2H(ctx.device, lambda: state.shard_named(self.objs.optimizer, self.replicated, self.boundary_buffers or state.buffers_now(self.objs.module)),
                            lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated, self.boundary_buffers),
                            fault=self.faults.copy_hook)
         self.model = objs.module

@@ -207,6 +207,15 @@ def test_node_crash_in_step_phase(tmp_path, failure_free, opt, phase):
     assert_recovered(job, failure_free(opt, 2, 2))
 
 
+@pytest.mark.parametrize("opt,phase", rows("opt,phase", [("zero", "optimizer"), ("adamw", "begin")]))
+def test_node_of_rank0_lost(tmp_path, failure_free, opt, phase):
+    """Rank 0's node lost: its replacement must resume with rank 0's own BatchNorm statistics (DDP
+    broadcasts rank 0's buffers at every forward, so a peer's would spread to every rank)."""
+    job = run_job(tmp_path, opt, 2, 2, 1, [crash("node0", MID - 1, phase)])
+    assert_recovered(job, failure_free(opt, 2, 2))
+    assert [(e["failed"], e["spare"]) for e in of_type(job.evs, "hotswap")] == [("node0", "node2")]
+
+
 # --- one rank killed ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 def test_rank_killed_mid_run(tmp_path, failure_free, opt):
