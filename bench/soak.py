@@ -3,17 +3,17 @@ equal the failure-free run's, and the ranks' RSS and thread counts must stay fla
 
     python bench/soak.py [--recoveries 20] [--mtbf 4] [--nodes 2 --nproc 1] [--spares N] [--steps N]
 
-Spares: the local backend does not replenish the pool (``Supervisor.replenish`` acts only with
-``slurm.replenish`` on a backend that has ``replenish``: Slurm), so the job starts with enough warm spares for
-every chaos kill it may see (default: the target + 12; each warm spare is an agent and its warm ranks, about
-0.15 GiB of memory in use here, checked against the available memory first); chaos kills only active nodes, and a kill that
-finds no spare stops the job. The length of the run (``--steps``, default from a short calibration of the
-step time) is sized for the target + 3 kills expected at the given MTBF; a run that ends with fewer
-recoveries says so and fails.
+Spares: a small warm pool (``--spares``, default 2) kept full by replenishment (``launch.replenish``: a used
+spare is replaced by a new agent that joins with the job's token). Chaos (``--chaos-mtbf``) crashes only the
+node holding ``--victim-rank`` (``inject.chaos_ranks``), so the other ranks live through every recovery and
+their RSS and thread counts can be followed; its clock does not stop during a recovery, so a kill may find the
+pool empty while a new spare is still starting. The length of the run (``--steps``, default from a short
+calibration of the step time) is sized for the target + 3 kills expected at the given MTBF; a run that ends
+with fewer recoveries says so and fails.
 
-Sampled every ``--sample-s`` over the run (psutil): RSS and thread count of every rank process of the job.
-No rank survives every kill (chaos picks any active node), so the figures are printed per process, with the
-number of recoveries each one lived through, and the longest-lived survivor is checked for growth.
+Sampled every ``--sample-s`` over the run (psutil): RSS and thread count of every rank process of the job,
+printed per process with the number of recoveries each one lived through; the longest-lived survivor is
+checked for growth.
 Exit 0 only when: both runs succeeded, recoveries >= target, digests equal, survivor flat.
 """
 
@@ -44,7 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--nproc", type=int, default=1)
-    p.add_argument("--spares", type=int, default=0, help="warm spares (default: --recoveries + 12)")
+    p.add_argument("--spares", type=int, default=2, help="warm spares (the pool is replenished: launch.replenish)")
+    p.add_argument("--victim-rank", type=int, default=1,
+                   help="chaos crashes only the node holding this rank (inject.chaos_ranks), so the others survive every "
+                        "recovery and their RSS and threads can be followed; -1: any node")
     p.add_argument("--steps", type=int, default=0, help="training steps (default: sized from a calibration run)")
     p.add_argument("--step-sleep", type=float, default=0.05, help="extra seconds per step (a bigger model)")
     p.add_argument("--sample-s", type=float, default=1.0)
@@ -57,7 +60,8 @@ def parse_args(argv=None):
 def config(d: Path, a) -> Path:
     cfg = {"detect": {"heartbeat_s": 0.25, "hang_timeout_s": 8.0, "node_timeout_s": 4.0, "collective_timeout_s": 60.0,
                       "recovery_timeout_s": 60.0},
-           "inject": {"chaos_mtbf_s": a.mtbf, "seed": a.seed}}
+           "launch": {"replenish": True},
+           "inject": {"chaos_mtbf_s": a.mtbf, "seed": a.seed, "chaos_ranks": [] if a.victim_rank < 0 else [a.victim_rank]}}
     path = d / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     base = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="phoenix-soak-"))
     base.mkdir(parents=True, exist_ok=True)
-    spares = a.spares or a.recoveries + 12
+    spares = a.spares
     need = (a.nodes + spares) * (0.1 + 0.15 * a.nproc) * 2**30  # agent + warm ranks per node (measured here: 28 nodes took 4 GiB)
     if psutil.virtual_memory().available < need:
         print(f"soak: {a.nodes + spares} nodes need about {need / 2**30:.1f} GiB; only "
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
         # about 2x the calibrated time here (replays, 30 warm spares): kills ~ steps * 2 * step_s / mtbf
         steps = math.ceil((a.recoveries + 3) * a.mtbf / (2.0 * step_s))
         print(f"calibration: {step_s * 1000:.1f} ms/step -> {steps} steps for ~{a.recoveries} recoveries at MTBF {a.mtbf:g} s")
-    print(f"soak: {a.nodes} nodes x {a.nproc} ranks + {spares} spares (the local backend does not replenish), {steps} steps, "
+    print(f"soak: {a.nodes} nodes x {a.nproc} ranks + {spares} spares (replenished), {steps} steps, "
           f"chaos MTBF {a.mtbf:g} s, seed {a.seed}; runs in {base}")
     common = ("--step-sleep", a.step_sleep, *TRAIN, "--steps", steps)
 

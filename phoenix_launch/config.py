@@ -119,6 +119,7 @@ class InjectConfig:
     # the recovery) it fires (phoenix_runtime.settings.FAULT_PHASES); gen: only from that generation on
     faults: tuple[dict, ...] = ()
     chaos_mtbf_s: float = 0.0  # > 0: draw failures from an exponential distribution (soak runs)
+    chaos_ranks: tuple[int, ...] = ()  # chaos crashes only the nodes holding these logical ranks (empty: any node)
     seed: int = 0
 
     def validate(self) -> None:
@@ -138,6 +139,8 @@ class InjectConfig:
                 raise ConfigError(f"inject.faults step must be an integer >= 0: {dict(f)}")
         if self.chaos_mtbf_s < 0:
             raise ConfigError("inject.chaos_mtbf_s must be >= 0")
+        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.chaos_ranks):
+            raise ConfigError(f"inject.chaos_ranks must be logical ranks (integers >= 0), got {list(self.chaos_ranks)}")
 
 
 @dataclass(frozen=True)

@@ -497,7 +497,11 @@ class Supervisor:
     def run_chaos(self, now: float) -> None:
         if self.job.state is not JobState.RUNNING:
             return
-        victim = self.chaos.victim(now, [n.name for n in self.nodes if n.state is NodeState.ACTIVE])
+        active = [n.name for n in self.nodes if n.state is NodeState.ACTIVE]
+        if self.cfg.inject.chaos_ranks:  # only the nodes holding these ranks (a soak keeps a survivor)
+            held = {self._gens().members.slot_of(r).node for r in self.cfg.inject.chaos_ranks if r < self.world_size}
+            active = [n for n in active if n in held]
+        victim = self.chaos.victim(now, active)
         if victim is not None:
             self.backend.kill_node(victim)
             self.events.emit("injected", mode="crash", node=victim, source="chaos", t=now)
