@@ -23,6 +23,7 @@ class Kind(str, Enum):
     LOCAL = "local"  # the same node's ranks rejoin as their own replacement
     RESTART = "restart"  # torchrun's behaviour: stop every worker and start them again
     STOP = "stop"
+    WAIT = "wait"  # a node must be replaced, no spare is ready but one is starting: decide again (bounded)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class JobView:
     #: nothing to lose: the job runs the runtime (or has not started far enough to tell) and no step has
     #: completed in this attempt, so every worker may start again from scratch
     nothing_done: bool = False
+    spares_coming: int = 0  # spares starting (or requested from the backend), not ready yet
+    may_wait: bool = False  # the incident may still wait for one of them (its wait has not run out)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
             if view.spares:
                 return Decision(Kind.HOTSWAP, f"{why}: hot-swap {node} -> {view.spares[0]}", node, view.spares[0],
                                 respawn=verdict.exited)
+            if view.spares_coming and view.may_wait:
+                return _wait(view, node, why)
             return Decision(Kind.STOP, f"{why}: no spare left to replace {node}", node, exit_code=EXIT_UNRECOVERABLE)
     if view.nothing_done and action in (Action.LOCAL_RECOVERY, Action.REPLACE_NODE):
         fresh = _fresh_start(view, action, node, why)
@@ -95,7 +100,12 @@ def _fresh_start(view: JobView, action: Action, node: str | None, why: str) -> D
     lost = node is not None and node in view.lost_nodes
     if action is Action.REPLACE_NODE or lost:
         if not view.spares:
-            return None
+            return _wait(view, node, why) if view.spares_coming and view.may_wait else None
         return Decision(Kind.RESTART, f"{why}: no step completed yet: {node} replaced by {view.spares[0]}, every "
                         "worker starts fresh", node, view.spares[0], fresh=True)
     return Decision(Kind.RESTART, f"{why}: no step completed yet: every worker starts fresh", node, fresh=True)
+
+
+def _wait(view: JobView, node: str | None, why: str) -> Decision:
+    return Decision(Kind.WAIT, f"{why}: no spare ready to replace {node}; waiting for one of the {view.spares_coming} "
+                    "starting", node)

@@ -27,6 +27,8 @@ class Incident:
     injected: str | None = None  # the kill-node mode that opened it (events only: never the class)
     t_kill: float | None = None  # when a fault was injected (a kill-node, or a rank's configured fault)
     t_observed: float | None = None  # the first observed effect (an injection opens the incident earlier)
+    wait_until: float | None = None  # its decision waits for a spare that is starting, at most until then
+    next_try: float = 0.0  # while waiting: when to decide again
 
     @property
     def observed(self) -> bool:
@@ -97,6 +99,22 @@ class IncidentTracker:
         if node not in inc.hung:
             inc.hung.append(node)
 
+    def defer(self, inc: Incident, now: float, bound_s: float, retry_s: float = 0.25) -> bool:
+        """The decision about ``inc`` waits for a spare that is starting: it settles again every ``retry_s``
+        until ``bound_s`` after the first deferral (then the decision must not wait). A failure reported
+        meanwhile joins it. Returns True the first time (the wait is an event once)."""
+        first = inc.wait_until is None
+        if first:
+            inc.wait_until = now + bound_s
+        inc.next_try = now + retry_s
+        if self.current is not None and self.current is not inc:  # reports that came meanwhile join it
+            cur = self.current
+            inc.reports += cur.reports
+            inc.lost += [n for n in cur.lost if n not in inc.lost]
+            inc.hung += [n for n in cur.hung if n not in inc.hung]
+        self.current = inc
+        return first
+
     # --- settled signals out -------------------------------------------------------------------------
     def observe_bound_s(self) -> float:
         """How long an injected fault may stay unobserved: the slowest detector (a node's heartbeat timeout,
@@ -112,7 +130,7 @@ class IncidentTracker:
         quiet wait for that node's heartbeat verdict (bounded the same way)."""
         inc = self.current
         d = self.detect
-        if inc is None or now - inc.t0 < d.settle_s:
+        if inc is None or now - inc.t0 < d.settle_s or now < inc.next_try:
             return None
         if not inc.observed:
             bound = self.observe_bound_s()

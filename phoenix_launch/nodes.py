@@ -104,6 +104,10 @@ class NodeTable:
     def spare_nodes(self) -> list[Node]:
         return [n for n in self if n.is_spare and not n.lost and n.state in (NodeState.SPARE, NodeState.STARTING)]
 
+    def coming_spares(self) -> int:
+        """Spare nodes up or starting (warm or not)."""
+        return sum(1 for n in self.nodes.values() if n.is_spare and n.state in (NodeState.STARTING, NodeState.SPARE))
+
     def spares(self, ranks_warm: Callable[[Node], bool]) -> tuple[str, ...]:
         """The spare nodes, in the order they are picked: warm ones first (agent up, or every rank joined to
         the control plane -- an agent joins only after its ranks), then those still starting (an assignment

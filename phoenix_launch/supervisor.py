@@ -309,7 +309,7 @@ class Supervisor:
         verdict = classify(signals)
         if verdict.root is not None and self.root_cause is None:
             self.root_cause = verdict.root
-        if verdict.node and verdict.node in self.nodes:
+        if verdict.node and verdict.node in self.nodes and inc.wait_until is None:  # once per incident
             self.nodes[verdict.node].failures += 1
         view = decisions.JobView(
             runtime_ready=self.attempt.protect_on and len(self.attempt.runtime_ready) == self.world_size,
@@ -319,8 +319,12 @@ class Supervisor:
             node_failures={n.name: n.failures for n in self.nodes},
             lost_nodes=tuple(n.name for n in self.nodes if n.lost),
             nothing_done=self._nothing_done(),
+            spares_coming=self.nodes.coming_spares() - len(self.spares()) + len(self.replenisher.joins),
+            may_wait=inc.wait_until is None or now < inc.wait_until,
         )
         d = decisions.decide(view, verdict, now)
+        if d.kind is decisions.Kind.WAIT and not self.incidents.defer(inc, now, self.cfg.detect.recovery_timeout_s / 2):
+            return  # still waiting for a spare: the decision event was emitted once
         self.events.emit("decision", cls=verdict.cls.value, action=verdict.action.value, decision=d.kind.value, node=d.node,
                          spare=d.spare, reason=d.reason, injected=inc.injected)
         if d.kind is decisions.Kind.STOP:
@@ -330,7 +334,7 @@ class Supervisor:
             self.hotswap(d, inc, now)
         elif d.kind is decisions.Kind.LOCAL:
             self.local_recovery(d, inc, now)
-        else:
+        elif d.kind is decisions.Kind.RESTART:
             self.restart(d, now)
 
     def _nothing_done(self) -> bool:
@@ -476,8 +480,7 @@ class Supervisor:
     # --- the spare pool ------------------------------------------------------------------------------
     def replenish(self, now: float) -> None:
         if self.job.state in (JobState.RUNNING, JobState.RECOVERING):
-            coming = sum(1 for n in self.nodes if n.is_spare and n.state in (NodeState.STARTING, NodeState.SPARE))
-            self.replenisher.tick(now, coming, len(self.nodes.spare_nodes()))
+            self.replenisher.tick(now, self.nodes.coming_spares(), len(self.nodes.spare_nodes()))
 
     def adopt(self, m: protocol.AgentUp, now: float) -> None:
         """An agent this job did not start says it is up: with the job's token it joins as a new spare."""

@@ -404,3 +404,28 @@ def test_agent_spec_roundtrip_and_bad_specs():
         AgentSpec.from_json(json.dumps({**json.loads(text), "bogus": 1}))
     with pytest.raises(SpecError, match="not JSON"):
         AgentSpec.from_json("{")
+
+
+def test_no_spare_ready_but_one_starting_waits_then_stops():
+    host = V(FailureClass.HOST, Action.REPLACE_NODE)
+    d = decisions.decide(view(spares=(), spares_coming=1, may_wait=True), host)
+    assert d.kind is decisions.Kind.WAIT and "waiting for one of the 1 starting" in d.reason
+    assert decisions.decide(view(spares=(), spares_coming=1, may_wait=False), host).kind is decisions.Kind.STOP  # waited long enough
+    assert decisions.decide(view(spares=(), spares_coming=0, may_wait=True), host).kind is decisions.Kind.STOP  # none coming
+    # before the first step: the fresh start waits for the spare as well
+    early = view(runtime_ready=False, spares=(), spares_coming=2, may_wait=True, nothing_done=True, lost_nodes=("n1",))
+    assert decisions.decide(early, host).kind is decisions.Kind.WAIT
+    assert decisions.decide(view(runtime_ready=False, spares=("s1",), nothing_done=True, lost_nodes=("n1",)), host).kind is decisions.Kind.RESTART
+
+
+def test_a_deferred_incident_settles_again_and_gathers_new_reports():
+    tr = IncidentTracker(DETECT)
+    tr.node_lost("n1", 100.0)
+    out = tr.settle(110.0, FLEET)
+    assert out is not None and out.signals.node_lost == ("n1",)
+    assert tr.defer(out.incident, 110.0, bound_s=30.0) is True  # the first deferral (an event once)
+    assert tr.settle(110.1, FLEET) is None  # not before its retry time
+    tr.node_lost("n0", 110.2)  # a failure meanwhile joins the waiting incident
+    again = tr.settle(110.3, FLEET)
+    assert again is not None and again.incident is out.incident and set(again.signals.node_lost) == {"n0", "n1"}
+    assert tr.defer(again.incident, 110.3, bound_s=30.0) is False and again.incident.wait_until == 140.0
