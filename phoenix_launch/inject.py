@@ -128,17 +128,21 @@ def send_command(run_dir: Path, cmd: protocol.KillCommand, token: str | None = N
 
 
 class Chaos:
-    """Seeded chaos for soak runs: a node crash at exponentially distributed times (``inject.chaos_mtbf_s``)."""
+    """Seeded chaos for soak runs: a node crash at exponentially distributed times (``inject.chaos_mtbf_s``),
+    on any active node or only on those holding ``ranks`` (``inject.chaos_ranks``: a soak keeps survivors)."""
 
-    def __init__(self, mtbf_s: float, seed: int):
+    def __init__(self, mtbf_s: float, seed: int, ranks: tuple[int, ...] = ()):
         import random
 
         self.mtbf_s = mtbf_s
+        self.ranks = ranks
         self.rng = random.Random(seed)
         self.next_t: float | None = None
 
-    def victim(self, now: float, active: list[str]) -> str | None:
-        """The node to crash now, or None (not due yet, chaos off, or no active node)."""
+    def victim(self, now: float, active: list[str], members: protocol.Membership | None = None,
+               finishing: Callable[[], bool] = lambda: False) -> str | None:
+        """The node to crash now, or None (not due yet, chaos off, no active node, or the ranks have finished
+        their training loop: a crash in the script's own code after the loop is outside any step guard)."""
         if self.mtbf_s <= 0:
             return None
         if self.next_t is None:
@@ -146,4 +150,9 @@ class Chaos:
         if now < self.next_t:
             return None
         self.next_t = now + self.rng.expovariate(1.0 / self.mtbf_s)
-        return self.rng.choice(sorted(active)) if active else None
+        if self.ranks and members is not None:
+            held = {members.slot_of(r).node for r in self.ranks if r < members.world_size}
+            active = [n for n in active if n in held]
+        if not active or finishing():
+            return None
+        return self.rng.choice(sorted(active))

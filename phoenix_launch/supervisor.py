@@ -54,7 +54,7 @@ class Supervisor:
         self.recovery = RecoveryWatch(self.world_size, cfg.detect.recovery_timeout_s)
         self.replenisher = Replenisher(backend, self.events, target=launch.spares, enabled=launch.replenish or cfg.slurm.replenish,
                                        spec_for=lambda join: self.agent_spec(Node.new(f"replenish-{join}"), join=join))
-        self.chaos = Chaos(cfg.inject.chaos_mtbf_s, cfg.inject.seed)
+        self.chaos = Chaos(cfg.inject.chaos_mtbf_s, cfg.inject.seed, cfg.inject.chaos_ranks)
         self.runtime_json = runtime_settings(cfg).to_json()
         self.epoch = 0
         self.restarts = 0
@@ -500,11 +500,9 @@ class Supervisor:
     def run_chaos(self, now: float) -> None:
         if self.job.state is not JobState.RUNNING:
             return
-        active = [n.name for n in self.nodes if n.state is NodeState.ACTIVE]
-        if self.cfg.inject.chaos_ranks:  # only the nodes holding these ranks (a soak keeps a survivor)
-            held = {self._gens().members.slot_of(r).node for r in self.cfg.inject.chaos_ranks if r < self.world_size}
-            active = [n for n in active if n in held]
-        victim = self.chaos.victim(now, active)
+        members = self._gens().members
+        victim = self.chaos.victim(now, [n.name for n in self.nodes if n.state is NodeState.ACTIVE], members, lambda: any(
+            hb.phase == "done" for hb in read_rank_heartbeats(self.store, members).values()))
         if victim is not None:
             self.backend.kill_node(victim)
             self.events.emit("injected", mode="crash", node=victim, source="chaos", t=now)
