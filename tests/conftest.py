@@ -138,14 +138,16 @@ def check_resume_steps(evs: list[dict], failed_at: int | None = None) -> list[tu
     faults injected since the previous recovery, or ``failed_at`` for a failure the test caused itself): a
     step that failed resumes at that step or the one before it (nothing completed is lost, at most one step is
     replayed). A fault injected during a recovery (phase recover*) fails no step: the recovery it interrupts is still
-    checked against the step that failed first. Returns (failed step, resume step) per recovery."""
-    out, pending = [], []
+    checked against the step that failed first. A recovery with no fault injected since the previous one is
+    checked against the previous one's failed step (a second failure hit before the first recovery's event,
+    which waits for the first step after it). Returns (failed step, resume step) per recovery."""
+    out, pending, last = [], [], failed_at
     for e in evs:
         if (e["type"] == "injected" and e.get("step") is not None and e.get("source") != "chaos"
                 and not str(e.get("phase") or "").startswith("recover")):  # a fault during a recovery fails no step
             pending.append(int(e["step"]))
         elif e["type"] == "recovery":
-            failed = min(pending) if pending else failed_at
+            failed = min(pending) if pending else last
             assert failed is not None, f"a recovery with no failed step to check it against: {e}"
             resume = e.get("resume_step")
             assert resume is not None, f"the recovery event names no resume step: {e}"
@@ -153,7 +155,7 @@ def check_resume_steps(evs: list[dict], failed_at: int | None = None) -> list[tu
                 f"step {failed} failed and the job resumed at step {resume} (expected {max(0, failed - 1)}..{failed})"
             )
             out.append((failed, resume))
-            pending = []
+            pending, last = [], failed
     return out
 
 
