@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable
 
 from phoenix_runtime.protocol import SCHEMA_VERSION
 
@@ -50,18 +50,24 @@ class EventLog:
             self._f.close()
 
 
-def read_events(run_dir: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    p = Path(run_dir) / "events.jsonl"
-    if not p.exists():
-        return
-    with open(p) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line being written right now
+def parse_events(lines: Iterable[str]) -> tuple[list[dict[str, Any]], int]:
+    """The events in the lines of an ``events.jsonl``: each non-blank line that is a JSON object. A torn line
+    (a run killed while writing it) or a foreign one is skipped and counted: (events, skipped)."""
+    events, skipped = [], 0
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            skipped += 1
+            continue
+        if isinstance(ev, dict):
+            events.append(ev)
+        else:
+            skipped += 1
+    return events, skipped
 
 
 def create_token(run_dir: Path) -> str:

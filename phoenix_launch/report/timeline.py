@@ -7,11 +7,12 @@ subtract ``Timeline.t0`` (the job's start).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from phoenix_launch.events import parse_events
 
 # the recovery's phases, in the order they happen, with the labels the report uses
 PHASES: tuple[tuple[str, str], ...] = (
@@ -149,25 +150,18 @@ class Timeline:
 
 def load_events(path: Path) -> tuple[list[dict[str, Any]], int]:
     """The events of an ``events.jsonl`` (a torn or foreign line is skipped and counted)."""
-    events, skipped = [], 0
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    ev = json.loads(line)
-                except json.JSONDecodeError:
-                    skipped += 1
-                    continue
-                if not isinstance(ev, dict) or number(ev.get("t")) is None:
-                    skipped += 1
-                    continue
-                ev.setdefault("type", ev.get("event"))  # (the name under "event" in hand-written files)
-                events.append(ev)
+            parsed, skipped = parse_events(f)
     except OSError as exc:
         raise ReportInputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    events = []
+    for ev in parsed:
+        if number(ev.get("t")) is None:
+            skipped += 1
+            continue
+        ev.setdefault("type", ev.get("event"))  # (the name under "event" in hand-written files)
+        events.append(ev)
     events.sort(key=lambda e: float(e["t"]))  # stable: lines of the same instant keep their order
     return events, skipped
 

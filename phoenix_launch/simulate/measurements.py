@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
 from pathlib import Path
 
 import numpy as np
+
+from phoenix_launch.events import parse_events
 
 from .quantities import SimulateInputError, parse_duration
 
@@ -24,34 +25,27 @@ def read_run_events(run_dir: str | Path) -> dict:
     f = p / "events.jsonl" if p.is_dir() else p
     if not f.is_file():
         raise SimulateInputError(f"--from-run: no events.jsonl at {f}")
-    step_times, recov, paths, skipped = [], [], {}, 0
     with f.open("r", encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                ev = json.loads(line)
-            except json.JSONDecodeError:
-                skipped += 1  # a torn last line of a killed run, typically
-                continue
-            if not isinstance(ev, dict) or ev.get("v", 1) != 1:
-                skipped += 1
-                continue
-            typ = ev.get("type")
-            try:
-                if typ == "progress" and ev.get("step_time_s") is not None:
-                    x = float(ev["step_time_s"])
-                    if math.isfinite(x) and x > 0:
-                        step_times.append(x)
-                elif typ == "recovery" and ev.get("total_s") is not None:
-                    x = float(ev["total_s"])
-                    if math.isfinite(x) and x >= 0:
-                        recov.append(x)
-                        pth = str(ev.get("path", "unknown"))
-                        paths[pth] = paths.get(pth, 0) + 1
-            except (TypeError, ValueError):
-                skipped += 1
+        parsed, skipped = parse_events(fh)  # a torn last line of a killed run is skipped
+    step_times, recov, paths = [], [], {}
+    for ev in parsed:
+        if ev.get("v", 1) != 1:
+            skipped += 1
+            continue
+        typ = ev.get("type")
+        try:
+            if typ == "progress" and ev.get("step_time_s") is not None:
+                x = float(ev["step_time_s"])
+                if math.isfinite(x) and x > 0:
+                    step_times.append(x)
+            elif typ == "recovery" and ev.get("total_s") is not None:
+                x = float(ev["total_s"])
+                if math.isfinite(x) and x >= 0:
+                    recov.append(x)
+                    pth = str(ev.get("path", "unknown"))
+                    paths[pth] = paths.get(pth, 0) + 1
+        except (TypeError, ValueError):
+            skipped += 1
     if not step_times:
         raise SimulateInputError(f"--from-run: {f} has no progress events with step_time_s")
     if not recov:
