@@ -134,28 +134,32 @@ def assert_same_digest(got_path: Path, expected: dict) -> None:
 
 
 def check_resume_steps(evs: list[dict], failed_at: int | None = None) -> list[tuple[int, int]]:
-    """Each ``recovery`` event's resume step against the step that failed (the earliest step of the
-    faults injected since the previous recovery, or ``failed_at`` for a failure the test caused itself): a
-    step that failed resumes at that step or the one before it (nothing completed is lost, at most one step is
-    replayed). A fault injected during a recovery (phase recover*) fails no step: the recovery it interrupts is still
-    checked against the step that failed first. A recovery with no fault injected since the previous one is
-    checked against the previous one's failed step (a second failure hit before the first recovery's event,
-    which waits for the first step after it). Returns (failed step, resume step) per recovery."""
+    """Each ``recovery`` event's resume step against the step that failed: a step that failed resumes at that
+    step or the one before it (nothing completed is lost, at most one step is replayed).
+
+    The failed steps are those of the faults injected so far and not yet matched (or ``failed_at`` for a failure
+    the test caused itself), in the order they fired; a recovery is matched with the first of them its resume
+    step fits, which consumes it and those before it. A recovery event is written at the first step after the
+    recovery, so a second fault may fire before the first recovery's event: order alone cannot pair them. A
+    fault injected during a recovery (phase recover*) fails no step. With nothing pending, a recovery is
+    checked against the previous failed step. Returns (failed step, resume step) per recovery."""
     out, pending, last = [], [], failed_at
     for e in evs:
         if (e["type"] == "injected" and e.get("step") is not None and e.get("source") != "chaos"
                 and not str(e.get("phase") or "").startswith("recover")):  # a fault during a recovery fails no step
             pending.append(int(e["step"]))
         elif e["type"] == "recovery":
-            failed = min(pending) if pending else last
-            assert failed is not None, f"a recovery with no failed step to check it against: {e}"
             resume = e.get("resume_step")
             assert resume is not None, f"the recovery event names no resume step: {e}"
-            assert max(0, failed - 1) <= resume <= failed, (
-                f"step {failed} failed and the job resumed at step {resume} (expected {max(0, failed - 1)}..{failed})"
-            )
-            out.append((failed, resume))
-            pending, last = [], failed
+            candidates = pending or ([last] if last is not None else [])
+            assert candidates, f"a recovery with no failed step to check it against: {e}"
+            fits = [i for i, failed in enumerate(candidates) if max(0, failed - 1) <= resume <= failed]
+            assert fits, (f"the job resumed at step {resume}, but the steps that failed were {candidates} "
+                          "(expected the failed step or the one before it)")
+            last = candidates[fits[0]]
+            out.append((last, resume))
+            if pending:
+                del pending[: fits[0] + 1]
     return out
 
 
