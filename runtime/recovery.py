@@ -71,10 +71,12 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
     candidates = sorted({s for d in survivors for s in d.local_steps} | {d.live_step for d in survivors if d.live_clean and d.live_step is not None}, reverse=True)
     why = "no step is held by every survivor"
     first = max(d.first_step for d in survivors)
-    # at most one step is replayed: only the last completed step, or the one before it
+    # the newest step first: the last completed step, or the one before it (one step replayed). With a replicated
+    # optimizer a rank may lag its peers by one step (its optimizer step has no collective), so a lost rank's
+    # envelope of the step before the newest may not be committed yet: then two steps are replayed.
     newest = max((d.live_step for d in survivors if d.live_step is not None), default=None)
     if newest is not None:
-        candidates = [c for c in candidates if c >= newest - 1]
+        candidates = [c for c in candidates if c >= newest - 2]
     for step in candidates:
         if not all(d.can_provide(step) for d in survivors):
             continue

@@ -133,9 +133,10 @@ def assert_same_digest(got_path: Path, expected: dict) -> None:
     )
 
 
-def check_resume_steps(evs: list[dict], failed_at: int | None = None) -> list[tuple[int, int]]:
+def check_resume_steps(evs: list[dict], failed_at: int | None = None, lag: int = 0) -> list[tuple[int, int]]:
     """Each ``recovery`` event's resume step against the step that failed: a step that failed resumes at that
-    step or the one before it (nothing completed is lost, at most one step is replayed).
+    step or the one before it (nothing completed is lost, one step replayed), or, with ``lag=1`` (a replicated
+    optimizer, whose ranks may be a step apart: see ``phoenix_runtime.recovery``), two before it.
 
     The failed steps are those of the faults injected so far and not yet matched (or ``failed_at`` for a failure
     the test caused itself), in the order they fired; a recovery is matched with the first of them its resume
@@ -153,7 +154,7 @@ def check_resume_steps(evs: list[dict], failed_at: int | None = None) -> list[tu
             assert resume is not None, f"the recovery event names no resume step: {e}"
             candidates = pending or ([last] if last is not None else [])
             assert candidates, f"a recovery with no failed step to check it against: {e}"
-            fits = [i for i, failed in enumerate(candidates) if max(0, failed - 1) <= resume <= failed]
+            fits = [i for i, failed in enumerate(candidates) if max(0, failed - 1 - lag) <= resume <= failed]
             assert fits, (f"the job resumed at step {resume}, but the steps that failed were {candidates} "
                           "(expected the failed step or the one before it)")
             last = candidates[fits[0]]

@@ -128,6 +128,14 @@ def test_plan_rolls_back_a_survivor_one_step_ahead():
     assert p.step == 8 and p.replayed == {0: 1, 1: 0}
 
 
+def test_plan_replays_two_steps_when_a_lost_rank_lagged_a_step_behind():
+    """Replicated optimizer: the lost rank 1 was still in step 3 (its optimizer step has no collective) when
+    rank 0 began step 4, so its envelope of S_3 was never replicated; S_2's was. Two steps are replayed."""
+    descs = [surv(0, 4, True, [2, 3], {SH[1]: [1, 2]}), Descriptor(1, False)]
+    p = plan_recovery(descs, {0: [0, 1], 1: [0, 1]}, SH, replicated=True)
+    assert p.step == 2 and p.optim_src[1] == 0 and p.replayed == {0: 2}
+
+
 def test_plan_unrecoverable_when_holder_and_replica_are_lost():
     descs = [surv(0, 5, True, [4, 5], {}), Descriptor(1, False)]
     with pytest.raises(Unrecoverable, match="survives nowhere"):
