@@ -76,24 +76,11 @@ from phoenix_runtime.transport import GlooTransport, MpiTransport, Transport, Tr
 from phoenix_runtime.replica_exchange import StepExchange
 from phoenix_runtime.wire import (
     ACK_BAD_CHECKSUM,
-    ACK_BAD_HEADER,
-    ACK_NAMES,
-    ACK_OK,
-    ACK_SKIPPED,
     DEFAULT_RESENDS,
-    FLAG_SKIP,
-    MAGIC,
-    TAG_ACK,
-    TAG_HEADER,
-    VERSION,
-    Incoming,
     Outgoing,
     ReplicationError,
-    empty_header,
-    header,
     recv_verified,
     send_verified,
-    words,
 )
 
 __all__ = [
