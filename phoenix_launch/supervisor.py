@@ -311,15 +311,16 @@ class Supervisor:
             self.root_cause = verdict.root
         if verdict.node and verdict.node in self.nodes and inc.wait_until is None:  # once per incident
             self.nodes[verdict.node].failures += 1
+        spares = self.spares()  # reads the spares' heartbeats: once
         view = decisions.JobView(
             runtime_ready=self.attempt.protect_on and len(self.attempt.runtime_ready) == self.world_size,
-            spares=self.spares(),
+            spares=spares,
             restarts_used=self.restarts,
             max_restarts=self.cfg.launch.max_restarts,
             node_failures={n.name: n.failures for n in self.nodes},
             lost_nodes=tuple(n.name for n in self.nodes if n.lost),
             nothing_done=self._nothing_done(),
-            spares_coming=self.nodes.coming_spares() - len(self.spares()) + len(self.replenisher.joins),
+            spares_coming=self.nodes.coming_spares() - len(spares) + len(self.replenisher.joins),
             may_wait=inc.wait_until is None or now < inc.wait_until,
         )
         d = decisions.decide(view, verdict, now)
