@@ -1,5 +1,5 @@
 """Soak: one job, seeded chaos (``--chaos-mtbf``) for at least ``--recoveries`` hot-swaps; the final digest must
-equal the failure-free run's, and the ranks' RSS and thread counts must stay flat.
+equal the failure-free run's, the ranks' RSS and thread counts and the control-plane store's key count must stay flat.
 
     python bench/soak.py [--recoveries 20] [--mtbf 4] [--nodes 2 --nproc 1] [--spares N] [--steps N]
 
@@ -14,7 +14,7 @@ with fewer recoveries says so and fails.
 Sampled every ``--sample-s`` over the run (psutil): RSS and thread count of every rank process of the job,
 printed per process with the number of recoveries each one lived through; the longest-lived survivor is
 checked for growth.
-Exit 0 only when: both runs succeeded, recoveries >= target, digests equal, survivor flat.
+Exit 0 only when: both runs succeeded, recoveries >= target, digests equal, survivor and store keys flat.
 """
 
 from __future__ import annotations
@@ -79,8 +79,17 @@ def job_ranks(run_dir: Path) -> dict[int, psutil.Process]:
     return out
 
 
+def store_keys(run_dir: Path) -> int | None:
+    """The number of keys in the job's control-plane store (status.json), or None."""
+    try:
+        return json.loads((run_dir / "status.json").read_text()).get("store_keys")
+    except (OSError, ValueError):
+        return None
+
+
 def run_sampled(cmd, cwd: Path, run_dir: Path, a) -> tuple[int, float, dict[int, list]]:
-    """Run the job; every ``sample_s`` record (t, rss_mib, threads, role) of each rank process."""
+    """Run the job; every ``sample_s`` record (t, rss_mib, threads, role) of each rank process, and the store's
+    key count (under the key -1: (t, keys))."""
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples: dict[int, list] = {}
@@ -97,6 +106,9 @@ def run_sampled(cmd, cwd: Path, run_dir: Path, a) -> tuple[int, float, dict[int,
                         samples.setdefault(pid, []).append((time.time() - t0, p.memory_info().rss / 2**20, p.num_threads(), node))
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     pass
+            n = store_keys(run_dir)
+            if n is not None:
+                samples.setdefault(-1, []).append((time.time() - t0, n))
             time.sleep(a.sample_s)
         err = proc.stderr.read()
     finally:
@@ -197,6 +209,7 @@ def main(argv=None) -> int:
     same = dg[0] is not None and dg[0] == dg[1]
     print(f"digest failure-free {dg[0]}\ndigest chaos        {dg[1]}\n-> {'EQUAL' if same else 'DIFFERENT or MISSING'}")
 
+    keys = samples.pop(-1, [])
     best, lines = survivor_report(samples, [e["t"] - t0 for e in recs], active_since(evs, t0, a.nodes))
     print(f"ranks that trained (sampled every {a.sample_s:g} s; steady = from {WARMUP_S:g} s after they started training):")
     print("\n".join(lines))
@@ -208,7 +221,16 @@ def main(argv=None) -> int:
         flat = rss1 <= rss0 * (1 + a.growth_limit) and thr1 <= thr0 + 2
         print(f"longest-lived survivor {node} (pid {pid}, {lived} recoveries): RSS {rss0:.1f} -> {rss1:.1f} MiB "
               f"(max {max(x[1] for x in steady):.1f}), threads {thr0} -> {thr1}: {'flat' if flat else 'GROWS'}")
-    ok = rc0 == 0 and rc1 == 0 and len(recs) >= a.recoveries and same and flat
+    # the store: its key count once the first recovery is over, then at the end (old generations' keys,
+    # messages read and the keys of nodes that left are deleted: flat, whatever the number of recoveries)
+    after = [n for t, n in keys if recs and t > recs[0]["t"] - t0]
+    keys_flat = bool(after) and after[-1] <= after[0] + 8
+    if after:
+        print(f"control-plane store keys: {after[0]} after the first recovery, {after[-1]} at the end "
+              f"(max {max(after)}, {len(recs)} recoveries, {len(after)} samples): {'flat' if keys_flat else 'GROWS'}")
+    else:
+        print("control-plane store keys: not sampled")
+    ok = rc0 == 0 and rc1 == 0 and len(recs) >= a.recoveries and same and flat and keys_flat
     if len(recs) < a.recoveries:
         print(f"only {len(recs)} recoveries (target {a.recoveries}): raise --steps or lower --mtbf")
     print("SOAK", "PASSED" if ok else "FAILED")

@@ -94,6 +94,10 @@ class RankReport:
     log_tail: str = ""
     time: float = 0.0  # when the failure was observed (seconds, any monotonic origin)
 
+    def as_event(self) -> dict:
+        return {"node": self.node, "rank": self.rank, "exit": describe_exit(self.exit_code, self.signal), "error": self.error,
+                "log_tail": self.log_tail}
+
 
 @dataclass(frozen=True)
 class Signals:

@@ -73,8 +73,13 @@ class DetectConfig:
     settle_s: float = 0.3  # how long to gather related reports before classifying an incident
     # one recovery generation; past it that generation is abandoned (its stragglers replaced)
     recovery_timeout_s: float = RUNTIME_DEFAULTS.recovery_timeout_s
+    # a replicator broken on a healthy job (a late replica: gloo closed its pair) is repaired by re-forming the
+    # generation (same members, fresh pairs, every replica sent again), at most this often per job
+    reprotect_max: int = 3
 
     def validate(self) -> None:
+        if self.reprotect_max < 0:
+            raise ConfigError(f"detect.reprotect_max must be >= 0, got {self.reprotect_max}")
         if self.heartbeat_s <= 0:
             raise ConfigError(f"detect.heartbeat_s must be > 0, got {self.heartbeat_s}")
         if not self.heartbeat_s < self.hang_timeout_s < self.collective_timeout_s:

@@ -36,6 +36,7 @@ class GenerationPublisher:
         self.gen = 0
         self.members = protocol.Membership(0, world_size, ())
         self.stable = self.members  # the last generation every rank reached (joiners are counted from it)
+        self._swept = 0  # generations below this one had their keys deleted
 
     def first(self, ranks: Iterable[protocol.RankSlot]) -> protocol.Membership:
         """Generation 0, as the agents start it."""
@@ -67,8 +68,20 @@ class GenerationPublisher:
         return mem
 
     def recovered(self) -> None:
-        """Every rank reached the current generation: it is the base the next joiners are counted from."""
+        """Every rank reached the current generation: it is the base the next joiners are counted from. The
+        keys of the generations before it, and of the nodes that left the job, are read no more: deleted, so
+        the store stays flat over many recoveries."""
+        gone = {r.node for r in self.stable.ranks} - {r.node for r in self.members.ranks}
         self.stable = self.members
+        keys = [k for g in range(self._swept, self.gen) for k in (protocol.k_members(g), protocol.k_arrived(g))]
+        keys += [k for node in sorted(gone) for k in protocol.node_keys(node, self.nproc)]
+        self._swept = max(self._swept, self.gen)
+        delete = getattr(self.store, "delete_key", None)
+        for key in keys if delete is not None else ():
+            try:
+                delete(key)
+            except Exception:  # noqa: BLE001 -- a key already gone
+                pass
 
     def _assignment(self, r: protocol.RankSlot, group_rank: int | None, attempt: Attempt) -> dict:
         env = protocol.torchrun_env(

@@ -16,6 +16,7 @@ from phoenix_launch.backends.base import Backend
 from phoenix_launch.events import EventLog
 from phoenix_launch.incidents import FleetView
 from phoenix_launch.lifecycle import NODE_TRANSITIONS, Lifecycle, NodeState
+from phoenix_runtime import protocol
 
 ENDED = (NodeState.FAILED, NodeState.DRAINED, NodeState.STOPPED)
 
@@ -62,6 +63,15 @@ class NodeTable:
 
     def get(self, name: str) -> Node | None:
         return self.nodes.get(name)
+
+    def populate(self, names, active: int, nproc: int) -> list[protocol.RankSlot]:
+        """The job's nodes: the first ``active`` hold the ranks (returned, generation 0's), the rest are spares."""
+        ranks = []
+        for i, name in enumerate(names):
+            self.add(Node.new(name, i if i < active else None))
+            if i < active:
+                ranks += [protocol.RankSlot(i * nproc + s, name, s) for s in range(nproc)]
+        return ranks
 
     def add(self, node: Node) -> Node:
         self.nodes[node.name] = node  # (replaces a failed node of the same name: a new incarnation)

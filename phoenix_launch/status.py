@@ -26,6 +26,16 @@ def read_rank_heartbeats(store: Any, members: protocol.Membership) -> dict[tuple
     return out
 
 
+def read_rank_steps(store: Any, members: protocol.Membership) -> dict[int, tuple[int, float]]:
+    """Logical rank -> (its latest step, when it completed it), from the ranks' heartbeats."""
+    out = {}
+    for (node, slot), hb in read_rank_heartbeats(store, members).items():
+        rank = members.rank_at(node, slot)
+        if rank is not None:
+            out[rank] = (hb.step, hb.t_step if hb.t_step is not None else hb.t)
+    return out
+
+
 def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: int, nproc: int, nodes: NodeTable,
                members: protocol.Membership, store: Any, events: EventLog) -> dict[str, Any]:
     hbs = read_rank_heartbeats(store, members)
@@ -48,5 +58,13 @@ def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: in
         "spares_left": len(nodes.spare_nodes()),
         "nodes": rows,
         "events": events.recent[-8:],
+        "store_keys": _num_keys(store),  # the control plane's store: flat over a long job
         "t": time.time(),
     }
+
+
+def _num_keys(store: Any) -> int | None:
+    try:
+        return int(store.num_keys())
+    except Exception:  # noqa: BLE001 -- a store that cannot count
+        return None

@@ -32,8 +32,9 @@ from phoenix_launch.nodes import ENDED, Node, NodeTable
 from phoenix_launch.operator_io import OperatorIO
 from phoenix_launch.recovery_watch import RecoveryWatch
 from phoenix_launch.replenish import Replenisher
+from phoenix_launch.reprotect import Reprotector
 from phoenix_launch.spec import AgentSpec
-from phoenix_launch.status import job_status, read_rank_heartbeats
+from phoenix_launch.status import job_status, read_rank_heartbeats, read_rank_steps
 from phoenix_runtime import protocol
 
 #: a live rank's error of this type is a failed replica, not a job failure: the step is protected again
@@ -49,11 +50,13 @@ class Supervisor:
         self.job = Lifecycle(JobState.STARTING, JOB_TRANSITIONS)
         self.events = EventLog(run_dir / "events.jsonl")
         self.token = create_token(run_dir)
-        self.nodes = NodeTable(backend, self.events, drain=cfg.slurm.drain, on_change=self._status_changed)
+        # status.json follows a node's state change at once, not at the next tick
+        self.nodes = NodeTable(backend, self.events, drain=cfg.slurm.drain, on_change=lambda: setattr(self, "_status_due", True))
         self.incidents = IncidentTracker(cfg.detect)
         self.recovery = RecoveryWatch(self.world_size, cfg.detect.recovery_timeout_s)
         self.replenisher = Replenisher(backend, self.events, target=launch.spares, enabled=launch.replenish or cfg.slurm.replenish,
                                        spec_for=lambda join: self.agent_spec(Node.new(f"replenish-{join}"), join=join))
+        self.reprotector = Reprotector(cfg.detect.reprotect_max, grace_s=max(cfg.detect.settle_s, 2 * cfg.detect.heartbeat_s))
         self.chaos = Chaos(cfg.inject.chaos_mtbf_s, cfg.inject.seed, cfg.inject.chaos_ranks)
         self.runtime_json = runtime_settings(cfg).to_json()
         self.epoch = 0
@@ -93,12 +96,7 @@ class Supervisor:
         plane = self.plane = ControlPlane(self.backend.store_host(launch.master_addr), launch.master_port)
         write_json_atomic(self.run_dir / "control.json",
                           {"host": plane.host, "port": plane.port, "pid": os.getpid(), "node": os.uname().nodename, "run_id": launch.run_id, "backend": self.backend.name})
-        ranks = []
-        for i, name in enumerate(self.backend.node_names):
-            active = i < launch.nodes
-            self.nodes.add(Node.new(name, i if active else None))
-            if active:
-                ranks += [protocol.RankSlot(i * self.nproc + s, name, s) for s in range(self.nproc)]
+        ranks = self.nodes.populate(self.backend.node_names, launch.nodes, self.nproc)
         for node in self.nodes:
             self.backend.start_agent(node.name, self.agent_spec(node))
         plane.listen()
@@ -145,9 +143,6 @@ class Supervisor:
             node_timeout_s=detect.node_timeout_s, stop_grace_s=launch.stop_grace_s, redirects=launch.redirects,
             tee=launch.tee, runtime_json=self.runtime_json, join=join,
         )
-
-    def _status_changed(self) -> None:
-        self._status_due = True  # status.json follows a node's state change at once, not at the next tick
 
     def spares(self) -> tuple[str, ...]:
         return self.nodes.spares(self._ranks_warm)
@@ -216,8 +211,11 @@ class Supervisor:
         if node is None or m.gen != self.gen or self.job.state is not JobState.RUNNING:
             return
         if str(err.get("type", "")).rsplit(".", 1)[-1] == REPLICATION_ERROR:
-            # a corrupt or late replica fails that step's protection only: recorded, never a job failure
-            self.events.emit("replication_error", node=node.name, rank=m.rank, gen=m.gen, message=str(err.get("message", ""))[:500])
+            # a corrupt or late replica fails that step's protection only: never a job failure (reprotect.py)
+            self.events.emit("replication_error", node=node.name, rank=m.rank, gen=m.gen, broken=bool(err.get("broken")),
+                             message=str(err.get("message", ""))[:500])
+            if err.get("broken"):
+                self.reprotector.broken(m.gen, node.name, m.rank, str(err.get("message", "")), now)
             return
         self.incidents.rank_failed(RankReport(node.name, m.rank, None, None, err, "", time=m.t or now), now, exited=False)
 
@@ -391,6 +389,16 @@ class Supervisor:
         self._begin_recovery("local", d, inc, now)
         self.events.emit("local_recovery", gen=mem.gen, node=d.node, respawned=list(d.respawn))
 
+    def reprotect(self, now: float) -> None:
+        """A replicator broke on a healthy job (``reprotect.py``): re-form the generation with the same members."""
+        due = self.reprotector.due(now, self.gen, self.job.state is JobState.RUNNING and self.incidents.current is None)
+        if due is not None and not due[0]:
+            self.events.emit("replication_unprotected", gen=self.gen, reason=due[1])
+        elif due is not None:
+            mem = self._gens().publish(self._gens().members.ranks, due[1], self._attempt(), self.nodes.group_ranks())
+            self._begin_recovery("reprotect", decisions.Decision(decisions.Kind.LOCAL, due[1]), Incident(now), now)
+            self.events.emit("reprotect", gen=mem.gen, reason=due[1])
+
     def _respawn(self, mem: protocol.Membership, ranks: tuple[int, ...]) -> None:
         """Ask the agents to start these (dead) ranks again, after their assignments are published."""
         by_node: dict[str, list[int]] = {}
@@ -420,13 +428,7 @@ class Supervisor:
     def _flush_recovery_event(self, final: bool = False) -> None:
         if not self.recovery.awaiting_first_step:
             return
-        steps = {}
-        members = self._gens().members
-        for (node, slot), hb in read_rank_heartbeats(self.store, members).items():
-            rank = members.rank_at(node, slot)
-            if rank is not None:
-                steps[rank] = (hb.step, hb.t_step if hb.t_step is not None else hb.t)
-        ev = self.recovery.first_step(steps, final=final)
+        ev = self.recovery.first_step(read_rank_steps(self.store, self._gens().members), final=final)
         if ev is not None:
             self.events.emit("recovery", **ev)
 
@@ -525,6 +527,7 @@ class Supervisor:
         self.replenish(now)
         if self.job.state is not JobState.STOPPING:
             self.settle(now)
+            self.reprotect(now)
             self.run_chaos(now)
             self.check_recovery_deadline(now)
         if self.attempt.unrecoverable_t0 and now - self.attempt.unrecoverable_t0 > self.cfg.detect.recovery_timeout_s:
@@ -583,9 +586,7 @@ class Supervisor:
         if self.job.state is not JobState.STOPPING:
             self.job.transition(JobState.STOPPING, self.stop_reason or "shutdown")
         self.job.transition(final, self.stop_reason)
-        rc = self.root_cause
-        root = None if rc is None else {"node": rc.node, "rank": rc.rank, "exit": describe_exit(rc.exit_code, rc.signal),
-                                        "error": rc.error, "log_tail": rc.log_tail}
+        root = self.root_cause.as_event() if self.root_cause is not None else None
         self.events.emit("job_end", state=final.value, exit_code=code, reason=self.stop_reason, root_cause=root)
         snap: dict[str, Any] = {}
         try:

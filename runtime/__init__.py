@@ -1,7 +1,7 @@
 """PHOENIX runtime, injected into every rank by ``phoenix-run``.
 
     import phoenix_runtime as phx
-    phx.init(); training = phx.protect(model, optimizer, ddp=dict(find_unused_parameters=True))
+    phx.init(); training = phx.protect(model, optimizer)
 
 The package stays importable without torch (``phoenix_runtime.protocol`` and ``settings`` are shared with
 the launcher): the API is loaded on first use.

@@ -5,8 +5,7 @@
     model = build_model()                                 # the bare module: protect wraps it in DDP
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 10)
-    training = phx.protect(model, opt, ddp=dict(find_unused_parameters=True), schedulers=[sched],
-                           stateful={"data": sampler})
+    training = phx.protect(model, opt, schedulers=[sched], stateful={"data": sampler})
     for step in training.steps(total_steps):
         with training.step():                             # the step boundary; failures are handled here
             loss = training.model(batch(step)).loss; loss.backward()
@@ -26,12 +25,14 @@ from phoenix_runtime.state import LoopObjects
 from phoenix_runtime.training import ProtectedTraining, Trainer  # noqa: F401
 
 
-def protect(model: torch.nn.Module, optimizer, *, ddp: dict | None = None, schedulers=(), scaler=None,
+def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None, schedulers=(), scaler=None,
             stateful: dict | None = None, data_state=None, replicas: int | None = None) -> ProtectedTraining:
     """Register what must survive a failure, and return the protected training.
 
-    ``model``: the bare module (wrapped in DDP here, with ``ddp`` kwargs); its parameters and buffers are
-    protected. ``optimizer``: ZeroRedundancyOptimizer, a plain optimizer (replicated on every DP rank), or an
+    ``model``: the bare module, wrapped in DDP here (``ddp``: its keyword arguments; ``False``: not wrapped,
+    for a model a framework wraps itself); its parameters and buffers are protected. DDP gets
+    ``find_unused_parameters=True`` unless ``ddp`` says otherwise: one bucket layout for the whole run, which
+    bit-identical resume needs (its once-per-process warning about the flag is not printed). ``optimizer``: ZeroRedundancyOptimizer, a plain optimizer (replicated on every DP rank), or an
     object following the sharded-state protocol (docs/runtime.md); its param-group hyperparameters are state.
     ``schedulers``: an LR scheduler or a sequence of them; ``scaler``: a GradScaler; ``stateful``: name ->
     object with ``state_dict()/load_state_dict()`` (a data loader's position, a sampler...); ``data_state``:
@@ -57,4 +58,5 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | None = None, sched
             raise TypeError(f"phx.protect(stateful={{{name!r}: ...}}): a {type(obj).__name__} has no state_dict()/load_state_dict()")
     ctx = init()
     objs = LoopObjects(model, optimizer, tuple(schedulers), scaler, held)
-    return ProtectedTraining(ctx, objs, ddp=ddp, replicas=replicas)
+    ddp_kwargs = None if ddp is False else ({} if ddp is None or ddp is True else dict(ddp))
+    return ProtectedTraining(ctx, objs, ddp=ddp_kwargs, replicas=replicas)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from phoenix_runtime import protocol
 from phoenix_runtime.control import STATE, connect_store, start_control
 from phoenix_runtime.rank_env import RankEnv, rank_env
+from phoenix_runtime.store_keys import KeyRecorder
 
 ABORT_TAG = 32761  # a tag no training op uses: a receive on it only serves to close a pair
 
@@ -61,6 +62,7 @@ class Context:
         self._aborted_gen = -1
         self._lock = threading.Lock()
         self._own_keys: list[tuple[int, str]] = []
+        self._pg_stores: list[tuple[int, KeyRecorder]] = []  # each generation's process-group rendezvous keys
         self.timeout = timedelta(seconds=self.settings.collective_timeout_s)
         self.recovery_timeout = self.settings.recovery_timeout_s
         if torch.cuda.is_available():
@@ -160,9 +162,11 @@ class Context:
         log(f"generation {gen}: arrived")
         self._wait_all(protocol.k_arrived(gen), gen, deadline)
         log(f"generation {gen}: every rank arrived")
+        pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store))
+        self._pg_stores.append((gen, pg_store))
         dist.init_process_group(
             self.backend,
-            store=dist.PrefixStore(protocol.k_pg_prefix(gen), self.store),
+            store=pg_store,
             rank=self.rank,
             world_size=self.world_size,
             timeout=self.timeout,
@@ -189,6 +193,7 @@ class Context:
         self.store.set(key, desc_json)
         self._own_keys.append((gen, key))
         keys = [desc_key(gen, r) for r in range(self.world_size)]
+        self._own_keys += [(gen, k) for k in keys if k != key]  # a dead rank's too: deleted with the generation
         while not self.store.check(keys):
             if self.latest_gen() > gen:
                 raise GenerationAbandoned(f"generation {gen} abandoned")
@@ -198,7 +203,11 @@ class Context:
         return [self.store.get(k) for k in keys]
 
     def delete_old_keys(self) -> None:
-        """Delete the store keys this rank wrote for generations before the current one."""
+        """Delete the store keys this rank wrote for generations before the current one: its descriptors, and
+        what torch.distributed wrote to form that generation's groups."""
+        for gen, recorder in [x for x in self._pg_stores if x[0] < self.gen]:
+            recorder.delete_used()
+        self._pg_stores = [x for x in self._pg_stores if x[0] >= self.gen]
         keep = []
         for gen, key in self._own_keys:
             if gen < self.gen:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any, Callable
 
 ALIASES = {"recovery": "recover_exchange"}
@@ -20,7 +21,9 @@ ALIASES = {"recovery": "recover_exchange"}
 class FaultInjector:
     """The faults addressed to this rank: from the configuration, or sent by ``phoenix-run kill-node``."""
 
-    def __init__(self, faults, node: str, store, report: Callable[[dict], None], abort_links: Callable[[], None]):
+    def __init__(self, faults, node: str, store, report: Callable[[dict], None], abort_links: Callable[[], None],
+                 late_s: float = 5.0):
+        self.late_s = late_s  # a "late" replica is held back this long (longer than the replica timeout)
         self.pending: list[dict[str, Any]] = [dict(f, id=f"cfg{i}") for i, f in enumerate(faults)]
         self.node = node
         self.store = store
@@ -50,7 +53,8 @@ class FaultInjector:
             return False
         if f.get("gen") is not None and self.gen < f["gen"]:
             return False
-        if ALIASES.get(f.get("phase", "begin"), f.get("phase", "begin")) != phase:
+        default = "h2h" if f.get("mode") == "late" else "begin"  # a late replica: its phase is the transfer
+        if ALIASES.get(f.get("phase", default), f.get("phase", default)) != phase:
             return False
         if "node" in f and f["node"] != self.node:
             return False
@@ -90,5 +94,7 @@ class FaultInjector:
             self.abort_links()
         elif mode == "gpu-ecc":
             raise RuntimeError("CUDA error: uncorrectable ECC error encountered (injected by phoenix-run kill-node)")
+        elif mode == "late":  # the replica being sent (the replicator's thread) is held back past its timeout
+            time.sleep(self.late_s)
         elif mode == "pcie":
             raise RuntimeError("CUDA error: unspecified launch failure; NVRM: Xid 79, GPU has fallen off the bus (injected by phoenix-run kill-node)")

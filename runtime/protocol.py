@@ -98,6 +98,14 @@ def q_rank(node: str, slot: int) -> str:
     return f"phx/q/rank/{node}/{slot}"
 
 
+def node_keys(node: str, nproc: int) -> list[str]:
+    """The keys a node's agent and ranks use: deleted once the node has left the job."""
+    keys = [k_agent_hb(node), f"{q_agent(node)}/n", f"{q_agent(node)}/read"]
+    for s in range(nproc):
+        keys += [k_rank_hb(node, s), k_assign(node, s), f"{q_rank(node, s)}/n", f"{q_rank(node, s)}/read"]
+    return keys
+
+
 # --- messages --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RankSlot:
@@ -472,13 +480,15 @@ class Queue:
 
     ``put`` reserves a sequence number with the store's atomic ``add`` and then writes the message under
     it; the reader reads messages in sequence order; a reserved-but-unwritten one holds the reader back
-    (without blocking it) until it is written, or skipped after a timeout.
+    (without blocking it) until it is written, or skipped after a timeout. A message read is deleted and
+    counted in ``<name>/read``: the store stays flat over a week of messages, and a new reader of the queue
+    (a respawned rank, a new supervisor) continues after what earlier readers consumed.
     """
 
     def __init__(self, store: Store, name: str):
         self.store = store
         self.name = name
-        self.cursor = 1
+        self.cursor: int | None = None  # the reader's next sequence number (its first get_all sets it)
         self._hole_since: float | None = None  # when the reader first found the message at cursor missing
 
     def put(self, msg: Message | dict[str, Any]) -> int:
@@ -490,17 +500,31 @@ class Queue:
         n = self.store.add(f"{self.name}/n", 1)
         self.store.set(f"{self.name}/{n}", json.dumps(body))
         return n
+
+    def _consumed(self, key: str) -> None:
+        """Count the message as read, then delete it (one reader at a time per queue)."""
+        self.store.add(f"{self.name}/read", 1)
+        delete = getattr(self.store, "delete_key", None)
+        if delete is not None:
+            try:
+                delete(key)
+            except Exception:  # noqa: BLE001 -- a store without deletes keeps it; nothing else depends on it
+                pass
+
     def get_all(self, hole_timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Every message not read yet, in order; never blocks. A reserved-but-unwritten message (its writer
         was descheduled between the two store calls) is waited for on later calls; only a writer that died
         in between leaves a hole, skipped after ``hole_timeout_s``."""
         out: list[dict[str, Any]] = []
+        if self.cursor is None:
+            self.cursor = int(self.store.add(f"{self.name}/read", 0)) + 1
         reserved = self.store.add(f"{self.name}/n", 0)
         while self.cursor <= reserved:
             key = f"{self.name}/{self.cursor}"
             if self.store.check([key]):
                 out.append(json.loads(self.store.get(key)))
                 self.cursor += 1
+                self._consumed(key)
                 self._hole_since = None
                 continue
             now = time.monotonic()
@@ -508,6 +532,7 @@ class Queue:
                 self._hole_since = now
             if now - self._hole_since > hole_timeout_s:
                 self.cursor += 1
+                self.store.add(f"{self.name}/read", 1)
                 self._hole_since = None
                 continue
             break

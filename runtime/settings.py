@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 STEP_PHASES = ("begin", "forward", "optimizer", "d2h", "h2h")
 RECOVERY_PHASES = ("recover_exchange", "recover_params", "recover_optim", "recover_reprotect", "recover_barrier")
 FAULT_PHASES = STEP_PHASES + ("recovery",) + RECOVERY_PHASES
-FAULT_MODES = ("crash", "rank", "hang", "comm", "gpu-ecc", "pcie")
+FAULT_MODES = ("crash", "rank", "hang", "comm", "gpu-ecc", "pcie", "late")  # late: the next replica (phase h2h)
 TRANSPORTS = ("gloo", "mpi")
 
 

@@ -105,8 +105,13 @@ class StepGuard:
             time.sleep(0.02)
         log(f"step {step}: replication failed, training goes on unprotected for this step: {str(e)[:300]}")
         t.stats["replication_errors"] = t.stats.get("replication_errors", 0) + 1
+        # a broken replicator (a transfer timed out or tore: gloo closed that pair) protects no later step of this
+        # generation: the supervisor re-forms it, and the re-protection sends every replica again on fresh pairs
+        rep = t.replicator
+        broken = rep is not None and rep.broken is not None
         t.ctx.report({"type": "rank_error", "gen": t.ctx.gen, "fatal": False,
-                      "error": {"type": "ReplicationError", "message": str(e)[:2000], "step": step, "peer": e.peer}})
+                      "error": {"type": "ReplicationError", "message": str(e)[:2000], "step": step, "peer": e.peer,
+                                "broken": broken}})
 
     def _progress(self) -> None:
         t = self.t

@@ -21,6 +21,7 @@ from phoenix_runtime.context import Context, GenerationAbandoned, Unrecoverable,
 from phoenix_runtime.control import STATE
 from phoenix_runtime.faults import FaultInjector
 from phoenix_runtime.protection import ProtectionSession, merge_replicas
+from phoenix_runtime.quiet import quiet_unused_parameters_warning
 from phoenix_runtime.recovery_session import RecoverySession
 from phoenix_runtime.snapshot import D2H
 from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
@@ -59,7 +60,8 @@ class ProtectedTraining:
         self.boundary_step = -1
         self.retained: dict = {}  # replicas held from the generations being recovered from
         self.protection: ProtectionSession | None = None
-        self.faults = FaultInjector(self.settings.faults, ctx.node, getattr(ctx, "store", None), ctx.report, ctx.abort_groups)
+        self.faults = FaultInjector(self.settings.faults, ctx.node, getattr(ctx, "store", None), ctx.report, ctx.abort_groups,
+                                    late_s=self.settings.replica_timeout_s + 2.0)
         self.faults.where(ctx.rank, ctx.gen)
         if ctx.managed:
             ctx.ctl.on_fault.append(self.faults.on_message)
@@ -75,6 +77,7 @@ class ProtectedTraining:
         # started in) or builds DDP: both are collectives, so a peer lost meanwhile is a failure recovered from
         self._pending = ctx.formed_after_a_failure and self.protect_on
         self._wrapped = False
+        self._warned_layout = False
         STATE.runtime = True
         STATE.enter("training")
         ctx.report({"type": "runtime_ready", "protect": self.protect_on, "epoch": ctx.epoch})
@@ -124,6 +127,16 @@ class ProtectedTraining:
 
         if self.ddp_kwargs is not None and self.ctx.world_size > 1:
             kw = dict(self.ddp_kwargs)
+            # a fresh DDP rebuilds its buckets after its first step; find_unused_parameters=True keeps ONE
+            # bucket layout for the whole run, so a resumed step sums gradients in the uninterrupted run's
+            # float order (bit-identical resume). Its warn-once about the flag is consumed out of sight.
+            kw.setdefault("find_unused_parameters", True)
+            if kw["find_unused_parameters"]:
+                quiet_unused_parameters_warning()
+            elif not self._warned_layout:
+                self._warned_layout = True
+                log("DDP(find_unused_parameters=False): a fresh DDP after a recovery rebuilds its buckets, so a "
+                    "resumed run may differ from an uninterrupted one in the last bits")
             if self.ctx.backend == "nccl":
                 kw.setdefault("device_ids", [torch.cuda.current_device()])
             self.model = DDP(self.objs.module, **kw)

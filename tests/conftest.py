@@ -169,7 +169,7 @@ def by_generation(evs: list[dict], t: str) -> dict[int, int]:
     local_recovery or restart event that names it)."""
     gen, counts = 0, {0: 0}
     for e in evs:
-        if e["type"] in ("hotswap", "local_recovery", "restart") and e.get("gen") is not None:
+        if e["type"] in ("hotswap", "local_recovery", "restart", "reprotect") and e.get("gen") is not None:
             gen = max(gen, int(e["gen"]))
             counts.setdefault(gen, 0)
         elif e["type"] == t:

@@ -90,9 +90,10 @@ class Job:
                 f"logs:\n{rank_log_tail(self.run_dir)}")
 
 
-def run_job(d: Path, layout: str, nodes: int, nproc: int, spares: int, faults=(), extra=(), steps: int = STEPS) -> Job:
+def run_job(d: Path, layout: str, nodes: int, nproc: int, spares: int, faults=(), extra=(), steps: int = STEPS,
+            runtime: dict | None = None) -> Job:
     d.mkdir(parents=True, exist_ok=True)
-    cfg = {"detect": DETECT, "inject": {"faults": [dict(f) for f in faults]}, "runtime": {"replicas": 1}}
+    cfg = {"detect": DETECT, "inject": {"faults": [dict(f) for f in faults]}, "runtime": {"replicas": 1, **(runtime or {})}}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     t0 = time.monotonic()
     r = run_phoenix(
@@ -292,3 +293,35 @@ def test_replicated_adam_protects_once_per_generation(tmp_path, failure_free):
     assert load_digest(job.digest_path)["digest"] == failure_free("adam", 2, 2)["digest"]  # deterministic
     counts = by_generation(job.evs, "protection")
     assert counts == {0: 1}, f"protection events per generation: {counts} (one snapshot engine per generation)"
+    # DDP's find_unused_parameters warning (once per process, from C++) is consumed out of sight: no rank prints it
+    logs = sorted((job.run_dir / "logs").rglob("*.log"))
+    assert logs, "no rank logs"
+    noisy = [str(f) for f in logs if "find_unused_parameters=True was specified" in f.read_text(errors="replace")]
+    assert not noisy, f"DDP's warning printed in {noisy}"
+    assert "find_unused_parameters=True was specified" not in job.result.stderr
+
+
+# --- a late replica: its gloo pair closes, the generation is re-formed and every replica is sent again ------
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_late_replica_is_sent_again_and_never_stops_the_job(tmp_path, failure_free, opt):
+    """node1's replica of step MID is held back past the replica timeout (3 s): the receiver's wait times out,
+    which closes the gloo pair at both ends (both replicators break). Nobody is lost: the supervisor re-forms
+    the generation (same members, no joiner) and its re-protection sends every replica again; no node is
+    replaced, the job completes bit-identically, and the later steps are protected again."""
+    job = run_job(tmp_path, opt, 2, 2, 1, [{"node": "node1", "step": MID, "mode": "late"}],
+                  runtime={"replica_timeout_s": 3.0})
+    record(job, failure_free(opt, 2, 2))
+    assert job.result.returncode == 0, job.explain()
+    assert [e["mode"] for e in of_type(job.evs, "injected")] == ["late"], of_type(job.evs, "injected")
+    errors = of_type(job.evs, "replication_error")
+    assert errors and any(e.get("broken") for e in errors), errors
+    reforms = of_type(job.evs, "reprotect")
+    assert len(reforms) == 1 and reforms[0]["gen"] == 1, reforms
+    assert not of_type(job.evs, "hotswap") and not of_type(job.evs, "replication_unprotected"), [e["type"] for e in job.evs]
+    recs = of_type(job.evs, "recovery")
+    assert len(recs) == 1 and recs[0]["resume_step"] >= MID, recs
+    # generation 1 replicates again: no replication error after the re-form
+    t_reform = reforms[0]["t"]
+    assert not [e for e in errors if e["t"] > t_reform], errors
+    assert_same_digest(job.digest_path, failure_free(opt, 2, 2))
+    assert not job.leftover, f"processes of the job outlived it: {job.leftover}"

@@ -437,3 +437,31 @@ def test_a_deferred_incident_settles_again_and_gathers_new_reports():
     again = tr.settle(110.3, FLEET)
     assert again is not None and again.incident is out.incident and set(again.signals.node_lost) == {"n0", "n1"}
     assert tr.defer(again.incident, 110.3, bound_s=30.0) is False and again.incident.wait_until == 140.0
+
+
+# --- re-protection after a broken replicator (reprotect.py), on a fake clock ----------------------------
+def test_reprotect_waits_its_grace_and_for_a_quiet_job():
+    from phoenix_launch.reprotect import Reprotector
+
+    r = Reprotector(limit=2, grace_s=0.5)
+    assert r.due(0.0, 0, quiet=True) is None  # nothing broke
+    r.broken(0, "node1", 2, "ack of step 6: Application timeout caused pair closure", now=10.0)
+    r.broken(0, "node0", 1, "header of step 6: Connection closed by peer", now=10.1)  # the other end: one re-form
+    assert r.due(10.3, 0, quiet=True) is None  # within the grace: a dead peer would open an incident
+    assert r.due(10.6, 0, quiet=False) is None  # an incident is open (or a recovery runs): not now
+    reform, why = r.due(10.7, 0, quiet=True)
+    assert reform and "rank 2 on node1" in why and "1/2" in why
+    assert r.due(11.0, 0, quiet=True) is None  # once per break
+
+
+def test_reprotect_skips_a_generation_already_replaced_and_is_bounded():
+    from phoenix_launch.reprotect import Reprotector
+
+    r = Reprotector(limit=1, grace_s=0.0)
+    r.broken(3, "node1", 2, "torn", now=0.0)
+    assert r.due(1.0, 4, quiet=True) is None  # a hot-swap formed generation 4 meanwhile: its pairs are fresh
+    r.broken(4, "node1", 2, "torn", now=2.0)
+    assert r.due(2.0, 4, quiet=True)[0] is True
+    r.broken(5, "node1", 2, "torn", now=3.0)
+    reform, why = r.due(3.0, 5, quiet=True)
+    assert reform is False and "unprotected" in why  # the limit: the job trains on, never stopped for it

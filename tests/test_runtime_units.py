@@ -195,3 +195,19 @@ def test_named_transfer_is_verified_and_resent(corrupt, ok):
     else:  # three corrupt copies with two resends: a failure on both sides, naming the cause
         assert isinstance(sent, ReplicationError) and "checksum" in str(sent)
         assert "checksum" in str(out["err"])
+
+
+def test_ddp_unused_parameters_warning_consumed_without_moving_the_rng(capfd):
+    """quiet.py uses up DDP's warn-once about find_unused_parameters=True on a private group, with stderr
+    pointed away; the job's RNG does not move (a joiner calls it after restoring its RNG state)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from phoenix_runtime import quiet
+
+    before = torch.get_rng_state()
+    quiet.quiet_unused_parameters_warning()
+    assert torch.equal(before, torch.get_rng_state())
+    model = DDP(torch.nn.Linear(3, 1), process_group=quiet.private_gloo_group(), find_unused_parameters=True)
+    model(torch.ones(2, 3)).sum().backward()
+    assert "find_unused_parameters=True was specified" not in capfd.readouterr().err
