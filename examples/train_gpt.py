@@ -336,6 +336,7 @@ def main(argv=None):
     t_start = time.time()
     fail_ranks = {int(r) for r in a.fail_ranks.split(",") if r}
     step_times, t_prev = [], time.perf_counter()
+    replicator = None
     for step in trainer.steps(a.steps):
         if step == a.reset_at_step and rank == a.reset_rank and _once("reset"):
             print(f"rank {rank}: injected 'Connection reset by peer' at step {step}", file=sys.stderr, flush=True)
@@ -360,6 +361,7 @@ def main(argv=None):
         now = time.perf_counter()
         step_times.append(now - t_prev)
         t_prev = now
+        replicator = trainer.replicator or replicator  # its stats outlive the loop (steps() tears it down)
         if rank == 0 and a.step_log and trainer.step_idx == step + 1:  # completed (not interrupted by a recovery)
             with open(a.step_log, "a") as f:
                 f.write(f"step {trainer.step_idx - 1} {time.time()}\n")
@@ -372,8 +374,8 @@ def main(argv=None):
         st = {k: v for k, v in trainer.stats.items() if k != "recoveries"}
         if trainer.d2h is not None:
             st["d2h_s"] = getattr(trainer.d2h, "last_d2h_s", None)
-        if trainer.replicator is not None:
-            st.update({f"h2h_{k}": v for k, v in trainer.replicator.stats.items()})
+        if replicator is not None:
+            st.update({f"h2h_{k}": v for k, v in replicator.stats.items()})
         st["optim_bytes"] = sum(t.numel() * t.element_size() for _, t in phx_state.optim_named(trainer.optimizer))
         st["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
         with open(a.times_file, "w") as f:

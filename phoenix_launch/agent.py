@@ -119,6 +119,7 @@ class Agent:
                 protocol.ENV_GEN: str(gen),
                 protocol.ENV_HEARTBEAT_S: str(s.heartbeat_s),
                 protocol.ENV_RUNTIME_CFG: s.runtime_json,
+                protocol.ENV_RESUME: s.resume,
                 protocol.ENV_ERROR_FILE: str(error_file),
                 "PHOENIX_RUN_ID": s.run_id,
                 "PHOENIX_ATTEMPT": str(attempt),
@@ -312,7 +313,7 @@ class Agent:
         self.terminate_ranks(self.spec.stop_grace_s)
         self.epoch = cmd.epoch
         self.spec = replace(self.spec, group_rank=cmd.group_rank, world_size=cmd.world_size, gen=cmd.gen,
-                            master_port=cmd.master_port, epoch=cmd.epoch)
+                            master_port=cmd.master_port, epoch=cmd.epoch, resume=cmd.resume)
         self.spawn_all(cmd.role)
 
     def _respawn(self, cmd: protocol.AgentRespawn) -> None:

@@ -12,6 +12,7 @@ Expected errors end with one line on stderr and a non-zero exit code, never a tr
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -87,15 +88,23 @@ def run(
     chaos_mtbf: Optional[float] = typer.Option(None, "--chaos-mtbf", help="Soak runs: crash a random node every SECONDS on average."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of --chaos-mtbf."),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics on this port (0: off)."),
+    persist_every: Optional[int] = typer.Option(None, "--persist-every", help="Persistent checkpoints every N steps (0: off)."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in RUN_DIR from its newest complete persistent checkpoint (its script, arguments and configuration unless given again)."),
     standalone: bool = typer.Option(False, "--standalone", hidden=True, help="Accepted for torchrun compatibility."),
 ) -> None:
     """Run SCRIPT on every rank, with warm spares and hot-swap recovery."""
-    if script is None:
+    point, argv = _resume_point(resume) if resume is not None else (None, None)
+    if script is None and argv is None:
         raise fail("no training script given (phoenix-run [OPTIONS] SCRIPT [ARGS]...)")
-    argv = (["-m", script] if module else [script]) + list(ctx.args)
-    if not module and not Path(script).is_file():
+    if script is not None:
+        argv = (["-m", script] if module else [script]) + list(ctx.args)
+    elif argv and argv[0] != "-m":
+        script = argv[0]
+    if not module and script is not None and not Path(script).is_file():
         raise fail(f"training script {script!r} not found")
     try:
+        if config is None and resume is not None and (resume / "config.yaml").is_file():
+            config = resume / "config.yaml"  # the resumed run's own configuration
         yaml_data = load_yaml(config) if config is not None else None
         flags = {
             "launch": {
@@ -109,9 +118,10 @@ def run(
                 "redirects": redirects,
                 "tee": tee,
                 "run_id": run_id,
-                "run_dir": run_dir,
+                "run_dir": run_dir if run_dir is not None or resume is None else str(resume),
+                "resume": str(point) if point is not None else None,
             },
-            "runtime": {"protect": protect, "replicas": replicas},
+            "runtime": {"protect": protect, "replicas": replicas, "persist_every": persist_every},
             "inject": {"chaos_mtbf_s": chaos_mtbf, "seed": seed},
             "metrics": {"port": metrics_port},
         }
@@ -122,6 +132,26 @@ def run(
     cfg, rdir = _prepare_run_dir(cfg, log_dir)
     cfg, be = _open_backend(cfg, rdir, nodes_given=nnodes is not None or "nodes" in ((yaml_data or {}).get("launch") or {}))
     _supervise(cfg, argv, rdir, be)
+
+
+def _resume_point(run_dir: Path) -> tuple[Path, list[str] | None]:
+    """``--resume RUN_DIR``: its newest complete persistent checkpoint, and the argv its job ran."""
+    from phoenix_launch.checkpoints import newest_complete
+
+    if not run_dir.is_dir():
+        raise fail(f"--resume: {run_dir} is not a run directory")
+    point = newest_complete(run_dir)
+    if point is None:
+        raise fail(f"--resume: no complete persistent checkpoint in {run_dir}/persist (runtime.persist_every writes them)")
+    argv = None
+    try:
+        for line in (run_dir / "events.jsonl").read_text().splitlines():
+            e = json.loads(line)
+            if e.get("type") == "job_start":
+                argv = e.get("argv")
+    except (OSError, ValueError):
+        pass
+    return point.resolve(), argv
 
 
 def _prepare_run_dir(cfg, log_dir: Optional[str]):

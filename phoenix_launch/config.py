@@ -41,6 +41,8 @@ class LaunchConfig:
     tee: str = "0"  # torchrun's --tee: also echo to the console
     stop_grace_s: float = 5.0  # SIGTERM -> SIGKILL grace for ranks and agents
     live: str = "auto"  # auto | on | off: the rich live view (auto: when stdout is a terminal)
+    persist_keep: int = 2  # complete persistent checkpoints kept (runtime.persist_every writes them)
+    resume: str = ""  # a complete persistent checkpoint (step directory) to start from (phoenix-run --resume)
 
     def validate(self) -> None:
         if self.nodes < 1:
@@ -59,6 +61,8 @@ class LaunchConfig:
             v = getattr(self, name)
             if v not in ("0", "1", "2", "3"):
                 raise ConfigError(f"--{name} must be 0, 1, 2 or 3, got {v!r}")
+        if self.persist_keep < 1:
+            raise ConfigError(f"launch.persist_keep must be >= 1, got {self.persist_keep}")
         if self.live not in ("auto", "on", "off"):
             raise ConfigError(f"live must be auto, on or off, got {self.live!r}")
 
@@ -76,6 +80,8 @@ class DetectConfig:
     # a replicator broken on a healthy job (a late replica: gloo closed its pair) is repaired by re-forming the
     # generation (same members, fresh pairs, every replica sent again), at most this often per job
     reprotect_max: int = 3
+    # no spare free: survivors keep their state and wait this long for one that is starting (replenished)
+    spare_wait_s: float = 30.0
 
     def validate(self) -> None:
         if self.reprotect_max < 0:
@@ -105,10 +111,13 @@ class RuntimeConfig:
     replica_timeout_s: float = RUNTIME_DEFAULTS.replica_timeout_s
     verify: bool = RUNTIME_DEFAULTS.verify
     transport: str = RUNTIME_DEFAULTS.transport  # gloo | mpi
+    persist_every: int = RUNTIME_DEFAULTS.persist_every  # persistent checkpoints every N steps (0: off)
 
     def validate(self) -> None:
         if self.replicas < 0:
             raise ConfigError(f"runtime.replicas must be >= 0, got {self.replicas}")
+        if self.persist_every < 0:
+            raise ConfigError(f"runtime.persist_every must be >= 0, got {self.persist_every}")
         if self.chunk_mb <= 0:
             raise ConfigError("runtime.chunk_mb must be > 0")
         if self.transport not in TRANSPORTS:

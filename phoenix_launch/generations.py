@@ -22,6 +22,7 @@ class Attempt:
     epoch: int  # restart count
     master_host: str
     master_port: int  # this attempt's env:// rendezvous store
+    resume: str = ""  # the persistent checkpoint this attempt started from (joiners load it at its step)
 
 
 class GenerationPublisher:
@@ -99,6 +100,7 @@ class GenerationPublisher:
             error_file="",
         )
         env.pop(protocol.ENV_ERROR_FILE)
+        env[protocol.ENV_RESUME] = attempt.resume
         return {"rank": r.rank, "gen": self.gen, "env": env}
 
 
@@ -112,3 +114,4 @@ class AttemptProgress:
     step: int = -1  # the latest progress report
     unrecoverable: dict[int, protocol.Unrecoverable] = field(default_factory=dict)  # ranks that cannot recover
     unrecoverable_t0: float | None = None
+    runtime_seen: bool = False  # a rank of this job (this attempt or one before) runs the PHOENIX runtime

@@ -36,6 +36,18 @@ def read_rank_steps(store: Any, members: protocol.Membership) -> dict[int, tuple
     return out
 
 
+def nothing_done(attempt, store: Any, members: protocol.Membership, world_size: int) -> bool:
+    """No step completed in this attempt, and the job runs the runtime (a rank said so) or is still
+    starting (not every rank has joined the control plane): starting fresh loses nothing."""
+    if attempt.step >= 1:
+        return False
+    hbs = read_rank_heartbeats(store, members)
+    if any(hb.step >= 1 for hb in hbs.values()):
+        return False
+    attempt.runtime_seen = attempt.runtime_seen or bool(attempt.runtime_ready) or any(hb.runtime for hb in hbs.values())
+    return attempt.runtime_seen or len(hbs) < world_size
+
+
 def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: int, nproc: int, nodes: NodeTable,
                members: protocol.Membership, store: Any, events: EventLog) -> dict[str, Any]:
     hbs = read_rank_heartbeats(store, members)

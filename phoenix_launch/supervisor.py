@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phoenix_launch import decide as decisions
+from phoenix_launch import checkpoints, decide as decisions
 from phoenix_launch.backends.base import Backend
 from phoenix_launch.classify import RankReport, classify, describe_exit
 from phoenix_launch.commands import CommandHandler
@@ -34,7 +34,7 @@ from phoenix_launch.recovery_watch import RecoveryWatch
 from phoenix_launch.replenish import Replenisher
 from phoenix_launch.reprotect import Reprotector
 from phoenix_launch.spec import AgentSpec
-from phoenix_launch.status import job_status, read_rank_heartbeats, read_rank_steps
+from phoenix_launch.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
 from phoenix_runtime import protocol
 
 #: a live rank's error of this type is a failed replica, not a job failure: the step is protected again
@@ -57,6 +57,8 @@ class Supervisor:
         self.replenisher = Replenisher(backend, self.events, target=launch.spares, enabled=launch.replenish or cfg.slurm.replenish,
                                        spec_for=lambda join: self.agent_spec(Node.new(f"replenish-{join}"), join=join))
         self.reprotector = Reprotector(cfg.detect.reprotect_max, grace_s=max(cfg.detect.settle_s, 2 * cfg.detect.heartbeat_s))
+        self.ladder = checkpoints.Ladder(run_dir, self.world_size, launch.persist_keep, self.events)
+        self.resume = launch.resume  # the persistent checkpoint this attempt started from
         self.chaos = Chaos(cfg.inject.chaos_mtbf_s, cfg.inject.seed, cfg.inject.chaos_ranks)
         self.runtime_json = runtime_settings(cfg).to_json()
         self.epoch = 0
@@ -85,6 +87,7 @@ class Supervisor:
             protocol.MsgType.PROTECTION: self.on_protection,
             protocol.MsgType.FAULT_FIRED: self.on_fault_fired,
             protocol.MsgType.CHECKPOINT: self.on_checkpoint,
+            protocol.MsgType.PERSISTED: lambda m, now: self.ladder.persisted(m),
             protocol.MsgType.NODE_PROBE: self.on_node_probe,
         })
 
@@ -127,10 +130,6 @@ class Supervisor:
     def gen(self) -> int:
         return self.publisher.gen if self.publisher else 0
 
-    @property
-    def members(self) -> protocol.Membership | None:
-        return self.publisher.members if self.publisher else None
-
     def agent_spec(self, node: Node, join: str | None = None) -> AgentSpec:
         launch, detect = self.cfg.launch, self.cfg.detect
         return AgentSpec(
@@ -141,7 +140,7 @@ class Supervisor:
             master_port=self.plane.rdzv_port if self.plane else 0,
             cwd=os.getcwd(), heartbeat_s=detect.heartbeat_s, hang_timeout_s=detect.hang_timeout_s,
             node_timeout_s=detect.node_timeout_s, stop_grace_s=launch.stop_grace_s, redirects=launch.redirects,
-            tee=launch.tee, runtime_json=self.runtime_json, join=join,
+            tee=launch.tee, runtime_json=self.runtime_json, join=join, resume=self.resume,
         )
 
     def spares(self) -> tuple[str, ...]:
@@ -241,11 +240,21 @@ class Supervisor:
             self.events.emit("fallback_checkpoint", rank=m.rank, path=m.checkpoint)
         self.attempt.unrecoverable_t0 = self.attempt.unrecoverable_t0 or now
         if len(self.attempt.unrecoverable) == self.world_size:
-            self.stop(m.reason, decisions.EXIT_UNRECOVERABLE, now)
+            self.fallback(m.reason, now)
+
+    def fallback(self, reason: str, now: float) -> None:
+        """Recovery from memory is impossible: every worker restarts from the newest complete persistent
+        checkpoint (``checkpoints.Ladder``), or the job stops, resumable from it."""
+        point = self.ladder.restart_point(reason, self.attempt.step)
+        if point is None:
+            self.stop(reason, decisions.EXIT_UNRECOVERABLE, now)
+            return
+        self.resume = point[0]
+        self.restart(decisions.Decision(decisions.Kind.RESTART, point[1], fresh=True), now)
 
     def on_protection(self, m: protocol.Protection, now: float) -> None:
-        if m.rank == 0:
-            self.events.emit("protection", host_bytes=m.host_bytes, optim_bytes=m.optim_bytes, param_bytes=m.param_bytes, replicas=m.replicas)
+        self.events.emit("protection", host_bytes=m.host_bytes, optim_bytes=m.optim_bytes, param_bytes=m.param_bytes,
+                         replicas=m.replicas) if m.rank == 0 else None
 
     def on_fault_fired(self, m: protocol.FaultFired, now: float) -> None:
         """A deterministic fault fired inside a rank (config or --at-step)."""
@@ -317,12 +326,12 @@ class Supervisor:
             max_restarts=self.cfg.launch.max_restarts,
             node_failures={n.name: n.failures for n in self.nodes},
             lost_nodes=tuple(n.name for n in self.nodes if n.lost),
-            nothing_done=self._nothing_done(),
+            nothing_done=nothing_done(self.attempt, self.store, self._gens().members, self.world_size),
             spares_coming=self.nodes.coming_spares() - len(spares) + len(self.replenisher.joins),
             may_wait=inc.wait_until is None or now < inc.wait_until,
         )
         d = decisions.decide(view, verdict, now)
-        if d.kind is decisions.Kind.WAIT and not self.incidents.defer(inc, now, self.cfg.detect.recovery_timeout_s / 2):
+        if d.kind is decisions.Kind.WAIT and not self.incidents.defer(inc, now, self.cfg.detect.spare_wait_s):
             return  # still waiting for a spare: the decision event was emitted once
         self.events.emit("decision", cls=verdict.cls.value, action=verdict.action.value, decision=d.kind.value, node=d.node,
                          spare=d.spare, reason=d.reason, injected=inc.injected)
@@ -336,21 +345,10 @@ class Supervisor:
         elif d.kind is decisions.Kind.RESTART:
             self.restart(d, now)
 
-    def _nothing_done(self) -> bool:
-        """No step completed in this attempt, and the job runs the runtime (a rank said so) or is still
-        starting (not every rank has joined the control plane): starting fresh loses nothing."""
-        if self.attempt.step >= 1:
-            return False
-        hbs = read_rank_heartbeats(self.store, self._gens().members)
-        if any(hb.step >= 1 for hb in hbs.values()):
-            return False
-        uses_runtime = bool(self.attempt.runtime_ready) or any(hb.runtime for hb in hbs.values())
-        return uses_runtime or len(hbs) < self.world_size
-
     # --- repair (hot-swap, local recovery, restart) ------------------------------------------------
     def _attempt(self) -> Attempt:
         assert self.plane is not None
-        return Attempt(self.epoch, self.plane.host, self.plane.rdzv_port)
+        return Attempt(self.epoch, self.plane.host, self.plane.rdzv_port, self.resume)
 
     def hotswap(self, d: decisions.Decision, inc: Incident, now: float) -> None:
         """Replace the failed node -- and every other node lost in the same incident -- by warm spares."""
@@ -460,14 +458,14 @@ class Supervisor:
             self.nodes.exclude(failed.name, d.reason)
             spare.group_rank, failed.group_rank = failed.group_rank, None
             self.nodes.transition(spare, NodeState.JOINING, f"replaces {failed.name} for restart {self.epoch}")
-        self.attempt = AttemptProgress()
+        self.attempt = AttemptProgress(runtime_seen=self.attempt.runtime_seen)
         rdzv_port = self.plane.new_rendezvous()
         ranks = [protocol.RankSlot(n.group_rank * self.nproc + s, n.name, s) for n in self.nodes if n.group_rank is not None for s in range(self.nproc)]
         mem = self._gens().publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), fresh=True)
         for n in self.nodes:
             if n.group_rank is not None:
                 protocol.Queue(self.store, protocol.q_agent(n.name)).put(
-                    protocol.AgentRestart(self.epoch, rdzv_port, n.group_rank, self.world_size, mem.gen, protocol.ROLE_ACTIVE))
+                    protocol.AgentRestart(self.epoch, rdzv_port, n.group_rank, self.world_size, mem.gen, protocol.ROLE_ACTIVE, self.resume))
                 if n.state is NodeState.JOINING:
                     self.nodes.transition(n, NodeState.ACTIVE, "restarted as active")
         self.events.emit("restart", attempt=self.restarts, max_restarts=self.cfg.launch.max_restarts, reason=d.reason, fresh=d.fresh)
@@ -476,6 +474,8 @@ class Supervisor:
     def stop(self, reason: str, code: int, now: float) -> None:
         if self.exit_code is not None:
             return
+        if code == decisions.EXIT_UNRECOVERABLE:  # the ladder's last rung: say how the next job resumes
+            reason = self.ladder.stop_reason(reason)
         self.stop_reason, self.exit_code = reason, code
         if self.job.state is not JobState.STOPPING:
             self.job.transition(JobState.STOPPING, reason)
@@ -561,7 +561,7 @@ class Supervisor:
     def status(self) -> dict[str, Any]:
         return job_status(run_id=self.cfg.launch.run_id, run_dir=self.run_dir, state=self.job.state.value, gen=self.gen,
                           restarts=self.restarts, nproc=self.nproc, nodes=self.nodes, store=self.store, events=self.events,
-                          members=self.members or protocol.Membership(0, self.world_size, ()))
+                          members=self.publisher.members if self.publisher else protocol.Membership(0, self.world_size, ()))
 
     def _write_status(self) -> dict[str, Any]:
         snap = self.operator_io.observe(self.status())

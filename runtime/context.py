@@ -237,6 +237,9 @@ def init(backend: str | None = None, *, tp: int = 1, pp: int = 1) -> Context:
             dist.init_process_group(ctx.backend, store=dist.HashStore(), rank=0, world_size=1)
         _CTX = ctx
         return ctx
+    # the script runs on the PHOENIX runtime (its heartbeat says so): a failure before its first step loses
+    # nothing, so the supervisor starts the attempt fresh (with a spare for a lost node) instead of stopping
+    STATE.runtime = True
     if ctx.joining:
         log(f"joining generation {ctx.gen} as rank {ctx.rank}")
     gen = max(ctx.gen, ctx.latest_gen()) if ctx.joining else ctx.gen

@@ -5,7 +5,7 @@ the registered abort callbacks so that collectives blocked on a lost peer fail a
 their timeout), and receives injected faults addressed to this rank.
 
 The heartbeat (JSON at ``protocol.k_rank_hb``): ``t`` (now), ``step`` (the next step to run), ``gen``,
-``pid``, ``runtime`` (protect() was called), ``phase`` -- ``starting`` (importing, forming, a spare's wait),
+``pid``, ``runtime`` (the script called phx.init()), ``phase`` -- ``starting`` (importing, forming, a spare's wait),
 ``training``, ``recovering``, ``done`` -- and ``t_step``: the unix time of the last completed step, or of
 entering the current phase. The agent calls a rank hung when ``phase == "training"`` and ``t_step`` is
 older than its hang timeout, whatever this thread's own liveness says, unless ``blocked_in`` says the main

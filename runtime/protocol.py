@@ -44,6 +44,8 @@ ENV_RUNTIME_CFG = "PHOENIX_RUNTIME_CONFIG"  # JSON of the runtime config (protec
 # A pipe's write end: the rank writes a byte and closes it once it is warm (torch imported, control plane
 # joined); its agent defers its own torch import until then, so as not to compete with its ranks' imports.
 ENV_WARM_FD = "PHOENIX_WARM_FD"
+ENV_RESUME = "PHOENIX_RESUME"  # a complete persistent checkpoint (its step directory) this attempt starts from
+PERSIST_COMPLETE = "COMPLETE"  # the marker file of a persistent checkpoint every rank has written
 ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torchrun's name; the same file format as its @record
 
 ROLE_ACTIVE = "active"
@@ -96,6 +98,16 @@ def q_agent(node: str) -> str:
 
 def q_rank(node: str, slot: int) -> str:
     return f"phx/q/rank/{node}/{slot}"
+
+
+def persist_step_dir(run_dir: str, step: int) -> str:
+    """Where the persistent checkpoint of step ``step`` lives: one DCP directory per rank below it, and the
+    ``COMPLETE`` marker once every rank's is written (only then is it ever used)."""
+    return f"{run_dir}/persist/step_{step:09d}"
+
+
+def persist_rank_dir(step_dir: str, rank: int) -> str:
+    return f"{step_dir}/rank{rank}"
 
 
 def node_keys(node: str, nproc: int) -> list[str]:
@@ -177,6 +189,7 @@ class MsgType(str, Enum):
     PROTECTION = "protection"
     FAULT_FIRED = "fault_fired"
     CHECKPOINT = "checkpoint"
+    PERSISTED = "persisted"
     NODE_PROBE = "node_probe"
     # supervisor -> one agent (q_agent)
     RESTART = "restart"
@@ -259,6 +272,7 @@ class RankMessage(Message):
     node: str = ""
     slot: int = 0
     rank: int | None = None
+    t: float | None = None  # when it was sent (Queue.put sets it)
 
 
 @dataclass(frozen=True)
@@ -266,7 +280,6 @@ class RankError(RankMessage):
     TYPE: ClassVar[MsgType] = MsgType.RANK_ERROR
     gen: int = 0
     error: dict | None = None  # {"type", "message"}
-    t: float | None = None
 
 
 @dataclass(frozen=True)
@@ -274,7 +287,6 @@ class RuntimeReady(RankMessage):
     TYPE: ClassVar[MsgType] = MsgType.RUNTIME_READY
     protect: bool = True
     epoch: int = 0
-    t: float | None = None
 
 
 @dataclass(frozen=True)
@@ -285,7 +297,6 @@ class Recovered(RankMessage):
     replayed: int = 0
     joiner: bool = False
     breakdown: dict = field(default_factory=dict)
-    t: float | None = None
 
 
 @dataclass(frozen=True)
@@ -295,7 +306,6 @@ class Progress(RankMessage):
     step_time_s: float | None = None
     sps: float = 0.0
     total: int | None = None  # the loop's total steps (``trainer.steps(total)``), when known
-    t: float | None = None
 
 
 @dataclass(frozen=True)
@@ -303,7 +313,6 @@ class Unrecoverable(RankMessage):
     TYPE: ClassVar[MsgType] = MsgType.UNRECOVERABLE
     reason: str = "recovery from memory impossible"
     checkpoint: str | None = None
-    t: float | None = None
 
 
 @dataclass(frozen=True)
@@ -313,7 +322,6 @@ class Protection(RankMessage):
     optim_bytes: int = 0
     param_bytes: int = 0
     replicas: int = 0
-    t: float | None = None
 
 
 @dataclass(frozen=True)
@@ -322,7 +330,6 @@ class FaultFired(RankMessage):
     mode: str = "crash"
     step: int | None = None
     phase: str | None = None
-    t: float | None = None
 
 
 @dataclass(frozen=True)
@@ -331,7 +338,18 @@ class CheckpointSaved(RankMessage):
     path: str = ""
     step: int | None = None
     rank_saved: int | None = None
-    t: float | None = None
+
+
+@dataclass(frozen=True)
+class Persisted(RankMessage):
+    """This rank's persistent checkpoint of ``step`` is written (``path``, its DCP directory)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PERSISTED
+    step: int = 0
+    path: str = ""
+    write_s: float = 0.0  # from the call to the end of the write (staging + the writer thread)
+    stage_s: float = 0.0  # what the training loop paid: the host copy
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -345,6 +363,7 @@ class AgentRestart(Message):
     world_size: int
     gen: int
     role: str = "active"
+    resume: str = ""  # a complete persistent checkpoint to start from (the fallback ladder's restart)
     t: float | None = None
 
 
@@ -400,7 +419,7 @@ class RankFault(Message):
 MESSAGE_CLASSES: dict[MsgType, type] = {
     cls.TYPE: cls
     for cls in (AgentUp, RankExit, RankHang, NodeProbe, RankError, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
-                FaultFired, CheckpointSaved, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
+                FaultFired, CheckpointSaved, Persisted, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
 }
 _FIELDS = {t: {f.name: f for f in fields(c)} for t, c in MESSAGE_CLASSES.items()}
 

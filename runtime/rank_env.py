@@ -26,6 +26,7 @@ class RankEnv:
     role: str = protocol.ROLE_ACTIVE
     gen: int = 0  # the generation this process starts in (a joiner: the one it was assigned to)
     joining: bool = False  # this process replaces a lost rank: its state comes from its peers
+    resume: str = ""  # a complete persistent checkpoint (step directory) this attempt starts from
     run_dir: str = "."
     error_file: str = ""
     rank: int = 0
@@ -56,6 +57,7 @@ class RankEnv:
             role=env.get(protocol.ENV_ROLE, protocol.ROLE_ACTIVE),
             gen=num(protocol.ENV_GEN),
             joining=env.get(protocol.ENV_JOINING) == "1",
+            resume=env.get(protocol.ENV_RESUME, ""),
             run_dir=env.get(protocol.ENV_RUN_DIR, "."),
             error_file=env.get(protocol.ENV_ERROR_FILE, ""),
             rank=num("RANK"),

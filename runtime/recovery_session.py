@@ -133,7 +133,7 @@ class RecoverySession:
                               resends=self.ctx.settings.resends)
             elif me == j:
                 if j in plan.fresh:
-                    shard, meta = dict(state.shard_named(t.objs.optimizer, t.replicated, state.buffers_now(t.objs.module))), t.fresh_envelope(R)
+                    shard, meta = t.fresh_state(R)
                 else:
                     snap = recv_snapshot(transport, plan.optim_src[j], timeout, step=R, resends=self.ctx.settings.resends)
                     shard, meta = snap.optim_tensors(), snap.meta

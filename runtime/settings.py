@@ -35,6 +35,8 @@ class RuntimeSettings:
     collective_timeout_s: float = 120.0
     recovery_timeout_s: float = 60.0
     faults: tuple = field(default_factory=tuple)  # deterministic injected faults (see FAULT_PHASES)
+    # persistent checkpoints (the fallback ladder's floor, runtime/persist.py): every N steps (0: off)
+    persist_every: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

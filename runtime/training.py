@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from phoenix_runtime import state
+from phoenix_runtime import persist, state
 from phoenix_runtime.context import Context, GenerationAbandoned, Unrecoverable, log
 from phoenix_runtime.control import STATE
 from phoenix_runtime.faults import FaultInjector
@@ -70,6 +70,8 @@ class ProtectedTraining:
             self.d2h = D2H(ctx.device, lambda: state.shard_named(self.objs.optimizer, self.replicated, self.boundary_buffers or state.buffers_now(self.objs.module)),
                            lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated, self.boundary_buffers),
                            fault=self.faults.copy_hook)
+        self.persister = persist.Persister(ctx.env.run_dir, ctx.rank, self.settings.persist_every, ctx.report) \
+            if self.protect_on and self.settings.persist_every > 0 else None
         self.model = objs.module
         self.guard = StepGuard(self)
         self._hook_optimizer()
@@ -111,6 +113,8 @@ class ProtectedTraining:
         self.guard.optimizer_step()
 
     def close(self) -> None:
+        if self.persister is not None:
+            self.persister.close()
         self.teardown_protection()
         self.retained = {}
         if self.d2h is not None:
@@ -197,8 +201,32 @@ class ProtectedTraining:
             del self.metas[old]
         self.boundary_buffers = state.buffers_now(self.objs.module)
         self.boundary_step = step
+        self._persist(step - 1)
         self.protection.protect(step, meta)
         self._report_protection(step)
+
+    def _persist(self, k: int) -> None:
+        """A persistent checkpoint of S_k, from its committed local snapshot (before the next D2H reuses it)."""
+        if self.persister is None:
+            return
+        snap = self.d2h_committed().get(k) if self.persister.due(k) else None
+        if snap is None:
+            self.persister.poll()
+            return
+        self.persister.rank = self.ctx.rank
+        self.persister.save(k, snap.optim_tensors(), snap.param_tensors(), snap.meta)
+
+    def resume_from_checkpoint(self) -> None:
+        """This attempt starts from a complete persistent checkpoint (``PHOENIX_RESUME``), not fresh."""
+        step_dir = self.ctx.env.resume
+        k = persist.step_of(step_dir)
+        optim, local, meta = persist.load(step_dir, self.ctx.rank)
+        state.load_local(self.objs, optim, local, meta)
+        state.restore_envelope(meta, self.objs)
+        self.metas[k] = meta
+        self.step_idx = self.first_step = k
+        STATE.stepped(k)
+        log(f"resumed from the persistent checkpoint of step {k} ({step_dir})")
 
     def _report_protection(self, step: int) -> None:
         """Once per generation, when the sizes are known: the optimizer state exists (it appears lazily at the
@@ -245,6 +273,8 @@ class ProtectedTraining:
         if not self._pending:
             if not self._wrapped:
                 self._wrapped = True
+                if self.ctx.env.resume and self.protect_on and self.first_step is None:
+                    self.resume_from_checkpoint()
                 try:
                     self.wrap()
                 except Exception as e:  # noqa: BLE001
@@ -302,9 +332,15 @@ class ProtectedTraining:
         if meta is not None:
             state.restore_envelope(meta, self.objs)
 
-    def fresh_envelope(self, R: int) -> dict:
-        """A joiner at the first step: its own live envelope is the lost rank's (same script, same point)."""
-        return self.metas.get(R) or state.capture_envelope(R, self.objs)
+    def fresh_state(self, R: int) -> tuple[dict, dict]:
+        """A joiner at the first step of this attempt: (optimizer shard, envelope). Fresh, its own live state
+        is the lost rank's (same script, same point); in an attempt that resumed from a persistent checkpoint
+        at R, the checkpoint's."""
+        if self.ctx.env.resume and persist.step_of(self.ctx.env.resume) == R:
+            optim, _, meta = persist.load(self.ctx.env.resume, self.ctx.rank)
+            return optim, meta
+        shard = dict(state.shard_named(self.objs.optimizer, self.replicated, state.buffers_now(self.objs.module)))
+        return shard, self.metas.get(R) or state.capture_envelope(R, self.objs)
 
     def after_recovery(self, R: int, first: int) -> None:
         self.first_step = first if self.first_step is None else min(self.first_step, first)

@@ -1,0 +1,108 @@
+"""Persistent checkpoints: the floor of the fallback ladder (no failure costs more than the last one).
+
+Every ``persist_every`` steps each rank writes the state it would need to start again at step ``k`` -- its
+committed local snapshot S_k, which already holds everything (parameters and buffers, its optimizer state or
+shard, and its envelope: RNG states, schedulers, scaler, data position, param groups) -- in
+torch.distributed.checkpoint format, one DCP directory per rank (``protocol.persist_rank_dir``), with
+``dcp.async_save(no_dist=True)``: the call stages a host copy (what the training loop pays), a thread
+writes it. No collective: ranks write independently; the supervisor marks the step ``COMPLETE`` once every
+rank reported its write, and only complete checkpoints are ever used (``phoenix_launch/checkpoints.py``).
+
+Starting from one (``PHOENIX_RESUME``: a ``--resume``, or the ladder's restart after a shard was lost with
+every replica): each rank loads its own directory (``load``) instead of its fresh state, and the run goes on
+at step ``k``, bit-identical to a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import warnings
+from typing import Callable
+
+import torch
+
+from phoenix_runtime import protocol
+
+
+def _quiet_dcp():
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # no_dist is the intent
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    return ctx
+
+
+class Persister:
+    """Writes this rank's persistent checkpoints off the training path and reports each one written."""
+
+    def __init__(self, run_dir: str, rank: int, every: int, report: Callable[[dict], None]):
+        self.run_dir, self.rank, self.every, self.report = run_dir, rank, every, report
+        self.pending: list[tuple[int, str, float, float, int, object]] = []  # step, path, t0, stage_s, bytes, future
+        self.last = -1
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step > 0 and step % self.every == 0 and step != self.last
+
+    def save(self, step: int, optim: dict, local: dict, meta: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.poll()
+        path = protocol.persist_rank_dir(protocol.persist_step_dir(self.run_dir, step), self.rank)
+        os.makedirs(path, exist_ok=True)
+        sd = {**{f"optim/{k}": v for k, v in optim.items()}, **{f"local/{k}": v for k, v in local.items()},
+              "meta": pickle.dumps(meta)}
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
+        t0 = time.perf_counter()
+        quiet = _quiet_dcp()
+        try:
+            fut = dcp.async_save(sd, checkpoint_id=path, no_dist=True)
+        finally:
+            quiet.__exit__(None, None, None)
+        self.pending.append((step, path, t0, time.perf_counter() - t0, nbytes, fut))
+        self.last = step
+
+    def poll(self, wait_s: float = 0.0) -> None:
+        """Report the writes that finished (from the training thread: the store client is not shared)."""
+        left = []
+        for step, path, t0, stage_s, nbytes, fut in self.pending:
+            f = getattr(fut, "upload_completion", fut)
+            try:
+                f.result(timeout=wait_s) if wait_s else None
+            except Exception:  # noqa: BLE001 -- not done yet (or failed: reported below)
+                pass
+            if not f.done():
+                left.append((step, path, t0, stage_s, nbytes, fut))
+                continue
+            if f.exception() is None:
+                self.report({"type": "persisted", "step": step, "path": path, "write_s": round(time.perf_counter() - t0, 4),
+                             "stage_s": round(stage_s, 4), "nbytes": nbytes})
+        self.pending = left
+
+    def close(self, timeout: float = 60.0) -> None:
+        self.poll(wait_s=timeout)
+
+
+def load(step_dir: str, rank: int) -> tuple[dict, dict, dict]:
+    """This rank's state from a complete checkpoint: (optimizer tensors, local tensors, envelope)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(protocol.persist_rank_dir(step_dir, rank))
+    md = reader.read_metadata()
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+          for k, m in md.state_dict_metadata.items()}
+    quiet = _quiet_dcp()
+    try:
+        dcp.load(sd, storage_reader=reader, no_dist=True)
+    finally:
+        quiet.__exit__(None, None, None)
+    optim = {k[len("optim/"):]: v for k, v in sd.items() if k.startswith("optim/")}
+    local = {k[len("local/"):]: v for k, v in sd.items() if k.startswith("local/")}
+    return optim, local, pickle.loads(sd["meta"])
+
+
+def step_of(step_dir: str) -> int:
+    return int(os.path.basename(step_dir.rstrip("/")).split("_")[-1])
