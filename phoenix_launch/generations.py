@@ -38,6 +38,7 @@ class GenerationPublisher:
         self.members = protocol.Membership(0, world_size, ())
         self.stable = self.members  # the last generation every rank reached (joiners are counted from it)
         self._swept = 0  # generations below this one had their keys deleted
+        self._seen: set[str] = set()  # nodes of every membership published since the last recovery completed
 
     def first(self, ranks: Iterable[protocol.RankSlot]) -> protocol.Membership:
         """Generation 0, as the agents start it."""
@@ -58,6 +59,7 @@ class GenerationPublisher:
             again = set(respawned)
             joiners = tuple(r.rank for r in ranks if before.get(r.rank) != (r.node, r.slot) or r.rank in again)
         mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains())
+        self._seen |= {r.node for r in self.members.ranks}
         self.store.set(protocol.k_members(self.gen), mem.to_json())
         for r in ranks:
             if r.rank in joiners:
@@ -72,7 +74,9 @@ class GenerationPublisher:
         """Every rank reached the current generation: it is the base the next joiners are counted from. The
         keys of the generations before it, and of the nodes that left the job, are read no more: deleted, so
         the store stays flat over many recoveries."""
-        gone = {r.node for r in self.stable.ranks} - {r.node for r in self.members.ranks}
+        now = {r.node for r in self.members.ranks}
+        gone = (self._seen | {r.node for r in self.stable.ranks}) - now  # a joiner lost mid-recovery too
+        self._seen = set(now)
         self.stable = self.members
         keys = [k for g in range(self._swept, self.gen) for k in (protocol.k_members(g), protocol.k_arrived(g))]
         keys += [k for node in sorted(gone) for k in protocol.node_keys(node, self.nproc)]

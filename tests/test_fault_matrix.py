@@ -325,3 +325,99 @@ def test_late_replica_is_sent_again_and_never_stops_the_job(tmp_path, failure_fr
     assert not [e for e in errors if e["t"] > t_reform], errors
     assert_same_digest(job.digest_path, failure_free(opt, 2, 2))
     assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
+
+
+# --- the fallback ladder (issue 13): persistent checkpoints, restart from them, --resume, waiting for a spare ---
+PERSIST = {"persist_every": 4}
+
+
+def test_checkpoint_catalog_uses_only_complete_checkpoints(tmp_path):
+    """A step's directory is COMPLETE only once every logical rank reported its write; a write the failure
+    interrupted (no marker) is never chosen; the newest ``keep`` complete ones are kept, older ones deleted."""
+    from phoenix_launch.checkpoints import Catalog, newest_complete, step_of
+    from phoenix_runtime import protocol
+
+    def wrote(cat, step, rank):
+        d = Path(protocol.persist_rank_dir(protocol.persist_step_dir(str(tmp_path), step), rank))
+        d.mkdir(parents=True, exist_ok=True)
+        return cat.persisted(protocol.Persisted(rank=rank, step=step, path=str(d), write_s=0.1, stage_s=0.01, nbytes=10))
+
+    cat = Catalog(tmp_path, world_size=2, keep=2)
+    assert wrote(cat, 4, 0) is None and newest_complete(tmp_path) is None  # rank 1's write of step 4 still out
+    done = wrote(cat, 4, 1)
+    assert done["step"] == 4 and step_of(newest_complete(tmp_path)) == 4
+    for step in (8, 12):
+        wrote(cat, step, 1)
+        wrote(cat, step, 0)
+    wrote(cat, 16, 0)  # being written when the failure hits: never used
+    assert step_of(newest_complete(tmp_path)) == 12
+    assert sorted(step_of(d) for d in (tmp_path / "persist").glob("step_*")) == [8, 12, 16]  # step 4 pruned
+
+
+def test_shard_lost_everywhere_restarts_from_the_persistent_checkpoint(tmp_path, failure_free):
+    """k=1 on a ring of 4 nodes x 1 rank: node1's shard lives on node1 and its replica on node2; both are lost at
+    once at step 11, so recovery from memory is impossible. The ladder restarts every worker from the newest
+    complete persistent checkpoint by itself (step 8: S_8 is written during step 9 and complete by step 10),
+    and the job completes bit-identically."""
+    job = run_job(tmp_path, "zero", 4, 1, 2, [crash("node1", 11), crash("node2", 11)], runtime=PERSIST)
+    record(job, failure_free("zero", 4, 1))
+    assert job.result.returncode == 0, job.explain()
+    rungs = of_type(job.evs, "fallback")
+    assert [(e["rung"], e["step"]) for e in rungs] == [("restart_from_checkpoint", 8)], rungs
+    assert of_type(job.evs, "restart"), [e["type"] for e in job.evs]
+    assert {e["step"] for e in of_type(job.evs, "checkpoint_complete")} >= {4, 8}
+    assert_same_digest(job.digest_path, failure_free("zero", 4, 1))
+    assert not job.leftover, job.leftover
+
+
+def test_job_killed_whole_resumes_with_resume(tmp_path, failure_free):
+    """The allocation is lost (every process of the job SIGKILLed, the supervisor's too) after the checkpoint of
+    step 4 completed; ``phoenix-run --resume RUN_DIR`` (its script, arguments and configuration taken from the
+    run) continues from it and the final digest equals the failure-free run's."""
+    from conftest import kill_job, start_phoenix, wait_for
+
+    d = tmp_path / "killed"
+    d.mkdir()
+    cfg = {"detect": DETECT, "runtime": {"replicas": 1, **PERSIST}}
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir = d / "run"
+    proc = start_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+                          GPT, "--steps", str(STEPS), *LAYOUTS["zero"], "--digest-file", str(d / "digest.json"),
+                          "--step-sleep", "0.4"], d)
+    try:
+        wait_for(lambda: any(e["step"] == 4 for e in of_type(events(run_dir), "checkpoint_complete")), 240,
+                 "the persistent checkpoint of step 4")
+    finally:
+        kill_job(proc, run_dir)
+    assert not (d / "digest.json").exists(), "the job finished before it was killed: nothing to resume"
+    r = run_phoenix(["--resume", str(run_dir)], d, timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = [line for f in sorted((run_dir / "logs").rglob("*.log")) for line in f.read_text(errors="replace").splitlines()
+               if "resumed from the persistent checkpoint of step" in line]
+    assert resumed and all("step 4 " in line or "step 8 " in line for line in resumed), resumed
+    assert_same_digest(d / "digest.json", failure_free("zero", 2, 2))
+
+
+def test_resume_without_a_complete_checkpoint_is_one_line(tmp_path):
+    (tmp_path / "run" / "persist" / "step_000000004").mkdir(parents=True)  # a write that never completed
+    r = run_phoenix(["--resume", str(tmp_path / "run")], tmp_path, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no complete persistent checkpoint" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_no_spare_free_waits_for_a_replenished_one_then_hot_swaps(tmp_path, failure_free):
+    """Rung 2: one spare, replenished; the second failure comes before the replenished spare is up, so the
+    survivors keep their state and wait for it (bounded by detect.spare_wait_s), then it is hot-swapped in."""
+    d = tmp_path / "wait"
+    d.mkdir(parents=True)
+    cfg = {"detect": {**DETECT, "spare_wait_s": 120.0}, "launch": {"replenish": True}, "runtime": {"replicas": 1},
+           "inject": {"faults": [crash("node1", 3), crash("node0", 5)]}}
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    r = run_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "2", "--spares", "1",
+                     "--run-dir", str(d / "run"), GPT, "--steps", str(STEPS), *LAYOUTS["zero"],
+                     "--digest-file", str(d / "digest.json")], d, timeout=JOB_TIMEOUT_S)
+    evs = events(d / "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [e["decision"] for e in of_type(evs, "decision")][:3] == ["hotswap", "wait", "hotswap"], of_type(evs, "decision")
+    assert len(of_type(evs, "hotswap")) == 2
+    assert_same_digest(d / "digest.json", failure_free("zero", 2, 2))
