@@ -451,6 +451,22 @@ def test_read_run_events(tmp_path):
     assert resolve_inputs({"step_time": "3s"}, from_run=tmp_path).step_time == 3  # explicit wins
 
 
+def test_from_run_takes_the_persistent_checkpoints_cost_and_cadence(tmp_path):
+    """A run that wrote persistent checkpoints: their measured write time (the slowest rank's, median over the
+    checkpoints) and the run's runtime.persist_every feed the model's checkpoint cost and PHOENIX's fallback cadence."""
+    ev = [json.dumps({"v": 1, "t": 1.0 + i, "type": "progress", "step": i, "step_time_s": 0.5}) for i in range(3)]
+    ev += [json.dumps({"v": 1, "t": 10.0 + i, "type": "checkpoint_complete", "step": 4 * i, "write_s": w})
+           for i, w in enumerate([0.8, 1.2, 1.0])]
+    ev += [json.dumps({"v": 1, "t": 20.0, "type": "recovery", "total_s": 0.7, "path": "hotswap"})]
+    _write_events(tmp_path / "events.jsonl", ev)
+    (tmp_path / "config.yaml").write_text("runtime:\n  persist_every: 4\n")
+    info = read_run_events(tmp_path)
+    assert info["ckpt_write_s"] == pytest.approx(1.0) and info["persist_every"] == 4
+    inp = resolve_inputs({}, from_run=tmp_path)
+    assert inp.ckpt_write == pytest.approx(1.0) and inp.phx_ckpt_every == 4
+    assert inp.sources["ckpt_write"] == inp.sources["phx_ckpt_every"] == "--from-run"
+
+
 def test_read_run_events_errors(tmp_path):
     with pytest.raises(SimulateInputError, match="no events.jsonl"):
         read_run_events(tmp_path / "nope")

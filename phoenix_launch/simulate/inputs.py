@@ -157,6 +157,9 @@ def _merge_values(explicit: dict[str, Any], preset: str | None,
         values["step_time"] = run_info["step_time_s"]
         values["hotswap"] = Dist("empirical", tuple(run_info["recovery_s"]))
         sources["step_time"] = sources["hotswap"] = "--from-run"
+        for key, name in (("ckpt_write_s", "ckpt_write"), ("persist_every", "phx_ckpt_every")):
+            if key in run_info:  # the run's persistent checkpoints: measured write cost, configured cadence
+                values[name], sources[name] = run_info[key], "--from-run"
     values.update(explicit)
     sources.update({k: "explicit" for k in explicit})
     return _Values(values, explicit), sources, run_info

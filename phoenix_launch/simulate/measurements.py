@@ -27,7 +27,7 @@ def read_run_events(run_dir: str | Path) -> dict:
         raise SimulateInputError(f"--from-run: no events.jsonl at {f}")
     with f.open("r", encoding="utf-8", errors="replace") as fh:
         parsed, skipped = parse_events(fh)  # a torn last line of a killed run is skipped
-    step_times, recov, paths = [], [], {}
+    step_times, recov, paths, writes = [], [], {}, []
     for ev in parsed:
         if ev.get("v", 1) != 1:
             skipped += 1
@@ -38,6 +38,8 @@ def read_run_events(run_dir: str | Path) -> dict:
                 x = float(ev["step_time_s"])
                 if math.isfinite(x) and x > 0:
                     step_times.append(x)
+            elif typ == "checkpoint_complete" and ev.get("write_s") is not None:
+                writes.append(float(ev["write_s"]))  # a persistent checkpoint: every rank's write, the slowest
             elif typ == "recovery" and ev.get("total_s") is not None:
                 x = float(ev["total_s"])
                 if math.isfinite(x) and x >= 0:
@@ -50,8 +52,24 @@ def read_run_events(run_dir: str | Path) -> dict:
         raise SimulateInputError(f"--from-run: {f} has no progress events with step_time_s")
     if not recov:
         raise SimulateInputError(f"--from-run: {f} has no recovery events with total_s")
-    return {"path": str(f), "step_time_s": float(statistics.median(step_times)), "recovery_s": recov,
-            "paths": paths, "skipped_lines": skipped, "progress_events": len(step_times)}
+    out = {"path": str(f), "step_time_s": float(statistics.median(step_times)), "recovery_s": recov,
+           "paths": paths, "skipped_lines": skipped, "progress_events": len(step_times)}
+    if writes:  # the run wrote persistent checkpoints: their measured write time, and their cadence
+        out["ckpt_write_s"] = float(statistics.median(writes))
+    every = _persist_every(f.parent / "config.yaml")
+    if every:
+        out["persist_every"] = every
+    return out
+
+
+def _persist_every(config: Path) -> int:
+    """The run's ``runtime.persist_every`` (its resolved config.yaml), 0 when unknown."""
+    try:
+        import yaml
+
+        return int(((yaml.safe_load(config.read_text()) or {}).get("runtime") or {}).get("persist_every") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 def load_trace(path: str | Path) -> np.ndarray:
