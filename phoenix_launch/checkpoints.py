@@ -9,6 +9,7 @@ never used: ``newest_complete`` is the only way a checkpoint is chosen.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -86,9 +87,22 @@ class Ladder:
     how the next job resumes (``phoenix-run --resume RUN_DIR``). Each rung is an event with its reason and cost.
     The first two rungs (hot-swap, waiting for a spare) are ``decide.py``'s."""
 
-    def __init__(self, run_dir: Path, world_size: int, keep: int, events, limit: int = 3):
+    def __init__(self, run_dir: Path, world_size: int, keep: int, events, limit: int = 3, every_s: float = 0.0,
+                 lead_s: float = 1.0):
         self.run_dir, self.events, self.limit, self.used = Path(run_dir), events, limit, 0
         self.catalog = Catalog(run_dir, world_size, keep)
+        self.every_s, self.lead_s, self.last_t = every_s, lead_s, time.time()
+
+    def schedule(self, store, now: float, attempt) -> None:
+        """The time-based cadence (``runtime.persist_every_s``): every rank must write the same step, so the
+        supervisor names one a little ahead of the job's progress (``protocol.K_PERSIST_AT``: the ranks read it
+        with their heartbeat); a rank that is past it already skips it, and that checkpoint never completes."""
+        if self.every_s <= 0 or attempt.step < 1 or now - self.last_t < self.every_s:
+            return
+        at = attempt.step + max(3, math.ceil(self.lead_s / max(attempt.step_time_s, 1e-3)))
+        store.set(protocol.K_PERSIST_AT, str(at))
+        self.last_t = now
+        self.events.emit("checkpoint_scheduled", step=at)
 
     def persisted(self, m: protocol.Persisted) -> None:
         done = self.catalog.persisted(m)

@@ -112,10 +112,13 @@ class RuntimeConfig:
     verify: bool = RUNTIME_DEFAULTS.verify
     transport: str = RUNTIME_DEFAULTS.transport  # gloo | mpi
     persist_every: int = RUNTIME_DEFAULTS.persist_every  # persistent checkpoints every N steps (0: off)
+    persist_every_s: float = RUNTIME_DEFAULTS.persist_every_s  # ... and/or every T seconds (0: off)
 
     def validate(self) -> None:
         if self.replicas < 0:
             raise ConfigError(f"runtime.replicas must be >= 0, got {self.replicas}")
+        if self.persist_every_s < 0:
+            raise ConfigError(f"runtime.persist_every_s must be >= 0, got {self.persist_every_s}")
         if self.persist_every < 0:
             raise ConfigError(f"runtime.persist_every must be >= 0, got {self.persist_every}")
         if self.chunk_mb <= 0:

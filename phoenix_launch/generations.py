@@ -116,6 +116,7 @@ class AttemptProgress:
     runtime_ready: set[int] = field(default_factory=set)  # run the runtime with protection on
     protect_on: bool = True
     step: int = -1  # the latest progress report
+    step_time_s: float = 0.0
     unrecoverable: dict[int, protocol.Unrecoverable] = field(default_factory=dict)  # ranks that cannot recover
     unrecoverable_t0: float | None = None
     runtime_seen: bool = False  # a rank of this job (this attempt or one before) runs the PHOENIX runtime

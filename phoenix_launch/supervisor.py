@@ -50,14 +50,14 @@ class Supervisor:
         self.job = Lifecycle(JobState.STARTING, JOB_TRANSITIONS)
         self.events = EventLog(run_dir / "events.jsonl")
         self.token = create_token(run_dir)
-        # status.json follows a node's state change at once, not at the next tick
         self.nodes = NodeTable(backend, self.events, drain=cfg.slurm.drain, on_change=lambda: setattr(self, "_status_due", True))
         self.incidents = IncidentTracker(cfg.detect)
         self.recovery = RecoveryWatch(self.world_size, cfg.detect.recovery_timeout_s)
         self.replenisher = Replenisher(backend, self.events, target=launch.spares, enabled=launch.replenish or cfg.slurm.replenish,
                                        spec_for=lambda join: self.agent_spec(Node.new(f"replenish-{join}"), join=join))
         self.reprotector = Reprotector(cfg.detect.reprotect_max, grace_s=max(cfg.detect.settle_s, 2 * cfg.detect.heartbeat_s))
-        self.ladder = checkpoints.Ladder(run_dir, self.world_size, launch.persist_keep, self.events)
+        self.ladder = checkpoints.Ladder(run_dir, self.world_size, launch.persist_keep, self.events,
+                                         every_s=cfg.runtime.persist_every_s, lead_s=4 * cfg.detect.heartbeat_s)
         self.resume = launch.resume  # the persistent checkpoint this attempt started from
         self.chaos = Chaos(cfg.inject.chaos_mtbf_s, cfg.inject.seed, cfg.inject.chaos_ranks)
         self.runtime_json = runtime_settings(cfg).to_json()
@@ -210,7 +210,6 @@ class Supervisor:
         if node is None or m.gen != self.gen or self.job.state is not JobState.RUNNING:
             return
         if str(err.get("type", "")).rsplit(".", 1)[-1] == REPLICATION_ERROR:
-            # a corrupt or late replica fails that step's protection only: never a job failure (reprotect.py)
             self.events.emit("replication_error", node=node.name, rank=m.rank, gen=m.gen, broken=bool(err.get("broken")),
                              message=str(err.get("message", ""))[:500])
             if err.get("broken"):
@@ -228,7 +227,7 @@ class Supervisor:
             self.finish_recovery(now)
 
     def on_progress(self, m: protocol.Progress, now: float) -> None:
-        self.attempt.step = m.step
+        self.attempt.step, self.attempt.step_time_s = m.step, m.step_time_s or 0.0
         self.events.emit("progress", step=m.step, step_time_s=m.step_time_s, sps=m.sps, total=m.total)
 
     def on_unrecoverable(self, m: protocol.Unrecoverable, now: float) -> None:
@@ -528,6 +527,7 @@ class Supervisor:
         if self.job.state is not JobState.STOPPING:
             self.settle(now)
             self.reprotect(now)
+            self.ladder.schedule(self.store, now, self.attempt) if self.job.state is JobState.RUNNING else None
             self.run_chaos(now)
             self.check_recovery_deadline(now)
         if self.attempt.unrecoverable_t0 and now - self.attempt.unrecoverable_t0 > self.cfg.detect.recovery_timeout_s:

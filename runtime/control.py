@@ -92,6 +92,7 @@ class ControlThread:
         self.store = connect_store(env)
         self.q_rank = protocol.Queue(self.store, protocol.q_rank(self.node, self.slot))
         self.latest_gen = protocol.read_gen(self.store)
+        self.persist_at = -1  # the step the supervisor asked every rank to write a persistent checkpoint of
         self.on_gen_change: list[Callable[[int], None]] = []
         self.on_fault: list[Callable[[dict[str, Any]], None]] = []
         self._stop = threading.Event()
@@ -119,6 +120,7 @@ class ControlThread:
                 now = time.monotonic()
                 if now >= next_hb:
                     self.beat()
+                    self.persist_at = int(self.store.add(protocol.K_PERSIST_AT, 0))
                     next_hb = now + self.heartbeat_s
                 g = protocol.read_gen(self.store)
                 if g > self.latest_gen:

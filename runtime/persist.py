@@ -42,8 +42,9 @@ class Persister:
         self.pending: list[tuple[int, str, float, float, int, object]] = []  # step, path, t0, stage_s, bytes, future
         self.last = -1
 
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step > 0 and step % self.every == 0 and step != self.last
+    def due(self, step: int, asked: int = -1) -> bool:
+        """Every ``every`` steps, or the step the supervisor asked for (its time-based cadence)."""
+        return step > 0 and step != self.last and ((self.every > 0 and step % self.every == 0) or step == asked)
 
     def save(self, step: int, optim: dict, local: dict, meta: dict) -> None:
         import torch.distributed.checkpoint as dcp

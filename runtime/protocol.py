@@ -62,6 +62,7 @@ class Store(Protocol):
 # --- keys ------------------------------------------------------------------------------------------
 K_GEN = "phx/gen"
 K_RUN_ID = "phx/run_id"
+K_PERSIST_AT = "phx/persist/at"  # the step every rank writes a persistent checkpoint of (time-based cadence)
 
 
 def k_members(gen: int) -> str:

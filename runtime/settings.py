@@ -37,6 +37,9 @@ class RuntimeSettings:
     faults: tuple = field(default_factory=tuple)  # deterministic injected faults (see FAULT_PHASES)
     # persistent checkpoints (the fallback ladder's floor, runtime/persist.py): every N steps (0: off)
     persist_every: int = 0
+    # ... and/or every this many seconds: the supervisor names the step (protocol.K_PERSIST_AT) so that every
+    # rank writes the same one (0: off)
+    persist_every_s: float = 1800.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -71,7 +71,7 @@ class ProtectedTraining:
                            lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated, self.boundary_buffers),
                            fault=self.faults.copy_hook)
         self.persister = persist.Persister(ctx.env.run_dir, ctx.rank, self.settings.persist_every, ctx.report) \
-            if self.protect_on and self.settings.persist_every > 0 else None
+            if self.protect_on and (self.settings.persist_every > 0 or self.settings.persist_every_s > 0) else None
         self.model = objs.module
         self.guard = StepGuard(self)
         self._hook_optimizer()
@@ -209,7 +209,8 @@ class ProtectedTraining:
         """A persistent checkpoint of S_k, from its committed local snapshot (before the next D2H reuses it)."""
         if self.persister is None:
             return
-        snap = self.d2h_committed().get(k) if self.persister.due(k) else None
+        asked = self.ctx.ctl.persist_at if self.ctx.managed else -1
+        snap = self.d2h_committed().get(k) if self.persister.due(k, asked) else None
         if snap is None:
             self.persister.poll()
             return

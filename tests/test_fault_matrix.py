@@ -421,3 +421,15 @@ def test_no_spare_free_waits_for_a_replenished_one_then_hot_swaps(tmp_path, fail
     assert [e["decision"] for e in of_type(evs, "decision")][:3] == ["hotswap", "wait", "hotswap"], of_type(evs, "decision")
     assert len(of_type(evs, "hotswap")) == 2
     assert_same_digest(d / "digest.json", failure_free("zero", 2, 2))
+
+
+def test_time_based_checkpoints_name_one_step_for_every_rank(tmp_path, failure_free):
+    """runtime.persist_every_s: the supervisor names a step a little ahead of the progress; every rank writes
+    that step, so it completes; writing it changes nothing in the training (same digest)."""
+    job = run_job(tmp_path, "zero", 2, 2, 0, runtime={"persist_every": 0, "persist_every_s": 2.0},
+                  extra=("--step-sleep", "0.5"))
+    assert job.result.returncode == 0, job.explain()
+    scheduled = [e["step"] for e in of_type(job.evs, "checkpoint_scheduled")]
+    complete = [e["step"] for e in of_type(job.evs, "checkpoint_complete")]
+    assert scheduled and set(complete) <= set(scheduled) and complete, (scheduled, complete)
+    assert_same_digest(job.digest_path, failure_free("zero", 2, 2))
