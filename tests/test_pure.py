@@ -465,3 +465,34 @@ def test_reprotect_skips_a_generation_already_replaced_and_is_bounded():
     r.broken(5, "node1", 2, "torn", now=3.0)
     reform, why = r.due(3.0, 5, quiet=True)
     assert reform is False and "unprotected" in why  # the limit: the job trains on, never stopped for it
+
+
+def test_queue_deletes_what_it_read_and_a_new_reader_continues_after_it():
+    st = DictStore()
+    st.delete_key = lambda k: st.d.pop(k, None) is not None
+    q = protocol.Queue(st, "q")
+    for i in range(3):
+        q.put({"a": i})
+    r = protocol.Queue(st, "q")
+    assert [m["a"] for m in r.get_all()] == [0, 1, 2]
+    assert not any(k.startswith("q/") and k.split("/")[-1].isdigit() for k in st.d)  # read messages deleted
+    q.put({"a": 3})
+    assert [m["a"] for m in protocol.Queue(st, "q").get_all()] == [3]  # a respawned reader: no re-delivery
+
+
+def test_a_failure_while_a_restart_starts_up_still_starts_fresh():
+    """The job showed it runs the runtime in an attempt before (a rank called phx.init()); in the restarted
+    attempt no rank has got that far yet when another node is lost: nothing is lost by starting fresh again.
+    A job never seen to run the runtime (a plain script) keeps torchrun's restart budget."""
+    from phoenix_launch.generations import AttemptProgress
+    from phoenix_launch.status import nothing_done
+
+    st = DictStore()
+    members = protocol.Membership(2, 2, (protocol.RankSlot(0, "n0", 0), protocol.RankSlot(1, "n2", 0)))
+    for r in members.ranks:  # the restarted ranks: still importing, no step, not yet in phx.init()
+        st.set(protocol.k_rank_hb(r.node, r.slot), json.dumps({"t": 1.0, "step": 0, "runtime": False, "phase": "starting"}))
+    assert nothing_done(AttemptProgress(runtime_seen=True), st, members, 2)
+    assert not nothing_done(AttemptProgress(), st, members, 2)
+    first = AttemptProgress()
+    st.set(protocol.k_rank_hb("n0", 0), json.dumps({"t": 1.0, "step": 0, "runtime": True, "phase": "starting"}))
+    assert nothing_done(first, st, members, 2) and first.runtime_seen  # seen once: kept for the next attempt
