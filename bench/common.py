@@ -54,3 +54,10 @@ def events(run_dir: Path) -> list[dict]:
 
 def med(xs):
     return statistics.median(xs) if xs else float("nan")
+
+
+def trimmed_mean(xs, drop=10, trim=0.05):
+    """The paper's per-iteration time: drop the first ``drop`` iterations, trim the slowest ``trim``."""
+    xs = sorted(xs[drop:])
+    keep = xs[: max(1, int(round(len(xs) * (1 - trim))))]
+    return sum(keep) / len(keep)

@@ -11,13 +11,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from common import GPT, phoenix, run
-
-
-def trimmed_mean(xs, drop=10, trim=0.05):
-    xs = sorted(xs[drop:])
-    keep = xs[: max(1, int(round(len(xs) * (1 - trim))))]
-    return sum(keep) / len(keep)
+from common import GPT, phoenix, run, trimmed_mean
 
 
 def main():

@@ -27,13 +27,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from common import GPT, env, events, phoenix, run, step_log
-
-
-def trimmed_mean(xs, drop=10, trim=0.05):
-    xs = sorted(xs[drop:])
-    keep = xs[: max(1, int(round(len(xs) * (1 - trim))))]
-    return sum(keep) / len(keep)
+from common import GPT, env, events, phoenix, run, step_log, trimmed_mean
 
 
 def overhead(td: Path, a) -> None:

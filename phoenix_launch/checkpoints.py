@@ -31,8 +31,7 @@ def newest_complete(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def step_of(step_dir: Path) -> int:
-    return int(Path(step_dir).name.split("_")[-1])
+step_of = protocol.persist_step_of
 
 
 class Catalog:
@@ -93,11 +92,11 @@ class Ladder:
         self.catalog = Catalog(run_dir, world_size, keep)
         self.every_s, self.lead_s, self.last_t = every_s, lead_s, time.time()
 
-    def schedule(self, store, now: float, attempt) -> None:
+    def schedule(self, store, now: float, attempt, running: bool = True) -> None:
         """The time-based cadence (``runtime.persist_every_s``): every rank must write the same step, so the
         supervisor names one a little ahead of the job's progress (``protocol.K_PERSIST_AT``: the ranks read it
         with their heartbeat); a rank that is past it already skips it, and that checkpoint never completes."""
-        if self.every_s <= 0 or attempt.step < 1 or now - self.last_t < self.every_s:
+        if not running or self.every_s <= 0 or attempt.step < 1 or now - self.last_t < self.every_s:
             return
         at = attempt.step + max(3, math.ceil(self.lead_s / max(attempt.step_time_s, 1e-3)))
         store.set(protocol.K_PERSIST_AT, str(at))

@@ -97,6 +97,13 @@ class NodeTable:
         else:
             self.events.emit("drain_skipped", node=name, why=msg)
 
+    def swap_in(self, failed: str, spare: str, why: str, joining: str) -> None:
+        """``spare`` takes ``failed``'s place (its group rank); ``failed`` leaves the job for good."""
+        fn, spn = self.nodes[failed], self.nodes[spare]
+        self.exclude(failed, why)
+        spn.group_rank, fn.group_rank = fn.group_rank, None
+        self.transition(spn, NodeState.JOINING, joining)
+
     def scheduler_states(self, names: set[str]) -> dict[str, str | None]:
         """The scheduler's state of these nodes (Slurm), read now (one query per node: only on an incident);
         each reading, with its drain reason, is an event. Empty where the backend has no scheduler."""

@@ -37,8 +37,9 @@ def read_rank_steps(store: Any, members: protocol.Membership) -> dict[int, tuple
 
 
 def nothing_done(attempt, store: Any, members: protocol.Membership, world_size: int) -> bool:
-    """No step completed in this attempt, and the job runs the runtime (a rank said so) or is still
-    starting (not every rank has joined the control plane): starting fresh loses nothing."""
+    """No step completed in this attempt, and the job runs the runtime (a rank said so, in this attempt or an
+    earlier one: remembered in ``attempt.runtime_seen``, which a restart carries over) or is still starting
+    (not every rank has joined the control plane): starting fresh loses nothing."""
     if attempt.step >= 1:
         return False
     hbs = read_rank_heartbeats(store, members)

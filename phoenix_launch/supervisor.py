@@ -50,7 +50,7 @@ class Supervisor:
         self.job = Lifecycle(JobState.STARTING, JOB_TRANSITIONS)
         self.events = EventLog(run_dir / "events.jsonl")
         self.token = create_token(run_dir)
-        self.nodes = NodeTable(backend, self.events, drain=cfg.slurm.drain, on_change=lambda: setattr(self, "_status_due", True))
+        self.nodes = NodeTable(backend, self.events, drain=cfg.slurm.drain, on_change=self._status_changed)
         self.incidents = IncidentTracker(cfg.detect)
         self.recovery = RecoveryWatch(self.world_size, cfg.detect.recovery_timeout_s)
         self.replenisher = Replenisher(backend, self.events, target=launch.spares, enabled=launch.replenish or cfg.slurm.replenish,
@@ -142,6 +142,9 @@ class Supervisor:
             node_timeout_s=detect.node_timeout_s, stop_grace_s=launch.stop_grace_s, redirects=launch.redirects,
             tee=launch.tee, runtime_json=self.runtime_json, join=join, resume=self.resume,
         )
+
+    def _status_changed(self) -> None:
+        self._status_due = True  # status.json follows a node's state change at once, not at the next tick
 
     def spares(self) -> tuple[str, ...]:
         return self.nodes.spares(self._ranks_warm)
@@ -252,8 +255,9 @@ class Supervisor:
         self.restart(decisions.Decision(decisions.Kind.RESTART, point[1], fresh=True), now)
 
     def on_protection(self, m: protocol.Protection, now: float) -> None:
-        self.events.emit("protection", host_bytes=m.host_bytes, optim_bytes=m.optim_bytes, param_bytes=m.param_bytes,
-                         replicas=m.replicas) if m.rank == 0 else None
+        if m.rank == 0:
+            self.events.emit("protection", host_bytes=m.host_bytes, optim_bytes=m.optim_bytes, param_bytes=m.param_bytes,
+                             replicas=m.replicas)
 
     def on_fault_fired(self, m: protocol.FaultFired, now: float) -> None:
         """A deterministic fault fired inside a rank (config or --at-step)."""
@@ -360,10 +364,7 @@ class Supervisor:
             return
         swap = dict(zip(failed, spares))
         for f, sp in swap.items():
-            fn, spn = self.nodes[f], self.nodes[sp]
-            self.nodes.exclude(f, d.reason)
-            spn.group_rank, fn.group_rank = fn.group_rank, None
-            self.nodes.transition(spn, NodeState.JOINING, f"replaces {f}")
+            self.nodes.swap_in(f, sp, d.reason, f"replaces {f}")
         gens = self._gens()
         ranks = [protocol.RankSlot(r.rank, swap.get(r.node, r.node), r.slot) for r in gens.members.ranks]
         respawn = tuple(r for r in d.respawn if gens.members.slot_of(r).node not in swap)  # dead ranks on kept nodes
@@ -453,10 +454,7 @@ class Supervisor:
         self.epoch += 1
         self.job.transition(JobState.RESTARTING, d.reason)
         if d.spare and d.node:
-            failed, spare = self.nodes[d.node], self.nodes[d.spare]
-            self.nodes.exclude(failed.name, d.reason)
-            spare.group_rank, failed.group_rank = failed.group_rank, None
-            self.nodes.transition(spare, NodeState.JOINING, f"replaces {failed.name} for restart {self.epoch}")
+            self.nodes.swap_in(d.node, d.spare, d.reason, f"replaces {d.node} for restart {self.epoch}")
         self.attempt = AttemptProgress(runtime_seen=self.attempt.runtime_seen)
         rdzv_port = self.plane.new_rendezvous()
         ranks = [protocol.RankSlot(n.group_rank * self.nproc + s, n.name, s) for n in self.nodes if n.group_rank is not None for s in range(self.nproc)]
@@ -527,7 +525,7 @@ class Supervisor:
         if self.job.state is not JobState.STOPPING:
             self.settle(now)
             self.reprotect(now)
-            self.ladder.schedule(self.store, now, self.attempt) if self.job.state is JobState.RUNNING else None
+            self.ladder.schedule(self.store, now, self.attempt, running=self.job.state is JobState.RUNNING)
             self.run_chaos(now)
             self.check_recovery_deadline(now)
         if self.attempt.unrecoverable_t0 and now - self.attempt.unrecoverable_t0 > self.cfg.detect.recovery_timeout_s:

@@ -15,6 +15,8 @@ at step ``k``, bit-identical to a run that never stopped.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import pickle
 import time
@@ -24,14 +26,15 @@ from typing import Callable
 import torch
 
 from phoenix_runtime import protocol
+from phoenix_runtime.context import log
 
 
+@contextlib.contextmanager
 def _quiet_dcp():
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # no_dist is the intent
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    return ctx
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # no_dist is the intent
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
 
 
 class Persister:
@@ -56,27 +59,24 @@ class Persister:
               "meta": pickle.dumps(meta)}
         nbytes = sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
         t0 = time.perf_counter()
-        quiet = _quiet_dcp()
-        try:
+        with _quiet_dcp():
             fut = dcp.async_save(sd, checkpoint_id=path, no_dist=True)
-        finally:
-            quiet.__exit__(None, None, None)
         self.pending.append((step, path, t0, time.perf_counter() - t0, nbytes, fut))
         self.last = step
 
     def poll(self, wait_s: float = 0.0) -> None:
         """Report the writes that finished (from the training thread: the store client is not shared)."""
         left = []
-        for step, path, t0, stage_s, nbytes, fut in self.pending:
+        for item in self.pending:
+            step, path, t0, stage_s, nbytes, fut = item
             f = getattr(fut, "upload_completion", fut)
-            try:
-                f.result(timeout=wait_s) if wait_s else None
-            except Exception:  # noqa: BLE001 -- not done yet (or failed: reported below)
-                pass
+            if wait_s:
+                concurrent.futures.wait([f], timeout=wait_s)
             if not f.done():
-                left.append((step, path, t0, stage_s, nbytes, fut))
-                continue
-            if f.exception() is None:
+                left.append(item)
+            elif f.exception() is not None:  # never marked complete: the previous complete checkpoint stays
+                log(f"persistent checkpoint of step {step} not written ({path}): {f.exception()!r}")
+            else:
                 self.report({"type": "persisted", "step": step, "path": path, "write_s": round(time.perf_counter() - t0, 4),
                              "stage_s": round(stage_s, 4), "nbytes": nbytes})
         self.pending = left
@@ -95,15 +95,11 @@ def load(step_dir: str, rank: int) -> tuple[dict, dict, dict]:
     md = reader.read_metadata()
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
           for k, m in md.state_dict_metadata.items()}
-    quiet = _quiet_dcp()
-    try:
+    with _quiet_dcp():
         dcp.load(sd, storage_reader=reader, no_dist=True)
-    finally:
-        quiet.__exit__(None, None, None)
     optim = {k[len("optim/"):]: v for k, v in sd.items() if k.startswith("optim/")}
     local = {k[len("local/"):]: v for k, v in sd.items() if k.startswith("local/")}
     return optim, local, pickle.loads(sd["meta"])
 
 
-def step_of(step_dir: str) -> int:
-    return int(os.path.basename(step_dir.rstrip("/")).split("_")[-1])
+step_of = protocol.persist_step_of

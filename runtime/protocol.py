@@ -18,10 +18,12 @@ Key space (all under ``phx/``)::
     phx/q/agent/<node>/...        queue: supervisor -> one agent (commands)
     phx/q/rank/<node>/<slot>/...  queue: supervisor -> one rank (injected faults)
     phx/q/cmd/...                 queue: ``phoenix-run kill-node`` -> supervisor (token-authenticated)
+    phx/persist/at                the step every rank writes a persistent checkpoint of (time-based cadence)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -101,14 +103,18 @@ def q_rank(node: str, slot: int) -> str:
     return f"phx/q/rank/{node}/{slot}"
 
 
+# the persistent checkpoint of step k: persist/step_<k>/rank<r>/ (DCP, one per rank), and COMPLETE once every
+# rank's is written (only then is it ever used)
 def persist_step_dir(run_dir: str, step: int) -> str:
-    """Where the persistent checkpoint of step ``step`` lives: one DCP directory per rank below it, and the
-    ``COMPLETE`` marker once every rank's is written (only then is it ever used)."""
     return f"{run_dir}/persist/step_{step:09d}"
 
 
 def persist_rank_dir(step_dir: str, rank: int) -> str:
     return f"{step_dir}/rank{rank}"
+
+
+def persist_step_of(step_dir) -> int:  # a persist_step_dir, str or path
+    return int(str(step_dir).rstrip("/").rsplit("_", 1)[-1])
 
 
 def node_keys(node: str, nproc: int) -> list[str]:
@@ -343,9 +349,7 @@ class CheckpointSaved(RankMessage):
 
 @dataclass(frozen=True)
 class Persisted(RankMessage):
-    """This rank's persistent checkpoint of ``step`` is written (``path``, its DCP directory)."""
-
-    TYPE: ClassVar[MsgType] = MsgType.PERSISTED
+    TYPE: ClassVar[MsgType] = MsgType.PERSISTED  # this rank's persistent checkpoint of ``step`` is written
     step: int = 0
     path: str = ""
     write_s: float = 0.0  # from the call to the end of the write (staging + the writer thread)
@@ -524,12 +528,8 @@ class Queue:
     def _consumed(self, key: str) -> None:
         """Count the message as read, then delete it (one reader at a time per queue)."""
         self.store.add(f"{self.name}/read", 1)
-        delete = getattr(self.store, "delete_key", None)
-        if delete is not None:
-            try:
-                delete(key)
-            except Exception:  # noqa: BLE001 -- a store without deletes keeps it; nothing else depends on it
-                pass
+        with contextlib.suppress(Exception):  # a store without deletes keeps it; nothing else depends on it
+            self.store.delete_key(key)
 
     def get_all(self, hole_timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Every message not read yet, in order; never blocks. A reserved-but-unwritten message (its writer

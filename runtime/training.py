@@ -214,7 +214,6 @@ class ProtectedTraining:
         if snap is None:
             self.persister.poll()
             return
-        self.persister.rank = self.ctx.rank
         self.persister.save(k, snap.optim_tensors(), snap.param_tensors(), snap.meta)
 
     def resume_from_checkpoint(self) -> None:
