@@ -8,7 +8,8 @@ each rung of the ladder.
     alternating; per-iteration time (first 10 iterations dropped, slowest 5% trimmed), their ratio, and each
     checkpoint's size, staging time (what the loop pays) and write time (from the ``checkpoint_complete`` events).
 (b) the rungs, each from its own job's events: 1 hot-swap (a node lost, a warm spare: failure -> first step
-    after), 3 restart from the persistent checkpoint (4 nodes x 1 rank, k=1, a shard's holder and its replica
+    after), 2 wait for a replenished spare (2 nodes + 1 spare, replenished; the second failure comes before the
+    replenished spare is up: failure -> first step after), 3 restart from the persistent checkpoint (4 nodes x 1 rank, k=1, a shard's holder and its replica
     lost together: failure -> first step after the restart, and the steps lost), 4 resume of a job killed
     whole (``phoenix-run --resume``: launch -> first step).
 """
@@ -63,11 +64,13 @@ def first_step_after(log: Path, t: float) -> float | None:
     return next((ts - t for _, ts in steps if ts > t), None)
 
 
-def job(td: Path, name: str, nodes: int, nproc: int, spares: int, faults: list, a, extra=()) -> tuple[int, Path, Path]:
+def job(td: Path, name: str, nodes: int, nproc: int, spares: int, faults: list, a, extra=(), **cfg_more) -> tuple[int, Path, Path]:
     d = td / name
     d.mkdir()
     cfg = {"runtime": {"persist_every": 4, "replicas": 1}, "inject": {"faults": faults},
            "detect": {"heartbeat_s": 0.25, "node_timeout_s": 4.0, "settle_s": 0.3}}
+    for section, more in cfg_more.items():
+        cfg[section] = {**cfg.get(section, {}), **more}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     cmd = phoenix("--config", d / "cfg.yaml", "--nodes", nodes, "--nproc-per-node", nproc, "--spares", spares, "--run-dir", d / "run",
                   GPT, "--steps", a.rung_steps, "--step-log", d / "steps.log", *extra)
@@ -92,6 +95,14 @@ def rungs(td: Path, a) -> None:
     fired = [e for e in events(rd) if e["type"] == "injected"]
     t = first_step_after(log, fired[0]["t_fired"]) if rc == 0 and fired else None
     print(f"rung 1 hot-swap:                   {t:.2f} s from the failure to the first step after" if t else "rung 1: failed")
+    two = [{"node": "node1", "step": kill - 4, "mode": "crash"}, {"node": "node0", "step": kill, "mode": "crash"}]
+    rc, rd, log = job(td, "wait", 2, 1, 1, two, a, launch={"replenish": True}, detect={"spare_wait_s": 120.0})
+    evs = events(rd)
+    fired = [e for e in evs if e["type"] == "injected"]
+    waits = [e for e in evs if e["type"] == "decision" and e["decision"] == "wait"]
+    t = first_step_after(log, fired[-1]["t_fired"]) if rc == 0 and len(fired) == 2 else None
+    print(f"rung 2 wait for a replenished spare: {t:.2f} s from the failure to the first step after (the spare started "
+          f"after the first failure; {len(waits)} wait decision)" if t else "rung 2: failed")
     crash = [{"node": n, "step": kill, "mode": "crash"} for n in ("node1", "node2")]
     rc, rd, log = job(td, "restart", 4, 1, 2, crash, a)
     evs = events(rd)

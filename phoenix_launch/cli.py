@@ -130,6 +130,7 @@ def run(
         raise fail(str(e)) from None
 
     cfg, rdir = _prepare_run_dir(cfg, log_dir)
+    cfg = _requeue_resume(cfg, rdir, os.environ)
     cfg, be = _open_backend(cfg, rdir, nodes_given=nnodes is not None or "nodes" in ((yaml_data or {}).get("launch") or {}))
     _supervise(cfg, argv, rdir, be)
 
@@ -154,12 +155,33 @@ def _resume_point(run_dir: Path) -> tuple[Path, list[str] | None]:
     return point.resolve(), argv
 
 
+def _requeue_resume(cfg, rdir: Path, env):
+    """A Slurm requeue (``SLURM_RESTART_COUNT`` > 0: the batch script runs again, same job id, same run
+    directory) continues from the run's newest complete persistent checkpoint, as ``--resume`` would; without
+    one the job starts again from scratch, and says so."""
+    from dataclasses import replace
+
+    from phoenix_launch.checkpoints import newest_complete
+
+    requeues = env.get("SLURM_RESTART_COUNT", "0")
+    if cfg.launch.resume or not requeues.isdigit() or int(requeues) == 0:
+        return cfg
+    point = newest_complete(rdir)
+    if point is None:
+        typer.echo(f"phoenix-run: requeued ({requeues}): no complete persistent checkpoint in {rdir}, starting from scratch", err=True)
+        return cfg
+    typer.echo(f"phoenix-run: requeued ({requeues}): resuming from {point}", err=True)
+    return replace(cfg, launch=replace(cfg.launch, resume=str(point.resolve())))
+
+
 def _prepare_run_dir(cfg, log_dir: Optional[str]):
-    """The run id and a writable run directory (a clear error when it is not)."""
+    """The run id and a writable run directory (a clear error when it is not). Inside a Slurm job the default
+    run id is ``slurm-<job id>``: a requeued job finds its run directory again."""
     from dataclasses import replace
 
     launch = cfg.launch
-    rid = launch.run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    job = os.environ.get("SLURM_JOB_ID", "")
+    rid = launch.run_id or (f"slurm-{job}" if job.isdigit() else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
     rdir = Path(launch.run_dir or Path(log_dir or "phoenix-runs") / rid)
     try:
         rdir.mkdir(parents=True, exist_ok=True)

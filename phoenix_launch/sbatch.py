@@ -58,6 +58,8 @@ class SystemProfile:
     env_comment: Tuple[str, ...]
     #: rendered as ``export NAME="${NAME:-value}"`` so that a module or the user's own environment wins
     env: Tuple["EnvDefault", ...]
+    #: ``#SBATCH --requeue`` on (the site allows it) or commented out (not known to)
+    requeue: bool = True
 
 
 _SLINGSHOT_SOURCES = (
@@ -115,6 +117,7 @@ SYSTEMS: Mapping[str, SystemProfile] = {
         # A Vista job owns whole nodes and its single GPU; TACC's example job scripts request no GRES.
         gpus_per_node=None,
         nproc_per_node=1,
+        requeue=False,
         account_hint="<TACC project>   (needed when you have more than one)",
         setup=(
             "# module load gcc cuda                    # TACC modules used by PyTorch builds on Vista (aarch64)",
@@ -245,6 +248,10 @@ def render_sbatch(system: str, nodes: int, spares: int, script: str, script_args
     w("#   --no-kill: without it Slurm revokes the WHOLE allocation when any node fails, spares included.")
     w(f"#SBATCH --time={time}")
     w("#SBATCH --output=%x-%j.out")
+    w(f"{'' if prof.requeue else '# '}#SBATCH --requeue")
+    w("#   --requeue: a preempted or requeued job runs this script again and phoenix-run resumes from the run's")
+    w("#   newest complete persistent checkpoint (run directory phoenix-runs/slurm-<job id>)."
+      + ("" if prof.requeue else " Uncomment where the site allows it."))
     for directive, comment in prof.directives:
         w(f"#SBATCH {directive}")
         w(f"#   {directive.split('=')[0]}: {comment}")

@@ -110,7 +110,8 @@ class Supervisor:
         self.commands = CommandHandler(self.store, self.token, self.events, self._job_targets(), self.incidents.injected)
         self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, self.token, self.events, self._job_targets(), self.incidents.injected))
         self.events.emit("job_start", run_id=launch.run_id, nodes=launch.nodes, nproc_per_node=self.nproc, spares=launch.spares,
-                         world_size=self.world_size, argv=self.argv, backend=self.backend.name, control=f"{plane.host}:{plane.port}")
+                         world_size=self.world_size, argv=self.argv, backend=self.backend.name, control=f"{plane.host}:{plane.port}",
+                         resume=launch.resume or None)
         self.job.transition(JobState.RUNNING, "agents started")
 
     def _job_targets(self) -> JobTargets:

@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 from phoenix_launch.backends import slurm_env as se
+from phoenix_launch.checkpoints import complete_steps, step_of
 from slurm_fixture import SlurmCluster, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
@@ -468,3 +469,48 @@ def test_replenishment_replaces_a_lost_spare(idle_cluster: SlurmCluster, tmp_pat
              timedelta(seconds=60))
     assert_no_leftovers(run_dir)
 
+
+
+# ------------------------------------------------------------------------ 7. a requeued job resumes
+
+def test_requeued_job_resumes_from_its_newest_checkpoint(idle_cluster: SlurmCluster, reference: Reference,
+                                                         tmp_path: Path) -> None:
+    """``#SBATCH --requeue``: the job is requeued mid-run (``scontrol requeue``, what preemption does); Slurm
+    runs the batch script again (SLURM_RESTART_COUNT=1) and phoenix-run, with no --resume, finds the run
+    directory (the default ``phoenix-runs/slurm-<job id>``) and resumes from its newest complete persistent
+    checkpoint: the final digest is the failure-free one."""
+    cluster = idle_cluster
+    work, dig, out = tmp_path / "work", tmp_path / "digest.json", tmp_path / "job.out"
+    work.mkdir()
+    body = f"cd {shlex.quote(str(work))}\n" + phoenix(
+        "--backend", "slurm", "--nodes", "3", "--nproc-per-node", "1", "--spares", "0", "--persist-every", "5",
+        str(EXAMPLES / "train_gpt.py"), *TRAIN, "--step-sleep", "0.4", "--digest-file", str(dig))
+    script = batch_script(tmp_path / "job.sh", body, nodes=3, no_kill="--requeue")
+    script.write_text(script.read_text().replace("#SBATCH --requeue", "#SBATCH --requeue\n#SBATCH --open-mode=append"))
+    job = submit(cluster, script, out)
+    run_dir = work / "phoenix-runs" / f"slurm-{job}"
+    try:
+        def newest() -> int:
+            done = complete_steps(run_dir)
+            return step_of(done[-1]) if done else -1
+        wait_for("a complete checkpoint of step >= 10", lambda: newest() >= 10, START_TIMEOUT, interval=0.2)
+        done_before = newest()
+        cluster.run(["scontrol", "requeue", job])
+        wait_for("the job to run again", lambda: job_record(cluster, job).get("Restarts") == "1"
+                 and len(of_type(events(run_dir), "job_start")) == 2, START_TIMEOUT, interval=0.5)
+        rec = wait_job_end(cluster, job, out)
+    except BaseException:
+        cluster.cancel(job)
+        raise
+    text = read(out)
+    evs = events(run_dir)
+    summary = "\n".join(json.dumps(e) for e in evs if e["type"] not in ("progress",))
+    assert rec["JobState"] == "COMPLETED" and rec["ExitCode"] == "0:0", f"{summary}\n{text}"
+    starts = of_type(evs, "job_start")
+    assert len(starts) == 2 and starts[0].get("resume") is None, summary
+    resumed = starts[1].get("resume") or ""
+    assert resumed.startswith(str(run_dir / "persist")), summary
+    assert step_of(Path(resumed)) >= done_before, summary
+    assert "requeued (1): resuming from" in text, text
+    assert dig.exists() and digest(dig) == digest(reference.digest_file), f"{summary}\n{text}"
+    assert_no_leftovers(run_dir)
