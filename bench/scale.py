@@ -144,7 +144,8 @@ class PeakRss:
 
 def job(td: Path, name: str, d: int, layers: int, a, protect: bool, fault_step: int | None = None) -> dict | None:
     rd, tf = td / name, td / f"{name}.json"
-    cfg = {"detect": {"heartbeat_s": 0.25, "node_timeout_s": 4.0, "settle_s": 0.3}, "runtime": {"replica_timeout_s": 600, "recovery_timeout_s": 300, "hang_timeout_s": 300}}
+    cfg = {"detect": {"heartbeat_s": 0.25, "node_timeout_s": 4.0, "settle_s": 0.3, "recovery_timeout_s": 300,
+                      "hang_timeout_s": 300, "collective_timeout_s": 600}, "runtime": {"replica_timeout_s": 600}}
     spares = 0
     if fault_step is not None:
         cfg["inject"] = {"faults": [{"node": "node1", "step": fault_step, "mode": "crash"}]}
