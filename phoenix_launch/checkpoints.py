@@ -90,6 +90,8 @@ class Ladder:
                  lead_s: float = 1.0):
         self.run_dir, self.events, self.limit, self.used = Path(run_dir), events, limit, 0
         self.catalog = Catalog(run_dir, world_size, keep)
+        self.salvaging: tuple[str, float, float] | None = None  # (reason, started, deadline) of a salvage
+        self.salvaged: int | None = None  # its step, once complete; -1: it failed
         self.every_s, self.lead_s, self.last_t = every_s, lead_s, time.time()
 
     def schedule(self, store, now: float, attempt, running: bool = True) -> None:
@@ -107,6 +109,37 @@ class Ladder:
         done = self.catalog.persisted(m)
         if done is not None:
             self.events.emit("checkpoint_complete", **done)
+            if self.salvaging is not None:
+                self.salvaged = done["step"]
+
+    # --- the salvage (runtime/salvage.py): no node to recover onto, the survivors write S_R from memory ---------
+    def salvage(self, gens, lost_nodes: set[str], reason: str, attempt, group_ranks, now: float, timeout_s: float) -> bool:
+        """Publish the salvage generation (``Membership.lost``): before the job stops, the survivors write the
+        newest S_R their memory holds complete (their own snapshots, the lost ranks' replicas). False: done once."""
+        if self.salvaging is not None:
+            return False
+        lost = tuple(r.rank for r in gens.members.ranks if r.node in lost_nodes)
+        mem = gens.publish(gens.members.ranks, reason, attempt, group_ranks, lost=lost)
+        self.salvaging = (reason, now, now + timeout_s)
+        self.events.emit("fallback", rung="save_from_memory", reason=reason, gen=mem.gen, lost=list(lost))
+        return True
+
+    def salvage_failed(self, why: str) -> None:
+        if self.salvaging is not None and self.salvaged is None:
+            self.salvaged = -1
+            self.events.emit("salvage_failed", reason=why)
+
+    def salvage_over(self, now: float) -> str | None:
+        """The reason to stop with, once the salvage is complete, failed or out of time; else None."""
+        if self.salvaging is None or (self.salvaged is None and now < self.salvaging[2]):
+            return None
+        reason, t0, _ = self.salvaging
+        self.salvaging = None
+        if self.salvaged is None:
+            self.events.emit("salvage_failed", reason="not every rank's state was written within the recovery timeout")
+        elif self.salvaged >= 0:
+            self.events.emit("salvaged", step=self.salvaged, took_s=round(now - t0, 3))
+        return reason
 
     def restart_point(self, reason: str, step_now: int) -> tuple[str, str] | None:
         """(the checkpoint to restart every worker from, the decision's reason), or None: stop instead."""

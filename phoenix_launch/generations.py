@@ -48,17 +48,17 @@ class GenerationPublisher:
         return self.members
 
     def publish(self, ranks: Iterable[protocol.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
-                *, respawned: Iterable[int] = (), fresh: bool = False) -> protocol.Membership:
+                *, respawned: Iterable[int] = (), fresh: bool = False, lost: tuple[int, ...] = ()) -> protocol.Membership:
         """A new generation: membership first, then the joiners' assignments, then the bump."""
         ranks = tuple(sorted(ranks, key=lambda r: r.rank))
         self.gen += 1
-        if fresh:
+        if fresh or lost:  # a salvage generation starts nobody
             joiners: tuple[int, ...] = ()
         else:
             before = {r.rank: (r.node, r.slot) for r in self.stable.ranks}
             again = set(respawned)
             joiners = tuple(r.rank for r in ranks if before.get(r.rank) != (r.node, r.slot) or r.rank in again)
-        mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains())
+        mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains(), lost)
         self._seen |= {r.node for r in self.members.ranks}
         self.store.set(protocol.k_members(self.gen), mem.to_json())
         for r in ranks:

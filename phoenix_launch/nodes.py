@@ -118,6 +118,20 @@ class NodeTable:
         return out
 
     # --- questions ---------------------------------------------------------------------------------
+    def silent(self, store, timeout: float) -> list[tuple[str, float]]:
+        """Nodes whose agent's heartbeat is older than ``timeout`` (name, seconds silent). An agent not up yet is
+        judged by its process (local) or srun step (Slurm)."""
+        out = []
+        for node in self:
+            if node.lost or not node.up or node.state not in (NodeState.ACTIVE, NodeState.JOINING, NodeState.SPARE):
+                continue
+            key = protocol.k_agent_hb(node.name)
+            if store.check([key]):
+                node.last_hb = float(store.get(key))
+            if time.time() - node.last_hb > timeout:
+                out.append((node.name, round(time.time() - node.last_hb, 2)))
+        return out
+
     def spare_nodes(self) -> list[Node]:
         return [n for n in self if n.is_spare and not n.lost and n.state in (NodeState.SPARE, NodeState.STARTING)]
 

@@ -236,6 +236,7 @@ class Supervisor:
 
     def on_unrecoverable(self, m: protocol.Unrecoverable, now: float) -> None:
         """Every rank saves what survives, then the job stops with the reason."""
+        self.ladder.salvage_failed(m.reason)
         if m.rank is None:
             return
         self.attempt.unrecoverable[int(m.rank)] = m
@@ -289,17 +290,10 @@ class Supervisor:
         self.events.emit("failure", kind="node_lost", node=name, agent_exit=how)
 
     def check_heartbeats(self, now: float) -> None:
-        timeout = self.cfg.detect.node_timeout_s
-        for node in self.nodes:
-            if node.lost or not node.up or node.state not in (NodeState.ACTIVE, NodeState.JOINING, NodeState.SPARE):
-                continue  # an agent not up yet is judged by its process (local) or srun step (Slurm)
-            key = protocol.k_agent_hb(node.name)
-            if self.store.check([key]):
-                node.last_hb = float(self.store.get(key))
-            if time.time() - node.last_hb > timeout:
-                self.events.emit("failure", kind="heartbeat_lost", node=node.name, silent_s=round(time.time() - node.last_hb, 2))
-                self.backend.kill_node(node.name)
-                self.on_agent_exit(node.name, -9, now)
+        for name, silent_s in self.nodes.silent(self.store, self.cfg.detect.node_timeout_s):
+            self.events.emit("failure", kind="heartbeat_lost", node=name, silent_s=silent_s)
+            self.backend.kill_node(name)
+            self.on_agent_exit(name, -9, now)
 
     # --- classify and decide -----------------------------------------------------------------------
     def settle(self, now: float) -> None:
@@ -341,7 +335,7 @@ class Supervisor:
                          spare=d.spare, reason=d.reason, injected=inc.injected)
         if d.kind is decisions.Kind.STOP:
             self.root_cause = verdict.root or self.root_cause
-            self.stop(d.reason, d.exit_code, now)
+            self.stop(d.reason, d.exit_code, now, lost={n for n in [d.node, *inc.lost] if n} if d.exit_code == decisions.EXIT_UNRECOVERABLE else None)
         elif d.kind is decisions.Kind.HOTSWAP:
             self.hotswap(d, inc, now)
         elif d.kind is decisions.Kind.LOCAL:
@@ -361,7 +355,8 @@ class Supervisor:
         if len(spares) < len(failed):
             for n in failed:
                 self.nodes.exclude(n, d.reason)
-            self.stop(f"{d.reason}; {len(failed)} nodes lost and only {len(spares)} spare(s) left", decisions.EXIT_UNRECOVERABLE, now)
+            self.stop(f"{d.reason}; {len(failed)} nodes lost and only {len(spares)} spare(s) left", decisions.EXIT_UNRECOVERABLE, now,
+                      lost=set(failed))
             return
         swap = dict(zip(failed, spares))
         for f, sp in swap.items():
@@ -469,8 +464,11 @@ class Supervisor:
         self.events.emit("restart", attempt=self.restarts, max_restarts=self.cfg.launch.max_restarts, reason=d.reason, fresh=d.fresh)
         self.job.transition(JobState.RUNNING, f"restart {self.epoch}")
 
-    def stop(self, reason: str, code: int, now: float) -> None:
-        if self.exit_code is not None:
+    def stop(self, reason: str, code: int, now: float, lost: set[str] | None = None) -> None:
+        """``lost``: the nodes no spare replaces: the survivors first save S_R from memory (the ladder's salvage)."""
+        if self.exit_code is not None or (lost and self.attempt.protect_on and len(self.attempt.runtime_ready) == self.world_size
+                                          and self.ladder.salvage(self._gens(), lost, reason, self._attempt(), self.nodes.group_ranks(),
+                                                                  now, self.cfg.detect.recovery_timeout_s)):
             return
         if code == decisions.EXIT_UNRECOVERABLE:  # the ladder's last rung: say how the next job resumes
             reason = self.ladder.stop_reason(reason)
@@ -523,7 +521,10 @@ class Supervisor:
             self.commands.handle(c, now)
         self.operator_io.serve(now)
         self.replenish(now)
-        if self.job.state is not JobState.STOPPING:
+        over = self.ladder.salvage_over(now)
+        if over is not None:
+            self.stop(over, decisions.EXIT_UNRECOVERABLE, now)
+        if self.job.state is not JobState.STOPPING and self.ladder.salvaging is None:
             self.settle(now)
             self.reprotect(now)
             self.ladder.schedule(self.store, now, self.attempt, running=self.job.state is JobState.RUNNING)

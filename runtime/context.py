@@ -187,12 +187,12 @@ class Context:
             time.sleep(0.005)
         raise TimeoutError(f"no new generation after {after} within {self.recovery_timeout:g} s")
 
-    def exchange(self, gen: int, desc_json: str, deadline: float) -> list[bytes]:
-        """Publish this rank's descriptor of generation ``gen`` and read everybody's (bounded)."""
+    def exchange(self, gen: int, desc_json: str, deadline: float, ranks: list[int] | None = None) -> list[bytes]:
+        """Publish this rank's descriptor of generation ``gen`` and read everybody's (or ``ranks``'s; bounded)."""
         key = desc_key(gen, self.rank)
         self.store.set(key, desc_json)
         self._own_keys.append((gen, key))
-        keys = [desc_key(gen, r) for r in range(self.world_size)]
+        keys = [desc_key(gen, r) for r in (range(self.world_size) if ranks is None else ranks)]
         self._own_keys += [(gen, k) for k in keys if k != key]  # a dead rank's too: deleted with the generation
         while not self.store.check(keys):
             if self.latest_gen() > gen:

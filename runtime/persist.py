@@ -42,18 +42,20 @@ class Persister:
 
     def __init__(self, run_dir: str, rank: int, every: int, report: Callable[[dict], None]):
         self.run_dir, self.rank, self.every, self.report = run_dir, rank, every, report
-        self.pending: list[tuple[int, str, float, float, int, object]] = []  # step, path, t0, stage_s, bytes, future
+        self.pending: list[tuple] = []  # step, path, t0, stage_s, bytes, future, rank
         self.last = -1
 
     def due(self, step: int, asked: int = -1) -> bool:
         """Every ``every`` steps, or the step the supervisor asked for (its time-based cadence)."""
         return step > 0 and step != self.last and ((self.every > 0 and step % self.every == 0) or step == asked)
 
-    def save(self, step: int, optim: dict, local: dict, meta: dict) -> None:
+    def save(self, step: int, optim: dict, local: dict, meta: dict, rank: int | None = None) -> None:
+        """Write (async) S_step of this rank, or of the lost ``rank`` whose state this rank holds (a salvage)."""
         import torch.distributed.checkpoint as dcp
 
         self.poll()
-        path = protocol.persist_rank_dir(protocol.persist_step_dir(self.run_dir, step), self.rank)
+        rank = self.rank if rank is None else rank
+        path = protocol.persist_rank_dir(protocol.persist_step_dir(self.run_dir, step), rank)
         os.makedirs(path, exist_ok=True)
         sd = {**{f"optim/{k}": v for k, v in optim.items()}, **{f"local/{k}": v for k, v in local.items()},
               "meta": pickle.dumps(meta)}
@@ -61,14 +63,14 @@ class Persister:
         t0 = time.perf_counter()
         with _quiet_dcp():
             fut = dcp.async_save(sd, checkpoint_id=path, no_dist=True)
-        self.pending.append((step, path, t0, time.perf_counter() - t0, nbytes, fut))
+        self.pending.append((step, path, t0, time.perf_counter() - t0, nbytes, fut, rank))
         self.last = step
 
     def poll(self, wait_s: float = 0.0) -> None:
         """Report the writes that finished (from the training thread: the store client is not shared)."""
         left = []
         for item in self.pending:
-            step, path, t0, stage_s, nbytes, fut = item
+            step, path, t0, stage_s, nbytes, fut, rank = item
             f = getattr(fut, "upload_completion", fut)
             if wait_s:
                 concurrent.futures.wait([f], timeout=wait_s)
@@ -77,7 +79,7 @@ class Persister:
             elif f.exception() is not None:  # never marked complete: the previous complete checkpoint stays
                 log(f"persistent checkpoint of step {step} not written ({path}): {f.exception()!r}")
             else:
-                self.report({"type": "persisted", "step": step, "path": path, "write_s": round(time.perf_counter() - t0, 4),
+                self.report({"type": "persisted", "rank": rank, "step": step, "path": path, "write_s": round(time.perf_counter() - t0, 4),
                              "stage_s": round(stage_s, 4), "nbytes": nbytes})
         self.pending = left
 

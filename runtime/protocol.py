@@ -11,8 +11,7 @@ Key space (all under ``phx/``)::
     phx/gen/<g>/pg/...            the process groups of generation g (a PrefixStore scope)
     phx/gen/<g>/arrived           ranks that reached generation g's rendezvous (counter)
     phx/assign/<node>/<slot>      logical-rank assignment of a warm spare rank (JSON)
-    phx/hb/rank/<node>/<slot>     rank heartbeat (JSON, see ``RankHeartbeat``: t, step, gen, pid, runtime,
-                                  phase, t_step)
+    phx/hb/rank/<node>/<slot>     rank heartbeat (JSON, ``RankHeartbeat``: t, step, gen, pid, runtime, phase, t_step)
     phx/hb/agent/<node>           agent heartbeat (unix time as text)
     phx/q/sup/...                 queue: agents and ranks -> supervisor (reports)
     phx/q/agent/<node>/...        queue: supervisor -> one agent (commands)
@@ -144,6 +143,7 @@ class Membership:
     reason: str = ""
     epoch: int = 0  # restart count (torchrun's TORCHELASTIC_RESTART_COUNT)
     domains: dict[str, str] = field(default_factory=dict)  # node -> failure domain (switch), when known
+    lost: tuple[int, ...] = ()  # a salvage generation: these ranks are lost for good, the others save S_R
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -152,7 +152,7 @@ class Membership:
     def from_json(cls, text: str | bytes) -> "Membership":
         d = json.loads(text)
         d["ranks"] = tuple(RankSlot(**r) for r in d["ranks"])
-        d["joiners"] = tuple(d.get("joiners", ()))
+        d["joiners"], d["lost"] = tuple(d.get("joiners", ())), tuple(d.get("lost", ()))
         return cls(**d)
 
     def slot_of(self, rank: int) -> RankSlot:

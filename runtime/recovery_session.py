@@ -17,11 +17,12 @@ import time
 
 import torch.distributed as dist
 
-from phoenix_runtime import state
+from phoenix_runtime import protocol, state
 from phoenix_runtime.context import GenerationAbandoned, Unrecoverable, log
 from phoenix_runtime.control import STATE
 from phoenix_runtime.recovery import Descriptor, Plan, plan_recovery
 from phoenix_runtime.replication import recv_snapshot, send_snapshot
+from phoenix_runtime.salvage import salvage
 from phoenix_runtime.transport import GlooTransport
 from phoenix_runtime.wire import recv_named, send_named
 
@@ -40,6 +41,8 @@ class RecoverySession:
         while True:
             deadline = time.monotonic() + ctx.recovery_timeout  # each generation gets its own
             try:
+                if not formed and protocol.read_members(ctx.store, gen).lost:  # no node to recover onto
+                    salvage(self.t, gen, protocol.read_members(ctx.store, gen), self.live)
                 if not formed:
                     ctx.abort_groups()
                     ctx.destroy_groups()

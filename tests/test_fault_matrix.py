@@ -374,6 +374,28 @@ def test_shard_lost_everywhere_restarts_from_the_persistent_checkpoint(tmp_path,
     assert not job.leftover, job.leftover
 
 
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_no_spare_left_saves_the_state_in_memory_and_resume_loses_nothing(tmp_path, failure_free, opt):
+    """No spare and no persistent checkpoint cadence: node1 is lost at step 7 and nothing can be hot-swapped
+    onto. Every shard of S_R still survives in memory (node1's replicas are on node0), so before the job
+    stops (exit 3, resumable) the survivors write S_R as a persistent checkpoint, node1's ranks' from their
+    replicas; ``phoenix-run --resume`` completes with the failure-free digest, from step R (6 or 7)."""
+    job = run_job(tmp_path, opt, 2, 2, 0, [crash("node1", MID + 1)], runtime={"persist_every": 0, "persist_every_s": 0})
+    assert job.result.returncode == 3, job.explain()
+    assert not job.digest_path.exists()
+    saved = of_type(job.evs, "salvaged")
+    assert [e["rung"] for e in of_type(job.evs, "fallback")] == ["save_from_memory", "stop_resumable"], job.explain()
+    assert saved and saved[0]["step"] in (MID, MID + 1), job.explain()
+    assert f"phoenix-run --resume {tmp_path / 'run'}" in job.result.stderr, job.result.stderr[-2000:]
+    assert not job.leftover, job.leftover
+    (tmp_path / "clean.yaml").write_text(yaml.safe_dump({"detect": DETECT}))  # the same job without the injected fault
+    r = run_phoenix(["--resume", str(tmp_path / "run"), "--config", str(tmp_path / "clean.yaml"), "--nodes", "2",
+                     "--nproc-per-node", "2"], tmp_path, timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert of_type(events(tmp_path / "run"), "job_start")[-1]["resume"].endswith(f"step_{saved[0]['step']:09d}")
+    assert_same_digest(job.digest_path, failure_free(opt, 2, 2))
+
+
 def test_job_killed_whole_resumes_with_resume(tmp_path, failure_free):
     """The allocation is lost (every process of the job SIGKILLed, the supervisor's too) after the checkpoint of
     step 4 completed; ``phoenix-run --resume RUN_DIR`` (its script, arguments and configuration taken from the
