@@ -109,6 +109,8 @@ class RuntimeConfig:
     replicas: int = RUNTIME_DEFAULTS.replicas
     chunk_mb: float = RUNTIME_DEFAULTS.chunk_mb
     replica_timeout_s: float = RUNTIME_DEFAULTS.replica_timeout_s
+    protect_every: int = RUNTIME_DEFAULTS.protect_every  # protect every m-th step (1: every step)
+    protect_adapt: bool = RUNTIME_DEFAULTS.protect_adapt  # raise m when the copy does not fit in a step
     verify: bool = RUNTIME_DEFAULTS.verify
     transport: str = RUNTIME_DEFAULTS.transport  # gloo | mpi
     persist_every: int = RUNTIME_DEFAULTS.persist_every  # persistent checkpoints every N steps (0: off)
@@ -121,6 +123,8 @@ class RuntimeConfig:
             raise ConfigError(f"runtime.persist_every_s must be >= 0, got {self.persist_every_s}")
         if self.persist_every < 0:
             raise ConfigError(f"runtime.persist_every must be >= 0, got {self.persist_every}")
+        if self.protect_every < 1:
+            raise ConfigError(f"runtime.protect_every must be >= 1, got {self.protect_every}")
         if self.chunk_mb <= 0:
             raise ConfigError("runtime.chunk_mb must be > 0")
         if self.transport not in TRANSPORTS:

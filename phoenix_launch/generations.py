@@ -79,7 +79,7 @@ class GenerationPublisher:
         self._seen = set(now)
         self.stable = self.members
         keys = [k for g in range(self._swept, self.gen) for k in (protocol.k_members(g), protocol.k_arrived(g))]
-        keys += [k for node in sorted(gone) for k in protocol.node_keys(node, self.nproc)]
+        keys += [k for node in sorted(gone) for k in node_keys(node, self.nproc)]
         self._swept = max(self._swept, self.gen)
         delete = getattr(self.store, "delete_key", None)
         if delete is None:  # a store without deletes (tests' fakes) keeps them
@@ -122,3 +122,12 @@ class AttemptProgress:
     unrecoverable: dict[int, protocol.Unrecoverable] = field(default_factory=dict)  # ranks that cannot recover
     unrecoverable_t0: float | None = None
     runtime_seen: bool = False  # a rank of this job (this attempt or one before) runs the PHOENIX runtime
+
+
+def node_keys(node: str, nproc: int) -> list[str]:
+    """The keys a node's agent and ranks use (``protocol``): deleted once the node has left the job."""
+    keys = [protocol.k_agent_hb(node), f"{protocol.q_agent(node)}/n", f"{protocol.q_agent(node)}/read"]
+    for s in range(nproc):
+        q = protocol.q_rank(node, s)
+        keys += [protocol.k_rank_hb(node, s), protocol.k_assign(node, s), f"{q}/n", f"{q}/read"]
+    return keys

@@ -45,9 +45,13 @@ class Persister:
         self.pending: list[tuple] = []  # step, path, t0, stage_s, bytes, future, rank
         self.last = -1
 
-    def due(self, step: int, asked: int = -1) -> bool:
-        """Every ``every`` steps, or the step the supervisor asked for (its time-based cadence)."""
-        return step > 0 and step != self.last and ((self.every > 0 and step % self.every == 0) or step == asked)
+    def due(self, step: int, asked: int = -1, after: int | None = None) -> bool:
+        """Is protected step ``step`` (the next protected one: ``after``) written? When the steps since it
+        reach a multiple of ``every``, or the step the supervisor asked for (its time-based cadence): with
+        protection every step, exactly those steps; every rank decides the same."""
+        after = step + 1 if after is None else after
+        crossed = self.every > 0 and (after - 1) // self.every > (step - 1) // self.every
+        return step > 0 and step != self.last and (crossed or step <= asked < after)
 
     def save(self, step: int, optim: dict, local: dict, meta: dict, rank: int | None = None) -> None:
         """Write (async) S_step of this rank, or of the lost ``rank`` whose state this rank holds (a salvage)."""

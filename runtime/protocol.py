@@ -64,6 +64,7 @@ class Store(Protocol):
 K_GEN = "phx/gen"
 K_RUN_ID = "phx/run_id"
 K_PERSIST_AT = "phx/persist/at"  # the step every rank writes a persistent checkpoint of (time-based cadence)
+K_PROTECT_EVERY = "phx/protect/every"  # protect every m-th step from the next generation on (0: the setting)
 
 
 def k_members(gen: int) -> str:
@@ -116,12 +117,8 @@ def persist_step_of(step_dir) -> int:  # a persist_step_dir, str or path
     return int(str(step_dir).rstrip("/").rsplit("_", 1)[-1])
 
 
-def node_keys(node: str, nproc: int) -> list[str]:
-    """The keys a node's agent and ranks use: deleted once the node has left the job."""
-    keys = [k_agent_hb(node), f"{q_agent(node)}/n", f"{q_agent(node)}/read"]
-    for s in range(nproc):
-        keys += [k_rank_hb(node, s), k_assign(node, s), f"{q_rank(node, s)}/n", f"{q_rank(node, s)}/read"]
-    return keys
+def read_protect_every(store) -> int:
+    return int(store.add(K_PROTECT_EVERY, 0))
 
 
 # --- messages --------------------------------------------------------------------------------------

@@ -60,9 +60,10 @@ class Plan:
     fresh: tuple[int, ...] = ()  # those joiners
 
 
-def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shard_of: dict[int, str], replicated: bool) -> Plan:
+def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shard_of: dict[int, str], replicated: bool,
+                  every: int = 1) -> Plan:
     """Pure: the resume step and the transfers. ``dp_groups[r]``: ranks with r's TP/PP coordinate;
-    ``shard_of[r]``: the logical id of r's optimizer shard."""
+    ``shard_of[r]``: the logical id of r's optimizer shard; ``every``: protection every m-th step."""
     by_rank = {d.rank: d for d in descs}
     survivors = [d for d in descs if d.has_state]
     joiners = tuple(sorted(d.rank for d in descs if not d.has_state))
@@ -76,7 +77,7 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
     # envelope of the step before the newest may not be committed yet: then two steps are replayed.
     newest = max((d.live_step for d in survivors if d.live_step is not None), default=None)
     if newest is not None:
-        candidates = [c for c in candidates if c >= newest - 2]
+        candidates = [c for c in candidates if c >= newest - 1 - every]
     for step in candidates:
         if not all(d.can_provide(step) for d in survivors):
             continue

@@ -71,7 +71,8 @@ class RecoverySession:
         descs = [Descriptor.from_json(d) for d in raw]
         shard_of = {r: str(layout.shard_of(r)) for r in range(ctx.world_size)}
         try:
-            plan = plan_recovery(descs, {r: layout.dp_group(r) for r in range(ctx.world_size)}, shard_of, replicated=t.replicated)
+            plan = plan_recovery(descs, {r: layout.dp_group(r) for r in range(ctx.world_size)}, shard_of, replicated=t.replicated,
+                                 every=t.cadence_bound())
         except Unrecoverable as e:
             t.give_up(str(e), live)
             raise

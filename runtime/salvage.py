@@ -38,7 +38,8 @@ def salvage(t, gen: int, mem: protocol.Membership, live) -> None:
     layout = t.layout()
     shard_of = {r: str(layout.shard_of(r)) for r in range(ctx.world_size)}
     try:
-        plan = plan_recovery(descs, {r: layout.dp_group(r) for r in range(ctx.world_size)}, shard_of, replicated=t.replicated)
+        plan = plan_recovery(descs, {r: layout.dp_group(r) for r in range(ctx.world_size)}, shard_of, replicated=t.replicated,
+                             every=t.cadence_bound())
         if plan.fresh:
             raise Unrecoverable("nothing to save before the first step completed")
     except Unrecoverable as e:

@@ -27,6 +27,10 @@ class RuntimeSettings:
     replicas: int = 1  # k: optimizer-shard replicas on distinct DP peers
     chunk_mb: float = 4.0  # H2H chunk size
     replica_timeout_s: float = 60.0  # optimizer_step() waits at most this long for the replica commit
+    # protect every m-th step (the paper's rule when the copy does not fit in one step): a recovery replays
+    # up to m steps; the supervisor raises it when the copy does not fit (protect_adapt)
+    protect_every: int = 1
+    protect_adapt: bool = True
     verify: bool = True  # checksum every replica and every recovery transfer
     resends: int = 2  # a transfer that fails its checksum at the receiver is sent again at most this often
     transport: str = "gloo"  # the H2H / recovery transport

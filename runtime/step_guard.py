@@ -64,7 +64,7 @@ class StepGuard:
             t.faults.fire(step, "begin")
             if t.first_step is None:
                 t.first_step = step
-            if t.protect_on and step != t.protected_step:
+            if t.protect_on and t.protect_due(step):
                 t.protect_now(step)
             t.faults.fire(step, "forward")
             yield t
@@ -81,7 +81,7 @@ class StepGuard:
     def optimizer_step(self) -> None:
         t = self.t
         step = t.step_idx
-        if t.protect_on and t.protection is not None:
+        if t.protect_on and t.protection is not None and t.last_protected == step:
             t0 = time.perf_counter()
             try:
                 t.protection.wait(step, t.ctx.check_generation)

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from phoenix_runtime import persist, state
+from phoenix_runtime import persist, protocol, state
 from phoenix_runtime.context import Context, GenerationAbandoned, Unrecoverable, log
 from phoenix_runtime.control import STATE
 from phoenix_runtime.faults import FaultInjector
@@ -53,6 +53,8 @@ class ProtectedTraining:
         self.opt_started = False
         self.first_step: int | None = None  # the step this process's run started at
         self.protected_step = -1  # a step whose protection was already done by the recovery
+        self.last_protected = -1  # the newest step whose protection started
+        self.every, self.base = self.settings.protect_every, None  # protected steps: base, base + every, ...
         self.replication_failed_gen = -1
         self.stats: dict[str, Any] = {"recoveries": []}
         self.metas: dict[int, dict] = {}  # envelopes of the last steps (the live step's, for a rollback)
@@ -191,6 +193,18 @@ class ProtectedTraining:
             self.retained = merge_replicas(self.retained, self.protection.close())
             self.protection = None
 
+    def protect_due(self, step: int) -> bool:
+        """Is S_step protected? Every ``every``-th step from the run's first step or the last recovery's R: the
+        same steps on every rank (a joiner learns ``every`` in the recovery, ``after_recovery``)."""
+        if self.base is None:
+            self.base = step
+        return step != self.protected_step and (step - self.base) % self.every == 0
+
+    def cadence_bound(self) -> int:
+        """The largest cadence any rank of this generation may have protected with (a recovery plan looks that far
+        back); the same on every rank, a joiner's included: the supervisor only ever raises the cadence."""
+        return max(protocol.read_protect_every(self.ctx.store) if self.ctx.managed else 0, self.settings.protect_every)
+
     def protect_now(self, step: int) -> None:
         """Capture S_k's envelope and start its protection."""
         if self.protection is None:
@@ -201,16 +215,18 @@ class ProtectedTraining:
             del self.metas[old]
         self.boundary_buffers = state.buffers_now(self.objs.module)
         self.boundary_step = step
-        self._persist(step - 1)
+        self._persist(self.last_protected, step)
+        self.last_protected = step
         self.protection.protect(step, meta)
         self._report_protection(step)
 
-    def _persist(self, k: int) -> None:
-        """A persistent checkpoint of S_k, from its committed local snapshot (before the next D2H reuses it)."""
+    def _persist(self, k: int, now: int) -> None:
+        """A persistent checkpoint of S_k (the protected step before ``now``), from its committed local snapshot
+        (before the next D2H reuses it)."""
         if self.persister is None:
             return
         asked = self.ctx.ctl.persist_at if self.ctx.managed else -1
-        snap = self.d2h_committed().get(k) if self.persister.due(k, asked) else None
+        snap = self.d2h_committed().get(k) if k >= 0 and self.persister.due(k, asked, now) else None
         if snap is None:
             self.persister.poll()
             return
@@ -344,7 +360,9 @@ class ProtectedTraining:
 
     def after_recovery(self, R: int, first: int) -> None:
         self.first_step = first if self.first_step is None else min(self.first_step, first)
-        self.protected_step = R
+        self.protected_step = self.last_protected = R
+        # the cadence of this generation: the supervisor's (raised when the copy did not fit), else the setting
+        self.base, self.every = R, (protocol.read_protect_every(self.ctx.store) if self.ctx.managed else 0) or self.settings.protect_every
         self.step_idx = R
         self.opt_started = False
         self.retained = {}  # every shard of S_R is in two places again: the old replicas are freed

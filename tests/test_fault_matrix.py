@@ -162,14 +162,14 @@ def record(job: Job, expected: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def assert_recovered(job: Job, expected: dict, n_recoveries: int = 1, failed_at: int | None = None) -> list[dict]:
+def assert_recovered(job: Job, expected: dict, n_recoveries: int = 1, failed_at: int | None = None, every: int = 1) -> list[dict]:
     record(job, expected)
     assert job.result.returncode == 0, job.explain()
     recs = of_type(job.evs, "recovery")
     assert len(recs) >= n_recoveries, f"{len(recs)} recovery event(s), expected >= {n_recoveries}: {[e['type'] for e in job.evs]}"
     argv = next((e.get("argv") or [] for e in job.evs if e["type"] == "job_start"), [])
     replicated = any(a in ("adam", "adamw") for a in argv)  # ranks of a replicated optimizer may be a step apart
-    check_resume_steps(job.evs, failed_at, lag=1 if replicated else 0)
+    check_resume_steps(job.evs, failed_at, lag=(1 if replicated else 0) + every - 1)  # protect_every: up to m steps back
     for rec in recs:
         for k in ("quiesce_s", "reconfigure_s", "param_restore_s", "optim_restore_s", "resume_s", "total_s"):
             assert rec.get(k) is not None and rec[k] >= 0, rec
@@ -201,6 +201,17 @@ def test_node_crash_at_step(tmp_path, failure_free, opt, step):
     job = run_job(tmp_path, opt, 2, 2, 1, [crash("node1", step)])
     assert_recovered(job, failure_free(opt, 2, 2))
     assert [(e["failed"], e["spare"]) for e in of_type(job.evs, "hotswap")] == [("node1", "node2")]
+
+
+@pytest.mark.parametrize("opt,step,phase,resume", [("zero", 5, "begin", 3), ("zero", 8, "optimizer", 6), ("adamw", 7, "forward", 6),
+                                                    ("adamw", 1, "begin", 0)])
+def test_protection_every_third_step(tmp_path, failure_free, opt, step, phase, resume):
+    """runtime.protect_every: 3 (what the supervisor adapts to when the copy does not fit in a step): S_0, S_3,
+    S_6... are protected, the steps between them are not; a node lost at any of them resumes at the last
+    protected step before it (replaying up to 3 steps) and the final digest is the failure-free one."""
+    job = run_job(tmp_path, opt, 2, 2, 1, [crash("node1", step, phase)], runtime={"protect_every": 3})
+    assert_recovered(job, failure_free(opt, 2, 2), every=3)
+    assert [e["resume_step"] for e in of_type(job.evs, "recovery")] == [resume], of_type(job.evs, "recovery")
 
 
 @pytest.mark.parametrize("opt,phase", rows("opt,phase", [(o, p) for o in OPTIMIZERS for p in ("forward", "optimizer", "d2h", "h2h")],
