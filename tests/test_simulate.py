@@ -467,6 +467,22 @@ def test_from_run_takes_the_persistent_checkpoints_cost_and_cadence(tmp_path):
     assert inp.sources["ckpt_write"] == inp.sources["phx_ckpt_every"] == "--from-run"
 
 
+def test_protection_cadence_costs_the_steps_since_the_last_protected_one(tmp_path):
+    """protect_every m: a hot-swap also replays the completed steps since the last protected step, (m - 1) / 2
+    on average: the MC agrees with eq. (5) so extended; --from-run takes the cadence the run adapted to."""
+    cfg = _cfg(protect_every=5)
+    px = summarise_strategy(run_monte_carlo(cfg)["phoenix"], cfg.steps, cfg.step_time)["per_failure"]
+    assert cost_phoenix(1.0, 10.0, protect_every=5).total == pytest.approx(10.0 + 0.5 + 2.0)
+    assert _in_ci(px["total_s"], cost_phoenix(1.0, 10.0, protect_every=5).total), px["total_s"]
+    ev = [json.dumps({"v": 1, "t": 1.0 + i, "type": "progress", "step": i, "step_time_s": 0.5}) for i in range(3)]
+    ev += [json.dumps({"v": 1, "t": 5.0, "type": "reprotect", "gen": 1, "reason": "r", "protect_every": 3}),
+           json.dumps({"v": 1, "t": 20.0, "type": "recovery", "total_s": 0.7, "path": "hotswap"})]
+    _write_events(tmp_path / "events.jsonl", ev)
+    inp = resolve_inputs({}, from_run=tmp_path)
+    assert inp.protect_every == 3 and inp.sources["protect_every"] == "--from-run"
+    assert resolve_inputs({"protect_every": "1"}, from_run=tmp_path).protect_every == 1  # explicit wins
+
+
 def test_read_run_events_errors(tmp_path):
     with pytest.raises(SimulateInputError, match="no events.jsonl"):
         read_run_events(tmp_path / "nope")

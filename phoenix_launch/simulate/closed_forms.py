@@ -54,11 +54,14 @@ def cost_ckpt(step_time: float, ckpt_every: int, restart: float, overhead: float
                        partial_not_in_eq=step_time * mean_phi)
 
 
-def cost_phoenix(step_time: float, hotswap: float, mean_phi: float = 0.5, overhead: float = 0.0) -> FailureCost:
-    """Eq. (5): E[C_phx] = C_overhead (~0) + E[T_hotswap] + t_step * E[phi]; at most one partial step is lost."""
+def cost_phoenix(step_time: float, hotswap: float, mean_phi: float = 0.5, overhead: float = 0.0,
+                 protect_every: int = 1) -> FailureCost:
+    """Eq. (5): E[C_phx] = C_overhead (~0) + E[T_hotswap] + t_step * E[phi]; at most one partial step is lost.
+    Protecting every m-th step adds the completed steps since the last protected one: (m - 1) / 2 on average."""
     if not 0.0 <= mean_phi <= 1.0:
         raise SimulateInputError(f"E[phi] must lie in [0, 1], got {mean_phi}")
-    return FailureCost(overhead=overhead, recovery=hotswap, replay=0.0, partial=step_time * mean_phi)
+    return FailureCost(overhead=overhead, recovery=hotswap, replay=step_time * (max(1, protect_every) - 1) / 2,
+                       partial=step_time * mean_phi)
 
 
 def cost_rate(mttf_sys: float, cost: float | FailureCost) -> float:

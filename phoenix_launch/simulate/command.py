@@ -63,6 +63,9 @@ _CKPT_OVERHEAD_OPTION = _opt(
 _PHX_CKPT_EVERY_OPTION = _opt(
     "--phx-ckpt-every", "K", "Persistent checkpoints PHOENIX keeps as a fallback for unrecoverable losses and "
     "unhandled failures, every K steps; 0 for none \\[default: same as --ckpt-every].", _TRAIN)
+_PROTECT_EVERY_OPTION = _opt(
+    "--protect-every", "M", "PHOENIX protects every M-th step (runtime.protect_every; the supervisor raises it when "
+    "the copy does not fit in a step): a hot-swap replays up to M-1 more steps \[default: 1].", _TRAIN)
 _RESTART_OPTION = _opt(
     "--restart", "DIST", "Checkpoint-restart time: 600s, or uniform:LO:HI, lognormal:MEDIAN:SIGMA, exp:MEAN, "
     "empirical:A,B,... \\[default: 600s].", _RECOV)
@@ -122,6 +125,7 @@ def simulate(
     ckpt_write: Optional[str] = _CKPT_WRITE_OPTION,
     ckpt_overhead: Optional[str] = _CKPT_OVERHEAD_OPTION,
     phx_ckpt_every: Optional[str] = _PHX_CKPT_EVERY_OPTION,
+    protect_every: Optional[str] = _PROTECT_EVERY_OPTION,
     restart: Optional[str] = _RESTART_OPTION,
     hotswap: Optional[str] = _HOTSWAP_OPTION,
     transient_frac: Optional[str] = _TRANSIENT_FRAC_OPTION,
@@ -147,7 +151,7 @@ def simulate(
         "gpus": gpus, "nodes": nodes, "gpus_per_node": gpus_per_node, "mttf_node": mttf_node, "mttf_sys": mttf_sys,
         "mttf_domain": mttf_domain, "domain_size": domain_size, "step_time": step_time, "steps": steps,
         "ckpt_every": ckpt_every, "ckpt_write": ckpt_write, "ckpt_overhead": ckpt_overhead,
-        "phx_ckpt_every": phx_ckpt_every, "restart": restart, "hotswap": hotswap,
+        "phx_ckpt_every": phx_ckpt_every, "protect_every": protect_every, "restart": restart, "hotswap": hotswap,
         "transient_frac": transient_frac, "unhandled_frac": unhandled_frac, "spares": spares,
         "replenish": replenish, "cold_spare": cold_spare, "replicas": replicas, "shards": shards, "p_node": p_node,
         "q_domain": q_domain,

@@ -22,7 +22,7 @@ DEFAULTS: dict[str, Any] = {
     "gpus": "4096", "gpus_per_node": "8", "mttf_node": "2y", "step_time": "20s", "ckpt_every": "100",
     "restart": "600s", "hotswap": "30s", "spares": "2", "replicas": "1", "steps": "100000", "trials": "1000",
     "seed": "0", "replenish": "4h", "cold_spare": "restart", "domain_size": "8", "transient_frac": "0",
-    "unhandled_frac": "0",
+    "unhandled_frac": "0", "protect_every": "1",
     "project_to": "100000", "risk_target": "0.01",
 }
 
@@ -45,6 +45,7 @@ class Inputs:
     ckpt_write: float
     ckpt_overhead: float          # eq. (2)'s amortised C_overhead (per failure)
     phx_ckpt_every: int
+    protect_every: int
     restart: Dist
     hotswap: Dist
     spares: int
@@ -82,7 +83,7 @@ class Inputs:
         return SimConfig(
             steps=self.steps, step_time=self.step_time, mttf_node_sys=self.mttf_node_sys, restart=self.restart,
             hotswap=self.hotswap, ckpt_every=self.ckpt_every, ckpt_write=self.ckpt_write,
-            phx_ckpt_every=self.phx_ckpt_every, spares=self.spares, replenish=self.replenish,
+            phx_ckpt_every=self.phx_ckpt_every, protect_every=self.protect_every, spares=self.spares, replenish=self.replenish,
             cold_spare=self.cold_spare, replicas=self.replicas, shards=self.shards, node_rate=node_rate,
             domain_mttf_sys=dom_sys,
             domain_size=self.domain_size, domain_count=self.domains,
@@ -157,7 +158,7 @@ def _merge_values(explicit: dict[str, Any], preset: str | None,
         values["step_time"] = run_info["step_time_s"]
         values["hotswap"] = Dist("empirical", tuple(run_info["recovery_s"]))
         sources["step_time"] = sources["hotswap"] = "--from-run"
-        for key, name in (("ckpt_write_s", "ckpt_write"), ("persist_every", "phx_ckpt_every")):
+        for key, name in (("ckpt_write_s", "ckpt_write"), ("persist_every", "phx_ckpt_every"), ("protect_every", "protect_every")):
             if key in run_info:  # the run's persistent checkpoints: measured write cost, configured cadence
                 values[name], sources[name] = run_info[key], "--from-run"
     values.update(explicit)
@@ -189,7 +190,7 @@ def _run_settings(values: _Values) -> dict[str, Any]:
             f"--trials: at most {MAX_TRIALS:,} (memory grows with trials), got {values.values['trials']!r}")
     out.update(seed=values.count("seed", 0), spares=values.count("spares", 0),
                replicas=values.count("replicas", 0), domain_size=values.count("domain_size", 1),
-               project_to=values.count("project_to", 1))
+               project_to=values.count("project_to", 1), protect_every=values.count("protect_every", 1))
     out["transient_frac"] = values.fraction("transient_frac")
     out["unhandled_frac"] = values.fraction("unhandled_frac")
     if out["transient_frac"] + out["unhandled_frac"] > 1:

@@ -27,7 +27,7 @@ def read_run_events(run_dir: str | Path) -> dict:
         raise SimulateInputError(f"--from-run: no events.jsonl at {f}")
     with f.open("r", encoding="utf-8", errors="replace") as fh:
         parsed, skipped = parse_events(fh)  # a torn last line of a killed run is skipped
-    step_times, recov, paths, writes = [], [], {}, []
+    step_times, recov, paths, writes, cadence = [], [], {}, [], []
     for ev in parsed:
         if ev.get("v", 1) != 1:
             skipped += 1
@@ -38,6 +38,8 @@ def read_run_events(run_dir: str | Path) -> dict:
                 x = float(ev["step_time_s"])
                 if math.isfinite(x) and x > 0:
                     step_times.append(x)
+            elif typ == "reprotect" and ev.get("protect_every"):
+                cadence.append(int(ev["protect_every"]))  # the protection's cadence, as the supervisor adapted it
             elif typ == "checkpoint_complete" and ev.get("write_s") is not None:
                 writes.append(float(ev["write_s"]))  # a persistent checkpoint: every rank's write, the slowest
             elif typ == "recovery" and ev.get("total_s") is not None:
@@ -56,18 +58,21 @@ def read_run_events(run_dir: str | Path) -> dict:
            "paths": paths, "skipped_lines": skipped, "progress_events": len(step_times)}
     if writes:  # the run wrote persistent checkpoints: their measured write time, and their cadence
         out["ckpt_write_s"] = float(statistics.median(writes))
-    every = _persist_every(f.parent / "config.yaml")
+    every = _runtime_key(f.parent / "config.yaml", "persist_every")
     if every:
         out["persist_every"] = every
+    protect = cadence[-1] if cadence else _runtime_key(f.parent / "config.yaml", "protect_every")
+    if protect:
+        out["protect_every"] = protect  # the cadence the run ended at (adapted), else its setting
     return out
 
 
-def _persist_every(config: Path) -> int:
-    """The run's ``runtime.persist_every`` (its resolved config.yaml), 0 when unknown."""
+def _runtime_key(config: Path, key: str) -> int:
+    """The run's ``runtime.<key>`` (its resolved config.yaml), 0 when unknown."""
     try:
         import yaml
 
-        return int(((yaml.safe_load(config.read_text()) or {}).get("runtime") or {}).get("persist_every") or 0)
+        return int(((yaml.safe_load(config.read_text()) or {}).get("runtime") or {}).get(key) or 0)
     except (OSError, ValueError, TypeError, AttributeError):
         return 0
 

@@ -32,6 +32,7 @@ class SimConfig:
     ckpt_every: int = 100                # checkpoint-restart's persistent checkpoint interval (steps)
     ckpt_write: float = 0.0              # blocking write time per checkpoint (s)
     phx_ckpt_every: int = 0              # PHOENIX's fallback checkpoint interval (0: none; falls back to step 0)
+    protect_every: int = 1               # PHOENIX protects every m-th step: a hot-swap replays up to m - 1 more
     spares: int | None = None            # None: unlimited
     replenish: Dist = Dist.fixed(4 * 3600.0)
     cold_spare: float | None = None      # a dry pool waits at most this long (a cold node from the scheduler)
@@ -414,8 +415,10 @@ class _Phoenix:
         """Where compute resumes, and the work thrown away."""
         acc, tl, prim, ts = state.acc, self.timeline, hit.primary, self.cfg.step_time
         rs = cls == _RESTART
-        # hot-swap / local, primary: redo only the interrupted step (and a torn checkpoint write)
-        hs_v0 = tl.time_after_step(hit.step) - tl.write * hit.in_write
+        # hot-swap / local, primary: redo only the interrupted step (and a torn checkpoint write); protecting
+        # every m-th step, also the steps since the last protected one
+        m = max(1, self.cfg.protect_every)
+        hs_v0 = tl.time_after_step(np.floor(hit.step / m) * m if m > 1 else hit.step) - tl.write * hit.in_write
         new_v0 = np.where(rs, np.where(prim, hit.ckpt_virtual, np.minimum(state.v0, hit.ckpt_virtual)),
                           np.where(prim, hs_v0, state.v0))
         R = np.where(prim & rs, hit.step - state.ckpt, 0.0)

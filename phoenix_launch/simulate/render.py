@@ -88,7 +88,8 @@ def _render_header(console, Panel, rep: dict) -> None:
     head.append(
         f"checkpoint every {inp['ckpt_every']:,} steps, write {_dur(inp['ckpt_write_s'])}; restart "
         f"{_dist(inp['restart'])}; hot-swap {_dist(inp['hotswap'])}; PHOENIX fallback checkpoint "
-        + (f"every {inp['phx_ckpt_every']:,} steps" if inp["phx_ckpt_every"] else "none (falls back to step 0)"))
+        + (f"every {inp['phx_ckpt_every']:,} steps" if inp["phx_ckpt_every"] else "none (falls back to step 0)")
+        + (f"; PHOENIX protects every {inp['protect_every']} steps" if inp.get("protect_every", 1) > 1 else ""))
     head.append(f"spares {inp['spares']} (back after {_dist(inp['replenish'])}"
                 + (f", or a cold node after {_dur(inp['cold_spare_s'])}" if inp.get("cold_spare_s") is not None else "")
                 + f"), replicas k={inp['replicas']}, "

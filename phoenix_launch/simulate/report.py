@@ -23,7 +23,7 @@ def _closed_forms(inp: Inputs) -> dict:
     ts, K = inp.step_time, inp.ckpt_every
     ck = cost_ckpt(ts, K, inp.restart.mean, inp.ckpt_overhead)
     phx_ovh = amortised_ckpt_overhead(inp.ckpt_write, inp.phx_ckpt_every, ts, inp.mttf_sys)
-    px = cost_phoenix(ts, inp.hotswap.mean, 0.5, phx_ovh)
+    px = cost_phoenix(ts, inp.hotswap.mean, 0.5, phx_ovh, inp.protect_every)
     return {
         "mttf_sys_s": inp.mttf_sys,
         "lambda_per_s": 1.0 / inp.mttf_sys,
@@ -165,7 +165,7 @@ def _inputs_json(inp: Inputs) -> dict:
         "preset": inp.preset, "gpus": inp.gpus, "gpus_per_node": inp.gpus_per_node, "nodes": inp.nodes,
         "mttf_node_s": inp.mttf_node, "mttf_sys_s": inp.mttf_sys, "step_time_s": inp.step_time,
         "ckpt_every": inp.ckpt_every, "ckpt_write_s": inp.ckpt_write, "ckpt_overhead_s": inp.ckpt_overhead,
-        "phx_ckpt_every": inp.phx_ckpt_every, "restart": inp.restart.to_json(), "hotswap": inp.hotswap.to_json(),
+        "phx_ckpt_every": inp.phx_ckpt_every, "protect_every": inp.protect_every, "restart": inp.restart.to_json(), "hotswap": inp.hotswap.to_json(),
         "spares": inp.spares, "replenish": inp.replenish.to_json(), "cold_spare_s": inp.cold_spare,
         "replicas": inp.replicas,
         "shards": inp.shards, "p_node": inp.p_node, "q_domain": inp.q_domain, "mttf_domain_s": inp.mttf_domain,
