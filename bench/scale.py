@@ -6,7 +6,8 @@ For each per-rank state size (parameters + the ZeRO optimizer shard, MB; the mod
 with its width and depth chosen to give that size, batch 1 x 16 tokens so that the step is mostly the state's
 own traffic), 2 nodes x 2 ranks:
 
-* iteration time with protection on and off, alternating (the paper's trimmed mean), and their ratio;
+* iteration time with protection on and off, alternating (the paper's trimmed mean), and their ratio, with
+  the cadence the protection ended at (every m-th step: raised when the copy does not fit in a step);
 * D2H throughput (the local snapshot: parameters + shard, from the last step's copy time) against this
   machine's memcpy bandwidth, and H2H throughput (the shard to its replica peer) against one loopback TCP
   connection's bandwidth, both limits measured in this run (``limits``);
@@ -181,6 +182,7 @@ def measure(td: Path, mb: float, a, limits: dict) -> dict | None:
     rss: dict[str, int] = {}
     stats: dict = {}
     prot: dict = {}
+    every = 1
     for i in range(a.pairs):
         for mode in ("on", "off"):
             r = job(td, f"s{int(mb)}-{mode}{i}", d, layers, a, mode == "on")
@@ -191,6 +193,7 @@ def measure(td: Path, mb: float, a, limits: dict) -> dict | None:
             if mode == "on":
                 stats = r["stats"]
                 prot = next((e for e in r["events"] if e["type"] == "protection"), {})
+                every = max([e.get("protect_every") or 1 for e in r["events"] if e["type"] == "reprotect"], default=1)
     if not times["on"] or not times["off"]:
         return {**row, "skipped": "a run failed"}
     on, off = sum(times["on"]) / len(times["on"]), sum(times["off"]) / len(times["off"])
@@ -199,7 +202,7 @@ def measure(td: Path, mb: float, a, limits: dict) -> dict | None:
     sent = stats.get("h2h_total_bytes_sent", 0) / max(stats.get("h2h_steps", 1), 1)
     row.update(on_ms=on * 1e3, off_ms=off * 1e3, ratio=on / off, d2h_gbps=(optim + param) / d2h_s / 1e9 if d2h_s else None,
                h2h_gbps=sent / h2h_s / 1e9 if h2h_s and sent else None, host_formula_mb=prot.get("host_bytes", 0) / 1e6,
-               rss_extra_mb=(rss.get("on", 0) - rss.get("off", 0)) / 1e6, optim_mb=optim / 1e6)
+               rss_extra_mb=(rss.get("on", 0) - rss.get("off", 0)) / 1e6, optim_mb=optim / 1e6, every=every)
     if not a.no_recovery:
         r = job(td, f"s{int(mb)}-rec", d, layers, a, True, fault_step=a.steps // 2)
         rec = next((e for e in (r or {}).get("events", []) if e["type"] == "recovery"), None)
@@ -215,15 +218,16 @@ def fmt(v, f="{:.2f}") -> str:
 def table(rows: list[dict], limits: dict) -> None:
     print(f"\nlimits measured in this run: memcpy {limits['memcpy']:.2f} GB/s, loopback TCP (one connection) "
           f"{limits['tcp']:.2f} GB/s; {RANKS} ranks on {os.cpu_count()} cores")
-    print("| state/rank MB | on ms | off ms | on/off | D2H GB/s (% memcpy) | H2H GB/s (% TCP) | recovery s | host MB formula | RSS on-off MB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| state/rank MB | on ms | off ms | on/off | protected every | D2H GB/s (% memcpy) | H2H GB/s (% TCP) | recovery s | "
+          "host MB formula | RSS on-off MB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "skipped" in r:
-            print(f"| {r['state_mb']:.0f} | skipped: {r['skipped']} | | | | | | | |")
+            print(f"| {r['state_mb']:.0f} | skipped: {r['skipped']} | | | | | | | | |")
             continue
         d2h = f"{fmt(r['d2h_gbps'])} ({fmt(r['d2h_gbps'] and 100 * r['d2h_gbps'] / limits['memcpy'], '{:.0f}')}%)"
         h2h = f"{fmt(r['h2h_gbps'])} ({fmt(r['h2h_gbps'] and 100 * r['h2h_gbps'] / limits['tcp'], '{:.0f}')}%)"
-        print(f"| {r['state_mb']:.1f} | {r['on_ms']:.1f} | {r['off_ms']:.1f} | {r['ratio']:.3f} | {d2h} | {h2h} | "
+        print(f"| {r['state_mb']:.1f} | {r['on_ms']:.1f} | {r['off_ms']:.1f} | {r['ratio']:.3f} | {r['every']} | {d2h} | {h2h} | "
               f"{fmt(r.get('recovery_s'))} | {r['host_formula_mb']:.0f} | {r['rss_extra_mb']:.0f} |")
 
 

@@ -139,13 +139,18 @@ class NodeTable:
         """Spare nodes up or starting (warm or not)."""
         return sum(1 for n in self.nodes.values() if n.is_spare and n.state in (NodeState.STARTING, NodeState.SPARE))
 
-    def spares(self, ranks_warm: Callable[[Node], bool]) -> tuple[str, ...]:
+    def spares(self, store, nproc: int) -> tuple[str, ...]:
         """The spare nodes, in the order they are picked: warm ones first (agent up, or every rank joined to
         the control plane -- an agent joins only after its ranks), then those still starting (an assignment
         waits in the store for their ranks: a slow spare still beats stopping the job); in node order within
         each group."""
+        def warm(n: Node) -> bool:
+            try:
+                return bool(store is not None and store.check([protocol.k_rank_hb(n.name, s) for s in range(nproc)]))
+            except Exception:  # noqa: BLE001 -- a store that does not answer: not known to be warm
+                return False
         cands = self.spare_nodes()
-        return tuple(n.name for n in sorted(cands, key=lambda n: not (n.state is NodeState.SPARE or ranks_warm(n))))
+        return tuple(n.name for n in sorted(cands, key=lambda n: not (n.state is NodeState.SPARE or warm(n))))
 
     def group_ranks(self) -> dict[str, int | None]:
         return {n.name: n.group_rank for n in self}

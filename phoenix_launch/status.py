@@ -50,7 +50,7 @@ def nothing_done(attempt, store: Any, members: protocol.Membership, world_size: 
 
 
 def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: int, nproc: int, nodes: NodeTable,
-               members: protocol.Membership, store: Any, events: EventLog) -> dict[str, Any]:
+               members: protocol.Membership, store: Any, events: EventLog, protect_every: int = 1) -> dict[str, Any]:
     hbs = read_rank_heartbeats(store, members)
     rows = []
     for n in nodes:
@@ -69,6 +69,7 @@ def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: in
         "step": min(steps) if steps else -1,
         "steps_per_s": round(min(sps), 3) if sps else 0.0,
         "spares_left": len(nodes.spare_nodes()),
+        "protect_every": protect_every,  # every m-th step is protected (adapted when the copy does not fit)
         "nodes": rows,
         "events": events.recent[-8:],
         "store_keys": _num_keys(store),  # the control plane's store: flat over a long job

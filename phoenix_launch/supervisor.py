@@ -55,7 +55,8 @@ class Supervisor:
         self.recovery = RecoveryWatch(self.world_size, cfg.detect.recovery_timeout_s)
         self.replenisher = Replenisher(backend, self.events, target=launch.spares, enabled=launch.replenish or cfg.slurm.replenish,
                                        spec_for=lambda join: self.agent_spec(Node.new(f"replenish-{join}"), join=join))
-        self.reprotector = Reprotector(cfg.detect.reprotect_max, grace_s=max(cfg.detect.settle_s, 2 * cfg.detect.heartbeat_s))
+        self.reprotector = Reprotector(cfg.detect.reprotect_max, grace_s=max(cfg.detect.settle_s, 2 * cfg.detect.heartbeat_s),
+                                       every=cfg.runtime.protect_every, adapt=cfg.runtime.protect_adapt)
         self.ladder = checkpoints.Ladder(run_dir, self.world_size, launch.persist_keep, self.events,
                                          every_s=cfg.runtime.persist_every_s, lead_s=4 * cfg.detect.heartbeat_s)
         self.resume = launch.resume  # the persistent checkpoint this attempt started from
@@ -148,13 +149,7 @@ class Supervisor:
         self._status_due = True  # status.json follows a node's state change at once, not at the next tick
 
     def spares(self) -> tuple[str, ...]:
-        return self.nodes.spares(self._ranks_warm)
-
-    def _ranks_warm(self, node: Node) -> bool:
-        try:
-            return bool(self.store is not None and self.store.check([protocol.k_rank_hb(node.name, s) for s in range(self.nproc)]))
-        except Exception:
-            return False
+        return self.nodes.spares(self.store, self.nproc)
 
     # --- messages (detect) -------------------------------------------------------------------------
     def handle_message(self, raw: dict[str, Any] | protocol.Message, now: float) -> None:
@@ -232,7 +227,8 @@ class Supervisor:
 
     def on_progress(self, m: protocol.Progress, now: float) -> None:
         self.attempt.step, self.attempt.step_time_s = m.step, m.step_time_s or 0.0
-        self.events.emit("progress", step=m.step, step_time_s=m.step_time_s, sps=m.sps, total=m.total)
+        self.events.emit("progress", step=m.step, step_time_s=m.step_time_s, sps=m.sps, total=m.total, wait_frac=m.wait_frac)
+        self.reprotector.progress(m.wait_frac)
 
     def on_unrecoverable(self, m: protocol.Unrecoverable, now: float) -> None:
         """Every rank saves what survives, then the job stops with the reason."""
@@ -384,14 +380,16 @@ class Supervisor:
         self.events.emit("local_recovery", gen=mem.gen, node=d.node, respawned=list(d.respawn))
 
     def reprotect(self, now: float) -> None:
-        """A replicator broke on a healthy job (``reprotect.py``): re-form the generation with the same members."""
+        """A replicator broke on a healthy job, or the protection's cadence must change (``reprotect.py``): re-form
+        the generation with the same members."""
         due = self.reprotector.due(now, self.gen, self.job.state is JobState.RUNNING and self.incidents.current is None)
         if due is not None and not due[0]:
             self.events.emit("replication_unprotected", gen=self.gen, reason=due[1])
         elif due is not None:
+            self.store.set(protocol.K_PROTECT_EVERY, str(self.reprotector.every))  # read by every rank in the recovery
             mem = self._gens().publish(self._gens().members.ranks, due[1], self._attempt(), self.nodes.group_ranks())
             self._begin_recovery("reprotect", decisions.Decision(decisions.Kind.LOCAL, due[1]), Incident(now), now)
-            self.events.emit("reprotect", gen=mem.gen, reason=due[1])
+            self.events.emit("reprotect", gen=mem.gen, reason=due[1], protect_every=self.reprotector.every)
 
     def _respawn(self, mem: protocol.Membership, ranks: tuple[int, ...]) -> None:
         """Ask the agents to start these (dead) ranks again, after their assignments are published."""
@@ -561,7 +559,8 @@ class Supervisor:
     def status(self) -> dict[str, Any]:
         return job_status(run_id=self.cfg.launch.run_id, run_dir=self.run_dir, state=self.job.state.value, gen=self.gen,
                           restarts=self.restarts, nproc=self.nproc, nodes=self.nodes, store=self.store, events=self.events,
-                          members=self.publisher.members if self.publisher else protocol.Membership(0, self.world_size, ()))
+                          members=self.publisher.members if self.publisher else protocol.Membership(0, self.world_size, ()),
+                          protect_every=self.reprotector.every)
 
     def _write_status(self) -> dict[str, Any]:
         snap = self.operator_io.observe(self.status())

@@ -83,16 +83,26 @@ class ProtectionSession:
             )
         self.pipeline = Pipeline(d2h, self.replicator, settings.replica_timeout_s)
         self.closed = False
+        self.started: set[int] = set()  # the steps this session protects
 
     def protect(self, step: int, meta: dict) -> None:
         """Start S_step's protection: D2H now (returns at once), H2H when the copy is done."""
         self.d2h.start(step, meta)
+        self.started = {s for s in self.started if s >= step - 1} | {step}  # bounded: only the newest are waited for
         self.pipeline.q.put(step)
+
+    def wait_local(self, step: int, check: Callable[[], None]) -> None:
+        """Until S_step is committed locally (its D2H copy done): the optimizer may mutate the state. Its H2H
+        goes on while training does, up to the next protected step (``wait``)."""
+        wait_sliced(lambda t: self.pipeline.wait_submitted(step, t), self.timeout, check)
 
     def wait(self, step: int, check: Callable[[], None]) -> None:
         """Until S_step is committed locally and at every replica target; ``check`` runs between slices (it
-        raises when the generation is abandoned)."""
-        wait_sliced(lambda t: self.pipeline.wait_submitted(step, t), self.timeout, check)
+        raises when the generation is abandoned). Before the next D2H reuses the buffer of the snapshot before
+        S_step, and at the end of a recovery. A step this session never protected: nothing to wait for."""
+        if step not in self.started:
+            return
+        self.wait_local(step, check)
         if self.replicator is not None:
             wait_sliced(lambda t: self.replicator.wait_committed(step, t), self.timeout, check)
 

@@ -310,6 +310,7 @@ class Progress(RankMessage):
     step_time_s: float | None = None
     sps: float = 0.0
     total: int | None = None  # the loop's total steps (``trainer.steps(total)``), when known
+    wait_frac: float | None = None  # the fraction of the recent steps' time spent waiting for replicas
 
 
 @dataclass(frozen=True)

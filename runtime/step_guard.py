@@ -51,6 +51,8 @@ class StepGuard:
         self._t_step = time.perf_counter()
         self._step_times: list[float] = []
         self._last_progress = 0.0
+        self._waited = 0.0  # replica waits in the step in progress
+        self._step_waits: list[float] = []
 
     @contextlib.contextmanager
     def step(self):
@@ -83,14 +85,23 @@ class StepGuard:
         step = t.step_idx
         if t.protect_on and t.protection is not None and t.last_protected == step:
             t0 = time.perf_counter()
-            try:
-                t.protection.wait(step, t.ctx.check_generation)
-            except ReplicationError as e:
-                self._replica_failed(step, e)
+            t.protection.wait_local(step, t.ctx.check_generation)  # its replicas are waited for at the next one
             t.stats["last_wait_s"] = time.perf_counter() - t0
         t.opt_started = True
         t.objs.optimizer.step()  # phase "optimizer" faults fire inside it (a post-hook of the local optimizer)
         t.objs.optimizer.zero_grad(set_to_none=True)
+
+    def wait_replicated(self, step: int) -> None:
+        """S_step committed at its replicas (bounded): before the next protected step's D2H reuses the buffer
+        of the snapshot before it. Its H2H had the steps between to overlap with."""
+        t = self.t
+        t0 = time.perf_counter()
+        try:
+            t.protection.wait(step, t.ctx.check_generation)
+        except ReplicationError as e:
+            self._replica_failed(step, e)
+        t.stats["last_replica_wait_s"] = time.perf_counter() - t0
+        self._waited += t.stats["last_replica_wait_s"]
 
     def _replica_failed(self, step: int, e: ReplicationError) -> None:
         """A replica that failed (after its bounded resends) never stops a healthy job: report it and go on.
@@ -118,13 +129,16 @@ class StepGuard:
         now = time.perf_counter()
         self._step_times.append(now - self._t_step)
         self._step_times = self._step_times[-20:]
+        self._step_waits = (self._step_waits + [self._waited])[-20:]
+        self._waited = 0.0
         self._t_step = now
         STATE.steps_per_s = len(self._step_times) / max(sum(self._step_times), 1e-9)
         if t.ctx.rank == 0 and t.ctx.managed and time.time() - self._last_progress > 2.0:
             self._last_progress = time.time()
             median = sorted(self._step_times)[len(self._step_times) // 2]
             t.ctx.report({"type": "progress", "step": t.step_idx, "step_time_s": round(median, 5), "sps": round(STATE.steps_per_s, 3),
-                          "total": getattr(t, "total_steps", None)})
+                          "total": getattr(t, "total_steps", None),
+                          "wait_frac": round(sum(self._step_waits) / max(sum(self._step_times), 1e-9), 4) if t.protect_on else None})
 
 
 __all__ = ["StepGuard", "looks_like_comm_failure", "GenerationAbandoned"]

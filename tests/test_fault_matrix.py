@@ -110,10 +110,10 @@ def failure_free(tmp_path_factory):
     """The failure-free run's digest, once per (layout, nodes, nproc) in this session."""
     cache: dict[tuple, dict] = {}
 
-    def get(layout: str, nodes: int, nproc: int) -> dict:
-        key = (layout, nodes, nproc)
+    def get(layout: str, nodes: int, nproc: int, extra: tuple = (), steps: int = STEPS) -> dict:
+        key = (layout, nodes, nproc, extra, steps)
         if key not in cache:
-            job = run_job(tmp_path_factory.mktemp(f"base-{layout}-{nodes}x{nproc}"), layout, nodes, nproc, 0)
+            job = run_job(tmp_path_factory.mktemp(f"base-{layout}-{nodes}x{nproc}"), layout, nodes, nproc, 0, extra=extra, steps=steps)
             assert job.result.returncode == 0, job.explain()
             cache[key] = load_digest(job.digest_path, "failure-free run")
             cache[key]["_job"] = job
@@ -212,6 +212,24 @@ def test_protection_every_third_step(tmp_path, failure_free, opt, step, phase, r
     job = run_job(tmp_path, opt, 2, 2, 1, [crash("node1", step, phase)], runtime={"protect_every": 3})
     assert_recovered(job, failure_free(opt, 2, 2), every=3)
     assert [e["resume_step"] for e in of_type(job.evs, "recovery")] == [resume], of_type(job.evs, "recovery")
+
+
+def test_protection_adapts_when_the_copy_does_not_fit_and_still_recovers(tmp_path, failure_free):
+    """A state whose replication outlasts a step (a wide model, one 8-token sample per step: the step is short,
+    the ZeRO shard is 25 MB): the supervisor raises the cadence (a re-formed generation, ``protect_every`` in
+    the event and in status.json); a node lost after that is hot-swapped, resuming within the cadence, and the
+    digest is the failure-free one."""
+    wide = ("--d-model", "512", "--layers", "4", "--batch", "1", "--seq", "8")
+    steps = 60
+    job = run_job(tmp_path, "zero", 2, 2, 1, [crash("node1", 50)], extra=wide, steps=steps)
+    adapted = [e for e in of_type(job.evs, "reprotect") if e.get("protect_every", 1) > 1]
+    assert adapted, f"the cadence never adapted: {[e.get('wait_frac') for e in of_type(job.evs, 'progress')]}"
+    t_crash = of_type(job.evs, "injected")[0]["t_fired"]
+    assert adapted[0]["t"] < t_crash, "adapted only after the failure: the test did not exercise a recovery with m > 1"
+    every = adapted[-1]["protect_every"]
+    rec = of_type(job.evs, "recovery")
+    assert rec and 50 - every - 1 <= rec[0]["resume_step"] <= 50, rec
+    assert_recovered(job, failure_free("zero", 2, 2, extra=wide, steps=steps), every=every)
 
 
 @pytest.mark.parametrize("opt,phase", rows("opt,phase", [(o, p) for o in OPTIMIZERS for p in ("forward", "optimizer", "d2h", "h2h")],

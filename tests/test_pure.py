@@ -467,6 +467,43 @@ def test_reprotect_skips_a_generation_already_replaced_and_is_bounded():
     assert reform is False and "unprotected" in why  # the limit: the job trains on, never stopped for it
 
 
+def test_protection_cadence_adapts_when_replication_does_not_fit():
+    """The paper's rule: after ``patience`` progress reports whose replica wait is over the threshold, the
+    cadence becomes ceil(1.1 m / (1 - wait_frac)); applied at a quiet moment by re-forming the generation;
+    not counted against reprotect_max; bounded by cadence_max; off with protect_adapt false."""
+    from phoenix_launch.reprotect import Reprotector
+
+    r = Reprotector(limit=0, grace_s=0.0, every=1)
+    for frac in (0.5, 0.01, 0.5, 0.5):  # a report under the threshold resets the count
+        r.progress(frac)
+    assert r.cadence_to is None and r.due(0.0, 0, quiet=True) is None
+    r.progress(0.5)
+    assert r.due(1.0, 0, quiet=False) is None  # an incident is open: later
+    reform, why = r.due(1.1, 0, quiet=True)
+    assert reform and r.every == 3 and "every 3 step" in why  # ceil(1.1 / 0.5) = 3
+    for _ in range(3):
+        r.progress(0.99)
+    assert r.due(2.0, 0, quiet=True)[0] and r.every == 16  # bounded by cadence_max
+    r.progress(0.99)
+    assert r.cadence_to is None  # at the bound: no more changes
+    off = Reprotector(limit=2, grace_s=0.0, adapt=False)
+    for _ in range(5):
+        off.progress(0.9)
+    assert off.due(0.0, 0, quiet=True) is None and off.every == 1
+
+
+def test_persistent_checkpoints_follow_the_protected_steps():
+    """Persister.due on protected steps only: with protection every step, the multiples of ``every`` and the
+    asked step; every m-th step, the protected step at or before each multiple (the same on every rank)."""
+    from phoenix_runtime.persist import Persister
+
+    p = Persister("/nonexistent", 0, every=4, report=lambda m: None)
+    assert [k for k in range(1, 13) if p.due(k, -1, k + 1)] == [4, 8, 12]
+    assert [k for k in range(1, 13) if p.due(k, 6, k + 1)] == [4, 6, 8, 12]
+    assert [k for k in range(0, 13, 3) if p.due(k, -1, k + 3)] == [3, 6, 12]  # 4 in [3, 5], 8 in [6, 8], 12 in [12, 14]
+    assert [k for k in range(0, 10, 3) if p.due(k, 7, k + 3)] == [3, 6]  # 7 in [6, 8]: S_6 is written
+
+
 def test_queue_deletes_what_it_read_and_a_new_reader_continues_after_it():
     st = DictStore()
     st.delete_key = lambda k: st.d.pop(k, None) is not None
