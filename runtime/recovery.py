@@ -77,7 +77,7 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
     # envelope of the step before the newest may not be committed yet: then two steps are replayed.
     newest = max((d.live_step for d in survivors if d.live_step is not None), default=None)
     if newest is not None:
-        candidates = [c for c in candidates if c >= newest - 1 - every]
+        candidates = [c for c in candidates if c >= newest - 1 - 2 * every]  # S_p's replicas may still travel: S_{p-m}
     for step in candidates:
         if not all(d.can_provide(step) for d in survivors):
             continue

@@ -1,9 +1,11 @@
 """The step guard: ``with training.step():`` and ``training.optimizer_step()``.
 
-A step ``k`` runs as: fault point ``begin``; the envelope of S_k is captured and S_k's protection starts (D2H
-now, H2H in the background); fault point ``forward``; the user's forward/backward; ``optimizer_step()`` waits
-(bounded) until S_k is committed locally and at its replica targets, then lets the optimizer mutate the
-state. A failure anywhere inside the ``with`` (a collective that fails because a peer died, the
+A step ``k`` runs as: fault point ``begin``; when k is protected (every ``protect_every``-th step) the envelope
+of S_k is captured and S_k's protection starts (D2H now, H2H in the background); fault point ``forward``; the
+user's forward/backward; ``optimizer_step()`` waits (bounded) until S_k is committed locally, then lets the
+optimizer mutate the state; the body's end; when the next step is protected, a wait (bounded) until S_k is
+committed at its replica targets (the next D2H reuses the buffer of the snapshot before it). A failure
+anywhere inside the ``with`` (a collective that fails because a peer died, the
 supervisor's notice of a new generation) is caught here, the step's partial progress is discarded and the
 recovery session runs; the loop then continues at the resume step.
 """
@@ -71,6 +73,11 @@ class StepGuard:
             t.faults.fire(step, "forward")
             yield t
             t.ctx.check_generation() if t.ctx.managed else None
+            if t.protect_on and t.last_protected >= 0 and t.protect_due(step + 1):
+                # the next step is protected: its D2H reuses the buffer of the snapshot before S_last, so S_last
+                # must be safe at its replicas first. Waited here, inside the step (a failure is recovered from),
+                # after the body: the H2H had the steps since S_last, optimizer steps included, to travel
+                self.wait_replicated(t.last_protected)
         except BaseException as e:
             if not t.is_failure(e):
                 raise
@@ -92,8 +99,7 @@ class StepGuard:
         t.objs.optimizer.zero_grad(set_to_none=True)
 
     def wait_replicated(self, step: int) -> None:
-        """S_step committed at its replicas (bounded): before the next protected step's D2H reuses the buffer
-        of the snapshot before it. Its H2H had the steps between to overlap with."""
+        """S_step committed at its replicas (bounded), at the end of the step before the next protected one."""
         t = self.t
         t0 = time.perf_counter()
         try:

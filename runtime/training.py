@@ -215,8 +215,6 @@ class ProtectedTraining:
             del self.metas[old]
         self.boundary_buffers = state.buffers_now(self.objs.module)
         self.boundary_step = step
-        if self.last_protected >= 0:
-            self.guard.wait_replicated(self.last_protected)
         self._persist(self.last_protected, step)
         self.last_protected = step
         self.protection.protect(step, meta)

@@ -169,7 +169,8 @@ def assert_recovered(job: Job, expected: dict, n_recoveries: int = 1, failed_at:
     assert len(recs) >= n_recoveries, f"{len(recs)} recovery event(s), expected >= {n_recoveries}: {[e['type'] for e in job.evs]}"
     argv = next((e.get("argv") or [] for e in job.evs if e["type"] == "job_start"), [])
     replicated = any(a in ("adam", "adamw") for a in argv)  # ranks of a replicated optimizer may be a step apart
-    check_resume_steps(job.evs, failed_at, lag=(1 if replicated else 0) + every - 1)  # protect_every: up to m steps back
+    # protect_every m: back to the last protected step, or the one before it while its replicas travel
+    check_resume_steps(job.evs, failed_at, lag=(1 if replicated else 0) + (2 * every - 2))
     for rec in recs:
         for k in ("quiesce_s", "reconfigure_s", "param_restore_s", "optim_restore_s", "resume_s", "total_s"):
             assert rec.get(k) is not None and rec[k] >= 0, rec
@@ -208,10 +209,12 @@ def test_node_crash_at_step(tmp_path, failure_free, opt, step):
 def test_protection_every_third_step(tmp_path, failure_free, opt, step, phase, resume):
     """runtime.protect_every: 3 (what the supervisor adapts to when the copy does not fit in a step): S_0, S_3,
     S_6... are protected, the steps between them are not; a node lost at any of them resumes at the last
-    protected step before it (replaying up to 3 steps) and the final digest is the failure-free one."""
+    protected step before it, or the one before that when its replicas were still travelling (waited for at
+    the end of the step before the next protected one), and the final digest is the failure-free one."""
     job = run_job(tmp_path, opt, 2, 2, 1, [crash("node1", step, phase)], runtime={"protect_every": 3})
     assert_recovered(job, failure_free(opt, 2, 2), every=3)
-    assert [e["resume_step"] for e in of_type(job.evs, "recovery")] == [resume], of_type(job.evs, "recovery")
+    got = [e["resume_step"] for e in of_type(job.evs, "recovery")]
+    assert got in ([resume], [max(0, resume - 3)]), of_type(job.evs, "recovery")
 
 
 def test_protection_adapts_when_the_copy_does_not_fit_and_still_recovers(tmp_path, failure_free):
@@ -228,7 +231,7 @@ def test_protection_adapts_when_the_copy_does_not_fit_and_still_recovers(tmp_pat
     assert adapted[0]["t"] < t_crash, "adapted only after the failure: the test did not exercise a recovery with m > 1"
     every = adapted[-1]["protect_every"]
     rec = of_type(job.evs, "recovery")
-    assert rec and 50 - every - 1 <= rec[0]["resume_step"] <= 50, rec
+    assert rec and 50 - 2 * every <= rec[0]["resume_step"] <= 50, rec
     assert_recovered(job, failure_free("zero", 2, 2, extra=wide, steps=steps), every=every)
 
 
