@@ -40,15 +40,18 @@ def optimizer_kind(optimizer) -> str:
 class ProtectedTraining:
     """A protected training loop's state: model, optimizer, everything else it holds, and its protection."""
 
-    def __init__(self, ctx: Context, objs: state.LoopObjects, *, ddp: dict | None, replicas: int | None):
+    def __init__(self, ctx: Context, objs: state.LoopObjects, *, ddp: dict | None, replicas: int | None, parallel=None):
         self.ctx = ctx
+        self.parallel = parallel  # FSDP2 / HSDP / TP+FSDP applied by PHOENIX (parallel.Parallel), or None
         self.objs = objs
         self.ddp_kwargs = ddp
         self.settings = ctx.settings
         self.protect_on = self.settings.protect and ctx.managed
         self.replicas = int(replicas if replicas is not None else self.settings.replicas)
-        self.kind = optimizer_kind(objs.optimizer)
-        self.replicated = self.kind == "replicated"
+        self.kind = optimizer_kind(objs.optimizer) if parallel is None else "fsdp"
+        self.replicated = self.kind == "replicated" or (parallel is not None and parallel.replicated)
+        # no peer holds this rank's parameter shard (FSDP without a replicate dimension): it is replicated
+        self.params_sharded = parallel is not None and not parallel.replicated
         self.step_idx = 0
         self.opt_started = False
         self.first_step: int | None = None  # the step this process's run started at
@@ -67,8 +70,8 @@ class ProtectedTraining:
             ctx.ctl.on_fault.append(self.faults.on_message)
         self.d2h: D2H | None = None
         if self.protect_on:
-            self.d2h = D2H(ctx.device, lambda: state.shard_named(self.objs.optimizer, self.replicated, self.boundary_buffers or state.buffers_now(self.objs.module)),
-                           lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated, self.boundary_buffers),
+            self.d2h = D2H(ctx.device, lambda: self.shard_named(self.boundary_buffers or state.buffers_now(self.objs.module)),
+                           lambda: self.local_named(self.boundary_buffers),
                            fault=self.faults.copy_hook)
         self.persister = persist.Persister(ctx.env.run_dir, ctx.rank, self.settings.persist_every, ctx.report) \
             if self.protect_on and (self.settings.persist_every > 0 or self.settings.persist_every_s > 0) else None
@@ -126,9 +129,35 @@ class ProtectedTraining:
         gc.collect()
 
     # --- wiring ----------------------------------------------------------------------------------------------
+    def shard_named(self, buffers: dict | None) -> list:
+        """The region replicated to k peers (see ``state.shard_named``)."""
+        return state.shard_named(self.objs.optimizer, self.replicated, buffers, self.objs.module if self.params_sharded else None)
+
+    def local_named(self, buffers: dict | None = None) -> list:
+        """The region kept locally (what a DP peer sends a joiner)."""
+        return state.local_named(self.objs.module, self.objs.optimizer, self.replicated, buffers, params=not self.params_sharded)
+
+    def reparallelize(self, gen: int) -> None:
+        """Generation ``gen``'s DeviceMesh, and the model parallelised on it again (the old one holds the old
+        process groups), keeping this rank's live state; the optimizer is re-bound in place. Collective (the
+        mesh's groups): every rank at the start of a recovery, before any other collective; a joiner built its
+        generation's in ``protect()``."""
+        if self.parallel is None or self.parallel.gen == gen:
+            return
+        params = {n: t.clone() for n, t in state.param_named(self.objs.module)}
+        optim = {n: t.clone() for n, t in state.optim_named(self.objs.optimizer)}
+        scalars = state.optim_scalars(self.objs.optimizer)
+        self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
+        self.model = self.objs.module
+        state.load_params(self.objs.module, params)
+        state.load_optim(self.objs.optimizer, optim, scalars)
+
     def wrap(self) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if self.parallel is not None:  # parallelised by PHOENIX already (protect(), or reparallelize())
+            self.model = self.objs.module
+            return
         if self.ddp_kwargs is not None and self.ctx.world_size > 1:
             kw = dict(self.ddp_kwargs)
             # a fresh DDP rebuilds its buckets after its first step; find_unused_parameters=True keeps ONE
@@ -176,7 +205,8 @@ class ProtectedTraining:
         m = self.ctx.members
         nodes = tuple(m.slot_of(r).node for r in range(self.ctx.world_size)) if m else ()
         doms = tuple(m.domains.get(n, "") for n in nodes) if m and m.domains else ()
-        return Layout(self.ctx.world_size, tp_size=self.ctx.tp, pp_size=self.ctx.pp, nodes=nodes, domains=doms)
+        tp = self.parallel.state_tp(self.ctx.world_size) if self.parallel is not None else self.ctx.tp
+        return Layout(self.ctx.world_size, tp_size=tp, pp_size=self.ctx.pp, nodes=nodes, domains=doms)
 
     # --- protection ------------------------------------------------------------------------------------------
     def start_protection(self, gen: int) -> None:
@@ -339,7 +369,7 @@ class ProtectedTraining:
         if self.ctx.env.resume and persist.step_of(self.ctx.env.resume) == R:
             optim, _, meta = persist.load(self.ctx.env.resume, self.ctx.rank)
             return optim, meta
-        shard = dict(state.shard_named(self.objs.optimizer, self.replicated, state.buffers_now(self.objs.module)))
+        shard = dict(self.shard_named(state.buffers_now(self.objs.module)))
         return shard, self.metas.get(R) or state.capture_envelope(R, self.objs)
 
     def after_recovery(self, R: int, first: int) -> None:
