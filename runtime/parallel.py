@@ -114,7 +114,7 @@ class Parallel:
     def apply(self, model: torch.nn.Module, gen: int) -> torch.nn.Module:
         """The user's model parallelised in place on this generation's mesh (the first time)."""
         mesh = self.build_mesh(gen)
-        self.fn(model, mesh if len(self.dims) > 1 else mesh)
+        self.fn(model, mesh)
         self.fqn_of = {id(p): n for n, p in model.named_parameters()}
         return model
 
@@ -134,6 +134,16 @@ class Parallel:
         return model
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Back to the sharded parameters (a failure in the forward or backward leaves FSDP's all-gathered
+    parameters registered): local, no communication."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def make_optimizer(factory, model: torch.nn.Module):
     if not callable(factory) or hasattr(factory, "param_groups"):
         raise TypeError("phx.protect(parallelize=...): pass the optimizer as a factory, params -> optimizer "
@@ -143,12 +153,15 @@ def make_optimizer(factory, model: torch.nn.Module):
 
 # --- local shards of DTensors -----------------------------------------------------------------------------
 def shard_key(fqn: str, p) -> str:
-    """``p.<fqn>@<placements>#<coordinate>``: the logical id of this rank's shard of parameter ``fqn``."""
+    """``p.<fqn>@<placements>#<shard index>``: the logical id of this rank's shard of parameter ``fqn``; the
+    index is the mesh coordinate along the sharded dimensions (``*`` along a replicated one: every replica
+    of a shard has the same id, HSDP's peers)."""
     if not is_dtensor(p):
         return f"p.{fqn}"
     place = ",".join(str(pl) for pl in p.placements)
-    coord = p.device_mesh.get_coordinate()
-    return f"p.{fqn}@{place}#{','.join(map(str, coord or ()))}"
+    coord = p.device_mesh.get_coordinate() or ()
+    index = ",".join("*" if pl.is_replicate() else str(c) for pl, c in zip(p.placements, coord))
+    return f"p.{fqn}@{place}#{index}"
 
 
 def local_of(t):

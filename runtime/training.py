@@ -20,6 +20,7 @@ from phoenix_runtime import persist, state
 from phoenix_runtime.context import Context, GenerationAbandoned, Unrecoverable, log
 from phoenix_runtime.control import STATE
 from phoenix_runtime.faults import FaultInjector
+from phoenix_runtime.parallel import reshard
 from phoenix_runtime.protection import ProtectionSession, merge_replicas
 from phoenix_runtime.quiet import quiet_unused_parameters_warning
 from phoenix_runtime.recovery_session import RecoverySession
@@ -144,6 +145,7 @@ class ProtectedTraining:
         generation's in ``protect()``."""
         if self.parallel is None or self.parallel.gen == gen:
             return
+        reshard(self.objs.module)
         params = {n: t.clone() for n, t in state.param_named(self.objs.module)}
         optim = {n: t.clone() for n, t in state.optim_named(self.objs.optimizer)}
         scalars = state.optim_scalars(self.objs.optimizer)
