@@ -136,11 +136,14 @@ class Parallel:
 
 def reshard(model: torch.nn.Module) -> None:
     """Back to the sharded parameters (a failure in the forward or backward leaves FSDP's all-gathered
-    parameters registered): local, no communication."""
+    parameters registered): local, no communication. The module is about to be replaced: a root module,
+    which keeps its parameters unsharded after the forward, is told to reshard after it first (otherwise
+    ``reshard()`` in the middle of a forward does nothing)."""
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():
         if isinstance(m, FSDPModule):
+            m.set_reshard_after_forward(True, recurse=False)
             m.reshard()
 
 
