@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,11 @@ def parse_args(argv=None):
     g.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) over every rank")
     g.add_argument("--hsdp", type=int, default=0, metavar="REPLICAS", help="HSDP: REPLICAS groups, sharded within")
     g.add_argument("--tp", type=int, default=0, metavar="DEGREE", help="tensor parallel of DEGREE, with FSDP over the rest")
+    p.add_argument("--optimizer", choices=["adamw", "zero"], default="adamw",
+                   help="without a sharding flag: a replicated AdamW, or ZeRO-sharded AdamW (DDP+ZeRO)")
     p.add_argument("--digest-file", default=None)
     p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--times-file", default=None, help="rank 0 writes per-step times and PHOENIX stats as JSON (benchmarks)")
     return p.parse_args(argv)
 
 
@@ -200,6 +204,7 @@ def rank_components(model, opt) -> dict[str, str]:
     hp, ho = hashlib.sha256(), hashlib.sha256()
     for n, p in model.named_parameters():
         _feed(hp, n, p)
+    opt = getattr(opt, "optim", opt)  # ZeRO: its local optimizer holds the state
     for gi, g in enumerate(opt.param_groups):
         for pi, p in enumerate(g["params"]):
             for k, v in sorted(opt.state.get(p, {}).items()):
@@ -213,6 +218,16 @@ def rank_components(model, opt) -> dict[str, str]:
             "rng_torch": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()}
 
 
+def write_times(path: str, step_times: list, training) -> None:
+    from phoenix_runtime import state as phx_state
+
+    size = lambda named: sum(t.numel() * t.element_size() for _, t in named)  # noqa: E731
+    st = {"optim_bytes": size(phx_state.optim_named(training.optimizer)),
+          "param_bytes": size((n, t) for n, t in phx_state.param_named(training.module) if n.startswith("p."))}
+    with open(path, "w") as f:
+        json.dump({"step_times": step_times, "stats": st}, f)
+
+
 def main(argv=None):
     a = parse_args(argv)
     torch.use_deterministic_algorithms(True)
@@ -224,7 +239,12 @@ def main(argv=None):
     model = Llama(a)
     torch.manual_seed(a.seed + 1 + rank)
     if parallelize is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1)
+        if a.optimizer == "zero":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=a.lr, weight_decay=0.1)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1)
         training = phx.protect(model, opt)
     else:
         # the optimizer is built by PHOENIX on the parallelised parameters (again after a recovery: in place)
@@ -232,6 +252,7 @@ def main(argv=None):
                                parallelize=parallelize, mesh=mesh)
     dp_rank = rank // a.tp if a.tp else rank
     loss = None
+    step_times, t_prev = [], time.perf_counter()
     for step in training.steps(a.steps):
         with training.step():
             x, y = batch(a, step, rank, dp_rank)
@@ -240,6 +261,11 @@ def main(argv=None):
             training.optimizer_step()
         if rank == 0 and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):
             print(f"step {step} loss {loss.item():.4f}", flush=True)
+        now = time.perf_counter()
+        step_times.append(now - t_prev)
+        t_prev = now
+    if rank == 0 and a.times_file:
+        write_times(a.times_file, step_times, training)
     if training.step_idx != a.steps:  # never write a digest for a run that did not complete every step
         print(f"error: the loop ended at step {training.step_idx} of {a.steps}; no digest written", file=sys.stderr, flush=True)
         raise SystemExit(1)

@@ -76,7 +76,8 @@ class RecoverySession:
         R = plan.step
         if t.first_step is None:
             t.first_step = plan.first_step  # a joiner learns where the run started
-        log(f"generation {gen}: plan: resume at step {R}, joiners {list(plan.joiners)}, params from {plan.param_src}, "
+        params = "parameter shards with the replicas" if t.params_sharded else f"params from {plan.param_src}"
+        log(f"generation {gen}: plan: resume at step {R}, joiners {list(plan.joiners)}, {params}, "
             f"replicas from {plan.optim_src}{', fresh ' + str(list(plan.fresh)) if plan.fresh else ''}")
         marks["planned"] = time.time()
         t.rebuild_optimizer()  # ZeRO on the new group, in place (the user's scheduler keeps acting on it)

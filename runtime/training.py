@@ -270,9 +270,13 @@ class ProtectedTraining:
         self._reported_layouts = self.ctx.gen
         size = lambda named: sum(t.numel() * t.element_size() for _, t in named)  # noqa: E731
         info = self.protection.host_bytes(size(state.optim_named(self.objs.optimizer)), size(state.param_named(self.objs.module)))
+        # FSDP without a replicate dimension: each replica holds the rank's parameter shard too
+        info["params_replicated"] = self.params_sharded
+        info["replica_param_bytes"] = size(p for p in state.param_named(self.objs.module) if p[0].startswith("p.")) if self.params_sharded else 0
         self.protection.check_memory()
         log(f"protection: {info['host_bytes'] / 2**20:.1f} MiB of host memory (local snapshot {self.d2h.nbytes / 2**20:.1f} MiB x 2, "
-            f"{info['replicas']} replica(s) of {info['replica_bytes'] / 2**20:.1f} MiB x 2)")
+            f"{info['replicas']} replica(s) of {info['replica_bytes'] / 2**20:.1f} MiB x 2"
+            f"{', each with the parameter shard (%.1f MiB)' % (info['replica_param_bytes'] / 2**20) if self.params_sharded else ''})")
         self.ctx.report({"type": "protection", **info})
 
     def held_replicas(self) -> dict:

@@ -72,6 +72,10 @@ def test_node_lost_is_hot_swapped_bit_identically(tmp_path, baseline, layout, ph
     assert sorted(p.name for p in (run_dir / "logs" / "node0").glob("*.log") if p.name != "agent.log") == ["0.0.log", "1.0.log"]
     log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
     assert "generation 1: resumed at step" in log
+    # without a replicate dimension the parameter shard travels with the replicas (host memory says so);
+    # under HSDP a peer in the other replica group sends it
+    assert ("each with the parameter shard" in log) == (layout != "hsdp")
+    assert ("parameter shards with the replicas" in log) == (layout != "hsdp")
 
 
 @pytest.mark.slow
