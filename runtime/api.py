@@ -21,12 +21,14 @@ from __future__ import annotations
 import torch
 
 from phoenix_runtime.context import Context, init  # noqa: F401  (the public init)
+from phoenix_runtime.parallel import Parallel, check_bare, make_optimizer
 from phoenix_runtime.state import LoopObjects
 from phoenix_runtime.training import ProtectedTraining, Trainer  # noqa: F401
 
 
 def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None, schedulers=(), scaler=None,
-            stateful: dict | None = None, data_state=None, replicas: int | None = None) -> ProtectedTraining:
+            stateful: dict | None = None, data_state=None, replicas: int | None = None, parallelize=None,
+            mesh: dict | None = None) -> ProtectedTraining:
     """Register what must survive a failure, and return the protected training.
 
     ``model``: the bare module, wrapped in DDP here (``ddp``: its keyword arguments; ``False``: not wrapped,
@@ -38,6 +40,13 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
     object with ``state_dict()/load_state_dict()`` (a data loader's position, a sampler...); ``data_state``:
     the same as ``stateful={"data": data_state}``. Their states are snapshotted with every step and restored
     on every rank by a recovery. ``replicas``: k, the number of DP peers holding each rank's replica.
+
+    ``parallelize``: ``fn(model, mesh)`` applying FSDP2 / HSDP / TP+FSDP to the bare model on the DeviceMesh
+    PHOENIX builds from ``mesh`` (dimension name -> size, outermost first: ``{"shard": N}``,
+    ``{"replicate": R, "shard": N}``, ``{"shard": N, "tp": T}``); PHOENIX applies it again on the new process
+    groups after a recovery. ``optimizer`` is then a factory ``params -> optimizer``: the optimizer is built on
+    the parallelised parameters (``training.optimizer``), and ``training.model`` / ``training.module`` is the
+    parallelised model (a new object after a recovery). A model with DTensor parameters is refused without it.
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -57,6 +66,16 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"phx.protect(stateful={{{name!r}: ...}}): a {type(obj).__name__} has no state_dict()/load_state_dict()")
     ctx = init()
+    par = None
+    if parallelize is None:
+        check_bare(model)
+    else:
+        if not mesh:
+            raise TypeError("phx.protect(parallelize=...) needs mesh={name: size}, e.g. {'shard': world_size}")
+        par = Parallel.create(parallelize, mesh, model, ctx.world_size, ctx.device)
+        model = par.apply(model, ctx.gen)
+        optimizer = make_optimizer(optimizer, model)
+        ddp = False
     objs = LoopObjects(model, optimizer, tuple(schedulers), scaler, held)
     ddp_kwargs = None if ddp is False else ({} if ddp is None or ddp is True else dict(ddp))
-    return ProtectedTraining(ctx, objs, ddp=ddp_kwargs, replicas=replicas)
+    return ProtectedTraining(ctx, objs, ddp=ddp_kwargs, replicas=replicas, parallel=par)

@@ -14,7 +14,9 @@ class HostMemoryError(MemoryError):
 def host_bytes_required(local_nbytes: int, optim_nbytes: int, k: int) -> int:
     """Host bytes for one rank: 2 x its local snapshot + 2 x each of the ``k`` replicas it holds.
 
-    ``optim_nbytes`` is the size of one received optimizer region (DP shards are equal-sized).
+    ``optim_nbytes`` is the size of one received replicated region (DP shards are equal-sized): the optimizer
+    shard and buffers, and under FSDP without a replicate dimension the rank's parameter shard too (no peer
+    holds it), so that case needs about ``2 k x (optimizer + parameter shard)`` more than the local snapshot.
     """
     return 2 * int(local_nbytes) + 2 * int(k) * int(optim_nbytes)
 

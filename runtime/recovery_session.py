@@ -66,6 +66,7 @@ class RecoverySession:
         ctx, t, live = self.ctx, self.t, self.live
         t.faults.where(ctx.rank, gen)
         t.faults.fire(live[0] if live is not None else None, "recover_exchange")  # a joiner's step: not known yet
+        t.reparallelize(gen)  # the mesh's groups: the first collective of the generation, on every rank
         layout = t.layout()
         raw = ctx.exchange(gen, self.descriptor(live).to_json(), deadline)
         descs = [Descriptor.from_json(d) for d in raw]
@@ -79,7 +80,8 @@ class RecoverySession:
         R = plan.step
         if t.first_step is None:
             t.first_step = plan.first_step  # a joiner learns where the run started
-        log(f"generation {gen}: plan: resume at step {R}, joiners {list(plan.joiners)}, params from {plan.param_src}, "
+        params = "parameter shards with the replicas" if t.params_sharded else f"params from {plan.param_src}"
+        log(f"generation {gen}: plan: resume at step {R}, joiners {list(plan.joiners)}, {params}, "
             f"replicas from {plan.optim_src}{', fresh ' + str(list(plan.fresh)) if plan.fresh else ''}")
         marks["planned"] = time.time()
         t.rebuild_optimizer()  # ZeRO on the new group, in place (the user's scheduler keeps acting on it)
@@ -120,7 +122,7 @@ class RecoverySession:
         local = None
         for j in plan.joiners:
             if me == plan.param_src[j]:
-                send_named(transport, j, dict(state.local_named(t.objs.module, t.objs.optimizer, t.replicated)), {}, R, timeout,
+                send_named(transport, j, dict(t.local_named()), {}, R, timeout,
                            resends=self.ctx.settings.resends)
             elif me == j:
                 local, _ = recv_named(transport, plan.param_src[j], R, timeout, resends=self.ctx.settings.resends)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from phoenix_runtime.parallel import like, local_of, shard_key
+
 
 @dataclass
 class LoopObjects:
@@ -53,7 +55,7 @@ def optim_named(optimizer) -> list[tuple[str, torch.Tensor]]:
             for key in sorted(st):
                 v = st[key]
                 if isinstance(v, torch.Tensor):
-                    out.append((f"{gi}.{pi}.{key}", v))
+                    out.append((f"{gi}.{pi}.{key}", local_of(v)))  # a DTensor's local shard
     return out
 
 
@@ -81,15 +83,16 @@ def load_optim(optimizer, tensors: dict[str, torch.Tensor], scalars: dict[str, A
     for name, t in tensors.items():
         gi, pi, key = name.split(".", 2)
         p = params[f"{gi}.{pi}"]
-        opt.state.setdefault(p, {})[key] = t.detach().clone().to(p.device if t.dim() else t.device)
+        opt.state.setdefault(p, {})[key] = like(p, t.detach().clone().to(p.device if t.dim() else t.device))
     for name, v in scalars.items():
         gi, pi, key = name.split(".", 2)
         opt.state.setdefault(params[f"{gi}.{pi}"], {})[key] = v
 
 
 def param_named(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Parameters and buffers (BatchNorm running statistics are state too)."""
-    named = [(f"p.{n}", p.data) for n, p in module.named_parameters()]
+    """Parameters and buffers (BatchNorm running statistics are state too); of a DTensor parameter (FSDP2, TP)
+    its local shard, named by FQN, placement and shard coordinate."""
+    named = [(shard_key(n, p), local_of(p.data)) for n, p in module.named_parameters()]
     named += [(f"b.{n}", b) for n, b in module.named_buffers()]
     return named
 
@@ -97,29 +100,33 @@ def param_named(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 @torch.no_grad()
 def load_params(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     for n, p in module.named_parameters():
-        p.data.copy_(tensors[f"p.{n}"])
+        local_of(p.data).copy_(tensors[shard_key(n, p)])
     for n, b in module.named_buffers():
         if f"b.{n}" in tensors:
             b.copy_(tensors[f"b.{n}"])
 
 
 # --- the two regions of a local snapshot ---------------------------------------------------------------
-def shard_named(optimizer, replicated: bool, buffers: dict | None = None) -> list[tuple[str, torch.Tensor]]:
+def shard_named(optimizer, replicated: bool, buffers: dict | None = None, module=None) -> list[tuple[str, torch.Tensor]]:
     """The region replicated to peers: this rank's optimizer shard (nothing when every DP peer holds the
     same optimizer state) and its buffers (``b.*``, the step boundary's copies): BatchNorm's running
     statistics are the rank's own, like its RNG (each rank's forward updates them from its own batch, and
-    DDP broadcasts rank 0's at the next forward), so a replacement must get its own, not a peer's."""
+    DDP broadcasts rank 0's at the next forward), so a replacement must get its own, not a peer's.
+    ``module``: its parameter shards too (FSDP without a replicate dimension: no peer holds them)."""
     named = [] if replicated else optim_named(optimizer)
+    if module is not None:
+        named += [(n, t) for n, t in param_named(module) if n.startswith("p.")]
     return named + sorted((buffers or {}).items())
 
 
-def local_named(module: torch.nn.Module, optimizer, replicated: bool, buffers: dict | None = None) -> list[tuple[str, torch.Tensor]]:
+def local_named(module: torch.nn.Module, optimizer, replicated: bool, buffers: dict | None = None,
+                params: bool = True) -> list[tuple[str, torch.Tensor]]:
     """The region kept locally only: parameters and buffers, plus a replicated optimizer's state.
 
     ``buffers``: copies taken at the step boundary to use instead of the live buffers (a snapshot is copied
     in the background while the step runs, and the forward updates BatchNorm's running statistics in place;
     parameters and optimizer state change only in the optimizer step, which waits for the snapshot)."""
-    named = param_named(module)
+    named = [(n, t) for n, t in param_named(module) if params or not n.startswith("p.")]
     if buffers:
         named = [(n, buffers.get(n, t)) for n, t in named]
     if replicated:
@@ -141,9 +148,9 @@ def buffers_now(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_local(objs: LoopObjects, shard: dict[str, torch.Tensor], local: dict[str, torch.Tensor], meta: dict) -> None:
     """Restore a rank's tensors from the two regions of a snapshot (or of the transfers of a recovery)."""
-    load_params(objs.module, local)
+    load_params(objs.module, {**local, **{n: t for n, t in shard.items() if n.startswith("p.")}})
     load_buffers(objs.module, {n: t for n, t in shard.items() if n.startswith("b.")})  # the rank's own
-    optim = {n: t for n, t in shard.items() if not n.startswith("b.")}
+    optim = {n: t for n, t in shard.items() if not n.startswith(("b.", "p."))}
     optim.update({n[2:]: t for n, t in local.items() if n.startswith("o.")})
     load_optim(objs.optimizer, optim, scalars_of(meta))
 

@@ -20,6 +20,7 @@ from phoenix_runtime import persist, protocol, state
 from phoenix_runtime.context import Context, GenerationAbandoned, Unrecoverable, log
 from phoenix_runtime.control import STATE
 from phoenix_runtime.faults import FaultInjector
+from phoenix_runtime.parallel import reshard
 from phoenix_runtime.protection import ProtectionSession, merge_replicas
 from phoenix_runtime.quiet import quiet_unused_parameters_warning
 from phoenix_runtime.recovery_session import RecoverySession
@@ -40,15 +41,18 @@ def optimizer_kind(optimizer) -> str:
 class ProtectedTraining:
     """A protected training loop's state: model, optimizer, everything else it holds, and its protection."""
 
-    def __init__(self, ctx: Context, objs: state.LoopObjects, *, ddp: dict | None, replicas: int | None):
+    def __init__(self, ctx: Context, objs: state.LoopObjects, *, ddp: dict | None, replicas: int | None, parallel=None):
         self.ctx = ctx
+        self.parallel = parallel  # FSDP2 / HSDP / TP+FSDP applied by PHOENIX (parallel.Parallel), or None
         self.objs = objs
         self.ddp_kwargs = ddp
         self.settings = ctx.settings
         self.protect_on = self.settings.protect and ctx.managed
         self.replicas = int(replicas if replicas is not None else self.settings.replicas)
-        self.kind = optimizer_kind(objs.optimizer)
-        self.replicated = self.kind == "replicated"
+        self.kind = optimizer_kind(objs.optimizer) if parallel is None else "fsdp"
+        self.replicated = self.kind == "replicated" or (parallel is not None and parallel.replicated)
+        # no peer holds this rank's parameter shard (FSDP without a replicate dimension): it is replicated
+        self.params_sharded = parallel is not None and not parallel.replicated
         self.step_idx = 0
         self.opt_started = False
         self.first_step: int | None = None  # the step this process's run started at
@@ -69,8 +73,8 @@ class ProtectedTraining:
             ctx.ctl.on_fault.append(self.faults.on_message)
         self.d2h: D2H | None = None
         if self.protect_on:
-            self.d2h = D2H(ctx.device, lambda: state.shard_named(self.objs.optimizer, self.replicated, self.boundary_buffers or state.buffers_now(self.objs.module)),
-                           lambda: state.local_named(self.objs.module, self.objs.optimizer, self.replicated, self.boundary_buffers),
+            self.d2h = D2H(ctx.device, lambda: self.shard_named(self.boundary_buffers or state.buffers_now(self.objs.module)),
+                           lambda: self.local_named(self.boundary_buffers),
                            fault=self.faults.copy_hook)
         self.persister = persist.Persister(ctx.env.run_dir, ctx.rank, self.settings.persist_every, ctx.report) \
             if self.protect_on and (self.settings.persist_every > 0 or self.settings.persist_every_s > 0) else None
@@ -128,9 +132,36 @@ class ProtectedTraining:
         gc.collect()
 
     # --- wiring ----------------------------------------------------------------------------------------------
+    def shard_named(self, buffers: dict | None) -> list:
+        """The region replicated to k peers (see ``state.shard_named``)."""
+        return state.shard_named(self.objs.optimizer, self.replicated, buffers, self.objs.module if self.params_sharded else None)
+
+    def local_named(self, buffers: dict | None = None) -> list:
+        """The region kept locally (what a DP peer sends a joiner)."""
+        return state.local_named(self.objs.module, self.objs.optimizer, self.replicated, buffers, params=not self.params_sharded)
+
+    def reparallelize(self, gen: int) -> None:
+        """Generation ``gen``'s DeviceMesh, and the model parallelised on it again (the old one holds the old
+        process groups), keeping this rank's live state; the optimizer is re-bound in place. Collective (the
+        mesh's groups): every rank at the start of a recovery, before any other collective; a joiner built its
+        generation's in ``protect()``."""
+        if self.parallel is None or self.parallel.gen == gen:
+            return
+        reshard(self.objs.module)
+        params = {n: t.clone() for n, t in state.param_named(self.objs.module)}
+        optim = {n: t.clone() for n, t in state.optim_named(self.objs.optimizer)}
+        scalars = state.optim_scalars(self.objs.optimizer)
+        self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
+        self.model = self.objs.module
+        state.load_params(self.objs.module, params)
+        state.load_optim(self.objs.optimizer, optim, scalars)
+
     def wrap(self) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if self.parallel is not None:  # parallelised by PHOENIX already (protect(), or reparallelize())
+            self.model = self.objs.module
+            return
         if self.ddp_kwargs is not None and self.ctx.world_size > 1:
             kw = dict(self.ddp_kwargs)
             # a fresh DDP rebuilds its buckets after its first step; find_unused_parameters=True keeps ONE
@@ -178,7 +209,8 @@ class ProtectedTraining:
         m = self.ctx.members
         nodes = tuple(m.slot_of(r).node for r in range(self.ctx.world_size)) if m else ()
         doms = tuple(m.domains.get(n, "") for n in nodes) if m and m.domains else ()
-        return Layout(self.ctx.world_size, tp_size=self.ctx.tp, pp_size=self.ctx.pp, nodes=nodes, domains=doms)
+        tp = self.parallel.state_tp(self.ctx.world_size) if self.parallel is not None else self.ctx.tp
+        return Layout(self.ctx.world_size, tp_size=tp, pp_size=self.ctx.pp, nodes=nodes, domains=doms)
 
     # --- protection ------------------------------------------------------------------------------------------
     def start_protection(self, gen: int) -> None:
@@ -254,9 +286,13 @@ class ProtectedTraining:
         self._reported_layouts = self.ctx.gen
         size = lambda named: sum(t.numel() * t.element_size() for _, t in named)  # noqa: E731
         info = self.protection.host_bytes(size(state.optim_named(self.objs.optimizer)), size(state.param_named(self.objs.module)))
+        # FSDP without a replicate dimension: each replica holds the rank's parameter shard too
+        info["params_replicated"] = self.params_sharded
+        info["replica_param_bytes"] = size(p for p in state.param_named(self.objs.module) if p[0].startswith("p.")) if self.params_sharded else 0
         self.protection.check_memory()
         log(f"protection: {info['host_bytes'] / 2**20:.1f} MiB of host memory (local snapshot {self.d2h.nbytes / 2**20:.1f} MiB x 2, "
-            f"{info['replicas']} replica(s) of {info['replica_bytes'] / 2**20:.1f} MiB x 2)")
+            f"{info['replicas']} replica(s) of {info['replica_bytes'] / 2**20:.1f} MiB x 2"
+            f"{', each with the parameter shard (%.1f MiB)' % (info['replica_param_bytes'] / 2**20) if self.params_sharded else ''})")
         self.ctx.report({"type": "protection", **info})
 
     def held_replicas(self) -> dict:
@@ -355,7 +391,7 @@ class ProtectedTraining:
         if self.ctx.env.resume and persist.step_of(self.ctx.env.resume) == R:
             optim, _, meta = persist.load(self.ctx.env.resume, self.ctx.rank)
             return optim, meta
-        shard = dict(state.shard_named(self.objs.optimizer, self.replicated, state.buffers_now(self.objs.module)))
+        shard = dict(self.shard_named(state.buffers_now(self.objs.module)))
         return shard, self.metas.get(R) or state.capture_envelope(R, self.objs)
 
     def after_recovery(self, R: int, first: int) -> None:

@@ -1,0 +1,285 @@
+"""A small, deterministic Llama-style decoder (RMSNorm, rotary embeddings, SwiGLU, grouped-query attention)
+trained with AdamW, protected by PHOENIX, under DDP (default), FSDP2, HSDP or TP+FSDP.
+
+    phoenix-run --nodes 2 --nproc-per-node 2 --spares 1 examples/train_llama.py --steps 20 --fsdp
+    phoenix-run --nodes 2 --nproc-per-node 2 --spares 1 examples/train_llama.py --steps 20 --hsdp 2
+    phoenix-run --nodes 2 --nproc-per-node 2 --spares 1 examples/train_llama.py --steps 20 --tp 2
+
+``--fsdp``: ``fully_shard`` over every rank (one mesh dimension "shard"). ``--hsdp R``: a 2-D mesh
+("replicate" R x "shard" world/R). ``--tp T``: ``parallelize_module`` (attention and MLP column/row-wise) on
+the "tp" dimension, then ``fully_shard`` on "shard" (world/T). PHOENIX builds the DeviceMesh from the
+generation's process group and applies ``parallelize`` to the bare model (and again after a recovery).
+Deterministic algorithms are on: two runs give the same SHA-256 digest (``--digest-file``), failures or not;
+it covers every rank's parameter shards and optimizer state, the param groups and the RNG states. Only a run
+that completed every step writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import phoenix_runtime as phx
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) over every rank")
+    g.add_argument("--hsdp", type=int, default=0, metavar="REPLICAS", help="HSDP: REPLICAS groups, sharded within")
+    g.add_argument("--tp", type=int, default=0, metavar="DEGREE", help="tensor parallel of DEGREE, with FSDP over the rest")
+    p.add_argument("--optimizer", choices=["adamw", "zero"], default="adamw",
+                   help="without a sharding flag: a replicated AdamW, or ZeRO-sharded AdamW (DDP+ZeRO)")
+    p.add_argument("--digest-file", default=None)
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--times-file", default=None, help="rank 0 writes per-step times and PHOENIX stats as JSON (benchmarks)")
+    return p.parse_args(argv)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary(x, base=10000.0):
+    """Rotary position embedding of ``x`` (batch, heads, seq, head_dim), computed on the fly (no buffers)."""
+    t, hd = x.shape[-2], x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)
+    ang = torch.outer(torch.arange(t, dtype=torch.float32, device=x.device), inv)
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: ``heads`` query heads share ``kv_heads`` key/value heads. Under TP the
+    projections are column-wise and the output row-wise, so the local head counts are divided by TP."""
+
+    def __init__(self, d, heads, kv_heads):
+        super().__init__()
+        self.hd = d // heads
+        self.heads, self.kv_heads = heads, kv_heads
+        self.wq = nn.Linear(d, heads * self.hd, bias=False)
+        self.wk = nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.wv = nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(heads * self.hd, d, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, self.hd).transpose(1, 2)  # -1: the local heads under TP
+        k = self.wk(x).view(b, t, -1, self.hd).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.hd).transpose(1, 2)
+        q, k = rotary(q), rotary(k)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(d, hidden, bias=False)
+        self.w3 = nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = RMSNorm(a.d_model), RMSNorm(a.d_model)
+        self.attn = Attention(a.d_model, a.heads, a.kv_heads)
+        self.mlp = SwiGLU(a.d_model, 4 * a.d_model)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.emb = nn.Embedding(a.vocab, a.d_model)
+        self.blocks = nn.ModuleList([Block(a) for _ in range(a.layers)])
+        self.norm = RMSNorm(a.d_model)
+        self.head = nn.Linear(a.d_model, a.vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+# --- the parallelisations (applied by PHOENIX to the bare model on the mesh it builds) ------------------
+def apply_fsdp(model, mesh):
+    """FSDP2 on a 1-D mesh, or HSDP on a 2-D ("replicate", "shard") mesh: every block, then the root."""
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def apply_tp_fsdp(model, mesh):
+    """TP on mesh["tp"] (attention heads and the MLP's hidden dimension), then FSDP2 on mesh["shard"]."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(), "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel()}
+    for blk in model.blocks:
+        parallelize_module(blk, mesh["tp"], plan)
+    apply_fsdp(model, mesh["shard"])
+
+
+def fully_shard(module, mesh):
+    from torch.distributed.fsdp import fully_shard as fs
+
+    fs(module, mesh=mesh)
+
+
+def layout_of(a, world: int):
+    """(parallelize, mesh) for the flags; (None, None) for DDP."""
+    if a.fsdp:
+        return apply_fsdp, {"shard": world}
+    if a.hsdp:
+        if world % a.hsdp:
+            raise SystemExit(f"error: --hsdp {a.hsdp} does not divide the world size {world}")
+        return apply_fsdp, {"replicate": a.hsdp, "shard": world // a.hsdp}
+    if a.tp:
+        if world % a.tp or a.heads % a.tp or a.kv_heads % a.tp:
+            raise SystemExit(f"error: --tp {a.tp} must divide the world size {world}, --heads and --kv-heads")
+        return apply_tp_fsdp, {"shard": world // a.tp, "tp": a.tp}
+    return None, None
+
+
+def batch(a, step, rank, dp_rank):
+    """The batch of (step, data-parallel rank): ranks of one TP group see the same data."""
+    g = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 1009 + dp_rank)
+    data = torch.randint(a.vocab, (a.batch, a.seq + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+# --- the digest -----------------------------------------------------------------------------------------
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _feed(h, name: str, t) -> None:
+    t = _local(t).detach().cpu().contiguous()
+    h.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def rank_components(model, opt) -> dict[str, str]:
+    """This rank's state, one hash per part: its parameter shards, its optimizer state, the param groups, RNG."""
+    hp, ho = hashlib.sha256(), hashlib.sha256()
+    for n, p in model.named_parameters():
+        _feed(hp, n, p)
+    opt = getattr(opt, "optim", opt)  # ZeRO: its local optimizer holds the state
+    for gi, g in enumerate(opt.param_groups):
+        for pi, p in enumerate(g["params"]):
+            for k, v in sorted(opt.state.get(p, {}).items()):
+                if torch.is_tensor(v):
+                    _feed(ho, f"{gi}.{pi}.{k}", v)
+                else:
+                    ho.update(f"{gi}.{pi}.{k}={v!r}".encode())
+    groups = repr([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    return {"params": hp.hexdigest(), "optim_state": ho.hexdigest(),
+            "param_groups": hashlib.sha256(groups.encode()).hexdigest(),
+            "rng_torch": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()}
+
+
+def write_times(path: str, step_times: list, training) -> None:
+    from phoenix_runtime import state as phx_state
+
+    size = lambda named: sum(t.numel() * t.element_size() for _, t in named)  # noqa: E731
+    st = {"optim_bytes": size(phx_state.optim_named(training.optimizer)),
+          "param_bytes": size((n, t) for n, t in phx_state.param_named(training.module) if n.startswith("p."))}
+    with open(path, "w") as f:
+        json.dump({"step_times": step_times, "stats": st}, f)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    phx.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parallelize, mesh = layout_of(a, world)
+    torch.manual_seed(a.seed)  # the same initial parameters everywhere
+    model = Llama(a)
+    torch.manual_seed(a.seed + 1 + rank)
+    if parallelize is None:
+        if a.optimizer == "zero":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=a.lr, weight_decay=0.1)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1)
+        training = phx.protect(model, opt)
+    else:
+        # the optimizer is built by PHOENIX on the parallelised parameters (again after a recovery: in place)
+        training = phx.protect(model, lambda params: torch.optim.AdamW(params, lr=a.lr, weight_decay=0.1),
+                               parallelize=parallelize, mesh=mesh)
+    dp_rank = rank // a.tp if a.tp else rank
+    loss = None
+    step_times, t_prev = [], time.perf_counter()
+    for step in training.steps(a.steps):
+        with training.step():
+            x, y = batch(a, step, rank, dp_rank)
+            loss = training.model(x, y)
+            loss.backward()
+            training.optimizer_step()
+        if rank == 0 and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):
+            print(f"step {step} loss {loss.item():.4f}", flush=True)
+        now = time.perf_counter()
+        step_times.append(now - t_prev)
+        t_prev = now
+    if rank == 0 and a.times_file:
+        write_times(a.times_file, step_times, training)
+    if training.step_idx != a.steps:  # never write a digest for a run that did not complete every step
+        print(f"error: the loop ended at step {training.step_idx} of {a.steps}; no digest written", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    every = [None] * world
+    dist.all_gather_object(every, rank_components(training.module, training.optimizer))
+    digest = hashlib.sha256(json.dumps(every, sort_keys=True).encode()).hexdigest()
+    if rank == 0:
+        print(f"digest {digest}", flush=True)
+        if a.digest_file:
+            tmp = a.digest_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"digest": digest, "components": every, "steps": a.steps, "world_size": world}, f)
+            os.replace(tmp, a.digest_file)  # whole or absent
+
+
+if __name__ == "__main__":
+    main()

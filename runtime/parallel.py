@@ -1,0 +1,181 @@
+"""Parallelisations PHOENIX owns: FSDP2, HSDP and TP+FSDP on a DeviceMesh it builds (and rebuilds).
+
+The user gives ``parallelize(model, mesh)`` (``fully_shard`` / ``parallelize_module`` on the bare model), the
+mesh's dimensions by name and size, and an optimizer factory (the optimizer is built on the parallelised
+parameters). Each generation, every rank builds the DeviceMesh from that generation's default process group,
+applies ``parallelize`` to a fresh copy of the bare model (kept on the meta device), materialises it, and
+re-binds the optimizer in place (the user's references and schedulers keep acting on it); the state is then
+restored by the recovery.
+
+Supported mesh dimensions, outermost first: ``replicate`` (HSDP: the state is the same across it), ``shard``
+(FSDP), ``tp`` (tensor parallel). Which state a rank shares with whom follows from the mesh:
+
+- with a ``replicate`` dimension, the ranks with the same coordinate in the other dimensions hold the same
+  parameters and optimizer state: they are each other's data-parallel peers (the layout's DP groups);
+- without one (pure FSDP, TP+FSDP) no rank holds another's shard: the parameter shard is replicated to ``k``
+  peers with the optimizer shard.
+
+Local shards are named by parameter FQN, placement and shard coordinate (``p.<fqn>@<placements>#<coord>``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+SUPPORTED = ("shard",), ("replicate", "shard"), ("shard", "tp"), ("replicate", "shard", "tp")
+SUPPORTED_TEXT = "FSDP2 {'shard': N}, HSDP {'replicate': R, 'shard': N}, TP+FSDP {'shard': N, 'tp': T} (optionally with 'replicate' first), or DDP (no parallelize=)"
+
+
+class UnsupportedLayout(TypeError):
+    """A parallel layout PHOENIX cannot protect."""
+
+
+def is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def check_bare(model: torch.nn.Module) -> None:
+    """Refuse what ``protect()`` without ``parallelize=`` would protect wrongly: an already sharded model
+    (DTensor parameters: FSDP2 or TP applied by the user) or a pipeline stage."""
+    if _is_pipeline(model):
+        raise UnsupportedLayout(f"phx.protect(): pipeline parallelism is not supported; supported layouts: {SUPPORTED_TEXT}")
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise UnsupportedLayout(
+            "phx.protect(): the model already has DTensor parameters (FSDP2 / TP applied to it); pass the bare model "
+            "and parallelize=fn(model, mesh) with mesh={'shard': N, ...}: PHOENIX applies it, and again on the new "
+            "process groups after a recovery")
+
+
+def _is_pipeline(model) -> bool:
+    mod = type(model).__module__ or ""
+    return "pipelining" in mod or "pipeline" in type(model).__name__.lower()
+
+
+def check_mesh(mesh: dict[str, int], world: int) -> tuple[tuple[str, int], ...]:
+    dims = tuple((str(k), int(v)) for k, v in dict(mesh).items())
+    names = tuple(n for n, _ in dims)
+    if any(n in ("pp", "pipeline") for n in names):
+        raise UnsupportedLayout(f"phx.protect(): pipeline parallelism is not supported; supported layouts: {SUPPORTED_TEXT}")
+    if names not in SUPPORTED:
+        raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): unsupported mesh; supported layouts: {SUPPORTED_TEXT}")
+    if any(s < 1 for _, s in dims) or math.prod(s for _, s in dims) != world:
+        raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): the sizes must multiply to the world size {world}")
+    return dims
+
+
+@dataclass
+class Parallel:
+    """The user's parallelisation and what PHOENIX needs to apply it again."""
+
+    fn: Callable[[torch.nn.Module, Any], None]
+    dims: tuple[tuple[str, int], ...]
+    template: torch.nn.Module  # the bare model on the meta device
+    device: torch.device
+    mesh: Any = None
+    gen: int = -1
+    fqn_of: dict[int, str] | None = None  # id(parameter) -> FQN, of the live module
+
+    @classmethod
+    def create(cls, fn, mesh: dict[str, int], model: torch.nn.Module, world: int, device) -> "Parallel":
+        check_bare(model)
+        dims = check_mesh(mesh, world)
+        return cls(fn, dims, copy.deepcopy(model).to("meta"), torch.device(device))
+
+    @property
+    def replicas(self) -> int:
+        return dict(self.dims).get("replicate", 1)
+
+    @property
+    def replicated(self) -> bool:
+        """The parameters and optimizer state of a rank are held by a peer (HSDP's replicate dimension)."""
+        return self.replicas > 1
+
+    def state_tp(self, world: int) -> int:
+        """The layout's "tp" size: ranks that share a coordinate modulo it hold the same state (see module doc)."""
+        return world // self.replicas if self.replicated else 1
+
+    def build_mesh(self, gen: int):
+        """The DeviceMesh of generation ``gen`` (its default process group); collective: every rank, once."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.gen != gen:
+            names = tuple(n for n, _ in self.dims)
+            self.mesh = init_device_mesh(self.device.type, tuple(s for _, s in self.dims), mesh_dim_names=names)
+            self.gen = gen
+        return self.mesh
+
+    def apply(self, model: torch.nn.Module, gen: int) -> torch.nn.Module:
+        """The user's model parallelised in place on this generation's mesh (the first time)."""
+        mesh = self.build_mesh(gen)
+        self.fn(model, mesh)
+        self.fqn_of = {id(p): n for n, p in model.named_parameters()}
+        return model
+
+    def rebuild(self, gen: int, optimizer) -> torch.nn.Module:
+        """A fresh parallelised model on generation ``gen``'s mesh (uninitialised: the recovery restores the
+        state), and ``optimizer`` re-bound to its parameters in place (its state cleared)."""
+        mesh = self.build_mesh(gen)
+        model = copy.deepcopy(self.template)
+        self.fn(model, mesh)
+        model.to_empty(device=self.device)
+        by_fqn = dict(model.named_parameters())
+        opt = optimizer
+        for g in opt.param_groups:
+            g["params"] = [by_fqn[self.fqn_of[id(p)]] for p in g["params"]]
+        opt.state.clear()
+        self.fqn_of = {id(p): n for n, p in model.named_parameters()}
+        return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Back to the sharded parameters (a failure in the forward or backward leaves FSDP's all-gathered
+    parameters registered): local, no communication. The module is about to be replaced: a root module,
+    which keeps its parameters unsharded after the forward, is told to reshard after it first (otherwise
+    ``reshard()`` in the middle of a forward does nothing)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_reshard_after_forward(True, recurse=False)
+            m.reshard()
+
+
+def make_optimizer(factory, model: torch.nn.Module):
+    if not callable(factory) or hasattr(factory, "param_groups"):
+        raise TypeError("phx.protect(parallelize=...): pass the optimizer as a factory, params -> optimizer "
+                        "(it is built on the parallelised parameters)")
+    return factory(model.parameters())
+
+
+# --- local shards of DTensors -----------------------------------------------------------------------------
+def shard_key(fqn: str, p) -> str:
+    """``p.<fqn>@<placements>#<shard index>``: the logical id of this rank's shard of parameter ``fqn``; the
+    index is the mesh coordinate along the sharded dimensions (``*`` along a replicated one: every replica
+    of a shard has the same id, HSDP's peers)."""
+    if not is_dtensor(p):
+        return f"p.{fqn}"
+    place = ",".join(str(pl) for pl in p.placements)
+    coord = p.device_mesh.get_coordinate() or ()
+    index = ",".join("*" if pl.is_replicate() else str(c) for pl, c in zip(p.placements, coord))
+    return f"p.{fqn}@{place}#{index}"
+
+
+def local_of(t):
+    """The local shard of a DTensor (a view of its storage), or the tensor itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def like(p, t: torch.Tensor):
+    """Optimizer state ``t`` (a local shard) as the DTensor that goes with parameter ``p``."""
+    if not is_dtensor(p) or t.dim() == 0:
+        return t
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
