@@ -9,7 +9,6 @@ step is an event in ``events.jsonl``.
 
 from __future__ import annotations
 
-import hmac
 import os
 import signal
 import time
@@ -22,11 +21,11 @@ from phoenix_launch.classify import RankReport, classify, describe_exit
 from phoenix_launch.commands import CommandHandler
 from phoenix_launch.config import Config, runtime_settings
 from phoenix_launch.control import ControlPlane
-from phoenix_launch.events import EventLog, create_token, write_json_atomic
+from phoenix_launch.events import EventLog, write_json_atomic
 from phoenix_launch.generations import Attempt, AttemptProgress, GenerationPublisher
 from phoenix_launch.health import with_probe_evidence
 from phoenix_launch.incidents import Incident, IncidentTracker
-from phoenix_launch.inject import Chaos, JobTargets
+from phoenix_launch.inject import SOCKET_PURPOSE, Chaos, JobTargets
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState
 from phoenix_launch.nodes import ENDED, Node, NodeTable
 from phoenix_launch.operator_io import OperatorIO
@@ -35,7 +34,8 @@ from phoenix_launch.replenish import Replenisher
 from phoenix_launch.reprotect import Reprotector
 from phoenix_launch.spec import AgentSpec
 from phoenix_launch.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
-from phoenix_runtime import protocol
+from phoenix_launch.refusals import RefusalLog
+from phoenix_runtime import auth, protocol
 
 #: a live rank's error of this type is a failed replica, not a job failure: the step is protected again
 REPLICATION_ERROR = "ReplicationError"
@@ -49,7 +49,8 @@ class Supervisor:
         self.world_size = launch.nodes * launch.nproc_per_node
         self.job = Lifecycle(JobState.STARTING, JOB_TRANSITIONS)
         self.events = EventLog(run_dir / "events.jsonl")
-        self.token = create_token(run_dir)
+        auth.create_secret(run_dir)  # every control-plane message is sealed with it; kill-node reads it there
+        self.refusals = RefusalLog(self.events)
         self.nodes = NodeTable(backend, self.events, drain=cfg.slurm.drain, on_change=self._status_changed)
         self.incidents = IncidentTracker(cfg.detect)
         self.recovery = RecoveryWatch(self.world_size, cfg.detect.recovery_timeout_s)
@@ -89,6 +90,7 @@ class Supervisor:
             protocol.MsgType.CHECKPOINT: self.on_checkpoint,
             protocol.MsgType.PERSISTED: lambda m, now: self.ladder.persisted(m),
             protocol.MsgType.NODE_PROBE: self.on_node_probe,
+            protocol.MsgType.REFUSED: self.refusals.report,
         })
 
     # --- setup -------------------------------------------------------------------------------------
@@ -107,8 +109,8 @@ class Supervisor:
         self.publisher = GenerationPublisher(self.store, world_size=self.world_size, nproc=self.nproc, run_id=launch.run_id,
                                              max_restarts=launch.max_restarts, domains=self.backend.domains)
         self.publisher.first(ranks)
-        self.commands = CommandHandler(self.store, self.token, self.events, self._job_targets(), self.incidents.injected)
-        self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, self.token, self.events, self._job_targets(), self.incidents.injected))
+        self.commands = CommandHandler(self.store, None, self.events, self._job_targets(), self.incidents.injected)  # sealed
+        self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, auth.derive(SOCKET_PURPOSE), self.events, self._job_targets(), self.incidents.injected))
         self.events.emit("job_start", run_id=launch.run_id, nodes=launch.nodes, nproc_per_node=self.nproc, spares=launch.spares,
                          world_size=self.world_size, argv=self.argv, backend=self.backend.name, control=f"{plane.host}:{plane.port}")
         self.job.transition(JobState.RUNNING, "agents started")
@@ -293,8 +295,7 @@ class Supervisor:
             if node.lost or not node.up or node.state not in (NodeState.ACTIVE, NodeState.JOINING, NodeState.SPARE):
                 continue  # an agent not up yet is judged by its process (local) or srun step (Slurm)
             key = protocol.k_agent_hb(node.name)
-            if self.store.check([key]):
-                node.last_hb = float(self.store.get(key))
+            node.last_hb = float(protocol.get_value(self.store, key) or node.last_hb)
             if time.time() - node.last_hb > timeout:
                 self.events.emit("failure", kind="heartbeat_lost", node=node.name, silent_s=round(time.time() - node.last_hb, 2))
                 self.backend.kill_node(node.name)
@@ -483,9 +484,9 @@ class Supervisor:
             self.replenisher.tick(now, self.nodes.coming_spares(), len(self.nodes.spare_nodes()))
 
     def adopt(self, m: protocol.AgentUp, now: float) -> None:
-        """An agent this job did not start says it is up: with the job's token it joins as a new spare."""
-        if not self.backend.capabilities.replenish or not hmac.compare_digest(str(m.token), self.token):
-            self.events.emit("join_refused", node=m.node, join=m.join, host=m.host, reason="bad or missing token")
+        """An agent this job did not start says it is up (sealed with the job's secret): it joins as a new spare."""
+        if not self.backend.capabilities.replenish:
+            self.events.emit("join_refused", node=m.node, join=m.join, host=m.host, reason="this backend does not replenish")
             return
         t_submit = self.replenisher.joined(m.join)
         node = self.nodes.add(Node.new(m.node, up=True))
@@ -521,6 +522,7 @@ class Supervisor:
         for c in self.plane.commands.get_all():
             self.commands.handle(c, now)
         self.operator_io.serve(now)
+        self.refusals.tick(now)
         self.replenish(now)
         if self.job.state is not JobState.STOPPING:
             self.settle(now)

@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 
-from phoenix_runtime import protocol
+from phoenix_runtime import auth, protocol
 from phoenix_runtime import rank_env as rank_env_module
 
 
@@ -71,9 +71,21 @@ def wait_for_assignment(poll_s: float = 0.01) -> dict:
     env = rank_env_module.rank_env()
     store = connect_store(env)
     key = protocol.k_assign(env.node, env.slot)
-    while not store.check([key]):
+    while True:  # a forged assignment is refused (and reported): the spare waits on for the supervisor's
+        text = protocol.get_value(store, key)
+        if text is not None:
+            return json.loads(text)
         time.sleep(poll_s)
-    return json.loads(store.get(key))
+
+
+def assignment_env(assignment: dict) -> dict[str, str]:
+    """The variables of an assignment a spare applies: only the launcher's own keys (an environment from the
+    network could, e.g., point TORCHELASTIC_ERROR_FILE anywhere); any other is dropped and refused."""
+    allowed = protocol.assignment_env_keys()
+    env = {str(k): str(v) for k, v in dict(assignment.get("env") or {}).items()}
+    if any(k not in allowed for k in env):
+        auth.refuse("env", protocol.k_assign(rank_env_module.rank_env().node, rank_env_module.rank_env().slot))
+    return {k: v for k, v in env.items() if k in allowed}
 
 
 def prewarm(argv: list[str]) -> None:
@@ -159,7 +171,7 @@ def main() -> None:
         print(f"[phoenix {time.strftime('%H:%M:%S', time.localtime(t))}.{int(t % 1 * 1000):03d}] spare assigned rank {assignment['rank']} in generation {assignment['gen']}", file=sys.stderr, flush=True)
         # the user's script may read torchrun's variables: the assignment goes into the environment, which
         # is then parsed again (the one place the runtime writes it)
-        os.environ.update({k: str(v) for k, v in assignment["env"].items()})
+        os.environ.update(assignment_env(assignment))
         os.environ[protocol.ENV_GEN] = str(assignment["gen"])
         os.environ[protocol.ENV_JOINING] = "1"
         os.environ[protocol.ENV_ROLE] = protocol.ROLE_ACTIVE

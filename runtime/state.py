@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from phoenix_runtime import auth
+
 
 @dataclass
 class LoopObjects:
@@ -149,12 +151,23 @@ def load_local(objs: LoopObjects, shard: dict[str, torch.Tensor], local: dict[st
 
 
 # --- the envelope ----------------------------------------------------------------------------------------
+# The envelope travels to peers (replicas, recovery transfers), so its pickled parts are authenticated: an
+# HMAC with the job's secret over the pickle is checked before it is unpickled (``auth``; without a job
+# secret, outside phoenix-run, there is none to check). Tensor regions keep their CRC and carry no HMAC.
+_SEALED = "phx-pickle"
+
+
 def _b64(obj: Any) -> str:
-    return base64.b64encode(pickle.dumps(obj)).decode()
+    blob = base64.b64encode(pickle.dumps(obj)).decode()
+    return auth.seal(_SEALED, 0, blob)
 
 
 def _unb64(s: str) -> Any:
-    return pickle.loads(base64.b64decode(s))
+    try:
+        blob = auth.unseal(_SEALED, s, 0)[1]
+    except auth.Refused as e:
+        raise ValueError(f"envelope refused: {e.kind} (not sealed with the job's secret); not unpickled") from None
+    return pickle.loads(base64.b64decode(blob))
 
 
 def capture_rng() -> str:

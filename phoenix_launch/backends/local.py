@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from phoenix_launch.backends.base import Capabilities, NotSupported, SchedulerView
+from phoenix_launch.events import open_private, private_dir, write_private
 from phoenix_launch.procs import die_with_parent, poll_exited
 from phoenix_launch.spec import AgentSpec
 
@@ -39,9 +40,9 @@ class LocalBackend:
 
     def start_agent(self, node: str, spec: AgentSpec) -> None:
         spec_path = self.run_dir / "logs" / node / "agent.spec.json"
-        spec_path.parent.mkdir(parents=True, exist_ok=True)
-        spec_path.write_text(spec.to_json())
-        log = open(self.run_dir / "logs" / node / "agent.log", "ab")
+        private_dir(spec_path.parent)
+        write_private(spec_path, spec.to_json())
+        log = open_private(self.run_dir / "logs" / node / "agent.log", "ab")
         self.procs[node] = subprocess.Popen(
             [sys.executable, "-m", "phoenix_launch.agent", "--spec", f"@{spec_path}"],
             stdout=log if spec.tee == "0" else None,
