@@ -153,7 +153,7 @@ class Supervisor:
 
     def _ranks_warm(self, node: Node) -> bool:
         try:
-            return bool(self.store is not None and self.store.check([protocol.k_rank_hb(node.name, s) for s in range(self.nproc)]))
+            return bool(self.store is not None and all(protocol.get_value(self.store, protocol.k_rank_hb(node.name, s)) for s in range(self.nproc)))
         except Exception:
             return False
 
