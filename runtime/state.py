@@ -162,6 +162,21 @@ def _b64(obj: Any) -> str:
     return auth.seal(_SEALED, 0, blob)
 
 
+_SEALED_FIELDS = ("rng", "optim_scalars", "loop")  # an envelope's pickled parts
+
+
+def meta_at_rest(meta: dict[str, Any]) -> dict[str, Any]:
+    """The envelope as written to a persistent checkpoint (the 0700 run directory, not the network): its
+    pickled parts unsealed, so that a later job (another secret) can ``--resume`` from it."""
+    return {k: auth.unseal(_SEALED, v, 0)[1] if k in _SEALED_FIELDS and isinstance(v, str) else v for k, v in meta.items()}
+
+
+def meta_from_rest(meta: dict[str, Any]) -> dict[str, Any]:
+    """A persistent checkpoint's envelope, sealed again with this job's secret (see ``meta_at_rest``)."""
+    return {k: auth.seal(_SEALED, 0, v) if k in _SEALED_FIELDS and isinstance(v, str) and not v.startswith(auth.PREFIX) else v
+            for k, v in meta.items()}
+
+
 def _unb64(s: str) -> Any:
     try:
         blob = auth.unseal(_SEALED, s, 0)[1]

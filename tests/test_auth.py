@@ -229,3 +229,21 @@ def test_a_plain_store_client_without_the_secret_cannot_steer_the_job(tmp_path):
         assert secret not in p.read_text(errors="replace"), p
     assert not job_processes(run_dir)
     print(f"refused events: {len(of_type(evs, 'refused'))}; kinds: {sorted(_refused(run_dir))}")
+
+
+@pytest.mark.timeout(30)
+def test_an_envelope_is_checked_before_unpickling_and_a_checkpoint_outlives_the_secret(secret):
+    from phoenix_runtime import state
+
+    blob = state._b64({"a": 1})
+    assert state._unb64(blob) == {"a": 1}
+    evil = blob.split(":", 3)
+    with pytest.raises(ValueError, match="refused: forged"):
+        state._unb64(":".join(evil[:3] + [state.base64.b64encode(state.pickle.dumps(["x"])).decode()]))
+    with pytest.raises(ValueError, match="refused: unsigned"):
+        state._unb64(evil[3])
+    meta = {"step": 3, "rng": blob, "loop": state._b64({"groups": None}), "shard": "0"}
+    at_rest = state.meta_at_rest(meta)  # a persistent checkpoint: a later job (another secret) resumes from it
+    auth.set_key(b"n" * 32)
+    back = state.meta_from_rest(at_rest)
+    assert state._unb64(back["rng"]) == {"a": 1} and back["step"] == 3 and back["shard"] == "0"
