@@ -75,12 +75,14 @@ def set_key(key: bytes | None) -> None:
 
 
 def key() -> bytes | None:
-    """This process's secret: set by ``set_key``, else ``PHOENIX_JOB_SECRET`` (hex), else None."""
+    """This process's secret: set by ``set_key``, else ``PHOENIX_JOB_SECRET`` (hex), else None. The variable
+    is taken out of the environment once read: the user's script, its children and whatever it logs of its
+    environment never see it (the rank's bootstrap reads it before the script starts)."""
     global _key, _loaded
     if not _loaded:
         with _lock:
             if not _loaded:
-                text = os.environ.get(ENV_SECRET, "")
+                text = os.environ.pop(ENV_SECRET, "")
                 _key = bytes.fromhex(text) if text else None
                 _loaded = True
     return _key

@@ -161,6 +161,7 @@ def main() -> None:
     from phoenix_runtime.control import STATE, start_control
 
     role = rank_env_module.rank_env().role
+    auth.key()  # the job's secret, out of the environment before the user's script can see it
     start_control()
     signal_warm()  # a spare too: its prewarm below is its own business, the agent need not wait for it
     if role == protocol.ROLE_SPARE:
