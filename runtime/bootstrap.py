@@ -14,6 +14,7 @@ Runs inside every rank process that ``phoenix-run`` starts, before the user's co
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
@@ -49,7 +50,9 @@ def write_error_file(exc: BaseException, step: int | None) -> None:
         },
     }
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover (or a planted link): the new file is made afresh, 0600, never through a link
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as f:
         json.dump(data, f)
     os.replace(tmp, path)
 
