@@ -51,12 +51,15 @@ class Refused(ValueError):
 
 # --- the secret --------------------------------------------------------------------------------------
 def create_secret(run_dir: Path) -> bytes:
-    """Make the job's secret, write it (hex) to ``run_dir/secret`` (new file, 0600, no link followed) and use
-    it in this process."""
+    """Make the job's secret, write it (hex) to ``run_dir/secret`` and use it in this process. The file is
+    made new (0600, ``O_EXCL``: never through a planted link) and then renamed over any earlier job's
+    (``--resume`` in the same run directory: that job's secret is of no use to this one)."""
     key = secrets.token_bytes(32)
-    fd = os.open(Path(run_dir) / SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    tmp = Path(run_dir) / f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key.hex())
+    os.replace(tmp, Path(run_dir) / SECRET_FILE)
     set_key(key)
     return key
 

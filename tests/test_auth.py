@@ -118,9 +118,12 @@ def test_the_secret_file_is_new_private_and_never_follows_a_link(tmp_path):
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
     k = auth.create_secret(d)
     assert auth.read_secret(d) == k and stat.S_IMODE((d / "secret").stat().st_mode) == 0o600
-    with pytest.raises(FileExistsError):
-        auth.create_secret(d)  # O_EXCL: never an existing file (nor a planted link)
     (tmp_path / "elsewhere").write_text("x")
+    (d / "secret").unlink()
+    os.symlink(tmp_path / "elsewhere", d / "secret")  # a planted link: replaced, never written through
+    k2 = auth.create_secret(d)
+    assert k2 != k and auth.read_secret(d) == k2 and not (d / "secret").is_symlink()
+    assert (tmp_path / "elsewhere").read_text() == "x"
     os.symlink(tmp_path / "elsewhere", d / "status.json")
     write_private(d / "status.json", "{}")  # replaces the link itself, never writes through it
     assert (tmp_path / "elsewhere").read_text() == "x" and stat.S_IMODE((d / "status.json").stat().st_mode) == 0o600
