@@ -21,7 +21,7 @@ from phoenix_launch.spec import AgentSpec
 
 class LocalBackend:
     name = "local"
-    # replenishment: a new spare is one more agent on this machine (it joins with the job's token, as a
+    # replenishment: a new spare is one more agent on this machine (it joins with the job's secret, as a
     # Slurm replenishment job's agent does); no scheduler to ask about a node
     capabilities = Capabilities(replenish=True)
 
@@ -70,7 +70,7 @@ class LocalBackend:
         return True, "local backend: node excluded from the job"
 
     def replenish(self, spec: AgentSpec) -> str:
-        """Start one more agent here as a new spare; it joins with the job's token (``spec.join``)."""
+        """Start one more agent here as a new spare; it joins with the job's secret (``spec.join``)."""
         self.start_agent(spec.node, spec)
         proc = self.procs[spec.node]
         self.pending[str(spec.join)] = proc

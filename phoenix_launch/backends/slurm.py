@@ -261,7 +261,7 @@ class SlurmBackend:
     # --- replenishment -----------------------------------------------------------------------------
     def replenish(self, spec: AgentSpec) -> str:
         """Submit a one-node job whose agent joins this job's control plane as a new spare; returns its job
-        id. ``spec.join`` names the request (the agent echoes it, with the job's token, in agent_up)."""
+        id. ``spec.join`` names the request (the agent echoes it, sealed with the job's secret, in agent_up)."""
         join = str(spec.join)
         d = self.run_dir / "logs" / "replenish"
         d.mkdir(parents=True, exist_ok=True)
