@@ -117,6 +117,14 @@ def next_seq() -> int:
         return _last_seq
 
 
+def continue_after(seq: int) -> None:
+    """Make this process's next sequence numbers larger than ``seq``: a writer that takes over keys another
+    wrote (a standby supervisor on a host whose clock is behind) must not look like a replay of it."""
+    global _last_seq
+    with _lock:
+        _last_seq = max(_last_seq, int(seq))
+
+
 def seal(name: str, seq: int, payload: str) -> str:
     k = key()
     if k is None:
