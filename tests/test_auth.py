@@ -90,6 +90,11 @@ def test_queue_drops_forged_messages_and_keys_refuse_replays(secret):
     st.set(protocol.K_GEN, "9")
     assert protocol.read_gen(st) == 2
     assert {(r["kind"], r["key"]) for r in auth.drain()} == {("replayed", protocol.K_GEN), ("unsigned", protocol.K_GEN)}
+    # a writer that takes the key over (a clock an hour behind) continues the sequence: not a replay
+    ahead = auth.unseal(protocol.K_GEN, st.get(protocol.K_GEN))[0] + 3600 * 10**9
+    auth.continue_after(ahead)
+    protocol.put_value(st, protocol.K_GEN, "3")
+    assert protocol.read_gen(st) == 3 and auth.drain() == []
 
 
 @pytest.mark.timeout(30)
