@@ -4,7 +4,7 @@ equal the failure-free run's, the ranks' RSS and thread counts and the control-p
     python bench/soak.py [--recoveries 20] [--mtbf 4] [--nodes 2 --nproc 1] [--spares N] [--steps N]
 
 Spares: a small warm pool (``--spares``, default 2) kept full by replenishment (``launch.replenish``: a used
-spare is replaced by a new agent that joins with the job's token). Chaos (``--chaos-mtbf``) crashes only the
+spare is replaced by a new agent that joins with the job's secret). Chaos (``--chaos-mtbf``) crashes only the
 node holding ``--victim-rank`` (``inject.chaos_ranks``), so the other ranks live through every recovery and
 their RSS and thread counts can be followed; its clock does not stop during a recovery, so a kill may find the
 pool empty while a new spare is still starting. The length of the run (``--steps``, default from a short

@@ -27,10 +27,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from phoenix_launch.events import open_private, private_dir
 from phoenix_launch.procs import die_with_parent
 from phoenix_launch.procs import send_signal as _signal
 from phoenix_launch.spec import AgentSpec, SpecError
-from phoenix_runtime import protocol
+from phoenix_runtime import auth, protocol
 
 WARM_WAIT_S = 120.0  # the longest an agent defers joining the control plane for its ranks' imports
 #: phases in which a rank is not expected to complete steps (the hang check falls back to its heartbeat)
@@ -81,7 +82,7 @@ class Agent:
         self.nproc = spec.nproc
         self.run_dir = Path(spec.run_dir)
         self.log_dir = self.run_dir / "logs" / self.node
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.log_dir)
         self.epoch = spec.epoch
         self.ranks: dict[int, RankProc] = {}
         self.attempts: dict[int, int] = {}
@@ -108,6 +109,7 @@ class Agent:
         for k in list(env):
             if k.startswith(("PHOENIX_AGENT_",)):
                 del env[k]
+        env.update(auth.env_for_child())  # the job's secret: ranks get it only through their environment
         env.update(
             {
                 protocol.ENV_STORE_HOST: s.store_host,
@@ -166,7 +168,7 @@ class Agent:
         cmd = [sys.executable, "-m", "phoenix_runtime.bootstrap", *self.spec.argv]
         redirects = self.spec.redirects
         tee = self.spec.tee
-        logf = open(log_path, "ab", buffering=0)
+        logf = open_private(log_path, "ab", buffering=0)
         out_target: Any = logf if redirects in ("1", "3") else None
         err_target: Any = logf if redirects in ("2", "3") else None
         if tee != "0":
@@ -256,12 +258,9 @@ class Agent:
         self.store = dist.TCPStore(s.store_host, int(s.store_port), is_master=False, timeout=timedelta(seconds=30))
         self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
         self.q_cmd = protocol.Queue(self.store, protocol.q_agent(self.node))
-        token = ""
-        if s.join is not None:
-            # A node joining a running job (Slurm replenishment): the supervisor does not know it yet and
-            # accepts it only with the job's token (run_dir/token, 0600, on the shared filesystem).
-            token = (self.run_dir / "token").read_text().strip()
-        self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, s.join, token))
+        # a node joining a running job (replenishment) is accepted because its agent_up is sealed with the
+        # job's secret (run_dir/secret, 0600, on the shared filesystem), as every message is
+        self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, s.join))
 
     def report_exit(self, r: RankProc, code: int) -> None:
         error = None
@@ -352,7 +351,10 @@ class Agent:
             key = protocol.k_rank_hb(self.node, r.slot)
             if not self.store.check([key]):
                 continue  # not started yet: still importing
-            hb = protocol.RankHeartbeat.from_json(self.store.get(key))
+            text = protocol.get_value(self.store, key)
+            if text is None:
+                continue  # only forged ones so far
+            hb = protocol.RankHeartbeat.from_json(text)
             if hb.pid != r.proc.pid:
                 continue
             hung = hang_check(hb, now, hang_timeout)
@@ -383,7 +385,10 @@ class Agent:
             now = time.monotonic()
             try:
                 if now >= next_hb:
-                    self.store.set(protocol.k_agent_hb(self.node), str(time.time()))
+                    protocol.put_value(self.store, protocol.k_agent_hb(self.node), str(time.time()))
+                    refused = auth.drain()  # what this agent refused to read since the last beat
+                    if refused:
+                        self.q_sup.put(protocol.RefusedReport(self.node, None, refused))  # type: ignore[union-attr]
                     next_hb = now + hb_every
                 for cmd in self.q_cmd.get_all():
                     self.handle(cmd)
@@ -464,6 +469,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if ns.node:
         spec = replace(spec, node=ns.node)
+    if spec.store_host and auth.key() is None:
+        try:  # the job's secret: only its user can read the run directory
+            auth.set_key(auth.read_secret(Path(spec.run_dir)))
+        except (OSError, ValueError) as e:
+            print(f"phoenix agent: cannot read the job's secret in {spec.run_dir}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+            return 2
     agent = Agent(spec)
 
     def on_signal(signum, frame):

@@ -101,7 +101,7 @@ class Ladder:
         if not running or self.every_s <= 0 or attempt.step < 1 or now - self.last_t < self.every_s:
             return
         at = attempt.step + max(3, math.ceil(self.lead_s / max(attempt.step_time_s, 1e-3)))
-        store.set(protocol.K_PERSIST_AT, str(at))
+        protocol.put_value(store, protocol.K_PERSIST_AT, str(at))
         self.last_t = now
         self.events.emit("checkpoint_scheduled", step=at)
 

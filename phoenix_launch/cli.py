@@ -184,9 +184,11 @@ def _prepare_run_dir(cfg, log_dir: Optional[str]):
     rid = launch.run_id or (f"slurm-{job}" if job.isdigit() else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
     rdir = Path(launch.run_dir or Path(log_dir or "phoenix-runs") / rid)
     try:
-        rdir.mkdir(parents=True, exist_ok=True)
+        from phoenix_launch.events import private_dir, write_private
+
+        private_dir(rdir)
         probe = rdir / ".write-test"
-        probe.write_text("")
+        write_private(probe, "")
         probe.unlink()
     except OSError as e:
         raise fail(f"run directory {rdir} is not writable: {e.strerror}") from None
@@ -208,7 +210,9 @@ def _open_backend(cfg, rdir: Path, *, nodes_given: bool):
         cfg = replace(cfg, launch=replace(cfg.launch, nodes=be.use_all_nodes()))
     import yaml
 
-    (rdir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    from phoenix_launch.events import write_private
+
+    write_private(rdir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return cfg, be
 
 
@@ -271,7 +275,6 @@ def kill_node(
     mode: str = typer.Option("crash", "--mode", help="crash | rank | hang | comm | gpu-ecc | pcie"),
     at_step: Optional[int] = typer.Option(None, "--at-step", help="Arm the fault to fire when the ranks reach step N."),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default: the newest under .)."),
-    token: Optional[str] = typer.Option(None, "--token", hidden=True, help="Override the job token (tests)."),
 ) -> None:
     """Inject a failure into a running job."""
     from phoenix_launch.events import find_run_dir
@@ -282,7 +285,7 @@ def kill_node(
         raise fail(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     try:
         rdir = find_run_dir(run_dir)
-        reply = send_command(rdir, KillCommand(target=target, mode=mode, at_step=at_step), token=token)
+        reply = send_command(rdir, KillCommand(target=target, mode=mode, at_step=at_step))
     except (FileNotFoundError, InjectError) as e:
         raise fail(str(e), 1) from None
     if not reply.get("ok"):

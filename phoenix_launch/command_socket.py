@@ -1,15 +1,15 @@
 """``kill-node``'s fast path: a unix-domain socket in the run directory, served by the supervisor.
 
 The client (``phoenix-run kill-node`` on the supervisor's host) writes one JSON line -- the command, with
-the job's token -- and reads one JSON line back, the same reply the store path gives. It never imports
+a token derived from the job's secret (``auth.derive``; never the secret) -- and reads one JSON line back, the same reply the store path gives. It never imports
 torch, so it answers in a fraction of a second; a job that has stopped (its socket removed and its store's
 port closed, or -- a supervisor that was SIGKILLed -- nothing listening on the socket left behind) is one
 line, at once. (No pid check: the supervisor's pid may be in another pid namespace than the client's.)
 
 Server side: a daemon thread accepts one connection at a time (bounded read and reply timeouts) and hands
 the command to the supervisor's loop (:meth:`CommandSocket.serve`, called from its tick), which runs it
-through a :class:`~phoenix_launch.commands.CommandHandler` -- the same token check and the same execution
-as the store queue -- whose reply goes back on the connection instead of into the store. The socket is
+through a :class:`~phoenix_launch.commands.CommandHandler` -- a token check (the store queue checks
+the message's seal instead) and the same execution -- whose reply goes back on the connection instead of into the store. The socket is
 created 0600 before it listens, and removed when the job ends.
 
 A supervisor on another host (Slurm, ``control.json``'s ``node`` is not this host) is reached through the

@@ -1,4 +1,8 @@
-"""The command handler: ``phoenix-run kill-node`` requests, authenticated by the job's token.
+"""The command handler: ``phoenix-run kill-node`` requests, authenticated by the job's secret.
+
+Through the store (``protocol.Q_COMMANDS``) a command is sealed with the secret like every message (the
+queue refuses any other); through the run directory's unix socket (0600, in the 0700 run directory) it
+carries a token derived from the secret (``auth.derive(SOCKET_PURPOSE)``), never the secret itself.
 
 It sees the job only through :class:`~phoenix_launch.inject.JobTargets` and tells the supervisor about an
 injection whose effect is due now through ``on_injected`` (an incident opens before anything is observed).
@@ -11,7 +15,7 @@ import json
 from typing import Any, Callable
 
 from phoenix_launch.events import EventLog
-from phoenix_launch.inject import JobTargets, execute_injection
+from phoenix_launch.inject import SOCKET_PURPOSE, JobTargets, execute_injection
 from phoenix_runtime import protocol
 
 
@@ -20,10 +24,10 @@ def reply_key(command_id: str) -> str:
 
 
 class CommandHandler:
-    def __init__(self, store: protocol.Store, token: str, events: EventLog, job: JobTargets,
+    def __init__(self, store: protocol.Store, token: str | None, events: EventLog, job: JobTargets,
                  on_injected: Callable[[str, float, float], None]):
         self.store = store
-        self.token = token
+        self.token = token  # None: the commands come through the store, sealed (checked by the queue)
         self.events = events
         self.job = job
         self.on_injected = on_injected  # (mode, t_kill, now)
@@ -35,7 +39,7 @@ class CommandHandler:
             self._reply(str(raw.get("id", "none")), False, "refused: unknown or malformed command")
 
     def _kill(self, c: protocol.KillCommand, now: float) -> None:
-        if not hmac.compare_digest(str(c.token), self.token):
+        if self.token is not None and not hmac.compare_digest(str(c.token), self.token):
             self.events.emit("command_refused", command=c.TYPE.value, reason="bad or missing token")
             self._reply(c.id, False, "refused: the job's token does not match")
             return
@@ -47,4 +51,8 @@ class CommandHandler:
                 self.on_injected(info["mode"], info["t"], now)
 
     def _reply(self, command_id: str, ok: bool, msg: str) -> None:
-        self.store.set(reply_key(command_id), json.dumps({"ok": ok, "message" if ok else "error": msg}))
+        reply = json.dumps({"ok": ok, "message" if ok else "error": msg})
+        if self.token is None:
+            protocol.put_value(self.store, reply_key(command_id), reply)  # sealed: kill-node checks it
+        else:
+            self.store.set(reply_key(command_id), reply)

@@ -5,11 +5,14 @@ Layout of a run directory::
     events.jsonl      every event (type, time, fields); the record of what happened
     config.yaml       the resolved configuration
     status.json       the latest snapshot (what ``phoenix-run status`` and the live view show)
-    token             the job's secret (0600): commands to the control plane must carry it
+    secret            the job's secret (hex, 0600): every control-plane message is sealed with it (``auth``)
     control.json      where the control plane listens (host, port) and the supervisor's pid
     logs/<node>/<slot>.<attempt>.log        stdout+stderr of each rank process
     logs/<node>/<slot>.<attempt>.error.json the rank's error file (torchrun's @record format)
     logs/<node>/agent.log
+
+The directory is 0700 and every file the launcher writes in it 0600, created without following a link
+(``private_dir``, ``open_private``, ``write_private``): argv, tracebacks and the secret are the job's user's.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class EventLog:
     def __init__(self, path: Path):
         self.path = path
         self._lock = threading.Lock()
-        self._f = open(path, "a", buffering=1)
+        self._f = open_private(path, "a", buffering=1)
         self.recent: list[dict[str, Any]] = []
         self.count = 0  # events emitted so far
 
@@ -70,24 +73,36 @@ def parse_events(lines: Iterable[str]) -> tuple[list[dict[str, Any]], int]:
     return events, skipped
 
 
-def create_token(run_dir: Path) -> str:
-    """Create the job's secret, readable only by its owner. Never printed nor logged."""
-    tok = secrets.token_hex(16)
-    path = run_dir / "token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only its owner can enter (0700), made with its parents; a link is refused."""
+    path = Path(path)
+    if path.is_symlink():
+        raise OSError(f"{path} is a symbolic link")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700, follow_symlinks=False)
+    return path
+
+
+def open_private(path: Path, mode: str = "a", **kw: Any):
+    """Open a run-directory file for writing (``"a"``, ``"ab"``, ``"w"``, ``"wb"``): 0600, never through a
+    link (O_NOFOLLOW), created if absent (a file that existed with wider permissions is narrowed)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC)
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, mode, **kw)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` atomically with ``text``: a new 0600 temporary file (O_EXCL, no link), then a rename."""
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(tok)
-    return tok
-
-
-def read_token(run_dir: Path) -> str:
-    return (run_dir / "token").read_text().strip()
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, default=str, indent=1))
-    os.replace(tmp, path)
+    write_private(path, json.dumps(data, default=str, indent=1))
 
 
 def find_run_dir(explicit: str | None, cwd: Path | None = None) -> Path:

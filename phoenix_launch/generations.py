@@ -43,8 +43,8 @@ class GenerationPublisher:
     def first(self, ranks: Iterable[protocol.RankSlot]) -> protocol.Membership:
         """Generation 0, as the agents start it."""
         self.members = self.stable = protocol.Membership(0, self.world_size, tuple(ranks), domains=self.domains())
-        self.store.set(protocol.k_members(0), self.members.to_json())
-        self.store.set(protocol.K_GEN, "0")
+        protocol.put_value(self.store, protocol.k_members(0), self.members.to_json())
+        protocol.put_value(self.store, protocol.K_GEN, "0")
         return self.members
 
     def publish(self, ranks: Iterable[protocol.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
@@ -60,11 +60,11 @@ class GenerationPublisher:
             joiners = tuple(r.rank for r in ranks if before.get(r.rank) != (r.node, r.slot) or r.rank in again)
         mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains(), lost)
         self._seen |= {r.node for r in self.members.ranks}
-        self.store.set(protocol.k_members(self.gen), mem.to_json())
+        protocol.put_value(self.store, protocol.k_members(self.gen), mem.to_json())
         for r in ranks:
             if r.rank in joiners:
-                self.store.set(protocol.k_assign(r.node, r.slot), json.dumps(self._assignment(r, group_ranks[r.node], attempt)))
-        self.store.set(protocol.K_GEN, str(self.gen))
+                protocol.put_value(self.store, protocol.k_assign(r.node, r.slot), json.dumps(self._assignment(r, group_ranks[r.node], attempt)))
+        protocol.put_value(self.store, protocol.K_GEN, str(self.gen))
         self.members = mem
         if fresh:
             self.stable = mem

@@ -22,6 +22,7 @@ from phoenix_runtime import protocol
 from phoenix_runtime.settings import FAULT_MODES
 
 MODES = FAULT_MODES
+SOCKET_PURPOSE = "phoenix command socket"  # the command socket's token is derived from the secret for it
 
 
 class InjectError(RuntimeError):
@@ -90,17 +91,18 @@ def execute_injection(job: JobTargets, c: protocol.KillCommand) -> tuple[bool, s
     return True, f"{what} sent to {node} {'every rank' if slot is None else f'slot {slot}'}", info
 
 
-def send_command(run_dir: Path, cmd: protocol.KillCommand, token: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
-    """Client side: put a token-authenticated command on the job's control plane and wait for the reply."""
+def send_command(run_dir: Path, cmd: protocol.KillCommand, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Client side: put a command authenticated with the job's secret (``run_dir/secret``, readable only by
+    the job's user) on the job's control plane and wait for the reply."""
     from phoenix_launch.control import connect
-    from phoenix_launch.events import read_token
+    from phoenix_runtime import auth
 
     ctl = json.loads((run_dir / "control.json").read_text())
-    if token is None:
-        try:
-            token = read_token(run_dir)
-        except OSError as e:
-            raise InjectError(f"cannot read the job's token in {run_dir}: {e.strerror}") from None
+    try:
+        auth.set_key(auth.read_secret(run_dir))
+    except (OSError, ValueError) as e:
+        raise InjectError(f"cannot read the job's secret in {run_dir}: {getattr(e, 'strerror', None) or e}") from None
+    token = auth.derive(SOCKET_PURPOSE)
     cid = uuid.uuid4().hex
     try:  # the run directory's unix socket (no torch import); the store only for a supervisor elsewhere
         reply = command_socket.send(run_dir, ctl, replace(cmd, token=token, id=cid).to_dict(), timeout_s)
@@ -114,13 +116,14 @@ def send_command(run_dir: Path, cmd: protocol.KillCommand, token: str | None = N
         store = connect(ctl["host"], int(ctl["port"]), timeout_s=3.0)
     except Exception:
         raise InjectError(f"no running job at {ctl['host']}:{ctl['port']} (run directory {run_dir})") from None
-    protocol.Queue(store, protocol.Q_COMMANDS).put(replace(cmd, token=token, id=cid))
+    protocol.Queue(store, protocol.Q_COMMANDS).put(replace(cmd, id=cid))  # sealed; no token in the store
     key = f"phx/reply/{cid}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if store.check([key]):
-                return json.loads(store.get(key))
+            text = protocol.get_value(store, key)  # a forged reply is refused: the genuine one is waited for
+            if text is not None:
+                return json.loads(text)
         except Exception:
             raise InjectError("the job stopped before it answered") from None
         time.sleep(0.02)

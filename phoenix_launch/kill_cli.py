@@ -19,7 +19,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="crash", help=" | ".join(FAULT_MODES))
     p.add_argument("--at-step", type=int, default=None, help="Arm the fault to fire when the ranks reach step N.")
     p.add_argument("--run-dir", default=None, help="Run directory (default: the newest under .).")
-    p.add_argument("--token", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -41,7 +40,7 @@ def main(args: list[str]) -> int:
 
     try:
         rdir = find_run_dir(a.run_dir)
-        reply = send_command(rdir, KillCommand(target=a.target, mode=a.mode, at_step=a.at_step), token=a.token)
+        reply = send_command(rdir, KillCommand(target=a.target, mode=a.mode, at_step=a.at_step))
     except (FileNotFoundError, InjectError) as e:
         return _fail(str(e), 1)
     except (OSError, ValueError, KeyError) as e:

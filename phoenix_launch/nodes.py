@@ -125,9 +125,7 @@ class NodeTable:
         for node in self:
             if node.lost or not node.up or node.state not in (NodeState.ACTIVE, NodeState.JOINING, NodeState.SPARE):
                 continue
-            key = protocol.k_agent_hb(node.name)
-            if store.check([key]):
-                node.last_hb = float(store.get(key))
+            node.last_hb = float(protocol.get_value(store, protocol.k_agent_hb(node.name)) or node.last_hb)
             if time.time() - node.last_hb > timeout:
                 out.append((node.name, round(time.time() - node.last_hb, 2)))
         return out
@@ -146,7 +144,7 @@ class NodeTable:
         each group."""
         def warm(n: Node) -> bool:
             try:
-                return bool(store is not None and store.check([protocol.k_rank_hb(n.name, s) for s in range(nproc)]))
+                return bool(store is not None and all(protocol.get_value(store, protocol.k_rank_hb(n.name, s)) for s in range(nproc)))
             except Exception:  # noqa: BLE001 -- a store that does not answer: not known to be warm
                 return False
         cands = self.spare_nodes()

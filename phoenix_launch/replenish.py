@@ -1,7 +1,7 @@
 """The replenisher: keeps the spare pool at its target on a backend that can add nodes (Slurm).
 
 When fewer spares are up or coming than ``--spares``, it asks the backend for new ones (a Slurm job whose
-agent joins this control plane; it arrives as an ``agent_up`` with ``join`` and the job's token). A request
+agent joins this control plane; it arrives as an ``agent_up`` with ``join``, sealed with the job's secret). A request
 whose job ended without its agent joining is forgotten, and a new one is submitted after a back-off.
 """
 

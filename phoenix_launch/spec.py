@@ -41,7 +41,7 @@ class AgentSpec:
     redirects: str = "3"
     tee: str = "0"
     runtime_json: str = "{}"  # the ranks' PHOENIX_RUNTIME_CONFIG (RuntimeSettings.to_json)
-    join: str | None = None  # a replenished spare's request id (it joins with the job's token)
+    join: str | None = None  # a replenished spare's request id (it joins with the job's secret)
     resume: str = ""  # a complete persistent checkpoint the ranks start from (phoenix-run --resume, the ladder)
     gpus_per_node: int | None = None  # Slurm: the agent gives its ranks CUDA_VISIBLE_DEVICES
     extra_env: dict[str, str] = field(default_factory=dict)

@@ -19,8 +19,9 @@ def read_rank_heartbeats(store: Any, members: protocol.Membership) -> dict[tuple
     for r in members.ranks:
         key = protocol.k_rank_hb(r.node, r.slot)
         try:
-            if store.check([key]):
-                out[(r.node, r.slot)] = protocol.RankHeartbeat.from_json(store.get(key))
+            text = protocol.get_value(store, key)
+            if text is not None:
+                out[(r.node, r.slot)] = protocol.RankHeartbeat.from_json(text)
         except Exception:
             continue
     return out

@@ -2,14 +2,12 @@
 
 detect (the agents' and ranks' reports, heartbeats) -> :mod:`incidents` (gathered, settled) ->
 :mod:`classify` (+ :mod:`health` probe evidence) -> :mod:`decide` -> repair (:mod:`generations`: hot-swap,
-local recovery, restart) -> resume (:mod:`recovery_watch`, up to the first step after it). Besides: the
-spare pool (:mod:`nodes`, :mod:`replenish`), ``kill-node`` (:mod:`commands`), status and events. Every
-step is an event in ``events.jsonl``.
+local recovery, restart) -> resume (:mod:`recovery_watch`, up to the first step after it). Besides: the spare
+pool (:mod:`nodes`, :mod:`replenish`), ``kill-node`` (:mod:`commands`), status and events (``events.jsonl``).
 """
 
 from __future__ import annotations
 
-import hmac
 import os
 import signal
 import time
@@ -22,11 +20,11 @@ from phoenix_launch.classify import RankReport, classify, describe_exit
 from phoenix_launch.commands import CommandHandler
 from phoenix_launch.config import Config, runtime_settings
 from phoenix_launch.control import ControlPlane
-from phoenix_launch.events import EventLog, create_token, write_json_atomic
+from phoenix_launch.events import EventLog, write_json_atomic
 from phoenix_launch.generations import Attempt, AttemptProgress, GenerationPublisher
 from phoenix_launch.health import with_probe_evidence
 from phoenix_launch.incidents import Incident, IncidentTracker
-from phoenix_launch.inject import Chaos, JobTargets
+from phoenix_launch.inject import SOCKET_PURPOSE, Chaos, JobTargets
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState
 from phoenix_launch.nodes import ENDED, Node, NodeTable
 from phoenix_launch.operator_io import OperatorIO
@@ -35,7 +33,8 @@ from phoenix_launch.replenish import Replenisher
 from phoenix_launch.reprotect import Reprotector
 from phoenix_launch.spec import AgentSpec
 from phoenix_launch.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
-from phoenix_runtime import protocol
+from phoenix_launch.refusals import RefusalLog
+from phoenix_runtime import auth, protocol
 
 #: a live rank's error of this type is a failed replica, not a job failure: the step is protected again
 REPLICATION_ERROR = "ReplicationError"
@@ -49,8 +48,9 @@ class Supervisor:
         self.world_size = launch.nodes * launch.nproc_per_node
         self.job = Lifecycle(JobState.STARTING, JOB_TRANSITIONS)
         self.events = EventLog(run_dir / "events.jsonl")
-        self.token = create_token(run_dir)
-        self.nodes = NodeTable(backend, self.events, drain=cfg.slurm.drain, on_change=self._status_changed)
+        auth.create_secret(run_dir)  # every control-plane message is sealed with it; kill-node reads it there
+        self.refusals = RefusalLog(self.events)
+        self.nodes = NodeTable(backend, self.events, drain=cfg.slurm.drain, on_change=self._status_changed_now)
         self.incidents = IncidentTracker(cfg.detect)
         self.recovery = RecoveryWatch(self.world_size, cfg.detect.recovery_timeout_s)
         self.replenisher = Replenisher(backend, self.events, target=launch.spares, enabled=launch.replenish or cfg.slurm.replenish,
@@ -90,6 +90,7 @@ class Supervisor:
             protocol.MsgType.CHECKPOINT: self.on_checkpoint,
             protocol.MsgType.PERSISTED: lambda m, now: self.ladder.persisted(m),
             protocol.MsgType.NODE_PROBE: self.on_node_probe,
+            protocol.MsgType.REFUSED: self.refusals.report,
         })
 
     # --- setup -------------------------------------------------------------------------------------
@@ -108,8 +109,8 @@ class Supervisor:
         self.publisher = GenerationPublisher(self.store, world_size=self.world_size, nproc=self.nproc, run_id=launch.run_id,
                                              max_restarts=launch.max_restarts, domains=self.backend.domains)
         self.publisher.first(ranks)
-        self.commands = CommandHandler(self.store, self.token, self.events, self._job_targets(), self.incidents.injected)
-        self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, self.token, self.events, self._job_targets(), self.incidents.injected))
+        self.commands = CommandHandler(self.store, None, self.events, self._job_targets(), self.incidents.injected)  # sealed
+        self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, auth.derive(SOCKET_PURPOSE), self.events, self._job_targets(), self.incidents.injected))
         self.events.emit("job_start", run_id=launch.run_id, nodes=launch.nodes, nproc_per_node=self.nproc, spares=launch.spares,
                          world_size=self.world_size, argv=self.argv, backend=self.backend.name, control=f"{plane.host}:{plane.port}",
                          resume=launch.resume or None)
@@ -145,8 +146,8 @@ class Supervisor:
             tee=launch.tee, runtime_json=self.runtime_json, join=join, resume=self.resume,
         )
 
-    def _status_changed(self) -> None:
-        self._status_due = True  # status.json follows a node's state change at once, not at the next tick
+    def _status_changed_now(self) -> None:  # status.json follows a node's state change at once, not at the next tick
+        self._status_due = True
 
     def spares(self) -> tuple[str, ...]:
         return self.nodes.spares(self.store, self.nproc)
@@ -386,7 +387,7 @@ class Supervisor:
         if due is not None and not due[0]:
             self.events.emit("replication_unprotected", gen=self.gen, reason=due[1])
         elif due is not None:
-            self.store.set(protocol.K_PROTECT_EVERY, str(self.reprotector.every))  # read by every rank in the recovery
+            protocol.put_value(self.store, protocol.K_PROTECT_EVERY, str(self.reprotector.every))  # read in the recovery
             mem = self._gens().publish(self._gens().members.ranks, due[1], self._attempt(), self.nodes.group_ranks())
             self._begin_recovery("reprotect", decisions.Decision(decisions.Kind.LOCAL, due[1]), Incident(now), now)
             self.events.emit("reprotect", gen=mem.gen, reason=due[1], protect_every=self.reprotector.every)
@@ -462,8 +463,7 @@ class Supervisor:
         self.events.emit("restart", attempt=self.restarts, max_restarts=self.cfg.launch.max_restarts, reason=d.reason, fresh=d.fresh)
         self.job.transition(JobState.RUNNING, f"restart {self.epoch}")
 
-    def stop(self, reason: str, code: int, now: float, lost: set[str] | None = None) -> None:
-        """``lost``: the nodes no spare replaces: the survivors first save S_R from memory (the ladder's salvage)."""
+    def stop(self, reason: str, code: int, now: float, lost: set[str] | None = None) -> None:  # lost: salvage first
         if self.exit_code is not None or (lost and self.attempt.protect_on and len(self.attempt.runtime_ready) == self.world_size
                                           and self.ladder.salvage(self._gens(), lost, reason, self._attempt(), self.nodes.group_ranks(),
                                                                   now, self.cfg.detect.recovery_timeout_s)):
@@ -480,9 +480,9 @@ class Supervisor:
             self.replenisher.tick(now, self.nodes.coming_spares(), len(self.nodes.spare_nodes()))
 
     def adopt(self, m: protocol.AgentUp, now: float) -> None:
-        """An agent this job did not start says it is up: with the job's token it joins as a new spare."""
-        if not self.backend.capabilities.replenish or not hmac.compare_digest(str(m.token), self.token):
-            self.events.emit("join_refused", node=m.node, join=m.join, host=m.host, reason="bad or missing token")
+        """An agent this job did not start says it is up (sealed with the job's secret): it joins as a new spare."""
+        if not self.backend.capabilities.replenish:
+            self.events.emit("join_refused", node=m.node, join=m.join, host=m.host, reason="this backend does not replenish")
             return
         t_submit = self.replenisher.joined(m.join)
         node = self.nodes.add(Node.new(m.node, up=True))
@@ -518,6 +518,7 @@ class Supervisor:
         for c in self.plane.commands.get_all():
             self.commands.handle(c, now)
         self.operator_io.serve(now)
+        self.refusals.tick(now)
         self.replenish(now)
         over = self.ladder.salvage_over(now)
         if over is not None:

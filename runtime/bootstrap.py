@@ -14,6 +14,7 @@ Runs inside every rank process that ``phoenix-run`` starts, before the user's co
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
@@ -22,7 +23,7 @@ import sys
 import time
 import traceback
 
-from phoenix_runtime import protocol
+from phoenix_runtime import auth, protocol
 from phoenix_runtime import rank_env as rank_env_module
 
 
@@ -49,7 +50,9 @@ def write_error_file(exc: BaseException, step: int | None) -> None:
         },
     }
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover (or a planted link): the new file is made afresh, 0600, never through a link
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as f:
         json.dump(data, f)
     os.replace(tmp, path)
 
@@ -71,9 +74,21 @@ def wait_for_assignment(poll_s: float = 0.01) -> dict:
     env = rank_env_module.rank_env()
     store = connect_store(env)
     key = protocol.k_assign(env.node, env.slot)
-    while not store.check([key]):
+    while True:  # a forged assignment is refused (and reported): the spare waits on for the supervisor's
+        text = protocol.get_value(store, key)
+        if text is not None:
+            return json.loads(text)
         time.sleep(poll_s)
-    return json.loads(store.get(key))
+
+
+def assignment_env(assignment: dict) -> dict[str, str]:
+    """The variables of an assignment a spare applies: only the launcher's own keys (an environment from the
+    network could, e.g., point TORCHELASTIC_ERROR_FILE anywhere); any other is dropped and refused."""
+    allowed = protocol.assignment_env_keys()
+    env = {str(k): str(v) for k, v in dict(assignment.get("env") or {}).items()}
+    if any(k not in allowed for k in env):
+        auth.refuse("env", protocol.k_assign(rank_env_module.rank_env().node, rank_env_module.rank_env().slot))
+    return {k: v for k, v in env.items() if k in allowed}
 
 
 def prewarm(argv: list[str]) -> None:
@@ -149,6 +164,7 @@ def main() -> None:
     from phoenix_runtime.control import STATE, start_control
 
     role = rank_env_module.rank_env().role
+    auth.key()  # the job's secret, out of the environment before the user's script can see it
     start_control()
     signal_warm()  # a spare too: its prewarm below is its own business, the agent need not wait for it
     if role == protocol.ROLE_SPARE:
@@ -159,7 +175,7 @@ def main() -> None:
         print(f"[phoenix {time.strftime('%H:%M:%S', time.localtime(t))}.{int(t % 1 * 1000):03d}] spare assigned rank {assignment['rank']} in generation {assignment['gen']}", file=sys.stderr, flush=True)
         # the user's script may read torchrun's variables: the assignment goes into the environment, which
         # is then parsed again (the one place the runtime writes it)
-        os.environ.update({k: str(v) for k, v in assignment["env"].items()})
+        os.environ.update(assignment_env(assignment))
         os.environ[protocol.ENV_GEN] = str(assignment["gen"])
         os.environ[protocol.ENV_JOINING] = "1"
         os.environ[protocol.ENV_ROLE] = protocol.ROLE_ACTIVE

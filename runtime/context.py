@@ -187,20 +187,25 @@ class Context:
             time.sleep(0.005)
         raise TimeoutError(f"no new generation after {after} within {self.recovery_timeout:g} s")
 
-    def exchange(self, gen: int, desc_json: str, deadline: float, ranks: list[int] | None = None) -> list[bytes]:
-        """Publish this rank's descriptor of generation ``gen`` and read everybody's (or ``ranks``'s; bounded)."""
+    def exchange(self, gen: int, desc_json: str, deadline: float, ranks: list[int] | None = None) -> list[str]:
+        """Publish this rank's descriptor of generation ``gen`` and read everybody's (or ``ranks``'s; bounded; a
+        forged one is refused and waited past, as a missing one)."""
         key = desc_key(gen, self.rank)
-        self.store.set(key, desc_json)
+        protocol.put_value(self.store, key, desc_json)
         self._own_keys.append((gen, key))
         keys = [desc_key(gen, r) for r in (range(self.world_size) if ranks is None else ranks)]
         self._own_keys += [(gen, k) for k in keys if k != key]  # a dead rank's too: deleted with the generation
-        while not self.store.check(keys):
+        got: dict[str, str] = {}
+        while True:
+            if self.store.check([k for k in keys if k not in got]):
+                got.update({k: v for k in keys if k not in got and (v := protocol.get_value(self.store, k)) is not None})
+                if len(got) == len(keys):
+                    return [got[k] for k in keys]
             if self.latest_gen() > gen:
                 raise GenerationAbandoned(f"generation {gen} abandoned")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"generation {gen}: descriptors missing after the recovery timeout")
             time.sleep(0.003)
-        return [self.store.get(k) for k in keys]
 
     def delete_old_keys(self) -> None:
         """Delete the store keys this rank wrote for generations before the current one: its descriptors, and

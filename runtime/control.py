@@ -24,7 +24,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-from phoenix_runtime import protocol
+from phoenix_runtime import auth, protocol
 from phoenix_runtime.rank_env import RankEnv, rank_env
 from phoenix_runtime.threads import background_priority  # noqa: F401  (the old import path)
 
@@ -111,7 +111,13 @@ class ControlThread:
             "blocked_in": main_thread_blocked_in() if self.state.phase == "training" else None,
             "sps": round(self.state.steps_per_s, 3),
         }
-        self.store.set(protocol.k_rank_hb(self.node, self.slot), json.dumps(hb))
+        protocol.put_value(self.store, protocol.k_rank_hb(self.node, self.slot), json.dumps(hb))
+
+    def report_refused(self) -> None:
+        """Tell the supervisor what this rank refused to read since the last call (forged or replayed)."""
+        refused = auth.drain()
+        if refused:
+            protocol.Queue(self.store, protocol.Q_SUPERVISOR).put(protocol.RefusedReport(self.node, self.slot, refused))
 
     def _run(self) -> None:
         next_hb = 0.0
@@ -120,7 +126,8 @@ class ControlThread:
                 now = time.monotonic()
                 if now >= next_hb:
                     self.beat()
-                    self.persist_at = int(self.store.add(protocol.K_PERSIST_AT, 0))
+                    self.persist_at = int(protocol.get_value(self.store, protocol.K_PERSIST_AT) or 0)
+                    self.report_refused()
                     next_hb = now + self.heartbeat_s
                 g = protocol.read_gen(self.store)
                 if g > self.latest_gen:

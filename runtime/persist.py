@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from phoenix_runtime import protocol
+from phoenix_runtime import protocol, state
 from phoenix_runtime.context import log
 
 
@@ -62,7 +62,7 @@ class Persister:
         path = protocol.persist_rank_dir(protocol.persist_step_dir(self.run_dir, step), rank)
         os.makedirs(path, exist_ok=True)
         sd = {**{f"optim/{k}": v for k, v in optim.items()}, **{f"local/{k}": v for k, v in local.items()},
-              "meta": pickle.dumps(meta)}
+              "meta": pickle.dumps(state.meta_at_rest(meta))}
         nbytes = sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
         t0 = time.perf_counter()
         with _quiet_dcp():
@@ -105,7 +105,7 @@ def load(step_dir: str, rank: int) -> tuple[dict, dict, dict]:
         dcp.load(sd, storage_reader=reader, no_dist=True)
     optim = {k[len("optim/"):]: v for k, v in sd.items() if k.startswith("optim/")}
     local = {k[len("local/"):]: v for k, v in sd.items() if k.startswith("local/")}
-    return optim, local, pickle.loads(sd["meta"])
+    return optim, local, state.meta_from_rest(pickle.loads(sd["meta"]))  # our own run directory's file
 
 
 step_of = protocol.persist_step_of

@@ -16,20 +16,21 @@ Key space (all under ``phx/``)::
     phx/q/sup/...                 queue: agents and ranks -> supervisor (reports)
     phx/q/agent/<node>/...        queue: supervisor -> one agent (commands)
     phx/q/rank/<node>/<slot>/...  queue: supervisor -> one rank (injected faults)
-    phx/q/cmd/...                 queue: ``phoenix-run kill-node`` -> supervisor (token-authenticated)
+    phx/q/cmd/...                 queue: ``phoenix-run kill-node`` -> supervisor
     phx/persist/at                the step every rank writes a persistent checkpoint of (time-based cadence)
+
+Every value and message above (but the counters and torch's own ``pg`` keys) is sealed with the job's
+secret (``channel``, ``auth``): readers drop what is unsigned, forged or replayed, and report it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import time
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, Callable, ClassVar, Protocol
 
-SCHEMA_VERSION = 1
+from phoenix_runtime.channel import SCHEMA_VERSION, Queue, get_value, put_value  # noqa: F401  (re-exported)
 
 # --- environment variables the launcher gives every rank (besides torchrun's own) -------------------
 ENV_STORE_HOST = "PHOENIX_STORE_HOST"
@@ -118,7 +119,7 @@ def persist_step_of(step_dir) -> int:  # a persist_step_dir, str or path
 
 
 def read_protect_every(store) -> int:
-    return int(store.add(K_PROTECT_EVERY, 0))
+    return int(get_value(store, K_PROTECT_EVERY) or 0)
 
 
 # --- messages --------------------------------------------------------------------------------------
@@ -170,11 +171,18 @@ class Membership:
 
 
 def read_gen(store: Store) -> int:
-    return int(store.get(K_GEN)) if store.check([K_GEN]) else 0
+    text = get_value(store, K_GEN)
+    return int(text) if text is not None else 0
 
 
 def read_members(store: Store, gen: int) -> Membership:
-    return Membership.from_json(store.get(k_members(gen)))
+    """Generation ``gen``'s membership (``KeyError`` when there is none, or none genuine)."""
+    if not store.check([k_members(gen)]):
+        store.get(k_members(gen))  # waits (the store's timeout) for the supervisor to write it
+    text = get_value(store, k_members(gen))
+    if text is None:
+        raise KeyError(k_members(gen))
+    return Membership.from_json(text)
 
 
 # --- typed messages ---------------------------------------------------------------------------------
@@ -195,6 +203,7 @@ class MsgType(str, Enum):
     CHECKPOINT = "checkpoint"
     PERSISTED = "persisted"
     NODE_PROBE = "node_probe"
+    REFUSED = "refused"  # values a reader refused (unsigned, forged, replayed): see ``auth``
     # supervisor -> one agent (q_agent)
     RESTART = "restart"
     RESPAWN = "respawn"
@@ -223,8 +232,7 @@ class AgentUp(Message):
     node: str
     pid: int | None = None
     host: str = ""
-    join: str | None = None  # a replenished node's request id (it then carries the job's token)
-    token: str = ""
+    join: str | None = None  # a replenished node's request id (accepted because the message is sealed)
     t: float | None = None
 
 
@@ -266,6 +274,17 @@ class NodeProbe(Message):
     TYPE: ClassVar[MsgType] = MsgType.NODE_PROBE
     node: str
     health: dict = field(default_factory=dict)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class RefusedReport(Message):
+    """What an agent or a rank refused to read since its last report: ``[{"kind", "key", "count"}]``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REFUSED
+    node: str = ""
+    slot: int | None = None
+    refused: list = field(default_factory=list)
     t: float | None = None
 
 
@@ -397,7 +416,8 @@ class AgentInject(Message):
 
 @dataclass(frozen=True)
 class KillCommand(Message):
-    """``phoenix-run kill-node TARGET --mode M [--at-step N]``, authenticated by the job's token."""
+    """``phoenix-run kill-node TARGET --mode M [--at-step N]``: sealed with the job's secret (store), or with
+    ``token`` derived from it (the run directory's unix socket)."""
 
     TYPE: ClassVar[MsgType] = MsgType.KILL
     target: str = ""
@@ -421,7 +441,7 @@ class RankFault(Message):
 
 MESSAGE_CLASSES: dict[MsgType, type] = {
     cls.TYPE: cls
-    for cls in (AgentUp, RankExit, RankHang, NodeProbe, RankError, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
+    for cls in (AgentUp, RankExit, RankHang, NodeProbe, RefusedReport, RankError, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
                 FaultFired, CheckpointSaved, Persisted, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
 }
 _FIELDS = {t: {f.name: f for f in fields(c)} for t, c in MESSAGE_CLASSES.items()}
@@ -496,67 +516,6 @@ class RankHeartbeat:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-# --- queues: an append-only log in the store, one reader each ---------------------------------------
-class Queue:
-    """Append-only message log in a key-value store; many writers, one reader (who keeps a cursor).
-
-    ``put`` reserves a sequence number with the store's atomic ``add`` and then writes the message under
-    it; the reader reads messages in sequence order; a reserved-but-unwritten one holds the reader back
-    (without blocking it) until it is written, or skipped after a timeout. A message read is deleted and
-    counted in ``<name>/read``: the store stays flat over a week of messages, and a new reader of the queue
-    (a respawned rank, a new supervisor) continues after what earlier readers consumed.
-    """
-
-    def __init__(self, store: Store, name: str):
-        self.store = store
-        self.name = name
-        self.cursor: int | None = None  # the reader's next sequence number (its first get_all sets it)
-        self._hole_since: float | None = None  # when the reader first found the message at cursor missing
-
-    def put(self, msg: Message | dict[str, Any]) -> int:
-        """Append a message object (or, from writers not converted yet, a plain dict with a ``type``)."""
-        body = msg.to_dict() if isinstance(msg, Message) else dict(msg)
-        if body.get("t") is None:
-            body["t"] = time.time()
-        body = {"v": SCHEMA_VERSION, **body}
-        n = self.store.add(f"{self.name}/n", 1)
-        self.store.set(f"{self.name}/{n}", json.dumps(body))
-        return n
-
-    def _consumed(self, key: str) -> None:
-        """Count the message as read, then delete it (one reader at a time per queue)."""
-        self.store.add(f"{self.name}/read", 1)
-        with contextlib.suppress(Exception):  # a store without deletes keeps it; nothing else depends on it
-            self.store.delete_key(key)
-
-    def get_all(self, hole_timeout_s: float = 30.0) -> list[dict[str, Any]]:
-        """Every message not read yet, in order; never blocks. A reserved-but-unwritten message (its writer
-        was descheduled between the two store calls) is waited for on later calls; only a writer that died
-        in between leaves a hole, skipped after ``hole_timeout_s``."""
-        out: list[dict[str, Any]] = []
-        if self.cursor is None:
-            self.cursor = int(self.store.add(f"{self.name}/read", 0)) + 1
-        reserved = self.store.add(f"{self.name}/n", 0)
-        while self.cursor <= reserved:
-            key = f"{self.name}/{self.cursor}"
-            if self.store.check([key]):
-                out.append(json.loads(self.store.get(key)))
-                self.cursor += 1
-                self._consumed(key)
-                self._hole_since = None
-                continue
-            now = time.monotonic()
-            if self._hole_since is None:
-                self._hole_since = now
-            if now - self._hole_since > hole_timeout_s:
-                self.cursor += 1
-                self.store.add(f"{self.name}/read", 1)
-                self._hole_since = None
-                continue
-            break
-        return out
-
-
 # --- environment given to one rank ---------------------------------------------------------------
 def torchrun_env(
     *,
@@ -596,3 +555,11 @@ def torchrun_env(
         "TORCHELASTIC_ERROR_FILE": error_file,
     }
     return {k: str(v) for k, v in env.items()}
+
+
+def assignment_env_keys() -> frozenset[str]:
+    """The variables a spare takes from its assignment: the launcher's own (torchrun's, but its error file,
+    which the spare's agent set already; and the checkpoint to resume from). Any other key is refused."""
+    env = torchrun_env(rank=0, local_rank=0, world_size=1, local_world_size=1, group_rank=0, group_world_size=1,
+                       master_addr="", master_port=0, run_id="", restart_count=0, max_restarts=0, error_file="")
+    return frozenset(env) - {ENV_ERROR_FILE} | {ENV_RESUME}

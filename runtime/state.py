@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from phoenix_runtime import auth
 from phoenix_runtime.parallel import like, local_of, shard_key
 
 
@@ -156,12 +157,38 @@ def load_local(objs: LoopObjects, shard: dict[str, torch.Tensor], local: dict[st
 
 
 # --- the envelope ----------------------------------------------------------------------------------------
+# The envelope travels to peers (replicas, recovery transfers), so its pickled parts are authenticated: an
+# HMAC with the job's secret over the pickle is checked before it is unpickled (``auth``; without a job
+# secret, outside phoenix-run, there is none to check). Tensor regions keep their CRC and carry no HMAC.
+_SEALED = "phx-pickle"
+
+
 def _b64(obj: Any) -> str:
-    return base64.b64encode(pickle.dumps(obj)).decode()
+    blob = base64.b64encode(pickle.dumps(obj)).decode()
+    return auth.seal(_SEALED, 0, blob)
+
+
+_SEALED_FIELDS = ("rng", "optim_scalars", "loop")  # an envelope's pickled parts
+
+
+def meta_at_rest(meta: dict[str, Any]) -> dict[str, Any]:
+    """The envelope as written to a persistent checkpoint (the 0700 run directory, not the network): its
+    pickled parts unsealed, so that a later job (another secret) can ``--resume`` from it."""
+    return {k: auth.unseal(_SEALED, v, 0)[1] if k in _SEALED_FIELDS and isinstance(v, str) else v for k, v in meta.items()}
+
+
+def meta_from_rest(meta: dict[str, Any]) -> dict[str, Any]:
+    """A persistent checkpoint's envelope, sealed again with this job's secret (see ``meta_at_rest``)."""
+    return {k: auth.seal(_SEALED, 0, v) if k in _SEALED_FIELDS and isinstance(v, str) and not v.startswith(auth.PREFIX) else v
+            for k, v in meta.items()}
 
 
 def _unb64(s: str) -> Any:
-    return pickle.loads(base64.b64decode(s))
+    try:
+        blob = auth.unseal(_SEALED, s, 0)[1]
+    except auth.Refused as e:
+        raise ValueError(f"envelope refused: {e.kind} (not sealed with the job's secret); not unpickled") from None
+    return pickle.loads(base64.b64decode(blob))
 
 
 def capture_rng() -> str:

@@ -186,3 +186,14 @@ def rank_log_tail(run_dir: Path, pattern: str = "phoenix|Error|error|Traceback",
         hits = [ln for ln in p.read_text(errors="replace").splitlines() if rx.search(ln)]
         out += [f"{p.parent.name}/{p.name}: {ln}" for ln in hits[-lines:]]
     return "\n".join(out[-lines * 3:])
+
+
+@pytest.fixture(autouse=True)
+def _own_job_secret():
+    """A test that builds a supervisor in-process (which makes and uses a job secret) leaves the next test's
+    process with the secret it had before."""
+    from phoenix_runtime import auth
+
+    saved = (auth._key, auth._loaded)
+    yield
+    auth._key, auth._loaded = saved

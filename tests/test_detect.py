@@ -61,13 +61,18 @@ def inject_and_expect(run_dir, n_before, target, mode, cls, decision):
     return [e for e in of_type(events(run_dir), "injected") if e["t"] >= t][0]["t"]
 
 
-def test_kill_node_modes_classes_and_actions(long_job):
+def test_kill_node_modes_classes_and_actions(long_job, tmp_path):
     run_dir, proc = long_job
-    # a wrong token is refused and the job is unharmed
-    r = kill_node(run_dir, "node1", "--token", "not-the-token")
-    assert r.returncode == 1 and "refused" in r.stderr
-    assert of_type(events(run_dir), "command_refused")
-    assert "not-the-token" not in (run_dir / "events.jsonl").read_text()
+    # a command sealed with another secret (a copy of the run directory's control.json, a wrong secret) goes
+    # through the store: refused as forged, unanswered, and the job is unharmed
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "control.json").write_text((run_dir / "control.json").read_text())
+    (fake / "secret").write_text("11" * 32)
+    r = kill_node(fake, "node1")
+    assert r.returncode == 1 and "did not answer" in r.stderr, r.stderr
+    wait_for(lambda: [e for e in of_type(events(run_dir), "refused") if e["kind"] == "forged" and e["key"] == "phx/q/cmd"], 10, "the refusal")
+    assert "11" * 32 not in (run_dir / "events.jsonl").read_text() and not of_type(events(run_dir), "injected")
     # unknown targets: a clear message
     r = kill_node(run_dir, "node42")
     assert r.returncode == 1 and "no node 'node42'" in r.stderr
@@ -117,7 +122,7 @@ def test_kill_node_without_a_running_job(tmp_path):
     d = tmp_path / "old"
     d.mkdir()
     (d / "control.json").write_text(json.dumps({"host": "127.0.0.1", "port": 1, "pid": 1}))
-    (d / "token").write_text("x")
+    (d / "secret").write_text("00" * 32)
     r = kill_node(d, "node1")
     assert r.returncode == 1 and "no running job" in r.stderr
 

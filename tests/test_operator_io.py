@@ -242,7 +242,7 @@ def kill_node_cmd(run_dir: Path, *args: str) -> list[str]:
 def test_kill_node_on_a_stopped_job_is_one_line_at_once(tmp_path):
     rd = tmp_path / "run"
     rd.mkdir()
-    (rd / "token").write_text("x")
+    (rd / "secret").write_text("00" * 32)
     port = free_port()  # nothing listens there
     (rd / "control.json").write_text(json.dumps({"host": "127.0.0.1", "port": port, "pid": os.getpid(), "node": os.uname().nodename}))
 

@@ -1,5 +1,5 @@
 """The local backend replenishes the spare pool: a used spare is replaced by a new agent that joins with the
-job's token, so one spare covers any number of failures (real processes, real SIGKILLs)."""
+job's secret, so one spare covers any number of failures (real processes, real SIGKILLs)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_one_spare_replenished_covers_two_failures(tmp_path):
     proc = start_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "1", "--spares", "1",
                           "--run-dir", str(run_dir), GPT, *ARGS, "--digest-file", str(digest)], d)
     try:
-        # the first failure uses the only spare; a new one is started and joins with the job's token
+        # the first failure uses the only spare; a new one is started and joins with the job's secret
         joined = wait_for(lambda: of_type(events(run_dir), "node_joined"), 300, "a replenished spare to join")
         wait_for(lambda: of_type(events(run_dir), "recovery"), 120, "the first recovery")
         new_spare = joined[0]["node"]

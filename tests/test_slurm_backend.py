@@ -194,20 +194,28 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
-def test_join_needs_the_jobs_token(tmp_path: Path) -> None:
+def test_join_needs_the_jobs_secret(tmp_path: Path) -> None:
+    """A joining agent's agent_up is accepted only sealed with the job's secret: one written by a plain store
+    client (no secret) is refused by the queue and logged as a refused event."""
     from phoenix_launch.supervisor import Supervisor
+    from phoenix_runtime import protocol
+
+    from test_pure import DictStore
 
     be = _Backend()
     sup = Supervisor(build_config(), ["x.py"], tmp_path, be)
     now = time.time()
-    sup.handle_message({"type": "agent_up", "node": "intruder", "join": "r1", "token": "wrong", "host": "h"}, now)
-    sup.handle_message({"type": "agent_up", "node": "intruder2", "host": "h"}, now)
-    assert "intruder" not in sup.nodes and "intruder2" not in sup.nodes and not be.adopted
-    sup.handle_message({"type": "agent_up", "node": "n9", "join": "r1", "token": sup.token, "host": "h"}, now)
-    assert sup.nodes["n9"].state.value == "spare" and be.adopted == {"n9": "r1"}
+    store = DictStore()
+    n = store.add(f"{protocol.Q_SUPERVISOR}/n", 1)  # a plain client: no secret
+    store.set(f"{protocol.Q_SUPERVISOR}/{n}", json.dumps({"type": "agent_up", "node": "intruder", "join": "r1", "host": "h"}))
+    protocol.Queue(store, protocol.Q_SUPERVISOR).put(protocol.AgentUp("n9", 1, "h", "r1"))  # this process has it
+    for m in protocol.Queue(store, protocol.Q_SUPERVISOR).get_all():
+        sup.handle_message(m, now)
+    sup.refusals.tick(now)
+    assert "intruder" not in sup.nodes and sup.nodes["n9"].state.value == "spare" and be.adopted == {"n9": "r1"}
     sup.events.close()
     evs = _events(tmp_path)
-    assert [e["node"] for e in evs if e["type"] == "join_refused"] == ["intruder", "intruder2"]
+    assert [(e["kind"], e["key"]) for e in evs if e["type"] == "refused"] == [("unsigned", protocol.Q_SUPERVISOR)]
     assert [e["node"] for e in evs if e["type"] == "node_joined"] == ["n9"]
 
 
@@ -228,7 +236,7 @@ def test_replenish_asks_for_the_missing_spares_once(tmp_path: Path) -> None:
     sup.replenish(101.0)
     sup.replenish(103.0)  # already asked: nothing more until it joins
     assert [s.join for s in be.asked] == ["r1"] and be.asked[0].role == "spare"
-    sup.handle_message({"type": "agent_up", "node": "c", "join": "r1", "token": sup.token}, 104.0)
+    sup.handle_message({"type": "agent_up", "node": "c", "join": "r1"}, 104.0)
     sup.replenish(106.0)
     assert len(be.asked) == 1 and sup.spares() == ("c",)
     sup.events.close()

@@ -421,7 +421,7 @@ def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, referenc
 
 def test_replenishment_replaces_a_lost_spare(idle_cluster: SlurmCluster, tmp_path: Path) -> None:
     """slurm.replenish on: the spare is lost, phoenix-run submits a one-node job whose agent joins the running
-    job as a new spare (on the one node left in the cluster), authenticated by the job's token."""
+    job as a new spare (on the one node left in the cluster), authenticated by the job's secret."""
     cluster = idle_cluster
     run_dir, out = tmp_path / "run", tmp_path / "job.out"
     body = "export PHOENIX_SLURM_REPLENISH=1 PHOENIX_SLURM_REPLENISH_TIME=10\n" + phoenix(

@@ -14,13 +14,14 @@ import time
 from pathlib import Path
 
 from phoenix_launch.backends.base import Capabilities, NotSupported, SchedulerView
+from phoenix_launch.events import open_private, private_dir, write_private
 from phoenix_launch.procs import die_with_parent, poll_exited
 from phoenix_launch.spec import AgentSpec
 
 
 class LocalBackend:
     name = "local"
-    # replenishment: a new spare is one more agent on this machine (it joins with the job's token, as a
+    # replenishment: a new spare is one more agent on this machine (it joins with the job's secret, as a
     # Slurm replenishment job's agent does); no scheduler to ask about a node
     capabilities = Capabilities(replenish=True)
 
@@ -39,9 +40,9 @@ class LocalBackend:
 
     def start_agent(self, node: str, spec: AgentSpec) -> None:
         spec_path = self.run_dir / "logs" / node / "agent.spec.json"
-        spec_path.parent.mkdir(parents=True, exist_ok=True)
-        spec_path.write_text(spec.to_json())
-        log = open(self.run_dir / "logs" / node / "agent.log", "ab")
+        private_dir(spec_path.parent)
+        write_private(spec_path, spec.to_json())
+        log = open_private(self.run_dir / "logs" / node / "agent.log", "ab")
         self.procs[node] = subprocess.Popen(
             [sys.executable, "-m", "phoenix_launch.agent", "--spec", f"@{spec_path}"],
             stdout=log if spec.tee == "0" else None,
@@ -69,7 +70,7 @@ class LocalBackend:
         return True, "local backend: node excluded from the job"
 
     def replenish(self, spec: AgentSpec) -> str:
-        """Start one more agent here as a new spare; it joins with the job's token (``spec.join``)."""
+        """Start one more agent here as a new spare; it joins with the job's secret (``spec.join``)."""
         self.start_agent(spec.node, spec)
         proc = self.procs[spec.node]
         self.pending[str(spec.join)] = proc

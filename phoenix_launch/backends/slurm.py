@@ -36,6 +36,7 @@ from typing import Any, Mapping
 from phoenix_launch.backends.base import Capabilities, SchedulerView
 from phoenix_launch.backends import slurm_env as se
 from phoenix_launch.config import Config, ConfigError
+from phoenix_launch.events import open_private, private_dir, write_private
 from phoenix_launch.procs import die_with_parent, poll_exited
 from phoenix_launch.spec import AgentSpec
 
@@ -166,13 +167,13 @@ class SlurmBackend:
     def start_agent(self, node: str, spec: AgentSpec) -> None:
         spec = self._spec_for_slurm(spec)
         node_dir = self.run_dir / "logs" / node
-        node_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(node_dir)
         spec_path = node_dir / "agent.spec.json"
-        spec_path.write_text(spec.to_json())  # the run directory is on the shared filesystem
+        write_private(spec_path, spec.to_json())  # the run directory is on the shared filesystem
         step_name = f"phoenix-agent-{node}"
         argv = se.agent_srun_command(node, self._agent_argv(spec_path), gpus_per_node=self.job.gpus_per_node,
                                      step_name=step_name)
-        with open(node_dir / "agent.log", "ab") as log:
+        with open_private(node_dir / "agent.log", "ab") as log:
             self.procs[node] = subprocess.Popen(
                 argv,
                 stdout=log if spec.tee == "0" else None,
@@ -260,7 +261,7 @@ class SlurmBackend:
     # --- replenishment -----------------------------------------------------------------------------
     def replenish(self, spec: AgentSpec) -> str:
         """Submit a one-node job whose agent joins this job's control plane as a new spare; returns its job
-        id. ``spec.join`` names the request (the agent echoes it, with the job's token, in agent_up)."""
+        id. ``spec.join`` names the request (the agent echoes it, sealed with the job's secret, in agent_up)."""
         join = str(spec.join)
         d = self.run_dir / "logs" / "replenish"
         d.mkdir(parents=True, exist_ok=True)
