@@ -181,7 +181,7 @@ class MpiTransport(Transport):
         self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self._pending: set = set()
+        self._pending: dict[int, object] = {}  # id -> Request (mpi4py requests are unhashable)
         self._aborted = False
         self._lock = threading.Lock()
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -189,7 +189,7 @@ class MpiTransport(Transport):
 
     def _forget(self, req) -> None:
         with self._lock:
-            self._pending.discard(req)
+            self._pending.pop(id(req), None)
 
     def _buf(self, buf: torch.Tensor):
         if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.device.type != "cpu":
@@ -201,7 +201,7 @@ class MpiTransport(Transport):
             raise TransportError("transport was aborted")
         req = self.comm.Isend(self._buf(buf), dest=dst, tag=tag)
         with self._lock:
-            self._pending.add(req)
+            self._pending[id(req)] = req
         return _MpiWork(req, buf, f"send to rank {dst} (tag {tag})", self)
 
     def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work:
@@ -209,13 +209,13 @@ class MpiTransport(Transport):
             raise TransportError("transport was aborted")
         req = self.comm.Irecv(self._buf(buf), source=src, tag=tag)
         with self._lock:
-            self._pending.add(req)
+            self._pending[id(req)] = req
         return _MpiWork(req, buf, f"recv from rank {src} (tag {tag})", self)
 
     def abort(self) -> None:
         with self._lock:
             self._aborted = True
-            pending = list(self._pending)
+            pending = list(self._pending.values())
             self._pending.clear()
         for req in pending:
             try:
