@@ -101,6 +101,13 @@ class DetectConfig:
             raise ConfigError("detect.recovery_timeout_s must be > 0")
 
 
+MPI_UNSUPPORTED = (
+    "runtime.transport: mpi is not supported in a phoenix-run job: its ranks are not started by mpiexec, and MPI "
+    "cannot re-form a communicator among them after a rank died (MPICH 4.3 connect/accept fails); use gloo "
+    "(MpiTransport works for programs started by mpiexec)"
+)
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """The ``runtime`` section: the keys of ``RuntimeSettings`` a user sets (meanings and defaults there)."""
@@ -125,6 +132,8 @@ class RuntimeConfig:
             raise ConfigError("runtime.chunk_mb must be > 0")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"runtime.transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport == "mpi":  # measured: docs/runtime.md, "The MPI transport"
+            raise ConfigError(MPI_UNSUPPORTED)
 
 
 PHASES = FAULT_PHASES

@@ -45,6 +45,8 @@ def test_unknown_key_lists_valid_ones():
         ({"inject": {"faults": [{"node": "n1", "rank": 1}]}}, "exactly one of node or rank"),
         ({"inject": {"faults": [{"node": "n1", "mode": "explode"}]}}, "inject mode 'explode' unknown"),
         ({"runtime": {"protect": "maybe"}}, "runtime.protect: cannot use 'maybe'"),
+        ({"runtime": {"transport": "mpi"}}, "runtime.transport: mpi is not supported in a phoenix-run job"),
+        ({"runtime": {"transport": "nccl"}}, "runtime.transport must be one of gloo, mpi"),
     ],
 )
 def test_bad_config_is_a_clear_error(data, msg):
