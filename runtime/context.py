@@ -81,7 +81,9 @@ class Context:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        """The GPU whenever there is one (gloo carries CUDA tensors too: several ranks on one GPU use gloo, as
+        NCCL refuses two ranks on one device), else the CPU."""
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def report(self, msg: dict[str, Any]) -> None:
         if self.managed:
