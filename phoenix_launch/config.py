@@ -7,6 +7,8 @@ the file; a command-line flag overrides both. Unknown keys are an error that lis
 
 from __future__ import annotations
 
+import importlib.util
+
 import dataclasses
 import json
 import os
@@ -101,13 +103,6 @@ class DetectConfig:
             raise ConfigError("detect.recovery_timeout_s must be > 0")
 
 
-MPI_UNSUPPORTED = (
-    "runtime.transport: mpi is not supported in a phoenix-run job: its ranks are not started by mpiexec, and MPI "
-    "cannot re-form a communicator among them after a rank died (MPICH 4.3 connect/accept fails); use gloo "
-    "(MpiTransport works for programs started by mpiexec)"
-)
-
-
 @dataclass(frozen=True)
 class RuntimeConfig:
     """The ``runtime`` section: the keys of ``RuntimeSettings`` a user sets (meanings and defaults there)."""
@@ -132,8 +127,9 @@ class RuntimeConfig:
             raise ConfigError("runtime.chunk_mb must be > 0")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"runtime.transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-        if self.transport == "mpi":  # measured: docs/runtime.md, "The MPI transport"
-            raise ConfigError(MPI_UNSUPPORTED)
+        if self.transport == "mpi" and importlib.util.find_spec("mpi4py") is None:
+            raise ConfigError("runtime.transport: mpi needs mpi4py and an MPI library "
+                              "(pip install 'phoenix-run[mpi]': mpi4py + MPICH 4.3.2), or use gloo")
 
 
 PHASES = FAULT_PHASES

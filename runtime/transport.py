@@ -172,7 +172,10 @@ class MpiTransport(Transport):
     peers are not notified (MPI has no pair closure) and fail by their own timeout.
     """
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, *, pairs: dict | None = None, rank: int = -1, size: int = -1):
+        """Over ``comm`` (duplicated; default COMM_WORLD: ranks started by mpiexec), or over ``pairs``:
+        peer -> a 2-process communicator of this rank and the peer, used as is (``mpi_pairs.connect_pairs``:
+        ranks that no mpiexec started), with this rank's ``rank`` and the generation's ``size``."""
         try:
             from mpi4py import MPI  # noqa: F401
         except ImportError as e:
@@ -182,9 +185,13 @@ class MpiTransport(Transport):
         from mpi4py import MPI
 
         self._MPI = MPI
-        self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
+        self.pairs = pairs
+        if pairs is not None:
+            self.comm, self.rank, self.size = None, rank, size
+        else:
+            self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+            self.rank = self.comm.Get_rank()
+            self.size = self.comm.Get_size()
         self._pending: dict[int, object] = {}  # id -> Request (mpi4py requests are unhashable)
         self._aborted = False
         self._lock = threading.Lock()
@@ -200,10 +207,20 @@ class MpiTransport(Transport):
             raise ValueError("MpiTransport needs contiguous uint8 CPU tensors")
         return [buf.numpy(), self._MPI.BYTE]
 
+    def _route(self, peer: int):
+        """(communicator, the peer's rank in it)."""
+        if self.pairs is None:
+            return self.comm, peer
+        comm = self.pairs.get(peer)
+        if comm is None:
+            raise ValueError(f"bad peer {peer} (rank {self.rank} of {self.size})")
+        return comm, 1 - comm.Get_rank()
+
     def isend(self, dst: int, buf: torch.Tensor, tag: int) -> Work:
         if self._aborted:
             raise TransportError("transport was aborted")
-        req = self.comm.Isend(self._buf(buf), dest=dst, tag=tag)
+        comm, dst_ = self._route(dst)
+        req = comm.Isend(self._buf(buf), dest=dst_, tag=tag)
         with self._lock:
             self._pending[id(req)] = req
         return _MpiWork(req, buf, f"send to rank {dst} (tag {tag})", self)
@@ -211,7 +228,8 @@ class MpiTransport(Transport):
     def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work:
         if self._aborted:
             raise TransportError("transport was aborted")
-        req = self.comm.Irecv(self._buf(buf), source=src, tag=tag)
+        comm, src_ = self._route(src)
+        req = comm.Irecv(self._buf(buf), source=src_, tag=tag)
         with self._lock:
             self._pending[id(req)] = req
         return _MpiWork(req, buf, f"recv from rank {src} (tag {tag})", self)
