@@ -6,8 +6,9 @@ the loopback-TCP limit measured in the same run (one socket, sendall / recv_into
 Each figure is the best of ``--reps`` one-way transfers of the payload from rank 0 to rank 1, timed at rank
 0 from the send to rank 1's 1-byte ack (so the receive is complete). gloo: two processes on a TCPStore; mpi:
 ``mpiexec -n 2`` (MPICH from the ``mpi`` extra), once as MPICH sets itself up (its shared-memory path for
-local peers) and once with ``MPIR_CVAR_NOLOCAL=1`` (its network module, UCX, for local peers too); a line
-says why when MPI is missing.
+local peers) and once with ``MPIR_CVAR_NOLOCAL=1`` (its network module, UCX, for local peers too); "mpi pairs":
+two singletons connected as a phoenix-run job connects its ranks (``mpi_pairs.connect_pairs``). A line says
+why when MPI is missing.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ def worker(kind: str, rank: int, port: int, sizes: list[int], reps: int, out: st
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
         T = GlooTransport(dist.new_group(backend="gloo"))
+    elif kind == "mpi-pairs":  # as in a phoenix-run job: singletons connected through the store
+        import torch.distributed as dist
+
+        from phoenix_runtime.mpi_pairs import connect_pairs
+        from phoenix_runtime.transport import MpiTransport
+
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        pairs, _ = connect_pairs(store, "bench", rank, 2, time.monotonic() + 60)
+        T = MpiTransport(pairs=pairs, rank=rank, size=2)
     else:
         from mpi4py import MPI
 
@@ -125,11 +135,12 @@ def _run_pair(kind: str, sizes: list[int], reps: int, tmp: Path, **extra: str) -
     env.update(extra)
     out.unlink(missing_ok=True)
     args = ["--sizes-mb", *[str(n >> 20) for n in sizes], "--reps", str(reps), "--out", str(out)]
-    if kind == "mpi":
+    if kind.startswith("mpi"):
         try:
             import mpi4py  # noqa: F401
         except ImportError:
             return "mpi4py not installed (scripts/setup.sh)"
+    if kind == "mpi":
         mpiexec = shutil.which("mpiexec", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
         if mpiexec is None:
             return "mpiexec not found"
@@ -138,7 +149,7 @@ def _run_pair(kind: str, sizes: list[int], reps: int, tmp: Path, **extra: str) -
         import torch.distributed as dist
 
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-        procs = [subprocess.Popen([sys.executable, str(HERE), "--worker", "gloo", str(r), str(store.port), *args], env=env)
+        procs = [subprocess.Popen([sys.executable, str(HERE), "--worker", kind, str(r), str(store.port), *args], env=env)
                  for r in (0, 1)]
     try:
         codes = [p.wait(600) for p in procs]
@@ -170,6 +181,7 @@ def main() -> None:
         res["gloo"] = _run_pair("gloo", sizes, a.reps, Path(tmp))
         res["mpi"] = _run_pair("mpi", sizes, a.reps, Path(tmp))  # MPICH's default: its shared-memory path
         res["mpi NOLOCAL"] = _run_pair("mpi", sizes, a.reps, Path(tmp), MPIR_CVAR_NOLOCAL="1")  # UCX for local peers
+        res["mpi pairs"] = _run_pair("mpi-pairs", sizes, a.reps, Path(tmp))  # as in a job (mpi_pairs.py)
     kinds = [k for k in res if k != "loopback TCP"]
     print(f"{'payload':>10} " + " ".join(f"{k + ' GB/s':>18}" for k in res) + " " + " ".join(f"{k + '/TCP':>16}" for k in kinds))
     for n in sizes:
