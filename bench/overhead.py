@@ -1,7 +1,7 @@
 """Overhead of the protection pipeline: examples/train_gpt.py with protection on and off, alternating,
 4 ranks, the paper's method (drop the first 10 iterations, trim the slowest 5%).
 
-    python bench/overhead.py [--pairs 2] [--steps 60] [--d-model 256] [--layers 4]
+    python bench/overhead.py [--pairs 2] [--steps 60] [--d-model 256] [--layers 4] [--device cpu|cuda]
 
 Prints the per-iteration time of both, their ratio, the payload sizes and the D2H/H2H time per step.
 """
@@ -22,7 +22,16 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: the ranks train on the GPU(s) (NCCL with one GPU per rank, else gloo on CUDA tensors)")
     a = ap.parse_args()
+    extra = []
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("overhead.py: --device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
+        extra = ["--backend", "nccl" if torch.cuda.device_count() >= 4 else "gloo"]
     out = {"on": [], "off": []}
     stats = {}
     with tempfile.TemporaryDirectory() as td:
@@ -32,7 +41,7 @@ def main():
                 tf = td / f"{mode}{i}.json"
                 cmd = phoenix("--nodes", 2, "--nproc-per-node", 2, f"--{'protect' if mode == 'on' else 'no-protect'}",
                               "--run-dir", td / f"{mode}{i}", GPT, "--steps", a.steps, "--d-model", a.d_model,
-                              "--layers", a.layers, "--seq", a.seq, "--batch", a.batch, "--times-file", tf)
+                              "--layers", a.layers, "--seq", a.seq, "--batch", a.batch, "--times-file", tf, *extra)
                 rc, _ = run(cmd, td)
                 if rc == 0:
                     d = json.loads(tf.read_text())

@@ -27,6 +27,10 @@ import time
 
 import numpy as np
 
+# Deterministic cuBLAS (CUDA >= 10.2) needs this before the first CUDA call, or use_deterministic_algorithms
+# makes every matmul on a GPU raise; CPU runs ignore it.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -54,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--norm", choices=["layer", "batch"], default="layer", help="batch: a BatchNorm1d before the head (buffers)")
     p.add_argument("--data", choices=["step", "sampler"], default="step",
                    help="step: batches from (seed, step, rank); sampler: a stateful data position (protected by PHOENIX)")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="auto: nccl with a GPU, else gloo (gloo on GPU tensors: several ranks sharing one GPU)")
     p.add_argument("--digest-file", default=None)
     p.add_argument("--ckpt-every", type=int, default=0, help="torch.distributed.checkpoint save every K steps")
     p.add_argument("--ckpt-dir", default=None)
@@ -85,7 +91,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.h)
-        att = att.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
+        att = att.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), 1), float("-inf"))
         y = (self.drop(att.softmax(-1)) @ v).transpose(1, 2).reshape(b, t, d)
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.mlp(self.ln2(x)))
@@ -314,7 +320,7 @@ def main(argv=None):
     a = parse_args(argv)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    ctx = phx.init()
+    ctx = phx.init(None if a.backend == "auto" else a.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(a.seed)  # the same initial parameters everywhere
     model = GPT(a).to(ctx.device)

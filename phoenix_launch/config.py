@@ -7,6 +7,8 @@ the file; a command-line flag overrides both. Unknown keys are an error that lis
 
 from __future__ import annotations
 
+import importlib.util
+
 import dataclasses
 import json
 import os
@@ -129,6 +131,9 @@ class RuntimeConfig:
             raise ConfigError("runtime.chunk_mb must be > 0")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"runtime.transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport == "mpi" and importlib.util.find_spec("mpi4py") is None:
+            raise ConfigError("runtime.transport: mpi needs mpi4py and an MPI library "
+                              "(pip install 'phoenix-run[mpi]': mpi4py + MPICH 4.3.2), or use gloo")
 
 
 PHASES = FAULT_PHASES

@@ -58,6 +58,8 @@ class Context:
         self.gen = env.gen
         self.epoch = env.restart_count
         self.repl_group = None  # a gloo group of each generation: replicas and recovery transfers
+        self.mpi_pairs = None  # runtime.transport: mpi: (recovery, replication) maps peer -> MPI communicator
+        self._transports: list = []  # this generation's transports (aborted with its groups)
         self.members: protocol.Membership | None = None
         self._aborted_gen = -1
         self._lock = threading.Lock()
@@ -81,7 +83,9 @@ class Context:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        """The GPU whenever there is one (gloo carries CUDA tensors too: several ranks on one GPU use gloo, as
+        NCCL refuses two ranks on one device), else the CPU."""
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def report(self, msg: dict[str, Any]) -> None:
         if self.managed:
@@ -114,6 +118,8 @@ class Context:
         peer's pair is closed that way first (a 1 ms wait on a reserved tag), then the group is aborted
         (NCCL: ncclCommAbort)."""
         world = dist.group.WORLD if dist.is_initialized() else None
+        for t in self._transports:  # MPI: pending ops are cancelled (a peer is not notified; its wait is bounded)
+            t.abort()
         for g in (self.repl_group, world):
             if g is None:
                 continue
@@ -131,6 +137,17 @@ class Context:
             except Exception:
                 pass
 
+    def new_transport(self, use: int):
+        """A transport over this generation's ranks (``use``: 0 recovery transfers, 1 replication), or None
+        without protection: gloo on ``repl_group``, or MPI on the generation's pairs."""
+        from phoenix_runtime.transport import GlooTransport, MpiTransport
+
+        if self.mpi_pairs is None:  # (recovery without protection: the default group, as before)
+            return GlooTransport(self.repl_group) if self.repl_group is not None or use == 0 else None
+        t = MpiTransport(pairs=self.mpi_pairs[use], rank=self.rank, size=self.world_size)
+        self._transports.append(t)
+        return t
+
     def destroy_groups(self) -> None:
         if dist.is_initialized():
             try:
@@ -138,6 +155,8 @@ class Context:
             except Exception:
                 pass
         self.repl_group = None
+        self.mpi_pairs = None
+        self._transports = []
 
     def _wait_all(self, key: str, gen: int, deadline: float) -> None:
         while True:
@@ -174,6 +193,13 @@ class Context:
         # CPU tensors (replicas, recovery transfers) travel on a gloo group of their own: never interleaved
         # with training collectives, and an NCCL group cannot carry them
         self.repl_group = dist.new_group(backend="gloo") if self.settings.protect else None
+        self.mpi_pairs = None
+        if self.settings.protect and self.settings.transport == "mpi":
+            from phoenix_runtime.mpi_pairs import connect_pairs
+
+            self.mpi_pairs = connect_pairs(pg_store, "mpi", self.rank, self.world_size, deadline,
+                                           abandoned=lambda: self.latest_gen() > gen)
+            log(f"generation {gen}: MPI connected to {len(self.mpi_pairs[0])} peers")
         log(f"generation {gen}: process groups formed")
         if self.latest_gen() > gen:
             raise GenerationAbandoned(f"generation {gen} abandoned")

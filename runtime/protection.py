@@ -23,7 +23,6 @@ from phoenix_runtime.layout import Layout
 from phoenix_runtime.replication import Replicator
 from phoenix_runtime.snapshot import D2H, Snapshot
 from phoenix_runtime.threads import background_priority
-from phoenix_runtime.transport import GlooTransport
 from phoenix_runtime.wire import ReplicationError
 
 
@@ -70,14 +69,14 @@ class Pipeline:
 class ProtectionSession:
     """One generation's replicator and pipeline (see the module docstring)."""
 
-    def __init__(self, d2h: D2H, repl_group, layout: Layout, rank: int, replicas: int, settings, fault: Callable | None):
+    def __init__(self, d2h: D2H, transport, layout: Layout, rank: int, replicas: int, settings, fault: Callable | None):
         self.d2h = d2h
         self.gen_replicas = max(0, min(replicas, layout.dp_size - 1))
         self.timeout = settings.replica_timeout_s
         self.replicator = None
-        if self.gen_replicas > 0 and repl_group is not None:
+        if self.gen_replicas > 0 and transport is not None:
             self.replicator = Replicator(
-                GlooTransport(repl_group), layout, rank, k=self.gen_replicas,
+                transport, layout, rank, k=self.gen_replicas,
                 chunk_bytes=int(settings.chunk_mb * (1 << 20)), timeout=settings.replica_timeout_s,
                 verify=settings.verify, strict=False, fault=fault, resends=settings.resends,
             )

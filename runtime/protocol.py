@@ -551,7 +551,7 @@ def torchrun_env(
         # workers' env:// rendezvous joins our store as a client, under /worker/attempt_<restart_count>
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": 1,
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": 2,  # abort the comm and raise, not 1: tear the process down (docs/runtime.md)
         "TORCHELASTIC_ERROR_FILE": error_file,
     }
     return {k: str(v) for k, v in env.items()}

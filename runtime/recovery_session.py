@@ -23,7 +23,6 @@ from phoenix_runtime.control import STATE
 from phoenix_runtime.recovery import Descriptor, Plan, plan_recovery
 from phoenix_runtime.replication import recv_snapshot, send_snapshot
 from phoenix_runtime.salvage import salvage
-from phoenix_runtime.transport import GlooTransport
 from phoenix_runtime.wire import recv_named, send_named
 
 
@@ -89,7 +88,7 @@ class RecoverySession:
             t.restore_local(R, live)
             self.live = (R, True)  # if this generation is abandoned now, the live state is S_R
         marks["local"] = time.time()
-        transport = GlooTransport(ctx.repl_group)
+        transport = ctx.new_transport(0)
         t.faults.fire(R, "recover_params")
         local = self._transfer_params(plan, transport, live)
         marks["params"] = time.time()

@@ -79,12 +79,18 @@ def load_optim(optimizer, tensors: dict[str, torch.Tensor], scalars: dict[str, A
         optimizer.phoenix_load({k: v.detach().clone() for k, v in tensors.items()})
         return
     opt = local_optimizer(optimizer)
+    was = {name: t.device for name, t in optim_named(opt)}  # where the optimizer keeps each tensor now
     opt.state.clear()
     params = {f"{gi}.{pi}": p for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])}
+    on_device = {f"{gi}.{pi}": bool(g.get("fused") or g.get("capturable"))
+                 for gi, g in enumerate(opt.param_groups) for pi in range(len(g["params"]))}
     for name, t in tensors.items():
         gi, pi, key = name.split(".", 2)
         p = params[f"{gi}.{pi}"]
-        opt.state.setdefault(p, {})[key] = like(p, t.detach().clone().to(p.device if t.dim() else t.device))
+        # Adam's 0-dim ``step`` lives on the CPU, except with fused=True or capturable=True, which need it on the
+        # parameter's device (the snapshot's copy is on the CPU either way)
+        dev = was.get(name) or (p.device if t.dim() or on_device[f"{gi}.{pi}"] else torch.device("cpu"))
+        opt.state.setdefault(p, {})[key] = like(p, t.detach().clone().to(dev))
     for name, v in scalars.items():
         gi, pi, key = name.split(".", 2)
         opt.state.setdefault(params[f"{gi}.{pi}"], {})[key] = v

@@ -215,7 +215,7 @@ class ProtectedTraining:
     # --- protection ------------------------------------------------------------------------------------------
     def start_protection(self, gen: int) -> None:
         self.teardown_protection()
-        self.protection = ProtectionSession(self.d2h, self.ctx.repl_group, self.layout(), self.ctx.rank, self.replicas,
+        self.protection = ProtectionSession(self.d2h, self.ctx.new_transport(1), self.layout(), self.ctx.rank, self.replicas,
                                             self.settings, self.faults.copy_hook)
         self._reported_layouts = -1  # each generation reports its protection once (and after a layout change)
 

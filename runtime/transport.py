@@ -24,6 +24,10 @@ from abc import ABC, abstractmethod
 import torch
 
 TAG_ABORT = 32760  # below MPI's guaranteed tag upper bound (32767)
+# MPI moves a large message only while a rank calls into it (Test): the poll pause bounds the throughput.
+# Measured with bench/transport.py (64 MB, MPICH 4.3.2, 2 busy cores): 2 ms -> 0.24 GB/s, 100 us -> 1.8 GB/s,
+# spinning -> 2.4 GB/s (and a core). 100 us is the compromise.
+POLL_MAX_S = 1e-4
 
 
 class TransportError(RuntimeError):
@@ -159,7 +163,7 @@ class _MpiWork(Work):
             if time.monotonic() >= deadline:
                 raise TransportError(f"{self._what}: timed out after {timeout:.3g} s")
             time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
+            pause = min(pause * 2, POLL_MAX_S)
 
 
 class MpiTransport(Transport):
@@ -168,7 +172,10 @@ class MpiTransport(Transport):
     peers are not notified (MPI has no pair closure) and fail by their own timeout.
     """
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, *, pairs: dict | None = None, rank: int = -1, size: int = -1):
+        """Over ``comm`` (duplicated; default COMM_WORLD: ranks started by mpiexec), or over ``pairs``:
+        peer -> a 2-process communicator of this rank and the peer, used as is (``mpi_pairs.connect_pairs``:
+        ranks that no mpiexec started), with this rank's ``rank`` and the generation's ``size``."""
         try:
             from mpi4py import MPI  # noqa: F401
         except ImportError as e:
@@ -178,10 +185,14 @@ class MpiTransport(Transport):
         from mpi4py import MPI
 
         self._MPI = MPI
-        self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
-        self._pending: set = set()
+        self.pairs = pairs
+        if pairs is not None:
+            self.comm, self.rank, self.size = None, rank, size
+        else:
+            self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+            self.rank = self.comm.Get_rank()
+            self.size = self.comm.Get_size()
+        self._pending: dict[int, object] = {}  # id -> Request (mpi4py requests are unhashable)
         self._aborted = False
         self._lock = threading.Lock()
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -189,33 +200,44 @@ class MpiTransport(Transport):
 
     def _forget(self, req) -> None:
         with self._lock:
-            self._pending.discard(req)
+            self._pending.pop(id(req), None)
 
     def _buf(self, buf: torch.Tensor):
         if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.device.type != "cpu":
             raise ValueError("MpiTransport needs contiguous uint8 CPU tensors")
         return [buf.numpy(), self._MPI.BYTE]
 
+    def _route(self, peer: int):
+        """(communicator, the peer's rank in it)."""
+        if self.pairs is None:
+            return self.comm, peer
+        comm = self.pairs.get(peer)
+        if comm is None:
+            raise ValueError(f"bad peer {peer} (rank {self.rank} of {self.size})")
+        return comm, 1 - comm.Get_rank()
+
     def isend(self, dst: int, buf: torch.Tensor, tag: int) -> Work:
         if self._aborted:
             raise TransportError("transport was aborted")
-        req = self.comm.Isend(self._buf(buf), dest=dst, tag=tag)
+        comm, dst_ = self._route(dst)
+        req = comm.Isend(self._buf(buf), dest=dst_, tag=tag)
         with self._lock:
-            self._pending.add(req)
+            self._pending[id(req)] = req
         return _MpiWork(req, buf, f"send to rank {dst} (tag {tag})", self)
 
     def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work:
         if self._aborted:
             raise TransportError("transport was aborted")
-        req = self.comm.Irecv(self._buf(buf), source=src, tag=tag)
+        comm, src_ = self._route(src)
+        req = comm.Irecv(self._buf(buf), source=src_, tag=tag)
         with self._lock:
-            self._pending.add(req)
+            self._pending[id(req)] = req
         return _MpiWork(req, buf, f"recv from rank {src} (tag {tag})", self)
 
     def abort(self) -> None:
         with self._lock:
             self._aborted = True
-            pending = list(self._pending)
+            pending = list(self._pending.values())
             self._pending.clear()
         for req in pending:
             try:

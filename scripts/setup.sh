@@ -6,8 +6,9 @@ PY=${PYTHON:-python3}
 # torch: the pinned CPU build (a looser spec pulls a multi-GB CUDA build)
 $PY -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13") else 1)' 2>/dev/null \
   || $PY -m pip install -q torch==2.13.0
-# the test extra, and the plot extra (matplotlib) for `phoenix-run report`
-$PY -m pip install -q -e '.[test,plot]'
+# the test extra, the plot extra (matplotlib) for `phoenix-run report`, and the mpi extra (mpi4py and
+# MPICH's PyPI wheel: libmpi + mpiexec, no compiler or apt needed; a few seconds) for runtime.transport: mpi
+$PY -m pip install -q -e '.[test,plot,mpi]'
 # headless Chromium (a Debian package) for the report's end-to-end test
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null

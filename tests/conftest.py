@@ -20,6 +20,35 @@ EXAMPLES = ROOT / "examples"
 from slurm_fixture import *  # noqa: E402,F401,F403  (the real Slurm test cluster fixture)
 
 
+def mpiexec_path() -> str | None:
+    """MPICH's mpiexec (installed beside the interpreter by the ``mpi`` extra), else the first on PATH."""
+    import shutil
+
+    return shutil.which("mpiexec", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+
+def mpi_missing() -> str | None:
+    """Why the MPI tests cannot run here (None when mpi4py and mpiexec are installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py not installed (scripts/setup.sh installs it with MPICH)"
+    if mpiexec_path() is None:
+        return "mpiexec not found"
+    return None
+
+
+def require_mpi() -> None:
+    """Skip (with the reason) when MPI is missing; with ``PHOENIX_REQUIRE_MPI=1`` (scripts/test.sh as root)
+    fail instead, so that CI cannot pass by skipping the MPI tests."""
+    why = mpi_missing()
+    if why is None:
+        return
+    if os.environ.get("PHOENIX_REQUIRE_MPI") == "1":
+        pytest.fail(f"MPI required (PHOENIX_REQUIRE_MPI=1) but unavailable: {why}", pytrace=False)
+    pytest.skip(f"MPI unavailable: {why}")
+
+
 def phoenix_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "phoenix_launch", *args]
 

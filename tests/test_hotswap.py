@@ -20,10 +20,12 @@ STEPS = 14
 GPT = str(EXAMPLES / "train_gpt.py")
 
 
-def run_job(tmp_path: Path, name: str, nodes: int, nproc: int, spares: int, faults=(), replicas: int = 1, steps: int = STEPS, extra=()):
+def run_job(tmp_path: Path, name: str, nodes: int, nproc: int, spares: int, faults=(), replicas: int = 1, steps: int = STEPS, extra=(),
+            transport: str = "gloo"):
     d = tmp_path / name
     d.mkdir()
-    cfg = {"inject": {"faults": list(faults)}, "runtime": {"replicas": replicas}, "detect": {"recovery_timeout_s": 90}}
+    cfg = {"inject": {"faults": list(faults)}, "runtime": {"replicas": replicas, "transport": transport},
+           "detect": {"recovery_timeout_s": 90}}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     digest = d / "digest.json"
     r = run_phoenix(
@@ -71,6 +73,21 @@ def test_node_lost_is_hot_swapped_bit_identically(tmp_path, baseline, phase, see
     assert (swap["failed"], swap["spare"]) == ("node1", "node2")
     # survivors kept their processes: node0's ranks ran a single attempt
     assert sorted(p.name for p in (run_dir / "logs" / "node0").glob("*.log") if p.name != "agent.log") == ["0.0.log", "1.0.log"]
+
+
+def test_node_lost_is_hot_swapped_over_mpi(tmp_path, baseline):
+    """runtime.transport: mpi: replicas and recovery transfers go over MPI (pairs of singleton ranks connected
+    through the job's store, again in the generation after the loss); the digest equals gloo's failure-free one."""
+    from conftest import require_mpi
+
+    require_mpi()
+    r, run_dir, dg = run_job(tmp_path, "job", 2, 2, 1, [{"node": "node1", "step": 7, "mode": "crash", "phase": "h2h"}],
+                             transport="mpi")
+    assert_recovered(r, run_dir, dg, baseline(2, 2))
+    # the survivors connected over MPI in the first generation and again with the spare's ranks after the loss
+    log0 = (run_dir / "logs" / "node0" / "0.0.log").read_text()
+    gens = [ln for ln in log0.splitlines() if "MPI connected to 3 peers" in ln]
+    assert len(gens) >= 2, log0[-3000:]
 
 
 def test_first_step_after_a_recovery_fails_too(tmp_path, baseline):

@@ -45,11 +45,21 @@ def test_unknown_key_lists_valid_ones():
         ({"inject": {"faults": [{"node": "n1", "rank": 1}]}}, "exactly one of node or rank"),
         ({"inject": {"faults": [{"node": "n1", "mode": "explode"}]}}, "inject mode 'explode' unknown"),
         ({"runtime": {"protect": "maybe"}}, "runtime.protect: cannot use 'maybe'"),
+        ({"runtime": {"transport": "nccl"}}, "runtime.transport must be one of gloo, mpi"),
     ],
 )
 def test_bad_config_is_a_clear_error(data, msg):
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         build_config(data)
+
+
+def test_mpi_transport_without_mpi4py_is_a_clear_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mpi4py" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^runtime\.transport: mpi needs mpi4py and an MPI library .*or use gloo$"):
+        build_config({"runtime": {"transport": "mpi"}})
 
 
 # --- lifecycles --------------------------------------------------------------------------------------

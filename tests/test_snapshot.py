@@ -316,6 +316,46 @@ def test_d2h_cuda_stream_pinned():
         d2h.stop(5)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("flavour", ["fused", "capturable", "plain"])
+def test_adam_state_on_device_after_a_rollback(flavour):
+    """A rollback loads Adam's state from host copies: fused/capturable Adam needs ``step`` back on the GPU
+    (plain Adam keeps it on the CPU), and the next steps equal those of a run that never rolled back."""
+    from phoenix_runtime.state import load_optim, optim_named, optim_scalars
+
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Linear(32, 8).cuda()
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2, **({flavour: True} if flavour != "plain" else {}))
+
+    def train(m, opt, steps, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for _ in range(steps):
+            opt.zero_grad()
+            m(torch.randn(4, 32, device="cuda", generator=g)).square().sum().backward()
+            opt.step()
+
+    m, opt = make()
+    train(m, opt, 3, 1)
+    saved_p = {n: p.detach().cpu().clone() for n, p in m.named_parameters()}
+    saved_o = {n: t.detach().cpu().clone() for n, t in optim_named(opt)}
+    scalars = optim_scalars(opt)
+    ref_m, ref_opt = make()
+    train(ref_m, ref_opt, 3, 1)
+    train(ref_m, ref_opt, 2, 2)
+    train(m, opt, 2, 9)  # steps that the rollback undoes
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(saved_p[n])
+    load_optim(opt, saved_o, scalars)
+    want = "cuda" if flavour != "plain" else "cpu"
+    assert {t.device.type for n, t in optim_named(opt) if n.endswith(".step")} == {want}
+    train(m, opt, 2, 2)
+    for (n, p), (_, q) in zip(m.named_parameters(), ref_m.named_parameters()):
+        assert torch.equal(p, q), n
+
+
 # -- host memory accounting ----------------------------------------------------------------------
 
 def test_host_memory_accounting_and_check():
