@@ -144,7 +144,16 @@ class StepGuard:
             median = sorted(self._step_times)[len(self._step_times) // 2]
             t.ctx.report({"type": "progress", "step": t.step_idx, "step_time_s": round(median, 5), "sps": round(STATE.steps_per_s, 3),
                           "total": getattr(t, "total_steps", None),
-                          "wait_frac": round(sum(self._step_waits) / max(sum(self._step_times), 1e-9), 4) if t.protect_on else None})
+                          "wait_frac": self._wait_frac() if t.protect_on else None})
+
+    def _wait_frac(self) -> float:
+        """The fraction of the recent steps' time spent waiting for replicas, the longest wait left out: one
+        stall (a late replica, a busy peer) is not a copy that does not fit."""
+        if not self._step_waits:
+            return 0.0
+        worst = max(range(len(self._step_waits)), key=self._step_waits.__getitem__)
+        waited = sum(self._step_waits) - self._step_waits[worst]
+        return round(waited / max(sum(self._step_times) - self._step_times[worst], 1e-9), 4)
 
 
 __all__ = ["StepGuard", "looks_like_comm_failure", "GenerationAbandoned"]

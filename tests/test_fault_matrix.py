@@ -218,19 +218,18 @@ def test_protection_every_third_step(tmp_path, failure_free, opt, step, phase, r
 
 
 def test_protection_adapts_when_the_copy_does_not_fit_and_still_recovers(tmp_path, failure_free):
-    """A state whose replication outlasts a step (a wide model, one 8-token sample per step: the step is short,
-    the ZeRO shard is 25 MB): the supervisor raises the cadence (a re-formed generation, ``protect_every`` in
-    the event and in status.json); a node lost after that is hot-swapped, resuming within the cadence, and the
-    digest is the failure-free one."""
-    wide = ("--d-model", "512", "--layers", "4", "--batch", "1", "--seq", "8")
+    """A replication that outlasts a step (runtime.chunk_mb 1 KB: a 3 MB ZeRO shard goes in thousands of
+    chunks): the supervisor raises the cadence (a re-formed generation, ``protect_every`` in the event); a node
+    lost after that is hot-swapped, resuming within the cadence, and the digest is the failure-free one."""
+    wide = ("--d-model", "256", "--layers", "2", "--batch", "1", "--seq", "8")
     steps = 60
-    job = run_job(tmp_path, "zero", 2, 2, 1, [crash("node1", 50)], extra=wide, steps=steps)
+    job = run_job(tmp_path, "zero", 2, 2, 1, [crash("node1", 50)], extra=wide, steps=steps, runtime={"chunk_mb": 0.001})
     adapted = [e for e in of_type(job.evs, "reprotect") if e.get("protect_every", 1) > 1]
     assert adapted, f"the cadence never adapted: {[e.get('wait_frac') for e in of_type(job.evs, 'progress')]}"
     t_crash = of_type(job.evs, "injected")[0]["t_fired"]
     assert adapted[0]["t"] < t_crash, "adapted only after the failure: the test did not exercise a recovery with m > 1"
     every = adapted[-1]["protect_every"]
-    rec = of_type(job.evs, "recovery")
+    rec = [e for e in of_type(job.evs, "recovery") if e.get("path") == "hotswap"]
     assert rec and 50 - 2 * every <= rec[0]["resume_step"] <= 50, rec
     assert_recovered(job, failure_free("zero", 2, 2, extra=wide, steps=steps), every=every)
 
