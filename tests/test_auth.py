@@ -84,6 +84,7 @@ def test_queue_drops_forged_messages_and_keys_refuse_replays(secret):
     protocol.put_value(st, protocol.K_GEN, "1")
     old = st.get(protocol.K_GEN)
     protocol.put_value(st, protocol.K_GEN, "2")
+    genuine = st.get(protocol.K_GEN)
     assert protocol.read_gen(st) == 2
     st.set(protocol.K_GEN, old)
     assert protocol.read_gen(st) == 2
@@ -91,7 +92,7 @@ def test_queue_drops_forged_messages_and_keys_refuse_replays(secret):
     assert protocol.read_gen(st) == 2
     assert {(r["kind"], r["key"]) for r in auth.drain()} == {("replayed", protocol.K_GEN), ("unsigned", protocol.K_GEN)}
     # a writer that takes the key over (a clock an hour behind) continues the sequence: not a replay
-    ahead = auth.unseal(protocol.K_GEN, st.get(protocol.K_GEN))[0] + 3600 * 10**9
+    ahead = auth.unseal(protocol.K_GEN, genuine)[0] + 3600 * 10**9
     auth.continue_after(ahead)
     protocol.put_value(st, protocol.K_GEN, "3")
     assert protocol.read_gen(st) == 3 and auth.drain() == []
