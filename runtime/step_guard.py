@@ -64,12 +64,16 @@ class StepGuard:
         t.opt_started = False
         t.faults.step = step
         try:
-            t.ctx.check_generation() if t.ctx.managed else None
+            # no generation check before the body: a failure here could not be recovered from (a context manager
+            # cannot skip its body); ``steps()`` checks between steps, and the body's collectives fail at once
+            # on an abandoned generation (its groups are aborted), caught below
             t.faults.fire(step, "begin")
             if t.first_step is None:
                 t.first_step = step
             if t.protect_on and t.protect_due(step):
                 t.protect_now(step)
+            elif t.protect_on:
+                t.capture_boundary(step)  # not protected (protect_every > 1): a rollback to it still restores it
             t.faults.fire(step, "forward")
             yield t
             t.ctx.check_generation() if t.ctx.managed else None

@@ -108,6 +108,13 @@ class ProtectedTraining:
         try:
             self.recover_if_pending()
             while self.step_idx < total:
+                if self.protect_on and self.ctx.managed and self.ctx.abandoned():
+                    # a new generation between two steps (a re-formed one, a peer lost): recover here, before the
+                    # loop's body is given a step number, so that it is given the resume step. The live state is
+                    # the clean boundary of step_idx (nothing of it ran)
+                    self.opt_started = False
+                    self.recover(GenerationAbandoned(f"generation {self.ctx.gen} abandoned"))
+                    continue
                 yield self.step_idx
         finally:
             self.close()
@@ -237,16 +244,22 @@ class ProtectedTraining:
         back); the same on every rank, a joiner's included: the supervisor only ever raises the cadence."""
         return max(protocol.read_protect_every(self.ctx.store) if self.ctx.managed else 0, self.settings.protect_every)
 
-    def protect_now(self, step: int) -> None:
-        """Capture S_k's envelope and start its protection."""
-        if self.protection is None:
-            self.start_protection(self.ctx.gen)
+    def capture_boundary(self, step: int) -> dict:
+        """Step k's boundary, protected or not: its envelope (RNG, data position...) and buffers, what a rollback
+        of the live state to k restores (the forward may have run: dropout draws, BatchNorm statistics)."""
         meta = state.capture_envelope(step, self.objs, {"shard": str(self.layout().shard_of(self.ctx.rank)), "rank": self.ctx.rank})
         self.metas[step] = meta
         for old in [s for s in self.metas if s < step - 2]:
             del self.metas[old]
         self.boundary_buffers = state.buffers_now(self.objs.module)
         self.boundary_step = step
+        return meta
+
+    def protect_now(self, step: int) -> None:
+        """Capture S_k's envelope and start its protection."""
+        if self.protection is None:
+            self.start_protection(self.ctx.gen)
+        meta = self.capture_boundary(step)
         self._persist(self.last_protected, step)
         self.last_protected = step
         self.protection.protect(step, meta)
