@@ -9,7 +9,8 @@ each rung of the ladder.
     checkpoint's size, staging time (what the loop pays) and write time (from the ``checkpoint_complete`` events).
 (b) the rungs, each from its own job's events: 1 hot-swap (a node lost, a warm spare: failure -> first step
     after), 2 wait for a replenished spare (2 nodes + 1 spare, replenished; the second failure comes before the
-    replenished spare is up: failure -> first step after), 3 restart from the persistent checkpoint (4 nodes x 1 rank, k=1, a shard's holder and its replica
+    replenished spare is up: failure -> first step after), 3 salvage (2 nodes, no spare, no checkpoint cadence:
+    the survivors write the state in memory before the job stops: its time, failure -> job stopped), 3 restart from the persistent checkpoint (4 nodes x 1 rank, k=1, a shard's holder and its replica
     lost together: failure -> first step after the restart, and the steps lost), 4 resume of a job killed
     whole (``phoenix-run --resume``: launch -> first step).
 """
@@ -111,6 +112,15 @@ def rungs(td: Path, a) -> None:
     t = first_step_after(log, fired[0]["t_fired"]) if rc == 0 and fired else None
     print(f"rung 3 restart from checkpoint:    {t:.2f} s from the failure to the first step after, resumed at step "
           f"{fb[0]['step']} ({kill - fb[0]['step']} steps replayed)" if t and fb else "rung 3: failed")
+    rc, rd, log = job(td, "salvage", 2, 1, 0, [{"node": "node1", "step": kill, "mode": "crash"}], a,
+                      runtime={"persist_every": 0, "persist_every_s": 0})
+    evs = events(rd)
+    fired = [e for e in evs if e["type"] == "injected"]
+    saved = [e for e in evs if e["type"] == "salvaged"]
+    end = [e for e in evs if e["type"] == "job_end"]
+    print(f"rung 3 salvage (no node left):      the state in memory written as step {saved[0]['step']} in {saved[0]['took_s']:.2f} s; "
+          f"failure -> job stopped (exit {rc}, resumable) {end[0]['t'] - fired[0]['t_fired']:.2f} s; steps lost: none"
+          if rc == 3 and saved and fired and end else f"salvage: failed (exit {rc})")
     d = td / "resume"
     d.mkdir()
     (d / "cfg.yaml").write_text(yaml.safe_dump({"runtime": {"persist_every": 4}}))

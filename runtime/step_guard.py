@@ -2,10 +2,9 @@
 
 A step ``k`` runs as: fault point ``begin``; when k is protected (every ``protect_every``-th step) the envelope
 of S_k is captured and S_k's protection starts (D2H now, H2H in the background); fault point ``forward``; the
-user's forward/backward; ``optimizer_step()`` waits (bounded) until S_k is committed locally, then lets the
-optimizer mutate the state; the body's end; when the next step is protected, a wait (bounded) until S_k is
-committed at its replica targets (the next D2H reuses the buffer of the snapshot before it). A failure
-anywhere inside the ``with`` (a collective that fails because a peer died, the
+user's forward/backward; ``optimizer_step()`` of a protected step waits (bounded) until S_k is committed
+locally and at its replica targets, then lets the optimizer mutate the state. A failure anywhere inside the
+``with`` (a collective that fails because a peer died, the
 supervisor's notice of a new generation) is caught here, the step's partial progress is discarded and the
 recovery session runs; the loop then continues at the resume step.
 """
@@ -77,11 +76,6 @@ class StepGuard:
             t.faults.fire(step, "forward")
             yield t
             t.ctx.check_generation() if t.ctx.managed else None
-            if t.protect_on and t.last_protected >= 0 and t.protect_due(step + 1):
-                # the next step is protected: its D2H reuses the buffer of the snapshot before S_last, so S_last
-                # must be safe at its replicas first. Waited here, inside the step (a failure is recovered from),
-                # after the body: the H2H had the steps since S_last, optimizer steps included, to travel
-                self.wait_replicated(t.last_protected)
         except BaseException as e:
             if not t.is_failure(e):
                 raise
@@ -95,23 +89,21 @@ class StepGuard:
         t = self.t
         step = t.step_idx
         if t.protect_on and t.protection is not None and t.last_protected == step:
-            t0 = time.perf_counter()
-            t.protection.wait_local(step, t.ctx.check_generation)  # its replicas are waited for at the next one
-            t.stats["last_wait_s"] = time.perf_counter() - t0
+            self.wait_replicated(step)  # S_k committed locally and at its replicas before the optimizer mutates it
         t.opt_started = True
         t.objs.optimizer.step()  # phase "optimizer" faults fire inside it (a post-hook of the local optimizer)
         t.objs.optimizer.zero_grad(set_to_none=True)
 
     def wait_replicated(self, step: int) -> None:
-        """S_step committed at its replicas (bounded), at the end of the step before the next protected one."""
+        """S_step committed locally and at its replicas (bounded): only on protected steps (every m-th)."""
         t = self.t
         t0 = time.perf_counter()
         try:
             t.protection.wait(step, t.ctx.check_generation)
         except ReplicationError as e:
             self._replica_failed(step, e)
-        t.stats["last_replica_wait_s"] = time.perf_counter() - t0
-        self._waited += t.stats["last_replica_wait_s"]
+        t.stats["last_wait_s"] = time.perf_counter() - t0
+        self._waited += t.stats["last_wait_s"]
 
     def _replica_failed(self, step: int, e: ReplicationError) -> None:
         """A replica that failed (after its bounded resends) never stops a healthy job: report it and go on.
