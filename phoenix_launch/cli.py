@@ -163,8 +163,10 @@ def _requeue_resume(cfg, rdir: Path, env):
 
     from phoenix_launch.checkpoints import newest_complete
 
-    requeues = env.get("SLURM_RESTART_COUNT", "0")
-    if cfg.launch.resume or not requeues.isdigit() or int(requeues) == 0:
+    from phoenix_launch.backends.slurm_env import requeue_count
+
+    requeues = requeue_count(env)
+    if cfg.launch.resume or requeues == 0:
         return cfg
     point = newest_complete(rdir)
     if point is None:
@@ -179,9 +181,11 @@ def _prepare_run_dir(cfg, log_dir: Optional[str]):
     run id is ``slurm-<job id>``: a requeued job finds its run directory again."""
     from dataclasses import replace
 
+    from phoenix_launch.backends.slurm_env import job_id_of
+
     launch = cfg.launch
-    job = os.environ.get("SLURM_JOB_ID", "")
-    rid = launch.run_id or (f"slurm-{job}" if job.isdigit() else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
+    job = job_id_of(os.environ)
+    rid = launch.run_id or (f"slurm-{job}" if job else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
     rdir = Path(launch.run_dir or Path(log_dir or "phoenix-runs") / rid)
     try:
         from phoenix_launch.events import private_dir, write_private

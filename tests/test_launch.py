@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 TORCHRUN_KEYS_SAME = [
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS",
+    "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS",
     "TORCHELASTIC_SIGNALS_TO_HANDLE",
 ]
 TORCHRUN_KEYS_PRESENT = ["MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"]
@@ -45,6 +45,9 @@ def test_env_matches_torchrun(tmp_path):
             assert a.get(k) == b.get(k), (k, a.get(k), b.get(k))
         for k in TORCHRUN_KEYS_PRESENT:
             assert k in b, k
+        # the one deliberate difference: torchrun's 1 tears the process down on a NCCL error; a survivor of a
+        # hot-swap must live on, so 2 aborts the communicator and raises instead
+        assert (a.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), b.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")) == ("1", "2")
         extra = {k for k in a if k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "LOCAL_", "MASTER_"))} - set(b)
         assert not extra, f"torchrun sets {extra} but phoenix-run does not"
         assert b["PHOENIX_NODE"] == "node0" and b["PHOENIX_STORE_PORT"]

@@ -476,6 +476,18 @@ def in_allocation(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID"))
 
 
+def job_id_of(environ: Mapping[str, str]) -> str | None:
+    """The job id when inside an allocation (a number), else None: no scontrol, no other variable read."""
+    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or ""
+    return job if job.isdigit() else None
+
+
+def requeue_count(environ: Mapping[str, str]) -> int:
+    """SLURM_RESTART_COUNT: how many times this batch job was requeued (0 when not, or not in Slurm)."""
+    v = environ.get("SLURM_RESTART_COUNT", "0").strip()
+    return int(v) if v.isdigit() else 0
+
+
 # --------------------------------------------------------------------------------------------------
 # commands
 # --------------------------------------------------------------------------------------------------
