@@ -22,6 +22,7 @@ Every wait is bounded: port lookups by ``deadline``, ``Accept``/``Connect`` by M
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -34,6 +35,11 @@ def mpi():
         raise RuntimeError("runtime.transport: mpi needs mpi4py and an MPI library (pip install 'phoenix-run[mpi]')") from e
     mpi4py.rc.finalize = False
     mpi4py.rc.thread_level = "multiple"
+    # UCX's cross-memory-attach transport reads a peer's pages with process_vm_readv, and a peer that died
+    # mid-transfer makes that a fatal error: UCX aborts the *survivor* (seen here: a node lost during the
+    # replica copy took its neighbour down with SIGABRT). Shared-memory and network transports stay; a site's
+    # own UCX_TLS is left alone.
+    os.environ.setdefault("UCX_TLS", "^cma")
     from mpi4py import MPI
 
     return MPI
