@@ -181,9 +181,9 @@ def check_resume_steps(evs: list[dict], failed_at: int | None = None, lag: int =
         elif e["type"] == "recovery":
             resume = e.get("resume_step")
             assert resume is not None, f"the recovery event names no resume step: {e}"
-            candidates = pending or ([last] if last is not None else [])
-            if not candidates and e.get("path") == "reprotect":
+            if not pending and e.get("path") == "reprotect":
                 continue  # a re-formed generation with nothing failed (the cadence adapted): nothing to check
+            candidates = pending or ([last] if last is not None else [])
             assert candidates, f"a recovery with no failed step to check it against: {e}"
             fits = [i for i, failed in enumerate(candidates) if max(0, failed - 1 - lag) <= resume <= failed]
             assert fits, (f"the job resumed at step {resume}, but the steps that failed were {candidates} "
