@@ -60,9 +60,16 @@ def overhead(td: Path, a) -> None:
               f"{med('stage_s') * 1000:.1f} ms, write (off the loop) median {med('write_s') * 1000:.1f} ms")
 
 
-def first_step_after(log: Path, t: float) -> float | None:
+def first_step_after(log: Path, t: float, evs: list | None = None) -> float | None:
+    """Seconds from ``t`` (a failure) to the first step logged after the recovery began (the first hotswap,
+    restart or fallback event after ``t``): a survivor may still log the step before the failure after it."""
+    if evs is not None:
+        start = next((e["t"] for e in evs if e["type"] in ("hotswap", "restart", "fallback") and e["t"] > t), None)
+        if start is None:
+            return None
     steps, _ = step_log(log)
-    return next((ts - t for _, ts in steps if ts > t), None)
+    begin = t if evs is None else start
+    return next((ts - t for _, ts in steps if ts > begin), None)
 
 
 def job(td: Path, name: str, nodes: int, nproc: int, spares: int, faults: list, a, extra=(), **cfg_more) -> tuple[int, Path, Path]:
@@ -93,15 +100,16 @@ def kill_job_processes(run_dir: Path) -> None:
 def rungs(td: Path, a) -> None:
     kill = a.rung_steps - 4
     rc, rd, log = job(td, "hotswap", 2, 1, 1, [{"node": "node1", "step": kill, "mode": "crash"}], a)
-    fired = [e for e in events(rd) if e["type"] == "injected"]
-    t = first_step_after(log, fired[0]["t_fired"]) if rc == 0 and fired else None
+    evs = events(rd)
+    fired = [e for e in evs if e["type"] == "injected"]
+    t = first_step_after(log, fired[0]["t_fired"], evs) if rc == 0 and fired else None
     print(f"rung 1 hot-swap:                   {t:.2f} s from the failure to the first step after" if t else "rung 1: failed")
     two = [{"node": "node1", "step": kill - 4, "mode": "crash"}, {"node": "node0", "step": kill, "mode": "crash"}]
     rc, rd, log = job(td, "wait", 2, 1, 1, two, a, launch={"replenish": True}, detect={"spare_wait_s": 120.0})
     evs = events(rd)
     fired = [e for e in evs if e["type"] == "injected"]
     waits = [e for e in evs if e["type"] == "decision" and e["decision"] == "wait"]
-    t = first_step_after(log, fired[-1]["t_fired"]) if rc == 0 and len(fired) == 2 else None
+    t = first_step_after(log, fired[-1]["t_fired"], evs) if rc == 0 and len(fired) == 2 else None
     print(f"rung 2 wait for a replenished spare: {t:.2f} s from the failure to the first step after (the spare started "
           f"after the first failure; {len(waits)} wait decision)" if t else "rung 2: failed")
     crash = [{"node": n, "step": kill, "mode": "crash"} for n in ("node1", "node2")]
@@ -109,7 +117,7 @@ def rungs(td: Path, a) -> None:
     evs = events(rd)
     fired = [e for e in evs if e["type"] == "injected"]
     fb = [e for e in evs if e["type"] == "fallback"]
-    t = first_step_after(log, fired[0]["t_fired"]) if rc == 0 and fired else None
+    t = first_step_after(log, fired[0]["t_fired"], evs) if rc == 0 and fired else None
     print(f"rung 3 restart from checkpoint:    {t:.2f} s from the failure to the first step after, resumed at step "
           f"{fb[0]['step']} ({kill - fb[0]['step']} steps replayed)" if t and fb else "rung 3: failed")
     rc, rd, log = job(td, "salvage", 2, 1, 0, [{"node": "node1", "step": kill, "mode": "crash"}], a,
