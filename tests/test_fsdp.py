@@ -80,10 +80,10 @@ def test_node_lost_is_hot_swapped_bit_identically(tmp_path, baseline, layout, ph
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "tp"])
 def test_spare_dies_while_it_joins(tmp_path, baseline, layout):
     """A failure during the recovery: the joining spare is lost too; the next spare takes its place (the mesh,
-    the groups and the sharded model are rebuilt again)."""
+    the groups and the sharded model are rebuilt again). "tp": the {"shard": 2, "tp": 2} mesh, TP=2 x FSDP=2."""
     faults = [
         {"node": "node1", "step": 5, "mode": "crash"},
         {"node": "node2", "step": None, "mode": "crash", "phase": "recovery", "gen": 1},
