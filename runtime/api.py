@@ -22,7 +22,7 @@ import torch
 
 from phoenix_runtime.context import Context, init  # noqa: F401  (the public init)
 from phoenix_runtime.parallel import Parallel, check_bare, make_optimizer
-from phoenix_runtime.state import LoopObjects
+from phoenix_runtime.state import LoopObjects, name_by_shard
 from phoenix_runtime.training import ProtectedTraining, Trainer  # noqa: F401
 
 
@@ -75,6 +75,7 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
         par = Parallel.create(parallelize, mesh, model, ctx.world_size, ctx.device)
         model = par.apply(model, ctx.gen)
         optimizer = make_optimizer(optimizer, model)
+        name_by_shard(optimizer, par.key_of)  # its state named by logical shard id, not position
         ddp = False
     objs = LoopObjects(model, optimizer, tuple(schedulers), scaler, held)
     ddp_kwargs = None if ddp is False else ({} if ddp is None or ddp is True else dict(ddp))

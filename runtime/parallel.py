@@ -15,14 +15,15 @@ Supported mesh dimensions, outermost first: ``replicate`` (HSDP: the state is th
 - without one (pure FSDP, TP+FSDP) no rank holds another's shard: the parameter shard is replicated to ``k``
   peers with the optimizer shard.
 
-Local shards are named by parameter FQN, placement and shard coordinate (``p.<fqn>@<placements>#<coord>``).
+Local shards are named by parameter FQN, placement and shard coordinate (``p.<fqn>@<placements>#<coord>``),
+and so is their optimizer state (``<fqn>@<placements>#<coord>:<key>``, ``Parallel.key_of``), not by position.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -81,6 +82,7 @@ class Parallel:
     mesh: Any = None
     gen: int = -1
     fqn_of: dict[int, str] | None = None  # id(parameter) -> FQN, of the live module
+    keys: dict[int, str] = field(default_factory=dict)  # id(parameter) -> key_of(parameter), of the live module
 
     @classmethod
     def create(cls, fn, mesh: dict[str, int], model: torch.nn.Module, world: int, device) -> "Parallel":
@@ -116,6 +118,7 @@ class Parallel:
         mesh = self.build_mesh(gen)
         self.fn(model, mesh)
         self.fqn_of = {id(p): n for n, p in model.named_parameters()}
+        self.keys = {}
         return model
 
     def rebuild(self, gen: int, optimizer) -> torch.nn.Module:
@@ -131,7 +134,20 @@ class Parallel:
             g["params"] = [by_fqn[self.fqn_of[id(p)]] for p in g["params"]]
         opt.state.clear()
         self.fqn_of = {id(p): n for n, p in model.named_parameters()}
+        self.keys = {}
         return model
+
+    def key_of(self, p) -> str:
+        """The logical shard id of parameter ``p`` of the live model, ``<fqn>@<placements>#<coord>``: what its
+        optimizer state is named by (``state.name_by_shard``)."""
+        key = self.keys.get(id(p))
+        if key is None:
+            fqn = (self.fqn_of or {}).get(id(p))
+            if fqn is None:
+                raise ValueError("phx.protect(parallelize=...): the optimizer holds a tensor that is not a parameter of "
+                                 "the parallelised model (the factory must build it on the params it is given)")
+            key = self.keys[id(p)] = shard_key(fqn, p)[2:]
+        return key
 
 
 def reshard(model: torch.nn.Module) -> None:
