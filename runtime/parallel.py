@@ -113,10 +113,24 @@ class Parallel:
             self.gen = gen
         return self.mesh
 
-    def apply(self, model: torch.nn.Module, gen: int) -> torch.nn.Module:
-        """The user's model parallelised in place on this generation's mesh (the first time)."""
+    def groups(self) -> list:
+        """The process groups of this generation's mesh, one per dimension."""
+        return [self.mesh.get_group(n) for n, _ in self.dims] if self.mesh is not None else []
+
+    def apply(self, model: torch.nn.Module, gen: int, local: bool = False) -> torch.nn.Module:
+        """The user's model parallelised in place on this generation's mesh (the first time).
+
+        ``local``: without communication, for a rank whose first generation was formed after a failure (a
+        joiner): its peers do not run ``parallelize`` with it (they rebuild on the meta device), so TP's
+        ``distribute_tensor`` would wait forever for a scatter from a peer of its TP group. The model is
+        parallelised on the meta device instead, materialised, and each local shard is cut from this rank's own
+        full tensor (``src_data_rank=None``): the same shard when the ranks initialise the model alike (the
+        recovery then restores the lost rank's state, or keeps this one at the run's first step)."""
         mesh = self.build_mesh(gen)
-        self.fn(model, mesh)
+        if local:
+            _apply_local(self.fn, model, mesh, self.device)
+        else:
+            self.fn(model, mesh)
         self.fqn_of = {id(p): n for n, p in model.named_parameters()}
         self.keys = {}
         return model
@@ -148,6 +162,25 @@ class Parallel:
                                  "the parallelised model (the factory must build it on the params it is given)")
             key = self.keys[id(p)] = shard_key(fqn, p)[2:]
         return key
+
+
+@torch.no_grad()
+def _apply_local(fn, model: torch.nn.Module, mesh, device) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    full = {n: p.detach() for n, p in model.named_parameters()}  # keeps the storage through .to("meta")
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    model.to("meta")
+    fn(model, mesh)
+    model.to_empty(device=device)
+    for n, p in model.named_parameters():
+        t = full[n].to(device)
+        if is_dtensor(p):
+            t = distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        local_of(p.data).copy_(t)
+    for n, b in model.named_buffers():
+        if n in buffers:
+            b.copy_(buffers[n].to(b.device))
 
 
 def reshard(model: torch.nn.Module) -> None:
