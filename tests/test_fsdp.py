@@ -99,12 +99,24 @@ def test_spare_dies_while_it_joins(tmp_path, baseline, layout):
 def test_survivor_lost_during_the_recovery_fsdp(tmp_path, baseline):
     """4 nodes of 1 rank (FSDP over 4, k=1): node1 lost at step 5, node3 lost while the survivors recover;
     node1's shard is held on node2, node3's on node0. The survivors rebuild the model twice."""
+    survivor_lost_during_the_recovery(tmp_path, baseline, "fsdp")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_survivor_lost_during_the_recovery_tp_fsdp(tmp_path, baseline):
+    """The same on the TP=2 x FSDP=2 mesh ({"shard": 2, "tp": 2}) over 4 nodes of 1 rank: every TP group and
+    every FSDP group spans two nodes, and both lost ranks' TP and FSDP groups are rebuilt twice."""
+    survivor_lost_during_the_recovery(tmp_path, baseline, "tp")
+
+
+def survivor_lost_during_the_recovery(tmp_path, baseline, layout):
     faults = [
         {"node": "node1", "step": 5, "mode": "crash"},
         {"node": "node3", "step": None, "mode": "crash", "phase": "recovery", "gen": 1},
     ]
-    r, run_dir, dg = run_job(tmp_path, "job", "fsdp", 4, 1, 2, faults)
-    evs = assert_recovered(r, run_dir, dg, baseline("fsdp"))
+    r, run_dir, dg = run_job(tmp_path, "job", layout, 4, 1, 2, faults)
+    evs = assert_recovered(r, run_dir, dg, baseline(layout))
     assert of_type(evs, "recovery_abandoned")
     assert [e["failed"] for e in of_type(evs, "hotswap")] == ["node1", "node3"]
 
