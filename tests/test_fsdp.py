@@ -110,6 +110,17 @@ def test_survivor_lost_during_the_recovery_tp_fsdp(tmp_path, baseline):
     survivor_lost_during_the_recovery(tmp_path, baseline, "tp")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tp_joiner_at_the_first_step_cuts_its_own_shards(tmp_path, baseline):
+    """4 nodes of 1 rank, TP=2 x FSDP=2, node1 lost at step 0 (nothing protected yet): the joiner's TP group
+    holds a survivor, which does not run parallelize with it; the joiner parallelises without communication
+    and keeps its own fresh shards (the plan says "fresh [1]"), with the failure-free digest."""
+    r, run_dir, dg = run_job(tmp_path, "job", "tp", 4, 1, 1, [{"node": "node1", "step": 0, "mode": "crash"}])
+    assert_recovered(r, run_dir, dg, baseline("tp"))
+    assert "fresh [1]" in (run_dir / "logs" / "node0" / "0.0.log").read_text()
+
+
 def survivor_lost_during_the_recovery(tmp_path, baseline, layout):
     faults = [
         {"node": "node1", "step": 5, "mode": "crash"},
