@@ -4,6 +4,13 @@
     python bench/overhead.py [--pairs 2] [--steps 60] [--d-model 256] [--layers 4] [--device cpu|cuda]
 
 Prints the per-iteration time of both, their ratio, the payload sizes and the D2H/H2H time per step.
+
+    python bench/overhead.py --layouts ddp-zero,fsdp,hsdp,tp-fsdp [--pairs 1] [--steps 60] [--d-model 256]
+
+instead: the same measure per parallel layout, the same Llama-style model (examples/train_llama.py) for
+each, 2 nodes x 2 ranks, the layouts interleaved within each pair of runs (side by side in this one
+invocation), and each layout's on/off ratio against DDP+ZeRO's (always measured). CPU only (gloo). The
+code is bench/layouts.py's.
 """
 
 import argparse
@@ -11,6 +18,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import layouts
 from common import GPT, phoenix, run, trimmed_mean
 
 
@@ -24,7 +32,17 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: the ranks train on the GPU(s) (NCCL with one GPU per rank, else gloo on CUDA tensors)")
+    ap.add_argument("--layouts", default="", help=f"comma-separated, of: {', '.join(layouts.LAYOUTS)}: the overhead per "
+                    "parallel layout against DDP+ZeRO's (examples/train_llama.py)")
     a = ap.parse_args()
+    if a.layouts:
+        if a.device != "cpu":
+            raise SystemExit("error: overhead.py --layouts runs examples/train_llama.py on the CPU (gloo); --device cuda is not supported with it")
+        names = layouts.parse_layouts(a.layouts)
+        with tempfile.TemporaryDirectory() as td:
+            ovh = layouts.overheads(Path(td), a, names)
+        layouts.print_overheads(a, ovh)
+        return
     extra = []
     if a.device == "cuda":
         import torch

@@ -10,6 +10,13 @@
 Prints for each: time from the kill until training passes the step it had reached, time until the first
 step after recovery, steps replayed, and the ratio. Then PHOENIX's recovery time across model sizes and
 rank counts (from events.jsonl).
+
+    python bench/recovery.py --layouts ddp-zero,fsdp,hsdp,tp-fsdp [--steps 40] [--kill-at 30] [--d-model 64]
+
+instead: PHOENIX's recovery time (events.jsonl ``total_s`` and its breakdown) per parallel layout, the same
+Llama-style model (examples/train_llama.py, --d-model/--layers/--seq/--batch) for each, 2 nodes x 2 ranks
++ 1 warm spare, node1 SIGKILLed at --kill-at, one run per layout in this one invocation, and each against
+DDP+ZeRO's (always measured). The code is bench/layouts.py's.
 """
 
 import argparse
@@ -18,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+import layouts
 from common import GPT, env, events, phoenix, run, step_log, torchrun
 
 
@@ -80,7 +88,16 @@ def main():
     ap.add_argument("--kill-at", type=int, default=30)
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--layouts", default="", help=f"comma-separated, of: {', '.join(layouts.LAYOUTS)}: recovery time per "
+                    "parallel layout against DDP+ZeRO (examples/train_llama.py), instead of the torchrun comparison")
+    layouts.add_model_args(ap, skip=("--d-model",))
     a = ap.parse_args()
+    if a.layouts:
+        names = layouts.parse_layouts(a.layouts)
+        with tempfile.TemporaryDirectory() as td:
+            recs = layouts.recoveries(Path(td), a, names)
+        layouts.print_recoveries(a, recs)
+        return
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
         t = run_torchrun(td, a)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from phoenix_runtime.context import Context, init  # noqa: F401  (the public init)
+from phoenix_runtime.context import Context, init, log  # noqa: F401  (the public init)
 from phoenix_runtime.parallel import Parallel, check_bare, make_optimizer
-from phoenix_runtime.state import LoopObjects
+from phoenix_runtime.state import LoopObjects, name_by_shard
 from phoenix_runtime.training import ProtectedTraining, Trainer  # noqa: F401
 
 
@@ -73,9 +73,29 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
         if not mesh:
             raise TypeError("phx.protect(parallelize=...) needs mesh={name: size}, e.g. {'shard': world_size}")
         par = Parallel.create(parallelize, mesh, model, ctx.world_size, ctx.device)
-        model = par.apply(model, ctx.gen)
+        build_mesh(ctx, par)
+        model = par.apply(model, ctx.gen, local=ctx.formed_after_a_failure)
+        ctx.add_groups(par.groups())  # a newer generation aborts them too
         optimizer = make_optimizer(optimizer, model)
+        name_by_shard(optimizer, par.key_of)  # its state named by logical shard id, not position
         ddp = False
     objs = LoopObjects(model, optimizer, tuple(schedulers), scaler, held)
     ddp_kwargs = None if ddp is False else ({} if ddp is None or ddp is True else dict(ddp))
     return ProtectedTraining(ctx, objs, ddp=ddp_kwargs, replicas=replicas, parallel=par)
+
+
+def build_mesh(ctx, par: Parallel) -> None:
+    """The DeviceMesh of the generation this rank formed; if that generation is abandoned while the mesh's groups
+    are formed (a rank lost meanwhile), the next generation is formed and its mesh built (the model is untouched
+    until then). A recovery follows before the first step (``formed_after_a_failure``)."""
+    while True:
+        try:
+            par.build_mesh(ctx.gen)
+            return
+        except Exception as e:  # noqa: BLE001 -- a failure of the rendezvous, with the generation abandoned
+            if not (ctx.managed and ctx.abandoned()):
+                raise
+            log(f"generation {ctx.gen} abandoned while its DeviceMesh was built ({type(e).__name__}: {str(e)[:120]})")
+            ctx.abort_groups()
+            ctx.destroy_groups()
+            ctx.form_first(ctx.wait_new_gen(ctx.gen))

@@ -60,6 +60,7 @@ class Context:
         self.repl_group = None  # a gloo group of each generation: replicas and recovery transfers
         self.mpi_pairs = None  # runtime.transport: mpi: (recovery, replication) maps peer -> MPI communicator
         self._transports: list = []  # this generation's transports (aborted with its groups)
+        self.mesh_groups: list = []  # this generation's DeviceMesh groups (parallelize=), aborted with the others
         self.members: protocol.Membership | None = None
         self._aborted_gen = -1
         self._lock = threading.Lock()
@@ -99,6 +100,12 @@ class Context:
         """The supervisor published a newer generation (the control thread's view: no store round trip)."""
         return self.managed and self.ctl.latest_gen > self.gen
 
+    def _check_gen(self, gen: int) -> None:
+        """Raise once generation ``gen`` is abandoned: a rendezvous on its store (forming its groups, a mesh's
+        ``new_group``) stops waiting for a rank that died with it."""
+        if self.managed and self.ctl.latest_gen > gen:
+            raise GenerationAbandoned(f"generation {gen} abandoned while its process groups were formed")
+
     def check_generation(self) -> None:
         if self.abandoned():
             raise GenerationAbandoned(f"generation {self.gen} was replaced by {self.ctl.latest_gen}")
@@ -120,9 +127,14 @@ class Context:
         world = dist.group.WORLD if dist.is_initialized() else None
         for t in self._transports:  # MPI: pending ops are cancelled (a peer is not notified; its wait is bounded)
             t.abort()
-        for g in (self.repl_group, world):
-            if g is None:
+        self._abort([self.repl_group, world, *self.mesh_groups])
+
+    def _abort(self, groups) -> None:
+        done: list = []
+        for g in groups:
+            if g is None or any(g is d for d in done):
                 continue
+            done.append(g)
             if g is self.repl_group or self.backend == "gloo":
                 probe = torch.empty(1, dtype=torch.uint8)
                 for p in range(g.size()):
@@ -136,6 +148,16 @@ class Context:
                 g.abort()
             except Exception:
                 pass
+
+    def add_groups(self, groups) -> None:
+        """Groups built on this generation's (a DeviceMesh's sub-groups: TP, FSDP, HSDP's replicate): a newer
+        generation aborts them with the others, so that a collective blocked on one fails at once (a rank whose
+        sub-groups hold no lost rank is otherwise blocked until a surviving peer's collective times out). Groups
+        added after this generation was abandoned are aborted here."""
+        with self._lock:
+            self.mesh_groups = list(groups)
+            if self._aborted_gen >= self.gen:
+                self._abort(self.mesh_groups)
 
     def new_transport(self, use: int):
         """A transport over this generation's ranks (``use``: 0 recovery transfers, 1 replication), or None
@@ -157,6 +179,7 @@ class Context:
         self.repl_group = None
         self.mpi_pairs = None
         self._transports = []
+        self.mesh_groups = []
 
     def _wait_all(self, key: str, gen: int, deadline: float) -> None:
         while True:
@@ -171,6 +194,7 @@ class Context:
     def form(self, gen: int, deadline: float) -> None:
         """Form generation ``gen``'s process groups on a fresh generation-scoped store prefix."""
         self.gen = gen
+        self.mesh_groups = []  # the last generation's (parallelize=): this one's are added when its mesh is built
         self.members = protocol.read_members(self.store, gen)
         me = self.members.rank_at(self.node, self.slot)
         if me is None:
@@ -181,7 +205,7 @@ class Context:
         log(f"generation {gen}: arrived")
         self._wait_all(protocol.k_arrived(gen), gen, deadline)
         log(f"generation {gen}: every rank arrived")
-        pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store))
+        pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store), stop=lambda: self._check_gen(gen))
         self._pg_stores.append((gen, pg_store))
         dist.init_process_group(
             self.backend,
@@ -203,6 +227,21 @@ class Context:
         log(f"generation {gen}: process groups formed")
         if self.latest_gen() > gen:
             raise GenerationAbandoned(f"generation {gen} abandoned")
+
+    def form_first(self, gen: int, first: bool = False) -> None:
+        """Form generation ``gen``, or the next ones while one is abandoned before it is formed (``init()``; and
+        ``protect()`` when the generation is abandoned while it builds the mesh)."""
+        while True:
+            limit = max(self.recovery_timeout, 600.0) if first else self.recovery_timeout
+            try:
+                self.form(gen, time.monotonic() + limit)
+                return
+            except Unrecoverable:
+                raise
+            except (GenerationAbandoned, RuntimeError) as e:
+                log(f"generation {gen} not formed ({type(e).__name__}: {str(e)[:120]})")
+                self.destroy_groups()
+                gen = self.wait_new_gen(gen)
 
     def wait_new_gen(self, after: int) -> int:
         deadline = time.monotonic() + self.recovery_timeout
@@ -274,18 +313,7 @@ def init(backend: str | None = None, *, tp: int = 1, pp: int = 1) -> Context:
     if ctx.joining:
         log(f"joining generation {ctx.gen} as rank {ctx.rank}")
     gen = max(ctx.gen, ctx.latest_gen()) if ctx.joining else ctx.gen
-    first = not ctx.joining  # the job's start: every rank imports torch at once, allow for it
-    while True:
-        limit = max(ctx.recovery_timeout, 600.0) if first else ctx.recovery_timeout
-        try:
-            ctx.form(gen, time.monotonic() + limit)
-            break
-        except Unrecoverable:
-            raise
-        except (GenerationAbandoned, RuntimeError) as e:
-            log(f"generation {gen} not formed ({type(e).__name__}: {str(e)[:120]})")
-            ctx.destroy_groups()
-            gen = ctx.wait_new_gen(gen)
+    ctx.form_first(gen, first=not ctx.joining)  # the job's start: every rank imports torch at once, allow for it
     _CTX = ctx
     return ctx
 

@@ -15,14 +15,15 @@ Supported mesh dimensions, outermost first: ``replicate`` (HSDP: the state is th
 - without one (pure FSDP, TP+FSDP) no rank holds another's shard: the parameter shard is replicated to ``k``
   peers with the optimizer shard.
 
-Local shards are named by parameter FQN, placement and shard coordinate (``p.<fqn>@<placements>#<coord>``).
+Local shards are named by parameter FQN, placement and shard coordinate (``p.<fqn>@<placements>#<coord>``),
+and so is their optimizer state (``<fqn>@<placements>#<coord>:<key>``, ``Parallel.key_of``), not by position.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -81,6 +82,7 @@ class Parallel:
     mesh: Any = None
     gen: int = -1
     fqn_of: dict[int, str] | None = None  # id(parameter) -> FQN, of the live module
+    keys: dict[int, str] = field(default_factory=dict)  # id(parameter) -> key_of(parameter), of the live module
 
     @classmethod
     def create(cls, fn, mesh: dict[str, int], model: torch.nn.Module, world: int, device) -> "Parallel":
@@ -111,11 +113,26 @@ class Parallel:
             self.gen = gen
         return self.mesh
 
-    def apply(self, model: torch.nn.Module, gen: int) -> torch.nn.Module:
-        """The user's model parallelised in place on this generation's mesh (the first time)."""
+    def groups(self) -> list:
+        """The process groups of this generation's mesh, one per dimension."""
+        return [self.mesh.get_group(n) for n, _ in self.dims] if self.mesh is not None else []
+
+    def apply(self, model: torch.nn.Module, gen: int, local: bool = False) -> torch.nn.Module:
+        """The user's model parallelised in place on this generation's mesh (the first time).
+
+        ``local``: without communication, for a rank whose first generation was formed after a failure (a
+        joiner): its peers do not run ``parallelize`` with it (they rebuild on the meta device), so TP's
+        ``distribute_tensor`` would wait forever for a scatter from a peer of its TP group. The model is
+        parallelised on the meta device instead, materialised, and each local shard is cut from this rank's own
+        full tensor (``src_data_rank=None``): the same shard when the ranks initialise the model alike (the
+        recovery then restores the lost rank's state, or keeps this one at the run's first step)."""
         mesh = self.build_mesh(gen)
-        self.fn(model, mesh)
+        if local:
+            _apply_local(self.fn, model, mesh, self.device)
+        else:
+            self.fn(model, mesh)
         self.fqn_of = {id(p): n for n, p in model.named_parameters()}
+        self.keys = {}
         return model
 
     def rebuild(self, gen: int, optimizer) -> torch.nn.Module:
@@ -131,7 +148,39 @@ class Parallel:
             g["params"] = [by_fqn[self.fqn_of[id(p)]] for p in g["params"]]
         opt.state.clear()
         self.fqn_of = {id(p): n for n, p in model.named_parameters()}
+        self.keys = {}
         return model
+
+    def key_of(self, p) -> str:
+        """The logical shard id of parameter ``p`` of the live model, ``<fqn>@<placements>#<coord>``: what its
+        optimizer state is named by (``state.name_by_shard``)."""
+        key = self.keys.get(id(p))
+        if key is None:
+            fqn = (self.fqn_of or {}).get(id(p))
+            if fqn is None:
+                raise ValueError("phx.protect(parallelize=...): the optimizer holds a tensor that is not a parameter of "
+                                 "the parallelised model (the factory must build it on the params it is given)")
+            key = self.keys[id(p)] = shard_key(fqn, p)[2:]
+        return key
+
+
+@torch.no_grad()
+def _apply_local(fn, model: torch.nn.Module, mesh, device) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    full = {n: p.detach() for n, p in model.named_parameters()}  # keeps the storage through .to("meta")
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    model.to("meta")
+    fn(model, mesh)
+    model.to_empty(device=device)
+    for n, p in model.named_parameters():
+        t = full[n].to(device)
+        if is_dtensor(p):
+            t = distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        local_of(p.data).copy_(t)
+    for n, b in model.named_buffers():
+        if n in buffers:
+            b.copy_(buffers[n].to(b.device))
 
 
 def reshard(model: torch.nn.Module) -> None:

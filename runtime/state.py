@@ -3,6 +3,9 @@
 Tensors: the parameters AND buffers of the module (``p.<name>``, ``b.<name>``), and the optimizer state
 named by its position in the optimizer's param groups (``"<group>.<index>.<key>"``), which is the same on
 the rank that held it and on the joiner that takes its place (same model; for ZeRO, the same partition).
+The optimizer of a model PHOENIX parallelised (``protect(parallelize=...)``) names its state by logical shard
+id instead, the parameter shards' ``<fqn>@<placements>#<coord>`` (``"<id>:<key>"``, ``name_by_shard``): a
+joiner matches each tensor to its own shard of that parameter, whatever the order of its param groups.
 
 The envelope (small, JSON-able, replicated to k peers every step whatever the optimizer layout): the step,
 the RNG states (torch, CUDA, numpy, python), the param-group hyperparameters (lr, weight decay, betas...),
@@ -15,6 +18,7 @@ from __future__ import annotations
 import base64
 import pickle
 import random
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,20 +47,49 @@ def local_optimizer(optimizer) -> torch.optim.Optimizer:
 _opt_of = local_optimizer  # the old private name
 
 
+# the local optimizer -> key_of(parameter): its logical shard id (optimizers PHOENIX built; weak: no leak)
+_SHARD_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def name_by_shard(optimizer, key_of) -> None:
+    """Name ``optimizer``'s state ``"<key_of(p)>:<key>"`` from now on, not by position (see the module doc)."""
+    _SHARD_KEYS[local_optimizer(optimizer)] = key_of
+
+
+def _state_ids(opt) -> list[tuple[str, str, torch.nn.Parameter, dict]]:
+    """(id, separator, parameter, group) of each parameter of ``opt``: its logical shard id where the optimizer
+    is named by shard (``name_by_shard``), else its position ``<group>.<index>``."""
+    key_of = _SHARD_KEYS.get(opt)
+    if key_of is None:
+        return [(f"{gi}.{pi}", ".", p, g) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])]
+    return [(key_of(p), ":", p, g) for g in opt.param_groups for p in g["params"]]
+
+
+def _split(opt, name: str) -> tuple[str, str]:
+    """A state name -> (parameter id, state key)."""
+    if opt in _SHARD_KEYS:
+        pid, sep, key = name.rpartition(":")
+    else:
+        gi, pi, key = name.split(".", 2)
+        pid, sep = f"{gi}.{pi}", "."
+    if not sep:
+        raise ValueError(f"optimizer state {name!r} is not named by shard id '<fqn>@<placements>#<coord>:<key>'")
+    return pid, key
+
+
 def optim_named(optimizer) -> list[tuple[str, torch.Tensor]]:
     if hasattr(optimizer, "phoenix_state"):  # the sharded-state protocol (docs/runtime.md)
         return [(str(name), t) for name, t in optimizer.phoenix_state()]
     opt = local_optimizer(optimizer)
     out = []
-    for gi, group in enumerate(opt.param_groups):
-        for pi, p in enumerate(group["params"]):
-            st = opt.state.get(p)
-            if not st:
-                continue
-            for key in sorted(st):
-                v = st[key]
-                if isinstance(v, torch.Tensor):
-                    out.append((f"{gi}.{pi}.{key}", local_of(v)))  # a DTensor's local shard
+    for pid, sep, p, _ in _state_ids(opt):
+        st = opt.state.get(p)
+        if not st:
+            continue
+        for key in sorted(st):
+            v = st[key]
+            if isinstance(v, torch.Tensor):
+                out.append((f"{pid}{sep}{key}", local_of(v)))  # a DTensor's local shard
     return out
 
 
@@ -65,11 +98,10 @@ def optim_scalars(optimizer) -> dict[str, Any]:
         return {}
     opt = local_optimizer(optimizer)
     out = {}
-    for gi, group in enumerate(opt.param_groups):
-        for pi, p in enumerate(group["params"]):
-            for key, v in (opt.state.get(p) or {}).items():
-                if not isinstance(v, torch.Tensor):
-                    out[f"{gi}.{pi}.{key}"] = v
+    for pid, sep, p, _ in _state_ids(opt):
+        for key, v in (opt.state.get(p) or {}).items():
+            if not isinstance(v, torch.Tensor):
+                out[f"{pid}{sep}{key}"] = v
     return out
 
 
@@ -81,19 +113,26 @@ def load_optim(optimizer, tensors: dict[str, torch.Tensor], scalars: dict[str, A
     opt = local_optimizer(optimizer)
     was = {name: t.device for name, t in optim_named(opt)}  # where the optimizer keeps each tensor now
     opt.state.clear()
-    params = {f"{gi}.{pi}": p for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])}
-    on_device = {f"{gi}.{pi}": bool(g.get("fused") or g.get("capturable"))
-                 for gi, g in enumerate(opt.param_groups) for pi in range(len(g["params"]))}
+    ids = _state_ids(opt)
+    params = {pid: p for pid, _, p, _ in ids}
+    on_device = {pid: bool(g.get("fused") or g.get("capturable")) for pid, _, _, g in ids}
+
+    def param_of(name: str):
+        pid, key = _split(opt, name)
+        if pid not in params:
+            raise KeyError(f"optimizer state {name!r} belongs to no parameter (shard) of this rank's optimizer "
+                           f"(it has {len(params)}, e.g. {next(iter(params), None)!r})")
+        return pid, key, params[pid]
+
     for name, t in tensors.items():
-        gi, pi, key = name.split(".", 2)
-        p = params[f"{gi}.{pi}"]
+        pid, key, p = param_of(name)
         # Adam's 0-dim ``step`` lives on the CPU, except with fused=True or capturable=True, which need it on the
         # parameter's device (the snapshot's copy is on the CPU either way)
-        dev = was.get(name) or (p.device if t.dim() or on_device[f"{gi}.{pi}"] else torch.device("cpu"))
+        dev = was.get(name) or (p.device if t.dim() or on_device[pid] else torch.device("cpu"))
         opt.state.setdefault(p, {})[key] = like(p, t.detach().clone().to(dev))
     for name, v in scalars.items():
-        gi, pi, key = name.split(".", 2)
-        opt.state.setdefault(params[f"{gi}.{pi}"], {})[key] = v
+        _, key, p = param_of(name)
+        opt.state.setdefault(p, {})[key] = v
 
 
 def param_named(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

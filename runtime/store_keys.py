@@ -10,6 +10,7 @@ so the control plane's store stays flat over many recoveries.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -19,9 +20,10 @@ class KeyRecorder(dist.Store):
     """Forwards every call to ``inner``; records every key used. The keys read count too: a rank reads its
     peers' addresses, so the survivors delete those of the ranks that died with the generation as well."""
 
-    def __init__(self, inner: dist.Store):
+    def __init__(self, inner: dist.Store, stop=None):
         super().__init__()
         self.inner = inner
+        self.stop = stop  # called while a wait polls: raises to stop it (the generation was abandoned)
         self.keys: set[str] = set()
         self._lock = threading.Lock()
 
@@ -43,6 +45,8 @@ class KeyRecorder(dist.Store):
 
     def get(self, key):
         self._used(key)
+        if self.stop is not None:
+            self.wait([key])  # a key another rank writes: the wait stops if the generation is abandoned
         return self.inner.get(key)
 
     def check(self, keys):
@@ -51,9 +55,23 @@ class KeyRecorder(dist.Store):
         return self.inner.check(keys)
 
     def wait(self, keys, timeout: timedelta | None = None):
+        """With ``stop``: polls (``check``) until the keys exist, the timeout (the store's by default) passes, or
+        ``stop()`` raises: a rendezvous does not wait out the timeout for a rank that died."""
+        keys = list(keys)
         for key in keys:
             self._used(key)
-        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+        if self.stop is None:
+            return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+        limit = (timeout if timeout is not None else self.inner.timeout).total_seconds()
+        deadline = time.monotonic() + limit if limit > 0 else float("inf")  # 0: no timeout (c10d's kNoTimeout)
+        pause = 0.001
+        while not self.inner.check(keys):
+            self.stop()
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"wait timeout after {limit:g} s for keys {keys}")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+        return None
 
     def delete_key(self, key):
         return self.inner.delete_key(key)

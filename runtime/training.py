@@ -159,6 +159,7 @@ class ProtectedTraining:
         optim = {n: t.clone() for n, t in state.optim_named(self.objs.optimizer)}
         scalars = state.optim_scalars(self.objs.optimizer)
         self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
+        self.ctx.add_groups(self.parallel.groups())  # a newer generation aborts them too
         self.model = self.objs.module
         state.load_params(self.objs.module, params)
         state.load_optim(self.objs.optimizer, optim, scalars)

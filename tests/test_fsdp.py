@@ -7,6 +7,7 @@ optimizer state, param groups, RNG), and a missing digest fails the test.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -80,10 +81,10 @@ def test_node_lost_is_hot_swapped_bit_identically(tmp_path, baseline, layout, ph
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "tp"])
 def test_spare_dies_while_it_joins(tmp_path, baseline, layout):
     """A failure during the recovery: the joining spare is lost too; the next spare takes its place (the mesh,
-    the groups and the sharded model are rebuilt again)."""
+    the groups and the sharded model are rebuilt again). "tp": the {"shard": 2, "tp": 2} mesh, TP=2 x FSDP=2."""
     faults = [
         {"node": "node1", "step": 5, "mode": "crash"},
         {"node": "node2", "step": None, "mode": "crash", "phase": "recovery", "gen": 1},
@@ -98,12 +99,35 @@ def test_spare_dies_while_it_joins(tmp_path, baseline, layout):
 def test_survivor_lost_during_the_recovery_fsdp(tmp_path, baseline):
     """4 nodes of 1 rank (FSDP over 4, k=1): node1 lost at step 5, node3 lost while the survivors recover;
     node1's shard is held on node2, node3's on node0. The survivors rebuild the model twice."""
+    survivor_lost_during_the_recovery(tmp_path, baseline, "fsdp")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_survivor_lost_during_the_recovery_tp_fsdp(tmp_path, baseline):
+    """The same on the TP=2 x FSDP=2 mesh ({"shard": 2, "tp": 2}) over 4 nodes of 1 rank: every TP group and
+    every FSDP group spans two nodes, and both lost ranks' TP and FSDP groups are rebuilt twice."""
+    survivor_lost_during_the_recovery(tmp_path, baseline, "tp")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tp_joiner_at_the_first_step_cuts_its_own_shards(tmp_path, baseline):
+    """4 nodes of 1 rank, TP=2 x FSDP=2, node1 lost at step 0 (nothing protected yet): the joiner's TP group
+    holds a survivor, which does not run parallelize with it; the joiner parallelises without communication
+    and keeps its own fresh shards (the plan says "fresh [1]"), with the failure-free digest."""
+    r, run_dir, dg = run_job(tmp_path, "job", "tp", 4, 1, 1, [{"node": "node1", "step": 0, "mode": "crash"}])
+    assert_recovered(r, run_dir, dg, baseline("tp"))
+    assert "fresh [1]" in (run_dir / "logs" / "node0" / "0.0.log").read_text()
+
+
+def survivor_lost_during_the_recovery(tmp_path, baseline, layout):
     faults = [
         {"node": "node1", "step": 5, "mode": "crash"},
         {"node": "node3", "step": None, "mode": "crash", "phase": "recovery", "gen": 1},
     ]
-    r, run_dir, dg = run_job(tmp_path, "job", "fsdp", 4, 1, 2, faults)
-    evs = assert_recovered(r, run_dir, dg, baseline("fsdp"))
+    r, run_dir, dg = run_job(tmp_path, "job", layout, 4, 1, 2, faults)
+    evs = assert_recovered(r, run_dir, dg, baseline(layout))
     assert of_type(evs, "recovery_abandoned")
     assert [e["failed"] for e in of_type(evs, "hotswap")] == ["node1", "node3"]
 
@@ -137,3 +161,57 @@ def test_sharded_model_without_parallelize_and_pipeline_are_refused(tmp_path):
     assert "pipeline parallelism is not supported" in pp and "HSDP" in pp and "TP+FSDP" in pp
     dt = next(line for line in r.stdout.splitlines() if line.startswith("DTENSOR:"))
     assert "DTensor parameters" in dt and "parallelize=" in dt
+
+
+NAMES = r'''
+import json, sys, torch
+import phoenix_runtime as phx
+from phoenix_runtime import state
+sys.path.insert(0, sys.argv[1])
+from train_llama import Llama, apply_fsdp, apply_tp_fsdp, parse_args
+layout = sys.argv[2]
+phx.init()
+a = parse_args(["--layers", "2", "--d-model", "16", "--heads", "2", "--kv-heads", "2", "--seq", "4", "--batch", "2", "--vocab", "32"])
+torch.manual_seed(0)
+fn, mesh = (apply_fsdp, {"shard": 1}) if layout == "fsdp" else (apply_tp_fsdp, {"shard": 1, "tp": 1})
+tr = phx.protect(Llama(a), lambda ps: torch.optim.AdamW(ps, lr=1e-2), parallelize=fn, mesh=mesh)
+for step in tr.steps(2):
+    with tr.step():
+        x = torch.randint(32, (2, 5))
+        tr.model(x[:, :-1], x[:, 1:]).backward()
+        tr.optimizer_step()
+named = dict(state.optim_named(tr.optimizer))
+shards = [n for n, _ in state.param_named(tr.module) if n.startswith("p.")]
+# the same state loaded into an optimizer whose param groups list the parameters in another order
+params = list(tr.module.parameters())
+other = torch.optim.AdamW([{"params": params[1::2]}, {"params": params[0::2]}], lr=1e-2)
+state.name_by_shard(other, tr.parallel.key_of)
+state.load_optim(other, named, state.optim_scalars(tr.optimizer))
+same = all(torch.equal(state.local_of(v), state.local_of(other.state[p][k]))
+           for p in params for k, v in tr.optimizer.state[p].items())
+try:
+    state.load_optim(other, {"blocks.0.attn.wq.weight@S(0)#7:exp_avg": torch.zeros(1)}, {})
+    err = None
+except KeyError as e:
+    err = str(e)
+print("NAMES:" + json.dumps({"names": sorted(named), "shards": shards, "same": same, "err": err}))
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_optimizer_state_is_named_by_shard_id(tmp_path, layout):
+    """One process (world 1): the optimizer state of a parallelised model is named ``<fqn>@<placements>#<coord>:<key>``,
+    the parameter shards' ids, not positions; loading it into an optimizer with its param groups in another order
+    puts every tensor on its own parameter; a name that matches no shard of this rank is an error naming it."""
+    r = subprocess.run([sys.executable, "-c", NAMES, str(EXAMPLES), layout], cwd=tmp_path,
+                       env=job_env(PYTHONPATH=str(ROOT / ".pp")), capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("NAMES:"))[len("NAMES:"):])
+    ids = {s[2:] for s in out["shards"]}
+    assert all("@" in s and "#" in s for s in ids), ids  # every parameter is a DTensor shard
+    assert {n.rpartition(":")[0] for n in out["names"]} == ids  # one id per parameter shard, the same ids
+    assert {n.rpartition(":")[2] for n in out["names"]} == {"step", "exp_avg", "exp_avg_sq"}
+    assert "blocks.0.attn.wq.weight@" in " ".join(out["names"]) and not any(n[0].isdigit() for n in out["names"])
+    assert out["same"]
+    assert out["err"] and "blocks.0.attn.wq.weight@S(0)#7:exp_avg" in out["err"] and "belongs to no parameter" in out["err"]
