@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=0, help="torch.distributed.checkpoint save every K steps")
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulates a bigger model)")
+    p.add_argument("--step-sleep-while", default=None, metavar="PATH",
+                   help="--step-sleep only while PATH exists (tests: the job outlives what a test does to it, then ends at full speed)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--bug-at-step", type=int, default=-1, help="raise a ValueError on every rank at this step (tests)")
     p.add_argument("--step-log", default=None, help="rank 0 appends 'step <n> <unix time>' after each step (benchmarks)")
@@ -359,7 +361,7 @@ def main(argv=None):
             if step == a.bug_at_step:
                 raise ValueError(f"loss went NaN at step {step} (injected bug)")
             loss.backward()
-            if a.step_sleep:
+            if a.step_sleep and (a.step_sleep_while is None or os.path.exists(a.step_sleep_while)):
                 time.sleep(a.step_sleep)
             trainer.optimizer_step()
             for sc in schedulers:

@@ -3,8 +3,18 @@
 # themselves with slurm/cluster/up.sh; as root they install the Debian packages if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+started=$(date +%s)
 bash scripts/setup.sh
 export PHOENIX_REQUIRE_SLURM=${PHOENIX_REQUIRE_SLURM:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
 # setup.sh installs MPI (mpi4py + MPICH): as root a missing MPI fails the MPI tests instead of skipping them
 export PHOENIX_REQUIRE_MPI=${PHOENIX_REQUIRE_MPI:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
-exec ${PYTHON:-python3} -m pytest -q -p no:cacheprovider "$@"
+# A bound on the whole run, set-up included, inside CI's 90 minutes: when it is reached pytest gets SIGINT and
+# still prints the summary of what ran and what failed (instead of being cut off without one).
+# PHOENIX_TEST_BUDGET_MIN=0: no bound.
+budget_min=${PHOENIX_TEST_BUDGET_MIN:-84}
+if [ "$budget_min" = 0 ]; then
+    exec ${PYTHON:-python3} -m pytest -q -p no:cacheprovider "$@"
+fi
+left=$(( budget_min * 60 - ($(date +%s) - started) ))
+[ "$left" -gt 60 ] || left=60
+exec timeout -s INT -k 120 "${left}s" ${PYTHON:-python3} -m pytest -q -p no:cacheprovider "$@"

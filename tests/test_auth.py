@@ -136,9 +136,13 @@ def test_the_secret_file_is_new_private_and_never_follows_a_link(tmp_path):
 
 
 # --- a real job attacked through its store ------------------------------------------------------------
-def _job_args(run_dir: Path, digest: Path, spares: int) -> list[str]:
+def _job_args(run_dir: Path, digest: Path, spares: int, hold: Path | None = None) -> list[str]:
+    """``hold``: while this file exists every step takes 2 s more (under the hang timeout), so the job outlives
+    what the test does to it however slow the machine; removed, the job ends at full speed (the digest does not
+    depend on it)."""
+    extra = ["--step-sleep", "2.0", "--step-sleep-while", str(hold)] if hold is not None else []
     return ["--nodes", "2", "--nproc-per-node", "2", "--spares", str(spares), "--run-dir", str(run_dir), GPT,
-            "--steps", "60", "--step-sleep", "0.4", "--digest-file", str(digest)]
+            "--steps", "100", *extra, "--digest-file", str(digest)]
 
 
 def _refused(run_dir: Path) -> set[tuple[str, str]]:
@@ -185,7 +189,9 @@ def test_a_plain_store_client_without_the_secret_cannot_steer_the_job(tmp_path):
 
     d = tmp_path / "attacked"
     run_dir, digest = d / "run", d / "digest.json"
-    proc = start_phoenix(_job_args(run_dir, digest, 1), tmp_path)
+    hold = tmp_path / "hold"
+    hold.touch()
+    proc = start_phoenix(_job_args(run_dir, digest, 1, hold), tmp_path)
     try:
         wait_for(lambda: any(e.get("step", 0) >= 2 for e in of_type(events(run_dir), "progress")), 300, "training to start")
         ctl = json.loads((run_dir / "control.json").read_text())
@@ -218,11 +224,12 @@ def test_a_plain_store_client_without_the_secret_cannot_steer_the_job(tmp_path):
         store.delete_key(assign)
         # replays: a rank's genuine heartbeat written back once it is stale; a genuine report into a new slot
         old_hb = store.get(protocol.k_rank_hb("node0", 0))
-        time.sleep(1.5)
+        wait_for(lambda: store.get(protocol.k_rank_hb("node0", 0)) != old_hb, 30, "rank 0 to write a newer heartbeat", interval=0.1)
         _forge_until_refused(store, run_dir, ("replayed", protocol.k_rank_hb("node0", 0)), lambda: store.set(protocol.k_rank_hb("node0", 0), old_hb))
         captured = _capture_queue_message(store, protocol.Q_SUPERVISOR)
         assert captured.startswith(b"phx1:")  # genuine messages are sealed
         _forge_until_refused(store, run_dir, ("replayed", protocol.Q_SUPERVISOR), lambda: enqueue(protocol.Q_SUPERVISOR, captured))
+        hold.unlink()
         out, err = proc.communicate(timeout=400)
     finally:
         kill_job(proc, run_dir)

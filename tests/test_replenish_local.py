@@ -13,22 +13,23 @@ from conftest import EXAMPLES, assert_same_digest, events, job_processes, kill_j
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 GPT = str(EXAMPLES / "train_gpt.py")
-ARGS = ["--steps", "100", "--step-sleep", "0.4", "--optimizer", "adamw", "--scheduler", "cosine", "--data", "sampler"]
+ARGS = ["--steps", "100", "--optimizer", "adamw", "--scheduler", "cosine", "--data", "sampler"]
+SLEEP = ["--step-sleep", "0.4"]  # the job outlasts a replenishment (the digest does not depend on it)
 
 
-def job(tmp_path, name, spares, faults=(), replenish=False):
+def job(tmp_path, name, spares, faults=(), replenish=False, sleep=SLEEP):
     d = tmp_path / name
     d.mkdir()
     cfg = {"launch": {"replenish": replenish}, "inject": {"faults": list(faults)},
            "detect": {"heartbeat_s": 0.25, "node_timeout_s": 3.0, "hang_timeout_s": 6.0, "recovery_timeout_s": 60}}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     r = run_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "1", "--spares", str(spares),
-                     "--run-dir", str(d / "run"), GPT, *ARGS, "--digest-file", str(d / "digest.json")], d, timeout=540)
+                     "--run-dir", str(d / "run"), GPT, *ARGS, *sleep, "--digest-file", str(d / "digest.json")], d, timeout=540)
     return r, d / "run", d / "digest.json"
 
 
 def test_one_spare_replenished_covers_two_failures(tmp_path):
-    r0, _, base = job(tmp_path, "base", 0)
+    r0, _, base = job(tmp_path, "base", 0, sleep=())
     assert r0.returncode == 0, r0.stderr[-2000:]
     expected = load_digest(base, "failure-free run")
     d = tmp_path / "replenished"
@@ -38,7 +39,7 @@ def test_one_spare_replenished_covers_two_failures(tmp_path):
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     run_dir, digest = d / "run", d / "digest.json"
     proc = start_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "1", "--spares", "1",
-                          "--run-dir", str(run_dir), GPT, *ARGS, "--digest-file", str(digest)], d)
+                          "--run-dir", str(run_dir), GPT, *ARGS, *SLEEP, "--digest-file", str(digest)], d)
     try:
         # the first failure uses the only spare; a new one is started and joins with the job's secret
         joined = wait_for(lambda: of_type(events(run_dir), "node_joined"), 300, "a replenished spare to join")
