@@ -33,8 +33,7 @@ def _runtime_frame(frame: str) -> str | None:
     m = FRAME.match(frame)
     if not m:
         return None
-    f = m.group("file")
-    parts = f.replace("\\", "/").split("/")
+    parts = m.group("file").split("/")  # a full path (py-spy --full-filenames)
     if len(parts) >= 2 and parts[-2] in ("runtime", "phoenix_runtime") and parts[-1] in RUNTIME_FILES:
         return f"{parts[-1][:-3]}.{m.group('fn')}"
     return None
@@ -62,7 +61,8 @@ def parse(raw: str):
         pids.add(pid)
         threads[name] += n
         if name == "MainThread":
-            inner = [r for r in (_runtime_frame(f) for f in frames[2:]) if r]
+            user = next((i for i, f in enumerate(frames) if "train_gpt.py:" in f), len(frames))  # below the bootstrap
+            inner = [r for r in (_runtime_frame(f) for f in frames[user:]) if r]
             # the outermost runtime frame below the user's script is where PHOENIX took the training thread
             main_split[inner[0] if inner else "user code (model, optimizer, collectives)"] += n
     return threads, main_split, len(pids)
@@ -71,7 +71,7 @@ def parse(raw: str):
 def profile(mode: str, a, td: Path) -> dict:
     out = td / f"{mode}.txt"
     tf = td / f"{mode}.json"
-    cmd = ["py-spy", "record", "--subprocesses", "--threads", "-f", "raw", "-r", str(a.rate), "-o", str(out), "--",
+    cmd = ["py-spy", "record", "--subprocesses", "--threads", "--full-filenames", "-f", "raw", "-r", str(a.rate), "-o", str(out), "--",
            *phoenix("--nodes", 2, "--nproc-per-node", 2, f"--{'protect' if mode == 'on' else 'no-protect'}",
                     "--run-dir", td / mode, GPT, "--steps", a.steps, "--d-model", a.d_model, "--layers", a.layers,
                     "--seq", a.seq, "--batch", a.batch, "--times-file", tf)]

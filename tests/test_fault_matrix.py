@@ -9,7 +9,7 @@ param-group hyperparameters, scheduler state, RNG states and data position of ev
 failure-free run's with the same arguments (computed once per layout in this session; a missing digest fails),
 a recovery event, and its resume step against the step that failed.
 
-Rows that fail today are not marked xfail: they are the work list (MATRIX_FINDINGS.md at the repository root).
+No row is marked xfail: a row that fails is a bug of the runtime.
 
 Cost: each row is a real job of ~10 processes (10-50 s on a 2-core machine). CI runs every kind of row, for
 both layouts where they differ in what the row exercises (the optimizer state's recovery, salvage) and for
