@@ -224,7 +224,15 @@ def test_a_plain_store_client_without_the_secret_cannot_steer_the_job(tmp_path):
         store.delete_key(assign)
         # replays: a rank's genuine heartbeat written back once it is stale; a genuine report into a new slot
         old_hb = store.get(protocol.k_rank_hb("node0", 0))
-        wait_for(lambda: store.get(protocol.k_rank_hb("node0", 0)) != old_hb, 30, "rank 0 to write a newer heartbeat", interval=0.1)
+        old_step = json.loads(old_hb.decode().split(":", 3)[3])["step"]
+
+        def supervisor_saw_newer() -> bool:  # it accepted a newer heartbeat of node0's ranks: the old one is a replay
+            try:
+                status = json.loads((run_dir / "status.json").read_text())
+            except (OSError, ValueError):  # being replaced
+                return False
+            return any(n["name"] == "node0" and (n.get("step") or -1) > old_step for n in status["nodes"])
+        wait_for(supervisor_saw_newer, 60, "the supervisor to read a newer heartbeat of rank 0", interval=0.1)
         _forge_until_refused(store, run_dir, ("replayed", protocol.k_rank_hb("node0", 0)), lambda: store.set(protocol.k_rank_hb("node0", 0), old_hb))
         captured = _capture_queue_message(store, protocol.Q_SUPERVISOR)
         assert captured.startswith(b"phx1:")  # genuine messages are sealed

@@ -496,6 +496,11 @@ def test_requeued_job_resumes_from_its_newest_checkpoint(idle_cluster: SlurmClus
         wait_for("a complete checkpoint of step >= 10", lambda: newest() >= 10, START_TIMEOUT, interval=0.2)
         done_before = newest()
         cluster.run(["scontrol", "requeue", job])
+        # Slurm holds a requeued job back for a while (Reason=BeginTime, ~2.5 min on the test cluster); what is
+        # tested starts when it runs again, so the test makes it eligible at once
+        wait_for("the requeued job to be pending", lambda: job_record(cluster, job).get("JobState") in ("PENDING", "RUNNING"),
+                 START_TIMEOUT, interval=0.2)
+        cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
         wait_for("the job to run again", lambda: job_record(cluster, job).get("Restarts") == "1"
                  and len(of_type(events(run_dir), "job_start")) == 2, START_TIMEOUT, interval=0.5)
         rec = wait_job_end(cluster, job, out)
