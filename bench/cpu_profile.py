@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import resource
 import shutil
@@ -29,7 +30,7 @@ from pathlib import Path
 from common import GPT, ROOT, env, phoenix, trimmed_mean
 
 RUNTIME_FILES = {p.name for p in (ROOT / "runtime").glob("*.py")}
-FRAME = re.compile(r"^(?P<fn>.*) \((?P<file>[^()]*):\d+\)$")
+FRAME = re.compile(r"^(?P<fn>.*) \((?P<file>[^()]*):(?P<line>\d+)\)$")
 
 
 def _runtime_frame(frame: str) -> str | None:
@@ -76,12 +77,10 @@ def parse(raw: str):
         name = (m and m.group("name")) or "unnamed"
         body = frames[i + 2:]
         if name == "MainThread":
-            user = [k for k, f in enumerate(body) if "train_gpt.py:" in f]
-            in_loop = any(int(FRAME.match(body[k]).group(0).rsplit(":", 1)[1].rstrip(")")) in loop for k in user
-                          if FRAME.match(body[k]))
-            if not in_loop:
+            user = [(k, FRAME.match(f)) for k, f in enumerate(body) if "train_gpt.py:" in f]
+            if not any(m and int(m.group("line")) in loop for _, m in user):
                 continue  # start-up (imports, model building) and teardown
-            inner = [r for r in (_runtime_frame(f) for f in body[user[0]:]) if r]
+            inner = [r for r in (_runtime_frame(f) for f in body[user[0][0]:]) if r]
             main_split[inner[0] if inner else "user code (model, optimizer, collectives)"] += int(count)
         elif name.startswith("phoenix-h2h"):
             name = "phoenix-h2h"
@@ -119,8 +118,6 @@ def main():
     a = ap.parse_args()
     if shutil.which("py-spy") is None:
         raise SystemExit("cpu_profile.py: needs py-spy (pip install py-spy)")
-    import os
-
     cores = len(os.sched_getaffinity(0))
     res = {}
     with tempfile.TemporaryDirectory() as td:

@@ -8,17 +8,17 @@ bash scripts/setup.sh
 export PHOENIX_REQUIRE_SLURM=${PHOENIX_REQUIRE_SLURM:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
 # setup.sh installs MPI (mpi4py + MPICH): as root a missing MPI fails the MPI tests instead of skipping them
 export PHOENIX_REQUIRE_MPI=${PHOENIX_REQUIRE_MPI:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
+# A test that fails is run once more (pytest-rerunfailures) and the summary lists it as RERUN: a real-process
+# test that fails only on a loaded machine stays visible without turning the whole run red; one that fails
+# twice fails. PHOENIX_TEST_RERUNS=0: none.
 # A bound on the whole run, set-up included, inside CI's 90 minutes: when it is reached pytest gets SIGINT and
 # still prints the summary of what ran and what failed (instead of being cut off without one).
 # PHOENIX_TEST_BUDGET_MIN=0: no bound.
 budget_min=${PHOENIX_TEST_BUDGET_MIN:-84}
-# A test that fails is run once more (pytest-rerunfailures) and the summary lists it as RERUN: a real-process
-# test that fails only on a loaded machine stays visible without turning the whole run red; one that fails
-# twice fails. PHOENIX_TEST_RERUNS=0: none.
-set -- --reruns "${PHOENIX_TEST_RERUNS:-1}" "$@"
-if [ "$budget_min" = 0 ]; then
-    exec ${PYTHON:-python3} -m pytest -q -p no:cacheprovider "$@"
+bound=()
+if [ "$budget_min" != 0 ]; then
+    left=$(( budget_min * 60 - ($(date +%s) - started) ))
+    [ "$left" -gt 60 ] || left=60
+    bound=(timeout -s INT -k 120 "${left}s")
 fi
-left=$(( budget_min * 60 - ($(date +%s) - started) ))
-[ "$left" -gt 60 ] || left=60
-exec timeout -s INT -k 120 "${left}s" ${PYTHON:-python3} -m pytest -q -p no:cacheprovider "$@"
+exec "${bound[@]}" ${PYTHON:-python3} -m pytest -q -p no:cacheprovider --reruns "${PHOENIX_TEST_RERUNS:-1}" "$@"

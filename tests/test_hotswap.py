@@ -4,11 +4,11 @@ Real processes, real gloo, real SIGKILLs (a whole "node" is its agent's process 
 injected deterministically at (node, step, phase) through the configuration file.
 
 The rows that were here for each phase of the step, the first step after a recovery failing too, two failures
-consuming two spares and the spare dying while it joins are the fault matrix's (tests/test_fault_matrix.py:
-test_node_crash_in_step_phase, test_two_failures_in_a_row, test_spare_dies_while_joining,
-test_survivor_lost_during_the_recoverys_h2h), with more of the
-loop's state in the digest; what stays here is what the matrix does not run: the MPI transport and k=1 vs
-k=2 for the same double loss.
+consuming two spares, the spare dying while it joins and a failure during a recovery are the fault matrix's
+(tests/test_fault_matrix.py: test_node_crash_in_step_phase, test_two_failures_in_a_row,
+test_spare_dies_while_joining, test_survivor_lost_during_the_recoverys_h2h), with more of the loop's state in
+the digest; what stays here is what the matrix does not run: the MPI transport and k=1 vs k=2 for the same
+double loss.
 """
 
 from __future__ import annotations
