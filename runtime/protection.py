@@ -21,7 +21,7 @@ from typing import Callable
 from phoenix_runtime.hostmem import check_host_memory, host_bytes_required
 from phoenix_runtime.layout import Layout
 from phoenix_runtime.replication import Replicator
-from phoenix_runtime.snapshot import D2H, Snapshot
+from phoenix_runtime.snapshot import D2H, D2HError, Snapshot
 from phoenix_runtime.threads import background_priority
 from phoenix_runtime.wire import ReplicationError
 
@@ -48,6 +48,8 @@ class Pipeline:
                 snap = self.d2h.wait(step, self.timeout)
                 if self.replicator is not None:
                     self.replicator.submit(snap)
+            except D2HError as e:  # a refused reuse (commit.py) is a replication failure: the step goes unprotected
+                self.error = e.__cause__ if isinstance(e.__cause__, ReplicationError) else e
             except BaseException as e:  # noqa: BLE001 -- surfaced in optimizer_step
                 self.error = e
             with self.cond:
@@ -78,7 +80,7 @@ class ProtectionSession:
             self.replicator = Replicator(
                 transport, layout, rank, k=self.gen_replicas,
                 chunk_bytes=int(settings.chunk_mb * (1 << 20)), timeout=settings.replica_timeout_s,
-                verify=settings.verify, strict=False, fault=fault, resends=settings.resends,
+                verify=settings.verify, strict=False, fault=fault, resends=settings.resends, commit=True,
             )
         self.pipeline = Pipeline(d2h, self.replicator, settings.replica_timeout_s)
         self.closed = False
@@ -86,9 +88,16 @@ class ProtectionSession:
 
     def protect(self, step: int, meta: dict) -> None:
         """Start S_step's protection: D2H now (returns at once), H2H when the copy is done."""
-        self.d2h.start(step, meta)
-        self.started = {s for s in self.started if s >= step - 1} | {step}  # bounded: only the newest are waited for
+        self.started = set(sorted(self.started | {step})[-3:])  # bounded: only the newest are waited for
+        self.d2h.start(step, meta, gate=lambda newest: self._reuse_gate(step, newest))
         self.pipeline.q.put(step)
+
+    def _reuse_gate(self, step: int, newest: int | None) -> None:
+        """Before S_step's D2H reuses the buffer of the older local snapshot: the newest one, when this session
+        protected it, is committed on every rank (commit.py); else the older one may be the only resume point."""
+        if self.replicator is None or newest is None or newest >= step or newest not in self.started:
+            return
+        self.replicator.wait_global(newest, self.timeout)
 
     def wait_local(self, step: int, check: Callable[[], None]) -> None:
         """Until S_step is committed locally (its D2H copy done): the optimizer may mutate the state. Its H2H
@@ -113,14 +122,14 @@ class ProtectionSession:
         if self.closed:
             return {}
         self.closed = True
-        self.pipeline.stop()
         held = {}
-        if self.replicator is not None:
+        if self.replicator is not None:  # first: a D2H waiting at the commit point (commit.py) is released
             held = self.replicator.replicas()
             try:
                 self.replicator.stop(timeout)
             except Exception:  # noqa: BLE001
                 pass
+        self.pipeline.stop()
         return held
 
     def host_bytes(self, optim_bytes: int, param_bytes: int) -> dict:

@@ -13,7 +13,10 @@ to its ``k`` targets and receives ``S_k`` of its ``k`` sources (``Layout.replica
    the envelope and the chunks into it, computes the CRC-32 while the chunks arrive, compares it
    with the header; on a match commits the replica, then sends an ack (OK or BAD_CHECKSUM);
 4. waits for the acks of its own targets (``wait_committed`` is released here);
-5. waits for its own sends and ack sends to finish.
+5. waits for its own sends and ack sends to finish;
+6. with ``commit=True`` (the protection's replicators), joins the global commit point of the step: a barrier
+   of every rank (``commit.py``); ``wait_global(k)`` is released there, and the D2H engine reuses the buffer
+   of ``S_{k-1}`` only after it.
 
 All ranks of a DP group must submit the same sequence of steps (the step guard does this: every
 rank protects every step); a rank that skips one is reported as out of lockstep (or times out).
@@ -68,6 +71,7 @@ from typing import Callable, Optional
 
 import torch
 
+from phoenix_runtime import commit
 from phoenix_runtime.hostmem import GiB, HostMemoryError, check_host_memory, host_bytes_required  # noqa: F401
 from phoenix_runtime.layout import Layout, ShardId
 from phoenix_runtime.snapshot import D2H, PingPong, Snapshot, decode_envelope
@@ -138,6 +142,7 @@ class Replicator:
         keep_steps: int = 16,
         strict: bool = True,
         resends: int = DEFAULT_RESENDS,
+        commit: bool = False,
     ):
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be >= 1")
@@ -156,6 +161,8 @@ class Replicator:
         self._pin = pin
         self._keep = max(2, keep_steps)
         self.resends = max(0, int(resends))
+        self.commit = bool(commit) and getattr(transport, "size", 1) > 1  # the global commit point (commit.py)
+        self._global: dict[int, Optional[str]] = {}  # step -> None (committed everywhere) or why not
         self._recv: dict[int, PingPong] = {}  # source rank -> its replica buffers
         self._cond = threading.Condition()
         self._steps: dict[int, _StepState] = {}
@@ -241,6 +248,47 @@ class Replicator:
                     peer=peer,
                     cause=cause,
                 )
+
+    def wait_global(self, step: int, timeout: float) -> None:
+        """Return once every rank's ``S_step`` is committed at its replicas (the commit point of ``commit.py``);
+        ``ReplicationError`` when it cannot be (a peer lost, the replicator broken or stopped) or after ``timeout``.
+        Without ``commit`` (a single rank, unit tests) it returns at once."""
+        if not self.commit:
+            return
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while step not in self._global:
+                left = deadline - time.monotonic()
+                if self._broken is not None or self._stopping:
+                    why = f"replicator broken since step {self._broken.step}: {self._broken.cause}" if self._broken else "replicator stopped"
+                    raise ReplicationError(f"step {step} is not committed on every rank: {why}", step=step, cause="not committed everywhere")
+                if left <= 0:
+                    raise ReplicationError(f"step {step} not committed on every rank within {timeout:.3g} s", step=step, cause="timeout")
+                self._cond.wait(min(left, 0.2))
+            why = self._global[step]
+        if why is not None:
+            raise ReplicationError(f"step {step} is not committed on every rank: {why}", step=step, cause="not committed everywhere")
+
+    def _commit_point(self, step: int) -> None:
+        """Join the barrier of ``step`` (every rank's exchange of S_step is done) and record its outcome."""
+        if not self.commit or self._broken is not None or self._stopping:
+            return
+        self._phase = "transfer"  # blocked on peers: stop() aborts
+        why = None
+        try:
+            commit.barrier(self.transport, self.rank, self.transport.size, step, self.timeout)
+        except Exception as e:  # noqa: BLE001 - a peer lost or out of lockstep: no later step is protected here
+            why = str(e).splitlines()[0][:300] if str(e) else repr(e)
+            self._break(ReplicationError(f"commit point of step {step} failed on rank {self.rank}: {why}", step=step, cause=why))
+            try:
+                self.transport.abort()
+            except Exception:  # noqa: BLE001
+                pass
+        with self._cond:
+            self._global[step] = why
+            for old in [s for s in self._global if s < step - self._keep]:
+                del self._global[old]
+            self._cond.notify_all()
 
     def replicas(self) -> dict[ShardId, dict[int, Snapshot]]:
         """Committed replicas held here, keyed by the logical shard identity of their source."""
@@ -360,9 +408,10 @@ class Replicator:
             return
         if not self.targets and not self.sources:
             self._finish(step)
-            return
-        self._call_fault("h2h_step", step, None)
-        self._transfer(step, snap if local_err is None else None)
+        else:
+            self._call_fault("h2h_step", step, None)
+            self._transfer(step, snap if local_err is None else None)
+        self._commit_point(step)
 
     def _transfer(self, step: int, snap: Optional[Snapshot]) -> None:
         """One step's exchange with every target and source, then bounded resend rounds for replicas

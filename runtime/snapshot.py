@@ -259,6 +259,7 @@ class _Job:
     snap: Optional[Snapshot] = None
     error: Optional[BaseException] = None
     packers: tuple = ()
+    gate: Optional[Callable[[Optional[int]], None]] = None
 
 
 def _same_layout(packer: Packer, named: NamedTensors) -> bool:
@@ -345,8 +346,12 @@ class D2H:
         return op, pp
 
     # -- API ----------------------------------------------------------------------------------
-    def start(self, step: int, meta: dict) -> None:
-        """Begin snapshot ``S_step`` and return at once (meta errors raise here)."""
+    def start(self, step: int, meta: dict, gate: Optional[Callable[[Optional[int]], None]] = None) -> None:
+        """Begin snapshot ``S_step`` and return at once (meta errors raise here).
+
+        ``gate(newest)``: called on the worker before the staging buffer is taken (it holds the older committed
+        snapshot), with the newest committed step; it blocks until that buffer may be reused, or raises (the
+        job fails, both committed snapshots stay). The protection passes the global commit point (commit.py)."""
         if self._closed:
             raise D2HError("D2H engine is stopped")
         named_o = list(self._optim_fn())
@@ -358,7 +363,7 @@ class D2H:
         if self.cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        job = _Job(step=int(step), meta=meta_copy, envelope=envelope, t_start=time.perf_counter(), packers=(op, pp))
+        job = _Job(step=int(step), meta=meta_copy, envelope=envelope, t_start=time.perf_counter(), packers=(op, pp), gate=gate)
         with self._cond:
             old = self._jobs.get(job.step)
             if old is not None and not old.done:
@@ -428,6 +433,9 @@ class D2H:
     def _copy(self, job: _Job, named_o: NamedTensors, named_p: NamedTensors, event) -> Snapshot:
         assert self._pp is not None
         op, pp = job.packers
+        if job.gate is not None:
+            newest = self._pp.latest()
+            job.gate(None if newest is None else newest.step)
         t0 = time.perf_counter()
         buf = self._pp.stage(job.step, op.nbytes + pp.nbytes)
         try:

@@ -98,9 +98,9 @@ class Outgoing:
         works = [transport.isend(dst, self.header(attempt), TAG_HEADER)]
         if self.skip:
             return works
-        works.append(transport.isend(dst, self.envelope, TAG_ENVELOPE))
         if not self.chunks and fault is not None:
             fault("h2h_chunk", 0, None)  # an envelope-only message (a replicated optimizer): its fault point
+        works.append(transport.isend(dst, self.envelope, TAG_ENVELOPE))
         for i, chunk in enumerate(self.chunks):
             data = fault("h2h_chunk", i, chunk) if fault is not None else None
             if data is not None and keep_alive is not None:

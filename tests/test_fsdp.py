@@ -22,10 +22,11 @@ LLAMA = str(EXAMPLES / "train_llama.py")
 LAYOUTS = {"fsdp": ["--fsdp"], "hsdp": ["--hsdp", "2"], "tp": ["--tp", "2"]}
 
 
-def run_job(tmp_path: Path, name: str, layout: str, nodes: int, nproc: int, spares: int, faults=(), replicas: int = 1):
+def run_job(tmp_path: Path, name: str, layout: str, nodes: int, nproc: int, spares: int, faults=(), replicas: int = 1,
+            runtime: dict | None = None):
     d = tmp_path / name
     d.mkdir()
-    cfg = {"inject": {"faults": list(faults)}, "runtime": {"replicas": replicas}, "detect": {"recovery_timeout_s": 90}}
+    cfg = {"inject": {"faults": list(faults)}, "runtime": {"replicas": replicas, **(runtime or {})}, "detect": {"recovery_timeout_s": 90}}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     digest = d / "digest.json"
     r = run_phoenix(
@@ -77,6 +78,21 @@ def test_node_lost_is_hot_swapped_bit_identically(tmp_path, baseline, layout, ph
     # under HSDP a peer in the other replica group sends it
     assert ("each with the parameter shard" in log) == (layout != "hsdp")
     assert ("parameter shards with the replicas" in log) == (layout != "hsdp")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_node_lost_while_a_survivor_is_a_step_ahead(tmp_path, baseline):
+    """HSDP 2x2, replicas 0 <-> 2 and 1 <-> 3. Rank 2's replica of S_4 is held back ("late"), so rank 0 waits in
+    step 4 while ranks 1 and 3 go on to step 5 (FSDP2's optimizer step and its forward all-gather within a node
+    need no one else); node1 is lost at rank 3's step 5. S_4 is no resume point (rank 2's share survives
+    nowhere), so the survivors resume at S_3, which rank 1, a step ahead, must still hold: its S_5 waited for
+    S_4's commit point (runtime/commit.py). Before that it was gone, and the job stopped with nothing to resume."""
+    faults = [{"rank": 2, "step": 4, "mode": "late"}, {"node": "node1", "step": 5, "mode": "crash"}]
+    r, run_dir, dg = run_job(tmp_path, "job", "hsdp", 2, 2, 1, faults, runtime={"replica_timeout_s": 20.0})
+    evs = assert_recovered(r, run_dir, dg, baseline("hsdp"))
+    assert [e["mode"] for e in of_type(evs, "injected")] == ["late", "crash"], of_type(evs, "injected")
+    assert [e["resume_step"] for e in of_type(evs, "recovery")] == [3], of_type(evs, "recovery")
 
 
 @pytest.mark.slow
