@@ -5,6 +5,12 @@
 
 Prints the per-iteration time of both, their ratio, the payload sizes and the D2H/H2H time per step.
 
+    python bench/overhead.py --ablate [--pairs 2]
+
+adds, within each pair, the protection's parts one at a time: local snapshots only (``runtime.replicas: 0``:
+D2H, no H2H), then replicas without the receivers' CRC (``runtime.verify: false``), then everything; each
+against off. What each part costs on this machine.
+
     python bench/overhead.py --layouts ddp-zero,fsdp,hsdp,tp-fsdp [--pairs 1] [--steps 60] [--d-model 256]
 
 instead: the same measure per parallel layout, the same Llama-style model (examples/train_llama.py) for
@@ -32,6 +38,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: the ranks train on the GPU(s) (NCCL with one GPU per rank, else gloo on CUDA tensors)")
+    ap.add_argument("--ablate", action="store_true", help="also local snapshots only, and replicas without the CRC")
     ap.add_argument("--layouts", default="", help=f"comma-separated, of: {', '.join(layouts.LAYOUTS)}: the overhead per "
                     "parallel layout against DDP+ZeRO's (examples/train_llama.py)")
     a = ap.parse_args()
@@ -50,15 +57,20 @@ def main():
         if not torch.cuda.is_available():
             raise SystemExit("overhead.py: --device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
         extra = ["--backend", "nccl" if torch.cuda.device_count() >= 4 else "gloo"]
-    out = {"on": [], "off": []}
+    modes = {"on": {}, "off": None}
+    if a.ablate:
+        modes = {"d2h only": {"replicas": 0}, "no verify": {"verify": False}, **modes}
+    out = {m: [] for m in modes}
     stats = {}
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
         for i in range(a.pairs):
-            for mode in ("on", "off"):
-                tf = td / f"{mode}{i}.json"
-                cmd = phoenix("--nodes", 2, "--nproc-per-node", 2, f"--{'protect' if mode == 'on' else 'no-protect'}",
-                              "--run-dir", td / f"{mode}{i}", GPT, "--steps", a.steps, "--d-model", a.d_model,
+            for n, (mode, runtime) in enumerate(modes.items()):
+                tf = td / f"{n}-{i}.json"
+                cfg = td / f"{n}.yaml"
+                cfg.write_text(json.dumps({"runtime": runtime or {}}))  # JSON is YAML
+                cmd = phoenix("--config", cfg, "--nodes", 2, "--nproc-per-node", 2, f"--{'no-protect' if runtime is None else 'protect'}",
+                              "--run-dir", td / f"{n}-{i}", GPT, "--steps", a.steps, "--d-model", a.d_model,
                               "--layers", a.layers, "--seq", a.seq, "--batch", a.batch, "--times-file", tf, *extra)
                 rc, _ = run(cmd, td)
                 if rc == 0:
@@ -67,8 +79,12 @@ def main():
                     out[mode].append(m)
                     if mode == "on":
                         stats = d["stats"]
-                    print(f"protection {mode:3s} run {i}: {m * 1000:.1f} ms/iteration", flush=True)
-    on, off = sum(out["on"]) / len(out["on"]), sum(out["off"]) / len(out["off"])
+                    print(f"protection {mode:9s} run {i}: {m * 1000:.1f} ms/iteration", flush=True)
+    mean = {m: sum(v) / len(v) for m, v in out.items() if v}
+    for mode in modes:
+        if mode not in ("on", "off") and mode in mean:
+            print(f"{mode}: {mean[mode] * 1000:.1f} ms/iteration, ratio to off {mean[mode] / mean['off']:.3f}")
+    on, off = mean["on"], mean["off"]
     print(f"\nper iteration: protection on {on * 1000:.1f} ms, off {off * 1000:.1f} ms; ratio on/off = {on / off:.3f} (target <= 1.03)")
     print(f"payload per rank: optimizer shard {stats.get('optim_bytes', 0) / 1e6:.2f} MB (sent to the replica), "
           f"parameters {stats.get('param_bytes', 0) / 1e6:.2f} MB (local snapshot only)")

@@ -39,8 +39,8 @@ class Replenisher:
         self._check(now)
         if now < self._next_submit:
             return
-        self._next_submit = now + SUBMIT_EVERY_S
-        for _ in range(self.target - coming - len(self.joins)):
+        for _ in range(self.target - coming - len(self.joins)):  # a spare taken is asked for at once, then at most
+            self._next_submit = now + SUBMIT_EVERY_S  # one round of requests a second
             self._seq += 1
             join = f"r{self._seq}"
             try:

@@ -65,7 +65,7 @@ _PHX_CKPT_EVERY_OPTION = _opt(
     "unhandled failures, every K steps; 0 for none \\[default: same as --ckpt-every].", _TRAIN)
 _PROTECT_EVERY_OPTION = _opt(
     "--protect-every", "M", "PHOENIX protects every M-th step (runtime.protect_every; the supervisor raises it when "
-    "the copy does not fit in a step): a hot-swap replays up to M-1 more steps \[default: 1].", _TRAIN)
+    "the copy does not fit in a step): a hot-swap replays up to M-1 more steps \\[default: 1].", _TRAIN)
 _RESTART_OPTION = _opt(
     "--restart", "DIST", "Checkpoint-restart time: 600s, or uniform:LO:HI, lognormal:MEDIAN:SIGMA, exp:MEAN, "
     "empirical:A,B,... \\[default: 600s].", _RECOV)
