@@ -8,7 +8,7 @@ Prints the per-iteration time of both, their ratio, the payload sizes and the D2
     python bench/overhead.py --ablate [--pairs 2]
 
 adds, within each pair, the protection's parts one at a time: local snapshots only (``runtime.replicas: 0``:
-D2H, no H2H), then replicas without the receivers' CRC (``runtime.verify: false``), then everything; each
+D2H, no H2H), then replicas without the receivers' checksum (``runtime.verify: false``), then everything; each
 against off. What each part costs on this machine.
 
     python bench/overhead.py --layouts ddp-zero,fsdp,hsdp,tp-fsdp [--pairs 1] [--steps 60] [--d-model 256]
@@ -21,6 +21,7 @@ code is bench/layouts.py's.
 
 import argparse
 import json
+import resource
 import tempfile
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: the ranks train on the GPU(s) (NCCL with one GPU per rank, else gloo on CUDA tensors)")
-    ap.add_argument("--ablate", action="store_true", help="also local snapshots only, and replicas without the CRC")
+    ap.add_argument("--ablate", action="store_true", help="also local snapshots only, and replicas without the checksum")
     ap.add_argument("--layouts", default="", help=f"comma-separated, of: {', '.join(layouts.LAYOUTS)}: the overhead per "
                     "parallel layout against DDP+ZeRO's (examples/train_llama.py)")
     a = ap.parse_args()
@@ -61,6 +62,7 @@ def main():
     if a.ablate:
         modes = {"d2h only": {"replicas": 0}, "no verify": {"verify": False}, **modes}
     out = {m: [] for m in modes}
+    cpu = {m: [] for m in modes}  # the job's whole CPU time (every process of it) per step: less noisy than wall time
     stats = {}
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
@@ -72,18 +74,23 @@ def main():
                 cmd = phoenix("--config", cfg, "--nodes", 2, "--nproc-per-node", 2, f"--{'no-protect' if runtime is None else 'protect'}",
                               "--run-dir", td / f"{n}-{i}", GPT, "--steps", a.steps, "--d-model", a.d_model,
                               "--layers", a.layers, "--seq", a.seq, "--batch", a.batch, "--times-file", tf, *extra)
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 rc, _ = run(cmd, td)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
                 if rc == 0:
                     d = json.loads(tf.read_text())
                     m = trimmed_mean(d["step_times"])
                     out[mode].append(m)
+                    cpu[mode].append((after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / a.steps)
                     if mode == "on":
                         stats = d["stats"]
-                    print(f"protection {mode:9s} run {i}: {m * 1000:.1f} ms/iteration", flush=True)
+                    print(f"protection {mode:9s} run {i}: {m * 1000:.1f} ms/iteration, job CPU {cpu[mode][-1] * 1000:.0f} ms/step", flush=True)
     mean = {m: sum(v) / len(v) for m, v in out.items() if v}
+    cpus = {m: sum(v) / len(v) for m, v in cpu.items() if v}
     for mode in modes:
-        if mode not in ("on", "off") and mode in mean:
-            print(f"{mode}: {mean[mode] * 1000:.1f} ms/iteration, ratio to off {mean[mode] / mean['off']:.3f}")
+        if mode in mean:
+            print(f"{mode}: {mean[mode] * 1000:.1f} ms/iteration, ratio to off {mean[mode] / mean['off']:.3f}; job CPU "
+                  f"{cpus[mode] * 1000:.0f} ms/step, {1000 * (cpus[mode] - cpus['off']):+.0f} ms vs off (start-up included)")
     on, off = mean["on"], mean["off"]
     print(f"\nper iteration: protection on {on * 1000:.1f} ms, off {off * 1000:.1f} ms; ratio on/off = {on / off:.3f} (target <= 1.03)")
     print(f"payload per rank: optimizer shard {stats.get('optim_bytes', 0) / 1e6:.2f} MB (sent to the replica), "

@@ -5,7 +5,7 @@
 ``live`` is what this rank holds: ``(live_step, live_clean)`` for a survivor, ``None`` for a joiner (the one
 representation of "who is joining"). Each generation is tried with its own recovery deadline: form its
 groups, exchange descriptors, plan, roll back / transfer (through the ``Transport`` on the generation's
-gloo group, CRC-verified, resent on a mismatch), rebuild DDP/ZeRO, re-protect S_R, barrier. A failure in
+gloo group, checksum-verified, resent on a mismatch), rebuild DDP/ZeRO, re-protect S_R, barrier. A failure in
 any phase abandons that generation: its protection session is torn down, and the next one starts clean.
 Fault-injection points: ``recover_exchange`` (alias ``recovery``), ``recover_params``, ``recover_optim``,
 ``recover_reprotect``, ``recover_barrier``.

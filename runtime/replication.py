@@ -10,7 +10,7 @@ to its ``k`` targets and receives ``S_k`` of its ``k`` sources (``Layout.replica
 2. posts ``isend`` of the header, the envelope and the optimizer region (in chunks of
    ``chunk_bytes``) to every target;
 3. receive phase: waits for each source's header, stages that source's ping-pong buffer, receives
-   the envelope and the chunks into it, computes the CRC-32 while the chunks arrive, compares it
+   the envelope and the chunks into it, computes the checksum (XXH3-64) while the chunks arrive, compares it
    with the header; on a match commits the replica, then sends an ack (OK or BAD_CHECKSUM);
 4. waits for the acks of its own targets (``wait_committed`` is released here);
 5. waits for its own sends and ack sends to finish;
@@ -34,7 +34,7 @@ only the staging buffer of that source is reallocated, its newest committed repl
 
 Failure semantics
 -----------------
-* A receiver only commits a replica whose CRC-32 matches (``verify=True``): a corrupt or torn
+* A receiver only commits a replica whose checksum matches (``verify=True``): a corrupt or torn
   transfer leaves the previously committed replica intact (ping-pong), and the sender's
   ``wait_committed`` raises ``ReplicationError`` naming the peer and the cause.
 * A checksum mismatch is answered with a nack and the sender sends that replica again, at most
@@ -493,7 +493,7 @@ def send_snapshot(transport: Transport, dst: int, snap: Snapshot, timeout: float
 
 def recv_snapshot(transport: Transport, src: int, timeout: float = 60.0, step: Optional[int] = None, pin: bool = False,
                   resends: int = DEFAULT_RESENDS) -> Snapshot:
-    """Receive a snapshot sent with ``send_snapshot``; verified (CRC-32) before it is returned and acked.
+    """Receive a snapshot sent with ``send_snapshot``; verified (checksum) before it is returned and acked.
 
     Returns a standalone ``Snapshot`` (optimizer region + meta, ``param_index`` empty) in a fresh host buffer."""
     def alloc(n: int) -> torch.Tensor:

@@ -7,16 +7,15 @@ parameter region, each packed by a :class:`Packer` (64-byte aligned entries). Th
 
 Checksum
 --------
-``Snapshot.checksum`` is ``zlib.crc32(envelope, zlib.crc32(optim_region))``: CRC-32 over the bytes of
-the optimizer region, continued over the *envelope*, which is::
+``Snapshot.checksum`` is ``codec.checksum(optim_region, envelope)``: XXH3-64 (63 bits, ``codec.Digest``) over the
+bytes of the optimizer region, continued over the *envelope*, which is::
 
     json.dumps({"meta": meta, "optim_index": optim_index, "step": step, "v": 1},
                sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 (see :func:`encode_envelope`). The parameter region is not covered (parameters are not replicated);
-``Snapshot.param_checksum`` optionally covers it (CRC-32 of the parameter region alone).
-CRC-32 was picked over Adler-32: both ran at ~2.5 GB/s here (zlib 1.2.13, one core, GIL released)
-and CRC-32 detects more error patterns.
+``Snapshot.param_checksum`` optionally covers it (the checksum of the parameter region alone). XXH3 ran at
+9.9 GB/s on one core here, CRC-32 (used before) at 3.3 GB/s; both release the GIL.
 
 Ping-pong
 ---------
@@ -49,7 +48,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -83,9 +81,9 @@ __all__ = [
 class Snapshot:
     """One committed snapshot (local: optimizer + parameter regions; replica: optimizer region only).
 
-    ``checksum`` = ``zlib.crc32(encode_envelope(step, meta, optim_index), zlib.crc32(optim region))``,
-    i.e. CRC-32 over the optimizer region's bytes continued over the canonical JSON envelope
-    ``{"meta", "optim_index", "step", "v": 1}``. ``param_checksum`` (optional) is the CRC-32 of the
+    ``checksum`` = ``codec.checksum(optim region, encode_envelope(step, meta, optim_index))``,
+    i.e. XXH3-64 over the optimizer region's bytes continued over the canonical JSON envelope
+    ``{"meta", "optim_index", "step", "v": 1}``. ``param_checksum`` (optional) is the checksum of the
     parameter region alone. The snapshot is a view of a ping-pong buffer: see ``valid``.
     """
 
@@ -124,7 +122,7 @@ class Snapshot:
         return self._owner is None or self._owner._is_current(self._slot, self._gen)
 
     def compute_checksum(self) -> int:
-        return zlib.crc32(self.envelope(), checksum(self.optim_bytes()))
+        return checksum(self.optim_bytes(), self.envelope())
 
     def verify(self) -> bool:
         """Recompute the checksums over the bytes now in memory; False on any mismatch or if invalid."""
@@ -458,7 +456,7 @@ class D2H:
                 op.pack_into(named_o, o_out, fault=self._fault)
                 pp.pack_into(named_p, p_out, fault=self._fault, fault_base=len(op))
             t1 = time.perf_counter()
-            crc = zlib.crc32(job.envelope, checksum(o_out))
+            crc = checksum(o_out, job.envelope)
             pcrc = checksum(p_out) if self._checksum_params else None
             t2 = time.perf_counter()
         except BaseException:

@@ -204,7 +204,7 @@ def load_local(objs: LoopObjects, shard: dict[str, torch.Tensor], local: dict[st
 # --- the envelope ----------------------------------------------------------------------------------------
 # The envelope travels to peers (replicas, recovery transfers), so its pickled parts are authenticated: an
 # HMAC with the job's secret over the pickle is checked before it is unpickled (``auth``; without a job
-# secret, outside phoenix-run, there is none to check). Tensor regions keep their CRC and carry no HMAC.
+# secret, outside phoenix-run, there is none to check). Tensor regions keep their checksum and carry no HMAC.
 _SEALED = "phx-pickle"
 
 

@@ -2,7 +2,7 @@
 
 One format for the replicas (``replication.Replicator``) and the recovery transfers (``send_verified`` /
 ``recv_verified`` here, ``send_named`` / ``recv_named`` for named tensors): a header, the envelope (canonical
-JSON, see ``codec.encode_envelope``), the region bytes in chunks; the receiver computes the CRC-32 of the
+JSON, see ``codec.encode_envelope``), the region bytes in chunks; the receiver computes the checksum (XXH3-64, ``codec.Digest``) of the
 region continued over the envelope while the chunks arrive and answers with an ack. A checksum mismatch is
 answered with ``ACK_BAD_CHECKSUM`` and the sender sends the whole message again, at most ``resends`` times;
 only then is it a ``ReplicationError``. Everything goes through a ``transport.Transport``.
@@ -16,16 +16,15 @@ ack 3, chunk ``i`` 16+i (at most 32000 chunks: the chunk size grows for larger r
 from __future__ import annotations
 
 import time
-import zlib
 from typing import Callable, Optional
 
 import torch
 
-from phoenix_runtime.codec import Packer, checksum, decode_envelope, encode_envelope, pack
+from phoenix_runtime.codec import Digest, Packer, checksum, decode_envelope, encode_envelope, pack
 from phoenix_runtime.transport import Transport, TransportError
 
 MAGIC = 0x50484E58  # "PHNX"
-VERSION = 2
+VERSION = 3  # 3: the checksum is XXH3-64 (codec.Digest), no longer CRC-32
 HDR_WORDS = 16
 TAG_HEADER = 1
 TAG_ENVELOPE = 2
@@ -74,7 +73,7 @@ def chunk_size(nbytes: int, chunk_bytes: int) -> int:
 
 
 class Outgoing:
-    """One message to send: a region (uint8 CPU tensor), its envelope and their CRC."""
+    """One message to send: a region (uint8 CPU tensor), its envelope and their checksum."""
 
     def __init__(self, step: int, region: Optional[torch.Tensor], envelope: bytes, crc: int, chunk_bytes: int):
         self.step = int(step)
@@ -134,17 +133,17 @@ class Incoming:
         self.chunk_w = [transport.irecv(src, v, TAG_CHUNK0 + i) for i, v in enumerate(self.views)]
 
     def finish(self, left: Callable[[], float], verify: bool = True, fault: FaultHook | None = None) -> tuple[int, bytes]:
-        """Wait for the chunks and the envelope; the CRC computed over them and the envelope bytes."""
-        run = 0
+        """Wait for the chunks and the envelope; the checksum computed over them and the envelope bytes."""
+        digest = Digest()
         for i, (v, w) in enumerate(zip(self.views, self.chunk_w)):
             w.wait(left())
             if fault is not None:
                 fault("h2h_recv_chunk", i, v)
             if verify:
-                run = checksum(v, run)
+                digest.update(v)
         self.env_w.wait(left())
         env = bytes(self.env_buf.numpy())
-        return (zlib.crc32(env, run) if verify else self.crc), env
+        return (digest.update(env).value() if verify else self.crc), env
 
 
 def _deadline(timeout: float) -> Callable[[], float]:
@@ -226,7 +225,7 @@ def send_named(transport: Transport, dst: int, named: dict[str, torch.Tensor], m
     """Send named tensors (any device) and a JSON-able ``meta``, verified; returns the bytes sent."""
     index, buf = pack(named)
     env = encode_envelope(step, meta, index)
-    send_verified(transport, dst, Outgoing(step, buf, env, zlib.crc32(env, checksum(buf)), chunk_bytes), timeout, resends)
+    send_verified(transport, dst, Outgoing(step, buf, env, checksum(buf, env), chunk_bytes), timeout, resends)
     return buf.numel()
 
 

@@ -591,8 +591,9 @@ def test_sender_death_mid_h2h_leaves_committed_replica_intact(tmp_path):
     # the failure is reported at once, naming the peer
     assert r0["error"] and "rank 1" in r0["error"] and r0["error_peer"] == 1, r0
     assert r0["detect_s"] < 10, r0  # the replicator's timeout is 60 s: detection is by the closed pair
-    # the torn S_2 was never committed; S_1 (the newest committed) is intact, verified and usable
-    assert r0["held_steps"] == [1], r0
+    # the torn S_2 was never committed; S_1 (the newest committed) is intact, verified and usable. S_0 is still
+    # held when rank 1 died before its posted header of S_2 left (gloo sends asynchronously): nothing was staged
+    assert r0["held_steps"] in ([1], [0, 1]), r0
     assert r0["held_sha"] == r1["own"]["1"]
     assert r0["held_verify"] and r0["usable"]
     assert r0["broken"] != "None"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 
 import pytest
 import torch
@@ -84,11 +83,18 @@ def test_packer_rejects_layout_change():
 
 # -- checksum ----------------------------------------------------------------------------------
 
-def test_checksum_is_crc32_and_running():
+def test_checksum_is_xxh3_63_bits_and_streams():
+    import xxhash
+
+    from phoenix_runtime.codec import CHECKSUM_MASK, Digest
+
     t = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
-    assert checksum(t) == zlib.crc32(bytes(t.numpy()))
-    assert checksum(t[50_000:], checksum(t[:50_000])) == checksum(t)
-    assert checksum(t[:0]) == 0
+    assert checksum(t) == xxhash.xxh3_64_intdigest(bytes(t.numpy())) & CHECKSUM_MASK
+    assert 0 <= checksum(t) < 2 ** 63  # fits the wire's int64 words
+    # the same value whatever the pieces (a receiver feeds the chunks as they arrive, then the envelope)
+    assert Digest().update(t[:50_000]).update(t[50_000:77_777]).update(t[77_777:]).update(b"env").value() == checksum(t, b"env")
+    assert checksum(t, b"env") != checksum(t)
+    assert checksum(t[:0]) == checksum(torch.empty(0, dtype=torch.uint8))
     t2 = t.clone()
     t2[777] ^= 1
     assert checksum(t2) != checksum(t)
@@ -103,7 +109,7 @@ def test_checksum_throughput_is_reported():
     checksum(t)
     gbps = t.numel() / (time.perf_counter() - t0) / 1e9
     print(f"checksum throughput: {gbps:.2f} GB/s")
-    assert gbps > 0.2  # sanity only; ~2.5 GB/s measured here
+    assert gbps > 0.2  # sanity only; ~10 GB/s measured here (XXH3)
 
 
 # -- PingPong ----------------------------------------------------------------------------------
@@ -141,7 +147,7 @@ def test_snapshot_verify_detects_corruption_at_rest():
     buf = pp.stage(5)
     p.pack_into(named, buf)
     meta = {"step": 5, "lr": 1e-3}
-    crc = zlib.crc32(encode_envelope(5, meta, p.index), checksum(buf))
+    crc = checksum(buf, encode_envelope(5, meta, p.index))
     snap = pp.commit(5, meta, optim_index=p.index, optim_nbytes=p.nbytes, checksum=crc)
     assert snap.verify()
     snap.buffer[3] ^= 0x10
