@@ -29,7 +29,7 @@ if ! $PY -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev
   $PY -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null \
     || { echo "gpu-check: no CUDA build of torch 2.13.0 could be installed (pip index or constraints give a CPU build)" >&2; exit 2; }
 fi
-$PY -c 'import phoenix_launch, pytest, pytest_timeout' 2>/dev/null || $PY -m pip install -q -e '.[test]'
+$PY -c 'import phoenix_launch, pytest, pytest_timeout, xxhash' 2>/dev/null || $PY -m pip install -q -e '.[test]'
 $PY - <<'EOF' || { echo "gpu-check: torch sees no usable CUDA device" >&2; exit 2; }
 import torch, sys
 if not torch.cuda.is_available():
