@@ -39,8 +39,9 @@ class Replenisher:
         self._check(now)
         if now < self._next_submit:
             return
-        for _ in range(self.target - coming - len(self.joins)):  # a spare taken is asked for at once, then at most
-            self._next_submit = now + SUBMIT_EVERY_S  # one round of requests a second
+        # a spare taken is asked for at once; then at most one round of requests a second
+        for _ in range(self.target - coming - len(self.joins)):
+            self._next_submit = now + SUBMIT_EVERY_S
             self._seq += 1
             join = f"r{self._seq}"
             try:

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from phoenix_runtime.transport import Transport, TransportError
+from phoenix_runtime.transport import Transport
 
 TAG_COMMIT = 4  # (header 1, envelope 2, ack 3, chunks 16+: wire.py)
 MAGIC_COMMIT = 0x434D4954  # "CMIT"
@@ -52,4 +52,4 @@ def barrier(transport: Transport, rank: int, size: int, step: int, timeout: floa
         dist *= 2
 
 
-__all__ = ["barrier", "TransportError", "TAG_COMMIT"]
+__all__ = ["barrier", "TAG_COMMIT"]

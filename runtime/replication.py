@@ -280,10 +280,6 @@ class Replicator:
         except Exception as e:  # noqa: BLE001 - a peer lost or out of lockstep: no later step is protected here
             why = str(e).splitlines()[0][:300] if str(e) else repr(e)
             self._break(ReplicationError(f"commit point of step {step} failed on rank {self.rank}: {why}", step=step, cause=why))
-            try:
-                self.transport.abort()
-            except Exception:  # noqa: BLE001
-                pass
         with self._cond:
             self._global[step] = why
             for old in [s for s in self._global if s < step - self._keep]:
@@ -337,10 +333,6 @@ class Replicator:
             except BaseException as e:  # noqa: BLE001 - never kill the worker silently
                 self._break(ReplicationError(f"step {job.step} failed on rank {self.rank}: {e!r}", step=job.step, cause=repr(e)))
                 self._finish(job.step, failure=(None, f"{e!r}"))
-                try:
-                    self.transport.abort()  # peers may wait for messages that will not come
-                except Exception:  # noqa: BLE001
-                    pass
             finally:
                 self._phase = "idle"
         # fail whatever is still queued or unfinished
@@ -352,9 +344,15 @@ class Replicator:
             self._cond.notify_all()
 
     def _break(self, err: ReplicationError) -> None:
+        """The replicator is broken: no later step is protected here. The transport is aborted so that peers
+        waiting for messages that will not come fail at once instead of waiting out their timeout."""
         if self._broken is None:
             self._broken = err
         self.errors.append(str(err))
+        try:
+            self.transport.abort()
+        except Exception:  # noqa: BLE001
+            pass
 
     def _finish(self, step: int, failure: Optional[tuple] = None) -> None:
         with self._cond:
@@ -462,10 +460,6 @@ class Replicator:
                 f"replicator of rank {self.rank} broken at step {step}: " + "; ".join(f"rank {p}: {c}" for p, c in sorted(xfer.errors.items())),
                 step=step, peer=peer, cause=xfer.errors[peer],
             ))
-            try:  # tell the peers at once instead of letting them wait for their timeout
-                self.transport.abort()
-            except Exception:  # noqa: BLE001
-                pass
 
     def _staging(self, src: int, step: int, nbytes: int) -> torch.Tensor:
         """The staging buffer of ``src``'s replica of ``step`` (allocated, or resized, on demand)."""

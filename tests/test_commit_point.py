@@ -81,8 +81,9 @@ def test_a_rank_ahead_keeps_its_older_snapshot_until_every_rank_committed(tmp_pa
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    logs = [open(tmp_path / f"log{r}", "w") for r in range(4)]
     procs = [subprocess.Popen([sys.executable, str(HERE), str(r), str(store.port), str(tmp_path)], env=env,
-                              stdout=open(tmp_path / f"log{r}", "w"), stderr=subprocess.STDOUT) for r in range(4)]
+                              stdout=logs[r], stderr=subprocess.STDOUT) for r in range(4)]
     deadline = time.monotonic() + 150
     try:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -91,6 +92,9 @@ def test_a_rank_ahead_keeps_its_older_snapshot_until_every_rank_committed(tmp_pa
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait(10)
+        for f in logs:
+            f.close()
     logs = "\n".join(f"--- {r}\n{(tmp_path / f'log{r}').read_text()[-2000:]}" for r in range(4))
     assert [p.returncode for p in procs] == [0, 0, 0, 0], logs
     res = json.loads((tmp_path / "r1.json").read_text())
