@@ -32,6 +32,7 @@ from phoenix_launch.procs import die_with_parent
 from phoenix_launch.procs import send_signal as _signal
 from phoenix_launch.spec import AgentSpec, SpecError
 from phoenix_runtime import auth, protocol
+from phoenix_runtime.channel import incarnation_of
 
 WARM_WAIT_S = 120.0  # the longest an agent defers joining the control plane for its ranks' imports
 #: phases in which a rank is not expected to complete steps (the hang check falls back to its heartbeat)
@@ -91,6 +92,7 @@ class Agent:
         self.q_sup: protocol.Queue | None = None
         self.q_cmd: protocol.Queue | None = None
         self.last_store_ok = time.monotonic()
+        self.incarnation = 0  # the store's (runtime/failover.py): 1 once a standby supervisor took over
         self.t_start_uptime = _uptime()  # kernel-log Xids from before this agent started are not this job's
         self._stop_signal: int | None = None
         self._gpu_probe: threading.Thread | None = None  # a GPU probe after a rank exit (see probe)
@@ -114,6 +116,7 @@ class Agent:
             {
                 protocol.ENV_STORE_HOST: s.store_host,
                 protocol.ENV_STORE_PORT: str(s.store_port),
+                protocol.ENV_STORE_STANDBY: s.store_standby,
                 protocol.ENV_NODE: self.node,
                 protocol.ENV_SLOT: str(slot),
                 protocol.ENV_RUN_DIR: str(self.run_dir),
@@ -250,12 +253,12 @@ class Agent:
 
     # --- control plane -----------------------------------------------------------------------------
     def connect(self) -> None:
-        from datetime import timedelta
-
-        import torch.distributed as dist
+        from phoenix_runtime.failover import FailoverStore, parse_addr
 
         s = self.spec
-        self.store = dist.TCPStore(s.store_host, int(s.store_port), is_master=False, timeout=timedelta(seconds=30))
+        # follows a takeover to the standby supervisor's store (bounded: takeover_timeout_s)
+        self.store = FailoverStore((s.store_host, int(s.store_port)), parse_addr(s.store_standby), timeout_s=30.0,
+                                   reconnect_s=s.takeover_timeout_s)
         self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
         self.q_cmd = protocol.Queue(self.store, protocol.q_agent(self.node))
         # a node joining a running job (replenishment) is accepted because its agent_up is sealed with the
@@ -392,6 +395,9 @@ class Agent:
                     next_hb = now + hb_every
                 for cmd in self.q_cmd.get_all():
                     self.handle(cmd)
+                if incarnation_of(self.store) != self.incarnation:  # a standby took over: say so to the new leader
+                    self.incarnation = incarnation_of(self.store)
+                    self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, self.spec.join))  # type: ignore[union-attr]
                 for r in self._exited():
                     if not r.reported:
                         r.reported = True

@@ -209,6 +209,8 @@ def _open_backend(cfg, rdir: Path, *, nodes_given: bool):
         be = choose_backend(cfg, rdir)
     except ConfigError as e:
         raise fail(str(e)) from None
+    if cfg.launch.standby == "on" and be.name != "local":
+        raise fail(f"launch.standby: on is supported on the local backend only so far (this job's backend: {be.name})")
     nodes_given = nodes_given or "PHOENIX_LAUNCH_NODES" in os.environ
     if not nodes_given and be.capabilities.allocation:  # Slurm: every allocated node but the spares is active
         cfg = replace(cfg, launch=replace(cfg.launch, nodes=be.use_all_nodes()))

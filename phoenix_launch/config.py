@@ -45,8 +45,13 @@ class LaunchConfig:
     live: str = "auto"  # auto | on | off: the rich live view (auto: when stdout is a terminal)
     persist_keep: int = 2  # complete persistent checkpoints kept (runtime.persist_every writes them)
     resume: str = ""  # a complete persistent checkpoint (step directory) to start from (phoenix-run --resume)
+    # a standby supervisor that takes the job over when the leader (this process) is lost: off | on
+    # (local backend: a process of its own on this machine; see docs/operations.md)
+    standby: str = "off"
 
     def validate(self) -> None:
+        if self.standby not in ("off", "on"):
+            raise ConfigError(f"launch.standby must be off or on, got {self.standby!r}")
         if self.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1, got {self.nodes}")
         if self.nproc_per_node < 1:
@@ -84,8 +89,12 @@ class DetectConfig:
     reprotect_max: int = 3
     # no spare free: survivors keep their state and wait this long for one that is starting (replenished)
     spare_wait_s: float = 30.0
+    # the leader supervisor lost: agents and ranks wait this long for the standby's store (launch.standby)
+    takeover_timeout_s: float = RUNTIME_DEFAULTS.takeover_timeout_s
 
     def validate(self) -> None:
+        if self.takeover_timeout_s <= 0:
+            raise ConfigError(f"detect.takeover_timeout_s must be > 0, got {self.takeover_timeout_s}")
         if self.reprotect_max < 0:
             raise ConfigError(f"detect.reprotect_max must be >= 0, got {self.reprotect_max}")
         if self.heartbeat_s <= 0:
@@ -225,6 +234,7 @@ def runtime_settings(cfg: Config) -> RuntimeSettings:
         hang_timeout_s=detect.hang_timeout_s,
         collective_timeout_s=detect.collective_timeout_s,
         recovery_timeout_s=detect.recovery_timeout_s,
+        takeover_timeout_s=detect.takeover_timeout_s,
         faults=tuple(dict(f) for f in cfg.inject.faults),
     )
 

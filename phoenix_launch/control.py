@@ -64,11 +64,26 @@ class ControlPlane:
         self._old_rdzv: Any = None  # the previous attempt's rendezvous store, alive until its workers are gone
         self.reports: Any = None  # Queue: agents and ranks -> supervisor
         self.commands: Any = None  # Queue: kill-node -> supervisor
+        self.incarnation = 0  # 1: a standby's, after it took the job over (runtime/failover.py)
+
+    @classmethod
+    def taking_over(cls, host: str, sock: socket.socket) -> "ControlPlane":
+        """A standby's control plane: the store on the socket it held since it started (every agent and rank
+        knows its address), a new rendezvous store; incarnation 1."""
+        plane = cls.__new__(cls)
+        plane.host, plane._sock, plane._rdzv_sock = host, sock, reserve_port(host, 0)
+        plane.port, plane.rdzv_port = sock.getsockname()[1], plane._rdzv_sock.getsockname()[1]
+        plane.store = plane.rdzv_store = plane._old_rdzv = plane.reports = plane.commands = None
+        plane.incarnation = 1
+        return plane
 
     def listen(self) -> None:
         from phoenix_runtime import protocol
+        from phoenix_runtime.channel import Incarnated
 
         self.store, _ = start_store(self.host, sock=self._sock)
+        if self.incarnation:
+            self.store = Incarnated(self.store, self.incarnation)
         self.rdzv_store, _ = start_store(self.host, sock=self._rdzv_sock)
         self.reports = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
         self.commands = protocol.Queue(self.store, protocol.Q_COMMANDS)

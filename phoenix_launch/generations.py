@@ -47,6 +47,14 @@ class GenerationPublisher:
         protocol.put_value(self.store, protocol.K_GEN, "0")
         return self.members
 
+    def restore(self, gen: int, members: protocol.Membership, stable: protocol.Membership, swept: int) -> None:
+        """A standby that took over: the lost leader's generation, written anew in the new store."""
+        self.gen, self.members, self.stable, self._swept = gen, members, stable, swept
+        protocol.put_value(self.store, protocol.k_members(gen), members.to_json())
+        if stable.gen != gen:
+            protocol.put_value(self.store, protocol.k_members(stable.gen), stable.to_json())
+        protocol.put_value(self.store, protocol.K_GEN, str(gen))
+
     def publish(self, ranks: Iterable[protocol.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
                 *, respawned: Iterable[int] = (), fresh: bool = False, lost: tuple[int, ...] = ()) -> protocol.Membership:
         """A new generation: membership first, then the joiners' assignments, then the bump."""

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phoenix_launch import checkpoints, decide as decisions
+from phoenix_launch import checkpoints, decide as decisions, standby
 from phoenix_launch.backends.base import Backend
 from phoenix_launch.classify import RankReport, classify, describe_exit
 from phoenix_launch.commands import CommandHandler
@@ -32,6 +32,7 @@ from phoenix_launch.recovery_watch import RecoveryWatch
 from phoenix_launch.replenish import Replenisher
 from phoenix_launch.reprotect import Reprotector
 from phoenix_launch.spec import AgentSpec
+from phoenix_launch.standby import Mirror
 from phoenix_launch.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
 from phoenix_launch.refusals import RefusalLog
 from phoenix_runtime import auth, protocol
@@ -41,14 +42,17 @@ REPLICATION_ERROR = "ReplicationError"
 
 
 class Supervisor:
-    def __init__(self, cfg: Config, argv: list[str], run_dir: Path, backend: Backend, ui=None):
+    def __init__(self, cfg: Config, argv: list[str], run_dir: Path, backend: Backend, ui=None, *, takeover: bool = False):
         launch = cfg.launch
         self.cfg, self.argv, self.run_dir, self.backend, self.ui = cfg, argv, run_dir, backend, ui
         self.nproc = launch.nproc_per_node
         self.world_size = launch.nodes * launch.nproc_per_node
         self.job = Lifecycle(JobState.STARTING, JOB_TRANSITIONS)
         self.events = EventLog(run_dir / "events.jsonl")
-        auth.create_secret(run_dir)  # every control-plane message is sealed with it; kill-node reads it there
+        if takeover:  # a standby taking the job over: the job's secret stays
+            auth.set_key(auth.read_secret(run_dir))
+        else:
+            auth.create_secret(run_dir)  # every control-plane message is sealed with it; kill-node reads it there
         self.refusals = RefusalLog(self.events)
         self.nodes = NodeTable(backend, self.events, drain=cfg.slurm.drain, on_change=self._status_changed_now)
         self.incidents = IncidentTracker(cfg.detect)
@@ -73,6 +77,9 @@ class Supervisor:
         self._signal: int | None = None
         self._status_due = False
         self.plane: ControlPlane | None = None  # start() opens it
+        self.standby = cfg.launch.standby == "on"  # a standby supervisor mirrors this one (standby.py)
+        self.standby_addr = ""
+        self.mirror = Mirror()
         self.publisher: GenerationPublisher | None = None
         self.commands: CommandHandler | None = None
         self.operator_io = OperatorIO(cfg.metrics, run_dir, self.events)  # command socket, metrics, progress
@@ -102,6 +109,9 @@ class Supervisor:
         write_json_atomic(self.run_dir / "control.json",
                           {"host": plane.host, "port": plane.port, "pid": os.getpid(), "node": os.uname().nodename, "run_id": launch.run_id, "backend": self.backend.name})
         ranks = self.nodes.populate(self.backend.node_names, launch.nodes, self.nproc)
+        standby_sock = standby.reserve(plane.host) if self.standby else None
+        if standby_sock is not None:
+            self.standby_addr = f"{plane.host}:{standby_sock.getsockname()[1]}"
         for node in self.nodes:
             self.backend.start_agent(node.name, self.agent_spec(node))
         plane.listen()
@@ -109,12 +119,57 @@ class Supervisor:
         self.publisher = GenerationPublisher(self.store, world_size=self.world_size, nproc=self.nproc, run_id=launch.run_id,
                                              max_restarts=launch.max_restarts, domains=self.backend.domains)
         self.publisher.first(ranks)
+        if standby_sock is not None:
+            write_json_atomic(self.run_dir / standby.STANDBY_FILE, {"argv": self.argv, "backend": self.backend.name, "address": self.standby_addr})
+            self.mirror.publish(self.store, standby.snapshot(self))
+            self.backend.start_standby(standby_sock)
+            standby_sock.close()  # the standby holds it now
         self.commands = CommandHandler(self.store, None, self.events, self._job_targets(), self.incidents.injected)  # sealed
         self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, auth.derive(SOCKET_PURPOSE), self.events, self._job_targets(), self.incidents.injected))
         self.events.emit("job_start", run_id=launch.run_id, nodes=launch.nodes, nproc_per_node=self.nproc, spares=launch.spares,
                          world_size=self.world_size, argv=self.argv, backend=self.backend.name, control=f"{plane.host}:{plane.port}",
                          resume=launch.resume or None)
         self.job.transition(JobState.RUNNING, "agents started")
+
+    def take_over(self, state: dict[str, Any], sock: Any, t_lost: float) -> None:
+        """The standby's start (instead of :meth:`start`): serve the control plane where every agent and rank was
+        told to look, restore the lost leader's state (``standby.snapshot``), and go on with the job."""
+        launch = self.cfg.launch
+        plane = self.plane = ControlPlane.taking_over(sock.getsockname()[0], sock)
+        plane.listen()
+        t_serving = time.time()
+        write_json_atomic(self.run_dir / "control.json",
+                          {"host": plane.host, "port": plane.port, "pid": os.getpid(), "node": os.uname().nodename, "run_id": launch.run_id,
+                           "backend": self.backend.name, "incarnation": plane.incarnation})
+        auth.continue_after(int(state.get("t_ns", 0)))  # the values written here are newer than the leader's
+        self.epoch, self.restarts, self.resume = int(state["epoch"]), int(state["restarts"]), str(state["resume"])
+        self.reprotector.every = int(state["protect_every"])
+        for d in state["nodes"]:
+            self.nodes.add(Node(d["name"], Lifecycle(NodeState(d["state"]), NODE_TRANSITIONS), d["group_rank"], int(d["failures"]),
+                                bool(d["lost"]), up=d["state"] != NodeState.STARTING.value))
+        a = state["attempt"]
+        self.attempt = AttemptProgress(done_ranks=set(a["done"]), runtime_ready=set(a["ready"]), protect_on=bool(a["protect_on"]),
+                                       step=int(a["step"]), step_time_s=float(a["step_time_s"]), runtime_seen=bool(a["runtime_seen"]))
+        self.store.set(protocol.K_RUN_ID, launch.run_id)
+        protocol.put_value(self.store, protocol.K_PROTECT_EVERY, str(self.reprotector.every))
+        self.publisher = GenerationPublisher(self.store, world_size=self.world_size, nproc=self.nproc, run_id=launch.run_id,
+                                             max_restarts=launch.max_restarts, domains=self.backend.domains)
+        self.publisher.restore(int(state["gen"]), protocol.Membership.from_json(state["members"]),
+                               protocol.Membership.from_json(state["stable"]), int(state["swept"]))
+        self.commands = CommandHandler(self.store, None, self.events, self._job_targets(), self.incidents.injected)
+        self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, auth.derive(SOCKET_PURPOSE), self.events, self._job_targets(), self.incidents.injected))
+        now = time.time()
+        self.events.emit("takeover", gen=self.gen, was=state["job"], control=f"{plane.host}:{plane.port}", leader_lost_at=t_lost,
+                         serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid())
+        self.job.transition(JobState.RUNNING, "took over from the lost leader")
+        if state["job"] in (JobState.RECOVERING.value, JobState.RESTARTING.value):  # its reports went with the leader
+            mem = self._gens().publish(self._gens().members.ranks, "takeover during a recovery", self._attempt(), self.nodes.group_ranks())
+            self._begin_recovery("takeover", decisions.Decision(decisions.Kind.LOCAL, "takeover during a recovery"), Incident(now), now)
+            self.events.emit("reprotect", gen=mem.gen, reason="the leader was lost during a recovery", protect_every=self.reprotector.every)
+        leader = state.get("leader_node")
+        if leader and leader in self.nodes and self.nodes[leader].state not in ENDED:
+            self.backend.kill_node(leader)
+            self.on_agent_exit(leader, -9, now)  # the leader's node held ranks: hot-swapped as any lost node
 
     def _job_targets(self) -> JobTargets:
         return JobTargets(self.world_size, self.nproc, lambda: self._gens().members,
@@ -140,6 +195,7 @@ class Supervisor:
             role=protocol.ROLE_SPARE if node.is_spare else protocol.ROLE_ACTIVE, group_rank=node.group_rank,
             world_size=self.world_size, gen=self.gen, epoch=self.epoch, max_restarts=launch.max_restarts,
             run_id=launch.run_id, store_host=self.plane.host if self.plane else "", store_port=self.plane.port if self.plane else 0,
+            store_standby=self.standby_addr, takeover_timeout_s=detect.takeover_timeout_s,
             master_port=self.plane.rdzv_port if self.plane else 0,
             cwd=os.getcwd(), heartbeat_s=detect.heartbeat_s, hang_timeout_s=detect.hang_timeout_s,
             node_timeout_s=detect.node_timeout_s, stop_grace_s=launch.stop_grace_s, redirects=launch.redirects,
@@ -537,12 +593,17 @@ class Supervisor:
 
     def run(self) -> int:
         self.start()
+        return self.loop()
+
+    def loop(self) -> int:
         next_status = 0.0
         next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
         try:
             while self.exit_code is None:
                 now = time.time()
                 self.tick(now)
+                if self.standby and self.exit_code is None:
+                    self.mirror.publish(self.store, standby.snapshot(self))
                 if time.monotonic() > next_hb:
                     self.check_heartbeats(now)
                     self._flush_recovery_event()
@@ -572,6 +633,8 @@ class Supervisor:
 
     def shutdown(self) -> None:
         self.operator_io.close_commands()  # kill-node now says 'stopped' at once
+        if self.standby:
+            self.backend.stop_standby()  # first: a job ending on purpose is not a lost leader
         try:
             for n in self.nodes:
                 protocol.Queue(self.store, protocol.q_agent(n.name)).put(protocol.AgentStop())

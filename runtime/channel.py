@@ -16,6 +16,23 @@ from typing import Any
 
 from phoenix_runtime import auth
 
+
+def incarnation_of(store: Any) -> int:
+    """Which store of the job this is: 0 the leader's, 1 after a standby took over (``failover``)."""
+    return int(getattr(store, "incarnation", 0) or 0)
+
+
+class Incarnated:
+    """The server side's view of a store it serves as incarnation ``n`` (a standby that took over: its queues
+    are sealed for incarnation 1). Every other attribute is the store's."""
+
+    def __init__(self, store: Any, incarnation: int):
+        self._store, self.incarnation = store, incarnation
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
 SCHEMA_VERSION = 1
 
 _lock = threading.Lock()
@@ -71,6 +88,7 @@ class Queue:
         self.store = store
         self.name = name
         self.cursor: int | None = None  # the reader's next sequence number (its first get_all sets it)
+        self._incarnation = incarnation_of(store)  # the store's: a new store (a takeover) starts a new log
         self._hole_since: float | None = None  # when the reader first found the message at cursor missing
 
     def put(self, msg: Any) -> int:
@@ -80,8 +98,14 @@ class Queue:
             body["t"] = time.time()
         body = {"v": SCHEMA_VERSION, **body}
         n = self.store.add(f"{self.name}/n", 1)
-        self.store.set(f"{self.name}/{n}", auth.seal(self.name, n, json.dumps(body)))
+        self.store.set(f"{self.name}/{n}", auth.seal(self._sealed_name(), n, json.dumps(body)))
         return n
+
+    def _sealed_name(self) -> str:
+        """What a message is sealed for besides its slot: the queue, and the store's incarnation after a
+        takeover (a message of the leader's store replayed into the standby's is refused)."""
+        inc = incarnation_of(self.store)
+        return self.name if inc == 0 else f"{self.name}@{inc}"
 
     def _consumed(self, key: str) -> None:
         """Count the message as read, then delete it (one reader at a time per queue)."""
@@ -91,7 +115,7 @@ class Queue:
 
     def _open(self, n: int, raw: bytes) -> dict[str, Any] | None:
         try:
-            body = json.loads(auth.unseal(self.name, raw, n)[1])
+            body = json.loads(auth.unseal(self._sealed_name(), raw, n)[1])
         except auth.Refused:
             return None
         except ValueError:
@@ -107,6 +131,8 @@ class Queue:
         was descheduled between the two store calls) is waited for on later calls; only a writer that died
         in between leaves a hole, skipped after ``hole_timeout_s``."""
         out: list[dict[str, Any]] = []
+        if incarnation_of(self.store) != self._incarnation:  # the store moved (a takeover): its counters are new
+            self._incarnation, self.cursor, self._hole_since = incarnation_of(self.store), None, None
         if self.cursor is None:
             self.cursor = int(self.store.add(f"{self.name}/read", 0)) + 1
         reserved = self.store.add(f"{self.name}/n", 0)

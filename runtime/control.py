@@ -77,10 +77,12 @@ class RankState:
 
 
 def connect_store(env: RankEnv | None = None, timeout_s: float = 30.0):
-    from torch.distributed import TCPStore
+    """A client of the control plane's store that follows a takeover to the standby supervisor (``failover``)."""
+    from phoenix_runtime.failover import FailoverStore, parse_addr
 
     env = env or rank_env()
-    return TCPStore(env.store_host, env.store_port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
+    return FailoverStore((env.store_host, env.store_port), parse_addr(env.store_standby), timeout_s=timeout_s,
+                         reconnect_s=env.settings.takeover_timeout_s)
 
 
 class ControlThread:

@@ -35,6 +35,7 @@ from phoenix_runtime.channel import SCHEMA_VERSION, Queue, get_value, put_value 
 # --- environment variables the launcher gives every rank (besides torchrun's own) -------------------
 ENV_STORE_HOST = "PHOENIX_STORE_HOST"
 ENV_STORE_PORT = "PHOENIX_STORE_PORT"
+ENV_STORE_STANDBY = "PHOENIX_STORE_STANDBY"  # host:port where the standby supervisor serves the store after a takeover
 ENV_NODE = "PHOENIX_NODE"
 ENV_SLOT = "PHOENIX_SLOT"
 ENV_RUN_DIR = "PHOENIX_RUN_DIR"

@@ -38,6 +38,7 @@ class RuntimeSettings:
     hang_timeout_s: float = 10.0
     collective_timeout_s: float = 120.0
     recovery_timeout_s: float = 60.0
+    takeover_timeout_s: float = 30.0  # the control plane's store lost: wait this long for a standby's (failover.py)
     faults: tuple = field(default_factory=tuple)  # deterministic injected faults (see FAULT_PHASES)
     # persistent checkpoints (the fallback ladder's floor, runtime/persist.py): every N steps (0: off)
     persist_every: int = 0

@@ -28,7 +28,7 @@ def choose_backend(cfg: Config, run_dir: Path) -> Backend:
     if kind == "local":
         from phoenix_launch.backends.local import LocalBackend
 
-        return LocalBackend(run_dir, launch.nodes + launch.spares)
+        return LocalBackend(run_dir, launch.nodes + launch.spares, standby=launch.standby == "on")
     from phoenix_launch.backends.slurm import SlurmBackend
 
     return SlurmBackend.create(cfg, run_dir)

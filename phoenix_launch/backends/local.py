@@ -19,16 +19,50 @@ from phoenix_launch.procs import die_with_parent, poll_exited
 from phoenix_launch.spec import AgentSpec
 
 
+class Adopted:
+    """An agent this process did not start (a standby took the job over): what ``Popen`` gives for it."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                import psutil
+
+                gone = psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
+            except Exception:  # noqa: BLE001 -- no such process
+                gone = True
+            if gone:
+                self.returncode = -signal.SIGKILL  # how it ended is not known here: as a lost node
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.02)
+        return self.returncode  # type: ignore[return-value]
+
+
 class LocalBackend:
     name = "local"
     # replenishment: a new spare is one more agent on this machine (it joins with the job's secret, as a
     # Slurm replenishment job's agent does); no scheduler to ask about a node
     capabilities = Capabilities(replenish=True)
 
-    def __init__(self, run_dir: Path, n_nodes: int):
+    def __init__(self, run_dir: Path, n_nodes: int, *, standby: bool = False):
         self.run_dir = run_dir
         self.node_names = [f"node{i}" for i in range(n_nodes)]
-        self.procs: dict[str, subprocess.Popen] = {}
+        # with a standby supervisor the agents must outlive this process (else they die with it)
+        self.standby = standby
+        self.procs: dict[str, subprocess.Popen | Adopted] = {}
+        self.standby_proc: subprocess.Popen | None = None
         self.exited: set[str] = set()
         self.pending: dict[str, subprocess.Popen] = {}  # replenishment join id -> its agent, until adopted
 
@@ -49,9 +83,40 @@ class LocalBackend:
             stderr=log,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: the node's unit of failure
-            preexec_fn=die_with_parent,
+            preexec_fn=None if self.standby else die_with_parent,
         )
         log.close()
+
+    # --- the standby supervisor (launch.standby) --------------------------------------------------------
+    def start_standby(self, sock) -> None:
+        """The standby supervisor: a process of its own session (it outlives this one), holding ``sock``."""
+        log = open_private(self.run_dir / "logs" / "standby.log", "ab")
+        self.standby_proc = subprocess.Popen(
+            [sys.executable, "-m", "phoenix_launch.standby", "--run-dir", str(self.run_dir), "--fd", str(sock.fileno())],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(sock.fileno(),))
+        log.close()
+
+    def stop_standby(self) -> None:
+        p = self.standby_proc
+        if p is None or p.poll() is not None:
+            return
+        p.terminate()
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+
+    def agent_handles(self) -> dict[str, int]:
+        """What a standby needs to watch and stop the agents: their pids (each its process group's leader)."""
+        return {n: p.pid for n, p in self.procs.items() if n not in self.exited}
+
+    def leader_node(self) -> str | None:
+        return None  # the supervisor is not on any of the job's "nodes" here
+
+    def attach(self, handles: dict[str, int]) -> None:
+        """A standby that took over: the agents another process started."""
+        self.procs.update({n: Adopted(int(pid)) for n, pid in handles.items()})
 
     def poll(self) -> list[tuple[str, int]]:
         adopted = {n: p for n, p in self.procs.items() if p not in self.pending.values()}

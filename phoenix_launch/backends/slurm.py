@@ -219,6 +219,22 @@ class SlurmBackend:
             return False, f"scontrol could not drain {node}: {e.detail}"
         return True, f"drained in Slurm ({argv[-1]})"
 
+    # a standby supervisor is not built for Slurm yet (cli refuses launch.standby: on here)
+    def start_standby(self, sock) -> None:
+        raise NotSupported("no standby supervisor on Slurm yet")
+
+    def stop_standby(self) -> None:
+        return None
+
+    def agent_handles(self) -> dict[str, int]:
+        return {}
+
+    def leader_node(self) -> str | None:
+        return None
+
+    def attach(self, handles: dict[str, int]) -> None:
+        raise NotSupported("no standby supervisor on Slurm yet")
+
     def stop_all(self, grace: float) -> None:
         """Every agent step ends: first on the supervisor's stop command (already sent over the control
         plane), then on SIGTERM to its step, finally SIGKILL; replenishment jobs are cancelled."""

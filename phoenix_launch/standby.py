@@ -1,0 +1,188 @@
+"""The standby supervisor: it mirrors the leader's state and takes the job over when the leader is lost.
+
+The leader (the supervisor ``phoenix-run`` started) publishes its state in the store whenever it changes
+(:func:`snapshot`: generation and membership, node states, restarts, the attempt's progress, the agents'
+handles; sealed with the job's secret like every value there). The standby -- ``python -m
+phoenix_launch.standby``, a process of its own that outlives the leader -- polls it, and watches the leader's
+store: a call that fails because the connection is closed, then a connect that fails, is a lost leader.
+
+The takeover (:meth:`Supervisor.take_over`): the standby serves the control plane on the socket it has held since
+it started (every agent and rank was told its address: ``PHOENIX_STORE_STANDBY``), restores the generation and
+its membership there, rewrites ``control.json`` (``kill-node``, ``status``) and runs the supervisor's loop from
+the mirrored state. Agents and ranks reconnect by themselves (``phoenix_runtime.failover``); the ranks' process
+groups do not need the store between recoveries, so training goes on. A job in the middle of a recovery forms
+that recovery's generation again under the new leader. A leader whose node held ranks is a lost node: the new
+leader hot-swaps it as any other.
+
+What is not carried over: an incident the leader was still gathering (its reports were in the lost store; a
+rank that stays dead is found again by its agent's exit report or heartbeat), and a restart (every worker)
+that was under way. The job's outcome after a takeover is in the run directory (``events.jsonl``'s ``job_end``,
+``status.json``); the ``phoenix-run`` process the user started is the one that was lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from phoenix_runtime import auth, protocol
+
+K_STATE = "phx/sup/state"  # the leader's mirrored state (sealed JSON)
+STANDBY_FILE = "standby.json"  # what the leader tells its standby (argv, backend), in the run directory
+POLL_S = 0.05
+
+
+def snapshot(sup: Any) -> dict[str, Any]:
+    """What a new leader needs to go on with the job (no secrets: the standby reads the secret file)."""
+    gens = sup.publisher
+    att = sup.attempt
+    return {
+        "job": sup.job.state.value,
+        "gen": gens.gen,
+        "members": gens.members.to_json(),
+        "stable": gens.stable.to_json(),
+        "swept": gens._swept,
+        "epoch": sup.epoch,
+        "restarts": sup.restarts,
+        "resume": sup.resume,
+        "protect_every": sup.reprotector.every,
+        "nodes": [{"name": n.name, "state": n.state.value, "group_rank": n.group_rank, "failures": n.failures, "lost": n.lost}
+                  for n in sup.nodes],
+        "attempt": {"done": sorted(att.done_ranks), "ready": sorted(att.runtime_ready), "protect_on": att.protect_on,
+                    "step": att.step, "step_time_s": att.step_time_s, "runtime_seen": att.runtime_seen},
+        "agents": sup.backend.agent_handles(),
+        "leader_node": sup.backend.leader_node(),
+        "final": sup.exit_code is not None,
+        "t_ns": time.time_ns(),
+    }
+
+
+class Mirror:
+    """The leader's side: publish the snapshot when it changed (compared as JSON; a few hundred bytes)."""
+
+    def __init__(self) -> None:
+        self.last = ""
+
+    def publish(self, store: Any, state: dict[str, Any]) -> None:
+        text = json.dumps(state, sort_keys=True)
+        if text != self.last:
+            protocol.put_value(store, K_STATE, text)
+            self.last = text
+
+
+class Standby:
+    """Watch the leader (its store) and keep its newest state; :meth:`watch` returns when it is lost."""
+
+    def __init__(self, host: str, port: int, stop: Any):
+        self.addr = (host, port)
+        self.stop = stop  # () -> bool: the standby was told to go (the leader ended the job)
+        self.state: dict[str, Any] | None = None
+        self.t_lost: float | None = None
+
+    def _connect(self, timeout_s: float):
+        from phoenix_launch.control import connect
+
+        return connect(*self.addr, timeout_s=timeout_s)
+
+    def watch(self, connect_bound_s: float = 120.0) -> bool:
+        """True: the leader is lost (``t_lost``: when this standby saw it); False: told to stop, or the leader
+        ended the job."""
+        import torch.distributed as dist
+
+        from phoenix_runtime.failover import reachable
+
+        deadline = time.monotonic() + connect_bound_s
+        store = None
+        while store is None:  # the leader starts its store after its agents
+            if self.stop():
+                return False
+            try:
+                store = self._connect(2.0)
+            except dist.DistError:
+                if time.monotonic() > deadline:
+                    print("phoenix standby: the leader's store never came up", file=sys.stderr)
+                    return False
+        while not self.stop():
+            try:
+                if store.check([K_STATE]):
+                    text = protocol.get_value(store, K_STATE)
+                    if text is not None:
+                        self.state = json.loads(text)
+                        if self.state.get("final"):
+                            return False
+            except dist.DistNetworkError:
+                t = time.time()
+                try:
+                    if reachable(self.addr):
+                        store = self._connect(5.0)  # a connection lost, the leader still there
+                        continue
+                except dist.DistError:
+                    pass
+                self.t_lost = t
+                return True
+            time.sleep(POLL_S)
+        return False
+
+
+def reserve(host: str) -> socket.socket:
+    """The standby's listening socket, held from the start (its address is in every agent's spec)."""
+    from phoenix_launch.control import reserve_port
+
+    return reserve_port(host, 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="phoenix-standby")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--fd", type=int, required=True, help="the listening socket the leader reserved for it")
+    ns = ap.parse_args(argv)
+    run_dir = Path(ns.run_dir)
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda s, f: stopping.append(s))
+    signal.signal(signal.SIGINT, lambda s, f: stopping.append(s))
+    try:
+        auth.set_key(auth.read_secret(run_dir))
+        told = json.loads((run_dir / STANDBY_FILE).read_text())
+        ctl = json.loads((run_dir / "control.json").read_text())
+    except (OSError, ValueError) as e:
+        print(f"phoenix standby: cannot start: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        return 2
+    sock = socket.socket(fileno=ns.fd)
+    watcher = Standby(ctl["host"], int(ctl["port"]), stop=lambda: bool(stopping))
+    if not watcher.watch():
+        return 0
+    if watcher.state is None:
+        print("phoenix standby: the leader was lost before it published any state; nothing to take over", file=sys.stderr)
+        return 1
+    return take_over(run_dir, told, watcher.state, sock, watcher.t_lost or time.time(), stopping)
+
+
+def take_over(run_dir: Path, told: dict[str, Any], state: dict[str, Any], sock: socket.socket, t_lost: float,
+              stopping: list[int]) -> int:
+    import yaml
+
+    from phoenix_launch.backends.local import LocalBackend
+    from phoenix_launch.config import build_config
+    from phoenix_launch.supervisor import Supervisor
+
+    cfg = build_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    backend = LocalBackend(run_dir, 0, standby=True)  # the only backend with a standby so far (see config.py)
+    backend.attach(state.get("agents") or {})
+    sup = Supervisor(cfg, list(told["argv"]), run_dir, backend, takeover=True)
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, lambda signum, frame: sup.request_stop(signum))
+    if stopping:
+        sup.request_stop(stopping[0])
+    sup.take_over(state, sock, t_lost)
+    return sup.loop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

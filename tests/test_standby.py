@@ -1,0 +1,130 @@
+"""Issue 16, section 1: the job survives the loss of its supervisor (``launch.standby: on``, local backend).
+
+Real processes: ``phoenix-run`` (the leader) is SIGKILLed mid-run; the standby supervisor (a process of its
+own) takes the job over, agents and ranks reconnect to its store, and the job ends with the failure-free
+digest. The outcome is read from the run directory (the process the test started is the one that was lost).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import (EXAMPLES, assert_same_digest, events, job_processes, kill_job, load_digest, of_type, phoenix_cmd,
+                      run_phoenix, start_phoenix, wait_for)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+GPT = str(EXAMPLES / "train_gpt.py")
+STEPS = 24
+
+
+def _write_cfg(d: Path, standby: bool) -> Path:
+    cfg = {"launch": {"standby": "on" if standby else "off"}, "detect": {"recovery_timeout_s": 90}}
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    return d / "cfg.yaml"
+
+
+def _args(d: Path, cfg: Path, sleep: float) -> list[str]:
+    return ["--config", str(cfg), "--nodes", "2", "--nproc-per-node", "2", "--spares", "1", "--run-dir", str(d / "run"),
+            GPT, "--steps", str(STEPS), "--step-sleep", str(sleep), "--digest-file", str(d / "digest.json")]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """A failure-free run with the standby on: the digest to compare with, and a job that ends on purpose
+    leaves no standby behind (the leader stops it)."""
+    d = tmp_path_factory.mktemp("standby-base")
+    r = run_phoenix(_args(d, _write_cfg(d, True), 0.0), d, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    evs = events(d / "run")
+    assert not of_type(evs, "takeover"), "a job that ended on purpose was taken over"
+    assert not job_processes(d / "run"), "the standby (or an agent) outlived the job"
+    return load_digest(d / "digest.json", "failure-free run")
+
+
+def _progress(run_dir: Path, step: int):
+    return any(e["type"] == "progress" and e.get("step", -1) >= step for e in events(run_dir))
+
+
+def _job_end(run_dir: Path):
+    ends = of_type(events(run_dir), "job_end")
+    return ends[-1] if ends else None
+
+
+def _kill_leader_at(tmp_path: Path, step: int, and_node: str | None = None):
+    """Start the job, SIGKILL phoenix-run (and the agent's process group of ``and_node``) once step ``step`` is done."""
+    d = tmp_path
+    run_dir = d / "run"
+    proc = start_phoenix(_args(d, _write_cfg(d, True), 0.4), d)
+    try:
+        wait_for(lambda: _progress(run_dir, step), 180, f"step {step}")
+        standby = json.loads((run_dir / "standby.json").read_text())
+        assert standby["address"].startswith("127.0.0.1:")
+        victims = []
+        if and_node is not None:
+            spec = run_dir / "logs" / and_node / "agent.spec.json"
+            victims = [p for p in job_processes(run_dir) if str(spec) in " ".join(p.cmdline())]
+            assert victims, f"no agent of {and_node}"
+        proc.send_signal(signal.SIGKILL)
+        for v in victims:
+            os.killpg(v.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        return proc, run_dir
+    except BaseException:
+        kill_job(proc, run_dir)
+        raise
+
+
+def _assert_completed(run_dir: Path, digest: Path, expected: dict) -> list[dict]:
+    try:
+        end = wait_for(lambda: _job_end(run_dir), 240, "the job's end after the takeover")
+    except AssertionError:
+        for p in job_processes(run_dir):
+            p.kill()
+        raise
+    evs = events(run_dir)
+    assert end["exit_code"] == 0, (end, [e["type"] for e in evs][-30:])
+    (t,) = of_type(evs, "takeover")
+    assert t["was"] in ("running", "recovering") and t["serving_s"] >= 0
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "succeeded", status.get("state")
+    ctl = json.loads((run_dir / "control.json").read_text())
+    assert ctl["pid"] == t["pid"] and ctl["incarnation"] == 1
+    assert_same_digest(digest, expected)  # fails when the digest file is missing
+    wait_for(lambda: not job_processes(run_dir), 30, "every process of the job to exit")
+    return evs
+
+
+def test_supervisor_sigkilled_the_standby_takes_over_and_steers_the_job(tmp_path, baseline):
+    """SIGKILL of phoenix-run at step 3: the standby serves the control plane, training goes on; then
+    ``kill-node`` (through the new control.json) crashes node1 and the new leader hot-swaps the spare in."""
+    _, run_dir = _kill_leader_at(tmp_path, 3)
+    wait_for(lambda: of_type(events(run_dir), "takeover"), 60, "the takeover")
+    r = subprocess.run(phoenix_cmd("kill-node", "node1", "--run-dir", str(run_dir)), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    evs = _assert_completed(run_dir, tmp_path / "digest.json", baseline)
+    swaps = of_type(evs, "hotswap")
+    assert [(s["failed"], s["spare"]) for s in swaps] == [("node1", "node2")]
+    assert of_type(evs, "recovery"), "no recovery event after the hot-swap under the new leader"
+
+
+def test_supervisor_and_a_node_lost_together(tmp_path, baseline):
+    """The supervisor and node0 (agent and ranks) SIGKILLed at once: the standby takes over and hot-swaps
+    node0 onto the spare."""
+    _, run_dir = _kill_leader_at(tmp_path, 3, and_node="node0")
+    evs = _assert_completed(run_dir, tmp_path / "digest.json", baseline)
+    assert [(s["failed"], s["spare"]) for s in of_type(evs, "hotswap")] == [("node0", "node2")]
+
+
+def test_standby_setting_is_checked(tmp_path):
+    """A bad launch.standby is one clear line and exit 2, before anything starts."""
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"launch": {"standby": "maybe"}}))
+    r = run_phoenix(["--config", str(tmp_path / "cfg.yaml"), "--run-dir", str(tmp_path / "run"), GPT], tmp_path, timeout=120)
+    assert r.returncode == 2 and "launch.standby must be off or on" in r.stderr and "Traceback" not in r.stderr, r.stderr
