@@ -116,7 +116,6 @@ class Agent:
             {
                 protocol.ENV_STORE_HOST: s.store_host,
                 protocol.ENV_STORE_PORT: str(s.store_port),
-                protocol.ENV_STORE_STANDBY: s.store_standby,
                 protocol.ENV_NODE: self.node,
                 protocol.ENV_SLOT: str(slot),
                 protocol.ENV_RUN_DIR: str(self.run_dir),
@@ -253,12 +252,11 @@ class Agent:
 
     # --- control plane -----------------------------------------------------------------------------
     def connect(self) -> None:
-        from phoenix_runtime.failover import FailoverStore, parse_addr
+        from phoenix_runtime.failover import FailoverStore
 
         s = self.spec
         # follows a takeover to the standby supervisor's store (bounded: takeover_timeout_s)
-        self.store = FailoverStore((s.store_host, int(s.store_port)), parse_addr(s.store_standby), timeout_s=30.0,
-                                   reconnect_s=s.takeover_timeout_s)
+        self.store = FailoverStore((s.store_host, int(s.store_port)), self.run_dir, timeout_s=30.0, reconnect_s=s.takeover_timeout_s)
         self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
         self.q_cmd = protocol.Queue(self.store, protocol.q_agent(self.node))
         # a node joining a running job (replenishment) is accepted because its agent_up is sealed with the

@@ -67,14 +67,14 @@ class ControlPlane:
         self.incarnation = 0  # 1: a standby's, after it took the job over (runtime/failover.py)
 
     @classmethod
-    def taking_over(cls, host: str, sock: socket.socket) -> "ControlPlane":
-        """A standby's control plane: the store on the socket it held since it started (every agent and rank
-        knows its address), a new rendezvous store; incarnation 1."""
+    def taking_over(cls, host: str, sock: socket.socket, incarnation: int) -> "ControlPlane":
+        """A standby's control plane: the store on the socket it held since it started (its address is in the
+        run directory's standby.json), a new rendezvous store; ``incarnation``: how many leaders came before."""
         plane = cls.__new__(cls)
         plane.host, plane._sock, plane._rdzv_sock = host, sock, reserve_port(host, 0)
         plane.port, plane.rdzv_port = sock.getsockname()[1], plane._rdzv_sock.getsockname()[1]
         plane.store = plane.rdzv_store = plane._old_rdzv = plane.reports = plane.commands = None
-        plane.incarnation = 1
+        plane.incarnation = incarnation
         return plane
 
     def listen(self) -> None:

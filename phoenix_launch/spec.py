@@ -32,8 +32,7 @@ class AgentSpec:
     run_id: str = ""
     store_host: str = ""  # "": no control plane (tests of the agent alone)
     store_port: int = 0
-    store_standby: str = ""  # host:port where a standby supervisor serves the store after a takeover
-    takeover_timeout_s: float = 30.0
+    takeover_timeout_s: float = 30.0  # the store lost: wait this long for a standby's (run_dir/standby.json)
     master_port: int = 0  # the env:// rendezvous store of this attempt (MASTER_PORT)
     cwd: str = ""
     heartbeat_s: float = 0.5

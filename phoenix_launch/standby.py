@@ -7,7 +7,7 @@ phoenix_launch.standby``, a process of its own that outlives the leader -- polls
 store: a call that fails because the connection is closed, then a connect that fails, is a lost leader.
 
 The takeover (:meth:`Supervisor.take_over`): the standby serves the control plane on the socket it has held since
-it started (every agent and rank was told its address: ``PHOENIX_STORE_STANDBY``), restores the generation and
+it started (its address and incarnation are in the run directory's ``standby.json``), restores the generation and
 its membership there, rewrites ``control.json`` (``kill-node``, ``status``) and runs the supervisor's loop from
 the mirrored state. Agents and ranks reconnect by themselves (``phoenix_runtime.failover``); the ranks' process
 groups do not need the store between recoveries, so training goes on. A job in the middle of a recovery forms
@@ -35,7 +35,8 @@ from typing import Any
 from phoenix_runtime import auth, protocol
 
 K_STATE = "phx/sup/state"  # the leader's mirrored state (sealed JSON)
-STANDBY_FILE = "standby.json"  # what the leader tells its standby (argv, backend), in the run directory
+K_READY = "phx/sup/standby_ready"  # the standby has the state: the incarnation it would serve (sealed)
+STANDBY_FILE = protocol.STANDBY_FILE  # what the leader tells its standby (address, incarnation, argv, backend)
 POLL_S = 0.05
 
 
@@ -80,8 +81,9 @@ class Mirror:
 class Standby:
     """Watch the leader (its store) and keep its newest state; :meth:`watch` returns when it is lost."""
 
-    def __init__(self, host: str, port: int, stop: Any):
+    def __init__(self, host: str, port: int, incarnation: int, stop: Any):
         self.addr = (host, port)
+        self.incarnation = incarnation
         self.stop = stop  # () -> bool: the standby was told to go (the leader ended the job)
         self.state: dict[str, Any] | None = None
         self.t_lost: float | None = None
@@ -100,20 +102,25 @@ class Standby:
 
         deadline = time.monotonic() + connect_bound_s
         store = None
-        while store is None:  # the leader starts its store after its agents
+        while store is None:  # the leader serves its store before it starts a standby
             if self.stop():
+                return False
+            if not reachable(self.addr):
+                print("phoenix standby: the leader was lost before this standby was ready; nothing to take over", file=sys.stderr)
                 return False
             try:
                 store = self._connect(2.0)
             except dist.DistError:
                 if time.monotonic() > deadline:
-                    print("phoenix standby: the leader's store never came up", file=sys.stderr)
+                    print("phoenix standby: the leader's store does not answer", file=sys.stderr)
                     return False
         while not self.stop():
             try:
                 if store.check([K_STATE]):
                     text = protocol.get_value(store, K_STATE)
                     if text is not None:
+                        if self.state is None:  # ready: the leader says so in its events and status
+                            protocol.put_value(store, K_READY, str(self.incarnation))
                         self.state = json.loads(text)
                         if self.state.get("final"):
                             return False
@@ -155,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phoenix standby: cannot start: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
     sock = socket.socket(fileno=ns.fd)
-    watcher = Standby(ctl["host"], int(ctl["port"]), stop=lambda: bool(stopping))
+    watcher = Standby(ctl["host"], int(ctl["port"]), int(told["incarnation"]), stop=lambda: bool(stopping))
     if not watcher.watch():
         return 0
     if watcher.state is None:
@@ -180,7 +187,7 @@ def take_over(run_dir: Path, told: dict[str, Any], state: dict[str, Any], sock: 
         signal.signal(s, lambda signum, frame: sup.request_stop(signum))
     if stopping:
         sup.request_stop(stopping[0])
-    sup.take_over(state, sock, t_lost)
+    sup.take_over({**state, "incarnation": int(told["incarnation"])}, sock, t_lost)
     return sup.loop()
 
 

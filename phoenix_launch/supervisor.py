@@ -78,8 +78,8 @@ class Supervisor:
         self._status_due = False
         self.plane: ControlPlane | None = None  # start() opens it
         self.standby = cfg.launch.standby == "on"  # a standby supervisor mirrors this one (standby.py)
-        self.standby_addr = ""
         self.mirror = Mirror()
+        self.standby_ready = False
         self.publisher: GenerationPublisher | None = None
         self.commands: CommandHandler | None = None
         self.operator_io = OperatorIO(cfg.metrics, run_dir, self.events)  # command socket, metrics, progress
@@ -107,11 +107,9 @@ class Supervisor:
         launch = self.cfg.launch
         plane = self.plane = ControlPlane(self.backend.store_host(launch.master_addr), launch.master_port)
         write_json_atomic(self.run_dir / "control.json",
-                          {"host": plane.host, "port": plane.port, "pid": os.getpid(), "node": os.uname().nodename, "run_id": launch.run_id, "backend": self.backend.name})
+                          {"host": plane.host, "port": plane.port, "pid": os.getpid(), "node": os.uname().nodename, "run_id": launch.run_id,
+                           "backend": self.backend.name, "incarnation": 0})
         ranks = self.nodes.populate(self.backend.node_names, launch.nodes, self.nproc)
-        standby_sock = standby.reserve(plane.host) if self.standby else None
-        if standby_sock is not None:
-            self.standby_addr = f"{plane.host}:{standby_sock.getsockname()[1]}"
         for node in self.nodes:
             self.backend.start_agent(node.name, self.agent_spec(node))
         plane.listen()
@@ -119,11 +117,7 @@ class Supervisor:
         self.publisher = GenerationPublisher(self.store, world_size=self.world_size, nproc=self.nproc, run_id=launch.run_id,
                                              max_restarts=launch.max_restarts, domains=self.backend.domains)
         self.publisher.first(ranks)
-        if standby_sock is not None:
-            write_json_atomic(self.run_dir / standby.STANDBY_FILE, {"argv": self.argv, "backend": self.backend.name, "address": self.standby_addr})
-            self.mirror.publish(self.store, standby.snapshot(self))
-            self.backend.start_standby(standby_sock)
-            standby_sock.close()  # the standby holds it now
+        self._start_standby()
         self.commands = CommandHandler(self.store, None, self.events, self._job_targets(), self.incidents.injected)  # sealed
         self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, auth.derive(SOCKET_PURPOSE), self.events, self._job_targets(), self.incidents.injected))
         self.events.emit("job_start", run_id=launch.run_id, nodes=launch.nodes, nproc_per_node=self.nproc, spares=launch.spares,
@@ -135,7 +129,7 @@ class Supervisor:
         """The standby's start (instead of :meth:`start`): serve the control plane where every agent and rank was
         told to look, restore the lost leader's state (``standby.snapshot``), and go on with the job."""
         launch = self.cfg.launch
-        plane = self.plane = ControlPlane.taking_over(sock.getsockname()[0], sock)
+        plane = self.plane = ControlPlane.taking_over(sock.getsockname()[0], sock, int(state["incarnation"]))
         plane.listen()
         t_serving = time.time()
         write_json_atomic(self.run_dir / "control.json",
@@ -170,6 +164,31 @@ class Supervisor:
         if leader and leader in self.nodes and self.nodes[leader].state not in ENDED:
             self.backend.kill_node(leader)
             self.on_agent_exit(leader, -9, now)  # the leader's node held ranks: hot-swapped as any lost node
+        self._start_standby()  # the next loss of the leader is survived too
+
+    def _start_standby(self) -> None:
+        """A standby supervisor (``launch.standby``) on a socket reserved here and handed over: its address is in
+        ``standby.json`` before the standby runs, so a client that loses this leader finds it."""
+        if not self.standby:
+            return
+        assert self.plane is not None
+        sock = standby.reserve(self.plane.host)
+        write_json_atomic(self.run_dir / standby.STANDBY_FILE, {"address": f"{self.plane.host}:{sock.getsockname()[1]}",
+                                                               "incarnation": self.plane.incarnation + 1, "argv": self.argv,
+                                                               "backend": self.backend.name})
+        self.mirror.publish(self.store, standby.snapshot(self))
+        try:
+            self.backend.start_standby(sock)
+        finally:
+            sock.close()  # the standby holds it now
+
+    def _check_standby_ready(self) -> None:
+        """The standby has the leader's state (it says so in the store): an event, once per standby."""
+        if not self.standby or self.standby_ready or not self.store.check([standby.K_READY]):
+            return
+        if protocol.get_value(self.store, standby.K_READY) == str(self.plane.incarnation + 1):  # type: ignore[union-attr]
+            self.standby_ready = True
+            self.events.emit("standby_ready", incarnation=self.plane.incarnation + 1)  # type: ignore[union-attr]
 
     def _job_targets(self) -> JobTargets:
         return JobTargets(self.world_size, self.nproc, lambda: self._gens().members,
@@ -195,7 +214,7 @@ class Supervisor:
             role=protocol.ROLE_SPARE if node.is_spare else protocol.ROLE_ACTIVE, group_rank=node.group_rank,
             world_size=self.world_size, gen=self.gen, epoch=self.epoch, max_restarts=launch.max_restarts,
             run_id=launch.run_id, store_host=self.plane.host if self.plane else "", store_port=self.plane.port if self.plane else 0,
-            store_standby=self.standby_addr, takeover_timeout_s=detect.takeover_timeout_s,
+            takeover_timeout_s=detect.takeover_timeout_s,
             master_port=self.plane.rdzv_port if self.plane else 0,
             cwd=os.getcwd(), heartbeat_s=detect.heartbeat_s, hang_timeout_s=detect.hang_timeout_s,
             node_timeout_s=detect.node_timeout_s, stop_grace_s=launch.stop_grace_s, redirects=launch.redirects,
@@ -606,6 +625,7 @@ class Supervisor:
                     self.mirror.publish(self.store, standby.snapshot(self))
                 if time.monotonic() > next_hb:
                     self.check_heartbeats(now)
+                    self._check_standby_ready()
                     self._flush_recovery_event()
                     next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
                 if self.exit_code is None and (time.monotonic() > next_status or self._status_due):

@@ -78,11 +78,10 @@ class RankState:
 
 def connect_store(env: RankEnv | None = None, timeout_s: float = 30.0):
     """A client of the control plane's store that follows a takeover to the standby supervisor (``failover``)."""
-    from phoenix_runtime.failover import FailoverStore, parse_addr
+    from phoenix_runtime.failover import FailoverStore
 
     env = env or rank_env()
-    return FailoverStore((env.store_host, env.store_port), parse_addr(env.store_standby), timeout_s=timeout_s,
-                         reconnect_s=env.settings.takeover_timeout_s)
+    return FailoverStore((env.store_host, env.store_port), env.run_dir, timeout_s=timeout_s, reconnect_s=env.settings.takeover_timeout_s)
 
 
 class ControlThread:

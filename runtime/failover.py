@@ -1,11 +1,14 @@
 """A control-plane client that follows the job's supervisor: to the standby's store when the leader is lost.
 
-The leader supervisor serves the control plane's store; a standby supervisor on another node holds a listening
-socket at a second address that every agent and rank is told at start (``PHOENIX_STORE_STANDBY``). When the
-leader dies, a store call fails at once (the server's end is closed: ``DistNetworkError``); the client then tries
-the leader once more and, if it is gone, connects to the standby's address. That connection completes when the
-standby has taken over and serves the store (its socket accepted it into its backlog before), so the client
-waits exactly as long as the takeover takes, within ``reconnect_s``. A client never goes back to the leader.
+The leader supervisor serves the control plane's store and says where in the run directory (``control.json``:
+its address and incarnation); a standby supervisor holds a listening socket from its start and says where too
+(``standby.json``: its address and the incarnation it will serve). Both files are the job user's (0600, on the
+shared filesystem, as the secret is). When the leader dies, a store call fails at once (the server's end is
+closed: ``DistNetworkError``); the client then tries the leader once more and, if it is gone, connects to the
+standby's address. That connection completes when the standby has taken over and serves the store (its socket
+accepted it into its backlog before), so the client waits exactly as long as the takeover takes, within
+``reconnect_s``. A client never goes back to an older incarnation. The new leader starts a new standby, so the
+job survives the next loss of its leader too.
 
 The new store is empty at first: what the new leader restores (the generation, its membership) is written anew.
 ``incarnation`` counts the moves: a queue's messages are sealed for their queue *and* incarnation
@@ -19,12 +22,17 @@ as after any failure during a recovery.
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from phoenix_runtime.protocol import CONTROL_FILE, STANDBY_FILE
+
 
 def parse_addr(text: str) -> tuple[str, int] | None:
     """``host:port`` -> (host, port); "" -> None."""
@@ -32,6 +40,14 @@ def parse_addr(text: str) -> tuple[str, int] | None:
         return None
     host, _, port = text.rpartition(":")
     return (host, int(port)) if host and port.isdigit() else None
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def reachable(addr: tuple[str, int], timeout_s: float = 1.0) -> bool:
@@ -49,66 +65,77 @@ def _tcp(addr: tuple[str, int], timeout_s: float):
 
 
 class FailoverStore(dist.Store):
-    """A ``TCPStore`` client on the leader's store that moves to the standby's when the leader is lost.
+    """A ``TCPStore`` client of the job's control plane that follows a takeover to the new leader's store.
 
     One thread uses one instance (as with any TCPStore client). A call that fails because the connection is
     lost (``DistNetworkError``) reconnects (:meth:`_move`) and is made again once; a call that fails otherwise
-    (a key's wait timed out) raises as before. Without a standby address it only reconnects to the leader."""
+    (a key's wait timed out) raises as before. Without a run directory it only reconnects to the same address."""
 
-    def __init__(self, primary: tuple[str, int], standby: tuple[str, int] | None = None, *,
-                 timeout_s: float = 30.0, reconnect_s: float = 60.0):
+    def __init__(self, addr: tuple[str, int], run_dir: str | Path | None = None, *, timeout_s: float = 30.0,
+                 reconnect_s: float = 60.0):
         super().__init__()
-        self.primary, self.standby = primary, standby
+        self.addr = addr
+        self.run_dir = Path(run_dir) if run_dir else None
         self.timeout_s, self.reconnect_s = timeout_s, reconnect_s
-        self.incarnation = 0  # 0: the leader's store; 1: the standby's
-        self.moved_at: float | None = None  # when this client reached the standby's store
+        self.incarnation = 0  # 0: the first leader's store; n: the n-th standby's, after it took over
+        self.moved_at: float | None = None  # when this client last reached a new leader's store
         self._s = self._first()
         self.set_timeout(timedelta(seconds=timeout_s))
-
-    def _first(self):
-        """The leader's store; the standby's when the leader is already gone (a process that starts, or connects
-        for the first time, after a takeover). The leader's port listens from before its agents start, so a
-        refused connect means it is lost."""
-        if self.standby is not None and not reachable(self.primary):
-            self.incarnation, self.moved_at = 1, time.time()
-            return _tcp(self.standby, max(self.timeout_s, self.reconnect_s))
-        try:
-            return _tcp(self.primary, self.timeout_s)
-        except dist.DistError as e:
-            if self.standby is None:
-                raise
-            self._move(e)
-            return self._s
 
     @property
     def current(self):
         """The TCPStore client now in use."""
         return self._s
 
-    def _move(self, err: Exception) -> None:
-        """The connection is lost: the leader again once, else the standby's store (bounded)."""
+    def _first(self):
+        """The store at ``addr``, or a newer leader's when that one is already gone (a process started after a
+        takeover is told the first leader's address). A leader's port listens from before its agents start, so
+        a refused connect means that leader is lost."""
+        if self.run_dir is not None and not reachable(self.addr):
+            self._move(None)
+            return self._s
+        return _tcp(self.addr, self.timeout_s)
+
+    def _newer(self) -> tuple[int, tuple[str, int], bool] | None:
+        """(incarnation, address, serving) of a leader newer than the one this client used: the serving one
+        in ``control.json``, else the waiting standby of ``standby.json``."""
+        if self.run_dir is None:
+            return None
+        ctl = _read(self.run_dir / CONTROL_FILE)
+        if int(ctl.get("incarnation", 0) or 0) > self.incarnation and ctl.get("host") and ctl.get("port"):
+            return int(ctl["incarnation"]), (str(ctl["host"]), int(ctl["port"])), True
+        sb = _read(self.run_dir / STANDBY_FILE)
+        addr = parse_addr(str(sb.get("address", "")))
+        if int(sb.get("incarnation", 0) or 0) > self.incarnation and addr is not None:
+            return int(sb["incarnation"]), addr, False
+        return None
+
+    def _no_standby(self) -> bool:
+        """No standby was ever started for this job: nothing to wait for (the agent decides what a lost control
+        plane means, as without a standby)."""
+        return self.run_dir is None or not (self.run_dir / STANDBY_FILE).exists()
+
+    def _move(self, err: Exception | None) -> None:
+        """The connection is lost: the same leader again if it is there, else a newer one (bounded)."""
         deadline = time.monotonic() + self.reconnect_s
-        if self.incarnation == 0:
+        while True:
             try:
-                if reachable(self.primary):
-                    self._s = _tcp(self.primary, 5.0)
+                if reachable(self.addr):
+                    self._s = _tcp(self.addr, 5.0)
+                    return
+                newer = self._newer()
+                if newer is not None:
+                    inc, addr, serving = newer
+                    # a standby's socket accepts before it serves: this waits for its takeover
+                    self._s = _tcp(addr, 5.0 if serving else max(1.0, deadline - time.monotonic()))
+                    self.addr, self.incarnation, self.moved_at = addr, inc, time.time()
                     return
             except dist.DistError:
                 pass
-            if self.standby is not None:
-                try:
-                    self._s = _tcp(self.standby, max(1.0, deadline - time.monotonic()))
-                    self.incarnation, self.moved_at = 1, time.time()
-                    return
-                except dist.DistError:
-                    pass
-            raise dist.DistNetworkError(f"control plane lost: the supervisor's store at {self.primary[0]}:{self.primary[1]} "
-                                        f"is gone{' and its standby did not take over' if self.standby else ''} ({err})")
-        # already on the standby's store: it is the only leader there is now
-        try:
-            self._s = _tcp(self.standby or self.primary, max(1.0, deadline - time.monotonic()))
-        except dist.DistError:
-            raise dist.DistNetworkError(f"control plane lost after the takeover ({err})") from None
+            if time.monotonic() > deadline or self._no_standby():
+                raise dist.DistNetworkError(f"control plane lost: the supervisor's store at {self.addr[0]}:{self.addr[1]} is "
+                                            f"gone and no standby took over within {self.reconnect_s:g} s ({err})")
+            time.sleep(0.1)
 
     def _call(self, name: str, *args: Any) -> Any:
         try:

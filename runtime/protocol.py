@@ -35,7 +35,6 @@ from phoenix_runtime.channel import SCHEMA_VERSION, Queue, get_value, put_value 
 # --- environment variables the launcher gives every rank (besides torchrun's own) -------------------
 ENV_STORE_HOST = "PHOENIX_STORE_HOST"
 ENV_STORE_PORT = "PHOENIX_STORE_PORT"
-ENV_STORE_STANDBY = "PHOENIX_STORE_STANDBY"  # host:port where the standby supervisor serves the store after a takeover
 ENV_NODE = "PHOENIX_NODE"
 ENV_SLOT = "PHOENIX_SLOT"
 ENV_RUN_DIR = "PHOENIX_RUN_DIR"
@@ -63,6 +62,8 @@ class Store(Protocol):
 
 
 # --- keys ------------------------------------------------------------------------------------------
+CONTROL_FILE = "control.json"  # in the run directory: the serving leader {"host", "port", "incarnation", "pid", ...}
+STANDBY_FILE = "standby.json"  # in the run directory: the waiting standby {"address", "incarnation", "argv", "backend"}
 K_GEN = "phx/gen"
 K_RUN_ID = "phx/run_id"
 K_PERSIST_AT = "phx/persist/at"  # the step every rank writes a persistent checkpoint of (time-based cadence)

@@ -21,7 +21,6 @@ class RankEnv:
     managed: bool  # started by phoenix-run (a control plane exists)
     store_host: str = ""
     store_port: int = 0
-    store_standby: str = ""  # host:port of the standby supervisor's store ("" without a standby)
     node: str = ""
     slot: int = 0
     role: str = protocol.ROLE_ACTIVE
@@ -53,7 +52,6 @@ class RankEnv:
             managed=bool(env.get(protocol.ENV_STORE_HOST)),
             store_host=env.get(protocol.ENV_STORE_HOST, ""),
             store_port=num(protocol.ENV_STORE_PORT),
-            store_standby=env.get(protocol.ENV_STORE_STANDBY, ""),
             node=env.get(protocol.ENV_NODE, ""),
             slot=num(protocol.ENV_SLOT),
             role=env.get(protocol.ENV_ROLE, protocol.ROLE_ACTIVE),

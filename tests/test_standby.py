@@ -32,8 +32,21 @@ def _write_cfg(d: Path, standby: bool) -> Path:
 
 
 def _args(d: Path, cfg: Path, sleep: float) -> list[str]:
+    """``sleep`` seconds per step while ``d/slow`` exists: the job outlives what a test does to it."""
     return ["--config", str(cfg), "--nodes", "2", "--nproc-per-node", "2", "--spares", "1", "--run-dir", str(d / "run"),
-            GPT, "--steps", str(STEPS), "--step-sleep", str(sleep), "--digest-file", str(d / "digest.json")]
+            GPT, "--steps", str(STEPS), "--step-sleep", str(sleep), "--step-sleep-while", str(d / "slow"),
+            "--digest-file", str(d / "digest.json")]
+
+
+@pytest.fixture(autouse=True)
+def _reap(tmp_path):
+    """Whatever a failed test leaves of its job (the standby outlives the process the test started)."""
+    yield
+    for p in job_processes(tmp_path / "run"):
+        try:
+            p.kill()
+        except Exception:  # noqa: BLE001 -- gone already
+            pass
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +75,10 @@ def _kill_leader_at(tmp_path: Path, step: int, and_node: str | None = None):
     """Start the job, SIGKILL phoenix-run (and the agent's process group of ``and_node``) once step ``step`` is done."""
     d = tmp_path
     run_dir = d / "run"
-    proc = start_phoenix(_args(d, _write_cfg(d, True), 0.4), d)
+    (d / "slow").touch()
+    proc = start_phoenix(_args(d, _write_cfg(d, True), 0.3), d)
     try:
-        wait_for(lambda: _progress(run_dir, step), 180, f"step {step}")
+        wait_for(lambda: _progress(run_dir, step) and of_type(events(run_dir), "standby_ready"), 180, f"step {step} and a ready standby")
         standby = json.loads((run_dir / "standby.json").read_text())
         assert standby["address"].startswith("127.0.0.1:")
         victims = []
@@ -82,7 +96,7 @@ def _kill_leader_at(tmp_path: Path, step: int, and_node: str | None = None):
         raise
 
 
-def _assert_completed(run_dir: Path, digest: Path, expected: dict) -> list[dict]:
+def _assert_completed(run_dir: Path, digest: Path, expected: dict, takeovers: int = 1) -> list[dict]:
     try:
         end = wait_for(lambda: _job_end(run_dir), 240, "the job's end after the takeover")
     except AssertionError:
@@ -91,25 +105,32 @@ def _assert_completed(run_dir: Path, digest: Path, expected: dict) -> list[dict]
         raise
     evs = events(run_dir)
     assert end["exit_code"] == 0, (end, [e["type"] for e in evs][-30:])
-    (t,) = of_type(evs, "takeover")
-    assert t["was"] in ("running", "recovering") and t["serving_s"] >= 0
+    ts = of_type(evs, "takeover")
+    assert len(ts) == takeovers, ts
+    assert all(t["was"] in ("running", "recovering") and t["serving_s"] >= 0 for t in ts), ts
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "succeeded", status.get("state")
     ctl = json.loads((run_dir / "control.json").read_text())
-    assert ctl["pid"] == t["pid"] and ctl["incarnation"] == 1
+    assert ctl["pid"] == ts[-1]["pid"] and ctl["incarnation"] == takeovers
     assert_same_digest(digest, expected)  # fails when the digest file is missing
     wait_for(lambda: not job_processes(run_dir), 30, "every process of the job to exit")
     return evs
 
 
-def test_supervisor_sigkilled_the_standby_takes_over_and_steers_the_job(tmp_path, baseline):
-    """SIGKILL of phoenix-run at step 3: the standby serves the control plane, training goes on; then
-    ``kill-node`` (through the new control.json) crashes node1 and the new leader hot-swaps the spare in."""
+def test_supervisor_sigkilled_twice_the_standby_takes_over_and_steers_the_job(tmp_path, baseline):
+    """SIGKILL of phoenix-run at step 3: the standby serves the control plane, training goes on, and starts a
+    standby of its own; that new leader is SIGKILLed too, and the second standby takes over. Then ``kill-node``
+    (through the newest control.json) crashes node1 and the third leader hot-swaps the spare in."""
     _, run_dir = _kill_leader_at(tmp_path, 3)
-    wait_for(lambda: of_type(events(run_dir), "takeover"), 60, "the takeover")
+    first = wait_for(lambda: of_type(events(run_dir), "takeover"), 60, "the first takeover")[0]
+    wait_for(lambda: [e for e in of_type(events(run_dir), "standby_ready") if e["incarnation"] == 2], 60, "the new leader's standby")
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_for(lambda: len(of_type(events(run_dir), "takeover")) == 2, 60, "the second takeover")
     r = subprocess.run(phoenix_cmd("kill-node", "node1", "--run-dir", str(run_dir)), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    evs = _assert_completed(run_dir, tmp_path / "digest.json", baseline)
+    wait_for(lambda: of_type(events(run_dir), "recovery"), 120, "the recovery after the hot-swap")
+    (tmp_path / "slow").unlink()
+    evs = _assert_completed(run_dir, tmp_path / "digest.json", baseline, takeovers=2)
     swaps = of_type(evs, "hotswap")
     assert [(s["failed"], s["spare"]) for s in swaps] == [("node1", "node2")]
     assert of_type(evs, "recovery"), "no recovery event after the hot-swap under the new leader"
@@ -119,6 +140,8 @@ def test_supervisor_and_a_node_lost_together(tmp_path, baseline):
     """The supervisor and node0 (agent and ranks) SIGKILLed at once: the standby takes over and hot-swaps
     node0 onto the spare."""
     _, run_dir = _kill_leader_at(tmp_path, 3, and_node="node0")
+    wait_for(lambda: of_type(events(run_dir), "recovery"), 120, "the recovery after the hot-swap")
+    (tmp_path / "slow").unlink()
     evs = _assert_completed(run_dir, tmp_path / "digest.json", baseline)
     assert [(s["failed"], s["spare"]) for s in of_type(evs, "hotswap")] == [("node0", "node2")]
 
