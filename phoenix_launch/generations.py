@@ -39,6 +39,7 @@ class GenerationPublisher:
         self.stable = self.members  # the last generation every rank reached (joiners are counted from it)
         self._swept = 0  # generations below this one had their keys deleted
         self._seen: set[str] = set()  # nodes of every membership published since the last recovery completed
+        self.before_bump: Callable[[], None] = lambda: None  # the supervisor mirrors its state to its standby here
 
     def first(self, ranks: Iterable[protocol.RankSlot]) -> protocol.Membership:
         """Generation 0, as the agents start it."""
@@ -72,10 +73,11 @@ class GenerationPublisher:
         for r in ranks:
             if r.rank in joiners:
                 protocol.put_value(self.store, protocol.k_assign(r.node, r.slot), json.dumps(self._assignment(r, group_ranks[r.node], attempt)))
-        protocol.put_value(self.store, protocol.K_GEN, str(self.gen))
         self.members = mem
         if fresh:
             self.stable = mem
+        self.before_bump()  # a standby holds the new generation before any rank can see it
+        protocol.put_value(self.store, protocol.K_GEN, str(self.gen))
         return mem
 
     def recovered(self) -> None:

@@ -37,18 +37,28 @@ from phoenix_runtime import auth, protocol
 K_STATE = "phx/sup/state"  # the leader's mirrored state (sealed JSON)
 K_READY = "phx/sup/standby_ready"  # the standby has the state: the incarnation it would serve (sealed)
 STANDBY_FILE = protocol.STANDBY_FILE  # what the leader tells its standby (address, incarnation, argv, backend)
-POLL_S = 0.05
+K_ACK = "phx/sup/state_ack"  # the newest state version the standby holds (sealed)
+POLL_S = 0.01
+ACK_BOUND_S = 1.0  # a new generation waits at most this long for the standby to hold it
 
 
-def snapshot(sup: Any) -> dict[str, Any]:
-    """What a new leader needs to go on with the job (no secrets: the standby reads the secret file)."""
+def snapshot(sup: Any, memo: dict[int, str] | None = None) -> dict[str, Any]:
+    """What a new leader needs to go on with the job (no secrets: the standby reads the secret file).
+    ``memo``: memberships' JSON by generation (a large job's membership is not serialized on every pass)."""
     gens = sup.publisher
     att = sup.attempt
+    memo = {} if memo is None else memo
+
+    def members(m: protocol.Membership) -> str:
+        if m.gen not in memo:
+            memo[m.gen] = m.to_json()
+        return memo[m.gen]
+
     return {
         "job": sup.job.state.value,
         "gen": gens.gen,
-        "members": gens.members.to_json(),
-        "stable": gens.stable.to_json(),
+        "members": members(gens.members),
+        "stable": members(gens.stable),
         "swept": gens._swept,
         "epoch": sup.epoch,
         "restarts": sup.restarts,
@@ -70,12 +80,30 @@ class Mirror:
 
     def __init__(self) -> None:
         self.last = ""
+        self.version = 0
+        self.memo: dict[int, str] = {}  # membership JSON by generation
+        self.behind = 0  # synchronous publications the standby did not acknowledge in time
 
-    def publish(self, store: Any, state: dict[str, Any]) -> None:
+    def publish(self, store: Any, sup: Any, sync: bool = False) -> None:
+        """Publish the state if it changed. ``sync`` (a new generation, before its bump): wait until the
+        standby holds it (bounded by ``ACK_BOUND_S``), so that a leader lost right after the bump leaves a
+        standby that knows the generation every rank may already see."""
+        state = snapshot(sup, self.memo)
+        if len(self.memo) > 4:  # only the newest generations are in a snapshot
+            for g in sorted(self.memo)[:-4]:
+                del self.memo[g]
         text = json.dumps(state, sort_keys=True)
         if text != self.last:
-            protocol.put_value(store, K_STATE, text)
+            self.version += 1
+            protocol.put_value(store, K_STATE, json.dumps({**state, "version": self.version}, sort_keys=True))
             self.last = text
+        if sync and sup.standby_ready:
+            deadline = time.monotonic() + ACK_BOUND_S
+            while int(protocol.get_value(store, K_ACK) or 0) < self.version:
+                if time.monotonic() > deadline:
+                    self.behind += 1
+                    return
+                time.sleep(0.001)
 
 
 class Standby:
@@ -114,14 +142,19 @@ class Standby:
                 if time.monotonic() > deadline:
                     print("phoenix standby: the leader's store does not answer", file=sys.stderr)
                     return False
+        acked = 0
         while not self.stop():
             try:
                 if store.check([K_STATE]):
                     text = protocol.get_value(store, K_STATE)
                     if text is not None:
-                        if self.state is None:  # ready: the leader says so in its events and status
-                            protocol.put_value(store, K_READY, str(self.incarnation))
+                        first = self.state is None
                         self.state = json.loads(text)
+                        if int(self.state.get("version", 0)) > acked:
+                            acked = int(self.state.get("version", 0))
+                            protocol.put_value(store, K_ACK, str(acked))
+                        if first:  # ready: the leader says so in its events and status
+                            protocol.put_value(store, K_READY, str(self.incarnation))
                         if self.state.get("final"):
                             return False
             except dist.DistNetworkError:
@@ -179,6 +212,7 @@ def take_over(run_dir: Path, told: dict[str, Any], state: dict[str, Any], sock: 
     from phoenix_launch.config import build_config
     from phoenix_launch.supervisor import Supervisor
 
+    t0 = time.time()
     cfg = build_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
     backend = LocalBackend(run_dir, 0, standby=True)  # the only backend with a standby so far (see config.py)
     backend.attach(state.get("agents") or {})
@@ -187,7 +221,7 @@ def take_over(run_dir: Path, told: dict[str, Any], state: dict[str, Any], sock: 
         signal.signal(s, lambda signum, frame: sup.request_stop(signum))
     if stopping:
         sup.request_stop(stopping[0])
-    sup.take_over({**state, "incarnation": int(told["incarnation"])}, sock, t_lost)
+    sup.take_over({**state, "incarnation": int(told["incarnation"])}, sock, t_lost, phases={"build_s": round(time.time() - t0, 3)})
     return sup.loop()
 
 

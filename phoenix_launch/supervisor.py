@@ -80,6 +80,8 @@ class Supervisor:
         self.standby = cfg.launch.standby == "on"  # a standby supervisor mirrors this one (standby.py)
         self.mirror = Mirror()
         self.standby_ready = False
+        self.reannounce: set[str] = set()  # after a takeover: the nodes whose agents have not reached this leader yet
+        self.t_lost = 0.0
         self.publisher: GenerationPublisher | None = None
         self.commands: CommandHandler | None = None
         self.operator_io = OperatorIO(cfg.metrics, run_dir, self.events)  # command socket, metrics, progress
@@ -117,6 +119,7 @@ class Supervisor:
         self.publisher = GenerationPublisher(self.store, world_size=self.world_size, nproc=self.nproc, run_id=launch.run_id,
                                              max_restarts=launch.max_restarts, domains=self.backend.domains)
         self.publisher.first(ranks)
+        self.publisher.before_bump = lambda: self._mirror(sync=True)
         self._start_standby()
         self.commands = CommandHandler(self.store, None, self.events, self._job_targets(), self.incidents.injected)  # sealed
         self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, auth.derive(SOCKET_PURPOSE), self.events, self._job_targets(), self.incidents.injected))
@@ -125,10 +128,11 @@ class Supervisor:
                          resume=launch.resume or None)
         self.job.transition(JobState.RUNNING, "agents started")
 
-    def take_over(self, state: dict[str, Any], sock: Any, t_lost: float) -> None:
+    def take_over(self, state: dict[str, Any], sock: Any, t_lost: float, phases: dict[str, float] | None = None) -> None:
         """The standby's start (instead of :meth:`start`): serve the control plane where every agent and rank was
         told to look, restore the lost leader's state (``standby.snapshot``), and go on with the job."""
         launch = self.cfg.launch
+        t0 = time.time()
         plane = self.plane = ControlPlane.taking_over(sock.getsockname()[0], sock, int(state["incarnation"]))
         plane.listen()
         t_serving = time.time()
@@ -150,13 +154,18 @@ class Supervisor:
                                              max_restarts=launch.max_restarts, domains=self.backend.domains)
         self.publisher.restore(int(state["gen"]), protocol.Membership.from_json(state["members"]),
                                protocol.Membership.from_json(state["stable"]), int(state["swept"]))
+        self.publisher.before_bump = lambda: self._mirror(sync=True)
         self.commands = CommandHandler(self.store, None, self.events, self._job_targets(), self.incidents.injected)
         self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, auth.derive(SOCKET_PURPOSE), self.events, self._job_targets(), self.incidents.injected))
         now = time.time()
         self.events.emit("takeover", gen=self.gen, was=state["job"], control=f"{plane.host}:{plane.port}", leader_lost_at=t_lost,
-                         serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid())
+                         serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid(),
+                         phases={**(phases or {}), "listen_s": round(t_serving - t0, 3)})
         self.job.transition(JobState.RUNNING, "took over from the lost leader")
-        if state["job"] in (JobState.RECOVERING.value, JobState.RESTARTING.value):  # its reports went with the leader
+        self.t_lost = t_lost
+        self.reannounce = {n.name for n in self.nodes if n.up and n.state not in ENDED and n.name != state.get("leader_node")}
+        unsettled = self._gens().members.gen != self._gens().stable.gen  # a generation not every rank reached yet
+        if unsettled or state["job"] in (JobState.RECOVERING.value, JobState.RESTARTING.value):  # its reports went with the leader
             mem = self._gens().publish(self._gens().members.ranks, "takeover during a recovery", self._attempt(), self.nodes.group_ranks())
             self._begin_recovery("takeover", decisions.Decision(decisions.Kind.LOCAL, "takeover during a recovery"), Incident(now), now)
             self.events.emit("reprotect", gen=mem.gen, reason="the leader was lost during a recovery", protect_every=self.reprotector.every)
@@ -165,6 +174,13 @@ class Supervisor:
             self.backend.kill_node(leader)
             self.on_agent_exit(leader, -9, now)  # the leader's node held ranks: hot-swapped as any lost node
         self._start_standby()  # the next loss of the leader is survived too
+
+    def _mirror(self, sync: bool = False) -> None:
+        if self.standby and self.plane is not None:
+            behind = self.mirror.behind
+            self.mirror.publish(self.store, self, sync=sync)
+            if self.mirror.behind > behind:
+                self.events.emit("standby_behind", gen=self.gen, waited_s=standby.ACK_BOUND_S, times=self.mirror.behind)
 
     def _start_standby(self) -> None:
         """A standby supervisor (``launch.standby``) on a socket reserved here and handed over: its address is in
@@ -176,7 +192,7 @@ class Supervisor:
         write_json_atomic(self.run_dir / standby.STANDBY_FILE, {"address": f"{self.plane.host}:{sock.getsockname()[1]}",
                                                                "incarnation": self.plane.incarnation + 1, "argv": self.argv,
                                                                "backend": self.backend.name})
-        self.mirror.publish(self.store, standby.snapshot(self))
+        self.mirror.publish(self.store, self)
         try:
             self.backend.start_standby(sock)
         finally:
@@ -242,6 +258,10 @@ class Supervisor:
             self.adopt(m, now)  # a node this job did not start: a replenished spare, or refused
             return
         node.up, node.last_hb = True, time.time()
+        if node.name in self.reannounce:
+            self.reannounce.discard(node.name)
+            if not self.reannounce:  # every agent follows the new leader
+                self.events.emit("takeover_complete", agents_s=round(time.time() - self.t_lost, 3))
         if node.state is NodeState.STARTING:
             self.nodes.transition(node, NodeState.SPARE if node.is_spare else NodeState.ACTIVE, "agent up")
 
@@ -621,8 +641,8 @@ class Supervisor:
             while self.exit_code is None:
                 now = time.time()
                 self.tick(now)
-                if self.standby and self.exit_code is None:
-                    self.mirror.publish(self.store, standby.snapshot(self))
+                if self.exit_code is None:
+                    self._mirror()
                 if time.monotonic() > next_hb:
                     self.check_heartbeats(now)
                     self._check_standby_ready()

@@ -50,12 +50,18 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
-def reachable(addr: tuple[str, int], timeout_s: float = 1.0) -> bool:
-    """Something accepts connections at ``addr`` (a refused connect answers at once; TCPStore's own connect
-    would retry for its whole timeout)."""
+def reachable(addr: tuple[str, int], timeout_s: float = 1.0, quiet_s: float = 0.5) -> bool:
+    """A live listener at ``addr``: the connect succeeds and the connection then stays quiet for ``quiet_s`` (a
+    TCPStore server says nothing before the client's first message). A refused connect answers at once, and a
+    listener whose process was just killed resets the connection (its socket is closed during the exit), where
+    TCPStore's own connect would retry for its whole timeout."""
     try:
-        socket.create_connection(addr, timeout=timeout_s).close()
-        return True
+        with socket.create_connection(addr, timeout=timeout_s) as s:
+            s.settimeout(quiet_s)
+            try:
+                return s.recv(1) != b""
+            except socket.timeout:
+                return True
     except OSError:
         return False
 
@@ -121,8 +127,11 @@ class FailoverStore(dist.Store):
         while True:
             try:
                 if reachable(self.addr):
-                    self._s = _tcp(self.addr, 5.0)
+                    self._s = _tcp(self.addr, 2.0)
                     return
+            except dist.DistError:
+                pass
+            try:
                 newer = self._newer()
                 if newer is not None:
                     inc, addr, serving = newer

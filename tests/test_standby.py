@@ -151,3 +151,27 @@ def test_standby_setting_is_checked(tmp_path):
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"launch": {"standby": "maybe"}}))
     r = run_phoenix(["--config", str(tmp_path / "cfg.yaml"), "--run-dir", str(tmp_path / "run"), GPT], tmp_path, timeout=120)
     assert r.returncode == 2 and "launch.standby must be off or on" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_supervisor_lost_during_a_hot_swap(tmp_path, baseline):
+    """node1 crashed (``kill-node``) and the leader SIGKILLed as soon as it published the hot-swap's generation:
+    the standby holds that generation (mirrored before any rank could see it), forms it again under its own
+    watch, and the recovery completes with the failure-free digest."""
+    d = tmp_path
+    run_dir = d / "run"
+    (d / "slow").touch()
+    proc = start_phoenix(_args(d, _write_cfg(d, True), 0.3), d)
+    wait_for(lambda: _progress(run_dir, 3) and of_type(events(run_dir), "standby_ready"), 180, "step 3 and a ready standby")
+    r = subprocess.run(phoenix_cmd("kill-node", "node1", "--run-dir", str(run_dir)), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: of_type(events(run_dir), "hotswap"), 60, "the hot-swap's generation", interval=0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    wait_for(lambda: of_type(events(run_dir), "recovery"), 120, "the recovery under the new leader")
+    (d / "slow").unlink()
+    evs = _assert_completed(run_dir, d / "digest.json", baseline)
+    (t,) = of_type(evs, "takeover")
+    assert t["gen"] == 1, t  # the hot-swap's generation, mirrored before its bump
+    assert [(s["failed"], s["spare"]) for s in of_type(evs, "hotswap")] == [("node1", "node2")]
+    again = [e for e in of_type(evs, "reprotect") if e["gen"] == 2]
+    assert again, "the takeover did not form the unsettled generation again"
