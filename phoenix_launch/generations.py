@@ -45,6 +45,7 @@ class GenerationPublisher:
         self.members = self.stable = protocol.Membership(0, self.world_size, tuple(ranks), domains=self.domains())
         protocol.put_value(self.store, protocol.k_members(0), self.members.to_json())
         protocol.put_value(self.store, protocol.K_GEN, "0")
+        protocol.notify_ranks(self.store)
         return self.members
 
     def publish(self, ranks: Iterable[protocol.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
@@ -65,6 +66,7 @@ class GenerationPublisher:
             if r.rank in joiners:
                 protocol.put_value(self.store, protocol.k_assign(r.node, r.slot), json.dumps(self._assignment(r, group_ranks[r.node], attempt)))
         protocol.put_value(self.store, protocol.K_GEN, str(self.gen))
+        protocol.notify_ranks(self.store)
         self.members = mem
         if fresh:
             self.stable = mem
