@@ -102,6 +102,7 @@ class Ladder:
             return
         at = attempt.step + max(3, math.ceil(self.lead_s / max(attempt.step_time_s, 1e-3)))
         protocol.put_value(store, protocol.K_PERSIST_AT, str(at))
+        protocol.notify_ranks(store)
         self.last_t = now
         self.events.emit("checkpoint_scheduled", step=at)
 

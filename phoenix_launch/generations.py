@@ -46,6 +46,7 @@ class GenerationPublisher:
         self.members = self.stable = protocol.Membership(0, self.world_size, tuple(ranks), domains=self.domains())
         protocol.put_value(self.store, protocol.k_members(0), self.members.to_json())
         protocol.put_value(self.store, protocol.K_GEN, "0")
+        protocol.notify_ranks(self.store)
         return self.members
 
     def restore(self, gen: int, members: protocol.Membership, stable: protocol.Membership, swept: int) -> None:
@@ -55,6 +56,7 @@ class GenerationPublisher:
         if stable.gen != gen:
             protocol.put_value(self.store, protocol.k_members(stable.gen), stable.to_json())
         protocol.put_value(self.store, protocol.K_GEN, str(gen))
+        protocol.notify_ranks(self.store)
 
     def publish(self, ranks: Iterable[protocol.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
                 *, respawned: Iterable[int] = (), fresh: bool = False, lost: tuple[int, ...] = ()) -> protocol.Membership:
@@ -78,6 +80,7 @@ class GenerationPublisher:
             self.stable = mem
         self.before_bump()  # a standby holds the new generation before any rank can see it
         protocol.put_value(self.store, protocol.K_GEN, str(self.gen))
+        protocol.notify_ranks(self.store)
         return mem
 
     def recovered(self) -> None:

@@ -78,6 +78,7 @@ def execute_injection(job: JobTargets, c: protocol.KillCommand) -> tuple[bool, s
     if at_step is not None or mode in ("comm", "gpu-ecc", "pcie", "late"):
         for s in slots:
             protocol.Queue(job.store, protocol.q_rank(node, s)).put(protocol.RankFault(mode, at_step, c.id))
+        protocol.notify_ranks(job.store)
         when = f"at step {at_step}" if at_step is not None else "now"
         info["immediate"] = at_step is None and mode == "comm"
         return True, f"armed {mode} on {node}{'' if slot is None else f' slot {slot}'} {when}", info

@@ -91,6 +91,11 @@ class Queue:
         self._incarnation = incarnation_of(store)  # the store's: a new store (a takeover) starts a new log
         self._hole_since: float | None = None  # when the reader first found the message at cursor missing
 
+    @property
+    def pending(self) -> bool:
+        """The last ``get_all`` stopped at a reserved-but-unwritten message: call it again."""
+        return self._hole_since is not None
+
     def put(self, msg: Any) -> int:
         """Append a message object (``to_dict()``) or a plain dict with a ``type``."""
         body = msg.to_dict() if hasattr(msg, "to_dict") else dict(msg)

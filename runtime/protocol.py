@@ -18,6 +18,7 @@ Key space (all under ``phx/``)::
     phx/q/rank/<node>/<slot>/...  queue: supervisor -> one rank (injected faults)
     phx/q/cmd/...                 queue: ``phoenix-run kill-node`` -> supervisor
     phx/persist/at                the step every rank writes a persistent checkpoint of (time-based cadence)
+    phx/notify                    counter: bumped after each write above that ranks poll for (``notify_ranks``)
 
 Every value and message above (but the counters and torch's own ``pg`` keys) is sealed with the job's
 secret (``channel``, ``auth``): readers drop what is unsigned, forged or replayed, and report it.
@@ -68,6 +69,20 @@ K_GEN = "phx/gen"
 K_RUN_ID = "phx/run_id"
 K_PERSIST_AT = "phx/persist/at"  # the step every rank writes a persistent checkpoint of (time-based cadence)
 K_PROTECT_EVERY = "phx/protect/every"  # protect every m-th step from the next generation on (0: the setting)
+# A counter the writer of K_GEN, K_PERSIST_AT or a rank's queue bumps after the write (``notify_ranks``): a rank's
+# control thread polls it alone (one round trip) and reads those keys only when it moved, or every heartbeat
+# anyway. Like the other counters it is not sealed: a forged bump costs a rank one full read, and a forged
+# decrease delays a genuine write by one heartbeat at most (the periodic full read), never hides it.
+K_NOTIFY = "phx/notify"
+
+
+def notify_ranks(store: Store) -> None:
+    """Tell every rank's control thread to read K_GEN, K_PERSIST_AT and its queue now (after writing them)."""
+    store.add(K_NOTIFY, 1)
+
+
+def read_notify(store: Store) -> int:
+    return int(store.add(K_NOTIFY, 0))
 
 
 def k_members(gen: int) -> str:

@@ -99,6 +99,74 @@ def test_queue_drops_forged_messages_and_keys_refuse_replays(secret):
 
 
 @pytest.mark.timeout(30)
+def test_the_control_thread_polls_one_counter_and_a_forged_one_hides_nothing(secret):
+    """A rank's control thread reads the generation, the persist step and its queue only when protocol.K_NOTIFY
+    moved (or every heartbeat): a quiet poll is one round trip. A forged bump costs one full read; a forged
+    decrease or a non-integer counter delays nothing past the periodic full read; a message reserved but not
+    written yet is read again at the next poll without a new bump."""
+    from test_pure import DictStore
+
+    from phoenix_runtime.control import ControlThread
+
+    class Counting(DictStore):
+        calls = 0
+
+        def __getattribute__(self, name):
+            if name in ("set", "get", "add", "check"):
+                type(self).calls += 1
+            return super().__getattribute__(name)
+
+    st = Counting()
+    ctl = ControlThread.__new__(ControlThread)  # no thread, no TCPStore: _poll is called by hand
+    ctl.store, ctl.q_rank, ctl.latest_gen, ctl.persist_at = st, protocol.Queue(st, protocol.q_rank("n0", 0)), 0, -1
+    ctl._notified, ctl._dirty, ctl.on_fault = None, True, []
+    seen_gens: list[int] = []
+    ctl.on_gen_change = [seen_gens.append]
+    faults: list[dict] = []
+    ctl.on_fault.append(faults.append)
+    ctl._poll(full=False)  # the first poll reads everything
+    Counting.calls = 0
+    ctl._poll(full=False)
+    assert Counting.calls == 1  # a quiet poll: the counter alone
+    protocol.put_value(st, protocol.K_GEN, "1")
+    protocol.notify_ranks(st)
+    ctl._poll(full=False)
+    assert seen_gens == [1] and ctl.latest_gen == 1
+    protocol.Queue(st, protocol.q_rank("n0", 0)).put(protocol.RankFault("rank", 5))
+    protocol.put_value(st, protocol.K_PERSIST_AT, "40")
+    protocol.notify_ranks(st)
+    ctl._poll(full=False)
+    assert [m["mode"] for m in faults] == ["rank"] and ctl.persist_at == 40
+    # a forged bump: one full read that finds nothing new
+    st.add(protocol.K_NOTIFY, 1)
+    ctl._poll(full=False)
+    assert seen_gens == [1] and len(faults) == 1
+    # a forged decrease that a genuine bump brings back to the value already seen: the periodic full read finds it
+    st.add(protocol.K_NOTIFY, -1)
+    protocol.put_value(st, protocol.K_GEN, "2")
+    protocol.notify_ranks(st)
+    ctl._poll(full=False)
+    assert seen_gens == [1]
+    ctl._poll(full=True)
+    assert seen_gens == [1, 2]
+    # a reserved-but-unwritten message holds the queue: the next polls read it again until it is written
+    q = protocol.q_rank("n0", 0)
+    n = st.add(f"{q}/n", 1)
+    protocol.notify_ranks(st)
+    ctl._poll(full=False)
+    assert ctl._dirty and len(faults) == 1
+    st.set(f"{q}/{n}", auth.seal(q, n, json.dumps({"v": 1, "type": "fault", "mode": "comm"})))
+    ctl._poll(full=False)  # no bump since
+    assert [m["mode"] for m in faults] == ["rank", "comm"] and not ctl._dirty
+    # a counter that is not a number (a plain client's set): every poll reads everything
+    st.set(protocol.K_NOTIFY, "x")
+    protocol.put_value(st, protocol.K_GEN, "3")
+    ctl._poll(full=False)
+    assert seen_gens == [1, 2, 3]
+    assert auth.drain() == []
+
+
+@pytest.mark.timeout(30)
 def test_an_assignment_sets_only_the_launchers_variables(secret, monkeypatch):
     from phoenix_runtime import bootstrap
     from phoenix_runtime import rank_env as rank_env_module
