@@ -32,7 +32,6 @@ from phoenix_launch.procs import die_with_parent
 from phoenix_launch.procs import send_signal as _signal
 from phoenix_launch.spec import AgentSpec, SpecError
 from phoenix_runtime import auth, protocol
-from phoenix_runtime.channel import incarnation_of
 
 WARM_WAIT_S = 120.0  # the longest an agent defers joining the control plane for its ranks' imports
 #: phases in which a rank is not expected to complete steps (the hang check falls back to its heartbeat)
@@ -393,8 +392,8 @@ class Agent:
                     next_hb = now + hb_every
                 for cmd in self.q_cmd.get_all():
                     self.handle(cmd)
-                if incarnation_of(self.store) != self.incarnation:  # a standby took over: say so to the new leader
-                    self.incarnation = incarnation_of(self.store)
+                if protocol.incarnation_of(self.store) != self.incarnation:  # a standby took over: say so to the new leader
+                    self.incarnation = protocol.incarnation_of(self.store)
                     self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, self.spec.join))  # type: ignore[union-attr]
                 for r in self._exited():
                     if not r.reported:

@@ -79,11 +79,10 @@ class ControlPlane:
 
     def listen(self) -> None:
         from phoenix_runtime import protocol
-        from phoenix_runtime.channel import Incarnated
 
         self.store, _ = start_store(self.host, sock=self._sock)
         if self.incarnation:
-            self.store = Incarnated(self.store, self.incarnation)
+            self.store = protocol.Incarnated(self.store, self.incarnation)
         self.rdzv_store, _ = start_store(self.host, sock=self._rdzv_sock)
         self.reports = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
         self.commands = protocol.Queue(self.store, protocol.Q_COMMANDS)

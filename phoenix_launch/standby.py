@@ -1,23 +1,7 @@
-"""The standby supervisor: it mirrors the leader's state and takes the job over when the leader is lost.
+"""The standby supervisor's process: ``python -m phoenix_launch.standby --run-dir D --fd N``.
 
-The leader (the supervisor ``phoenix-run`` started) publishes its state in the store whenever it changes
-(:func:`snapshot`: generation and membership, node states, restarts, the attempt's progress, the agents'
-handles; sealed with the job's secret like every value there). The standby -- ``python -m
-phoenix_launch.standby``, a process of its own that outlives the leader -- polls it, and watches the leader's
-store: a call that fails because the connection is closed, then a connect that fails, is a lost leader.
-
-The takeover (:meth:`Supervisor.take_over`): the standby serves the control plane on the socket it has held since
-it started (its address and incarnation are in the run directory's ``standby.json``), restores the generation and
-its membership there, rewrites ``control.json`` (``kill-node``, ``status``) and runs the supervisor's loop from
-the mirrored state. Agents and ranks reconnect by themselves (``phoenix_runtime.failover``); the ranks' process
-groups do not need the store between recoveries, so training goes on. A job in the middle of a recovery forms
-that recovery's generation again under the new leader. A leader whose node held ranks is a lost node: the new
-leader hot-swaps it as any other.
-
-What is not carried over: an incident the leader was still gathering (its reports were in the lost store; a
-rank that stays dead is found again by its agent's exit report or heartbeat), and a restart (every worker)
-that was under way. The job's outcome after a takeover is in the run directory (``events.jsonl``'s ``job_end``,
-``status.json``); the ``phoenix-run`` process the user started is the one that was lost.
+It watches the leader (``mirror.Standby``) and, when the leader is lost, becomes the job's supervisor
+(:meth:`Supervisor.take_over` from the mirrored state). See ``mirror.py`` and docs/operations.md.
 """
 
 from __future__ import annotations
@@ -32,150 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phoenix_runtime import auth, protocol
-
-K_STATE = "phx/sup/state"  # the leader's mirrored state (sealed JSON)
-K_READY = "phx/sup/standby_ready"  # the standby has the state: the incarnation it would serve (sealed)
-STANDBY_FILE = protocol.STANDBY_FILE  # what the leader tells its standby (address, incarnation, argv, backend)
-K_ACK = "phx/sup/state_ack"  # the newest state version the standby holds (sealed)
-POLL_S = 0.01
-ACK_BOUND_S = 1.0  # a new generation waits at most this long for the standby to hold it
-
-
-def snapshot(sup: Any, memo: dict[int, str] | None = None) -> dict[str, Any]:
-    """What a new leader needs to go on with the job (no secrets: the standby reads the secret file).
-    ``memo``: memberships' JSON by generation (a large job's membership is not serialized on every pass)."""
-    gens = sup.publisher
-    att = sup.attempt
-    memo = {} if memo is None else memo
-
-    def members(m: protocol.Membership) -> str:
-        if m.gen not in memo:
-            memo[m.gen] = m.to_json()
-        return memo[m.gen]
-
-    return {
-        "job": sup.job.state.value,
-        "gen": gens.gen,
-        "members": members(gens.members),
-        "stable": members(gens.stable),
-        "swept": gens._swept,
-        "epoch": sup.epoch,
-        "restarts": sup.restarts,
-        "resume": sup.resume,
-        "protect_every": sup.reprotector.every,
-        "nodes": [{"name": n.name, "state": n.state.value, "group_rank": n.group_rank, "failures": n.failures, "lost": n.lost}
-                  for n in sup.nodes],
-        "attempt": {"done": sorted(att.done_ranks), "ready": sorted(att.runtime_ready), "protect_on": att.protect_on,
-                    "step": att.step, "step_time_s": att.step_time_s, "runtime_seen": att.runtime_seen},
-        "agents": sup.backend.agent_handles(),
-        "leader_node": sup.backend.leader_node(),
-        "final": sup.exit_code is not None,
-        "t_ns": time.time_ns(),
-    }
-
-
-class Mirror:
-    """The leader's side: publish the snapshot when it changed (compared as JSON; a few hundred bytes)."""
-
-    def __init__(self) -> None:
-        self.last = ""
-        self.version = 0
-        self.memo: dict[int, str] = {}  # membership JSON by generation
-        self.behind = 0  # synchronous publications the standby did not acknowledge in time
-
-    def publish(self, store: Any, sup: Any, sync: bool = False) -> None:
-        """Publish the state if it changed. ``sync`` (a new generation, before its bump): wait until the
-        standby holds it (bounded by ``ACK_BOUND_S``), so that a leader lost right after the bump leaves a
-        standby that knows the generation every rank may already see."""
-        state = snapshot(sup, self.memo)
-        if len(self.memo) > 4:  # only the newest generations are in a snapshot
-            for g in sorted(self.memo)[:-4]:
-                del self.memo[g]
-        text = json.dumps(state, sort_keys=True)
-        if text != self.last:
-            self.version += 1
-            protocol.put_value(store, K_STATE, json.dumps({**state, "version": self.version}, sort_keys=True))
-            self.last = text
-        if sync and sup.standby_ready:
-            deadline = time.monotonic() + ACK_BOUND_S
-            while int(protocol.get_value(store, K_ACK) or 0) < self.version:
-                if time.monotonic() > deadline:
-                    self.behind += 1
-                    return
-                time.sleep(0.001)
-
-
-class Standby:
-    """Watch the leader (its store) and keep its newest state; :meth:`watch` returns when it is lost."""
-
-    def __init__(self, host: str, port: int, incarnation: int, stop: Any):
-        self.addr = (host, port)
-        self.incarnation = incarnation
-        self.stop = stop  # () -> bool: the standby was told to go (the leader ended the job)
-        self.state: dict[str, Any] | None = None
-        self.t_lost: float | None = None
-
-    def _connect(self, timeout_s: float):
-        from phoenix_launch.control import connect
-
-        return connect(*self.addr, timeout_s=timeout_s)
-
-    def watch(self, connect_bound_s: float = 120.0) -> bool:
-        """True: the leader is lost (``t_lost``: when this standby saw it); False: told to stop, or the leader
-        ended the job."""
-        import torch.distributed as dist
-
-        from phoenix_runtime.failover import reachable
-
-        deadline = time.monotonic() + connect_bound_s
-        store = None
-        while store is None:  # the leader serves its store before it starts a standby
-            if self.stop():
-                return False
-            if not reachable(self.addr):
-                print("phoenix standby: the leader was lost before this standby was ready; nothing to take over", file=sys.stderr)
-                return False
-            try:
-                store = self._connect(2.0)
-            except dist.DistError:
-                if time.monotonic() > deadline:
-                    print("phoenix standby: the leader's store does not answer", file=sys.stderr)
-                    return False
-        acked = 0
-        while not self.stop():
-            try:
-                if store.check([K_STATE]):
-                    text = protocol.get_value(store, K_STATE)
-                    if text is not None:
-                        first = self.state is None
-                        self.state = json.loads(text)
-                        if int(self.state.get("version", 0)) > acked:
-                            acked = int(self.state.get("version", 0))
-                            protocol.put_value(store, K_ACK, str(acked))
-                        if first:  # ready: the leader says so in its events and status
-                            protocol.put_value(store, K_READY, str(self.incarnation))
-                        if self.state.get("final"):
-                            return False
-            except dist.DistNetworkError:
-                t = time.time()
-                try:
-                    if reachable(self.addr):
-                        store = self._connect(5.0)  # a connection lost, the leader still there
-                        continue
-                except dist.DistError:
-                    pass
-                self.t_lost = t
-                return True
-            time.sleep(POLL_S)
-        return False
-
-
-def reserve(host: str) -> socket.socket:
-    """The standby's listening socket, held from the start (its address is in every agent's spec)."""
-    from phoenix_launch.control import reserve_port
-
-    return reserve_port(host, 0)
+from phoenix_launch import mirror
+from phoenix_launch.control import ControlPlane
+from phoenix_launch.lifecycle import JobState
+from phoenix_launch.mirror import STANDBY_FILE, Standby
+from phoenix_launch.nodes import ENDED
+from phoenix_runtime import auth
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,8 +67,34 @@ def take_over(run_dir: Path, told: dict[str, Any], state: dict[str, Any], sock: 
         signal.signal(s, lambda signum, frame: sup.request_stop(signum))
     if stopping:
         sup.request_stop(stopping[0])
-    sup.take_over({**state, "incarnation": int(told["incarnation"])}, sock, t_lost, phases={"build_s": round(time.time() - t0, 3)})
+    take_over_job(sup, {**state, "incarnation": int(told["incarnation"])}, sock, t_lost, phases={"build_s": round(time.time() - t0, 3)})
     return sup.loop()
+
+
+def take_over_job(sup: Any, state: dict[str, Any], sock: Any, t_lost: float, phases: dict[str, float] | None = None) -> None:
+    """The standby's start (instead of :meth:`Supervisor.start`): serve the control plane where every agent and
+    rank looks after the leader (``standby.json``), restore the lost leader's state (``mirror.restore``), go on."""
+    t0 = time.time()
+    plane = sup.plane = ControlPlane.taking_over(sock.getsockname()[0], sock, int(state["incarnation"]))
+    plane.listen()
+    t_serving = time.time()
+    sup.write_control()
+    mirror.restore(sup, state)
+    sup.open_commands()
+    now = time.time()
+    sup.events.emit("takeover", gen=sup.gen, was=state["job"], control=f"{plane.host}:{plane.port}", leader_lost_at=t_lost,
+                     serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid(),
+                     phases={**(phases or {}), "listen_s": round(t_serving - t0, 3)})
+    sup.job.transition(JobState.RUNNING, "took over from the lost leader")
+    leader = state.get("leader_node")
+    sup.standby.await_agents({n.name for n in sup.nodes if n.up and n.state not in ENDED and n.name != leader}, t_lost)
+    gens = sup.publisher
+    if gens.members.gen != gens.stable.gen or state["job"] != JobState.RUNNING.value:  # a recovery under way: formed again
+        sup.reform("takeover", "the leader was lost during a recovery", now)
+    if leader and leader in sup.nodes and sup.nodes[leader].state not in ENDED:
+        sup.backend.kill_node(leader)
+        sup.on_agent_exit(leader, -9, now)  # the leader's node held ranks: hot-swapped as any lost node
+    sup.standby.start(sup)  # the next loss of the leader is survived too
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phoenix_launch import checkpoints, decide as decisions, standby
+from phoenix_launch import checkpoints, decide as decisions
 from phoenix_launch.backends.base import Backend
-from phoenix_launch.classify import RankReport, classify, describe_exit
+from phoenix_launch.classify import RankReport, classify
 from phoenix_launch.commands import CommandHandler
 from phoenix_launch.config import Config, runtime_settings
 from phoenix_launch.control import ControlPlane
@@ -26,22 +26,21 @@ from phoenix_launch.health import with_probe_evidence
 from phoenix_launch.incidents import Incident, IncidentTracker
 from phoenix_launch.inject import SOCKET_PURPOSE, Chaos, JobTargets
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState
-from phoenix_launch.nodes import ENDED, Node, NodeTable
+from phoenix_launch.nodes import Node, NodeTable
 from phoenix_launch.operator_io import OperatorIO
 from phoenix_launch.recovery_watch import RecoveryWatch
 from phoenix_launch.replenish import Replenisher
+from phoenix_launch.reports import ReportHandlers
 from phoenix_launch.reprotect import Reprotector
 from phoenix_launch.spec import AgentSpec
-from phoenix_launch.standby import Mirror
+from phoenix_launch.mirror import StandbyLink
 from phoenix_launch.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
 from phoenix_launch.refusals import RefusalLog
 from phoenix_runtime import auth, protocol
 
-#: a live rank's error of this type is a failed replica, not a job failure: the step is protected again
-REPLICATION_ERROR = "ReplicationError"
 
 
-class Supervisor:
+class Supervisor(ReportHandlers):
     def __init__(self, cfg: Config, argv: list[str], run_dir: Path, backend: Backend, ui=None, *, takeover: bool = False):
         launch = cfg.launch
         self.cfg, self.argv, self.run_dir, self.backend, self.ui = cfg, argv, run_dir, backend, ui
@@ -49,10 +48,8 @@ class Supervisor:
         self.world_size = launch.nodes * launch.nproc_per_node
         self.job = Lifecycle(JobState.STARTING, JOB_TRANSITIONS)
         self.events = EventLog(run_dir / "events.jsonl")
-        if takeover:  # a standby taking the job over: the job's secret stays
-            auth.set_key(auth.read_secret(run_dir))
-        else:
-            auth.create_secret(run_dir)  # every control-plane message is sealed with it; kill-node reads it there
+        # every control-plane message is sealed with the job's secret; kill-node reads it there (a takeover: it stays)
+        auth.set_key(auth.read_secret(run_dir)) if takeover else auth.create_secret(run_dir)
         self.refusals = RefusalLog(self.events)
         self.nodes = NodeTable(backend, self.events, drain=cfg.slurm.drain, on_change=self._status_changed_now)
         self.incidents = IncidentTracker(cfg.detect)
@@ -77,11 +74,7 @@ class Supervisor:
         self._signal: int | None = None
         self._status_due = False
         self.plane: ControlPlane | None = None  # start() opens it
-        self.standby = cfg.launch.standby == "on"  # a standby supervisor mirrors this one (standby.py)
-        self.mirror = Mirror()
-        self.standby_ready = False
-        self.reannounce: set[str] = set()  # after a takeover: the nodes whose agents have not reached this leader yet
-        self.t_lost = 0.0
+        self.standby = StandbyLink(cfg.launch.standby == "on", self.events)  # mirror.py, standby.py
         self.publisher: GenerationPublisher | None = None
         self.commands: CommandHandler | None = None
         self.operator_io = OperatorIO(cfg.metrics, run_dir, self.events)  # command socket, metrics, progress
@@ -108,103 +101,39 @@ class Supervisor:
         (seconds) overlap with the supervisor's own torch import; clients retry until the store listens."""
         launch = self.cfg.launch
         plane = self.plane = ControlPlane(self.backend.store_host(launch.master_addr), launch.master_port)
-        write_json_atomic(self.run_dir / "control.json",
-                          {"host": plane.host, "port": plane.port, "pid": os.getpid(), "node": os.uname().nodename, "run_id": launch.run_id,
-                           "backend": self.backend.name, "incarnation": 0})
+        self.write_control()
         ranks = self.nodes.populate(self.backend.node_names, launch.nodes, self.nproc)
         for node in self.nodes:
             self.backend.start_agent(node.name, self.agent_spec(node))
         plane.listen()
         self.store.set(protocol.K_RUN_ID, launch.run_id)
-        self.publisher = GenerationPublisher(self.store, world_size=self.world_size, nproc=self.nproc, run_id=launch.run_id,
-                                             max_restarts=launch.max_restarts, domains=self.backend.domains)
+        self.publisher = self.new_publisher()
         self.publisher.first(ranks)
-        self.publisher.before_bump = lambda: self._mirror(sync=True)
-        self._start_standby()
-        self.commands = CommandHandler(self.store, None, self.events, self._job_targets(), self.incidents.injected)  # sealed
-        self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, auth.derive(SOCKET_PURPOSE), self.events, self._job_targets(), self.incidents.injected))
+        self.standby.start(self)
+        self.open_commands()
         self.events.emit("job_start", run_id=launch.run_id, nodes=launch.nodes, nproc_per_node=self.nproc, spares=launch.spares,
                          world_size=self.world_size, argv=self.argv, backend=self.backend.name, control=f"{plane.host}:{plane.port}",
                          resume=launch.resume or None)
         self.job.transition(JobState.RUNNING, "agents started")
 
-    def take_over(self, state: dict[str, Any], sock: Any, t_lost: float, phases: dict[str, float] | None = None) -> None:
-        """The standby's start (instead of :meth:`start`): serve the control plane where every agent and rank was
-        told to look, restore the lost leader's state (``standby.snapshot``), and go on with the job."""
+    def new_publisher(self) -> GenerationPublisher:
         launch = self.cfg.launch
-        t0 = time.time()
-        plane = self.plane = ControlPlane.taking_over(sock.getsockname()[0], sock, int(state["incarnation"]))
-        plane.listen()
-        t_serving = time.time()
-        write_json_atomic(self.run_dir / "control.json",
-                          {"host": plane.host, "port": plane.port, "pid": os.getpid(), "node": os.uname().nodename, "run_id": launch.run_id,
-                           "backend": self.backend.name, "incarnation": plane.incarnation})
-        auth.continue_after(int(state.get("t_ns", 0)))  # the values written here are newer than the leader's
-        self.epoch, self.restarts, self.resume = int(state["epoch"]), int(state["restarts"]), str(state["resume"])
-        self.reprotector.every = int(state["protect_every"])
-        for d in state["nodes"]:
-            self.nodes.add(Node(d["name"], Lifecycle(NodeState(d["state"]), NODE_TRANSITIONS), d["group_rank"], int(d["failures"]),
-                                bool(d["lost"]), up=d["state"] != NodeState.STARTING.value))
-        a = state["attempt"]
-        self.attempt = AttemptProgress(done_ranks=set(a["done"]), runtime_ready=set(a["ready"]), protect_on=bool(a["protect_on"]),
-                                       step=int(a["step"]), step_time_s=float(a["step_time_s"]), runtime_seen=bool(a["runtime_seen"]))
-        self.store.set(protocol.K_RUN_ID, launch.run_id)
-        protocol.put_value(self.store, protocol.K_PROTECT_EVERY, str(self.reprotector.every))
-        self.publisher = GenerationPublisher(self.store, world_size=self.world_size, nproc=self.nproc, run_id=launch.run_id,
-                                             max_restarts=launch.max_restarts, domains=self.backend.domains)
-        self.publisher.restore(int(state["gen"]), protocol.Membership.from_json(state["members"]),
-                               protocol.Membership.from_json(state["stable"]), int(state["swept"]))
-        self.publisher.before_bump = lambda: self._mirror(sync=True)
+        gens = GenerationPublisher(self.store, world_size=self.world_size, nproc=self.nproc, run_id=launch.run_id,
+                                   max_restarts=launch.max_restarts, domains=self.backend.domains)
+        gens.before_bump = lambda: self.standby.publish(self, sync=True)  # the standby holds a generation before its bump
+        return gens
+
+    def write_control(self) -> None:
+        """``control.json``: where this leader serves (kill-node, status, and clients after a takeover read it)."""
+        p = self.plane
+        write_json_atomic(self.run_dir / "control.json", {"host": p.host, "port": p.port, "pid": os.getpid(), "node": os.uname().nodename,  # type: ignore[union-attr]
+                                                          "run_id": self.cfg.launch.run_id, "backend": self.backend.name, "incarnation": p.incarnation})  # type: ignore[union-attr]
+
+    def open_commands(self) -> None:
+        """kill-node's two ways in: the store (sealed) and the run directory's socket."""
         self.commands = CommandHandler(self.store, None, self.events, self._job_targets(), self.incidents.injected)
-        self.operator_io.start(plane.host, lambda replies: CommandHandler(replies, auth.derive(SOCKET_PURPOSE), self.events, self._job_targets(), self.incidents.injected))
-        now = time.time()
-        self.events.emit("takeover", gen=self.gen, was=state["job"], control=f"{plane.host}:{plane.port}", leader_lost_at=t_lost,
-                         serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid(),
-                         phases={**(phases or {}), "listen_s": round(t_serving - t0, 3)})
-        self.job.transition(JobState.RUNNING, "took over from the lost leader")
-        self.t_lost = t_lost
-        self.reannounce = {n.name for n in self.nodes if n.up and n.state not in ENDED and n.name != state.get("leader_node")}
-        unsettled = self._gens().members.gen != self._gens().stable.gen  # a generation not every rank reached yet
-        if unsettled or state["job"] in (JobState.RECOVERING.value, JobState.RESTARTING.value):  # its reports went with the leader
-            mem = self._gens().publish(self._gens().members.ranks, "takeover during a recovery", self._attempt(), self.nodes.group_ranks())
-            self._begin_recovery("takeover", decisions.Decision(decisions.Kind.LOCAL, "takeover during a recovery"), Incident(now), now)
-            self.events.emit("reprotect", gen=mem.gen, reason="the leader was lost during a recovery", protect_every=self.reprotector.every)
-        leader = state.get("leader_node")
-        if leader and leader in self.nodes and self.nodes[leader].state not in ENDED:
-            self.backend.kill_node(leader)
-            self.on_agent_exit(leader, -9, now)  # the leader's node held ranks: hot-swapped as any lost node
-        self._start_standby()  # the next loss of the leader is survived too
-
-    def _mirror(self, sync: bool = False) -> None:
-        if self.standby and self.plane is not None:
-            behind = self.mirror.behind
-            self.mirror.publish(self.store, self, sync=sync)
-            if self.mirror.behind > behind:
-                self.events.emit("standby_behind", gen=self.gen, waited_s=standby.ACK_BOUND_S, times=self.mirror.behind)
-
-    def _start_standby(self) -> None:
-        """A standby supervisor (``launch.standby``) on a socket reserved here and handed over: its address is in
-        ``standby.json`` before the standby runs, so a client that loses this leader finds it."""
-        if not self.standby:
-            return
-        assert self.plane is not None
-        sock = standby.reserve(self.plane.host)
-        write_json_atomic(self.run_dir / standby.STANDBY_FILE, {"address": f"{self.plane.host}:{sock.getsockname()[1]}",
-                                                               "incarnation": self.plane.incarnation + 1, "argv": self.argv,
-                                                               "backend": self.backend.name})
-        self.mirror.publish(self.store, self)
-        try:
-            self.backend.start_standby(sock)
-        finally:
-            sock.close()  # the standby holds it now
-
-    def _check_standby_ready(self) -> None:
-        """The standby has the leader's state (it says so in the store): an event, once per standby."""
-        if not self.standby or self.standby_ready or not self.store.check([standby.K_READY]):
-            return
-        if protocol.get_value(self.store, standby.K_READY) == str(self.plane.incarnation + 1):  # type: ignore[union-attr]
-            self.standby_ready = True
-            self.events.emit("standby_ready", incarnation=self.plane.incarnation + 1)  # type: ignore[union-attr]
+        self.operator_io.start(self.plane.host, lambda replies: CommandHandler(replies, auth.derive(SOCKET_PURPOSE), self.events,  # type: ignore[union-attr]
+                                                                                self._job_targets(), self.incidents.injected))
 
     def _job_targets(self) -> JobTargets:
         return JobTargets(self.world_size, self.nproc, lambda: self._gens().members,
@@ -252,92 +181,6 @@ class Supervisor:
             if self.messages.dropped.get(kind) == 1:
                 self.events.emit("message_dropped", message_type=kind, why="unknown type or missing field")
 
-    def on_agent_up(self, m: protocol.AgentUp, now: float) -> None:
-        node = self.nodes.get(m.node)
-        if node is None or (m.join is not None and node.state in (NodeState.FAILED, NodeState.DRAINED)):
-            self.adopt(m, now)  # a node this job did not start: a replenished spare, or refused
-            return
-        node.up, node.last_hb = True, time.time()
-        if node.name in self.reannounce:
-            self.reannounce.discard(node.name)
-            if not self.reannounce:  # every agent follows the new leader
-                self.events.emit("takeover_complete", agents_s=round(time.time() - self.t_lost, 3))
-        if node.state is NodeState.STARTING:
-            self.nodes.transition(node, NodeState.SPARE if node.is_spare else NodeState.ACTIVE, "agent up")
-
-    def on_rank_exit(self, m: protocol.RankExit, now: float) -> None:
-        node = self.nodes.get(m.node)
-        if node is None or m.epoch < self.epoch or node.state in (*ENDED,):
-            return  # a worker of an earlier attempt, or of a node already replaced
-        if node.state is NodeState.SPARE or (node.state is NodeState.STARTING and node.is_spare):
-            # a warm spare's rank died: the spare is not trusted any more; the job is not disturbed
-            self.nodes.exclude(node.name, f"spare rank {m.slot} {describe_exit(m.exit_code, m.signal)}")
-            self.events.emit("failure", kind="spare_lost", node=node.name, exit=describe_exit(m.exit_code, m.signal))
-            return
-        rank = self._gens().members.rank_at(node.name, m.slot)
-        if m.exit_code == 0 and rank is not None:
-            self.attempt.done_ranks.add(rank)
-            self.events.emit("rank_done", node=node.name, slot=m.slot, rank=rank)
-            return
-        if self.job.state is JobState.STOPPING or self.attempt.unrecoverable:
-            return
-        if m.health:
-            self.agent_health[node.name] = m.health
-            if m.health.get("probing"):
-                self.probing.add(node.name)
-        err = (m.error or {}).get("phoenix")
-        when = (err or {}).get("time", m.t_exit if m.t_exit is not None else (m.t or now))
-        self.incidents.rank_failed(RankReport(node.name, rank, m.exit_code, m.signal, err, m.log_tail, time=when), now, exited=True)
-        self.events.emit("failure", kind="rank_exit", node=node.name, slot=m.slot, rank=rank, exit=describe_exit(m.exit_code, m.signal),
-                         error=(err or {}).get("type"), message=((err or {}).get("message") or "")[:500])
-
-    def on_rank_hang(self, m: protocol.RankHang, now: float) -> None:
-        node = self.nodes.get(m.node)
-        if node is not None and node.state in (NodeState.ACTIVE, NodeState.JOINING):
-            self.incidents.node_hung(node.name, now)
-            self.events.emit("failure", kind="hang", node=node.name, slot=m.slot, silent_s=m.silent_s, step=m.step,
-                             reason=m.reason, proc_state=m.proc_state)
-
-    def on_rank_error(self, m: protocol.RankError, now: float) -> None:
-        """A live rank saw a step fail (a collective, a replica)."""
-        node = self.nodes.get(m.node)
-        err = m.error or {}
-        if node is None or m.gen != self.gen or self.job.state is not JobState.RUNNING:
-            return
-        if str(err.get("type", "")).rsplit(".", 1)[-1] == REPLICATION_ERROR:
-            self.events.emit("replication_error", node=node.name, rank=m.rank, gen=m.gen, broken=bool(err.get("broken")),
-                             message=str(err.get("message", ""))[:500])
-            if err.get("broken"):
-                self.reprotector.broken(m.gen, node.name, m.rank, str(err.get("message", "")), now)
-            return
-        self.incidents.rank_failed(RankReport(node.name, m.rank, None, None, err, "", time=m.t or now), now, exited=False)
-
-    def on_runtime_ready(self, m: protocol.RuntimeReady, now: float) -> None:
-        self.attempt.protect_on = bool(m.protect)
-        if m.epoch == self.epoch and m.protect and m.rank is not None:
-            self.attempt.runtime_ready.add(int(m.rank))
-
-    def on_recovered(self, m: protocol.Recovered, now: float) -> None:
-        if self.job.state is JobState.RECOVERING and self.recovery.recovered(m, now):
-            self.finish_recovery(now)
-
-    def on_progress(self, m: protocol.Progress, now: float) -> None:
-        self.attempt.step, self.attempt.step_time_s = m.step, m.step_time_s or 0.0
-        self.events.emit("progress", step=m.step, step_time_s=m.step_time_s, sps=m.sps, total=m.total, wait_frac=m.wait_frac)
-        self.reprotector.progress(m.wait_frac)
-
-    def on_unrecoverable(self, m: protocol.Unrecoverable, now: float) -> None:
-        """Every rank saves what survives, then the job stops with the reason."""
-        self.ladder.salvage_failed(m.reason)
-        if m.rank is None:
-            return
-        self.attempt.unrecoverable[int(m.rank)] = m
-        if m.checkpoint:
-            self.events.emit("fallback_checkpoint", rank=m.rank, path=m.checkpoint)
-        self.attempt.unrecoverable_t0 = self.attempt.unrecoverable_t0 or now
-        if len(self.attempt.unrecoverable) == self.world_size:
-            self.fallback(m.reason, now)
-
     def fallback(self, reason: str, now: float) -> None:
         """Recovery from memory is impossible: every worker restarts from the newest complete persistent
         checkpoint (``checkpoints.Ladder``), or the job stops, resumable from it."""
@@ -347,39 +190,6 @@ class Supervisor:
             return
         self.resume = point[0]
         self.restart(decisions.Decision(decisions.Kind.RESTART, point[1], fresh=True), now)
-
-    def on_protection(self, m: protocol.Protection, now: float) -> None:
-        if m.rank == 0:
-            self.events.emit("protection", host_bytes=m.host_bytes, optim_bytes=m.optim_bytes, param_bytes=m.param_bytes,
-                             replicas=m.replicas)
-
-    def on_fault_fired(self, m: protocol.FaultFired, now: float) -> None:
-        """A deterministic fault fired inside a rank (config or --at-step)."""
-        t = m.t or now
-        self.events.emit("injected", mode=m.mode, node=m.node, rank=m.rank, step=m.step, phase=m.phase, t_fired=t)
-        self.incidents.fault_fired(t)
-
-    def on_checkpoint(self, m: protocol.CheckpointSaved, now: float) -> None:
-        self.events.emit("fallback_checkpoint", node=m.node, slot=m.slot, rank=m.rank, path=m.path, step=m.step, rank_saved=m.rank_saved)
-
-    def on_node_probe(self, m: protocol.NodeProbe, now: float) -> None:
-        """The GPU reading that follows a rank exit: the incident's evidence (Xid, ECC, a lost GPU)."""
-        self.probing.discard(m.node)
-        base = self.agent_health.get(m.node, {})
-        self.agent_health[m.node] = {**base, **m.health, "problems": base.get("problems", []) + m.health.get("problems", [])}
-
-    def on_agent_exit(self, name: str, code: int, now: float) -> None:
-        node = self.nodes[name]
-        if node.state in ENDED or self.job.state is JobState.STOPPING:
-            return
-        node.lost = True
-        how = describe_exit(code if code >= 0 else None, -code if code < 0 else None)
-        if node.state is NodeState.SPARE or (node.state is NodeState.STARTING and node.is_spare):
-            self.nodes.transition(node, NodeState.FAILED, f"spare lost (agent {how})")
-            self.events.emit("failure", kind="spare_lost", node=name)
-            return
-        self.incidents.node_lost(name, now)
-        self.events.emit("failure", kind="node_lost", node=name, agent_exit=how)
 
     def check_heartbeats(self, now: float) -> None:
         for name, silent_s in self.nodes.silent(self.store, self.cfg.detect.node_timeout_s):
@@ -483,9 +293,13 @@ class Supervisor:
             self.events.emit("replication_unprotected", gen=self.gen, reason=due[1])
         elif due is not None:
             protocol.put_value(self.store, protocol.K_PROTECT_EVERY, str(self.reprotector.every))  # read in the recovery
-            mem = self._gens().publish(self._gens().members.ranks, due[1], self._attempt(), self.nodes.group_ranks())
-            self._begin_recovery("reprotect", decisions.Decision(decisions.Kind.LOCAL, due[1]), Incident(now), now)
-            self.events.emit("reprotect", gen=mem.gen, reason=due[1], protect_every=self.reprotector.every)
+            self.reform("reprotect", due[1], now)
+
+    def reform(self, path: str, reason: str, now: float) -> None:
+        """The same members form a new generation (a broken replicator, a new cadence, a takeover mid-recovery)."""
+        mem = self._gens().publish(self._gens().members.ranks, reason, self._attempt(), self.nodes.group_ranks())
+        self._begin_recovery(path, decisions.Decision(decisions.Kind.LOCAL, reason), Incident(now), now)
+        self.events.emit("reprotect", gen=mem.gen, reason=reason, protect_every=self.reprotector.every)
 
     def _respawn(self, mem: protocol.Membership, ranks: tuple[int, ...]) -> None:
         """Ask the agents to start these (dead) ranks again, after their assignments are published."""
@@ -642,10 +456,10 @@ class Supervisor:
                 now = time.time()
                 self.tick(now)
                 if self.exit_code is None:
-                    self._mirror()
+                    self.standby.publish(self)
                 if time.monotonic() > next_hb:
                     self.check_heartbeats(now)
-                    self._check_standby_ready()
+                    self.standby.check_ready(self)
                     self._flush_recovery_event()
                     next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
                 if self.exit_code is None and (time.monotonic() > next_status or self._status_due):
@@ -673,8 +487,7 @@ class Supervisor:
 
     def shutdown(self) -> None:
         self.operator_io.close_commands()  # kill-node now says 'stopped' at once
-        if self.standby:
-            self.backend.stop_standby()  # first: a job ending on purpose is not a lost leader
+        self.standby.stop(self.backend)  # first: a job ending on purpose is not a lost leader
         try:
             for n in self.nodes:
                 protocol.Queue(self.store, protocol.q_agent(n.name)).put(protocol.AgentStop())

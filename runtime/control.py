@@ -21,7 +21,6 @@ import json
 import os
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Callable
 
 from phoenix_runtime import auth, protocol

@@ -119,7 +119,7 @@ def test_the_control_thread_polls_one_counter_and_a_forged_one_hides_nothing(sec
     st = Counting()
     ctl = ControlThread.__new__(ControlThread)  # no thread, no TCPStore: _poll is called by hand
     ctl.store, ctl.q_rank, ctl.latest_gen, ctl.persist_at = st, protocol.Queue(st, protocol.q_rank("n0", 0)), 0, -1
-    ctl._notified, ctl._dirty, ctl.on_fault = None, True, []
+    ctl._notified, ctl._dirty, ctl.on_fault, ctl._incarnation = None, True, [], 0
     seen_gens: list[int] = []
     ctl.on_gen_change = [seen_gens.append]
     faults: list[dict] = []
