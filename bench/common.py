@@ -52,6 +52,17 @@ def events(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
 
 
+def wait(pred, timeout, what, interval=0.05):
+    """Poll ``pred`` until it returns something true (returned); ``TimeoutError(what)`` after ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise TimeoutError(what)
+
+
 def med(xs):
     return statistics.median(xs) if xs else float("nan")
 

@@ -20,19 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from common import GPT, env, events, med, phoenix
+from common import GPT, env, events, med, phoenix, wait
 
 HB, HANG, NODE = 0.2, 2.0, 1.5
-
-
-def wait(pred, timeout, what):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise TimeoutError(what)
 
 
 def main():

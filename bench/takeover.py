@@ -27,17 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from common import GPT, env, events, med, phoenix
-
-
-def wait(pred, timeout, what):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise TimeoutError(what)
+from common import GPT, env, events, med, phoenix, wait
 
 
 def _reap(run_dir: Path) -> None:
@@ -95,7 +85,7 @@ def main():
                 proc.kill()
             _reap(run_dir)
     print()
-    print(f"| leader losses | detection s | serving s | every agent back s | first progress s | job exit |")
+    print("| leader losses | detection s | serving s | every agent back s | first progress s | job exit |")
     print("| --- | --- | --- | --- | --- | --- |")
     k = lambda key: med([r[key] for r in rows])  # noqa: E731
     mx = lambda key: max(r[key] for r in rows)  # noqa: E731
