@@ -35,6 +35,7 @@ STANDBY_FILE = protocol.STANDBY_FILE  # what the leader tells its standby (addre
 K_ACK = "phx/sup/state_ack"  # the newest state version the standby holds (sealed)
 POLL_S = 0.01
 ACK_BOUND_S = 1.0  # a new generation waits at most this long for the standby to hold it
+RESTARTS = 3  # a standby that exits is replaced at most this often per leader
 
 
 def snapshot(sup: Any, memo: dict[int, str] | None = None) -> dict[str, Any]:
@@ -197,6 +198,7 @@ class StandbyLink:
         self.enabled, self.events = enabled, events
         self.mirror = Mirror()
         self.ready = False  # the standby said it holds the state (then a new generation waits for its ack)
+        self.restarts = 0  # standbys that exited and were replaced
         self.awaiting: set[str] = set()  # after a takeover: nodes whose agents have not reached this leader yet
         self.t_lost = 0.0
 
@@ -237,9 +239,24 @@ class StandbyLink:
         if self.mirror.behind > behind:
             self.events.emit("standby_behind", gen=sup.gen, waited_s=ACK_BOUND_S, times=self.mirror.behind)
 
-    def check_ready(self, sup: Any) -> None:
-        """The standby holds the leader's state (it says so in the store): an event, once per standby."""
-        if not self.enabled or self.ready or not sup.store.check([K_READY]):
+    def check(self, sup: Any) -> None:
+        """Once a heartbeat: the standby holds the leader's state (it says so in the store: an event, once per
+        standby); a standby that exited is replaced (at most ``RESTARTS`` times per job)."""
+        if not self.enabled:
+            return
+        how = sup.backend.standby_exited()
+        if how is not None:
+            self.ready = False
+            self.restarts += 1
+            self.events.emit("standby_lost", how=how, restarts=self.restarts, max_restarts=RESTARTS)
+            for key in (K_READY, K_ACK):  # the new standby says again that it holds the state
+                sup.store.delete_key(key)
+            if self.restarts > RESTARTS:
+                self.enabled = False  # the job goes on without one: a lost leader is then the end of the job
+                return
+            self.start(sup)
+            return
+        if self.ready or not sup.store.check([K_READY]):
             return
         if protocol.get_value(sup.store, K_READY) == str(sup.plane.incarnation + 1):
             self.ready = True

@@ -459,7 +459,7 @@ class Supervisor(ReportHandlers):
                     self.standby.publish(self)
                 if time.monotonic() > next_hb:
                     self.check_heartbeats(now)
-                    self.standby.check_ready(self)
+                    self.standby.check(self)
                     self._flush_recovery_event()
                     next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
                 if self.exit_code is None and (time.monotonic() > next_status or self._status_due):

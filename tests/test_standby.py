@@ -71,7 +71,7 @@ def _job_end(run_dir: Path):
     return ends[-1] if ends else None
 
 
-def _kill_leader_at(tmp_path: Path, step: int, and_node: str | None = None):
+def _kill_leader_at(tmp_path: Path, step: int, and_node: str | None = None, standby_first: bool = False):
     """Start the job, SIGKILL phoenix-run (and the agent's process group of ``and_node``) once step ``step`` is done."""
     d = tmp_path
     run_dir = d / "run"
@@ -79,6 +79,11 @@ def _kill_leader_at(tmp_path: Path, step: int, and_node: str | None = None):
     proc = start_phoenix(_args(d, _write_cfg(d, True), 0.3), d)
     try:
         wait_for(lambda: _progress(run_dir, step) and of_type(events(run_dir), "standby_ready"), 180, f"step {step} and a ready standby")
+        if standby_first:  # the standby itself is lost first: the leader replaces it
+            (sb,) = [p for p in job_processes(run_dir) if "phoenix_launch.standby" in " ".join(p.cmdline())]
+            sb.kill()
+            wait_for(lambda: of_type(events(run_dir), "standby_lost") and len(of_type(events(run_dir), "standby_ready")) == 2, 60,
+                     "a new standby after the first was lost")
         standby = json.loads((run_dir / "standby.json").read_text())
         assert standby["address"].startswith("127.0.0.1:")
         victims = []
@@ -137,9 +142,9 @@ def test_supervisor_sigkilled_twice_the_standby_takes_over_and_steers_the_job(tm
 
 
 def test_supervisor_and_a_node_lost_together(tmp_path, baseline):
-    """The supervisor and node0 (agent and ranks) SIGKILLed at once: the standby takes over and hot-swaps
-    node0 onto the spare."""
-    _, run_dir = _kill_leader_at(tmp_path, 3, and_node="node0")
+    """The standby is SIGKILLed first (the leader starts another); then the supervisor and node0 (agent and
+    ranks) are SIGKILLed at once: the new standby takes over and hot-swaps node0 onto the spare."""
+    _, run_dir = _kill_leader_at(tmp_path, 3, and_node="node0", standby_first=True)
     wait_for(lambda: of_type(events(run_dir), "recovery"), 120, "the recovery after the hot-swap")
     (tmp_path / "slow").unlink()
     evs = _assert_completed(run_dir, tmp_path / "digest.json", baseline)

@@ -96,6 +96,14 @@ class LocalBackend:
             stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(sock.fileno(),))
         log.close()
 
+    def standby_exited(self) -> str | None:
+        """How the standby ended, once (None while it runs, or when there is none)."""
+        p = self.standby_proc
+        if p is None or p.poll() is None:
+            return None
+        self.standby_proc = None
+        return f"exit code {p.returncode}" if p.returncode >= 0 else f"signal {-p.returncode}"
+
     def stop_standby(self) -> None:
         p = self.standby_proc
         if p is None or p.poll() is not None:

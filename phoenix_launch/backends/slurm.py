@@ -226,6 +226,9 @@ class SlurmBackend:
     def stop_standby(self) -> None:
         return None
 
+    def standby_exited(self) -> str | None:
+        return None
+
     def agent_handles(self) -> dict[str, int]:
         return {}
 
