@@ -12,6 +12,8 @@ current leader is SIGKILLed at a random moment of the step. Per loss:
 - progress gap: from the SIGKILL to the new leader's first progress report (training itself does not wait for
   the control plane; this is when the supervisor sees it again).
 
+It also prints what the standby costs while it watches: its CPU time per second over 5 s.
+
 The job must then end with exit 0 (its digest is checked by tests/test_standby.py, not here).
 """
 
@@ -43,6 +45,16 @@ def _reap(run_dir: Path) -> None:
             continue
 
 
+def _cpu_share(run_dir: Path, needle: str, seconds: float) -> float:
+    """CPU seconds per second of the job's process whose command line holds ``needle``, over ``seconds``."""
+    import psutil
+
+    (p,) = [p for p in psutil.process_iter(["cmdline"]) if needle in " ".join(p.info["cmdline"] or []) and str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    t0 = sum(p.cpu_times()[:2])
+    time.sleep(seconds)
+    return (sum(p.cpu_times()[:2]) - t0) / seconds
+
+
 def of(evs, t):
     return [e for e in evs if e["type"] == t]
 
@@ -65,6 +77,8 @@ def main():
                                 cwd=d, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait(lambda: of(events(run_dir), "progress"), 240, "the first step")
+            wait(lambda: of(events(run_dir), "standby_ready"), 120, "the first standby")
+            standby_cpu = _cpu_share(run_dir, "phoenix_launch.standby", 5.0)
             for k in range(a.trials):
                 wait(lambda: [e for e in of(events(run_dir), "standby_ready") if e["incarnation"] == k + 1], 120, f"standby {k + 1}")
                 time.sleep(rng.uniform(0.5, 1.5))  # somewhere in a step
@@ -92,6 +106,7 @@ def main():
     print(f"| {len(rows)} | {k('detect_s'):.3f} (max {mx('detect_s'):.3f}) | {k('serving_s'):.3f} (max {mx('serving_s'):.3f}) | "
           f"{k('agents_s'):.3f} (max {mx('agents_s'):.3f}) | {k('progress_gap_s'):.3f} (max {mx('progress_gap_s'):.3f}) | {end['exit_code']} |")
     print("(medians over the losses; from the SIGKILL except serving, which counts from the detection)")
+    print(f"the standby's CPU while it watches: {100 * standby_cpu:.1f}% of one core (5 s, before the first loss)")
 
 
 if __name__ == "__main__":
