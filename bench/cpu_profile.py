@@ -99,8 +99,8 @@ def profile(mode: str, a, td: Path) -> dict:
     r = subprocess.run(cmd, cwd=td, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    if r.returncode != 0 or not out.exists():
-        raise SystemExit(f"cpu_profile.py: the {mode} run failed ({r.returncode}): {r.stderr[-1500:]}")
+    if r.returncode != 0 or not out.exists() or not tf.exists():  # py-spy exits 0 when the job it ran failed
+        raise SystemExit(f"cpu_profile.py: the {mode} run failed (py-spy {r.returncode}; no step times: the job failed): {r.stderr[-1500:]}")
     threads, split, ranks = parse(out.read_text())
     times = json.loads(tf.read_text())["step_times"]
     return {"threads": threads, "split": split, "ranks": ranks, "step_s": trimmed_mean(times), "steps": len(times),
