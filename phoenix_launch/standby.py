@@ -21,7 +21,7 @@ from phoenix_launch.control import ControlPlane
 from phoenix_launch.lifecycle import JobState
 from phoenix_launch.mirror import STANDBY_FILE, Standby
 from phoenix_launch.nodes import ENDED
-from phoenix_runtime import auth
+from phoenix_runtime import auth, protocol
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +80,7 @@ def take_over_job(sup: Any, state: dict[str, Any], sock: Any, t_lost: float, pha
     t_serving = time.time()
     sup.write_control()
     mirror.restore(sup, state)
+    sup.store.set(protocol.K_RESTORED, str(plane.incarnation))  # clients that moved here wait for this (failover.py)
     sup.open_commands()
     now = time.time()
     sup.events.emit("takeover", gen=sup.gen, was=state["job"], control=f"{plane.host}:{plane.port}", leader_lost_at=t_lost,

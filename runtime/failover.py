@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from phoenix_runtime.protocol import CONTROL_FILE, STANDBY_FILE
+from phoenix_runtime.protocol import CONTROL_FILE, K_RESTORED, STANDBY_FILE
 
 
 def parse_addr(text: str) -> tuple[str, int] | None:
@@ -136,8 +136,10 @@ class FailoverStore(dist.Store):
                 if newer is not None:
                     inc, addr, serving = newer
                     # a standby's socket accepts before it serves: this waits for its takeover
-                    self._s = _tcp(addr, 5.0 if serving else max(1.0, deadline - time.monotonic()))
-                    self.addr, self.incarnation, self.moved_at = addr, inc, time.time()
+                    s = _tcp(addr, 5.0 if serving else max(1.0, deadline - time.monotonic()))
+                    # ... and it serves before it has restored the generation: what a client reads must be there
+                    s.wait([K_RESTORED], timedelta(seconds=max(1.0, deadline - time.monotonic())))
+                    self._s, self.addr, self.incarnation, self.moved_at = s, addr, inc, time.time()
                     return
             except dist.DistError:
                 pass

@@ -65,6 +65,7 @@ class Store(Protocol):
 # --- keys ------------------------------------------------------------------------------------------
 CONTROL_FILE = "control.json"  # in the run directory: the serving leader {"host", "port", "incarnation", "pid", ...}
 STANDBY_FILE = "standby.json"  # in the run directory: the waiting standby {"address", "incarnation", "argv", "backend"}
+K_RESTORED = "phx/sup/restored"  # a leader that took over has restored the store (clients that moved wait for it)
 K_GEN = "phx/gen"
 K_RUN_ID = "phx/run_id"
 K_PERSIST_AT = "phx/persist/at"  # the step every rank writes a persistent checkpoint of (time-based cadence)
