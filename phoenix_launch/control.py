@@ -54,9 +54,11 @@ class ControlPlane:
     they start); the stores listen from :meth:`listen` on (after the agents were started, so that the
     ranks' imports overlap with the supervisor's own torch import)."""
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int = 0, *, sock: socket.socket | None = None, incarnation: int = 0):
+        """``sock``/``incarnation``: a standby taking over serves on the socket it held since it started (its
+        address is in the run directory's standby.json), as the ``incarnation``-th leader after the first."""
         self.host = host
-        self._sock, self._rdzv_sock = reserve_port(host, port), reserve_port(host, 0)
+        self._sock, self._rdzv_sock = sock if sock is not None else reserve_port(host, port), reserve_port(host, 0)
         self.port: int = self._sock.getsockname()[1]
         self.rdzv_port: int = self._rdzv_sock.getsockname()[1]
         self.store: Any = None
@@ -64,18 +66,7 @@ class ControlPlane:
         self._old_rdzv: Any = None  # the previous attempt's rendezvous store, alive until its workers are gone
         self.reports: Any = None  # Queue: agents and ranks -> supervisor
         self.commands: Any = None  # Queue: kill-node -> supervisor
-        self.incarnation = 0  # 1: a standby's, after it took the job over (runtime/failover.py)
-
-    @classmethod
-    def taking_over(cls, host: str, sock: socket.socket, incarnation: int) -> "ControlPlane":
-        """A standby's control plane: the store on the socket it held since it started (its address is in the
-        run directory's standby.json), a new rendezvous store; ``incarnation``: how many leaders came before."""
-        plane = cls.__new__(cls)
-        plane.host, plane._sock, plane._rdzv_sock = host, sock, reserve_port(host, 0)
-        plane.port, plane.rdzv_port = sock.getsockname()[1], plane._rdzv_sock.getsockname()[1]
-        plane.store = plane.rdzv_store = plane._old_rdzv = plane.reports = plane.commands = None
-        plane.incarnation = incarnation
-        return plane
+        self.incarnation = incarnation  # > 0: a standby's, after it took the job over (runtime/failover.py)
 
     def listen(self) -> None:
         from phoenix_runtime import protocol

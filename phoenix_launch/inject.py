@@ -117,6 +117,7 @@ def send_command(run_dir: Path, cmd: protocol.KillCommand, timeout_s: float = 10
         store = connect(ctl["host"], int(ctl["port"]), timeout_s=3.0)
     except Exception:
         raise InjectError(f"no running job at {ctl['host']}:{ctl['port']} (run directory {run_dir})") from None
+    store = protocol.Incarnated(store, int(ctl.get("incarnation", 0) or 0))  # a leader after a takeover seals for it
     protocol.Queue(store, protocol.Q_COMMANDS).put(replace(cmd, id=cid))  # sealed; no token in the store
     key = f"phx/reply/{cid}"
     deadline = time.monotonic() + timeout_s

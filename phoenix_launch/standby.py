@@ -75,7 +75,7 @@ def take_over_job(sup: Any, state: dict[str, Any], sock: Any, t_lost: float, pha
     """The standby's start (instead of :meth:`Supervisor.start`): serve the control plane where every agent and
     rank looks after the leader (``standby.json``), restore the lost leader's state (``mirror.restore``), go on."""
     t0 = time.time()
-    plane = sup.plane = ControlPlane.taking_over(sock.getsockname()[0], sock, int(state["incarnation"]))
+    plane = sup.plane = ControlPlane(sock.getsockname()[0], sock=sock, incarnation=int(state["incarnation"]))
     plane.listen()
     t_serving = time.time()
     sup.write_control()

@@ -33,7 +33,7 @@ from pathlib import Path
 from dataclasses import replace
 from typing import Any, Mapping
 
-from phoenix_launch.backends.base import Capabilities, SchedulerView
+from phoenix_launch.backends.base import Capabilities, NotSupported, SchedulerView
 from phoenix_launch.backends import slurm_env as se
 from phoenix_launch.config import Config, ConfigError
 from phoenix_launch.events import open_private, private_dir, write_private
