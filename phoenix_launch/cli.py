@@ -209,17 +209,30 @@ def _open_backend(cfg, rdir: Path, *, nodes_given: bool):
         be = choose_backend(cfg, rdir)
     except ConfigError as e:
         raise fail(str(e)) from None
-    if cfg.launch.standby == "on" and be.name != "local":
-        raise fail(f"launch.standby: on is supported on the local backend only so far (this job's backend: {be.name})")
     nodes_given = nodes_given or "PHOENIX_LAUNCH_NODES" in os.environ
     if not nodes_given and be.capabilities.allocation:  # Slurm: every allocated node but the spares is active
         cfg = replace(cfg, launch=replace(cfg.launch, nodes=be.use_all_nodes()))
+    cfg = replace(cfg, launch=replace(cfg.launch, standby=_standby(cfg, be)))
     import yaml
 
     from phoenix_launch.events import write_private
 
     write_private(rdir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return cfg, be
+
+
+def _standby(cfg, be) -> str:
+    """launch.standby resolved to on/off: auto is on where a standby can run on a node other than the
+    leader's (a scheduler's allocation of two or more nodes), off on the local backend."""
+    want = cfg.launch.standby
+    if be.capabilities.remote_standby:
+        others = [n for n in be.node_names if n != be.leader_node()]
+        if not others:
+            if want == "on":
+                raise fail("launch.standby: on needs a node other than phoenix-run's own in the allocation")
+            return "off"
+        return "off" if want == "off" else "on"
+    return "on" if want == "on" else "off"
 
 
 def _supervise(cfg, argv: list[str], rdir: Path, be) -> None:

@@ -45,13 +45,14 @@ class LaunchConfig:
     live: str = "auto"  # auto | on | off: the rich live view (auto: when stdout is a terminal)
     persist_keep: int = 2  # complete persistent checkpoints kept (runtime.persist_every writes them)
     resume: str = ""  # a complete persistent checkpoint (step directory) to start from (phoenix-run --resume)
-    # a standby supervisor that takes the job over when the leader (this process) is lost: off | on
-    # (local backend: a process of its own on this machine; see docs/operations.md)
-    standby: str = "off"
+    # a standby supervisor that takes the job over when the leader (this process) is lost: auto | on | off
+    # (auto: on where the job has two or more nodes of a scheduler (Slurm), where it runs on a node other than
+    # the leader's; off on the local backend, whose "nodes" share this machine; see docs/operations.md)
+    standby: str = "auto"
 
     def validate(self) -> None:
-        if self.standby not in ("off", "on"):
-            raise ConfigError(f"launch.standby must be off or on, got {self.standby!r}")
+        if self.standby not in ("auto", "off", "on"):
+            raise ConfigError(f"launch.standby must be auto, on or off, got {self.standby!r}")
         if self.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1, got {self.nodes}")
         if self.nproc_per_node < 1:

@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Any
 
+from phoenix_launch.backends.base import NotSupported
 from phoenix_runtime import auth, protocol
 
 K_STATE = "phx/sup/state"  # the leader's mirrored state (sealed JSON)
@@ -219,17 +220,26 @@ class StandbyLink:
             return
         from phoenix_launch.control import reserve_port
         from phoenix_launch.events import write_json_atomic
+        from phoenix_launch.nodes import ENDED
 
         plane = sup.plane
-        sock = reserve_port(plane.host, 0)
+        remote = sup.backend.capabilities.remote_standby  # Slurm: on another node, it binds a port there
+        sock = None if remote else reserve_port(plane.host, 0)
         self.ready = False
-        write_json_atomic(sup.run_dir / STANDBY_FILE, {"address": f"{plane.host}:{sock.getsockname()[1]}", "incarnation": plane.incarnation + 1,
-                                                       "argv": sup.argv, "backend": sup.backend.name})
+        write_json_atomic(sup.run_dir / STANDBY_FILE, {"address": "" if sock is None else f"{plane.host}:{sock.getsockname()[1]}",
+                                                       "incarnation": plane.incarnation + 1, "argv": sup.argv, "backend": sup.backend.name})
         self.mirror.publish(sup.store, sup)
+        # where it may run, best first: an idle spare, else the active node started last
+        where = [n.name for n in reversed(list(sup.nodes)) if n.state not in ENDED]
+        where.sort(key=lambda name: sup.nodes[name].state.value != "spare")
         try:
-            sup.backend.start_standby(sock)
+            sup.backend.start_standby(sock, where)
+        except NotSupported as e:
+            self.enabled = False
+            self.events.emit("standby_lost", how=f"not started: {e}", restarts=self.restarts, max_restarts=RESTARTS)
         finally:
-            sock.close()  # the standby holds it now
+            if sock is not None:
+                sock.close()  # the standby holds it now
 
     def publish(self, sup: Any, sync: bool = False) -> None:
         if not self.enabled or sup.plane is None:

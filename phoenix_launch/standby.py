@@ -27,7 +27,9 @@ from phoenix_runtime import auth, protocol
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="phoenix-standby")
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--fd", type=int, required=True, help="the listening socket the leader reserved for it")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--fd", type=int, help="the listening socket the leader reserved for it (local backend)")
+    where.add_argument("--slurm", action="store_true", help="a step on another node: bind a port there (Slurm)")
     ns = ap.parse_args(argv)
     run_dir = Path(ns.run_dir)
     stopping: list[int] = []
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"phoenix standby: cannot start: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
-    sock = socket.socket(fileno=ns.fd)
+    sock = socket.socket(fileno=ns.fd) if ns.fd is not None else _bind_here(run_dir, told, ctl["host"])
     watcher = Standby(ctl["host"], int(ctl["port"]), int(told["incarnation"]), stop=lambda: bool(stopping))
     if not watcher.watch():
         return 0
@@ -50,17 +52,41 @@ def main(argv: list[str] | None = None) -> int:
     return take_over(run_dir, told, watcher.state, sock, watcher.t_lost or time.time(), stopping)
 
 
+def _bind_here(run_dir: Path, told: dict[str, Any], leader_host: str) -> socket.socket:
+    """A standby on a node of its own (Slurm): listen on this node's address on the route to the leader (the
+    network every agent reaches the leader on), and say where in ``standby.json``."""
+    from phoenix_launch.control import reserve_port
+    from phoenix_launch.events import write_json_atomic
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((leader_host, 9))  # no packet is sent: this only picks the route
+        host = probe.getsockname()[0]
+    sock = reserve_port(host, 0)
+    write_json_atomic(run_dir / STANDBY_FILE, {**told, "address": f"{host}:{sock.getsockname()[1]}", "node": os.uname().nodename})
+    return sock
+
+
+def _backend(run_dir: Path, told: dict[str, Any], cfg: Any) -> Any:
+    """The lost leader's backend, as a standby sees it (no agents started here: it attaches to theirs)."""
+    if told.get("backend") == "slurm":
+        from phoenix_launch.backends.slurm import SlurmBackend
+
+        return SlurmBackend.for_takeover(cfg, run_dir)
+    from phoenix_launch.backends.local import LocalBackend
+
+    return LocalBackend(run_dir, 0, standby=True)
+
+
 def take_over(run_dir: Path, told: dict[str, Any], state: dict[str, Any], sock: socket.socket, t_lost: float,
               stopping: list[int]) -> int:
     import yaml
 
-    from phoenix_launch.backends.local import LocalBackend
     from phoenix_launch.config import build_config
     from phoenix_launch.supervisor import Supervisor
 
     t0 = time.time()
     cfg = build_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    backend = LocalBackend(run_dir, 0, standby=True)  # the only backend with a standby so far (see config.py)
+    backend = _backend(run_dir, told, cfg)
     backend.attach(state.get("agents") or {})
     sup = Supervisor(cfg, list(told["argv"]), run_dir, backend, takeover=True)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -68,7 +94,16 @@ def take_over(run_dir: Path, told: dict[str, Any], state: dict[str, Any], sock: 
     if stopping:
         sup.request_stop(stopping[0])
     take_over_job(sup, {**state, "incarnation": int(told["incarnation"])}, sock, t_lost, phases={"build_s": round(time.time() - t0, 3)})
-    return sup.loop()
+    code = sup.loop()
+    end_job = getattr(backend, "end_job", None)
+    if end_job is not None:  # Slurm: the lost leader's batch script cannot end the job any more
+        from phoenix_launch.events import EventLog
+
+        log = EventLog(run_dir / "events.jsonl")  # written before: ending the job may kill this step at once
+        log.emit("scheduler_job_end", exit_code=code, why="the batch script was lost with the leader")
+        log.close()
+        print(f"phoenix standby: {end_job(code)}", file=sys.stderr, flush=True)
+    return code
 
 
 def take_over_job(sup: Any, state: dict[str, Any], sock: Any, t_lost: float, phases: dict[str, float] | None = None) -> None:

@@ -246,6 +246,8 @@ def test_sbatch_three_active_one_spare_trains_to_the_end(reference: Reference, s
         assert spec["node"] == node and spec["store_host"] == host and "gpus_per_node" not in spec
     assert of_type(evs, "job_end")[0]["exit_code"] == 0
     assert not of_type(evs, "failure")
+    # a standby supervisor (launch.standby: auto) ran as a step on another node and held the leader's state
+    assert of_type(evs, "standby_ready") and not of_type(evs, "takeover"), [e for e in evs if "standby" in e["type"]]
     assert_no_leftovers(ref.run_dir)
     print(f"\nreference job {ref.job}: {ref.wall_s:.1f}s wall, digest {digest(ref.digest_file)[:16]}")
 
@@ -361,12 +363,16 @@ def test_kill_node_from_the_root_namespace(idle_cluster: SlurmCluster, reference
 
 # ------------------------------------------------------------------------------ 5. a node lost mid-run
 
-@pytest.mark.parametrize("how", ["netns-sigkill", "scontrol-down"])
+@pytest.mark.parametrize("how", ["netns-sigkill", "scontrol-down", "batch-host"])
 def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, reference: Reference, tmp_path: Path,
                                             how: str) -> None:
     """An active node (not the BatchHost) is lost mid-run: every process of its namespace SIGKILLed (slurmd
     too), or `scontrol update state=down`. The supervisor detects it, hot-swaps onto the spare, drains the
-    node with a phoenix reason, and the job ends with the failure-free digest and exit code 0."""
+    node with a phoenix reason, and the job ends with the failure-free digest and exit code 0.
+
+    ``batch-host``: the BatchHost's namespace is SIGKILLed, phoenix-run (the leader supervisor) with it. The
+    standby supervisor (on by default, a step on another node) takes the job over, hot-swaps the BatchHost onto
+    the spare, and ends the Slurm job itself with the supervisor's exit code (its batch script is gone)."""
     cluster = idle_cluster
     run_dir, dig, out = tmp_path / "run", tmp_path / "digest.json", tmp_path / "job.out"
     body = phoenix("--backend", "slurm", "--nodes", "3", "--nproc-per-node", "1", "--spares", "1", "--run-dir",
@@ -377,13 +383,19 @@ def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, referenc
     try:
         states = wait_training(run_dir, job, cluster, out, min_step=4)
         batch_host = job_record(cluster, job)["BatchHost"]
-        victim = next(n for n, s in states.items() if s == "active" and n != batch_host)
+        victim = next(n for n, s in states.items() if s == "active" and (n == batch_host) == (how == "batch-host"))
         spare = next(n for n, s in states.items() if s == "spare")
+        if how == "batch-host":  # the standby holds the leader's state before the leader is lost
+            wait_for("standby_ready", lambda: of_type(events(run_dir), "standby_ready"), START_TIMEOUT, interval=0.2)
         t_kill = time.time()
-        if how == "netns-sigkill":
+        if how in ("netns-sigkill", "batch-host"):
             ns = f"{cluster.extra['NS_PREFIX']}{victim}"
             pids = cluster.run(["ip", "netns", "pids", ns]).stdout.split()
             assert pids
+            # a node that dies runs nothing more: stopped first, none of its processes can react to another's death
+            # while `kill` goes down the list (seen with a plain kill -9 of the list: some sruns of the BatchHost
+            # lived long enough to cancel their steps on the other nodes, which a dead node's cannot do)
+            cluster.run(["kill", "-STOP", *pids])
             cluster.run(["kill", "-9", *pids])
         else:
             cluster.run(["scontrol", "update", f"nodename={victim}", "state=down", "reason=test"])
@@ -391,7 +403,7 @@ def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, referenc
     except BaseException:
         cluster.cancel(job)
         if victim:
-            restore_node(cluster, victim, restart_slurmd=how == "netns-sigkill")
+            restore_node(cluster, victim, restart_slurmd=how != "scontrol-down")
         raise
     try:
         text = read(out)
@@ -412,9 +424,15 @@ def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, referenc
         show = node_record(cluster, victim)
         assert "Reason=phoenix: " in show, show
         assert of_type(evs, "job_end")[0]["exit_code"] == 0
+        if how == "batch-host":
+            took = of_type(evs, "takeover")
+            assert took and took[0]["control"].split(":")[0] != f"{cluster.subnet}.{10 + int(victim[1:])}", summary
+            print(f"takeover: {json.dumps(took[0])}")
+            assert of_type(evs, "scheduler_job_end", exit_code=0), summary  # the standby ended the Slurm job
+            assert "Traceback" not in read(run_dir / "logs" / "standby.log"), read(run_dir / "logs" / "standby.log")
         assert_no_leftovers(run_dir)
     finally:
-        restore_node(cluster, victim, restart_slurmd=how == "netns-sigkill")
+        restore_node(cluster, victim, restart_slurmd=how != "scontrol-down")
 
 
 # ------------------------------------------------------------------------------ 6. replenishment

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from phoenix_launch.spec import AgentSpec
 
@@ -17,6 +17,7 @@ class Capabilities:
     replenish: bool = False  # replenish / replenish_ended / adopt
     node_state: bool = False  # node_state(node) -> (state, reason) from the scheduler
     allocation: bool = False  # use_all_nodes(): the node count comes from an allocation (--nodes not given)
+    remote_standby: bool = False  # the standby supervisor runs on another node and binds its own port there
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,10 @@ class Backend(Protocol):
     def adopt(self, node: str, join: str | None) -> None: ...
     def node_state(self, node: str) -> SchedulerView: ...  # capability "node_state"
     def use_all_nodes(self) -> int: ...  # capability "allocation": the active node count
-    # a standby supervisor (launch.standby; local backend so far): its process, the agents' handles it mirrors
-    def start_standby(self, sock) -> None: ...
+    # a standby supervisor (launch.standby): its process, the agents' handles it mirrors
+    def start_standby(self, sock, where: list[str]) -> None: ...  # sock: reserved here (None: remote_standby)
     def stop_standby(self) -> None: ...
     def standby_exited(self) -> str | None: ...  # how the standby ended (once), None while it runs
-    def agent_handles(self) -> dict[str, int]: ...
+    def agent_handles(self) -> dict[str, Any]: ...  # local: pids; Slurm: step names
     def leader_node(self) -> str | None: ...  # the job's node the supervisor runs on, if any
-    def attach(self, handles: dict[str, int]) -> None: ...
+    def attach(self, handles: dict[str, Any]) -> None: ...

@@ -88,7 +88,7 @@ class LocalBackend:
         log.close()
 
     # --- the standby supervisor (launch.standby) --------------------------------------------------------
-    def start_standby(self, sock) -> None:
+    def start_standby(self, sock, where: list[str] | None = None) -> None:
         """The standby supervisor: a process of its own session (it outlives this one), holding ``sock``."""
         log = open_private(self.run_dir / "logs" / "standby.log", "ab")
         self.standby_proc = subprocess.Popen(

@@ -42,6 +42,9 @@ from phoenix_launch.spec import AgentSpec
 
 #: Deadline for a Slurm query made from the supervisor's loop (squeue/scontrol answer in milliseconds).
 QUERY_TIMEOUT = timedelta(seconds=5)
+#: How often a standby that took over asks squeue whether the agents' steps it attached to still run.
+ATTACHED_POLL_S = 2.0
+STANDBY_STEP = "phoenix-standby"
 #: How long a background ``scancel`` may run before it is killed.
 SCANCEL_TIMEOUT = timedelta(seconds=20)
 
@@ -57,7 +60,7 @@ def _plural(n: int, word: str) -> str:
 
 class SlurmBackend:
     name = "slurm"
-    capabilities = Capabilities(replenish=True, node_state=True, allocation=True)
+    capabilities = Capabilities(replenish=True, node_state=True, allocation=True, remote_standby=True)
 
     def __init__(self, cfg: Config, run_dir: Path, job: se.SlurmJob, allocation: tuple[str, ...], *,
                  run: se.Runner = se.run_command, submit: se.Runner | None = None):
@@ -78,6 +81,11 @@ class SlurmBackend:
         self.adopted: dict[str, str | None] = {}  # node that joined -> its replenishment job id
         self._helpers: list[tuple[subprocess.Popen, float]] = []  # background scancels and their deadlines
         self._topology: dict[str, str] | None = None
+        self.standby_proc: subprocess.Popen | None = None  # the srun of the standby supervisor's step
+        self.standby_node: str | None = None
+        self.attached: set[str] = set()  # nodes whose agent step another supervisor started (a takeover)
+        self._next_attached_poll = 0.0
+        self._killed: list[tuple[str, int]] = []  # attached agents killed here, to report from poll()
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
@@ -111,6 +119,31 @@ class SlurmBackend:
         if job.no_kill is False:
             print(NO_KILL_WARNING, file=sys.stderr, flush=True)
         return cls(cfg, run_dir, job, allocation, run=run, submit=submit)
+
+    @classmethod
+    def for_takeover(cls, cfg: Config, run_dir: Path) -> "SlurmBackend":
+        """A standby supervisor's backend (it runs as a step of the job): the allocation as it is now, without
+        the checks of :meth:`create` (a lost batch host has already left it); no agent is started from here."""
+        job = se.SlurmJob.from_env(os.environ)
+        try:
+            allocation = se.job_nodes(job.job_id)
+        except (se.SlurmCommandError, se.SlurmEnvError):
+            allocation = job.nodelist
+        backend = cls(cfg, run_dir, job, allocation)
+        backend.node_names = []  # the nodes come from the lost leader's mirrored state
+        return backend
+
+    def end_job(self, exit_code: int) -> str:
+        """End the job with the supervisor's exit code, as its batch script would have (its batch host was
+        lost with the leader, and Slurm would keep the job RUNNING): ``slurm_complete_job``, else scancel."""
+        from phoenix_launch.backends.slurm_api import SlurmApiError, complete_job
+
+        try:
+            complete_job(self.job.job_id, exit_code)
+            return f"ended Slurm job {self.job.job_id} with exit code {exit_code}"
+        except SlurmApiError as e:
+            self._quiet(["scancel", self.job.job_id])
+            return f"could not end Slurm job {self.job.job_id} with exit code {exit_code} ({e}): cancelled it"
 
     def use_all_nodes(self) -> int:
         """``--nodes`` was not given: every allocated node that is not a spare is active. Returns that count."""
@@ -187,7 +220,8 @@ class SlurmBackend:
         self.exited.discard(node)
 
     def poll(self) -> list[tuple[str, int]]:
-        out = poll_exited(self.procs, self.exited)
+        out = poll_exited(self.procs, self.exited) + self._poll_attached() + self._killed
+        self._killed = []
         self._reap_helpers()
         return out
 
@@ -200,6 +234,13 @@ class SlurmBackend:
             return
         p = self.procs.get(node)
         if p is None:
+            if node in self.attached and node not in self.exited:  # a takeover's: no srun here, only its step
+                step = self._steps().get(self.step_names.get(node, ""))
+                if step:
+                    self._background(["scancel", "--signal=KILL", step])
+                # ended as far as this job goes (a dead node's step may stay listed); poll reports it once
+                self.exited.add(node)
+                self._killed.append((node, -signal.SIGKILL))
             return
         step = self._steps().get(self.step_names.get(node, "")) if p.poll() is None else None
         try:
@@ -219,47 +260,115 @@ class SlurmBackend:
             return False, f"scontrol could not drain {node}: {e.detail}"
         return True, f"drained in Slurm ({argv[-1]})"
 
-    # a standby supervisor is not built for Slurm yet (cli refuses launch.standby: on here)
-    def start_standby(self, sock) -> None:
-        raise NotSupported("no standby supervisor on Slurm yet")
-
-    def stop_standby(self) -> None:
-        return None
+    # --- the standby supervisor (launch.standby) ----------------------------------------------------
+    def start_standby(self, sock, where: list[str] | None = None) -> None:
+        """The standby supervisor: a one-node step of its own on another node of the allocation (``where``:
+        the candidates, best first; never the node this leader runs on). It binds its own port there and
+        writes its address into ``standby.json``; ``sock`` (a socket reserved here) is not used. Its output
+        goes to ``logs/standby.log`` through slurmstepd on its node, so it survives this leader's node."""
+        here = self.leader_node()
+        node = next((n for n in (where or []) if n != here and n in self.allocation), None)
+        if node is None:
+            raise NotSupported("no other node of the allocation to run a standby supervisor on")
+        log = self.run_dir / "logs" / "standby.log"
+        private_dir(log.parent)
+        open_private(log, "ab").close()
+        argv = se.agent_srun_command(node, [sys.executable, "-m", "phoenix_launch.standby", "--run-dir",
+                                            str(self.run_dir), "--slurm"],
+                                     [f"--output={log}", f"--error={log}", "--open-mode=append"],
+                                     step_name=STANDBY_STEP)
+        self.standby_proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.DEVNULL, start_new_session=True,
+                                             preexec_fn=die_with_parent)
+        self.standby_node = node
 
     def standby_exited(self) -> str | None:
-        return None
+        """How the standby's step ended, once (None while it runs, or when there is none)."""
+        p = self.standby_proc
+        if p is None or p.poll() is None:
+            return None
+        self.standby_proc = None
+        return f"exit code {p.returncode} on {self.standby_node}" if p.returncode >= 0 else f"signal {-p.returncode} on {self.standby_node}"
 
-    def agent_handles(self) -> dict[str, int]:
-        return {}
+    def stop_standby(self) -> None:
+        p, self.standby_proc = self.standby_proc, None
+        if p is None or p.poll() is not None:
+            return
+        step = self._steps().get(STANDBY_STEP)
+        if step:
+            self._quiet(["scancel", "--signal=TERM", step])
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            if step:
+                self._quiet(["scancel", "--signal=KILL", step])
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=5)
+
+    def agent_handles(self) -> dict[str, str]:
+        """What a standby needs to watch and stop the agents: their steps' names (``squeue``, ``scancel``)."""
+        return {n: s for n, s in self.step_names.items() if n not in self.exited}
 
     def leader_node(self) -> str | None:
-        return None
+        """The node this supervisor runs on (the BatchHost; a standby's own node after a takeover)."""
+        return self.job.node_name or self.job.batch_host
 
-    def attach(self, handles: dict[str, int]) -> None:
-        raise NotSupported("no standby supervisor on Slurm yet")
+    def attach(self, handles: dict[str, str]) -> None:
+        """A standby that took over: the agents' steps another process started (their sruns are gone with it).
+        Their end is seen in ``squeue`` (:meth:`poll`) or as their heartbeats stopping."""
+        self.step_names.update({n: str(s) for n, s in handles.items()})
+        self.attached.update(handles)
+
+    def _poll_attached(self) -> list[tuple[str, int]]:
+        """Attached agents whose step left ``squeue`` (asked at most every ``ATTACHED_POLL_S``)."""
+        live = [n for n in self.attached if n not in self.exited]
+        if not live or time.monotonic() < self._next_attached_poll:
+            return []
+        self._next_attached_poll = time.monotonic() + ATTACHED_POLL_S
+        steps = self._step_query()
+        if steps is None:
+            return []  # the query failed: not a reason to think every agent gone
+        gone = [n for n in live if self.step_names[n] not in steps]
+        self.exited.update(gone)
+        return [(n, -signal.SIGKILL) for n in gone]
 
     def stop_all(self, grace: float) -> None:
         """Every agent step ends: first on the supervisor's stop command (already sent over the control
         plane), then on SIGTERM to its step, finally SIGKILL; replenishment jobs are cancelled."""
         live = {n: p for n, p in self.procs.items() if p.poll() is None}
-        steps = self._steps() if live else {}
+        attached = {n for n in self.attached if n not in self.exited}  # a takeover's agents: steps without an srun here
+        steps = self._steps() if live or attached else {}
+        attached &= {n for n in attached if self.step_names.get(n) in steps}
         rep = [j for j in self.replenish_jobs.values() if j]
         if rep:
             self._quiet(["scancel", *rep])  # pending ones go at once; running ones get SIGTERM, then SIGKILL
-        deadline = time.monotonic() + grace / 2
-        while time.monotonic() < deadline and any(p.poll() is None for p in live.values()):
-            time.sleep(0.05)
-        ids = [steps[self.step_names[n]] for n, p in live.items() if p.poll() is None and self.step_names.get(n) in steps]
+
+        def running() -> list[str]:
+            left = [n for n, p in live.items() if p.poll() is None]
+            if attached:
+                now = self._steps()
+                left += [n for n in attached if self.step_names[n] in now]
+            return left
+
+        def wait(seconds: float) -> list[str]:
+            deadline = time.monotonic() + seconds
+            left = running()
+            while left and time.monotonic() < deadline:
+                time.sleep(0.05 if not attached else 0.5)
+                left = running()
+            return left
+
+        left = wait(grace / 2)
+        ids = [steps[self.step_names[n]] for n in left if self.step_names.get(n) in steps]
         if ids:
             self._quiet(["scancel", "--signal=TERM", *ids])  # the agents stop their ranks with grace
-        deadline = time.monotonic() + grace / 2 + 1.0
-        while time.monotonic() < deadline and any(p.poll() is None for p in live.values()):
-            time.sleep(0.05)
-        left = [n for n, p in live.items() if p.poll() is None]
+        left = wait(grace / 2 + 1.0)
         if left:
             ids = [steps[self.step_names[n]] for n in left if self.step_names.get(n) in steps]
             if ids:
                 self._quiet(["scancel", "--signal=KILL", *ids])
+            if attached:
+                wait(10.0)  # the killed steps leave squeue (bounded)
         for p in self.procs.values():
             try:
                 os.killpg(p.pid, signal.SIGKILL)  # srun (and its helper child), if still there
@@ -348,11 +457,15 @@ class SlurmBackend:
             pass
 
     def _steps(self) -> dict[str, str]:
-        """This job's steps: step name -> JOB.STEP (one squeue)."""
+        """This job's steps: step name -> JOB.STEP (one squeue); {} when the query fails."""
+        return self._step_query() or {}
+
+    def _step_query(self) -> dict[str, str] | None:
+        """This job's steps, or None when squeue did not answer."""
         try:
             out = self._query(["squeue", "-h", "-s", "-j", self.job.job_id, "-o", "%i|%j"])
         except se.SlurmCommandError:
-            return {}
+            return None
         steps = {}
         for line in out.splitlines():
             sid, _, name = line.strip().partition("|")
