@@ -287,3 +287,58 @@ def test_node_state_and_drain_reason_reach_the_incident(tmp_path: Path) -> None:
     events.close()
     probes = [e for e in _events(tmp_path) if e["type"] == "probe"]
     assert [(e["node"], e["reason"]) for e in probes] == [("n2", "Not responding"), ("n3", None)]
+
+
+# ------------------------------------------------------------------ a standby that took the job over
+
+def test_standby_resolution_auto_on_off(tmp_path: Path) -> None:
+    """launch.standby: auto is on with another node than phoenix-run's own, off with none; on without one is
+    a clear error; off stays off."""
+    import typer
+
+    from phoenix_launch.cli import _standby
+
+    def resolved(want: str, nodelist: str, n: int, nodes: int, spares: int) -> str:
+        env = {**BATCH_ENV, "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_NUM_NODES": str(n), "SLURM_NNODES": str(n)}
+        c = build_config(None, {}, {"launch": {"nodes": nodes, "spares": spares, "backend": "slurm", "standby": want}})
+        be = SlurmBackend.create(c, tmp_path, environ=env, run=fake(nodelist=nodelist))
+        return _standby(c, be)
+
+    assert resolved("auto", "n[1-4]", 4, 3, 1) == "on"
+    assert resolved("off", "n[1-4]", 4, 3, 1) == "off"
+    assert resolved("auto", "n1", 1, 1, 0) == "off"
+    with pytest.raises(typer.Exit):
+        resolved("on", "n1", 1, 1, 0)
+
+
+def test_attached_agents_end_when_their_step_leaves_squeue(tmp_path: Path, monkeypatch) -> None:
+    """After a takeover the agents' steps have no srun here: an agent whose step is gone from squeue is reported
+    once as exited; a failed squeue reports nothing; kill_node scancels the step and reports it at once."""
+    import phoenix_launch.backends.slurm as sl
+
+    monkeypatch.setattr(sl, "ATTACHED_POLL_S", 0.0)
+    steps = {"out": "42.0|phoenix-agent-n2\n42.1|phoenix-agent-n3\n42.2|phoenix-agent-n4\n"}
+
+    def squeue(argv):
+        if isinstance(steps["out"], Exception):
+            raise steps["out"]
+        return steps["out"]
+
+    run = fake(extra={"squeue -h -s": squeue})
+    be = SlurmBackend.create(cfg(3, 1), tmp_path, environ=BATCH_ENV, run=run)
+    be.node_names = []
+    be.attach({"n2": "phoenix-agent-n2", "n3": "phoenix-agent-n3", "n4": "phoenix-agent-n4"})
+    assert be.poll() == []
+    steps["out"] = "42.0|phoenix-agent-n2\n42.2|phoenix-agent-n4\n"
+    assert be.poll() == [("n3", -9)]
+    assert be.poll() == []
+    steps["out"] = se.SlurmCommandError(["squeue"], "timed out")
+    assert be.poll() == []  # a failed query is not every agent gone
+    steps["out"] = "42.0|phoenix-agent-n2\n42.2|phoenix-agent-n4\n"
+    background = []
+    monkeypatch.setattr(be, "_background", lambda argv: background.append(argv))
+    be.kill_node("n2")
+    assert background == [["scancel", "--signal=KILL", "42.0"]]
+    assert be.poll() == [("n2", -9)]
+    assert be.agent_handles() == {"n4": "phoenix-agent-n4"}
+    assert be.leader_node() == "n1"
