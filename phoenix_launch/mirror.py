@@ -23,6 +23,7 @@ that was under way. The job's outcome after a takeover is in the run directory (
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -37,6 +38,7 @@ K_ACK = "phx/sup/state_ack"  # the newest state version the standby holds (seale
 POLL_S = 0.01
 ACK_BOUND_S = 1.0  # a new generation waits at most this long for the standby to hold it
 RESTARTS = 3  # a standby that exits is replaced at most this often per leader
+SUPERSEDED_EXIT = 75  # a cut-off leader that finds a newer one serving the job (EX_TEMPFAIL)
 
 
 def snapshot(sup: Any, memo: dict[int, str] | None = None) -> dict[str, Any]:
@@ -141,12 +143,28 @@ class Standby:
 
         return connect(*self.addr, timeout_s=timeout_s)
 
+    def _poll(self, store: Any, acked: int) -> tuple[int, bool]:
+        """Read the leader's newest state if it changed and acknowledge it; (acked version, the job is over)."""
+        if not store.check([K_STATE]):
+            return acked, False
+        text = protocol.get_value(store, K_STATE)
+        if text is None:
+            return acked, False
+        first = self.state is None
+        self.state = json.loads(text)
+        if int(self.state.get("version", 0)) > acked:
+            acked = int(self.state.get("version", 0))
+            protocol.put_value(store, K_ACK, str(acked))
+        if first:  # ready: the leader says so in its events and status
+            protocol.put_value(store, K_READY, str(self.incarnation))
+        return acked, bool(self.state.get("final"))
+
     def watch(self, connect_bound_s: float = 120.0) -> bool:
         """True: the leader is lost (``t_lost``: when this standby saw it); False: told to stop, or the leader
         ended the job."""
         import torch.distributed as dist
 
-        from phoenix_runtime.failover import reachable
+        from phoenix_runtime.failover import guarded, reachable
 
         deadline = time.monotonic() + connect_bound_s
         store = None
@@ -165,19 +183,11 @@ class Standby:
         acked = 0
         while not self.stop():
             try:
-                if store.check([K_STATE]):
-                    text = protocol.get_value(store, K_STATE)
-                    if text is not None:
-                        first = self.state is None
-                        self.state = json.loads(text)
-                        if int(self.state.get("version", 0)) > acked:
-                            acked = int(self.state.get("version", 0))
-                            protocol.put_value(store, K_ACK, str(acked))
-                        if first:  # ready: the leader says so in its events and status
-                            protocol.put_value(store, K_READY, str(self.incarnation))
-                        if self.state.get("final"):
-                            return False
-            except dist.DistNetworkError:
+                with guarded(self.addr):  # a leader's host that vanished without a reset: the call is cut
+                    acked, final = self._poll(store, acked)
+                if final:
+                    return False
+            except dist.DistError:  # the connection closed (or a wait timed out): is the leader still there?
                 t = time.time()
                 try:
                     if reachable(self.addr):
@@ -275,3 +285,20 @@ class StandbyLink:
     def stop(self, backend: Any) -> None:
         if self.enabled:
             backend.stop_standby()
+
+    def fence(self, sup: Any) -> None:
+        """A leader that was cut off (a partition) while its standby took over must not act on the job any more:
+        when ``control.json`` names a newer incarnation, this process leaves at once, without stopping the agents
+        (they are the new leader's) or writing the job's end (``superseded`` event; exit code 75)."""
+        if not self.enabled or sup.plane is None:
+            return
+        try:
+            ctl = json.loads((sup.run_dir / protocol.CONTROL_FILE).read_text())
+        except (OSError, ValueError):
+            return
+        if int(ctl.get("incarnation", 0) or 0) > sup.plane.incarnation:
+            sup.events.emit("superseded", incarnation=sup.plane.incarnation, by=f"{ctl.get('host')}:{ctl.get('port')}",
+                            node=ctl.get("node"))
+            print(f"phoenix-run: superseded by the standby that took the job over ({ctl.get('node')}); leaving it to it",
+                  file=sys.stderr, flush=True)
+            os._exit(SUPERSEDED_EXIT)

@@ -134,8 +134,8 @@ class ReportHandlers:
 
     def on_agent_exit(self, name: str, code: int, now: float) -> None:
         node = self.nodes[name]
-        if node.state in ENDED or self.job.state is JobState.STOPPING:
-            return
+        if node.state in ENDED or node.lost or self.job.state is JobState.STOPPING:
+            return  # (lost: seen already, e.g. a takeover's lost leader node, then its step's end)
         node.lost = True
         how = describe_exit(code if code >= 0 else None, -code if code < 0 else None)
         if node.state is NodeState.SPARE or (node.state is NodeState.STARTING and node.is_spare):

@@ -192,6 +192,7 @@ class Supervisor(ReportHandlers):
         self.restart(decisions.Decision(decisions.Kind.RESTART, point[1], fresh=True), now)
 
     def check_heartbeats(self, now: float) -> None:
+        self.standby.fence(self)  # cut off while a standby took over: every heartbeat is silent, and not ours to judge
         for name, silent_s in self.nodes.silent(self.store, self.cfg.detect.node_timeout_s):
             self.events.emit("failure", kind="heartbeat_lost", node=name, silent_s=silent_s)
             self.backend.kill_node(name)

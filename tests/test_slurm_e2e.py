@@ -363,7 +363,7 @@ def test_kill_node_from_the_root_namespace(idle_cluster: SlurmCluster, reference
 
 # ------------------------------------------------------------------------------ 5. a node lost mid-run
 
-@pytest.mark.parametrize("how", ["netns-sigkill", "scontrol-down", "batch-host"])
+@pytest.mark.parametrize("how", ["netns-sigkill", "scontrol-down", "batch-host", "batch-host-partition"])
 def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, reference: Reference, tmp_path: Path,
                                             how: str) -> None:
     """An active node (not the BatchHost) is lost mid-run: every process of its namespace SIGKILLed (slurmd
@@ -372,7 +372,11 @@ def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, referenc
 
     ``batch-host``: the BatchHost's namespace is SIGKILLed, phoenix-run (the leader supervisor) with it. The
     standby supervisor (on by default, a step on another node) takes the job over, hot-swaps the BatchHost onto
-    the spare, and ends the Slurm job itself with the supervisor's exit code (its batch script is gone)."""
+    the spare, and ends the Slurm job itself with the supervisor's exit code (its batch script is gone).
+
+    ``batch-host-partition``: the BatchHost's link goes down (a host that vanishes without a reset, as a
+    powered-off one): store calls hang instead of failing, the watchdog (``failover.guarded``) cuts them, the
+    standby takes over, and the cut-off leader, which sees the newer incarnation, leaves (``superseded``)."""
     cluster = idle_cluster
     run_dir, dig, out = tmp_path / "run", tmp_path / "digest.json", tmp_path / "job.out"
     body = phoenix("--backend", "slurm", "--nodes", "3", "--nproc-per-node", "1", "--spares", "1", "--run-dir",
@@ -383,9 +387,9 @@ def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, referenc
     try:
         states = wait_training(run_dir, job, cluster, out, min_step=4)
         batch_host = job_record(cluster, job)["BatchHost"]
-        victim = next(n for n, s in states.items() if s == "active" and (n == batch_host) == (how == "batch-host"))
+        victim = next(n for n, s in states.items() if s == "active" and (n == batch_host) == how.startswith("batch-host"))
         spare = next(n for n, s in states.items() if s == "spare")
-        if how == "batch-host":  # the standby holds the leader's state before the leader is lost
+        if how.startswith("batch-host"):  # the standby holds the leader's state before the leader is lost
             wait_for("standby_ready", lambda: of_type(events(run_dir), "standby_ready"), START_TIMEOUT, interval=0.2)
         t_kill = time.time()
         if how in ("netns-sigkill", "batch-host"):
@@ -397,14 +401,20 @@ def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, referenc
             # lived long enough to cancel their steps on the other nodes, which a dead node's cannot do)
             cluster.run(["kill", "-STOP", *pids])
             cluster.run(["kill", "-9", *pids])
+        elif how == "batch-host-partition":
+            cluster.run(["ip", "link", "set", f"{cluster.extra['VETH_PREFIX']}{victim}", "down"])
         else:
             cluster.run(["scontrol", "update", f"nodename={victim}", "state=down", "reason=test"])
         rec = wait_job_end(cluster, job, out)
     except BaseException:
+        if how == "batch-host-partition":
+            cluster.run(["ip", "link", "set", f"{cluster.extra['VETH_PREFIX']}{victim}", "up"], check=False)
         cluster.cancel(job)
         if victim:
-            restore_node(cluster, victim, restart_slurmd=how != "scontrol-down")
+            restore_node(cluster, victim, restart_slurmd=how in ("netns-sigkill", "batch-host"))
         raise
+    if how == "batch-host-partition":  # healed: its slurmd hears that the job is over and ends what is left there
+        cluster.run(["ip", "link", "set", f"{cluster.extra['VETH_PREFIX']}{victim}", "up"])
     try:
         text = read(out)
         evs = events(run_dir)
@@ -423,8 +433,10 @@ def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, referenc
         assert of_type(evs, "node_state", node=victim, new="drained"), summary
         show = node_record(cluster, victim)
         assert "Reason=phoenix: " in show, show
-        assert of_type(evs, "job_end")[0]["exit_code"] == 0
-        if how == "batch-host":
+        assert [e["exit_code"] for e in of_type(evs, "job_end")] == [0], summary  # one end, the new leader's
+        if how == "batch-host-partition":
+            assert of_type(evs, "superseded"), summary  # the cut-off leader left the job to the new one
+        if how.startswith("batch-host"):
             took = of_type(evs, "takeover")
             assert took and took[0]["control"].split(":")[0] != f"{cluster.subnet}.{10 + int(victim[1:])}", summary
             print(f"takeover: {json.dumps(took[0])}")
@@ -432,7 +444,7 @@ def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, referenc
             assert "Traceback" not in read(run_dir / "logs" / "standby.log"), read(run_dir / "logs" / "standby.log")
         assert_no_leftovers(run_dir)
     finally:
-        restore_node(cluster, victim, restart_slurmd=how != "scontrol-down")
+        restore_node(cluster, victim, restart_slurmd=how in ("netns-sigkill", "batch-host"))
 
 
 # ------------------------------------------------------------------------------ 6. replenishment

@@ -344,6 +344,9 @@ class SlurmBackend:
             self._quiet(["scancel", *rep])  # pending ones go at once; running ones get SIGTERM, then SIGKILL
 
         def running() -> list[str]:
+            # an attached agent's step leaves squeue only once slurmstepd has told its srun, which died (or is cut
+            # off) with the old leader: measured, a step whose srun is partitioned away stays listed for >15 s
+            # after its agent exited; the bound below (stop_grace_s + 1 s) is then what the job's end costs
             left = [n for n, p in live.items() if p.poll() is None]
             if attached:
                 now = self._steps()
@@ -367,8 +370,6 @@ class SlurmBackend:
             ids = [steps[self.step_names[n]] for n in left if self.step_names.get(n) in steps]
             if ids:
                 self._quiet(["scancel", "--signal=KILL", *ids])
-            if attached:
-                wait(10.0)  # the killed steps leave squeue (bounded)
         for p in self.procs.values():
             try:
                 os.killpg(p.pid, signal.SIGKILL)  # srun (and its helper child), if still there
