@@ -183,3 +183,38 @@ def test_supervisor_lost_during_a_hot_swap(tmp_path, baseline):
     assert [(s["failed"], s["spare"]) for s in of_type(evs, "hotswap")] == [("node1", "node2")]
     again = [e for e in of_type(evs, "reprotect") if e["gen"] == 2]
     assert again, "the takeover did not form the unsettled generation again"
+
+
+@pytest.mark.timeout(60)
+def test_a_store_call_on_a_vanished_leader_is_cut_not_left_hanging(monkeypatch):
+    """A leader whose host vanishes without a reset leaves store calls waiting in recv (torch's check and add
+    have no deadline there). Stopped here with SIGSTOP (the call hangs) and its port said unreachable, the
+    watchdog of ``failover.guarded`` cuts the connection: the call fails as on a closed one, within seconds."""
+    import sys
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phoenix_runtime import failover
+
+    server = subprocess.Popen([sys.executable, "-c", "import sys, time, datetime, torch.distributed as d; "
+                               "s = d.TCPStore('127.0.0.1', 0, is_master=True, timeout=datetime.timedelta(seconds=30)); "
+                               "print(s.port, flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        addr = ("127.0.0.1", port)
+        client = dist.TCPStore(*addr, is_master=False, timeout=timedelta(seconds=30))
+        client.set("k", "v")
+        monkeypatch.setattr(failover, "STALL_S", 0.5)
+        monkeypatch.setattr(failover, "reachable", lambda a, *args, **kw: a != addr)
+        server.send_signal(signal.SIGSTOP)  # the call below gets no answer, and no reset
+        t0 = time.monotonic()
+        with pytest.raises(dist.DistError):
+            with failover.guarded(addr):
+                client.check(["k"])
+        assert time.monotonic() - t0 < 10
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait(timeout=10)
