@@ -207,16 +207,23 @@ class Context:
         log(f"generation {gen}: every rank arrived")
         pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store), stop=lambda: self._check_gen(gen))
         self._pg_stores.append((gen, pg_store))
+        # Forming is bounded by the generation's deadline, not by the collectives' timeout: a rank whose peers
+        # abandoned this generation (its store lost mid-exchange, a newer one published) waits in gloo's connect
+        # with this timeout, and must be free for the next generation before that one's deadline.
+        forming = timedelta(seconds=max(5.0, min(self.timeout.total_seconds(), deadline - time.monotonic())))
         dist.init_process_group(
             self.backend,
             store=pg_store,
             rank=self.rank,
             world_size=self.world_size,
-            timeout=self.timeout,
+            timeout=forming,
         )
         # CPU tensors (replicas, recovery transfers) travel on a gloo group of their own: never interleaved
         # with training collectives, and an NCCL group cannot carry them
-        self.repl_group = dist.new_group(backend="gloo") if self.settings.protect else None
+        self.repl_group = dist.new_group(backend="gloo", timeout=forming) if self.settings.protect else None
+        for group in (None, self.repl_group):  # formed: the collectives' own timeout from now on
+            if group is not None or dist.is_initialized():
+                dist.distributed_c10d._set_pg_timeout(self.timeout, group)
         self.mpi_pairs = None
         if self.settings.protect and self.settings.transport == "mpi":
             from phoenix_runtime.mpi_pairs import connect_pairs
