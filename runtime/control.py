@@ -95,7 +95,9 @@ class NotifyWatcher:
     on the key ``notify_ranks`` writes when the counter reaches the next value. ``armed`` while it is blocked
     there; else (connecting, a store it cannot read the counter from) the control thread polls every 20 ms."""
 
-    WAIT_S = 600.0  # a wait that times out is harmless (read the counter, wait again) but torch logs it
+    # A wait that times out is harmless (read the counter, wait again) but torch logs two warning lines each time;
+    # nothing needs it sooner (a takeover ends the wait, and the control thread reads everything every heartbeat)
+    WAIT_S = 3600.0
 
     def __init__(self, env: RankEnv, wake: threading.Event, stop: threading.Event):
         self.env, self.wake, self.stop = env, wake, stop
