@@ -55,13 +55,28 @@ def _loop_lines() -> range:
     return range(first + 1, last + 1)  # 1-based
 
 
+# What a PHOENIX function on the training thread calls that is not PHOENIX's own work: the user's optimizer
+# (``optimizer_step()`` runs it) and the end of the loop (``steps()`` closes the training once, after the last step)
+NOT_OWN = (("the optimizer's own step (torch.optim, ZeRO)", ("/torch/optim/", "/torch/distributed/optim/")),
+           ("close() after the last step (once per run)", ("ProtectedTraining.close (",)))
+
+
+def _not_own(frames: list[str]) -> str | None:
+    for label, marks in NOT_OWN:
+        if any(m in f for f in frames for m in marks):
+            return label
+    return None
+
+
 def parse(raw: str):
     """py-spy raw stacks (``process launcher;process agent;process rank;thread (tid): name;frames... count``) ->
     samples per PHOENIX thread of the ranks, and, on the ranks' main threads inside the step loop, samples per
-    outermost PHOENIX runtime function below the user's loop (the user's code when none)."""
+    outermost PHOENIX runtime function below the user's loop (the user's code when none), and of those the
+    samples in what that function calls that is not PHOENIX's work (``NOT_OWN``), by (function, label)."""
     loop = _loop_lines()
     threads: Counter = Counter()
     main_split: Counter = Counter()
+    not_own: Counter = Counter()
     pids = set()
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
@@ -82,10 +97,13 @@ def parse(raw: str):
                 continue  # start-up (imports, model building) and teardown
             inner = [r for r in (_runtime_frame(f) for f in body[user[0][0]:]) if r]
             main_split[inner[0] if inner else "user code (model, optimizer, collectives)"] += int(count)
+            label = _not_own(body[user[0][0]:]) if inner else None
+            if label:
+                not_own[(inner[0], label)] += int(count)
         elif name.startswith("phoenix-h2h"):
             name = "phoenix-h2h"
         threads[name] += int(count)
-    return threads, main_split, len(pids)
+    return threads, main_split, len(pids), not_own
 
 
 def profile(mode: str, a, td: Path) -> dict:
@@ -101,10 +119,10 @@ def profile(mode: str, a, td: Path) -> dict:
     cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     if r.returncode != 0 or not out.exists() or not tf.exists():  # py-spy exits 0 when the job it ran failed
         raise SystemExit(f"cpu_profile.py: the {mode} run failed (py-spy {r.returncode}; no step times: the job failed): {r.stderr[-1500:]}")
-    threads, split, ranks = parse(out.read_text())
+    threads, split, ranks, not_own = parse(out.read_text())
     times = json.loads(tf.read_text())["step_times"]
     return {"threads": threads, "split": split, "ranks": ranks, "step_s": trimmed_mean(times), "steps": len(times),
-            "cpu_s": cpu_s}
+            "cpu_s": cpu_s, "not_own": not_own}
 
 
 def main():
@@ -135,14 +153,20 @@ def main():
             print("  training thread, by where its time went:")
             for fn, n in r["split"].most_common(12):
                 print(f"    {fn:60s} {n * per * 1000:8.2f}")
+                for (outer, label), m in r["not_own"].items():
+                    if outer == fn:
+                        print(f"      of which {label:51s} {m * per * 1000:8.2f}")
     on, off = res["on"], res["off"]
     per_on = 1.0 / (a.rate * max(1, on["ranks"]) * max(1, on["steps"]))
     bg = sum(n for name, n in on["threads"].items() if name.startswith("phoenix-")) * per_on
     fg = sum(n for fn, n in on["split"].items() if not fn.startswith("user code")) * per_on
+    fg_not_own = sum(on["not_own"].values()) * per_on
     extra = (on["cpu_s"] - off["cpu_s"]) / on["steps"]
     print(f"\nratio on/off = {on['step_s'] / off['step_s']:.3f}. CPU: on - off = {extra * 1000:.0f} ms per step for the "
           f"job, {extra / (cores * off['step_s']) * 100:.1f}% of the {cores} cores' time in a step of the off run. GIL: "
-          f"PHOENIX holds {bg * 1000:.2f} ms per rank and step in its threads + {fg * 1000:.2f} ms on the training thread")
+          f"PHOENIX holds {bg * 1000:.2f} ms per rank and step in its threads + {fg * 1000:.2f} ms on the training thread "
+          f"({fg_not_own * 1000:.2f} ms of which in what it calls that is not its own work: the optimizer's step, "
+          f"close() after the last step; PHOENIX's own: {(fg - fg_not_own) * 1000:.2f} ms)")
 
 
 if __name__ == "__main__":

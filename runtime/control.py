@@ -12,7 +12,11 @@ older than its hang timeout, whatever this thread's own liveness says, unless ``
 thread waits in a collective (then a peer is the one stalled: see ``main_thread_blocked_in``).
 
 A TCPStore client must not be shared between a thread that blocks in it and another thread (seen here: a
-blocked ``wait`` holds the connection), so this thread owns its own client and never blocks in it.
+blocked ``wait`` holds the connection), so this thread owns its own client and never blocks in it. What blocks
+is a second thread with a client of its own (``NotifyWatcher``): it waits in the store for the key that
+``protocol.notify_ranks`` writes with the counter's next value and wakes this thread, which otherwise sleeps
+until its next heartbeat. A quiet control plane thus costs two wake-ups a second instead of fifty round trips
+(the 20 ms poll, kept while the watcher is not armed or a message is half written), and a bump is seen at once.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import os
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable
 
 from phoenix_runtime import auth, protocol
@@ -29,6 +34,7 @@ from phoenix_runtime.rank_env import RankEnv, rank_env
 from phoenix_runtime.threads import background_priority  # noqa: F401  (the old import path)
 
 PHASES = ("starting", "training", "recovering", "done")
+POLL_S = 0.02  # the poll interval while the notify watcher is not armed (or a message is half written)
 
 # Where a rank's main thread is blocked, seen from its control thread: inside these (torch's collectives,
 # autograd's backward where DDP's all-reduce waits, DDP itself, or the runtime's own bounded waits) it waits
@@ -84,6 +90,54 @@ def connect_store(env: RankEnv | None = None, timeout_s: float = 30.0):
     return FailoverStore((env.store_host, env.store_port), env.run_dir, timeout_s=timeout_s, reconnect_s=env.settings.takeover_timeout_s)
 
 
+class NotifyWatcher:
+    """Wakes the control thread when ``protocol.K_NOTIFY`` moves: blocked in the store, on a client of its own,
+    on the key ``notify_ranks`` writes when the counter reaches the next value. ``armed`` while it is blocked
+    there; else (connecting, a store it cannot read the counter from) the control thread polls every 20 ms."""
+
+    # A wait that times out is harmless (read the counter, wait again) but torch logs two warning lines each time;
+    # nothing needs it sooner (a takeover ends the wait, and the control thread reads everything every heartbeat)
+    WAIT_S = 3600.0
+
+    def __init__(self, env: RankEnv, wake: threading.Event, stop: threading.Event):
+        self.env, self.wake, self.stop = env, wake, stop
+        self.armed = False
+        self.thread = threading.Thread(target=self._run, name="phoenix-notify", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            store = connect_store(self.env)  # here, not in the constructor: the connection takes a while
+        except Exception:
+            return  # the control thread polls
+        last, woke = None, False
+        while not self.stop.is_set():
+            try:
+                n = protocol.read_notify(store)
+                self.armed = True
+                if n != last:
+                    last = n
+                    self.wake.set()  # the control thread reads the counter (and what it announces) now
+                elif woke:  # the next value's key is there, the counter is not (a forged key): poll, not spin
+                    self.stop.wait(POLL_S)
+                woke = store.wait_or_move([protocol.k_notify(n + 1)], timedelta(seconds=self.WAIT_S))
+                last = last if woke else None  # moved to a new leader's store: wake the control thread there too
+            except dist.DistStoreError as e:
+                if "timeout" not in str(e).lower():
+                    self._disarm()
+            except Exception:  # the store lost (the control thread decides nothing here), a counter not a number
+                self._disarm()
+        self.armed = False
+
+    def _disarm(self) -> None:
+        """The control thread polls (woken now to see it), until the next try here in a second."""
+        self.armed = False
+        self.wake.set()
+        self.stop.wait(1.0)
+
+
 class ControlThread:
     def __init__(self, state: RankState, env: RankEnv):
         self.state = state
@@ -100,6 +154,8 @@ class ControlThread:
         self.on_gen_change: list[Callable[[int], None]] = []
         self.on_fault: list[Callable[[dict[str, Any]], None]] = []
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by the watcher: the notify counter moved
+        self._watcher = NotifyWatcher(env, self._wake, self._stop)
         self._thread = threading.Thread(target=self._run, name="phoenix-control", daemon=True)
         self._thread.start()
 
@@ -153,6 +209,8 @@ class ControlThread:
     def _run(self) -> None:
         next_hb = next_full = 0.0
         while not self._stop.is_set():
+            self._wake.clear()  # before the counter is read: a bump after this read ends the wait below at once
+            delay = POLL_S
             try:
                 now = time.monotonic()
                 if now >= next_hb:
@@ -162,15 +220,18 @@ class ControlThread:
                 self._poll(full=now >= next_full)
                 if now >= next_full:  # a writer that did not bump the counter is noticed within a heartbeat
                     next_full = now + self.heartbeat_s
+                if self._watcher.armed and not self._dirty:  # until the watcher's wake-up or the next heartbeat
+                    delay = max(0.0, min(next_hb, next_full) - time.monotonic())
             except Exception:
                 if self._stop.is_set():
                     return
                 time.sleep(0.2)  # the store is briefly unreachable; the agent decides about liveness
-            self._stop.wait(0.02)
+            self._wake.wait(delay)
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
+        self._wake.set()
+        self._thread.join(timeout=2)  # the watcher, blocked in the store, is a daemon: it is not waited for
 
 
 _CONTROL: ControlThread | None = None

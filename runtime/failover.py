@@ -261,3 +261,14 @@ class FailoverStore(dist.Store):
 
     def wait(self, keys, timeout: timedelta | None = None):
         return self._call("wait", keys) if timeout is None else self._call("wait", keys, timeout)
+
+    def wait_or_move(self, keys, timeout: timedelta) -> bool:
+        """``wait``, except that a lost connection moves to the new leader's store and returns False instead of
+        waiting there again (what to wait for is the caller's to decide anew: that store's keys start afresh).
+        True once the keys exist; a timeout raises (``DistStoreError``) as ``wait`` does."""
+        try:
+            self._s.wait(keys, timeout)
+            return True
+        except dist.DistNetworkError as e:
+            self._move(e)
+            return False

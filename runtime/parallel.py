@@ -36,10 +36,16 @@ class UnsupportedLayout(TypeError):
     """A parallel layout PHOENIX cannot protect."""
 
 
-def is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
+_DTENSOR: type | None = None  # torch.distributed.tensor.DTensor, imported at the first call (not at import time)
 
-    return isinstance(t, DTensor)
+
+def is_dtensor(t) -> bool:
+    global _DTENSOR
+    if _DTENSOR is None:  # called for every tensor of every snapshot: the import statement itself was 1 us a call
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR = DTensor
+    return isinstance(t, _DTENSOR)
 
 
 def check_bare(model: torch.nn.Module) -> None:

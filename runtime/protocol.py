@@ -19,6 +19,7 @@ Key space (all under ``phx/``)::
     phx/q/cmd/...                 queue: ``phoenix-run kill-node`` -> supervisor
     phx/persist/at                the step every rank writes a persistent checkpoint of (time-based cadence)
     phx/notify                    counter: bumped after each write above that ranks poll for (``notify_ranks``)
+    phx/notify/<n>                written when the counter reaches n (the newest NOTIFY_KEEP kept): ranks block on it
 
 Every value and message above (but the counters and torch's own ``pg`` keys) is sealed with the job's
 secret (``channel``, ``auth``): readers drop what is unsigned, forged or replayed, and report it.
@@ -75,11 +76,20 @@ K_PROTECT_EVERY = "phx/protect/every"  # protect every m-th step from the next g
 # anyway. Like the other counters it is not sealed: a forged bump costs a rank one full read, and a forged
 # decrease delays a genuine write by one heartbeat at most (the periodic full read), never hides it.
 K_NOTIFY = "phx/notify"
+NOTIFY_KEEP = 8  # the newest k_notify keys kept (a rank blocks on the one after the counter it read)
+
+
+def k_notify(n: int) -> str:
+    return f"{K_NOTIFY}/{n}"
 
 
 def notify_ranks(store: Store) -> None:
-    """Tell every rank's control thread to read K_GEN, K_PERSIST_AT and its queue now (after writing them)."""
-    store.add(K_NOTIFY, 1)
+    """Tell every rank's control thread to read K_GEN, K_PERSIST_AT and its queue now (after writing them): the
+    counter, then its value's key, which wakes the ranks blocked on it (``control.NotifyWatcher``)."""
+    n = int(store.add(K_NOTIFY, 1))
+    store.set(k_notify(n), "1")
+    if n > NOTIFY_KEEP and hasattr(store, "delete_key"):
+        store.delete_key(k_notify(n - NOTIFY_KEEP))
 
 
 def read_notify(store: Store) -> int:

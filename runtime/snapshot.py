@@ -45,6 +45,7 @@ the contract of the step guard (forward/backward do not touch parameters or opti
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -58,9 +59,11 @@ from phoenix_runtime.codec import (  # noqa: F401  (re-exported: the snapshot's 
     FaultHook,
     NamedTensors,
     Packer,
+    canonical_json,
     checksum,
     decode_envelope,
     encode_envelope,
+    envelope_of,
 )
 from phoenix_runtime.hostmem import check_host_memory
 from phoenix_runtime.threads import background_priority
@@ -98,6 +101,7 @@ class Snapshot:
     _owner: Optional["PingPong"] = field(default=None, repr=False, compare=False)
     _slot: int = field(default=-1, repr=False, compare=False)
     _gen: int = field(default=-1, repr=False, compare=False)
+    _envelope: Optional[bytes] = field(default=None, repr=False, compare=False)  # the bytes ``checksum`` covers
 
     def optim_bytes(self) -> torch.Tensor:
         return self.buffer[: self.optim_nbytes]
@@ -114,6 +118,10 @@ class Snapshot:
         return Packer.unpack(self.param_index, self.param_bytes())
 
     def envelope(self) -> bytes:
+        """The envelope's bytes: those the local snapshot's checksum was computed over (kept by the D2H engine,
+        not encoded again for every send), else encoded from ``meta``."""
+        if self._envelope is not None:
+            return self._envelope
         return encode_envelope(self.step, self.meta, self.optim_index)
 
     @property
@@ -122,7 +130,8 @@ class Snapshot:
         return self._owner is None or self._owner._is_current(self._slot, self._gen)
 
     def compute_checksum(self) -> int:
-        return checksum(self.optim_bytes(), self.envelope())
+        """From the bytes in memory and the envelope encoded from ``meta`` now (a changed ``meta`` fails)."""
+        return checksum(self.optim_bytes(), encode_envelope(self.step, self.meta, self.optim_index))
 
     def verify(self) -> bool:
         """Recompute the checksums over the bytes now in memory; False on any mismatch or if invalid."""
@@ -202,6 +211,7 @@ class PingPong:
         checksum: int = 0,
         param_checksum: Optional[int] = None,
         buffer_nbytes: Optional[int] = None,
+        envelope: Optional[bytes] = None,
     ) -> Snapshot:
         """Turn the staging buffer of ``step`` into the newest committed snapshot (after verification)."""
         with self._lock:
@@ -223,6 +233,7 @@ class PingPong:
                 _owner=self,
                 _slot=slot,
                 _gen=self._gen[slot],
+                _envelope=envelope,
             )
             self._snaps[slot] = snap
             self._newest = slot
@@ -261,10 +272,7 @@ class _Job:
 
 
 def _same_layout(packer: Packer, named: NamedTensors) -> bool:
-    if len(named) != len(packer.index):
-        return False
-    return all(n == e["name"] and str(t.dtype).removeprefix("torch.") == e["dtype"] and list(t.shape) == e["shape"]
-               for (n, t), e in zip(named, packer.index))
+    return packer.matches(named)
 
 
 class D2H:
@@ -355,8 +363,9 @@ class D2H:
         named_o = list(self._optim_fn())
         named_p = list(self._param_fn())
         op, pp = self._layout_for(named_o, named_p)
-        envelope = encode_envelope(step, meta, op.index)
-        meta_copy = decode_envelope(envelope)["meta"]
+        meta_json = canonical_json(meta)
+        envelope = envelope_of(step, meta_json, op.index_json)  # encode_envelope's bytes; the index encoded once
+        meta_copy = json.loads(meta_json)
         event = None
         if self.cuda:
             event = torch.cuda.Event()
@@ -470,6 +479,7 @@ class D2H:
             optim_nbytes=op.nbytes,
             checksum=crc,
             param_checksum=pcrc,
+            envelope=job.envelope,
         )
         self.last_d2h_s = time.perf_counter() - job.t_start
         self.stats.update(

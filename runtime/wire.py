@@ -54,10 +54,9 @@ class ReplicationError(RuntimeError):
 
 
 def header(*words: int) -> torch.Tensor:
-    t = torch.zeros(HDR_WORDS, dtype=torch.int64)
-    for i, w in enumerate(words):
-        t[i] = int(w)
-    return t.view(torch.uint8)
+    if len(words) > HDR_WORDS:
+        raise IndexError(f"a header has {HDR_WORDS} words, not {len(words)}")
+    return torch.tensor([int(w) for w in words] + [0] * (HDR_WORDS - len(words)), dtype=torch.int64).view(torch.uint8)
 
 
 def words(buf: torch.Tensor) -> list[int]:

@@ -166,6 +166,42 @@ def test_the_control_thread_polls_one_counter_and_a_forged_one_hides_nothing(sec
     assert auth.drain() == []
 
 
+@pytest.mark.timeout(60)
+def test_a_bump_wakes_the_control_thread_at_once_and_the_notify_keys_stay_few(secret):
+    """Between heartbeats the control thread sleeps; its watcher, blocked in the store on the key of the counter's
+    next value, wakes it when ``notify_ranks`` bumps it (well within a heartbeat, here 5 s). The supervisor keeps
+    only the newest ``NOTIFY_KEEP`` of those keys."""
+    from torch.distributed import TCPStore
+
+    from phoenix_runtime.control import ControlThread, RankState
+    from phoenix_runtime.rank_env import RankEnv
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, timeout=timedelta(seconds=30))
+    protocol.put_value(master, protocol.K_GEN, "0")
+    env = RankEnv.from_environ({protocol.ENV_STORE_HOST: "127.0.0.1", protocol.ENV_STORE_PORT: str(master.port),
+                                protocol.ENV_NODE: "node0", protocol.ENV_SLOT: "0", protocol.ENV_GEN: "0",
+                                protocol.ENV_HEARTBEAT_S: "5", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    ctl = ControlThread(RankState(), env)
+    try:
+        seen: list[tuple[int, float]] = []
+        ctl.on_gen_change.append(lambda g: seen.append((g, time.monotonic())))
+        wait_for(lambda: ctl._watcher.armed, 20, "the notify watcher armed")
+        for g in (1, 2, 3):
+            time.sleep(0.3)  # the control thread is asleep until its next heartbeat (5 s)
+            t = time.monotonic()
+            protocol.put_value(master, protocol.K_GEN, str(g))
+            protocol.notify_ranks(master)
+            wait_for(lambda: len(seen) == g, 2, f"generation {g} seen")
+            assert seen[-1][1] - t < 1.0
+        for _ in range(3 * protocol.NOTIFY_KEEP):
+            protocol.notify_ranks(master)
+        n = int(master.add(protocol.K_NOTIFY, 0))
+        kept = [i for i in range(1, n + 1) if master.check([protocol.k_notify(i)])]
+        assert kept == list(range(n - protocol.NOTIFY_KEEP + 1, n + 1))
+    finally:
+        ctl.stop()
+
+
 @pytest.mark.timeout(30)
 def test_an_assignment_sets_only_the_launchers_variables(secret, monkeypatch):
     from phoenix_runtime import bootstrap
