@@ -42,6 +42,14 @@ def start_store(host: str, port: int = 0, sock: socket.socket | None = None):
     return store, port
 
 
+def route_source(target: str) -> str:
+    """This host's address on the route to ``target`` (OSError when there is none). No packet is sent: a UDP
+    socket's connect only picks the route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(target), 9))
+        return s.getsockname()[0]
+
+
 def connect(host: str, port: int, timeout_s: float = 5.0):
     from torch.distributed import TCPStore
 

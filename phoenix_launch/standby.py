@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"phoenix standby: cannot start: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
-    sock = socket.socket(fileno=ns.fd) if ns.fd is not None else _bind_here(run_dir, told, ctl["host"])
+    try:
+        sock = socket.socket(fileno=ns.fd) if ns.fd is not None else _bind_here(run_dir, told, ctl["host"])
+    except (OSError, RuntimeError) as e:  # no route to the leader, no port here (PortInUse)
+        print(f"phoenix standby: cannot listen: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        return 2
     watcher = Standby(ctl["host"], int(ctl["port"]), int(told["incarnation"]), stop=lambda: bool(stopping))
     if not watcher.watch():
         return 0
@@ -55,12 +59,10 @@ def main(argv: list[str] | None = None) -> int:
 def _bind_here(run_dir: Path, told: dict[str, Any], leader_host: str) -> socket.socket:
     """A standby on a node of its own (Slurm): listen on this node's address on the route to the leader (the
     network every agent reaches the leader on), and say where in ``standby.json``."""
-    from phoenix_launch.control import reserve_port
+    from phoenix_launch.control import reserve_port, route_source
     from phoenix_launch.events import write_json_atomic
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((leader_host, 9))  # no packet is sent: this only picks the route
-        host = probe.getsockname()[0]
+    host = route_source(leader_host)
     sock = reserve_port(host, 0)
     write_json_atomic(run_dir / STANDBY_FILE, {**told, "address": f"{host}:{sock.getsockname()[1]}", "node": os.uname().nodename})
     return sock

@@ -221,9 +221,9 @@ class Context:
         # CPU tensors (replicas, recovery transfers) travel on a gloo group of their own: never interleaved
         # with training collectives, and an NCCL group cannot carry them
         self.repl_group = dist.new_group(backend="gloo", timeout=forming) if self.settings.protect else None
-        for group in (None, self.repl_group):  # formed: the collectives' own timeout from now on
-            if group is not None or dist.is_initialized():
-                dist.distributed_c10d._set_pg_timeout(self.timeout, group)
+        dist.distributed_c10d._set_pg_timeout(self.timeout)  # formed: the collectives' own timeout from now on
+        if self.repl_group is not None:
+            dist.distributed_c10d._set_pg_timeout(self.timeout, self.repl_group)
         self.mpi_pairs = None
         if self.settings.protect and self.settings.transport == "mpi":
             from phoenix_runtime.mpi_pairs import connect_pairs

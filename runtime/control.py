@@ -155,6 +155,7 @@ class ControlThread:
         self.on_fault: list[Callable[[dict[str, Any]], None]] = []
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by the watcher: the notify counter moved
+        self.asleep_until = 0.0  # while it waits for the watcher or its next heartbeat: until when (monotonic)
         self._watcher = NotifyWatcher(env, self._wake, self._stop)
         self._thread = threading.Thread(target=self._run, name="phoenix-control", daemon=True)
         self._thread.start()
@@ -226,7 +227,9 @@ class ControlThread:
                 if self._stop.is_set():
                     return
                 time.sleep(0.2)  # the store is briefly unreachable; the agent decides about liveness
+            self.asleep_until = time.monotonic() + delay
             self._wake.wait(delay)
+            self.asleep_until = 0.0
 
     def stop(self) -> None:
         self._stop.set()

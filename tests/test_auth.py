@@ -187,7 +187,8 @@ def test_a_bump_wakes_the_control_thread_at_once_and_the_notify_keys_stay_few(se
         ctl.on_gen_change.append(lambda g: seen.append((g, time.monotonic())))
         wait_for(lambda: ctl._watcher.armed, 20, "the notify watcher armed")
         for g in (1, 2, 3):
-            time.sleep(0.3)  # the control thread is asleep until its next heartbeat (5 s)
+            wait_for(lambda: ctl.asleep_until - time.monotonic() > 1.0, 10,
+                     "the control thread asleep until its next heartbeat (5 s)", interval=0.01)
             t = time.monotonic()
             protocol.put_value(master, protocol.K_GEN, str(g))
             protocol.notify_ranks(master)

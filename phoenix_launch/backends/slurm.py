@@ -36,6 +36,7 @@ from typing import Any, Mapping
 from phoenix_launch.backends.base import Capabilities, NotSupported, SchedulerView
 from phoenix_launch.backends import slurm_env as se
 from phoenix_launch.config import Config, ConfigError
+from phoenix_launch.control import route_source
 from phoenix_launch.events import open_private, private_dir, write_private
 from phoenix_launch.procs import die_with_parent, poll_exited
 from phoenix_launch.spec import AgentSpec
@@ -168,10 +169,7 @@ class SlurmBackend:
                 continue
             try:
                 rec = se.parse_kv_record(self._query(["scontrol", "-o", "show", "node", node]))
-                target = socket.gethostbyname(rec.get("NodeAddr") or node)
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                    s.connect((target, 9))  # no packet is sent: this only picks the route
-                    src = s.getsockname()[0]
+                src = route_source(rec.get("NodeAddr") or node)
                 if not src.startswith("127."):
                     return src
             except (OSError, se.SlurmCommandError, se.SlurmEnvError):
@@ -299,11 +297,16 @@ class SlurmBackend:
             self._quiet(["scancel", "--signal=TERM", step])
         try:
             p.wait(timeout=10)
+            return
         except subprocess.TimeoutExpired:
-            if step:
-                self._quiet(["scancel", "--signal=KILL", step])
+            pass
+        if step:
+            self._quiet(["scancel", "--signal=KILL", step])
+        try:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=5)
+        except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+            pass
 
     def agent_handles(self) -> dict[str, str]:
         """What a standby needs to watch and stop the agents: their steps' names (``squeue``, ``scancel``)."""
@@ -336,9 +339,9 @@ class SlurmBackend:
         """Every agent step ends: first on the supervisor's stop command (already sent over the control
         plane), then on SIGTERM to its step, finally SIGKILL; replenishment jobs are cancelled."""
         live = {n: p for n, p in self.procs.items() if p.poll() is None}
-        attached = {n for n in self.attached if n not in self.exited}  # a takeover's agents: steps without an srun here
+        attached = self.attached - self.exited  # a takeover's agents: steps without an srun here
         steps = self._steps() if live or attached else {}
-        attached &= {n for n in attached if self.step_names.get(n) in steps}
+        attached = {n for n in attached if self.step_names.get(n) in steps}
         rep = [j for j in self.replenish_jobs.values() if j]
         if rep:
             self._quiet(["scancel", *rep])  # pending ones go at once; running ones get SIGTERM, then SIGKILL

@@ -38,7 +38,7 @@ def _candidates() -> list[str]:
         except (OSError, subprocess.SubprocessError):
             out = ""
         found += re.findall(r"=>\s*(\S*libslurm\S*\.so\S*)", out)
-    found += [str(p) for p in Path("/usr/lib/x86_64-linux-gnu/slurm-wlm").glob("libslurmfull.so")]
+    found += [str(p) for p in Path("/usr/lib").glob("*/slurm-wlm/libslurmfull.so")]  # Debian, any architecture
     return found
 
 
