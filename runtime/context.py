@@ -22,6 +22,7 @@ from phoenix_runtime.rank_env import RankEnv, rank_env
 from phoenix_runtime.store_keys import KeyRecorder
 
 ABORT_TAG = 32761  # a tag no training op uses: a receive on it only serves to close a pair
+FATE_KEY = "fate"  # under a generation's process-group prefix: "go" (every rank forms it) or "cancel" (none does)
 
 
 class Unrecoverable(RuntimeError):
@@ -66,6 +67,7 @@ class Context:
         self._lock = threading.Lock()
         self._own_keys: list[tuple[int, str]] = []
         self._pg_stores: list[tuple[int, KeyRecorder]] = []  # each generation's process-group rendezvous keys
+        self._committed: tuple[int, int] | None = None  # (generation, store incarnation) this rank forms, committed
         self.timeout = timedelta(seconds=self.settings.collective_timeout_s)
         self.recovery_timeout = self.settings.recovery_timeout_s
         if torch.cuda.is_available():
@@ -103,8 +105,17 @@ class Context:
     def _check_gen(self, gen: int) -> None:
         """Raise once generation ``gen`` is abandoned: a rendezvous on its store (forming its groups, a mesh's
         ``new_group``) stops waiting for a rank that died with it."""
-        if self.managed and self.ctl.latest_gen > gen:
+        if self._may_leave(gen):
             raise GenerationAbandoned(f"generation {gen} abandoned while its process groups were formed")
+
+    def _may_leave(self, gen: int) -> bool:
+        """Generation ``gen`` is abandoned, and this rank may leave its rendezvous: not while it forms a
+        generation every rank committed to on the store it still uses (``_commit``). Its peers form it too, and
+        one that left would strand those that wait in gloo's connect for it (no store call there to stop them)."""
+        return self.managed and self.ctl.latest_gen > gen and self._committed != (gen, self._incarnation())
+
+    def _incarnation(self) -> int:
+        return int(getattr(self.store, "incarnation", 0))
 
     def check_generation(self) -> None:
         if self.abandoned():
@@ -181,15 +192,33 @@ class Context:
         self._transports = []
         self.mesh_groups = []
 
-    def _wait_all(self, key: str, gen: int, deadline: float) -> None:
+    def _wait_all(self, key: str, gen: int, deadline: float, pg_store: KeyRecorder) -> None:
+        """Every rank arrived: the generation is formed, by every rank or by none. The first rank that sees every
+        rank arrived commits it (``go``), one that gives it up first (a newer generation, its deadline) cancels
+        it: one ``compare_set``, so every rank follows the same fate, and a rank that gives up after the commit
+        forms the generation anyway (then leaves it for the newer one). A rank that left alone would strand
+        the peers that wait in gloo's connect for it."""
         while True:
             if int(self.store.add(key, 0)) >= self.world_size:
-                return
-            if self.latest_gen() > gen:
+                if self._commit(pg_store, gen, "go"):
+                    return
+                raise GenerationAbandoned(f"generation {gen} abandoned before it was formed")
+            late = time.monotonic() > deadline
+            if self.latest_gen() > gen or late:
+                if self._commit(pg_store, gen, "cancel"):
+                    return  # another rank committed it first: formed by every rank, then left for the newer one
+                if late:
+                    raise TimeoutError(f"generation {gen}: not every rank arrived within the recovery timeout")
                 raise GenerationAbandoned(f"generation {gen} abandoned")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"generation {gen}: not every rank arrived within the recovery timeout")
             time.sleep(0.005)
+
+    def _commit(self, pg_store: KeyRecorder, gen: int, want: str) -> bool:
+        """The generation's fate, decided once in the store (the first ``compare_set`` wins): True to form it.
+        The commitment holds on this store only: a takeover's new store knows nothing of it."""
+        fate = pg_store.compare_set(FATE_KEY, "", want)
+        go = (fate.decode() if isinstance(fate, bytes) else str(fate)) == "go"
+        self._committed = (gen, self._incarnation()) if go else None
+        return go
 
     def form(self, gen: int, deadline: float) -> None:
         """Form generation ``gen``'s process groups on a fresh generation-scoped store prefix."""
@@ -201,16 +230,27 @@ class Context:
             raise Unrecoverable(f"{self.node}/{self.slot} is not a member of generation {gen}")
         self.rank = me
         STATE.gen = gen
+        pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store), stop=lambda: self._check_gen(gen))
+        self._pg_stores.append((gen, pg_store))  # its keys (the fate's too) are deleted with the generation
         self.store.add(protocol.k_arrived(gen), 1)
         log(f"generation {gen}: arrived")
-        self._wait_all(protocol.k_arrived(gen), gen, deadline)
-        log(f"generation {gen}: every rank arrived")
-        pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store), stop=lambda: self._check_gen(gen))
-        self._pg_stores.append((gen, pg_store))
-        # Forming is bounded by the generation's deadline, not by the collectives' timeout: a rank whose peers
-        # abandoned this generation (its store lost mid-exchange, a newer one published) waits in gloo's connect
-        # with this timeout, and must be free for the next generation before that one's deadline.
-        forming = timedelta(seconds=max(5.0, min(self.timeout.total_seconds(), deadline - time.monotonic())))
+        try:
+            self._wait_all(protocol.k_arrived(gen), gen, deadline, pg_store)
+            log(f"generation {gen}: every rank arrived")
+            self._form_groups(gen, pg_store, deadline)
+        finally:
+            self._committed = None  # a mesh's new_group later in this generation stops as before
+        log(f"generation {gen}: process groups formed")
+        if self.latest_gen() > gen:
+            raise GenerationAbandoned(f"generation {gen} abandoned")
+
+    def _form_groups(self, gen: int, pg_store: KeyRecorder, deadline: float) -> None:
+        # Forming is bounded by half the recovery timeout, not by the collectives' timeout: a rank whose peer was
+        # lost mid-exchange (or left it when a takeover's new store voided the commitment) waits in gloo's connect
+        # with this timeout, and must be free while the next generation (published since: its deadline is a
+        # whole recovery timeout) can still form. The ranks all arrived already: connecting takes seconds.
+        bound = min(self.timeout.total_seconds(), deadline - time.monotonic(), self.recovery_timeout / 2)
+        forming = timedelta(seconds=max(5.0, bound))
         dist.init_process_group(
             self.backend,
             store=pg_store,
@@ -229,11 +269,8 @@ class Context:
             from phoenix_runtime.mpi_pairs import connect_pairs
 
             self.mpi_pairs = connect_pairs(pg_store, "mpi", self.rank, self.world_size, deadline,
-                                           abandoned=lambda: self.latest_gen() > gen)
+                                           abandoned=lambda: self._may_leave(gen))
             log(f"generation {gen}: MPI connected to {len(self.mpi_pairs[0])} peers")
-        log(f"generation {gen}: process groups formed")
-        if self.latest_gen() > gen:
-            raise GenerationAbandoned(f"generation {gen} abandoned")
 
     def form_first(self, gen: int, first: bool = False) -> None:
         """Form generation ``gen``, or the next ones while one is abandoned before it is formed (``init()``; and

@@ -211,3 +211,52 @@ def test_ddp_unused_parameters_warning_consumed_without_moving_the_rng(capfd):
     model = DDP(torch.nn.Linear(3, 1), process_group=quiet.private_gloo_group(), find_unused_parameters=True)
     model(torch.ones(2, 3)).sum().backward()
     assert "find_unused_parameters=True was specified" not in capfd.readouterr().err
+
+
+def _forming(store, latest: int, incarnation: int = 0):
+    """A Context as ``form`` uses it, on a real store, without a job around it (2 ranks)."""
+    from types import SimpleNamespace
+
+    from phoenix_runtime.context import Context
+
+    ctx = object.__new__(Context)
+    ctx.managed, ctx.world_size, ctx._committed = True, 2, None
+    ctx.store = SimpleNamespace(add=store.add, incarnation=incarnation)
+    ctx.ctl = SimpleNamespace(latest_gen=latest)
+    ctx.latest_gen = lambda: ctx.ctl.latest_gen
+    return ctx
+
+
+def test_a_generation_is_formed_by_every_rank_or_by_none():
+    """Issue 16 (takeover mid hot-swap): a rank that gave generation 1 up while its peer had seen every rank
+    arrive left alone, and the peer waited in gloo's connect for it until the forming bound. The fate is one
+    compare_set: the first word wins, every rank follows it, and a committed rank's rendezvous is not stopped
+    by the newer generation (unless a takeover's new store voided the commitment)."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phoenix_runtime.context import GenerationAbandoned
+    from phoenix_runtime.store_keys import KeyRecorder
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    far = time.monotonic() + 30
+    # generation 1: every rank arrived, the first to see it commits; the other saw generation 2 meanwhile
+    pg1 = KeyRecorder(dist.PrefixStore("g1", store))
+    store.add("arrived1", 2)
+    first, late = _forming(store, latest=1), _forming(store, latest=2)
+    first._wait_all("arrived1", 1, far, pg1)
+    late.store.add = lambda key, n: 1  # it read the count before the last arrival, then saw generation 2
+    late._wait_all("arrived1", 1, far, pg1)  # its "cancel" came second: it forms generation 1 too
+    assert late._committed == (1, 0) and not late._may_leave(1)
+    late.store.incarnation = 1  # a takeover: the commitment was made on the lost store
+    assert late._may_leave(1)
+    # generation 2: one rank gives it up before the other arrived; the other then follows
+    pg2 = KeyRecorder(dist.PrefixStore("g2", store))
+    store.add("arrived2", 1)
+    with pytest.raises(GenerationAbandoned):
+        _forming(store, latest=3)._wait_all("arrived2", 2, far, pg2)
+    store.add("arrived2", 1)
+    with pytest.raises(GenerationAbandoned):
+        _forming(store, latest=2)._wait_all("arrived2", 2, far, pg2)

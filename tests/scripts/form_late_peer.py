@@ -1,0 +1,33 @@
+"""One rank of tests/test_formation.py: two ranks form generation 1 on a real store with gloo; rank 0 sees a
+newer generation published right after it committed to form it, while rank 1 is still on its way (late)."""
+
+import sys
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch.distributed as dist
+
+from phoenix_runtime.context import Context
+from phoenix_runtime.store_keys import KeyRecorder
+
+rank, port, late_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+ctx = object.__new__(Context)
+ctx.managed, ctx.world_size, ctx.rank, ctx._committed, ctx.store = True, 2, rank, None, store
+ctx.ctl = SimpleNamespace(latest_gen=1)
+ctx.latest_gen = lambda: ctx.ctl.latest_gen
+ctx.backend, ctx.settings, ctx.timeout, ctx.recovery_timeout = "gloo", SimpleNamespace(protect=False), timedelta(seconds=120), 60.0
+pg = KeyRecorder(dist.PrefixStore("phx/gen/1/pg", store), stop=lambda: ctx._check_gen(1))
+deadline = time.monotonic() + 60
+store.add("arrived", 1)
+if rank == 1:
+    store.wait(["phx/gen/1/pg/fate"])  # rank 0 saw both arrive and committed; this one comes late to the rendezvous
+    time.sleep(late_s)
+ctx._wait_all("arrived", 1, deadline, pg)
+if rank == 0:
+    ctx.ctl.latest_gen = 2  # published while rank 0 waits for rank 1's address in the rendezvous
+t0 = time.monotonic()
+ctx._form_groups(1, pg, deadline)
+print(f"rank {rank}: formed in {time.monotonic() - t0:.2f} s", flush=True)
+dist.destroy_process_group()
