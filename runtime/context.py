@@ -245,10 +245,11 @@ class Context:
             raise GenerationAbandoned(f"generation {gen} abandoned")
 
     def _form_groups(self, gen: int, pg_store: KeyRecorder, deadline: float) -> None:
-        # Forming is bounded by half the recovery timeout, not by the collectives' timeout: a rank whose peer was
-        # lost mid-exchange (or left it when a takeover's new store voided the commitment) waits in gloo's connect
-        # with this timeout, and must be free while the next generation (published since: its deadline is a
-        # whole recovery timeout) can still form. The ranks all arrived already: connecting takes seconds.
+        # Forming is bounded by half the recovery timeout, not by the collectives' timeout: a committed rank waits
+        # for a peer's address (lost after the commit) with this timeout, and must be free while the next
+        # generation (its deadline is a whole recovery timeout) can still form. The ranks all arrived already:
+        # this takes seconds. NB: the listening side of gloo's connect does not honour it (torch 2.13, measured:
+        # still waiting after 100 s with 30 s): a rank stranded there is only freed by the recovery deadline.
         bound = min(self.timeout.total_seconds(), deadline - time.monotonic(), self.recovery_timeout / 2)
         forming = timedelta(seconds=max(5.0, bound))
         dist.init_process_group(

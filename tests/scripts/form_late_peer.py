@@ -11,7 +11,7 @@ import torch.distributed as dist
 from phoenix_runtime.context import Context
 from phoenix_runtime.store_keys import KeyRecorder
 
-rank, port, late_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
 ctx = object.__new__(Context)
 ctx.managed, ctx.world_size, ctx.rank, ctx._committed, ctx.store = True, 2, rank, None, store
@@ -21,12 +21,12 @@ ctx.backend, ctx.settings, ctx.timeout, ctx.recovery_timeout = "gloo", SimpleNam
 pg = KeyRecorder(dist.PrefixStore("phx/gen/1/pg", store), stop=lambda: ctx._check_gen(1))
 deadline = time.monotonic() + 60
 store.add("arrived", 1)
-if rank == 1:
-    store.wait(["phx/gen/1/pg/fate"])  # rank 0 saw both arrive and committed; this one comes late to the rendezvous
-    time.sleep(late_s)
+if rank == 1:  # late: it enters the rendezvous once rank 0 waits there for its address, generation 2 published
+    store.wait(["rank0_waits"])
 ctx._wait_all("arrived", 1, deadline, pg)
 if rank == 0:
     ctx.ctl.latest_gen = 2  # published while rank 0 waits for rank 1's address in the rendezvous
+    pg.stop = lambda: (store.set("rank0_waits", "1"), ctx._check_gen(1))  # called on each poll of a missing key
 t0 = time.monotonic()
 ctx._form_groups(1, pg, deadline)
 print(f"rank {rank}: formed in {time.monotonic() - t0:.2f} s", flush=True)
