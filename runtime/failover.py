@@ -53,20 +53,28 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
-def reachable(addr: tuple[str, int], timeout_s: float = 1.0, quiet_s: float = 0.5) -> bool:
-    """A live listener at ``addr``: the connect succeeds and the connection then stays quiet for ``quiet_s`` (a
-    TCPStore server says nothing before the client's first message). A refused connect answers at once, and a
-    listener whose process was just killed resets the connection (its socket is closed during the exit), where
-    TCPStore's own connect would retry for its whole timeout."""
+def probe(addr: tuple[str, int], timeout_s: float = 1.0, quiet_s: float = 0.5) -> str:
+    """What answers at ``addr``: "alive" (a live listener: the connect succeeds and the connection then stays
+    quiet for ``quiet_s``, as a TCPStore server says nothing before the client's first message), "refused" (the
+    host answered: a refused connect, or a reset from a listener whose process was just killed, its socket closed
+    during the exit), or "unreachable" (no answer at all: a host powered off or cut off). TCPStore's own connect
+    would retry for its whole timeout in each of the last two."""
     try:
         with socket.create_connection(addr, timeout=timeout_s) as s:
             s.settimeout(quiet_s)
             try:
-                return s.recv(1) != b""
+                return "alive" if s.recv(1) != b"" else "refused"
             except socket.timeout:
-                return True
+                return "alive"
+    except (ConnectionRefusedError, ConnectionResetError):
+        return "refused"
     except OSError:
-        return False
+        return "unreachable"
+
+
+def reachable(addr: tuple[str, int], timeout_s: float = 1.0, quiet_s: float = 0.5) -> bool:
+    """A live listener at ``addr`` (:func:`probe`)."""
+    return probe(addr, timeout_s, quiet_s) == "alive"
 
 
 #: A store call on the leader's connection running this long is checked: if the leader's port does not answer

@@ -218,3 +218,30 @@ def test_a_store_call_on_a_vanished_leader_is_cut_not_left_hanging(monkeypatch):
         server.send_signal(signal.SIGCONT)
         server.kill()
         server.wait(timeout=10)
+
+
+def test_a_hung_leader_ends_itself_and_the_standby_takes_over(tmp_path, baseline):
+    """The leader's loop hangs at step 3 (``inject.leader_hang_at_step``) while its store server, a C++ thread,
+    serves on: nothing outside can tell it from a healthy one. Its faulthandler watchdog ends it after
+    ``detect.leader_hang_s`` with every thread's stack on stderr; the standby takes over and the job completes
+    with the failure-free digest."""
+    d = tmp_path
+    cfg = yaml.safe_load(_write_cfg(d, True).read_text())
+    cfg["detect"]["leader_hang_s"] = 3.0
+    cfg["inject"] = {"leader_hang_at_step": 3}
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    (d / "slow").touch()
+    proc = start_phoenix(_args(d, d / "cfg.yaml", 0.3), d)
+    run_dir = d / "run"
+    try:
+        _, err = proc.communicate(timeout=180)
+    except BaseException:
+        kill_job(proc, run_dir)
+        raise
+    hung = [e for e in of_type(events(run_dir), "injected") if e.get("mode") == "leader_hang"]
+    assert hung and proc.returncode == 1, (proc.returncode, err[-3000:])
+    assert "Timeout (0:00:03)!" in err and "run_chaos" in err, err[-3000:]  # the stuck loop's stack, for the operator
+    wait_for(lambda: of_type(events(run_dir), "takeover"), 60, "the takeover of the hung leader's job")
+    (d / "slow").unlink()
+    evs = _assert_completed(run_dir, d / "digest.json", baseline)
+    assert not of_type(evs, "hotswap"), "a hung leader is not a lost node"
