@@ -137,7 +137,7 @@ class Standby:
         self.stop = stop  # () -> bool: the standby was told to go (the leader ended the job)
         self.state: dict[str, Any] | None = None
         self.t_lost: float | None = None
-        self.lost_how = ""  # the lost leader's port, probed: "refused" (its host answered) or "unreachable"
+        self.lost_how = ""  # how the leader was lost: "refused" (its host answered), "unreachable", "frozen"
 
     def _connect(self, timeout_s: float):
         from phoenix_launch.control import connect
@@ -165,7 +165,7 @@ class Standby:
         ended the job."""
         import torch.distributed as dist
 
-        from phoenix_runtime.failover import guarded, probe, reachable
+        from phoenix_runtime.failover import frozen, guarded, probe, reachable
 
         deadline = time.monotonic() + connect_bound_s
         store = None
@@ -190,10 +190,11 @@ class Standby:
                     return False
             except dist.DistError:  # the connection closed (or a wait timed out): is the leader still there?
                 t = time.time()
-                how = probe(self.addr)
+                how = "frozen" if frozen(self.addr) else probe(self.addr)  # frozen: its calls went unanswered
                 try:
                     if how == "alive":
-                        store = self._connect(5.0)  # a connection lost, the leader still there
+                        with guarded(self.addr):
+                            store = self._connect(5.0)  # a connection lost, the leader still there
                         continue
                 except dist.DistError:
                     pass

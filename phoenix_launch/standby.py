@@ -137,7 +137,7 @@ def take_over_job(sup: Any, state: dict[str, Any], sock: Any, t_lost: float, pha
     sup.open_commands()
     now = time.time()
     sup.events.emit("takeover", gen=sup.gen, was=state["job"], control=f"{plane.host}:{plane.port}", leader_lost_at=t_lost,
-                     serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid(),
+                     serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid(), how=state.get("leader_lost_how"),
                      phases={**(phases or {}), "listen_s": round(t_serving - t0, 3)})
     sup.job.transition(JobState.RUNNING, "took over from the lost leader")
     leader = state.get("leader_node")
@@ -146,10 +146,10 @@ def take_over_job(sup: Any, state: dict[str, Any], sock: Any, t_lost: float, pha
     if gens.members.gen != gens.stable.gen or state["job"] != JobState.RUNNING.value:  # a recovery under way: formed again
         sup.reform("takeover", "the leader was lost during a recovery", now)
     if leader and leader in sup.nodes and sup.nodes[leader].state not in ENDED:
-        if state.get("leader_lost_how") == "refused":
+        if state.get("leader_lost_how") in ("refused", "frozen"):
             # its host answered: the leader *process* may be all that was lost (the OOM killer, a signal, a hung
-            # loop that ended itself), its node's agent and ranks healthy; they reach this leader within a
-            # heartbeat or two, else the node is lost by heartbeat (``detect.node_timeout_s``) and hot-swapped
+            # loop that ended itself, a stopped process), its node's agent and ranks healthy; they reach this
+            # leader within a heartbeat or two, else the node is lost by heartbeat (``detect.node_timeout_s``)
             sup.events.emit("leader_node_on_watch", node=leader, timeout_s=sup.cfg.detect.node_timeout_s)
         else:
             sup.backend.kill_node(leader)

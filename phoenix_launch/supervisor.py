@@ -458,8 +458,12 @@ class Supervisor(ReportHandlers):
         next_status = 0.0
         next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
         try:
+            last = time.monotonic()
             while self.exit_code is None:
                 self.standby.keep_alive(self.cfg.detect.leader_hang_s)
+                if time.monotonic() - last > 1.0:  # this process stood still (stopped, frozen): superseded meanwhile?
+                    self.standby.fence(self)
+                last = time.monotonic()
                 now = time.time()
                 self.tick(now)
                 if self.exit_code is None:

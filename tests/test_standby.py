@@ -245,3 +245,30 @@ def test_a_hung_leader_ends_itself_and_the_standby_takes_over(tmp_path, baseline
     (d / "slow").unlink()
     evs = _assert_completed(run_dir, d / "digest.json", baseline)
     assert not of_type(evs, "hotswap"), "a hung leader is not a lost node"
+
+
+def test_a_stopped_leader_is_taken_over_and_leaves_when_it_wakes(tmp_path, baseline):
+    """SIGSTOP of phoenix-run at step 3: its port still accepts connects (the kernel does) but nothing answers,
+    so every store call to it is cut after ``failover.FROZEN_S``; the standby takes over (``how: frozen``) and
+    agents and ranks move to it. SIGCONT: the old leader sees the newer incarnation and leaves (exit 75)
+    without touching the job, which completes with the failure-free digest."""
+    d = tmp_path
+    run_dir = d / "run"
+    (d / "slow").touch()
+    proc = start_phoenix(_args(d, _write_cfg(d, True), 1.5), d)
+    try:
+        wait_for(lambda: _progress(run_dir, 3) and of_type(events(run_dir), "standby_ready"), 180, "step 3 and a ready standby")
+        proc.send_signal(signal.SIGSTOP)
+        took = wait_for(lambda: of_type(events(run_dir), "takeover"), 90, "the takeover of the stopped leader's job")
+        assert took[0]["how"] == "frozen", took
+        wait_for(lambda: of_type(events(run_dir), "takeover_complete"), 60, "every agent at the new leader")
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    except BaseException:
+        proc.send_signal(signal.SIGCONT)
+        kill_job(proc, run_dir)
+        raise
+    assert proc.returncode == 75 and "superseded by the standby" in err, (proc.returncode, err[-3000:])
+    (d / "slow").unlink()
+    evs = _assert_completed(run_dir, d / "digest.json", baseline)
+    assert of_type(evs, "superseded") and not of_type(evs, "hotswap"), [e["type"] for e in evs]
