@@ -369,6 +369,16 @@ def test_kill_node_from_the_root_namespace(idle_cluster: SlurmCluster, reference
 
 # ------------------------------------------------------------------------------ 5. a node lost mid-run
 
+def submit_swap_job(cluster: SlurmCluster, tmp_path: Path) -> tuple[Path, Path, Path, str]:
+    """The reference's job (3 active + 1 spare), slowed to 0.5 s a step so that a failure lands mid-run:
+    (run directory, digest file, job output, job id)."""
+    run_dir, dig, out = tmp_path / "run", tmp_path / "digest.json", tmp_path / "job.out"
+    body = phoenix("--backend", "slurm", "--nodes", "3", "--nproc-per-node", "1", "--spares", "1", "--run-dir",
+                   str(run_dir), str(EXAMPLES / "train_gpt.py"), *TRAIN, "--step-sleep", "0.5",
+                   "--digest-file", str(dig))
+    return run_dir, dig, out, submit(cluster, batch_script(tmp_path / "job.sh", body, nodes=4), out)
+
+
 @pytest.mark.parametrize("how", ["netns-sigkill", "scontrol-down", "batch-host", "batch-host-partition"])
 def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, reference: Reference, tmp_path: Path,
                                             how: str) -> None:
@@ -384,11 +394,7 @@ def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, referenc
     powered-off one): store calls hang instead of failing, the watchdog (``failover.guarded``) cuts them, the
     standby takes over, and the cut-off leader, which sees the newer incarnation, leaves (``superseded``)."""
     cluster = idle_cluster
-    run_dir, dig, out = tmp_path / "run", tmp_path / "digest.json", tmp_path / "job.out"
-    body = phoenix("--backend", "slurm", "--nodes", "3", "--nproc-per-node", "1", "--spares", "1", "--run-dir",
-                   str(run_dir), str(EXAMPLES / "train_gpt.py"), *TRAIN, "--step-sleep", "0.5",
-                   "--digest-file", str(dig))
-    job = submit(cluster, batch_script(tmp_path / "job.sh", body, nodes=4), out)
+    run_dir, dig, out, job = submit_swap_job(cluster, tmp_path)
     victim = None
     try:
         states = wait_training(run_dir, job, cluster, out, min_step=4)
@@ -459,11 +465,7 @@ def test_leader_process_lost_alone_the_job_goes_on(idle_cluster: SlurmCluster, r
     over, the BatchHost's agent and ranks reach it and keep training (no hot-swap: its host answered), and the
     Slurm job ends COMPLETED 0:0 with the failure-free digest."""
     cluster = idle_cluster
-    run_dir, dig, out = tmp_path / "run", tmp_path / "digest.json", tmp_path / "job.out"
-    body = phoenix("--backend", "slurm", "--nodes", "3", "--nproc-per-node", "1", "--spares", "1", "--run-dir",
-                   str(run_dir), str(EXAMPLES / "train_gpt.py"), *TRAIN, "--step-sleep", "0.5",
-                   "--digest-file", str(dig))
-    job = submit(cluster, batch_script(tmp_path / "job.sh", body, nodes=4), out)
+    run_dir, dig, out, job = submit_swap_job(cluster, tmp_path)
     try:
         wait_training(run_dir, job, cluster, out, min_step=4)
         wait_for("standby_ready", lambda: of_type(events(run_dir), "standby_ready"), START_TIMEOUT, interval=0.2)

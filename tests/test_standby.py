@@ -76,7 +76,7 @@ def _kill_leader_at(tmp_path: Path, step: int, and_node: str | None = None, stan
     d = tmp_path
     run_dir = d / "run"
     (d / "slow").touch()
-    proc = start_phoenix(_args(d, _write_cfg(d, True), 0.3), d)
+    proc = start_phoenix(_args(d, _write_cfg(d, True), 1.0), d)
     try:
         wait_for(lambda: _progress(run_dir, step) and of_type(events(run_dir), "standby_ready"), 180, f"step {step} and a ready standby")
         if standby_first:  # the standby itself is lost first: the leader replaces it
