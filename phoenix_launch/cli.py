@@ -213,6 +213,7 @@ def _open_backend(cfg, rdir: Path, *, nodes_given: bool):
     if not nodes_given and be.capabilities.allocation:  # Slurm: every allocated node but the spares is active
         cfg = replace(cfg, launch=replace(cfg.launch, nodes=be.use_all_nodes()))
     cfg = replace(cfg, launch=replace(cfg.launch, standby=_standby(cfg, be)))
+    be.standby = cfg.launch.standby == "on"  # its processes outlive this supervisor when a standby continues the job
     import yaml
 
     from phoenix_launch.events import write_private
@@ -240,6 +241,10 @@ def _supervise(cfg, argv: list[str], rdir: Path, be) -> None:
     from phoenix_launch.supervisor import Supervisor
     from phoenix_launch.ui import LiveUI, PlainUI
 
+    if cfg.launch.standby == "on" and be.capabilities.remote_standby:  # Slurm: the batch step outlives the leader
+        from phoenix_launch.keeper import fork_leader
+
+        fork_leader(rdir, cfg.detect.takeover_timeout_s)
     sup = Supervisor(cfg, argv, rdir, be)
     live = cfg.launch.live == "on" or (cfg.launch.live == "auto" and sys.stdout.isatty())
     sup.ui = LiveUI() if live else PlainUI(sup.events)

@@ -92,8 +92,13 @@ class DetectConfig:
     spare_wait_s: float = 30.0
     # the leader supervisor lost: agents and ranks wait this long for the standby's store (launch.standby)
     takeover_timeout_s: float = RUNTIME_DEFAULTS.takeover_timeout_s
+    # the leader supervisor's loop stuck this long (with a standby): it ends itself, its threads' stacks on its
+    # stderr, and the standby takes the job over (its store server, a C++ thread, would otherwise serve on)
+    leader_hang_s: float = 60.0
 
     def validate(self) -> None:
+        if self.leader_hang_s <= 0:
+            raise ConfigError(f"detect.leader_hang_s must be > 0, got {self.leader_hang_s}")
         if self.takeover_timeout_s <= 0:
             raise ConfigError(f"detect.takeover_timeout_s must be > 0, got {self.takeover_timeout_s}")
         if self.reprotect_max < 0:
@@ -157,8 +162,13 @@ class InjectConfig:
     chaos_mtbf_s: float = 0.0  # > 0: draw failures from an exponential distribution (soak runs)
     chaos_ranks: tuple[int, ...] = ()  # chaos crashes only the nodes holding these logical ranks (empty: any node)
     seed: int = 0
+    # a drill: the first leader supervisor's loop hangs once the job reached this step (detect.leader_hang_s)
+    leader_hang_at_step: int | None = None
 
     def validate(self) -> None:
+        if self.leader_hang_at_step is not None and (isinstance(self.leader_hang_at_step, bool)
+                                                     or not isinstance(self.leader_hang_at_step, int) or self.leader_hang_at_step < 0):
+            raise ConfigError(f"inject.leader_hang_at_step must be an integer >= 0, got {self.leader_hang_at_step!r}")
         for f in self.faults:
             if not isinstance(f, Mapping):
                 raise ConfigError(f"inject.faults entries must be mappings, got {f!r}")

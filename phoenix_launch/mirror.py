@@ -137,6 +137,7 @@ class Standby:
         self.stop = stop  # () -> bool: the standby was told to go (the leader ended the job)
         self.state: dict[str, Any] | None = None
         self.t_lost: float | None = None
+        self.lost_how = ""  # how the leader was lost: "refused" (its host answered), "unreachable", "frozen"
 
     def _connect(self, timeout_s: float):
         from phoenix_launch.control import connect
@@ -164,7 +165,7 @@ class Standby:
         ended the job."""
         import torch.distributed as dist
 
-        from phoenix_runtime.failover import guarded, reachable
+        from phoenix_runtime.failover import frozen, guarded, probe, reachable
 
         deadline = time.monotonic() + connect_bound_s
         store = None
@@ -189,13 +190,15 @@ class Standby:
                     return False
             except dist.DistError:  # the connection closed (or a wait timed out): is the leader still there?
                 t = time.time()
+                how = "frozen" if frozen(self.addr) else probe(self.addr)  # frozen: its calls went unanswered
                 try:
-                    if reachable(self.addr):
-                        store = self._connect(5.0)  # a connection lost, the leader still there
+                    if how == "alive":
+                        with guarded(self.addr):
+                            store = self._connect(5.0)  # a connection lost, the leader still there
                         continue
                 except dist.DistError:
                     pass
-                self.t_lost = t
+                self.t_lost, self.lost_how = t, how
                 return True
             time.sleep(POLL_S)
         return False
@@ -212,6 +215,29 @@ class StandbyLink:
         self.restarts = 0  # standbys that exited and were replaced
         self.awaiting: set[str] = set()  # after a takeover: nodes whose agents have not reached this leader yet
         self.t_lost = 0.0
+        self._armed_at = 0.0  # when the loop's hang watchdog was last re-armed (0: not armed)
+
+    def keep_alive(self, hang_s: float) -> None:
+        """From every pass of the leader's loop: re-arm (once a second) faulthandler's watchdog, a C thread that
+        needs no GIL. A loop stuck ``hang_s`` (``detect.leader_hang_s``) prints every thread's stack on stderr and
+        ends this process (exit 1): its store server, a C++ thread, would otherwise serve on while nobody steers
+        the job; its end is a lost leader, and the standby takes over. Without a standby, nothing is armed."""
+        import faulthandler
+
+        if not self.enabled:
+            self.disarm()
+            return
+        now = time.monotonic()
+        if now - self._armed_at >= 1.0:
+            faulthandler.dump_traceback_later(hang_s, exit=True)
+            self._armed_at = now
+
+    def disarm(self) -> None:
+        if self._armed_at:
+            import faulthandler
+
+            faulthandler.cancel_dump_traceback_later()
+            self._armed_at = 0.0
 
     def await_agents(self, nodes: set[str], t_lost: float) -> None:
         self.awaiting, self.t_lost = set(nodes), t_lost
@@ -301,4 +327,5 @@ class StandbyLink:
                             node=ctl.get("node"))
             print(f"phoenix-run: superseded by the standby that took the job over ({ctl.get('node')}); leaving it to it",
                   file=sys.stderr, flush=True)
+            sup.backend.abandon()
             os._exit(SUPERSEDED_EXIT)

@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     if watcher.state is None:
         print("phoenix standby: the leader was lost before it published any state; nothing to take over", file=sys.stderr)
         return 1
-    return take_over(run_dir, told, watcher.state, sock, watcher.t_lost or time.time(), stopping)
+    state = {**watcher.state, "leader_lost_how": watcher.lost_how}
+    return take_over(run_dir, told, state, sock, watcher.t_lost or time.time(), stopping)
 
 
 def _bind_here(run_dir: Path, told: dict[str, Any], leader_host: str) -> socket.socket:
@@ -98,14 +99,29 @@ def take_over(run_dir: Path, told: dict[str, Any], state: dict[str, Any], sock: 
     take_over_job(sup, {**state, "incarnation": int(told["incarnation"])}, sock, t_lost, phases={"build_s": round(time.time() - t0, 3)})
     code = sup.loop()
     end_job = getattr(backend, "end_job", None)
-    if end_job is not None:  # Slurm: the lost leader's batch script cannot end the job any more
-        from phoenix_launch.events import EventLog
-
-        log = EventLog(run_dir / "events.jsonl")  # written before: ending the job may kill this step at once
-        log.emit("scheduler_job_end", exit_code=code, why="the batch script was lost with the leader")
-        log.close()
-        print(f"phoenix standby: {end_job(code)}", file=sys.stderr, flush=True)
+    if end_job is not None:
+        _end_scheduler_job(run_dir, code, end_job)
     return code
+
+
+def _end_scheduler_job(run_dir: Path, code: int, end_job: Any) -> None:
+    """Slurm: the job ends when its batch script does. A lost leader's batch script that lives on (its keeper,
+    ``keeper.py``) exits with the job's code once ``status.json`` is final, and Slurm ends the job with this
+    code (ending it from here under a live batch script would record the script's SIGTERM in ``ExitCode``). One
+    lost with the leader's node cannot: this leader ends the job (``complete_job``). It does so after a live
+    keeper went quiet too, in case that keeper was cut off from the controller; on a job Slurm already ended it
+    changes nothing."""
+    from phoenix_launch import keeper
+    from phoenix_launch.events import EventLog
+
+    log = EventLog(run_dir / "events.jsonl")  # written before: ending the job may kill this step at once
+    kept = keeper.alive(run_dir)
+    log.emit("scheduler_job_end", exit_code=code, why="the batch script's keeper ends it" if kept else "the batch script was lost with the leader")
+    log.close()
+    deadline = time.monotonic() + 15.0
+    while kept and keeper.alive(run_dir) and time.monotonic() < deadline:  # Slurm ends this step meanwhile
+        time.sleep(0.5)
+    print(f"phoenix standby: {end_job(code)}", file=sys.stderr, flush=True)
 
 
 def take_over_job(sup: Any, state: dict[str, Any], sock: Any, t_lost: float, phases: dict[str, float] | None = None) -> None:
@@ -121,7 +137,7 @@ def take_over_job(sup: Any, state: dict[str, Any], sock: Any, t_lost: float, pha
     sup.open_commands()
     now = time.time()
     sup.events.emit("takeover", gen=sup.gen, was=state["job"], control=f"{plane.host}:{plane.port}", leader_lost_at=t_lost,
-                     serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid(),
+                     serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid(), how=state.get("leader_lost_how"),
                      phases={**(phases or {}), "listen_s": round(t_serving - t0, 3)})
     sup.job.transition(JobState.RUNNING, "took over from the lost leader")
     leader = state.get("leader_node")
@@ -130,8 +146,14 @@ def take_over_job(sup: Any, state: dict[str, Any], sock: Any, t_lost: float, pha
     if gens.members.gen != gens.stable.gen or state["job"] != JobState.RUNNING.value:  # a recovery under way: formed again
         sup.reform("takeover", "the leader was lost during a recovery", now)
     if leader and leader in sup.nodes and sup.nodes[leader].state not in ENDED:
-        sup.backend.kill_node(leader)
-        sup.on_agent_exit(leader, -9, now)  # the leader's node held ranks: hot-swapped as any lost node
+        if state.get("leader_lost_how") in ("refused", "frozen"):
+            # its host answered: the leader *process* may be all that was lost (the OOM killer, a signal, a hung
+            # loop that ended itself, a stopped process), its node's agent and ranks healthy; they reach this
+            # leader within a heartbeat or two, else the node is lost by heartbeat (``detect.node_timeout_s``)
+            sup.events.emit("leader_node_on_watch", node=leader, timeout_s=sup.cfg.detect.node_timeout_s)
+        else:
+            sup.backend.kill_node(leader)
+            sup.on_agent_exit(leader, -9, now)  # the leader's node held ranks: hot-swapped as any lost node
     sup.standby.start(sup)  # the next loss of the leader is survived too
 
 

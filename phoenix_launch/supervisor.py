@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -407,6 +408,10 @@ class Supervisor(ReportHandlers):
     def run_chaos(self, now: float) -> None:
         if self.job.state is not JobState.RUNNING:
             return
+        hang_at = self.cfg.inject.leader_hang_at_step  # a drill: the first leader's loop stuck (detect.leader_hang_s)
+        if hang_at is not None and self.plane.incarnation == 0 and self.attempt.step >= hang_at:  # type: ignore[union-attr]
+            self.events.emit("injected", mode="leader_hang", node="leader", source="config", step=self.attempt.step, t=now)
+            threading.Event().wait()
         members = self._gens().members
         victim = self.chaos.victim(now, [n.name for n in self.nodes if n.state is NodeState.ACTIVE], members, lambda: any(
             hb.phase == "done" for hb in read_rank_heartbeats(self.store, members).values()))
@@ -453,7 +458,12 @@ class Supervisor(ReportHandlers):
         next_status = 0.0
         next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
         try:
+            last = time.monotonic()
             while self.exit_code is None:
+                self.standby.keep_alive(self.cfg.detect.leader_hang_s)
+                if time.monotonic() - last > 1.0:  # this process stood still (stopped, frozen): superseded meanwhile?
+                    self.standby.fence(self)
+                last = time.monotonic()
                 now = time.time()
                 self.tick(now)
                 if self.exit_code is None:
@@ -470,6 +480,7 @@ class Supervisor(ReportHandlers):
                 if self.exit_code is None:
                     time.sleep(0.02)
         finally:
+            self.standby.disarm()  # the shutdown's waits are bounded on their own
             self.shutdown()
         return self.exit_code if self.exit_code is not None else decisions.EXIT_RANK_FAILED
 

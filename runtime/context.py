@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from phoenix_runtime import protocol
-from phoenix_runtime.control import STATE, connect_store, start_control
+from phoenix_runtime.control import STATE, connect_store, control, start_control
 from phoenix_runtime.rank_env import RankEnv, rank_env
 from phoenix_runtime.store_keys import KeyRecorder
 
@@ -93,6 +93,14 @@ class Context:
     def report(self, msg: dict[str, Any]) -> None:
         if self.managed:
             self.q_sup.put({"node": self.node, "slot": self.slot, "rank": self.rank, **msg})
+
+    def post(self, msg: dict[str, Any]) -> None:
+        """``report``, sent by the control thread: the training thread never waits for the store in a step."""
+        c = control()
+        if c is None:
+            self.report(msg)
+        elif self.managed:
+            c.post({"node": self.node, "slot": self.slot, "rank": self.rank, **msg})
 
     # --- generations ---------------------------------------------------------------------------------
     def latest_gen(self) -> int:

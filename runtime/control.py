@@ -21,6 +21,7 @@ until its next heartbeat. A quiet control plane thus costs two wake-ups a second
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
@@ -156,6 +157,8 @@ class ControlThread:
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by the watcher: the notify counter moved
         self.asleep_until = 0.0  # while it waits for the watcher or its next heartbeat: until when (monotonic)
+        self._outbox: collections.deque = collections.deque(maxlen=16)  # reports posted by the training thread
+        self._q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
         self._watcher = NotifyWatcher(env, self._wake, self._stop)
         self._thread = threading.Thread(target=self._run, name="phoenix-control", daemon=True)
         self._thread.start()
@@ -174,11 +177,23 @@ class ControlThread:
         }
         protocol.put_value(self.store, protocol.k_rank_hb(self.node, self.slot), json.dumps(hb))
 
+    def post(self, msg: dict[str, Any]) -> None:
+        """A report the training thread must not wait for (its progress): this thread sends it. A store call can
+        stall (a frozen leader, cut after ``failover.FROZEN_S``); training must not stall with it, or the
+        ranks' progress would say "hung" once the store is back. At most 16 wait; the oldest go first."""
+        self._outbox.append(msg)
+        self._wake.set()
+
+    def _send_posted(self) -> None:
+        while self._outbox:
+            self._q_sup.put(self._outbox[0])
+            self._outbox.popleft()
+
     def report_refused(self) -> None:
         """Tell the supervisor what this rank refused to read since the last call (forged or replayed)."""
         refused = auth.drain()
         if refused:
-            protocol.Queue(self.store, protocol.Q_SUPERVISOR).put(protocol.RefusedReport(self.node, self.slot, refused))
+            self._q_sup.put(protocol.RefusedReport(self.node, self.slot, refused))
 
     def _poll(self, full: bool) -> None:
         """Read what the supervisor writes for this rank (the generation, the persist step, this rank's queue)
@@ -219,6 +234,7 @@ class ControlThread:
                     self.report_refused()
                     next_hb = now + self.heartbeat_s
                 self._poll(full=now >= next_full)
+                self._send_posted()
                 if now >= next_full:  # a writer that did not bump the counter is noticed within a heartbeat
                     next_full = now + self.heartbeat_s
                 if self._watcher.armed and not self._dirty:  # until the watcher's wake-up or the next heartbeat

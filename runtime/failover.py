@@ -53,28 +53,45 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
-def reachable(addr: tuple[str, int], timeout_s: float = 1.0, quiet_s: float = 0.5) -> bool:
-    """A live listener at ``addr``: the connect succeeds and the connection then stays quiet for ``quiet_s`` (a
-    TCPStore server says nothing before the client's first message). A refused connect answers at once, and a
-    listener whose process was just killed resets the connection (its socket is closed during the exit), where
-    TCPStore's own connect would retry for its whole timeout."""
+def probe(addr: tuple[str, int], timeout_s: float = 1.0, quiet_s: float = 0.5) -> str:
+    """What answers at ``addr``: "alive" (a live listener: the connect succeeds and the connection then stays
+    quiet for ``quiet_s``, as a TCPStore server says nothing before the client's first message), "refused" (the
+    host answered: a refused connect, or a reset from a listener whose process was just killed, its socket closed
+    during the exit), or "unreachable" (no answer at all: a host powered off or cut off). TCPStore's own connect
+    would retry for its whole timeout in each of the last two."""
     try:
         with socket.create_connection(addr, timeout=timeout_s) as s:
             s.settimeout(quiet_s)
             try:
-                return s.recv(1) != b""
+                return "alive" if s.recv(1) != b"" else "refused"
             except socket.timeout:
-                return True
+                return "alive"
+    except (ConnectionRefusedError, ConnectionResetError):
+        return "refused"
     except OSError:
-        return False
+        return "unreachable"
+
+
+def reachable(addr: tuple[str, int], timeout_s: float = 1.0, quiet_s: float = 0.5) -> bool:
+    """A live listener at ``addr`` (:func:`probe`)."""
+    return probe(addr, timeout_s, quiet_s) == "alive"
 
 
 #: A store call on the leader's connection running this long is checked: if the leader's port does not answer
 #: a connect either, the connection is cut here (:func:`guarded`).
 STALL_S = 2.0
+#: A store call unanswered this long is cut even though the leader's port accepts connects: its process is
+#: frozen (stopped, or its host stalled); a TCPStore server (its own C++ thread) answers in milliseconds.
+FROZEN_S = 20.0
 _calls: dict[int, tuple[tuple[str, int], float]] = {}  # call id -> (the leader's address, when it started)
 _calls_lock = threading.Lock()
 _watchdog: threading.Thread | None = None
+_frozen: dict[tuple[str, int], float] = {}  # address -> when a call to it was cut for FROZEN_S
+
+
+def frozen(addr: tuple[str, int], within_s: float = 60.0) -> bool:
+    """A call to ``addr`` was cut in the last ``within_s`` because its server did not answer (:data:`FROZEN_S`)."""
+    return time.monotonic() - _frozen.get(addr, -within_s - 1) <= within_s
 
 
 @contextmanager
@@ -85,7 +102,9 @@ def guarded(addr: tuple[str, int]):
     timeout). A watchdog thread probes the address of a call that has run ``STALL_S``; a port that does not
     accept a connect within 1 s is lost, and this process's connections to it are shut down, so the blocked
     call fails as on a closed connection (``DistNetworkError``) and the caller moves on. A leader that is
-    only slow still accepts connects (its kernel does): nothing is cut."""
+    only slow still accepts connects (its kernel does): nothing is cut, unless the call goes unanswered for
+    ``FROZEN_S`` (a stopped process: the kernel accepts, nobody answers); then it is cut too, and the address
+    is marked :func:`frozen` (a client then waits for a newer leader rather than for this one again)."""
     global _watchdog
     token = object()
     with _calls_lock:
@@ -107,7 +126,11 @@ def _watch() -> None:
         now = time.monotonic()
         with _calls_lock:
             stalled = {addr for addr, t0 in _calls.values() if now - t0 > STALL_S}
-        for addr in stalled:
+            hung = {addr for addr, t0 in _calls.values() if now - t0 > FROZEN_S}
+        for addr in hung:
+            _frozen[addr] = now
+            sever(addr)
+        for addr in stalled - hung:
             if now - probed.get(addr, -STALL_S) >= STALL_S:
                 probed[addr] = now
                 if not reachable(addr):
@@ -187,6 +210,10 @@ class FailoverStore(dist.Store):
             return int(sb["incarnation"]), addr, False
         return None
 
+    def _serving_newer(self) -> bool:
+        newer = self._newer()
+        return newer is not None and newer[2]
+
     def _no_standby(self) -> bool:
         """No standby was ever started for this job: nothing to wait for (the agent decides what a lost control
         plane means, as without a standby)."""
@@ -196,9 +223,10 @@ class FailoverStore(dist.Store):
         """The connection is lost: the same leader again if it is there, else a newer one (bounded)."""
         deadline = time.monotonic() + self.reconnect_s
         while True:
-            try:
-                if reachable(self.addr):
-                    self._s = _tcp(self.addr, 2.0)
+            try:  # the same leader again, unless a newer one serves, or this one froze and a standby may take over
+                if reachable(self.addr) and not (self._serving_newer() or (frozen(self.addr) and not self._no_standby())):
+                    with guarded(self.addr):
+                        self._s = _tcp(self.addr, 2.0)
                     return
             except dist.DistError:
                 pass

@@ -138,7 +138,7 @@ class StepGuard:
         if t.ctx.rank == 0 and t.ctx.managed and time.time() - self._last_progress > 2.0:
             self._last_progress = time.time()
             median = sorted(self._step_times)[len(self._step_times) // 2]
-            t.ctx.report({"type": "progress", "step": t.step_idx, "step_time_s": round(median, 5), "sps": round(STATE.steps_per_s, 3),
+            t.ctx.post({"type": "progress", "step": t.step_idx, "step_time_s": round(median, 5), "sps": round(STATE.steps_per_s, 3),
                           "total": getattr(t, "total_steps", None),
                           "wait_frac": self._wait_frac() if t.protect_on else None})
 

@@ -147,8 +147,14 @@ def job_processes(run_dir: Path) -> list[str]:
 
 
 def assert_no_leftovers(run_dir: Path) -> None:
-    left = wait_for(f"no process of {run_dir} left", lambda: (lambda l: True if not l else None)(job_processes(run_dir)),
-                    timedelta(seconds=30), interval=0.2) and job_processes(run_dir)
+    left: list[str] = []
+
+    def gone() -> bool:
+        left[:] = job_processes(run_dir)
+        return not left
+    deadline = time.monotonic() + 30
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not left, left
 
 
@@ -363,6 +369,16 @@ def test_kill_node_from_the_root_namespace(idle_cluster: SlurmCluster, reference
 
 # ------------------------------------------------------------------------------ 5. a node lost mid-run
 
+def submit_swap_job(cluster: SlurmCluster, tmp_path: Path) -> tuple[Path, Path, Path, str]:
+    """The reference's job (3 active + 1 spare), slowed to 0.5 s a step so that a failure lands mid-run:
+    (run directory, digest file, job output, job id)."""
+    run_dir, dig, out = tmp_path / "run", tmp_path / "digest.json", tmp_path / "job.out"
+    body = phoenix("--backend", "slurm", "--nodes", "3", "--nproc-per-node", "1", "--spares", "1", "--run-dir",
+                   str(run_dir), str(EXAMPLES / "train_gpt.py"), *TRAIN, "--step-sleep", "0.5",
+                   "--digest-file", str(dig))
+    return run_dir, dig, out, submit(cluster, batch_script(tmp_path / "job.sh", body, nodes=4), out)
+
+
 @pytest.mark.parametrize("how", ["netns-sigkill", "scontrol-down", "batch-host", "batch-host-partition"])
 def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, reference: Reference, tmp_path: Path,
                                             how: str) -> None:
@@ -378,11 +394,7 @@ def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, referenc
     powered-off one): store calls hang instead of failing, the watchdog (``failover.guarded``) cuts them, the
     standby takes over, and the cut-off leader, which sees the newer incarnation, leaves (``superseded``)."""
     cluster = idle_cluster
-    run_dir, dig, out = tmp_path / "run", tmp_path / "digest.json", tmp_path / "job.out"
-    body = phoenix("--backend", "slurm", "--nodes", "3", "--nproc-per-node", "1", "--spares", "1", "--run-dir",
-                   str(run_dir), str(EXAMPLES / "train_gpt.py"), *TRAIN, "--step-sleep", "0.5",
-                   "--digest-file", str(dig))
-    job = submit(cluster, batch_script(tmp_path / "job.sh", body, nodes=4), out)
+    run_dir, dig, out, job = submit_swap_job(cluster, tmp_path)
     victim = None
     try:
         states = wait_training(run_dir, job, cluster, out, min_step=4)
@@ -445,6 +457,37 @@ def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, referenc
         assert_no_leftovers(run_dir)
     finally:
         restore_node(cluster, victim, restart_slurmd=how in ("netns-sigkill", "batch-host"))
+
+
+def test_leader_process_lost_alone_the_job_goes_on(idle_cluster: SlurmCluster, reference: Reference, tmp_path: Path) -> None:
+    """The leader supervisor's process alone is SIGKILLed (the OOM killer's choice), its BatchHost healthy. The
+    batch step lives on (``phoenix-run`` forked: the keeper waits, ``keeper.py``), the standby takes the job
+    over, the BatchHost's agent and ranks reach it and keep training (no hot-swap: its host answered), and the
+    Slurm job ends COMPLETED 0:0 with the failure-free digest."""
+    cluster = idle_cluster
+    run_dir, dig, out, job = submit_swap_job(cluster, tmp_path)
+    try:
+        wait_training(run_dir, job, cluster, out, min_step=4)
+        wait_for("standby_ready", lambda: of_type(events(run_dir), "standby_ready"), START_TIMEOUT, interval=0.2)
+        leader = json.loads((run_dir / "control.json").read_text())
+        keeper = " ".join(psutil.Process(leader["pid"]).parent().cmdline())  # the batch step's process: it waits
+        os.kill(leader["pid"], 9)
+        rec = wait_job_end(cluster, job, out)
+    except BaseException:
+        cluster.cancel(job)
+        raise
+    text, evs = read(out), events(run_dir)
+    summary = "\n".join(json.dumps(e) for e in evs if e["type"] not in ("progress",))
+    assert "phoenix-run" in keeper, keeper
+    assert "the leader supervisor (pid" in text and "was lost" in text, text
+    took = of_type(evs, "takeover")
+    assert len(took) == 1 and of_type(evs, "leader_node_on_watch"), summary
+    print(f"\nleader process lost: takeover {json.dumps(took[0])}")
+    assert not of_type(evs, "hotswap") and not of_type(evs, "failure"), summary  # nothing else was lost
+    assert rec["JobState"] == "COMPLETED" and rec["ExitCode"] == "0:0", f"{rec}\n{summary}\n{text}"
+    assert dig.exists() and digest(dig) == digest(reference.digest_file), f"{summary}\n{text}"
+    assert [e["exit_code"] for e in of_type(evs, "job_end")] == [0], summary
+    assert_no_leftovers(run_dir)
 
 
 # ------------------------------------------------------------------------------ 6. replenishment

@@ -76,7 +76,7 @@ def _kill_leader_at(tmp_path: Path, step: int, and_node: str | None = None, stan
     d = tmp_path
     run_dir = d / "run"
     (d / "slow").touch()
-    proc = start_phoenix(_args(d, _write_cfg(d, True), 0.3), d)
+    proc = start_phoenix(_args(d, _write_cfg(d, True), 1.0), d)
     try:
         wait_for(lambda: _progress(run_dir, step) and of_type(events(run_dir), "standby_ready"), 180, f"step {step} and a ready standby")
         if standby_first:  # the standby itself is lost first: the leader replaces it
@@ -217,3 +217,57 @@ def test_a_store_call_on_a_vanished_leader_is_cut_not_left_hanging(monkeypatch):
         server.send_signal(signal.SIGCONT)
         server.kill()
         server.wait(timeout=10)
+
+
+def test_a_hung_leader_ends_itself_and_the_standby_takes_over(tmp_path, baseline):
+    """The leader's loop hangs at step 3 (``inject.leader_hang_at_step``) while its store server, a C++ thread,
+    serves on: nothing outside can tell it from a healthy one. Its faulthandler watchdog ends it after
+    ``detect.leader_hang_s`` with every thread's stack on stderr; the standby takes over and the job completes
+    with the failure-free digest."""
+    d = tmp_path
+    cfg = yaml.safe_load(_write_cfg(d, True).read_text())
+    cfg["detect"]["leader_hang_s"] = 3.0
+    cfg["inject"] = {"leader_hang_at_step": 3}
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    (d / "slow").touch()
+    proc = start_phoenix(_args(d, d / "cfg.yaml", 0.3), d)
+    run_dir = d / "run"
+    try:
+        _, err = proc.communicate(timeout=180)
+    except BaseException:
+        kill_job(proc, run_dir)
+        raise
+    hung = [e for e in of_type(events(run_dir), "injected") if e.get("mode") == "leader_hang"]
+    assert hung and proc.returncode == 1, (proc.returncode, err[-3000:])
+    assert "Timeout (0:00:03)!" in err and "run_chaos" in err, err[-3000:]  # the stuck loop's stack, for the operator
+    wait_for(lambda: of_type(events(run_dir), "takeover"), 60, "the takeover of the hung leader's job")
+    (d / "slow").unlink()
+    evs = _assert_completed(run_dir, d / "digest.json", baseline)
+    assert not of_type(evs, "hotswap"), "a hung leader is not a lost node"
+
+
+def test_a_stopped_leader_is_taken_over_and_leaves_when_it_wakes(tmp_path, baseline):
+    """SIGSTOP of phoenix-run at step 3: its port still accepts connects (the kernel does) but nothing answers,
+    so every store call to it is cut after ``failover.FROZEN_S``; the standby takes over (``how: frozen``) and
+    agents and ranks move to it. SIGCONT: the old leader sees the newer incarnation and leaves (exit 75)
+    without touching the job, which completes with the failure-free digest."""
+    d = tmp_path
+    run_dir = d / "run"
+    (d / "slow").touch()
+    proc = start_phoenix(_args(d, _write_cfg(d, True), 1.5), d)
+    try:
+        wait_for(lambda: _progress(run_dir, 3) and of_type(events(run_dir), "standby_ready"), 180, "step 3 and a ready standby")
+        proc.send_signal(signal.SIGSTOP)
+        took = wait_for(lambda: of_type(events(run_dir), "takeover"), 90, "the takeover of the stopped leader's job")
+        assert took[0]["how"] == "frozen", took
+        wait_for(lambda: of_type(events(run_dir), "takeover_complete"), 60, "every agent at the new leader")
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    except BaseException:
+        proc.send_signal(signal.SIGCONT)
+        kill_job(proc, run_dir)
+        raise
+    assert proc.returncode == 75 and "superseded by the standby" in err, (proc.returncode, err[-3000:])
+    (d / "slow").unlink()
+    evs = _assert_completed(run_dir, d / "digest.json", baseline)
+    assert of_type(evs, "superseded") and not of_type(evs, "hotswap"), [e["type"] for e in evs]

@@ -46,6 +46,8 @@ class Backend(Protocol):
     def node_state(self, node: str) -> SchedulerView: ...  # capability "node_state"
     def use_all_nodes(self) -> int: ...  # capability "allocation": the active node count
     # a standby supervisor (launch.standby): its process, the agents' handles it mirrors
+    standby: bool  # a standby continues the job: the agents' processes must outlive this supervisor
+    def abandon(self) -> None: ...  # superseded: drop this supervisor's handles, the agents left to the new leader
     def start_standby(self, sock, where: list[str]) -> None: ...  # sock: reserved here (None: remote_standby)
     def stop_standby(self) -> None: ...
     def standby_exited(self) -> str | None: ...  # how the standby ended (once), None while it runs

@@ -122,6 +122,9 @@ class LocalBackend:
     def leader_node(self) -> str | None:
         return None  # the supervisor is not on any of the job's "nodes" here
 
+    def abandon(self) -> None:
+        """The agents are processes the new leader watches by pid: nothing of theirs is this supervisor's alone."""
+
     def attach(self, handles: dict[str, int]) -> None:
         """A standby that took over: the agents another process started."""
         self.procs.update({n: Adopted(int(pid)) for n, pid in handles.items()})

@@ -84,6 +84,7 @@ class SlurmBackend:
         self._topology: dict[str, str] | None = None
         self.standby_proc: subprocess.Popen | None = None  # the srun of the standby supervisor's step
         self.standby_node: str | None = None
+        self.standby = cfg.launch.standby == "on"  # a standby continues the job without this supervisor (cli resolves auto)
         self.attached: set[str] = set()  # nodes whose agent step another supervisor started (a takeover)
         self._next_attached_poll = 0.0
         self._killed: list[tuple[str, int]] = []  # attached agents killed here, to report from poll()
@@ -212,10 +213,17 @@ class SlurmBackend:
                 stdin=subprocess.DEVNULL,
                 cwd=spec.cwd or None,
                 start_new_session=True,  # its own process group: signalled as a unit, never by the terminal
-                preexec_fn=die_with_parent,
+                preexec_fn=self._srun_preexec(),
             )
         self.step_names[node] = step_name
         self.exited.discard(node)
+
+    def _srun_preexec(self):
+        """Without a standby, an ``srun`` dies with this supervisor (nothing could continue its step). With one,
+        it must outlive it: an ``srun`` killed under a live node makes its helper process cancel the step
+        (measured: every step of the job gone within 3 s of the leader's SIGKILL), where the standby needs the
+        steps to take over; the takeover's leader stops them with ``scancel`` in the end."""
+        return None if self.standby else die_with_parent
 
     def poll(self) -> list[tuple[str, int]]:
         out = poll_exited(self.procs, self.exited) + self._poll_attached() + self._killed
@@ -277,7 +285,7 @@ class SlurmBackend:
                                      step_name=STANDBY_STEP)
         self.standby_proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                              stderr=subprocess.DEVNULL, start_new_session=True,
-                                             preexec_fn=die_with_parent)
+                                             preexec_fn=self._srun_preexec())
         self.standby_node = node
 
     def standby_exited(self) -> str | None:
@@ -315,6 +323,18 @@ class SlurmBackend:
     def leader_node(self) -> str | None:
         """The node this supervisor runs on (the BatchHost; a standby's own node after a takeover)."""
         return self.job.node_name or self.job.batch_host
+
+    def abandon(self) -> None:
+        """This supervisor was superseded (cut off while the standby took over): its ``srun`` processes are only
+        handles of steps the new leader attached to by name, and, orphaned, would outlive the job where the
+        process tracking is by process group. Each is SIGKILLed with its helper process at once (its process
+        group), so that neither can cancel its step on the way out."""
+        for p in [*self.procs.values(), *([self.standby_proc] if self.standby_proc else [])]:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
     def attach(self, handles: dict[str, str]) -> None:
         """A standby that took over: the agents' steps another process started (their sruns are gone with it).
