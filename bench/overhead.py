@@ -21,8 +21,10 @@ with t_off the off runs' mean per-iteration time, ranks = 4, cores = the CPUs th
 what holds here (4 ranks on 2 cores): with protection off the ranks' compute keeps every core busy, so each
 CPU-second of copying is a second some core does not train, and the step stretches by ``ranks x c / cores``. The
 remainder (measured ratio - floor ratio) is everything else the protection costs: PHOENIX's Python on its threads
-and the training thread, gloo's own work beyond a plain socket, thread wake-ups. Where cores are idle, or on a GPU
-node (D2H by DMA, H2H by the NIC), the copy's floor is not paid in training time; it is printed for ``--device cpu``.
+and the training thread, gloo's own work beyond a plain socket, thread wake-ups. Next to it: the CPU time per step
+of the D2H and H2H threads of rank 0 in the last on run (``time.thread_time`` in each worker, the job's stats).
+Where cores are idle, or on a GPU node (D2H by DMA, H2H by the NIC), the copy's floor is not paid in training time;
+it is printed for ``--device cpu``.
 
     python bench/overhead.py --ablate [--pairs 2]
 
@@ -122,7 +124,7 @@ def main():
     print(f"last step: D2H {stats.get('d2h_s')} s, H2H {stats.get('h2h_h2h_s')} s, "
           f"optimizer_step wait {stats.get('last_wait_s')} s")
     if a.device == "cpu" and stats.get("optim_bytes"):
-        print_floor(copy_floor(stats["optim_bytes"], stats["optim_bytes"] + stats.get("param_bytes", 0)), on / off, off)
+        print_floor(copy_floor(stats["optim_bytes"], stats["optim_bytes"] + stats.get("param_bytes", 0)), on / off, off, stats)
 
 
 def copy_floor(optim_bytes: int, snap_bytes: int, reps: int = 15) -> dict:
@@ -192,7 +194,7 @@ def _tcp_cpu(payload: memoryview, reps: int, evict) -> float:
     return statistics.median(s + r for s, r in zip(tx[1:], rx[1:]))
 
 
-def print_floor(f: dict, measured: float, off: float, ranks: int = 4) -> None:
+def print_floor(f: dict, measured: float, off: float, stats: dict, ranks: int = 4) -> None:
     cores = len(os.sched_getaffinity(0))
     floor = 1 + ranks * f["total_s"] / (cores * off)
     print(f"\nfloor: the copy work's CPU per rank and step on this machine (no PHOENIX): memcpy {f['memcpy_s'] * 1000:.2f} ms "
@@ -202,6 +204,11 @@ def print_floor(f: dict, measured: float, off: float, ranks: int = 4) -> None:
     print(f"floor ratio = 1 + ranks x c / (cores x off step) = 1 + {ranks} x {f['total_s'] * 1000:.2f} ms / ({cores} x "
           f"{off * 1000:.1f} ms) = {floor:.3f}; measured on/off {measured:.3f}; remainder (measured - floor) "
           f"{measured - floor:+.3f}")
+    per = lambda cpu, n: 1000 * cpu / n if cpu is not None and n else float("nan")  # noqa: E731
+    print(f"in the last on run (rank 0), CPU per step of PHOENIX's threads: D2H {per(stats.get('d2h_cpu_s'), stats.get('d2h_snapshots')):.2f} ms "
+          f"(its floor part: memcpy + one checksum {(f['memcpy_s'] + f['checksum_s'] / 2) * 1000:.2f} ms), H2H "
+          f"{per(stats.get('h2h_cpu_s'), stats.get('h2h_steps')):.2f} ms (one checksum {f['checksum_s'] * 500:.2f} ms; the "
+          f"TCP copy itself runs mostly on gloo's threads)")
 
 
 if __name__ == "__main__":

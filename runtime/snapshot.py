@@ -318,7 +318,7 @@ class D2H:
         self._closed = False
         self.last_d2h_s: float = 0.0
         self.layout_changes = 0
-        self.stats: dict = {"last_d2h_s": 0.0, "last_copy_s": 0.0, "last_checksum_s": 0.0, "snapshots": 0}
+        self.stats: dict = {"last_d2h_s": 0.0, "last_copy_s": 0.0, "last_checksum_s": 0.0, "snapshots": 0, "cpu_s": 0.0}
         self._thread.start()
 
     # -- sizes --------------------------------------------------------------------------------
@@ -426,6 +426,7 @@ class D2H:
             if item is None:
                 return
             job, named_o, named_p, event = item
+            cpu0 = time.thread_time()
             try:
                 snap = self._copy(job, named_o, named_p, event)
                 err = None
@@ -433,6 +434,7 @@ class D2H:
                 snap, err = None, e
             finally:
                 del named_o, named_p, event  # drop references to device tensors
+            self.stats["cpu_s"] += time.thread_time() - cpu0  # this thread's CPU time, all jobs (bench/overhead.py)
             with self._cond:
                 job.snap, job.error, job.done = snap, err, True
                 self._cond.notify_all()
