@@ -3,7 +3,28 @@
 
     python bench/overhead.py [--pairs 2] [--steps 60] [--d-model 256] [--layers 4] [--device cpu|cuda]
 
-Prints the per-iteration time of both, their ratio, the payload sizes and the D2H/H2H time per step.
+Prints the per-iteration time of both, their ratio, the payload sizes and the D2H/H2H time per step, and, next
+to the ratio, the floor the copy work itself sets on this machine, measured in the same run after the pairs
+(``copy_floor``): the CPU time, per rank and step, of
+
+  c = memcpy(the local snapshot's bytes: optimizer shard + parameters, what the D2H copies)
+    + 2 x checksum(the shard; the pipeline's XXH3-64, ``codec.checksum``: the sender's snapshot, the receiver's replica)
+    + one loopback TCP send + receive of the shard (``sendall`` / ``recv_into``, both ends' thread CPU time:
+      each rank sends its shard to one peer and receives one peer's),
+
+each the median of a few repetitions, with nothing of PHOENIX around it, the caches evicted before each (a 128 MB
+write: in the job the 4 ranks' training runs between two copies and shares the last-level cache). Then
+
+  floor ratio = 1 + (ranks x c) / (cores x t_off)
+
+with t_off the off runs' mean per-iteration time, ranks = 4, cores = the CPUs this process may run on. It assumes
+what holds here (4 ranks on 2 cores): with protection off the ranks' compute keeps every core busy, so each
+CPU-second of copying is a second some core does not train, and the step stretches by ``ranks x c / cores``. The
+remainder (measured ratio - floor ratio) is everything else the protection costs: PHOENIX's Python on its threads
+and the training thread, gloo's own work beyond a plain socket, thread wake-ups. Next to it: the CPU time per step
+of the D2H and H2H threads of rank 0 in the last on run (``time.thread_time`` in each worker, the job's stats).
+Where cores are idle, or on a GPU node (D2H by DMA, H2H by the NIC), the copy's floor is not paid in training time;
+it is printed for ``--device cpu``.
 
     python bench/overhead.py --ablate [--pairs 2]
 
@@ -21,8 +42,13 @@ code is bench/layouts.py's.
 
 import argparse
 import json
+import os
 import resource
+import socket
+import statistics
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import layouts
@@ -97,6 +123,92 @@ def main():
           f"parameters {stats.get('param_bytes', 0) / 1e6:.2f} MB (local snapshot only)")
     print(f"last step: D2H {stats.get('d2h_s')} s, H2H {stats.get('h2h_h2h_s')} s, "
           f"optimizer_step wait {stats.get('last_wait_s')} s")
+    if a.device == "cpu" and stats.get("optim_bytes"):
+        print_floor(copy_floor(stats["optim_bytes"], stats["optim_bytes"] + stats.get("param_bytes", 0)), on / off, off, stats)
+
+
+def copy_floor(optim_bytes: int, snap_bytes: int, reps: int = 15) -> dict:
+    """The CPU seconds the copy work of one rank and step takes here with nothing of PHOENIX around it (the
+    median of ``reps``, after a warm-up): memcpy of ``snap_bytes``, the checksum of the ``optim_bytes`` shard
+    (counted twice: sender and receiver), one loopback TCP send + receive of the shard (both ends)."""
+    import torch
+
+    from phoenix_runtime.codec import checksum
+
+    torch.set_num_threads(1)  # one thread: ``thread_time`` sees all of it
+    src = torch.full((snap_bytes,), 7, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    shard = src[:optim_bytes]
+    scratch = torch.empty(128 << 20, dtype=torch.uint8)
+    evict = lambda: scratch.fill_(1)  # noqa: E731 - cold caches, as the pipeline meets them between two steps
+    out = {"memcpy_s": _cpu(lambda: dst.copy_(src), reps, evict), "checksum_s": 2 * _cpu(lambda: checksum(shard), reps, evict),
+           "tcp_s": _tcp_cpu(memoryview(shard.numpy()), reps, evict), "snap_bytes": snap_bytes, "optim_bytes": optim_bytes}
+    out["total_s"] = out["memcpy_s"] + out["checksum_s"] + out["tcp_s"]
+    return out
+
+
+def _cpu(fn, reps: int, evict) -> float:
+    xs = []
+    for i in range(reps + 1):
+        evict()
+        t0 = time.thread_time()
+        fn()
+        if i:
+            xs.append(time.thread_time() - t0)
+    return statistics.median(xs)
+
+
+def _tcp_cpu(payload: memoryview, reps: int, evict) -> float:
+    """Median CPU seconds of sending ``payload`` over one loopback TCP connection: the sender's ``sendall`` plus
+    the receiver's ``recv_into`` loop, each its own thread's CPU time (one ack byte between repetitions)."""
+    n, sink, rx = len(payload), bytearray(len(payload)), []
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def receive() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            view = memoryview(sink)
+            for _ in range(reps + 1):
+                t0, got = time.thread_time(), 0
+                while got < n:
+                    k = conn.recv_into(view[got:], n - got)
+                    if not k:
+                        return
+                    got += k
+                rx.append(time.thread_time() - t0)
+                conn.sendall(b"k")
+
+    th = threading.Thread(target=receive, daemon=True)
+    th.start()
+    tx = []
+    with socket.create_connection(srv.getsockname()) as c:
+        for _ in range(reps + 1):
+            evict()
+            t0 = time.thread_time()
+            c.sendall(payload)
+            tx.append(time.thread_time() - t0)
+            if c.recv(1) != b"k":
+                raise SystemExit("overhead.py: the loopback receiver stopped")
+    th.join(30)
+    srv.close()
+    return statistics.median(s + r for s, r in zip(tx[1:], rx[1:]))
+
+
+def print_floor(f: dict, measured: float, off: float, stats: dict, ranks: int = 4) -> None:
+    cores = len(os.sched_getaffinity(0))
+    floor = 1 + ranks * f["total_s"] / (cores * off)
+    print(f"\nfloor: the copy work's CPU per rank and step on this machine (no PHOENIX): memcpy {f['memcpy_s'] * 1000:.2f} ms "
+          f"({f['snap_bytes'] / 1e6:.2f} MB, the local snapshot) + checksum 2 x {f['checksum_s'] * 500:.2f} ms "
+          f"({f['optim_bytes'] / 1e6:.2f} MB, sender and receiver) + loopback TCP send+receive {f['tcp_s'] * 1000:.2f} ms "
+          f"(the shard, both ends) = c = {f['total_s'] * 1000:.2f} ms")
+    print(f"floor ratio = 1 + ranks x c / (cores x off step) = 1 + {ranks} x {f['total_s'] * 1000:.2f} ms / ({cores} x "
+          f"{off * 1000:.1f} ms) = {floor:.3f}; measured on/off {measured:.3f}; remainder (measured - floor) "
+          f"{measured - floor:+.3f}")
+    per = lambda cpu, n: 1000 * cpu / n if cpu is not None and n else float("nan")  # noqa: E731
+    print(f"in the last on run (rank 0), CPU per step of PHOENIX's threads: D2H {per(stats.get('d2h_cpu_s'), stats.get('d2h_snapshots')):.2f} ms "
+          f"(its floor part: memcpy + one checksum {(f['memcpy_s'] + f['checksum_s'] / 2) * 1000:.2f} ms), H2H "
+          f"{per(stats.get('h2h_cpu_s'), stats.get('h2h_steps')):.2f} ms (one checksum {f['checksum_s'] * 500:.2f} ms; the "
+          f"TCP copy itself runs mostly on gloo's threads)")
 
 
 if __name__ == "__main__":

@@ -190,16 +190,17 @@ class Packer:
                 fault("d2h_tensor", fault_base + i, None)
         pinned = out.is_pinned() if torch.cuda.is_available() else False
         dsts, srcs = [], []
-        for dst, (_, t) in zip(self._dst_views(out), named):
-            if dst is None:
-                continue
-            if t.is_cuda or _FOREACH_COPY is None:
-                dst.copy_(t.detach(), non_blocking=bool(pinned and t.is_cuda))
-            else:
-                dsts.append(dst)
-                srcs.append(t.detach())
-        if dsts:
-            _FOREACH_COPY(dsts, srcs)
+        with torch.no_grad():  # the sources as they are (no ``detach()`` each: a new tensor object per tensor and step)
+            for dst, (_, t) in zip(self._dst_views(out), named):
+                if dst is None:
+                    continue
+                if _FOREACH_COPY is None or t.is_cuda:
+                    dst.copy_(t, non_blocking=bool(pinned and t.is_cuda))
+                else:
+                    dsts.append(dst)
+                    srcs.append(t)
+            if dsts:
+                _FOREACH_COPY(dsts, srcs)
 
     def _dst_views(self, out: torch.Tensor) -> list:
         """The destination view of each entry in ``out`` (None for an empty one), cached per buffer."""

@@ -39,16 +39,18 @@ def barrier(transport: Transport, rank: int, size: int, step: int, timeout: floa
     is at another step (out of lockstep)."""
     deadline = time.monotonic() + timeout
     dist = 1
+    out = torch.tensor([MAGIC_COMMIT, step], dtype=torch.int64).view(torch.uint8)  # the same message every round
+    got = torch.empty(2, dtype=torch.int64)  # each round's receive and send are waited for before the next
     while dist < size:
         dst, src = (rank + dist) % size, (rank - dist) % size
-        out = torch.tensor([MAGIC_COMMIT, step], dtype=torch.int64).view(torch.uint8)
-        got = torch.zeros(2, dtype=torch.int64)
+        got.zero_()
         rw = transport.irecv(src, got.view(torch.uint8), TAG_COMMIT)
         sw = transport.isend(dst, out, TAG_COMMIT)
         rw.wait(max(0.0, deadline - time.monotonic()))
         sw.wait(max(0.0, deadline - time.monotonic()))
-        if int(got[0]) != MAGIC_COMMIT or int(got[1]) != step:
-            raise RuntimeError(f"commit point of step {step}: rank {src} sent {got.tolist()} (out of lockstep)")
+        seen = got.tolist()
+        if seen != [MAGIC_COMMIT, step]:
+            raise RuntimeError(f"commit point of step {step}: rank {src} sent {seen} (out of lockstep)")
         dist *= 2
 
 

@@ -39,8 +39,13 @@ class UnsupportedLayout(TypeError):
 _DTENSOR: type | None = None  # torch.distributed.tensor.DTensor, imported at the first call (not at import time)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these types are never a DTensor (a DTensor parameter's type is DTensor's)
+
+
 def is_dtensor(t) -> bool:
     global _DTENSOR
+    if type(t) in _PLAIN:  # not ``isinstance``: Parameter's metaclass answers it in Python (~1 us a tensor, every snapshot)
+        return False
     if _DTENSOR is None:  # called for every tensor of every snapshot: the import statement itself was 1 us a call
         from torch.distributed.tensor import DTensor
 

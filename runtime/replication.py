@@ -182,6 +182,7 @@ class Replicator:
             "steps": 0,
             "last_step": None,
             "d2h_wait_s": 0.0,
+            "cpu_s": 0.0,
         }
         self._thread = threading.Thread(target=self._worker, name=f"phoenix-h2h-r{rank}", daemon=True)
         self._thread.start()
@@ -328,6 +329,7 @@ class Replicator:
             if job is None:
                 break
             self._phase = "local"
+            cpu0 = time.thread_time()
             try:
                 self._run(job)
             except BaseException as e:  # noqa: BLE001 - never kill the worker silently
@@ -335,6 +337,7 @@ class Replicator:
                 self._finish(job.step, failure=(None, f"{e!r}"))
             finally:
                 self._phase = "idle"
+                self.stats["cpu_s"] += time.thread_time() - cpu0  # this thread's CPU time, all steps (bench/overhead.py)
         # fail whatever is still queued or unfinished
         with self._cond:
             for st in self._steps.values():

@@ -261,7 +261,7 @@ class D2HError(RuntimeError):
 @dataclass
 class _Job:
     step: int
-    meta: dict
+    meta: str  # canonical JSON, decoded into the snapshot's own copy by the worker
     envelope: bytes
     t_start: float
     done: bool = False
@@ -318,7 +318,7 @@ class D2H:
         self._closed = False
         self.last_d2h_s: float = 0.0
         self.layout_changes = 0
-        self.stats: dict = {"last_d2h_s": 0.0, "last_copy_s": 0.0, "last_checksum_s": 0.0, "snapshots": 0}
+        self.stats: dict = {"last_d2h_s": 0.0, "last_copy_s": 0.0, "last_checksum_s": 0.0, "snapshots": 0, "cpu_s": 0.0}
         self._thread.start()
 
     # -- sizes --------------------------------------------------------------------------------
@@ -365,12 +365,12 @@ class D2H:
         op, pp = self._layout_for(named_o, named_p)
         meta_json = canonical_json(meta)
         envelope = envelope_of(step, meta_json, op.index_json)  # encode_envelope's bytes; the index encoded once
-        meta_copy = json.loads(meta_json)
         event = None
         if self.cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        job = _Job(step=int(step), meta=meta_copy, envelope=envelope, t_start=time.perf_counter(), packers=(op, pp), gate=gate)
+        # ``meta`` is frozen here as JSON; the worker makes the snapshot's copy from it (off the training thread)
+        job = _Job(step=int(step), meta=meta_json, envelope=envelope, t_start=time.perf_counter(), packers=(op, pp), gate=gate)
         with self._cond:
             old = self._jobs.get(job.step)
             if old is not None and not old.done:
@@ -426,6 +426,7 @@ class D2H:
             if item is None:
                 return
             job, named_o, named_p, event = item
+            cpu0 = time.thread_time()
             try:
                 snap = self._copy(job, named_o, named_p, event)
                 err = None
@@ -433,6 +434,7 @@ class D2H:
                 snap, err = None, e
             finally:
                 del named_o, named_p, event  # drop references to device tensors
+            self.stats["cpu_s"] += time.thread_time() - cpu0  # this thread's CPU time, all jobs (bench/overhead.py)
             with self._cond:
                 job.snap, job.error, job.done = snap, err, True
                 self._cond.notify_all()
@@ -473,7 +475,7 @@ class D2H:
             raise
         snap = self._pp.commit(
             job.step,
-            job.meta,
+            json.loads(job.meta),
             optim_index=op.index,
             param_index=pp.index,
             optim_nbytes=op.nbytes,

@@ -73,7 +73,8 @@ class ProtectedTraining:
             ctx.ctl.on_fault.append(self.faults.on_message)
         self.d2h: D2H | None = None
         if self.protect_on:
-            self.d2h = D2H(ctx.device, lambda: self.shard_named(self.boundary_buffers or state.buffers_now(self.objs.module)),
+            # the boundary's buffers, captured just before (an empty dict when the model has none: not walked again)
+            self.d2h = D2H(ctx.device, lambda: self.shard_named(self.boundary_buffers if self.boundary_step >= 0 else state.buffers_now(self.objs.module)),
                            lambda: self.local_named(self.boundary_buffers),
                            fault=self.faults.copy_hook)
         self.persister = persist.Persister(ctx.env.run_dir, ctx.rank, self.settings.persist_every, ctx.report) \

@@ -116,6 +116,46 @@ def test_envelope_restores_rng_hyperparameters_schedulers_and_stateful_objects()
     assert any(n.startswith("b.") for n in now) and any(n.startswith("o.") for n in now)  # buffers, optimizer
 
 
+def test_rng_state_of_an_older_envelope_still_restores():
+    """The torch RNG state travels as bytes now; an envelope of an older version (a pickled tensor) restores."""
+    torch.manual_seed(3)
+    old = state._b64({"torch": torch.get_rng_state(), "python": random.getstate()})
+    expected = torch.rand(4)
+    torch.manual_seed(9)
+    state.restore_rng(old)
+    assert torch.equal(torch.rand(4), expected)
+    blob = state.capture_rng()
+    assert isinstance(state._unb64(blob)["torch"], bytes)
+    expected = torch.rand(4)
+    state.restore_rng(blob)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_named_members_walks_the_module_as_torch_does():
+    """One walk for parameters and buffers: torch's names, order and de-duplication (a shared module, a tied
+    weight, a None parameter, a non-persistent buffer); a module class that overrides the walk is walked by torch."""
+    shared = torch.nn.Linear(3, 3)
+    m = torch.nn.Sequential(torch.nn.Embedding(5, 3), shared, torch.nn.Sequential(torch.nn.BatchNorm1d(3), shared),
+                            torch.nn.Linear(3, 5, bias=False))
+    m[3].weight = m[0].weight  # tied
+    m[2][0].register_buffer("scratch", torch.zeros(2), persistent=False)
+    m.register_parameter("none", None)
+    params, bufs = state.named_members(m)
+    assert [(n, id(p)) for n, p in params] == [(n, id(p)) for n, p in m.named_parameters()]
+    assert [(n, id(b)) for n, b in bufs] == [(n, id(b)) for n, b in m.named_buffers()]
+    assert [n for n, _ in state.param_named(m)] == [f"p.{n}" for n, _ in m.named_parameters()] + [f"b.{n}" for n, _ in m.named_buffers()]
+
+    class Custom(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(2, 2)
+
+        def named_parameters(self, *a, **k):
+            yield "only", self.inner.weight
+
+    assert [n for n, _ in state.named_members(Custom())[0]] == ["only"]
+
+
 # --- the wire: resends on a checksum mismatch, bounded --------------------------------------------------
 class _Done(Work):
     def __init__(self, event: threading.Event, what: str):
