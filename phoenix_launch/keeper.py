@@ -18,15 +18,14 @@ OOM killer picks the leader before it.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
-from phoenix_launch.events import write_json_atomic
-from phoenix_runtime.protocol import CONTROL_FILE, STANDBY_FILE
+from phoenix_launch.events import parse_events, write_json_atomic
+from phoenix_runtime.protocol import CONTROL_FILE, STANDBY_FILE, read_json_object
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 ENDED_STATES = ("succeeded", "failed")
@@ -55,8 +54,10 @@ def keep(pid: int, run_dir: Path, takeover_timeout_s: float) -> int:
     _, status = os.waitpid(pid, 0)  # retried on EINTR: the handlers run in between
     code = os.waitstatus_to_exitcode(status)
     code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
-    if job_over(run_dir) or not (run_dir / STANDBY_FILE).exists():  # ended it, or no standby to continue it
-        return job_exit_code(run_dir, code) if job_over(run_dir) else code
+    if job_over(run_dir):  # the leader ended the job
+        return job_exit_code(run_dir, code)
+    if not (run_dir / STANDBY_FILE).exists():  # no standby to continue it
+        return code
     # the leader is gone and the job is not over: a standby takes it over (or already did)
     def end(signum: int, frame: object) -> None:  # the new leader ends the Slurm job (complete_job): SIGTERM here
         raise SystemExit(job_exit_code(run_dir, 128 + signum) if job_over(run_dir) else 128 + signum)
@@ -85,36 +86,22 @@ def wait_for_end(run_dir: Path, incarnation: int, code: int, takeover_timeout_s:
 
 def alive(run_dir: Path, fresh_s: float = 5.0) -> bool:
     """A keeper waits for the job's end (its ``keeper.json`` written within ``fresh_s``): the batch script lives."""
-    return time.time() - float(_read(run_dir / KEEPER_FILE).get("t", 0) or 0) < fresh_s
-
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return time.time() - float(read_json_object(run_dir / KEEPER_FILE).get("t", 0) or 0) < fresh_s
 
 
 def _incarnation(run_dir: Path) -> int:
-    return int(_read(run_dir / CONTROL_FILE).get("incarnation", 0) or 0)
+    return int(read_json_object(run_dir / CONTROL_FILE).get("incarnation", 0) or 0)
 
 
 def job_over(run_dir: Path) -> bool:
-    return _read(run_dir / "status.json").get("state") in ENDED_STATES
+    return read_json_object(run_dir / "status.json").get("state") in ENDED_STATES
 
 
 def job_exit_code(run_dir: Path, default: int) -> int:
     """The exit code of the run's last ``job_end`` event (whoever ended the job), else ``default``."""
-    code = default
     try:
         with open(run_dir / "events.jsonl", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if '"job_end"' in line:
-                    try:
-                        code = int(json.loads(line).get("exit_code", code))
-                    except (ValueError, TypeError, AttributeError):
-                        pass
+            ends = [e for e in parse_events(f)[0] if e.get("type") == "job_end" and isinstance(e.get("exit_code"), int)]
     except OSError:
-        pass
-    return code
+        return default
+    return ends[-1]["exit_code"] if ends else default

@@ -22,6 +22,7 @@ that was under way. The job's outcome after a takeover is in the run directory (
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -222,8 +223,6 @@ class StandbyLink:
         needs no GIL. A loop stuck ``hang_s`` (``detect.leader_hang_s``) prints every thread's stack on stderr and
         ends this process (exit 1): its store server, a C++ thread, would otherwise serve on while nobody steers
         the job; its end is a lost leader, and the standby takes over. Without a standby, nothing is armed."""
-        import faulthandler
-
         if not self.enabled:
             self.disarm()
             return
@@ -234,8 +233,6 @@ class StandbyLink:
 
     def disarm(self) -> None:
         if self._armed_at:
-            import faulthandler
-
             faulthandler.cancel_dump_traceback_later()
             self._armed_at = 0.0
 

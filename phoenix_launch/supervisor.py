@@ -409,7 +409,8 @@ class Supervisor(ReportHandlers):
         if self.job.state is not JobState.RUNNING:
             return
         hang_at = self.cfg.inject.leader_hang_at_step  # a drill: the first leader's loop stuck (detect.leader_hang_s)
-        if hang_at is not None and self.plane.incarnation == 0 and self.attempt.step >= hang_at:  # type: ignore[union-attr]
+        if hang_at is not None and self.standby.enabled and self.plane.incarnation == 0 and self.attempt.step >= hang_at:  # type: ignore[union-attr]
+            # only with a standby: its watchdog (StandbyLink.keep_alive) is what ends this wait
             self.events.emit("injected", mode="leader_hang", node="leader", source="config", step=self.attempt.step, t=now)
             threading.Event().wait()
         members = self._gens().members

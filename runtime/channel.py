@@ -161,3 +161,15 @@ class Queue:
                 continue
             break
         return out
+
+
+def read_json_object(path: Any) -> dict[str, Any]:
+    """A small JSON file of the run directory, the control plane's other channel (``control.json``,
+    ``standby.json``, ``status.json``): {} when it is missing, torn or not an object (a writer replaces these
+    atomically; a reader never waits)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -22,7 +22,6 @@ as after any failure during a recovery.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from phoenix_runtime.protocol import CONTROL_FILE, K_RESTORED, STANDBY_FILE
+from phoenix_runtime.protocol import CONTROL_FILE, K_RESTORED, STANDBY_FILE, read_json_object
 
 
 def parse_addr(text: str) -> tuple[str, int] | None:
@@ -43,14 +42,6 @@ def parse_addr(text: str) -> tuple[str, int] | None:
         return None
     host, _, port = text.rpartition(":")
     return (host, int(port)) if host and port.isdigit() else None
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def probe(addr: tuple[str, int], timeout_s: float = 1.0, quiet_s: float = 0.5) -> str:
@@ -201,10 +192,10 @@ class FailoverStore(dist.Store):
         in ``control.json``, else the waiting standby of ``standby.json``."""
         if self.run_dir is None:
             return None
-        ctl = _read(self.run_dir / CONTROL_FILE)
+        ctl = read_json_object(self.run_dir / CONTROL_FILE)
         if int(ctl.get("incarnation", 0) or 0) > self.incarnation and ctl.get("host") and ctl.get("port"):
             return int(ctl["incarnation"]), (str(ctl["host"]), int(ctl["port"])), True
-        sb = _read(self.run_dir / STANDBY_FILE)
+        sb = read_json_object(self.run_dir / STANDBY_FILE)
         addr = parse_addr(str(sb.get("address", "")))
         if int(sb.get("incarnation", 0) or 0) > self.incarnation and addr is not None:
             return int(sb["incarnation"]), addr, False

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, Callable, ClassVar, Protocol
 
-from phoenix_runtime.channel import SCHEMA_VERSION, Incarnated, Queue, get_value, incarnation_of, put_value  # noqa: F401  (re-exported)
+from phoenix_runtime.channel import SCHEMA_VERSION, Incarnated, Queue, get_value, incarnation_of, put_value, read_json_object  # noqa: F401  (re-exported)
 
 # --- environment variables the launcher gives every rank (besides torchrun's own) -------------------
 ENV_STORE_HOST = "PHOENIX_STORE_HOST"

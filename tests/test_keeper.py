@@ -20,14 +20,12 @@ from conftest import wait_for
 pytestmark = pytest.mark.timeout(60)
 
 LEADER = """
-import os, signal, sys, time
+import json, os, signal, sys
 from pathlib import Path
 from phoenix_launch.keeper import fork_leader
 rd = Path(sys.argv[1])
 fork_leader(rd, float(sys.argv[2]))
-(rd / "leader.pid").write_text(str(os.getpid()))
 if sys.argv[3] == "end":  # the leader ends the job itself: status final, job_end
-    import json
     (rd / "events.jsonl").write_text(json.dumps({"type": "job_end", "exit_code": 4}) + "\\n")
     (rd / "status.json").write_text(json.dumps({"state": "failed"}))
     sys.exit(4)
