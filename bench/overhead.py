@@ -26,6 +26,14 @@ of the D2H and H2H threads of rank 0 in the last on run (``time.thread_time`` in
 Where cores are idle, or on a GPU node (D2H by DMA, H2H by the NIC), the copy's floor is not paid in training time;
 it is printed for ``--device cpu``.
 
+    python bench/overhead.py --bare [--pairs 6]
+
+adds a third run to each pair: protection off, and bench/bare_copy.py's one thread per rank doing only the copy work
+(the snapshot's memcpy, the shard's checksum at both ends, one gloo send and receive of it; no envelope, no header
+or ack, no commit point, no ping-pong). bare/off is what moving these bytes costs inside this job on this machine
+(the caches, the memory bus and the scheduler included, which ``copy_floor`` leaves out); on/bare is PHOENIX's own
+part. Every ratio is printed per pair, with the mean's 95% interval over the pairs.
+
     python bench/overhead.py --ablate [--pairs 2]
 
 adds, within each pair, the protection's parts one at a time: local snapshots only (``runtime.replicas: 0``:
@@ -54,6 +62,9 @@ from pathlib import Path
 import layouts
 from common import GPT, phoenix, run, trimmed_mean
 
+BARE = {"bare": True}  # the mode that runs bench/bare_copy.py with protection off
+BARE_SCRIPT = str(Path(__file__).resolve().parent / "bare_copy.py")
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -66,6 +77,7 @@ def main():
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: the ranks train on the GPU(s) (NCCL with one GPU per rank, else gloo on CUDA tensors)")
     ap.add_argument("--ablate", action="store_true", help="also local snapshots only, and replicas without the checksum")
+    ap.add_argument("--bare", action="store_true", help="also the copy work alone, without PHOENIX (bench/bare_copy.py)")
     ap.add_argument("--layouts", default="", help=f"comma-separated, of: {', '.join(layouts.LAYOUTS)}: the overhead per "
                     "parallel layout against DDP+ZeRO's (examples/train_llama.py)")
     a = ap.parse_args()
@@ -87,6 +99,8 @@ def main():
     modes = {"on": {}, "off": None}
     if a.ablate:
         modes = {"d2h only": {"replicas": 0}, "no verify": {"verify": False}, **modes}
+    if a.bare:
+        modes = {"bare copy": BARE, **modes}
     out = {m: [] for m in modes}
     cpu = {m: [] for m in modes}  # the job's whole CPU time (every process of it) per step: less noisy than wall time
     stats = {}
@@ -96,9 +110,11 @@ def main():
             for n, (mode, runtime) in enumerate(modes.items()):
                 tf = td / f"{n}-{i}.json"
                 cfg = td / f"{n}.yaml"
-                cfg.write_text(json.dumps({"runtime": runtime or {}}))  # JSON is YAML
-                cmd = phoenix("--config", cfg, "--nodes", 2, "--nproc-per-node", 2, f"--{'no-protect' if runtime is None else 'protect'}",
-                              "--run-dir", td / f"{n}-{i}", GPT, "--steps", a.steps, "--d-model", a.d_model,
+                bare = runtime is BARE
+                cfg.write_text(json.dumps({"runtime": {} if runtime is None or bare else runtime}))  # JSON is YAML
+                protect = "no-protect" if runtime is None or bare else "protect"
+                cmd = phoenix("--config", cfg, "--nodes", 2, "--nproc-per-node", 2, f"--{protect}", "--run-dir", td / f"{n}-{i}",
+                              BARE_SCRIPT if bare else GPT, "--steps", a.steps, "--d-model", a.d_model,
                               "--layers", a.layers, "--seq", a.seq, "--batch", a.batch, "--times-file", tf, *extra)
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 rc, _ = run(cmd, td)
@@ -119,12 +135,33 @@ def main():
                   f"{cpus[mode] * 1000:.0f} ms/step, {1000 * (cpus[mode] - cpus['off']):+.0f} ms vs off (start-up included)")
     on, off = mean["on"], mean["off"]
     print(f"\nper iteration: protection on {on * 1000:.1f} ms, off {off * 1000:.1f} ms; ratio on/off = {on / off:.3f} (target <= 1.03)")
+    print(f"the pairs, on/off: {spread(out['on'], out['off'])}")
+    if "bare copy" in mean:
+        bare = mean["bare copy"]
+        print(f"the copy work alone (bench/bare_copy.py): {bare * 1000:.1f} ms/iteration; bare/off = {bare / off:.3f}, the pairs: "
+              f"{spread(out['bare copy'], out['off'])}: what moving these bytes costs here")
+        print(f"on/bare = {on / bare:.3f}, the pairs: {spread(out['on'], out['bare copy'])}: PHOENIX's own part (1 = none)")
     print(f"payload per rank: optimizer shard {stats.get('optim_bytes', 0) / 1e6:.2f} MB (sent to the replica), "
           f"parameters {stats.get('param_bytes', 0) / 1e6:.2f} MB (local snapshot only)")
     print(f"last step: D2H {stats.get('d2h_s')} s, H2H {stats.get('h2h_h2h_s')} s, "
           f"optimizer_step wait {stats.get('last_wait_s')} s")
     if a.device == "cpu" and stats.get("optim_bytes"):
         print_floor(copy_floor(stats["optim_bytes"], stats["optim_bytes"] + stats.get("param_bytes", 0)), on / off, off, stats)
+
+
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20, 12: 2.18,
+       13: 2.16, 14: 2.14, 15: 2.13}  # Student's t, two-sided 95%, by degrees of freedom (2.0 beyond)
+
+
+def spread(xs: list, ys: list) -> str:
+    """The ratio x/y of each pair (runs i of two modes, side by side), their mean and its 95% interval (Student's
+    t over the pairs): this machine's noise between two runs minutes apart is as large as the effects measured."""
+    r = [x / y for x, y in zip(xs, ys)]
+    text = ", ".join(f"{v:.3f}" for v in r)
+    if len(r) < 2:
+        return text
+    m, half = statistics.mean(r), T95.get(len(r) - 1, 2.0) * statistics.stdev(r) / len(r) ** 0.5
+    return f"{text}; mean {m:.3f}, 95% interval [{m - half:.3f}, {m + half:.3f}]"
 
 
 def copy_floor(optim_bytes: int, snap_bytes: int, reps: int = 15) -> dict:

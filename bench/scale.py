@@ -11,7 +11,9 @@ own traffic), 2 nodes x 2 ranks:
 * D2H throughput (the local snapshot: parameters + shard, from the last step's copy time) against this
   machine's memcpy bandwidth, and H2H throughput (the shard to its replica peer) against one loopback TCP
   connection's bandwidth, both limits measured in this run (``limits``);
-* recovery time of a hot-swap (node1 SIGKILLed mid-run, one warm spare): the ``recovery`` event's total;
+* recovery time of a hot-swap (node1 SIGKILLed mid-run, one warm spare): the ``recovery`` event's total, and of it
+  the state's own part (``param_restore_s`` + ``optim_restore_s``: the spare's parameters from a DP peer and its
+  shard from the replica) with the bytes it moved per second, against one loopback TCP connection;
 * host memory per rank: the protection's formula (``protection`` event) and the peak RSS of a rank with
   protection on minus with it off (sampled every 0.2 s).
 
@@ -207,6 +209,9 @@ def measure(td: Path, mb: float, a, limits: dict) -> dict | None:
         r = job(td, f"s{int(mb)}-rec", d, layers, a, True, fault_step=a.steps // 2)
         rec = next((e for e in (r or {}).get("events", []) if e["type"] == "recovery"), None)
         row["recovery_s"] = rec.get("total_s") if rec else None
+        # the state's own part: the spare's parameters from a DP peer, its shard from the replica (the slowest rank's)
+        row["restore_s"] = (rec.get("param_restore_s", 0) + rec.get("optim_restore_s", 0)) if rec else None
+        row["restore_gbps"] = (optim + param) / row["restore_s"] / 1e9 if row["restore_s"] else None
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     return row
 
@@ -219,16 +224,18 @@ def table(rows: list[dict], limits: dict) -> None:
     print(f"\nlimits measured in this run: memcpy {limits['memcpy']:.2f} GB/s, loopback TCP (one connection) "
           f"{limits['tcp']:.2f} GB/s; {RANKS} ranks on {os.cpu_count()} cores")
     print("| state/rank MB | on ms | off ms | on/off | protected every | D2H GB/s (% memcpy) | H2H GB/s (% TCP) | recovery s | "
-          "host MB formula | RSS on-off MB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "of it, state restore s (GB/s, % TCP) | host MB formula | RSS on-off MB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "skipped" in r:
-            print(f"| {r['state_mb']:.0f} | skipped: {r['skipped']} | | | | | | | | |")
+            print(f"| {r['state_mb']:.0f} | skipped: {r['skipped']} | | | | | | | | | |")
             continue
+        gbps = r.get("restore_gbps")
+        restore = f"{fmt(r.get('restore_s'))} ({fmt(gbps)}, {fmt(gbps and 100 * gbps / limits['tcp'], '{:.0f}')}%)"
         d2h = f"{fmt(r['d2h_gbps'])} ({fmt(r['d2h_gbps'] and 100 * r['d2h_gbps'] / limits['memcpy'], '{:.0f}')}%)"
         h2h = f"{fmt(r['h2h_gbps'])} ({fmt(r['h2h_gbps'] and 100 * r['h2h_gbps'] / limits['tcp'], '{:.0f}')}%)"
         print(f"| {r['state_mb']:.1f} | {r['on_ms']:.1f} | {r['off_ms']:.1f} | {r['ratio']:.3f} | {r['every']} | {d2h} | {h2h} | "
-              f"{fmt(r.get('recovery_s'))} | {r['host_formula_mb']:.0f} | {r['rss_extra_mb']:.0f} |")
+              f"{fmt(r.get('recovery_s'))} | {restore} | {r['host_formula_mb']:.0f} | {r['rss_extra_mb']:.0f} |")
 
 
 def plot(rows: list[dict], path: str) -> None:

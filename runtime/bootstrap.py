@@ -67,18 +67,64 @@ def _current_rank(env) -> int | None:
     return env.rank if env.role == protocol.ROLE_ACTIVE else None
 
 
-def wait_for_assignment(poll_s: float = 0.01) -> dict:
-    """A spare's warm wait: torch imported, connected, heartbeating; returns the assignment."""
+def wait_for_assignment(poll_s: float = 0.01, wake_s: float = 1.0) -> dict:
+    """A spare's warm wait: torch imported, connected, heartbeating; returns the assignment.
+
+    A daemon thread blocks in the store on the assignment's key (``_AssignmentWaiter``) and wakes this thread
+    when the key appears: the assignment is read at once, and a spare that waits for days makes one store call
+    a second (``wake_s``), not a hundred. This thread waits on an event, not in the store, so that SIGTERM's
+    handler runs at once. Once a value was refused (a forged assignment, reported), or when the waiter has no
+    store, it polls every ``poll_s`` until the supervisor's own is there."""
     from phoenix_runtime.control import connect_store
 
     env = rank_env_module.rank_env()
     store = connect_store(env)
     key = protocol.k_assign(env.node, env.slot)
-    while True:  # a forged assignment is refused (and reported): the spare waits on for the supervisor's
-        text = protocol.get_value(store, key)
-        if text is not None:
-            return json.loads(text)
-        time.sleep(poll_s)
+    waiter = _AssignmentWaiter(key)
+    try:
+        while True:
+            text = protocol.get_value(store, key)
+            if text is not None:
+                return json.loads(text)
+            if waiter.done.is_set():  # the key is there but was refused, or the waiter has no store: poll
+                time.sleep(poll_s)
+            else:
+                waiter.done.wait(wake_s)
+    finally:
+        waiter.stop.set()
+
+
+class _AssignmentWaiter:
+    """Blocks in the store (a client of its own) until ``key`` exists, then sets ``done`` (also when it
+    cannot wait there: the spare then polls)."""
+
+    WAIT_S = 3600.0  # as control.NotifyWatcher's: a wait that times out costs two torch warning lines
+
+    def __init__(self, key: str):
+        import threading
+
+        self.key = key
+        self.done, self.stop = threading.Event(), threading.Event()
+        threading.Thread(target=self._run, name="phoenix-assign", daemon=True).start()
+
+    def _run(self) -> None:
+        from datetime import timedelta
+
+        from phoenix_runtime.control import connect_store
+
+        try:
+            store = connect_store()
+            while not self.stop.is_set():
+                try:
+                    if store.wait_or_move([self.key], timedelta(seconds=self.WAIT_S)):
+                        break
+                except Exception as e:  # noqa: BLE001 - a timeout: wait again; else the spare polls
+                    if "timeout" not in str(e).lower():
+                        return
+        except Exception:  # noqa: BLE001 - no store of its own: the spare polls
+            return
+        finally:
+            self.done.set()
 
 
 def assignment_env(assignment: dict) -> dict[str, str]:

@@ -203,6 +203,45 @@ def test_a_bump_wakes_the_control_thread_at_once_and_the_notify_keys_stay_few(se
         ctl.stop()
 
 
+@pytest.mark.timeout(60)
+def test_a_spare_sees_its_assignment_at_once_and_waits_out_a_forged_one(secret, monkeypatch):
+    """The spare's warm wait blocks in the store (a waiter thread), not in a 10 ms poll: a genuine assignment is
+    read well within ``wake_s`` (here 30 s, so that only the waiter can be what woke it). A forged one is refused
+    (reported) and the spare goes on waiting, polling, until the supervisor's own comes."""
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from phoenix_runtime import bootstrap
+    from phoenix_runtime import rank_env as rank_env_module
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, timeout=timedelta(seconds=30))
+    for k, v in {protocol.ENV_STORE_HOST: "127.0.0.1", protocol.ENV_STORE_PORT: str(master.port), protocol.ENV_NODE: "spare0",
+                 protocol.ENV_SLOT: "0", protocol.ENV_GEN: "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    rank_env_module.reload()
+    key = protocol.k_assign("spare0", 0)
+    try:
+        for forged in (True, False):  # (a refused value reads as the last genuine one: the forged case first)
+            got: list = []
+            th = threading.Thread(target=lambda: got.append(bootstrap.wait_for_assignment(wake_s=30.0)), daemon=True)
+            th.start()
+            wait_for(lambda: any(w.name == "phoenix-assign" for w in threading.enumerate()), 10, "the spare's waiter")
+            if forged:
+                master.set(key, json.dumps({"rank": 9, "gen": 9, "env": {}}))  # unsigned
+                wait_for(lambda: auth.drain(), 10, "the forged assignment refused")
+                assert not got and th.is_alive()
+            t = time.monotonic()
+            protocol.put_value(master, key, json.dumps({"rank": 1, "gen": 2 + forged, "env": {}}))
+            th.join(20)
+            assert got and got[0]["gen"] == 2 + forged, got
+            assert time.monotonic() - t < 5.0  # well within wake_s: the waiter woke it (or its poll, once refused)
+            master.delete_key(key)
+    finally:
+        monkeypatch.undo()
+        rank_env_module.reload()
+
+
 @pytest.mark.timeout(30)
 def test_an_assignment_sets_only_the_launchers_variables(secret, monkeypatch):
     from phoenix_runtime import bootstrap
