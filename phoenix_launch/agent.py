@@ -38,7 +38,8 @@ WARM_WAIT_S = 120.0  # the longest an agent defers joining the control plane for
 IDLE_PHASES = ("starting", "spare", "recovering", "done")
 
 
-def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float) -> tuple[str, float] | None:
+def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
+               first_step_timeout_s: float | None = None) -> tuple[str, float] | None:
     """Pure: is the rank whose latest heartbeat is ``hb`` hung at ``now``? Returns (why, seconds) or None.
 
     With ``phase`` and ``t_step`` (the runtime's progress report): in phase "training", no step completed
@@ -48,11 +49,14 @@ def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float) ->
     may hold the GIL in imports: neither is judged by its heartbeat. When one rank's loop stalls, its peers
     stop progressing too, blocked in the next collective: a rank whose main thread waits in a collective
     (``blocked_in``) is not the hung one; the one stuck in its own code is (a job whose every rank waits in
-    a collective is left to the collective timeout)."""
+    a collective is left to the collective timeout). Until the rank completed a step since it entered training
+    (``hb.warm`` False: its first step after a start or a recovery), no step is a hang only after
+    ``first_step_timeout_s``: that step builds what the loop needs (DDP's broadcast, torch.compile)."""
     silent = now - hb.t
     if hb.phase in ("starting", "spare"):
         return None
-    if hb.phase == "training" and hb.t_step is not None and now - hb.t_step > hang_timeout_s:
+    limit = first_step_timeout_s if hb.warm is False and first_step_timeout_s else hang_timeout_s
+    if hb.phase == "training" and hb.t_step is not None and now - hb.t_step > limit:
         if hb.blocked_in == "collective" and silent <= hang_timeout_s:
             return None  # waiting for a peer: the peer stuck in its own code is the hung one
         return "progress", now - hb.t_step
@@ -357,7 +361,7 @@ class Agent:
             hb = protocol.RankHeartbeat.from_json(text)
             if hb.pid != r.proc.pid:
                 continue
-            hung = hang_check(hb, now, hang_timeout)
+            hung = hang_check(hb, now, hang_timeout, float(self.spec.first_step_timeout_s))
             if hung is None:
                 continue
             why, seconds = hung

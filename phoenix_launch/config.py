@@ -80,6 +80,9 @@ class DetectConfig:
     heartbeat_s: float = RUNTIME_DEFAULTS.heartbeat_s  # rank and agent heartbeat interval
     # no step completed (or heartbeat silent) this long: the rank is hung (its agent kills it)
     hang_timeout_s: float = RUNTIME_DEFAULTS.hang_timeout_s
+    # ... except for the first step after a rank (re)enters training (a start, a recovery): DDP's broadcast, the
+    # first allocations, torch.compile, a data loader's workers can take minutes; its heartbeat must stay alive
+    first_step_timeout_s: float = 600.0
     node_timeout_s: float = 5.0  # agent heartbeat silent this long: the node is lost
     collective_timeout_s: float = RUNTIME_DEFAULTS.collective_timeout_s  # timeout given to the process groups
     settle_s: float = 0.3  # how long to gather related reports before classifying an incident
@@ -110,6 +113,8 @@ class DetectConfig:
                 "timeouts must satisfy heartbeat_s < hang_timeout_s < collective_timeout_s, got "
                 f"{self.heartbeat_s} / {self.hang_timeout_s} / {self.collective_timeout_s}"
             )
+        if self.first_step_timeout_s < self.hang_timeout_s:
+            raise ConfigError(f"detect.first_step_timeout_s ({self.first_step_timeout_s}) must be >= hang_timeout_s ({self.hang_timeout_s})")
         if not self.heartbeat_s < self.node_timeout_s:
             raise ConfigError(
                 f"detect.node_timeout_s ({self.node_timeout_s}) must exceed heartbeat_s ({self.heartbeat_s})"

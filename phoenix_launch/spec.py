@@ -37,6 +37,7 @@ class AgentSpec:
     cwd: str = ""
     heartbeat_s: float = 0.5
     hang_timeout_s: float = 10.0
+    first_step_timeout_s: float = 600.0
     node_timeout_s: float = 5.0
     stop_grace_s: float = 5.0
     redirects: str = "3"

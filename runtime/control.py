@@ -71,16 +71,19 @@ class RankState:
         self.phase: str = "starting"
         self.t_step: float = time.time()
         self.steps_per_s: float = 0.0
+        self.warm = False  # a step completed since ``enter``: the first one is judged by the longer bound
 
     def enter(self, phase: str) -> None:
         """A new phase; ``t_step`` restarts from now (progress is measured within a phase)."""
         if phase != self.phase:
             self.phase = phase
             self.t_step = time.time()
+            self.warm = False
 
     def stepped(self, step: int) -> None:
         self.step = step
         self.t_step = time.time()
+        self.warm = True
 
 
 def connect_store(env: RankEnv | None = None, timeout_s: float = 30.0):
@@ -174,6 +177,7 @@ class ControlThread:
             "t_step": self.state.t_step,
             "blocked_in": main_thread_blocked_in() if self.state.phase == "training" else None,
             "sps": round(self.state.steps_per_s, 3),
+            "warm": self.state.warm,
         }
         protocol.put_value(self.store, protocol.k_rank_hb(self.node, self.slot), json.dumps(hb))
 

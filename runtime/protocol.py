@@ -536,6 +536,7 @@ class RankHeartbeat:
     t_step: float | None = None  # unix time of the last completed step, or of entering the current phase
     blocked_in: str | None = None  # in training: "collective" (the main thread waits on peers) or "code"
     sps: float = 0.0
+    warm: bool | None = None  # a step completed since the rank entered its phase (None: an older runtime)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "RankHeartbeat":

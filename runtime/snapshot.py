@@ -402,7 +402,8 @@ class D2H:
                 self._cond.wait(left)
             if job.error is not None:
                 raise D2HError(f"D2H snapshot of step {step} failed: {job.error!r}") from job.error
-            assert job.snap is not None
+            if job.snap is None:
+                raise D2HError(f"D2H snapshot of step {step} was superseded: its buffer holds a newer snapshot now")
             return job.snap
 
     def committed(self) -> dict[int, Snapshot]:
@@ -436,8 +437,18 @@ class D2H:
                 del named_o, named_p, event  # drop references to device tensors
             self.stats["cpu_s"] += time.thread_time() - cpu0  # this thread's CPU time, all jobs (bench/overhead.py)
             with self._cond:
-                job.snap, job.error, job.done = snap, err, True
+                job.snap, job.error, job.done, job.packers = snap, err, True, ()
+                self._forget_superseded()
                 self._cond.notify_all()
+
+    def _forget_superseded(self) -> None:
+        """Finished jobs keep a snapshot only while its buffer holds it. A job's snapshot (and its packers' cached
+        views) would otherwise keep a buffer the ping-pong dropped alive: after a layout change (the optimizer
+        state appears at the first step) that is a whole old-sized snapshot, until the job left ``_jobs``."""
+        live = set(self._pp.committed()) if self._pp is not None else set()
+        for j in self._jobs.values():
+            if j.done and j.snap is not None and j.step not in live:
+                j.snap = None
 
     def _copy(self, job: _Job, named_o: NamedTensors, named_p: NamedTensors, event) -> Snapshot:
         assert self._pp is not None

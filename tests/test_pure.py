@@ -40,6 +40,7 @@ def test_unknown_key_lists_valid_ones():
     [
         ({"detect": {"heartbeat_s": 5, "hang_timeout_s": 2}}, "heartbeat_s < hang_timeout_s < collective_timeout_s"),
         ({"detect": {"hang_timeout_s": 200}}, "heartbeat_s < hang_timeout_s < collective_timeout_s"),
+        ({"detect": {"first_step_timeout_s": 5}}, "detect.first_step_timeout_s (5.0) must be >= hang_timeout_s (10.0)"),
         ({"launch": {"spares": -1}}, "--spares must be >= 0"),
         ({"launch": {"nodes": "two"}}, "launch.nodes: cannot use 'two'"),
         ({"inject": {"faults": [{"node": "n1", "rank": 1}]}}, "exactly one of node or rank"),
@@ -383,6 +384,31 @@ def test_hang_check_uses_progress_when_the_runtime_reports_it():
         assert hang_check(protocol.RankHeartbeat(t=0.0, phase=phase), 1000.0, 10.0) is None
     old = protocol.RankHeartbeat.from_json(json.dumps({"t": 100.0, "step": 3, "gen": 0, "pid": 1, "runtime": True, "phase": "forward"}))
     assert hang_check(old, 105.0, 10.0) is None and hang_check(old, 110.5, 10.0) == ("heartbeat", 10.5)
+
+
+def test_the_first_step_after_a_start_or_a_recovery_gets_the_longer_bound():
+    """Seen at 512 MB of state per rank: the first step (DDP's broadcast, the first allocations) took 11 s, over the
+    10 s hang bound, and a healthy rank was killed. Until a step completed in its phase, only
+    ``first_step_timeout_s`` (or a silent heartbeat) makes a rank hung; a heartbeat without ``warm`` (an older
+    runtime) keeps the old rule."""
+    from phoenix_launch.agent import hang_check
+    from phoenix_runtime.control import RankState
+
+    cold = protocol.RankHeartbeat(t=100.0, step=-1, phase="training", t_step=50.0, blocked_in="code", warm=False)
+    assert hang_check(cold, 100.2, 10.0, 600.0) is None  # 50 s into its first step: not hung
+    assert hang_check(cold, 100.2, 10.0) == ("progress", pytest.approx(50.2))  # without the first-step bound it was
+    assert hang_check(protocol.RankHeartbeat(t=700.0, step=-1, phase="training", t_step=50.0, warm=False), 700.2, 10.0, 600.0)[0] == "progress"
+    assert hang_check(protocol.RankHeartbeat(t=100.0, step=-1, phase="training", t_step=50.0, warm=False), 111.0, 10.0, 600.0)[0] == "heartbeat"
+    warm = protocol.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0, warm=True)
+    assert hang_check(warm, 100.2, 10.0, 600.0)[0] == "progress"
+    st = RankState()
+    st.enter("training")
+    assert not st.warm
+    st.stepped(1)
+    assert st.warm
+    st.enter("recovering")
+    st.enter("training")
+    assert not st.warm  # the first step after a recovery is a first step again
 
 
 def test_a_replica_failure_reported_by_a_rank_is_recorded_and_never_a_job_failure(tmp_path):

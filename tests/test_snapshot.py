@@ -302,6 +302,13 @@ def test_d2h_layout_change_keeps_the_previous_snapshot_in_one_engine():
         assert set(d2h.committed()) == {1, 2} and d2h.layout_changes == 2
         assert d2h.nbytes_allocated == 2 * d2h.nbytes  # both slots at the new size now
         assert threading.active_count() == threads  # no new engine, no new thread
+        # the old layout's buffers are not kept alive by the finished jobs (seen: one old-sized snapshot more of
+        # host memory for 8 steps after the optimizer state appeared): a job keeps its snapshot while its buffer
+        # holds it, and no packer (whose cached views hold a buffer) once it is done
+        jobs = list(d2h._jobs.values())  # noqa: SLF001
+        assert all(j.snap is None or j.step in d2h.committed() for j in jobs) and all(not j.packers for j in jobs)
+        with pytest.raises(D2HError, match="superseded"):
+            d2h.wait(0, 1)  # its buffer holds S_2 now: said so, not a stale snapshot
     finally:
         d2h.stop(5)
 
