@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import runpy
 import sys
 import threading
@@ -133,7 +134,12 @@ def _wrap(trainer):
 
 def main() -> None:
     protect = phx.protect
-    phx.protect = lambda *a, **kw: _wrap(protect(*a, **kw))
+
+    @functools.wraps(protect)  # the same signature: train_gpt.py asks it which arguments it takes
+    def bare_protect(*args, **kwargs):
+        return _wrap(protect(*args, **kwargs))
+
+    phx.protect = bare_protect
     sys.argv = [str(GPT), *sys.argv[1:]]
     runpy.run_path(str(GPT), run_name="__main__")
 
