@@ -24,9 +24,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import json
+import os
 import runpy
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -53,10 +56,9 @@ class BareCopy:
         self.go, self.done = threading.Semaphore(0), threading.Semaphore(0)
         self.error: BaseException | None = None
         self._key = None
-        self.steps, self.copied, self.sent = 0, 0, 0
+        self.steps, self.copied, self.sent, self.cpu_s = 0, 0, 0, 0.0
         if rank == 0:
-            atexit.register(lambda: print(f"bare copy (rank 0): {self.steps} steps; per step {self.copied / 1e6:.2f} MB copied, "
-                                          f"{self.sent / 1e6:.2f} MB sent", file=sys.stderr, flush=True))
+            atexit.register(self._report)
         threading.Thread(target=self._run, name="bare-copy", daemon=True).start()
 
     def start(self) -> None:
@@ -80,14 +82,30 @@ class BareCopy:
             self.views.append(self.buf[off: off + n].view(t.dtype).view(t.shape))
             off += n
 
+    def _report(self) -> None:
+        """Rank 0, at exit: what one step moved, and this thread's CPU time (into ``--times-file``'s stats, after
+        train_gpt.py wrote it, for bench/overhead.py)."""
+        print(f"bare copy (rank 0): {self.steps} steps; per step {self.copied / 1e6:.2f} MB copied, {self.sent / 1e6:.2f} MB "
+              f"sent, {1000 * self.cpu_s / max(self.steps, 1):.2f} ms of this thread's CPU", file=sys.stderr, flush=True)
+        argv = sys.argv
+        path = argv[argv.index("--times-file") + 1] if "--times-file" in argv[:-1] else None
+        if path and os.path.exists(path):
+            with open(path) as f:
+                d = json.load(f)
+            d.setdefault("stats", {}).update(bare_cpu_s=self.cpu_s, bare_steps=self.steps)
+            with open(path, "w") as f:
+                json.dump(d, f, default=str)
+
     def _run(self) -> None:
         background_priority()
         while True:
             self.go.acquire()
+            cpu0 = time.thread_time()
             try:
                 self._step()
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 self.error = e
+            self.cpu_s += time.thread_time() - cpu0
             self.done.release()
 
     def _step(self) -> None:

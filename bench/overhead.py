@@ -103,7 +103,7 @@ def main():
         modes = {"bare copy": BARE, **modes}
     out = {m: [] for m in modes}
     cpu = {m: [] for m in modes}  # the job's whole CPU time (every process of it) per step: less noisy than wall time
-    stats = {}
+    stats, bare_stats = {}, {}
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
         for i in range(a.pairs):
@@ -126,6 +126,8 @@ def main():
                     cpu[mode].append((after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / a.steps)
                     if mode == "on":
                         stats = d["stats"]
+                    elif mode == "bare copy":
+                        bare_stats = d["stats"]
                     print(f"protection {mode:9s} run {i}: {m * 1000:.1f} ms/iteration, job CPU {cpu[mode][-1] * 1000:.0f} ms/step", flush=True)
     mean = {m: sum(v) / len(v) for m, v in out.items() if v}
     cpus = {m: sum(v) / len(v) for m, v in cpu.items() if v}
@@ -141,6 +143,12 @@ def main():
         print(f"the copy work alone (bench/bare_copy.py): {bare * 1000:.1f} ms/iteration; bare/off = {bare / off:.3f}, the pairs: "
               f"{spread(out['bare copy'], out['off'])}: what moving these bytes costs here")
         print(f"on/bare = {on / bare:.3f}, the pairs: {spread(out['on'], out['bare copy'])}: PHOENIX's own part (1 = none)")
+        per = lambda cpu, n: 1000 * cpu / n if cpu is not None and n else float("nan")  # noqa: E731
+        phx = per(stats.get("d2h_cpu_s"), stats.get("d2h_snapshots")) + per(stats.get("h2h_cpu_s"), stats.get("h2h_steps"))
+        own = per(bare_stats.get("bare_cpu_s"), bare_stats.get("bare_steps"))
+        print(f"CPU per step of rank 0's copy threads, in the last runs (gloo's own I/O threads not counted in either): "
+              f"PHOENIX's D2H + H2H {phx:.2f} ms, the bare copy's one thread {own:.2f} ms; the difference, on 4 ranks and "
+              f"{len(os.sched_getaffinity(0))} busy cores, is {4 * (phx - own) / (len(os.sched_getaffinity(0)) * 1000 * off):+.3f} of ratio")
     print(f"payload per rank: optimizer shard {stats.get('optim_bytes', 0) / 1e6:.2f} MB (sent to the replica), "
           f"parameters {stats.get('param_bytes', 0) / 1e6:.2f} MB (local snapshot only)")
     print(f"last step: D2H {stats.get('d2h_s')} s, H2H {stats.get('h2h_h2h_s')} s, "

@@ -141,7 +141,7 @@ class RecoverySession:
                     shard, meta = t.fresh_state(R)
                 else:
                     snap = recv_snapshot(transport, plan.optim_src[j], timeout, step=R, resends=self.ctx.settings.resends)
-                    shard, meta = snap.optim_tensors(), snap.meta
+                    shard, meta = snap.views()[0], snap.meta  # its own buffer; load_local copies it in
                 state.load_local(t.objs, shard, local or {}, meta)
                 state.restore_envelope(meta, t.objs)
                 t.metas[R] = meta

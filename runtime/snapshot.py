@@ -117,6 +117,12 @@ class Snapshot:
         """Copies of the parameter tensors (CPU); empty for a replica."""
         return Packer.unpack(self.param_index, self.param_bytes())
 
+    def views(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The optimizer and the parameter tensors as views of the buffer, no copy: for ``state.load_local``, which
+        copies them into the live state (a restore that first copied the whole snapshot held one more snapshot
+        of host memory at its peak). Valid only while nothing stages this buffer again."""
+        return Packer.views(self.optim_index, self.optim_bytes()), Packer.views(self.param_index, self.param_bytes())
+
     def envelope(self) -> bytes:
         """The envelope's bytes: those the local snapshot's checksum was computed over (kept by the D2H engine,
         not encoded again for every send), else encoded from ``meta``."""

@@ -388,7 +388,7 @@ class ProtectedTraining:
         them): both restored from the boundary's copies."""
         snap = self.d2h.committed().get(R) if self.d2h is not None else None
         if snap is not None:
-            state.load_local(self.objs, snap.optim_tensors(), snap.param_tensors(), snap.meta)
+            state.load_local(self.objs, *snap.views(), snap.meta)  # copied in (the D2H is idle in a recovery)
             meta = snap.meta
         else:
             live_step, live_clean = live
