@@ -12,7 +12,7 @@ difference has beyond the formula is what protection holds that the formula does
 from __future__ import annotations
 
 import argparse
-import sys
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -22,8 +22,6 @@ from common import GPT, env, events, phoenix
 
 
 def peak(td: Path, name: str, d: int, layers: int, steps: int, protect: bool) -> tuple[int, dict]:
-    import subprocess
-
     cmd = phoenix("--nodes", RANKS // 2, "--nproc-per-node", 2, "--protect" if protect else "--no-protect",
                   "--run-dir", td / name, GPT, "--steps", steps, "--d-model", d, "--layers", layers, "--heads", 4,
                   "--seq", 16, "--batch", 1, "--dropout", 0.0)
@@ -53,5 +51,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -143,18 +143,23 @@ def main():
         print(f"the copy work alone (bench/bare_copy.py): {bare * 1000:.1f} ms/iteration; bare/off = {bare / off:.3f}, the pairs: "
               f"{spread(out['bare copy'], out['off'])}: what moving these bytes costs here")
         print(f"on/bare = {on / bare:.3f}, the pairs: {spread(out['on'], out['bare copy'])}: PHOENIX's own part (1 = none)")
-        per = lambda cpu, n: 1000 * cpu / n if cpu is not None and n else float("nan")  # noqa: E731
-        phx = per(stats.get("d2h_cpu_s"), stats.get("d2h_snapshots")) + per(stats.get("h2h_cpu_s"), stats.get("h2h_steps"))
-        own = per(bare_stats.get("bare_cpu_s"), bare_stats.get("bare_steps"))
+        phx = ms_per(stats.get("d2h_cpu_s"), stats.get("d2h_snapshots")) + ms_per(stats.get("h2h_cpu_s"), stats.get("h2h_steps"))
+        own = ms_per(bare_stats.get("bare_cpu_s"), bare_stats.get("bare_steps"))
+        cores = len(os.sched_getaffinity(0))
         print(f"CPU per step of rank 0's copy threads, in the last runs (gloo's own I/O threads not counted in either): "
               f"PHOENIX's D2H + H2H {phx:.2f} ms, the bare copy's one thread {own:.2f} ms; the difference, on 4 ranks and "
-              f"{len(os.sched_getaffinity(0))} busy cores, is {4 * (phx - own) / (len(os.sched_getaffinity(0)) * 1000 * off):+.3f} of ratio")
+              f"{cores} busy cores, is {4 * (phx - own) / (cores * 1000 * off):+.3f} of ratio")
     print(f"payload per rank: optimizer shard {stats.get('optim_bytes', 0) / 1e6:.2f} MB (sent to the replica), "
           f"parameters {stats.get('param_bytes', 0) / 1e6:.2f} MB (local snapshot only)")
     print(f"last step: D2H {stats.get('d2h_s')} s, H2H {stats.get('h2h_h2h_s')} s, "
           f"optimizer_step wait {stats.get('last_wait_s')} s")
     if a.device == "cpu" and stats.get("optim_bytes"):
         print_floor(copy_floor(stats["optim_bytes"], stats["optim_bytes"] + stats.get("param_bytes", 0)), on / off, off, stats)
+
+
+def ms_per(cpu_s, n) -> float:
+    """Milliseconds per step of ``cpu_s`` over ``n`` steps (nan when either is missing)."""
+    return 1000 * cpu_s / n if cpu_s is not None and n else float("nan")
 
 
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20, 12: 2.18,
@@ -249,10 +254,9 @@ def print_floor(f: dict, measured: float, off: float, stats: dict, ranks: int = 
     print(f"floor ratio = 1 + ranks x c / (cores x off step) = 1 + {ranks} x {f['total_s'] * 1000:.2f} ms / ({cores} x "
           f"{off * 1000:.1f} ms) = {floor:.3f}; measured on/off {measured:.3f}; remainder (measured - floor) "
           f"{measured - floor:+.3f}")
-    per = lambda cpu, n: 1000 * cpu / n if cpu is not None and n else float("nan")  # noqa: E731
-    print(f"in the last on run (rank 0), CPU per step of PHOENIX's threads: D2H {per(stats.get('d2h_cpu_s'), stats.get('d2h_snapshots')):.2f} ms "
+    print(f"in the last on run (rank 0), CPU per step of PHOENIX's threads: D2H {ms_per(stats.get('d2h_cpu_s'), stats.get('d2h_snapshots')):.2f} ms "
           f"(its floor part: memcpy + one checksum {(f['memcpy_s'] + f['checksum_s'] / 2) * 1000:.2f} ms), H2H "
-          f"{per(stats.get('h2h_cpu_s'), stats.get('h2h_steps')):.2f} ms (one checksum {f['checksum_s'] * 500:.2f} ms; the "
+          f"{ms_per(stats.get('h2h_cpu_s'), stats.get('h2h_steps')):.2f} ms (one checksum {f['checksum_s'] * 500:.2f} ms; the "
           f"TCP copy itself runs mostly on gloo's threads)")
 
 

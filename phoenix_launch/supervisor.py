@@ -163,7 +163,8 @@ class Supervisor(ReportHandlers):
             takeover_timeout_s=detect.takeover_timeout_s,
             master_port=self.plane.rdzv_port if self.plane else 0,
             cwd=os.getcwd(), heartbeat_s=detect.heartbeat_s, hang_timeout_s=detect.hang_timeout_s,
-            first_step_timeout_s=detect.first_step_timeout_s, node_timeout_s=detect.node_timeout_s, stop_grace_s=launch.stop_grace_s, redirects=launch.redirects,
+            first_step_timeout_s=detect.first_step_timeout_s, node_timeout_s=detect.node_timeout_s,
+            stop_grace_s=launch.stop_grace_s, redirects=launch.redirects,
             tee=launch.tee, runtime_json=self.runtime_json, join=join, resume=self.resume,
         )
 

@@ -20,8 +20,10 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
+from datetime import timedelta
 
 from phoenix_runtime import auth, protocol
 from phoenix_runtime import rank_env as rank_env_module
@@ -101,16 +103,12 @@ class _AssignmentWaiter:
     WAIT_S = 3600.0  # as control.NotifyWatcher's: a wait that times out costs two torch warning lines
 
     def __init__(self, key: str):
-        import threading
-
         self.key = key
         self.done, self.stop = threading.Event(), threading.Event()
         threading.Thread(target=self._run, name="phoenix-assign", daemon=True).start()
 
     def _run(self) -> None:
-        from datetime import timedelta
-
-        from phoenix_runtime.control import connect_store
+        from phoenix_runtime.control import connect_store  # as wait_for_assignment's (control imports torch)
 
         try:
             store = connect_store()
