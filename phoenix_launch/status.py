@@ -39,15 +39,17 @@ def read_rank_steps(store: Any, members: protocol.Membership) -> dict[int, tuple
 
 def nothing_done(attempt, store: Any, members: protocol.Membership, world_size: int) -> bool:
     """No step completed in this attempt, and the job runs the runtime (a rank said so, in this attempt or an
-    earlier one: remembered in ``attempt.runtime_seen``, which a restart carries over) or is still starting
-    (not every rank has joined the control plane): starting fresh loses nothing."""
+    earlier one: remembered in ``attempt.runtime_seen``, which a restart carries over) or is still starting:
+    not every rank has joined the control plane, or not every rank has formed torch.distributed's default
+    group (it is still importing or rendezvousing, so no distributed step was taken, whether or not the script
+    uses the runtime). Starting fresh then loses nothing."""
     if attempt.step >= 1:
         return False
     hbs = read_rank_heartbeats(store, members)
     if any(hb.step >= 1 for hb in hbs.values()):
         return False
     attempt.runtime_seen = attempt.runtime_seen or bool(attempt.runtime_ready) or any(hb.runtime for hb in hbs.values())
-    return attempt.runtime_seen or len(hbs) < world_size
+    return attempt.runtime_seen or len(hbs) < world_size or not all(hb.formed for hb in hbs.values())
 
 
 def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: int, nproc: int, nodes: NodeTable,

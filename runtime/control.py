@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -72,6 +73,7 @@ class RankState:
         self.t_step: float = time.time()
         self.steps_per_s: float = 0.0
         self.warm = False  # a step completed since ``enter``: the first one is judged by the longer bound
+        self.formed = False  # torch.distributed's default group has existed in this process (sticky)
 
     def enter(self, phase: str) -> None:
         """A new phase; ``t_step`` restarts from now (progress is measured within a phase)."""
@@ -167,6 +169,9 @@ class ControlThread:
         self._thread.start()
 
     def beat(self) -> None:
+        if not self.state.formed:
+            dist = sys.modules.get("torch.distributed")  # torch is imported by the bootstrap, never from here
+            self.state.formed = bool(dist is not None and dist.is_available() and dist.is_initialized())
         hb = {
             "t": time.time(),
             "step": self.state.step,
@@ -178,6 +183,7 @@ class ControlThread:
             "blocked_in": main_thread_blocked_in() if self.state.phase == "training" else None,
             "sps": round(self.state.steps_per_s, 3),
             "warm": self.state.warm,
+            "formed": self.state.formed,
         }
         protocol.put_value(self.store, protocol.k_rank_hb(self.node, self.slot), json.dumps(hb))
 

@@ -537,6 +537,9 @@ class RankHeartbeat:
     blocked_in: str | None = None  # in training: "collective" (the main thread waits on peers) or "code"
     sps: float = 0.0
     warm: bool | None = None  # a step completed since the rank entered its phase (None: an older runtime)
+    #: the process has formed torch.distributed's default group at least once: until every rank has, no
+    #: distributed step can have been taken (a script of either kind is still importing or rendezvousing)
+    formed: bool = False
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "RankHeartbeat":

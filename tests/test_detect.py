@@ -142,7 +142,7 @@ def test_an_injected_fault_with_no_effect_closes_without_stopping_the_job(tmp_pa
     out.mkdir()
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"detect": {"heartbeat_s": 0.2, "hang_timeout_s": 1.0, "node_timeout_s": 2.0}}))
     proc = start_phoenix(["--config", str(tmp_path / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "1", "--run-dir", str(run_dir),
-                          str(SCRIPTS / "allreduce.py"), str(out)], tmp_path, env=job_env(SLEEP="12"))
+                          str(SCRIPTS / "allreduce.py"), str(out)], tmp_path, env=job_env(RELEASE=str(tmp_path / "release")))
     try:
         wait_for(lambda: len(list(out.iterdir())) == 2, 180, "both ranks to be in the script")
         t = time.time()
@@ -150,6 +150,7 @@ def test_an_injected_fault_with_no_effect_closes_without_stopping_the_job(tmp_pa
         assert r.returncode == 0, r.stderr
         closed = wait_for(lambda: [e for e in of_type(events(run_dir), "incident_closed") if e["t"] >= t], 60, "the incident to close")
         assert closed[0]["injected"] == "comm" and "no effect observed within 2.4 s" in closed[0]["why"]
+        (tmp_path / "release").touch()  # the job ends once the incident was judged, however slow the machine
         assert proc.wait(timeout=120) == 0, proc.stderr.read()
     finally:
         kill_job(proc, run_dir)

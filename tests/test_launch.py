@@ -65,7 +65,7 @@ def test_spare_ranks_stay_out_of_the_world(tmp_path, run_dir):
     out.mkdir()
     proc = start_phoenix(
         ["--nodes", "2", "--nproc-per-node", "1", "--spares", "1", "--run-dir", str(run_dir), str(SCRIPTS / "allreduce.py"), str(out)],
-        tmp_path, env=job_env(SLEEP="8"),
+        tmp_path, env=job_env(RELEASE=str(tmp_path / "release")),  # the job runs until the spare was checked
     )
     try:
         # the spare's rank is up, warm (heartbeating from the bootstrap) and not in the world
@@ -81,6 +81,7 @@ def test_spare_ranks_stay_out_of_the_world(tmp_path, run_dir):
         spare = [p for p in job_processes(run_dir) if p.environ().get("PHOENIX_ROLE") == "spare"]
         assert spare, "the spare's rank process is running"
         assert "RANK" not in spare[0].environ()
+        (tmp_path / "release").touch()
         proc.wait(timeout=120)
         assert proc.returncode == 0, proc.stderr.read()
     finally:
@@ -126,13 +127,47 @@ def test_import_error_is_the_users_and_not_retried(tmp_path, run_dir):
     assert not of_type(events(run_dir), "restart"), "a software error is not retried"
 
 
+def test_a_node_lost_while_its_ranks_import_is_replaced_and_the_job_starts_fresh(tmp_path, run_dir):
+    """Before every rank formed its default group nothing can have been trained, whether or not the script
+    uses the runtime: a node lost then (its ranks still importing, HOLD) is replaced by the warm spare and every
+    worker starts fresh, not counted against --max-restarts (0 here)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    hold = tmp_path / "hold"
+    proc = start_phoenix(
+        ["--nodes", "2", "--nproc-per-node", "1", "--spares", "1", "--run-dir", str(run_dir), str(SCRIPTS / "allreduce.py"), str(out)],
+        tmp_path, env=job_env(HOLD=str(hold)),
+    )
+    try:
+        def ready():  # the spare is warm and both active ranks heartbeat from inside the script
+            st = run_dir / "status.json"
+            if not st.exists():
+                return False
+            nodes = {n["name"]: n["state"] for n in json.loads(st.read_text())["nodes"]}
+            return nodes.get("node2") == "spare" and len([p for p in job_processes(run_dir) if p.environ().get("RANK")]) == 2
+        wait_for(ready, 180, "the spare to be warm and the ranks to be importing")
+        r = subprocess.run(phoenix_cmd("kill-node", "node1", "--run-dir", str(run_dir)), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        d = wait_for(lambda: of_type(events(run_dir), "decision"), 120, "the decision")[0]
+        assert d["decision"] == "restart" and d["spare"] == "node2", d
+        assert "no step completed yet" in d["reason"], d
+        hold.touch()
+        assert proc.wait(timeout=180) == 0, proc.stderr.read()
+    finally:
+        kill_job(proc, run_dir)
+    files = sorted(os.listdir(out))
+    assert len(files) == 2 and all(f.startswith(("rank0.", "rank1.")) for f in files), files
+    assert all((out / f).read_text().split()[1] == "2" for f in files)
+    assert not of_type(events(run_dir), "fallback")
+
+
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signals_leave_no_process_behind(tmp_path, run_dir, sig, code):
     out = tmp_path / "out"
     out.mkdir()
     proc = start_phoenix(
         ["--nodes", "2", "--nproc-per-node", "1", "--spares", "1", "--run-dir", str(run_dir), str(SCRIPTS / "allreduce.py"), str(out)],
-        tmp_path, env=job_env(SLEEP="120"),
+        tmp_path, env=job_env(RELEASE=str(tmp_path / "never")),  # runs until the signal
     )
     try:
         wait_for(lambda: (out / "rank0.0").exists() and (out / "rank1.0").exists(), 120, "both ranks to run")

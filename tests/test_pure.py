@@ -556,7 +556,8 @@ def test_queue_deletes_what_it_read_and_a_new_reader_continues_after_it():
 def test_a_failure_while_a_restart_starts_up_still_starts_fresh():
     """The job showed it runs the runtime in an attempt before (a rank called phx.init()); in the restarted
     attempt no rank has got that far yet when another node is lost: nothing is lost by starting fresh again.
-    A job never seen to run the runtime (a plain script) keeps torchrun's restart budget."""
+    A job never seen to run the runtime (a plain script) keeps torchrun's restart budget once every rank has
+    formed its default group; before that (a rank still importing) nothing was trained and it starts fresh."""
     from phoenix_launch.generations import AttemptProgress
     from phoenix_launch.status import nothing_done
 
@@ -565,7 +566,13 @@ def test_a_failure_while_a_restart_starts_up_still_starts_fresh():
     for r in members.ranks:  # the restarted ranks: still importing, no step, not yet in phx.init()
         st.set(protocol.k_rank_hb(r.node, r.slot), json.dumps({"t": 1.0, "step": 0, "runtime": False, "phase": "starting"}))
     assert nothing_done(AttemptProgress(runtime_seen=True), st, members, 2)
+    assert nothing_done(AttemptProgress(), st, members, 2)  # still importing: no distributed step yet
+    for r in members.ranks:  # a plain script's ranks formed their group: it may have trained
+        st.set(protocol.k_rank_hb(r.node, r.slot), json.dumps({"t": 1.0, "step": 0, "runtime": False, "phase": "starting",
+                                                               "formed": True}))
     assert not nothing_done(AttemptProgress(), st, members, 2)
+    st.set(protocol.k_rank_hb("n2", 0), json.dumps({"t": 1.0, "step": 0, "runtime": False, "phase": "starting"}))
+    assert nothing_done(AttemptProgress(), st, members, 2)  # n2's rank died importing: its peer cannot have trained
     first = AttemptProgress()
     st.set(protocol.k_rank_hb("n0", 0), json.dumps({"t": 1.0, "step": 0, "runtime": True, "phase": "starting"}))
     assert nothing_done(first, st, members, 2) and first.runtime_seen  # seen once: kept for the next attempt
