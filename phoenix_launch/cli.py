@@ -62,13 +62,21 @@ def _parse_nproc(v: str) -> int:
         raise fail(f"--nproc-per-node must be an integer, auto, gpu or cpu, got {v!r}") from None
 
 
+COMMANDS_EPILOG = (
+    "Commands: phoenix-run status [RUN_DIR] (the live snapshot of a job), report [RUN_DIR] (an HTML page of a run), "
+    "kill-node TARGET (inject a failure), simulate (is PHOENIX worth it on my cluster?), sbatch (a Slurm job script); "
+    "phoenix-run COMMAND --help for each."
+)
+
+
 @app.command(
     "run",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False},
+    epilog=COMMANDS_EPILOG,
 )
 def run(
     ctx: typer.Context,
-    script: Optional[str] = typer.Argument(None, help="Training script (or module with -m), then its arguments."),
+    script: Optional[str] = typer.Argument(None, metavar="SCRIPT [ARGS]...", help="Training script (or module with -m), then its arguments."),
     module: bool = typer.Option(False, "-m", "--module", help="Run SCRIPT as a module, like python -m."),
     nnodes: Optional[str] = typer.Option(None, "--nnodes", "--nodes", help="Active nodes (N, or torchrun's N:N)."),
     nproc_per_node: Optional[str] = typer.Option(None, "--nproc-per-node", "--nproc_per_node", help="Ranks per node."),
@@ -332,6 +340,17 @@ def _register_extras(which: str | None) -> None:
         app.command("sbatch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(sbatch)
 
 
+def _top_help() -> None:
+    """``phoenix-run --help``: the run command's options under the name ``phoenix-run`` (the default command)."""
+    import click
+
+    cmd = typer.main.get_command(app).commands["run"]
+    with click.Context(cmd, info_name="phoenix-run") as ctx:
+        text = cmd.get_help(ctx)  # typer's rich help prints itself and returns ""; plain click returns the text
+    if text:
+        typer.echo(text)
+
+
 SUBCOMMANDS = ("run", "status", "report", "kill-node", "simulate", "sbatch")
 
 
@@ -345,10 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     if first in ("simulate", "sbatch", "report"):
         _register_extras(first)
     elif first in (None, "--help", "-h"):
-        try:
-            _register_extras(None)
-        except ImportError:
-            pass
+        _top_help()  # as torchrun's --help: the launch options, then the other commands
+        return
     elif first not in SUBCOMMANDS:
         args = ["run", *args]  # phoenix-run [OPTIONS] SCRIPT ARGS...: the default command
     app(args=args, prog_name="phoenix-run")

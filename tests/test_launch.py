@@ -281,3 +281,14 @@ def test_agent_warm_wait_is_bounded_and_ends_when_a_rank_exits(tmp_path):
         assert time.monotonic() - t < 30 and a.ranks[1].proc.poll() is not None
     finally:
         a.terminate_ranks(1)
+
+
+def test_top_level_help_lists_the_run_options_and_the_commands():
+    """torchrun users type ``phoenix-run --help`` to see the launch flags: they are there, and so are the commands."""
+    r = subprocess.run(phoenix_cmd("--help"), capture_output=True, text=True, timeout=60, env={**job_env(), "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    for flag in ("--nproc-per-node", "--spares", "--resume", "--max-restarts"):
+        assert flag in r.stdout, flag
+    for cmd in ("status", "report", "kill-node", "simulate", "sbatch"):
+        assert cmd in r.stdout.split("Commands:")[-1], cmd
+    assert "Usage: phoenix-run [OPTIONS] [SCRIPT [ARGS]...]" in r.stdout
