@@ -24,6 +24,7 @@ from typing import Optional
 import typer
 
 from phoenix_launch.config import ConfigError, build_config, load_yaml
+from phoenix_runtime.errors import PhoenixError
 
 EXIT_USAGE = 2
 
@@ -368,4 +369,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     elif first not in SUBCOMMANDS:
         args = ["run", *args]  # phoenix-run [OPTIONS] SCRIPT ARGS...: the default command
-    app(args=args, prog_name="phoenix-run")
+    try:
+        app(args=args, prog_name="phoenix-run")
+    except PhoenixError as e:  # any refusal not turned into a message where it was raised: one line
+        typer.echo(f"phoenix-run: error: {e}", err=True)
+        raise SystemExit(1) from None

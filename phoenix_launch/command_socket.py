@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from phoenix_runtime.errors import CommunicationError
+
 SOCKET_NAME = "command.sock"
 MAX_LINE = 64 * 1024
 READ_TIMEOUT_S = 2.0  # a client that connects and says nothing
@@ -34,7 +36,7 @@ REPLY_TIMEOUT_S = 10.0  # the supervisor's loop answers within a tick; bounded i
 _MAX_PATH = 100  # sun_path is 108 bytes on Linux
 
 
-class JobUnreachable(RuntimeError):
+class JobUnreachable(CommunicationError, RuntimeError):
     """The job this run directory names is not running (a one-line message)."""
 
 

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from phoenix_runtime.errors import UsageError
 from phoenix_runtime.settings import FAULT_MODES, FAULT_PHASES, TRANSPORTS, RuntimeSettings
 
 #: The runtime's defaults, owned by ``phoenix_runtime.settings`` (the rank reads the same schema).
 RUNTIME_DEFAULTS = RuntimeSettings()
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
     """A configuration problem the user can fix; its message is shown as one line."""
 
 

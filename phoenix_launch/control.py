@@ -11,8 +11,10 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+from phoenix_runtime.errors import UsageError
 
-class PortInUse(RuntimeError):
+
+class PortInUse(UsageError, RuntimeError):
     pass
 
 

@@ -19,13 +19,14 @@ from typing import Any, Callable, Mapping
 
 from phoenix_launch import command_socket
 from phoenix_runtime import protocol
+from phoenix_runtime.errors import UsageError
 from phoenix_runtime.settings import FAULT_MODES
 
 MODES = FAULT_MODES
 SOCKET_PURPOSE = "phoenix command socket"  # the command socket's token is derived from the secret for it
 
 
-class InjectError(RuntimeError):
+class InjectError(UsageError, RuntimeError):
     pass
 
 

@@ -35,13 +35,14 @@ def main(args: list[str]) -> int:
     if a.mode not in FAULT_MODES:
         return _fail(f"unknown mode {a.mode!r}; valid: {', '.join(FAULT_MODES)}", EXIT_USAGE)
     from phoenix_launch.events import find_run_dir
-    from phoenix_launch.inject import InjectError, send_command
+    from phoenix_launch.inject import send_command
+    from phoenix_runtime.errors import PhoenixError
     from phoenix_runtime.protocol import KillCommand
 
     try:
         rdir = find_run_dir(a.run_dir)
         reply = send_command(rdir, KillCommand(target=a.target, mode=a.mode, at_step=a.at_step))
-    except (FileNotFoundError, InjectError) as e:
+    except (FileNotFoundError, PhoenixError) as e:
         return _fail(str(e), 1)
     except (OSError, ValueError, KeyError) as e:
         return _fail(f"cannot read the job's control.json: {e}", 1)

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from phoenix_runtime.errors import ProtocolError
+
 
 class NodeState(str, Enum):
     """SPARE -> JOINING -> ACTIVE -> FAILED -> DRAINED (or EXCLUDED when draining is not possible)."""
@@ -82,7 +84,7 @@ JOB_TRANSITIONS: dict[JobState, set[JobState]] = {
 }
 
 
-class TransitionError(RuntimeError):
+class TransitionError(ProtocolError, RuntimeError):
     pass
 
 

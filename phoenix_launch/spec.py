@@ -12,8 +12,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from phoenix_runtime.errors import ProtocolError
 
-class SpecError(ValueError):
+
+class SpecError(ProtocolError, ValueError):
     """The agent's spec is not readable (one line, for the agent's log)."""
 
 

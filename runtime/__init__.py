@@ -4,14 +4,16 @@
     phx.init(); training = phx.protect(model, optimizer)
 
 The package stays importable without torch (``phoenix_runtime.protocol`` and ``settings`` are shared with
-the launcher): the API is loaded on first use.
+the launcher): the API is loaded on first use. Every exception PHOENIX raises derives from ``PhoenixError``.
 """
 
-__all__ = ["init", "protect", "ProtectedTraining", "Trainer"]
+from phoenix_runtime.errors import PhoenixError
+
+__all__ = ["init", "protect", "ProtectedTraining", "PhoenixError"]
 
 
 def __getattr__(name):
-    if name in __all__:
+    if name in ("init", "protect", "ProtectedTraining"):
         from phoenix_runtime import api
 
         return getattr(api, name)

@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from phoenix_runtime.errors import AuthError
+
 ENV_SECRET = "PHOENIX_JOB_SECRET"  # hex; set by an agent for its ranks only
 SECRET_FILE = "secret"
 PREFIX = "phx1:"
@@ -42,7 +44,7 @@ _refused: dict[tuple[str, str], int] = {}
 _last_seq = 0
 
 
-class Refused(ValueError):
+class Refused(AuthError, ValueError):
     def __init__(self, kind: str, name: str):
         super().__init__(f"refused {kind} value at {name}")
         self.kind = kind

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from phoenix_runtime import protocol
 from phoenix_runtime.control import STATE, connect_store, control, start_control
+from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.rank_env import RankEnv, rank_env
 from phoenix_runtime.store_keys import KeyRecorder
 
@@ -25,11 +26,11 @@ ABORT_TAG = 32761  # a tag no training op uses: a receive on it only serves to c
 FATE_KEY = "fate"  # under a generation's process-group prefix: "go" (every rank forms it) or "cancel" (none does)
 
 
-class Unrecoverable(RuntimeError):
+class UnrecoverableError(RecoveryError, RuntimeError):
     """Recovery from memory is impossible (a shard lost with every replica, or no state at all)."""
 
 
-class GenerationAbandoned(RuntimeError):
+class GenerationAbandoned(RecoveryError, RuntimeError):
     """The supervisor published a newer generation while this one was running or being formed."""
 
 
@@ -235,7 +236,7 @@ class Context:
         self.members = protocol.read_members(self.store, gen)
         me = self.members.rank_at(self.node, self.slot)
         if me is None:
-            raise Unrecoverable(f"{self.node}/{self.slot} is not a member of generation {gen}")
+            raise UnrecoverableError(f"{self.node}/{self.slot} is not a member of generation {gen}")
         self.rank = me
         STATE.gen = gen
         pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store), stop=lambda: self._check_gen(gen))
@@ -289,7 +290,7 @@ class Context:
             try:
                 self.form(gen, time.monotonic() + limit)
                 return
-            except Unrecoverable:
+            except UnrecoverableError:
                 raise
             except (GenerationAbandoned, RuntimeError) as e:
                 log(f"generation {gen} not formed ({type(e).__name__}: {str(e)[:120]})")

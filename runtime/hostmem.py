@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+from phoenix_runtime.errors import ProtectionError
+
 GiB = 1 << 30
 
 
-class HostMemoryError(MemoryError):
+class HostMemoryError(ProtectionError, MemoryError):
     """Not enough free host memory for the protection buffers."""
 
 

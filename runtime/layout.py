@@ -40,6 +40,8 @@ import re
 import warnings
 from dataclasses import dataclass
 
+from phoenix_runtime.errors import UsageError
+
 __all__ = [
     "ShardId",
     "Layout",
@@ -48,7 +50,7 @@ __all__ = [
 ]
 
 
-class PlacementError(ValueError):
+class PlacementError(UsageError, ValueError):
     """The DP group is too small for the requested replication factor."""
 
 

@@ -28,11 +28,13 @@ from typing import Any, Callable
 
 import torch
 
+from phoenix_runtime.errors import UsageError
+
 SUPPORTED = ("shard",), ("replicate", "shard"), ("shard", "tp"), ("replicate", "shard", "tp")
 SUPPORTED_TEXT = "FSDP2 {'shard': N}, HSDP {'replicate': R, 'shard': N}, TP+FSDP {'shard': N, 'tp': T} (optionally with 'replicate' first), or DDP (no parallelize=)"
 
 
-class UnsupportedLayout(TypeError):
+class UnsupportedLayout(UsageError, TypeError):
     """A parallel layout PHOENIX cannot protect."""
 
 

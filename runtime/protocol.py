@@ -33,6 +33,7 @@ from enum import Enum
 from typing import Any, Callable, ClassVar, Protocol
 
 from phoenix_runtime.channel import SCHEMA_VERSION, Incarnated, Queue, get_value, incarnation_of, put_value, read_json_object  # noqa: F401  (re-exported)
+from phoenix_runtime.errors import ProtocolError
 
 # --- environment variables the launcher gives every rank (besides torchrun's own) -------------------
 ENV_STORE_HOST = "PHOENIX_STORE_HOST"
@@ -475,7 +476,7 @@ MESSAGE_CLASSES: dict[MsgType, type] = {
 _FIELDS = {t: {f.name: f for f in fields(c)} for t, c in MESSAGE_CLASSES.items()}
 
 
-class DecodeError(ValueError):
+class DecodeError(ProtocolError, ValueError):
     pass
 
 

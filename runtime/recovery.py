@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from phoenix_runtime.context import GenerationAbandoned, Unrecoverable  # noqa: E402,F401  (re-exported)
+from phoenix_runtime.context import GenerationAbandoned, UnrecoverableError  # noqa: E402,F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
     survivors = [d for d in descs if d.has_state]
     joiners = tuple(sorted(d.rank for d in descs if not d.has_state))
     if not survivors:
-        raise Unrecoverable("no rank holds any state")
+        raise UnrecoverableError("no rank holds any state")
     candidates = sorted({s for d in survivors for s in d.local_steps} | {d.live_step for d in survivors if d.live_clean and d.live_step is not None}, reverse=True)
     why = "no step is held by every survivor"
     first = max(d.first_step for d in survivors)
@@ -104,7 +104,7 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
         if ok:
             replayed = {d.rank: max(0, (d.live_step if d.live_step is not None else step) - step) for d in survivors}
             return Plan(step, joiners, param_src, optim_src, replayed, first, bool(fresh), tuple(fresh))
-    raise Unrecoverable(why)
+    raise UnrecoverableError(why)
 
 
 # --- the codec of named tensors: one, in codec.py (these names are kept for callers of 0.x) -------------

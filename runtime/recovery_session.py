@@ -18,7 +18,7 @@ import time
 import torch.distributed as dist
 
 from phoenix_runtime import protocol, state
-from phoenix_runtime.context import GenerationAbandoned, Unrecoverable, log
+from phoenix_runtime.context import GenerationAbandoned, UnrecoverableError, log
 from phoenix_runtime.control import STATE
 from phoenix_runtime.recovery import Descriptor, Plan, plan_recovery
 from phoenix_runtime.replication import recv_snapshot, send_snapshot
@@ -50,7 +50,7 @@ class RecoverySession:
                 formed = False
                 self._recover_in(gen, marks, deadline)
                 return
-            except Unrecoverable:
+            except UnrecoverableError:
                 raise
             except Exception as e:  # noqa: BLE001 -- a failure during the recovery: wait for the next generation
                 if not self.t.is_failure(e) and not isinstance(e, (GenerationAbandoned, TimeoutError)):
@@ -73,7 +73,7 @@ class RecoverySession:
         try:
             plan = plan_recovery(descs, {r: layout.dp_group(r) for r in range(ctx.world_size)}, shard_of, replicated=t.replicated,
                                  every=t.cadence_bound())
-        except Unrecoverable as e:
+        except UnrecoverableError as e:
             t.give_up(str(e), live)
             raise
         R = plan.step

@@ -16,16 +16,16 @@ from __future__ import annotations
 import time
 
 from phoenix_runtime import persist, protocol
-from phoenix_runtime.context import Unrecoverable, log
+from phoenix_runtime.context import UnrecoverableError, log
 from phoenix_runtime.recovery import Descriptor, plan_recovery
 
 
 def salvage(t, gen: int, mem: protocol.Membership, live) -> None:
     """Write S_R of every rank from this rank's memory where it is the one that holds it; then wait (bounded)
-    for the supervisor to stop the job. Raises ``Unrecoverable`` at the end: this process trains no more."""
+    for the supervisor to stop the job. Raises ``UnrecoverableError`` at the end: this process trains no more."""
     ctx = t.ctx
     if ctx.rank in mem.lost:  # a rank of a node given up for lost that still runs: it has nothing to add
-        raise Unrecoverable(f"{ctx.node} is given up for lost")
+        raise UnrecoverableError(f"{ctx.node} is given up for lost")
     ctx.gen, ctx.members = gen, mem
     deadline = time.monotonic() + ctx.recovery_timeout
     survivors = [r for r in range(ctx.world_size) if r not in mem.lost]
@@ -41,8 +41,8 @@ def salvage(t, gen: int, mem: protocol.Membership, live) -> None:
         plan = plan_recovery(descs, {r: layout.dp_group(r) for r in range(ctx.world_size)}, shard_of, replicated=t.replicated,
                              every=t.cadence_bound())
         if plan.fresh:
-            raise Unrecoverable("nothing to save before the first step completed")
-    except Unrecoverable as e:
+            raise UnrecoverableError("nothing to save before the first step completed")
+    except UnrecoverableError as e:
         ctx.report({"type": "unrecoverable", "reason": f"nothing saved from memory: {e}", "checkpoint": None})
         raise
     R = plan.step
@@ -59,4 +59,4 @@ def salvage(t, gen: int, mem: protocol.Membership, live) -> None:
         f"{' and lost rank(s) ' + str([j for j in plan.joiners if plan.optim_src[j] == ctx.rank]) if ctx.rank in plan.optim_src.values() else ''}")
     while time.monotonic() < deadline:  # the supervisor stops the job once every rank's S_R is in
         time.sleep(0.05)
-    raise Unrecoverable(f"salvage of step {R} done; the job was not stopped within the recovery timeout")
+    raise UnrecoverableError(f"salvage of step {R} done; the job was not stopped within the recovery timeout")

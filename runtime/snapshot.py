@@ -65,6 +65,7 @@ from phoenix_runtime.codec import (  # noqa: F401  (re-exported: the snapshot's 
     encode_envelope,
     envelope_of,
 )
+from phoenix_runtime.errors import ProtectionError
 from phoenix_runtime.hostmem import check_host_memory
 from phoenix_runtime.threads import background_priority
 
@@ -260,7 +261,7 @@ class PingPong:
             return None if self._newest is None else self._snaps[self._newest]
 
 
-class D2HError(RuntimeError):
+class D2HError(ProtectionError, RuntimeError):
     """A local snapshot copy failed; the previous committed snapshot is intact."""
 
 

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from phoenix_runtime import persist, protocol, state
-from phoenix_runtime.context import Context, GenerationAbandoned, Unrecoverable, log
+from phoenix_runtime.context import Context, GenerationAbandoned, UnrecoverableError, log
 from phoenix_runtime.control import STATE
 from phoenix_runtime.faults import FaultInjector
 from phoenix_runtime.parallel import reshard
@@ -320,7 +320,7 @@ class ProtectedTraining:
         for sid, by_step in self.held_replicas().items():
             if str(sid) == shard and step in by_step:
                 return by_step[step]
-        raise Unrecoverable(f"replica of {shard} at step {step} vanished")
+        raise UnrecoverableError(f"replica of {shard} at step {step} vanished")
 
     # --- failures and recovery -------------------------------------------------------------------------------
     def is_failure(self, e: BaseException) -> bool:

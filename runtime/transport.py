@@ -23,6 +23,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from phoenix_runtime.errors import CommunicationError
+
 TAG_ABORT = 32760  # below MPI's guaranteed tag upper bound (32767)
 # MPI moves a large message only while a rank calls into it (Test): the poll pause bounds the throughput.
 # Measured with bench/transport.py (64 MB, MPICH 4.3.2, 2 busy cores): 2 ms -> 0.24 GB/s, 100 us -> 1.8 GB/s,
@@ -30,7 +32,7 @@ TAG_ABORT = 32760  # below MPI's guaranteed tag upper bound (32767)
 POLL_MAX_S = 1e-4
 
 
-class TransportError(RuntimeError):
+class TransportError(CommunicationError, RuntimeError):
     """A point-to-point operation failed (peer gone, pair closed, timeout, aborted)."""
 
 

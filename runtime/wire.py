@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from phoenix_runtime.codec import Digest, Packer, checksum, decode_envelope, encode_envelope, pack
+from phoenix_runtime.errors import ProtectionError
 from phoenix_runtime.transport import Transport, TransportError
 
 MAGIC = 0x50484E58  # "PHNX"
@@ -43,7 +44,7 @@ DEFAULT_RESENDS = 2
 FaultHook = Callable[..., Optional[torch.Tensor]]
 
 
-class ReplicationError(RuntimeError):
+class ReplicationError(ProtectionError, RuntimeError):
     """A state transfer failed; ``peer`` (if known), ``step`` and ``cause`` say why."""
 
     def __init__(self, message: str, *, step: Optional[int] = None, peer: Optional[int] = None, cause: str = ""):

@@ -10,7 +10,7 @@ from phoenix_launch.classify import Action, FailureClass, Verdict
 from phoenix_launch.config import ConfigError, build_config
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState, TransitionError
 from phoenix_runtime import protocol
-from phoenix_runtime.recovery import Descriptor, Unrecoverable, pack, plan_recovery, unpack
+from phoenix_runtime.recovery import Descriptor, UnrecoverableError, pack, plan_recovery, unpack
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -149,7 +149,7 @@ def test_plan_replays_two_steps_when_a_lost_rank_lagged_a_step_behind():
 
 def test_plan_unrecoverable_when_holder_and_replica_are_lost():
     descs = [surv(0, 5, True, [4, 5], {}), Descriptor(1, False)]
-    with pytest.raises(Unrecoverable, match="survives nowhere"):
+    with pytest.raises(UnrecoverableError, match="survives nowhere"):
         plan_recovery(descs, {0: [0, 1], 1: [0, 1]}, SH, replicated=False)
 
 
@@ -162,7 +162,7 @@ def test_plan_first_step_needs_no_replica_and_replicated_uses_any_peer():
     descs = [surv(0, 5, True, [4, 5], {SH[1]: [4, 5]}), Descriptor(1, False)]
     p = plan_recovery(descs, {0: [0, 1], 1: [0, 1]}, SH, replicated=True)
     assert p.step == 5 and p.optim_src == {1: 0} and p.param_src == {1: 0} and not p.fresh_optim
-    with pytest.raises(Unrecoverable, match="envelope"):
+    with pytest.raises(UnrecoverableError, match="envelope"):
         plan_recovery([surv(0, 5, True, [4, 5], {}), Descriptor(1, False)], {0: [0, 1], 1: [0, 1]}, SH, replicated=True)
 
 

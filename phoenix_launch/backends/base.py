@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from phoenix_launch.spec import AgentSpec
+from phoenix_runtime.errors import BackendError
 
 
-class NotSupported(RuntimeError):
+class NotSupported(BackendError, RuntimeError):
     """The backend does not have this capability (see ``Backend.capabilities``)."""
 
 

@@ -21,8 +21,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from phoenix_runtime.errors import BackendError
 
-class SlurmApiError(RuntimeError):
+
+class SlurmApiError(BackendError, RuntimeError):
     pass
 
 

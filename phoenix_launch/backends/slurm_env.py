@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Mapping, Sequence
 
+from phoenix_runtime.errors import BackendError
+
 __all__ = [
     "COMMAND_TIMEOUT",
     "NotInAllocation",
@@ -56,7 +58,7 @@ __all__ = [
 COMMAND_TIMEOUT = timedelta(seconds=15)
 
 
-class SlurmEnvError(ValueError):
+class SlurmEnvError(BackendError, ValueError):
     """A SLURM_* variable or a Slurm command's output could not be understood."""
 
 
@@ -69,7 +71,7 @@ ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_F
                           "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"})
 
 
-class SlurmCommandError(RuntimeError):
+class SlurmCommandError(BackendError, RuntimeError):
     """A Slurm client command failed, timed out, or is not installed."""
 
     def __init__(self, argv: Sequence[str], detail: str) -> None:

@@ -10,6 +10,7 @@ import base64
 import io
 from typing import Any
 
+from phoenix_runtime.errors import UsageError
 from .cost import CostComparison
 from .timeline import Timeline, number
 
@@ -35,7 +36,7 @@ PHASE_COLOURS = {
 INCIDENT_COLOUR = "#de2d26"
 
 
-class MatplotlibMissing(Exception):
+class MatplotlibMissing(UsageError):
     """matplotlib is not installed; the message says how to install it."""
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from phoenix_launch.events import parse_events
+from phoenix_runtime.errors import UsageError
 
 # the recovery's phases, in the order they happen, with the labels the report uses
 PHASES: tuple[tuple[str, str], ...] = (
@@ -27,7 +28,7 @@ NODE_STATES = ("starting", "spare", "joining", "active", "failed", "drained", "s
 EVIDENCE_TYPES = ("injected", "failure")
 
 
-class ReportInputError(Exception):
+class ReportInputError(UsageError):
     """A run directory the report cannot read; the message is the one line the user sees."""
 
 

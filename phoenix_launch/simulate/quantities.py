@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from phoenix_runtime.errors import UsageError
 
-class SimulateInputError(ValueError):
+
+class SimulateInputError(UsageError, ValueError):
     """Bad input to the simulator. The message is one line, meant to be shown to the user as is."""
 
 
