@@ -23,7 +23,7 @@ import torch
 from phoenix_runtime.context import Context, init, log  # noqa: F401  (the public init)
 from phoenix_runtime.parallel import Parallel, check_bare, make_optimizer
 from phoenix_runtime.state import LoopObjects, name_by_shard
-from phoenix_runtime.training import ProtectedTraining, Trainer  # noqa: F401
+from phoenix_runtime.training import ProtectedTraining  # noqa: F401
 
 
 def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None, schedulers=(), scaler=None,

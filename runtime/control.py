@@ -33,7 +33,6 @@ from typing import Any, Callable
 from phoenix_runtime import auth, protocol
 from phoenix_runtime.channel import incarnation_of
 from phoenix_runtime.rank_env import RankEnv, rank_env
-from phoenix_runtime.threads import background_priority  # noqa: F401  (the old import path)
 
 PHASES = ("starting", "training", "recovering", "done")
 POLL_S = 0.02  # the poll interval while the notify watcher is not armed (or a message is half written)

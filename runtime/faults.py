@@ -4,8 +4,7 @@
 Points: the step phases ``settings.STEP_PHASES`` (``begin``, ``forward``, ``optimizer`` -- after the local
 update, before ZeRO's broadcast --, ``d2h`` -- inside the local snapshot copy --, ``h2h`` -- inside the replica
 transfer) and the recovery phases ``settings.RECOVERY_PHASES`` (``recover_exchange``, ``recover_params``,
-``recover_optim``, ``recover_reprotect``, ``recover_barrier``; ``recovery`` is an alias of
-``recover_exchange``). A fault fires once per job (a store counter), even when its step is replayed.
+``recover_optim``, ``recover_reprotect``, ``recover_barrier``). A fault fires once per job (a store counter), even when its step is replayed.
 """
 
 from __future__ import annotations
@@ -14,9 +13,6 @@ import os
 import signal
 import time
 from typing import Any, Callable
-
-ALIASES = {"recovery": "recover_exchange"}
-
 
 class FaultInjector:
     """The faults addressed to this rank: from the configuration, or sent by ``phoenix-run kill-node``."""
@@ -54,7 +50,7 @@ class FaultInjector:
         if f.get("gen") is not None and self.gen < f["gen"]:
             return False
         default = "h2h" if f.get("mode") == "late" else "begin"  # a late replica: its phase is the transfer
-        if ALIASES.get(f.get("phase", default), f.get("phase", default)) != phase:
+        if f.get("phase", default) != phase:
             return False
         if "node" in f and f["node"] != self.node:
             return False

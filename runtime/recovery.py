@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from phoenix_runtime.context import GenerationAbandoned, UnrecoverableError  # noqa: E402,F401  (re-exported)
+from phoenix_runtime.context import UnrecoverableError
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,3 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
             return Plan(step, joiners, param_src, optim_src, replayed, first, bool(fresh), tuple(fresh))
     raise UnrecoverableError(why)
 
-
-# --- the codec of named tensors: one, in codec.py (these names are kept for callers of 0.x) -------------
-from phoenix_runtime.codec import pack, unpack  # noqa: E402,F401

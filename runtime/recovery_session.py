@@ -7,7 +7,7 @@ representation of "who is joining"). Each generation is tried with its own recov
 groups, exchange descriptors, plan, roll back / transfer (through the ``Transport`` on the generation's
 gloo group, checksum-verified, resent on a mismatch), rebuild DDP/ZeRO, re-protect S_R, barrier. A failure in
 any phase abandons that generation: its protection session is torn down, and the next one starts clean.
-Fault-injection points: ``recover_exchange`` (alias ``recovery``), ``recover_params``, ``recover_optim``,
+Fault-injection points: ``recover_exchange``, ``recover_params``, ``recover_optim``,
 ``recover_reprotect``, ``recover_barrier``.
 """
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-# Where in a step (or a recovery) an injected fault fires. ``recovery`` is kept as the name of the first
-# recovery phase (the descriptor exchange).
+# Where in a step (or a recovery) an injected fault fires.
 STEP_PHASES = ("begin", "forward", "optimizer", "d2h", "h2h")
 RECOVERY_PHASES = ("recover_exchange", "recover_params", "recover_optim", "recover_reprotect", "recover_barrier")
-FAULT_PHASES = STEP_PHASES + ("recovery",) + RECOVERY_PHASES
+FAULT_PHASES = STEP_PHASES + RECOVERY_PHASES
 FAULT_MODES = ("crash", "rank", "hang", "comm", "gpu-ecc", "pcie", "late")  # late: the next replica (phase h2h)
 TRANSPORTS = ("gloo", "mpi")
 

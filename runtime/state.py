@@ -44,9 +44,6 @@ def local_optimizer(optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optim", optimizer)
 
 
-_opt_of = local_optimizer  # the old private name
-
-
 # the local optimizer -> key_of(parameter): its logical shard id (optimizers PHOENIX built; weak: no leak)
 _SHARD_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -362,12 +359,6 @@ def restore_envelope(meta: dict[str, Any], objs: LoopObjects) -> None:
     for name, sd in (loop.get("stateful") or {}).items():
         if name in objs.stateful:
             objs.stateful[name].load_state_dict(sd)
-
-
-def make_meta(step: int, optimizer, data_state, extra: dict[str, Any]) -> dict[str, Any]:
-    """The envelope of the old API (optimizer and data position only); kept for callers of 0.x."""
-    objs = LoopObjects(torch.nn.Module(), optimizer, stateful={"data": data_state} if data_state is not None else {})
-    return capture_envelope(step, objs, extra)
 
 
 def scalars_of(meta: dict[str, Any]) -> dict[str, Any]:

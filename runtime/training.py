@@ -1,4 +1,4 @@
-"""``ProtectedTraining`` (``Trainer`` in 0.x): what ``phx.protect()`` returns, wiring the three parts.
+"""``ProtectedTraining``: what ``phx.protect()`` returns, wiring the three parts.
 
 - the step guard (``step_guard.StepGuard``): ``with training.step():`` and ``training.optimizer_step()``;
 - the protection (``protection``): one local snapshot engine, and per generation a replicator + pipeline;
@@ -442,5 +442,3 @@ class ProtectedTraining:
         while time.monotonic() < deadline:
             time.sleep(0.05)
 
-
-Trainer = ProtectedTraining  # the 0.x name

@@ -103,7 +103,7 @@ def test_spare_dies_while_it_joins(tmp_path, baseline, layout):
     the groups and the sharded model are rebuilt again). "tp": the {"shard": 2, "tp": 2} mesh, TP=2 x FSDP=2."""
     faults = [
         {"node": "node1", "step": 5, "mode": "crash"},
-        {"node": "node2", "step": None, "mode": "crash", "phase": "recovery", "gen": 1},
+        {"node": "node2", "step": None, "mode": "crash", "phase": "recover_exchange", "gen": 1},
     ]
     r, run_dir, dg = run_job(tmp_path, "job", layout, 2, 2, 2, faults)
     evs = assert_recovered(r, run_dir, dg, baseline(layout))
@@ -140,7 +140,7 @@ def test_tp_joiner_at_the_first_step_cuts_its_own_shards(tmp_path, baseline):
 def survivor_lost_during_the_recovery(tmp_path, baseline, layout):
     faults = [
         {"node": "node1", "step": 5, "mode": "crash"},
-        {"node": "node3", "step": None, "mode": "crash", "phase": "recovery", "gen": 1},
+        {"node": "node3", "step": None, "mode": "crash", "phase": "recover_exchange", "gen": 1},
     ]
     r, run_dir, dg = run_job(tmp_path, "job", layout, 4, 1, 2, faults)
     evs = assert_recovered(r, run_dir, dg, baseline(layout))

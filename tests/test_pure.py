@@ -10,7 +10,9 @@ from phoenix_launch.classify import Action, FailureClass, Verdict
 from phoenix_launch.config import ConfigError, build_config
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState, TransitionError
 from phoenix_runtime import protocol
-from phoenix_runtime.recovery import Descriptor, UnrecoverableError, pack, plan_recovery, unpack
+from phoenix_runtime.codec import pack, unpack
+from phoenix_runtime.context import UnrecoverableError
+from phoenix_runtime.recovery import Descriptor, plan_recovery
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -50,7 +50,7 @@ class _Store:
 def test_faults_fire_once_at_their_point_with_the_recovery_alias():
     fired, executed = [], []
     inj = FaultInjector([{"node": "n1", "step": 5, "mode": "rank", "phase": "optimizer"},
-                         {"node": "n1", "step": None, "mode": "comm", "phase": "recovery", "gen": 1},
+                         {"node": "n1", "step": None, "mode": "comm", "phase": "recover_exchange", "gen": 1},
                          {"node": "n2", "step": 5, "mode": "rank"}], "n1", _Store(), fired.append, lambda: None)
     inj.execute = executed.append
     inj.where(rank=2, gen=0)
