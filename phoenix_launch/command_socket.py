@@ -13,7 +13,7 @@ the message's seal instead) and the same execution -- whose reply goes back on t
 created 0600 before it listens, and removed when the job ends.
 
 A supervisor on another host (Slurm, ``control.json``'s ``node`` is not this host) is reached through the
-store as before; :func:`probe_store` first says "no running job" at once when nothing listens there.
+store; :func:`probe_store` first says "no running job" at once when nothing listens there.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``phoenix-run kill-node`` without typer: the command a person types while the job runs must answer at
-once, and typer's parameter handling imports pydantic (~0.15 s of CPU, more than the rest of the command).
+once, and typer's parameter handling imports pydantic (more CPU time than the rest of the command).
 ``cli.main`` sends ``kill-node`` here; the options, messages and exit codes are those of ``cli.kill_node``.
 """
 

@@ -46,10 +46,10 @@ class Digest:
     """A streaming checksum: XXH3-64 (``xxhash``), kept to 63 bits so that it fits the wire's int64 words.
 
     The same value whatever the pieces it is fed in (a region chunk by chunk as the chunks arrive, then the
-    envelope). XXH3 was picked over CRC-32 (``zlib.crc32``, used before): measured here on one core, 9.9 GB/s
-    against 3.3 GB/s, and it releases the GIL too; the checksum was most of the local snapshot's time and of a
-    receiver's (``bench/pipeline.py``). Like CRC-32 it detects corruption, not forgery (the control plane's
-    messages carry an HMAC; these bytes travel between the job's own ranks).
+    envelope). XXH3 because it is several times faster than CRC-32 on one core and releases the GIL: the
+    checksum is a large part of a local snapshot's time and of a receiver's (figures: README's bench section).
+    It detects corruption, not forgery (the control plane's messages carry an HMAC; these bytes travel
+    between the job's own ranks).
     """
 
     def __init__(self) -> None:

@@ -140,7 +140,7 @@ class Context:
     def abort_groups(self) -> None:
         """Make every pending op of this generation's groups fail at once, here and at the peers.
 
-        gloo's abort() alone does not fail a pending receive (measured with torch 2.13); a receive whose
+        gloo's abort() alone does not fail a pending receive (torch 2.13); a receive whose
         wait times out closes its pair, which fails every pending op on that pair on both sides. So each
         peer's pair is closed that way first (a 1 ms wait on a reserved tag), then the group is aborted
         (NCCL: ncclCommAbort)."""
@@ -184,7 +184,7 @@ class Context:
         without protection: gloo on ``repl_group``, or MPI on the generation's pairs."""
         from phoenix_runtime.transport import GlooTransport, MpiTransport
 
-        if self.mpi_pairs is None:  # (recovery without protection: the default group, as before)
+        if self.mpi_pairs is None:  # gloo; without protection the recovery transfers use the default group
             return GlooTransport(self.repl_group) if self.repl_group is not None or use == 0 else None
         t = MpiTransport(pairs=self.mpi_pairs[use], rank=self.rank, size=self.world_size)
         self._transports.append(t)
@@ -248,7 +248,7 @@ class Context:
             log(f"generation {gen}: every rank arrived")
             self._form_groups(gen, pg_store, deadline)
         finally:
-            self._committed = None  # a mesh's new_group later in this generation stops as before
+            self._committed = None  # formed: a later new_group (a mesh) stops at a newer generation
         log(f"generation {gen}: process groups formed")
         if self.latest_gen() > gen:
             raise GenerationAbandoned(f"generation {gen} abandoned")
@@ -257,8 +257,8 @@ class Context:
         # Forming is bounded by half the recovery timeout, not by the collectives' timeout: a committed rank waits
         # for a peer's address (lost after the commit) with this timeout, and must be free while the next
         # generation (its deadline is a whole recovery timeout) can still form. The ranks all arrived already:
-        # this takes seconds. NB: the listening side of gloo's connect does not honour it (torch 2.13, measured:
-        # still waiting after 100 s with 30 s): a rank stranded there is only freed by the recovery deadline.
+        # this takes seconds. The listening side of gloo's connect does not honour this timeout (torch 2.13): a
+        # rank stranded there is only freed by the recovery deadline.
         bound = min(self.timeout.total_seconds(), deadline - time.monotonic(), self.recovery_timeout / 2)
         forming = timedelta(seconds=max(5.0, bound))
         dist.init_process_group(

@@ -89,8 +89,7 @@ def frozen(addr: tuple[str, int], within_s: float = 60.0) -> bool:
 def guarded(addr: tuple[str, int]):
     """A store call on a connection to ``addr`` that cannot hang for ever when that host vanishes without a
     reset (powered off, cut off by a partition): torch's TCPStore client then waits in ``recv`` for as long as
-    TCP retransmits (minutes; measured: ``check`` and ``add`` still blocked after 60 s with a 2 s store
-    timeout). A watchdog thread probes the address of a call that has run ``STALL_S``; a port that does not
+    TCP retransmits (minutes, whatever the store's own timeout). A watchdog thread probes the address of a call that has run ``STALL_S``; a port that does not
     accept a connect within 1 s is lost, and this process's connections to it are shut down, so the blocked
     call fails as on a closed connection (``DistNetworkError``) and the caller moves on. A leader that is
     only slow still accepts connects (its kernel does): nothing is cut, unless the call goes unanswered for
@@ -160,7 +159,7 @@ class FailoverStore(dist.Store):
 
     One thread uses one instance (as with any TCPStore client). A call that fails because the connection is
     lost (``DistNetworkError``) reconnects (:meth:`_move`) and is made again once; a call that fails otherwise
-    (a key's wait timed out) raises as before. Without a run directory it only reconnects to the same address."""
+    (a key's wait timed out) raises. Without a run directory it only reconnects to the same address."""
 
     def __init__(self, addr: tuple[str, int], run_dir: str | Path | None = None, *, timeout_s: float = 30.0,
                  reconnect_s: float = 60.0):

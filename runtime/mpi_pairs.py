@@ -10,8 +10,7 @@ rank first). Each pair gets a 2-process intracommunicator
 No cycle: a rank's connects wait only for lower ranks' earlier connects, and a rank accepts once its own
 connects are done.
 
-Pairs, not one communicator over the generation: measured here with MPICH 4.3.2 (PyPI wheel), a
-communicator grown by a collective ``Accept`` of the survivors fails once a member has died ("Invalid port",
+Pairs, not one communicator over the generation: with MPICH 4.3.2 (PyPI wheel) a communicator grown by a collective ``Accept`` of the survivors fails once a member has died ("Invalid port",
 "Unable to establish connection to process"), while single-process accept/connect between a survivor and
 a fresh process works. MPICH 5.0.x cannot connect singletons at all (pmodels/mpich#7805): the ``mpi``
 extra pins 4.3.2. A dead peer leaves pending ops pending (no error): ``MpiTransport`` bounds every wait.

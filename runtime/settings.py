@@ -24,9 +24,8 @@ class RuntimeSettings:
 
     protect: bool = True  # the in-memory protection pipeline; off: the step path calls nothing of it
     replicas: int = 1  # k: optimizer-shard replicas on distinct DP peers
-    # H2H chunk size. 16, not 4: each chunk is a send, a receive, two waits and a checksum call more per step on the
-    # replicator's thread (a 6.8 MB shard: 1 chunk instead of 2, ~0.1-0.3 ms less of that thread's CPU per step in a
-    # two-process exchange here); the receiver's checksum of the last chunk (~1.6 ms at 16 MB) is not overlapped
+    # H2H chunk size. Large, because each chunk is a send, a receive, two waits and a checksum call more per step on
+    # the replicator's thread; not larger, because the receiver's checksum of the last chunk is not overlapped
     chunk_mb: float = 16.0
     replica_timeout_s: float = 60.0  # optimizer_step() waits at most this long for the replica commit
     # protect every m-th step (the paper's rule when the copy does not fit in one step): a recovery replays

@@ -272,7 +272,7 @@ def _unb64(s: str) -> Any:
 
 
 def _rng_bytes(t: torch.Tensor) -> bytes:
-    return t.numpy().tobytes()  # a CPU ByteTensor's bytes: pickled as bytes in ~1 us, as a tensor in ~30 us
+    return t.numpy().tobytes()  # a CPU ByteTensor's bytes: bytes pickle far faster than a tensor
 
 
 def _rng_tensor(v) -> torch.Tensor:

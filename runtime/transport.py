@@ -5,8 +5,8 @@ recovery transfers (``wire.send_verified`` / ``recv_verified``). Buffers are con
 tensors, so on NCCL jobs the transport runs on a gloo group of its own (a send of a CPU tensor on an
 NCCL group fails): ``Context.form`` builds one per generation (``Context.repl_group``).
 
-``GlooTransport``: measured with torch 2.13 here, a gloo ``Work.wait(timeout)`` that times out closes the
-pair to that peer ("Application timeout caused pair closure") and the peer's pending ops on it fail at once;
+``GlooTransport``: in gloo (torch 2.13) a ``Work.wait(timeout)`` that times out closes the pair to that peer
+("Application timeout caused pair closure") and the peer's pending ops on it fail at once;
 ``ProcessGroup.abort()``, ``shutdown()`` and ``destroy_process_group`` do *not* unblock a pending p2p wait.
 ``GlooTransport.abort()`` therefore closes every pair it used by posting a 1-byte recv with a reserved tag
 and waiting 1 ms on it (then calls the backend's ``abort()`` as well): pending ops fail at once on both
@@ -27,8 +27,7 @@ from phoenix_runtime.errors import CommunicationError
 
 TAG_ABORT = 32760  # below MPI's guaranteed tag upper bound (32767)
 # MPI moves a large message only while a rank calls into it (Test): the poll pause bounds the throughput.
-# Measured with bench/transport.py (64 MB, MPICH 4.3.2, 2 busy cores): 2 ms -> 0.24 GB/s, 100 us -> 1.8 GB/s,
-# spinning -> 2.4 GB/s (and a core). 100 us is the compromise.
+# 100 us keeps most of a spinning poll's throughput without taking a core (bench/transport.py).
 POLL_MAX_S = 1e-4
 
 

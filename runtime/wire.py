@@ -25,7 +25,7 @@ from phoenix_runtime.errors import ProtectionError
 from phoenix_runtime.transport import Transport, TransportError
 
 MAGIC = 0x50484E58  # "PHNX"
-VERSION = 3  # 3: the checksum is XXH3-64 (codec.Digest), no longer CRC-32
+VERSION = 3  # the header's layout; its checksum is XXH3-64 (codec.Digest)
 HDR_WORDS = 16
 TAG_HEADER = 1
 TAG_ENVELOPE = 2

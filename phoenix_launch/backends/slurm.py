@@ -6,7 +6,7 @@ one-node step started with :func:`slurm_env.agent_srun_command` (``--overlap``, 
 ``--kill-on-bad-exit=0``), so a node's death ends only that node's step, and the supervisor sees it as that
 ``srun`` exiting (or as the agent's heartbeat stopping, whichever comes first).
 
-Facts this relies on (measured on the Slurm 22.05 test cluster, slurm/cluster/up.sh):
+Slurm 22.05 behaviour this relies on (the test cluster: slurm/cluster/up.sh):
 
 * SIGKILL to a step's ``srun`` ends the step: its slurmstepd kills the task within about 0.5 s. A node is
   therefore killed by SIGKILLing its ``srun``; ``scancel --signal=KILL JOB.STEP`` is sent as well.
@@ -221,7 +221,7 @@ class SlurmBackend:
     def _srun_preexec(self):
         """Without a standby, an ``srun`` dies with this supervisor (nothing could continue its step). With one,
         it must outlive it: an ``srun`` killed under a live node makes its helper process cancel the step
-        (measured: every step of the job gone within 3 s of the leader's SIGKILL), where the standby needs the
+        (every step of the job goes within seconds of the leader's SIGKILL), where the standby needs the
         steps to take over; the takeover's leader stops them with ``scancel`` in the end."""
         return None if self.standby else die_with_parent
 
@@ -368,7 +368,7 @@ class SlurmBackend:
 
         def running() -> list[str]:
             # an attached agent's step leaves squeue only once slurmstepd has told its srun, which died (or is cut
-            # off) with the old leader: measured, a step whose srun is partitioned away stays listed for >15 s
+            # off) with the old leader: a step whose srun is partitioned away stays listed long (over 15 s)
             # after its agent exited; the bound below (stop_grace_s + 1 s) is then what the job's end costs
             left = [n for n, p in live.items() if p.poll() is None]
             if attached:

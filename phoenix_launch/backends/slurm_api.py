@@ -4,7 +4,7 @@ A job whose batch host was lost stays RUNNING for ever: its batch step cannot en
 ``scancel`` call ends it with an exit code (``scancel`` leaves it CANCELLED). The standby supervisor that took
 such a job over ends it as ``salloc`` ends its own allocations, with ``slurm_complete_job(job_id, status)``:
 the job is then COMPLETED (status 0) or FAILED with ``ExitCode=<code>:0``, as if the batch script had exited
-with the supervisor's code (measured on the Slurm 22.05 test cluster, slurm/cluster/up.sh).
+with the supervisor's code (Slurm 22.05; the test cluster: slurm/cluster/up.sh).
 
 The library is ``libslurm.so`` where the site installs it, else the private ``libslurmfull.so`` the Slurm
 commands themselves load (Debian's ``slurm-client``); it is loaded with ``RTLD_GLOBAL`` because its plugins

@@ -4,8 +4,7 @@ Torch-free and import-light (stdlib only). Other modules get a frozen :class:`Sl
 :meth:`SlurmJob.from_env` and the argv lists built here (``drain_command``, ``agent_srun_command``);
 they never look at ``os.environ["SLURM_..."]`` themselves.
 
-Facts this module relies on (measured on the Slurm 22.05 test cluster, see
-``/work/shared/design/slurm-test-cluster.md`` and ``slurm/cluster/up.sh``):
+Slurm 22.05 behaviour this module relies on (the test cluster: ``slurm/cluster/up.sh``):
 
 * ``SLURM_PROCID``, ``SLURM_NODEID``, ``SLURM_NNODES``, ``SLURM_NTASKS`` describe the *step*, not the job:
   ``srun -N2 -w n3,n4`` gives n3 NODEID=0. They are exposed as :class:`SlurmStep`, never as a node's rank
@@ -13,8 +12,8 @@ Facts this module relies on (measured on the Slurm 22.05 test cluster, see
 * After a ``--no-kill`` job loses a node, the env still shows the original ``SLURM_JOB_NODELIST``; the live
   list is only in ``scontrol show job`` (:func:`job_nodes`).
 * Slurm 22.05 does not report ``--no-kill`` anywhere a job can read it: ``scontrol show job`` (also ``-d``),
-  ``squeue --json`` and the batch/step environment are identical with and without it (diffed on the test
-  cluster). Newer Slurm (data_parser v0.0.41, 24.05) puts ``kill_on_node_fail`` in ``scontrol --json show job``.
+  ``squeue --json`` and the batch/step environment are identical with and without it. Newer Slurm
+  (data_parser v0.0.41, 24.05) puts ``kill_on_node_fail`` in ``scontrol --json show job``.
   See :func:`detect_no_kill` for the order in which evidence is used.
 """
 
