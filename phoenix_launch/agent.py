@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import select
 import signal
@@ -31,7 +32,9 @@ from phoenix_launch.events import open_private, private_dir
 from phoenix_launch.procs import die_with_parent
 from phoenix_launch.procs import send_signal as _signal
 from phoenix_launch.spec import AgentSpec, SpecError
-from phoenix_runtime import auth, protocol
+from phoenix_runtime import auth, logs, protocol
+
+log = logging.getLogger("phoenix_launch.agent")  # by name: this module runs as __main__
 
 WARM_WAIT_S = 120.0  # the longest an agent defers joining the control plane for its ranks' imports
 #: phases in which a rank is not expected to complete steps (the hang check falls back to its heartbeat)
@@ -412,7 +415,7 @@ class Agent:
                 self.last_store_ok = now
             except Exception as e:  # store unreachable: the supervisor is gone
                 if time.monotonic() - self.last_store_ok > node_timeout:
-                    print(f"phoenix agent {self.node}: control plane lost ({e}); stopping ranks", file=sys.stderr)
+                    log.error(f"phoenix agent {self.node}: control plane lost ({e}); stopping ranks")
                     self.terminate_ranks(self.spec.stop_grace_s)
                     return 1
             if self.stopping:
@@ -464,6 +467,7 @@ def _tail(path: Path, n: int = 20, max_bytes: int = 16384) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logs.configure_launcher()
     ap = argparse.ArgumentParser(prog="phoenix-agent")
     ap.add_argument("--spec", required=True, help="JSON spec, or @FILE")
     ap.add_argument("--node", help="override the node name (Slurm: this host)")
@@ -472,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         text = Path(ns.spec[1:]).read_text() if ns.spec.startswith("@") else ns.spec
         spec = AgentSpec.from_json(text)
     except (OSError, SpecError) as e:
-        print(f"phoenix agent: {e}", file=sys.stderr)
+        log.error(f"phoenix agent: {e}")
         return 2
     if ns.node:
         spec = replace(spec, node=ns.node)
@@ -480,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         try:  # the job's secret: only its user can read the run directory
             auth.set_key(auth.read_secret(Path(spec.run_dir)))
         except (OSError, ValueError) as e:
-            print(f"phoenix agent: cannot read the job's secret in {spec.run_dir}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+            log.error(f"phoenix agent: cannot read the job's secret in {spec.run_dir}: {getattr(e, 'strerror', None) or e}")
             return 2
     agent = Agent(spec)
 

@@ -24,6 +24,7 @@ from typing import Optional
 import typer
 
 from phoenix_launch.config import ConfigError, build_config, load_yaml
+from phoenix_runtime import logs
 from phoenix_runtime.errors import PhoenixError
 
 EXIT_USAGE = 2
@@ -356,6 +357,7 @@ SUBCOMMANDS = ("run", "status", "report", "kill-node", "simulate", "sbatch")
 
 
 def main(argv: list[str] | None = None) -> None:
+    logs.configure_launcher()  # the supervisor's (and its keeper's) log lines
     args = list(sys.argv[1:] if argv is None else argv)
     first = args[0] if args else None
     if first == "kill-node":  # answers at once: argparse, not typer (whose parameters import pydantic)

@@ -18,6 +18,7 @@ OOM killer picks the leader before it.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -25,7 +26,10 @@ import time
 from pathlib import Path
 
 from phoenix_launch.events import parse_events, write_json_atomic
+from phoenix_runtime import logs
 from phoenix_runtime.protocol import CONTROL_FILE, STANDBY_FILE, read_json_object
+
+log = logging.getLogger(__name__)
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 ENDED_STATES = ("succeeded", "failed")
@@ -39,6 +43,7 @@ def fork_leader(run_dir: Path, takeover_timeout_s: float) -> None:
         for s in FORWARDED:  # the leader installs its own handlers
             signal.signal(s, signal.SIG_DFL)
         return
+    logs.configure_launcher()  # the keeper is a process of its own from here
     sys.exit(keep(pid, run_dir, takeover_timeout_s))
 
 
@@ -64,8 +69,8 @@ def keep(pid: int, run_dir: Path, takeover_timeout_s: float) -> int:
 
     for s in FORWARDED:
         signal.signal(s, end)
-    print(f"phoenix-run: the leader supervisor (pid {pid}) was lost (exit {code}) before the job ended; "
-          f"the standby supervisor continues it (this process waits for the job's end)", file=sys.stderr, flush=True)
+    log.warning(f"phoenix-run: the leader supervisor (pid {pid}) was lost (exit {code}) before the job ended; "
+                f"the standby supervisor continues it (this process waits for the job's end)")
     return wait_for_end(run_dir, _incarnation(run_dir), code, takeover_timeout_s)
 
 
@@ -77,7 +82,7 @@ def wait_for_end(run_dir: Path, incarnation: int, code: int, takeover_timeout_s:
     deadline = time.monotonic() + takeover_timeout_s
     while not job_over(run_dir):
         if _incarnation(run_dir) <= incarnation and time.monotonic() > deadline:
-            print(f"phoenix-run: no standby took the job over within {takeover_timeout_s:g} s", file=sys.stderr, flush=True)
+            log.error(f"phoenix-run: no standby took the job over within {takeover_timeout_s:g} s")
             return code
         write_json_atomic(run_dir / KEEPER_FILE, {"pid": os.getpid(), "node": os.uname().nodename, "t": time.time()})
         time.sleep(0.5)

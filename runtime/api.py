@@ -18,12 +18,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from phoenix_runtime.context import Context, init, log  # noqa: F401  (the public init)
+from phoenix_runtime.context import Context, init  # noqa: F401  (the public init)
 from phoenix_runtime.parallel import Parallel, check_bare, make_optimizer
 from phoenix_runtime.state import LoopObjects, name_by_shard
 from phoenix_runtime.training import ProtectedTraining  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 
 def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None, schedulers=(), scaler=None,
@@ -95,7 +99,7 @@ def build_mesh(ctx, par: Parallel) -> None:
         except Exception as e:  # noqa: BLE001 -- a failure of the rendezvous, with the generation abandoned
             if not (ctx.managed and ctx.abandoned()):
                 raise
-            log(f"generation {ctx.gen} abandoned while its DeviceMesh was built ({type(e).__name__}: {str(e)[:120]})")
+            log.info(f"generation {ctx.gen} abandoned while its DeviceMesh was built ({type(e).__name__}: {str(e)[:120]})")
             ctx.abort_groups()
             ctx.destroy_groups()
             ctx.form_first(ctx.wait_new_gen(ctx.gen))

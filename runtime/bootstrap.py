@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import runpy
 import signal
@@ -25,8 +26,10 @@ import time
 import traceback
 from datetime import timedelta
 
-from phoenix_runtime import auth, protocol
+from phoenix_runtime import auth, logs, protocol
 from phoenix_runtime import rank_env as rank_env_module
+
+log = logging.getLogger("phoenix_runtime.bootstrap")  # by name: this module runs as __main__
 
 
 def write_error_file(exc: BaseException, step: int | None) -> None:
@@ -207,16 +210,16 @@ def main() -> None:
 
     from phoenix_runtime.control import STATE, start_control
 
+    logs.configure_rank()
     role = rank_env_module.rank_env().role
     auth.key()  # the job's secret, out of the environment before the user's script can see it
     start_control()
     signal_warm()  # a spare too: its prewarm below is its own business, the agent need not wait for it
     if role == protocol.ROLE_SPARE:
         prewarm(argv)
-        print(f"[phoenix {time.strftime('%H:%M:%S')}] spare warm: waiting for an assignment", file=sys.stderr, flush=True)
+        log.info("spare warm: waiting for an assignment")
         assignment = wait_for_assignment()
-        t = time.time()
-        print(f"[phoenix {time.strftime('%H:%M:%S', time.localtime(t))}.{int(t % 1 * 1000):03d}] spare assigned rank {assignment['rank']} in generation {assignment['gen']}", file=sys.stderr, flush=True)
+        log.info(f"spare assigned rank {assignment['rank']} in generation {assignment['gen']}")
         # the user's script may read torchrun's variables: the assignment goes into the environment, which
         # is then parsed again (the one place the runtime writes it)
         os.environ.update(assignment_env(assignment))

@@ -7,7 +7,7 @@ environment (torchrun), with no recovery.
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 from datetime import timedelta
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phoenix_runtime import protocol
+from phoenix_runtime import logs, protocol
 from phoenix_runtime.control import STATE, connect_store, control, start_control
 from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.rank_env import RankEnv, rank_env
@@ -34,11 +34,15 @@ class GenerationAbandoned(RecoveryError, RuntimeError):
     """The supervisor published a newer generation while this one was running or being formed."""
 
 
-def log(msg: str) -> None:
-    """A timestamped line in the rank's log (its stderr): what the runtime did and when."""
-    t = time.time()
-    rank = _CTX.rank if _CTX is not None else rank_env().rank
-    print(f"[phoenix {time.strftime('%H:%M:%S', time.localtime(t))}.{int(t % 1 * 1000):03d} rank {rank}] {msg}", file=sys.stderr, flush=True)
+log = logging.getLogger(__name__)
+
+
+def _log_rank() -> int | None:
+    """The rank this process's log lines name (logs.rank_source): the context's, once it exists."""
+    return _CTX.rank if _CTX is not None else logs.env_rank()
+
+
+logs.rank_source = _log_rank
 
 
 def desc_key(gen: int, rank: int) -> str:
@@ -242,14 +246,14 @@ class Context:
         pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store), stop=lambda: self._check_gen(gen))
         self._pg_stores.append((gen, pg_store))  # its keys (the fate's too) are deleted with the generation
         self.store.add(protocol.k_arrived(gen), 1)
-        log(f"generation {gen}: arrived")
+        log.info(f"generation {gen}: arrived")
         try:
             self._wait_all(protocol.k_arrived(gen), gen, deadline, pg_store)
-            log(f"generation {gen}: every rank arrived")
+            log.info(f"generation {gen}: every rank arrived")
             self._form_groups(gen, pg_store, deadline)
         finally:
             self._committed = None  # formed: a later new_group (a mesh) stops at a newer generation
-        log(f"generation {gen}: process groups formed")
+        log.info(f"generation {gen}: process groups formed")
         if self.latest_gen() > gen:
             raise GenerationAbandoned(f"generation {gen} abandoned")
 
@@ -280,7 +284,7 @@ class Context:
 
             self.mpi_pairs = connect_pairs(pg_store, "mpi", self.rank, self.world_size, deadline,
                                            abandoned=lambda: self._may_leave(gen))
-            log(f"generation {gen}: MPI connected to {len(self.mpi_pairs[0])} peers")
+            log.info(f"generation {gen}: MPI connected to {len(self.mpi_pairs[0])} peers")
 
     def form_first(self, gen: int, first: bool = False) -> None:
         """Form generation ``gen``, or the next ones while one is abandoned before it is formed (``init()``; and
@@ -293,7 +297,7 @@ class Context:
             except UnrecoverableError:
                 raise
             except (GenerationAbandoned, RuntimeError) as e:
-                log(f"generation {gen} not formed ({type(e).__name__}: {str(e)[:120]})")
+                log.info(f"generation {gen} not formed ({type(e).__name__}: {str(e)[:120]})")
                 self.destroy_groups()
                 gen = self.wait_new_gen(gen)
 
@@ -352,6 +356,7 @@ def init(backend: str | None = None, *, tp: int = 1, pp: int = 1) -> Context:
     global _CTX
     if _CTX is not None:
         return _CTX
+    logs.configure_rank()  # under phoenix-run the bootstrap did already
     env = rank_env()
     ctx = Context(env, backend, tp, pp)
     if not ctx.managed:
@@ -365,7 +370,7 @@ def init(backend: str | None = None, *, tp: int = 1, pp: int = 1) -> Context:
     # nothing, so the supervisor starts the attempt fresh (with a spare for a lost node) instead of stopping
     STATE.runtime = True
     if ctx.joining:
-        log(f"joining generation {ctx.gen} as rank {ctx.rank}")
+        log.info(f"joining generation {ctx.gen} as rank {ctx.rank}")
     gen = max(ctx.gen, ctx.latest_gen()) if ctx.joining else ctx.gen
     ctx.form_first(gen, first=not ctx.joining)  # the job's start: every rank imports torch at once, allow for it
     _CTX = ctx

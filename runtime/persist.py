@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import os
 import pickle
 import time
@@ -26,7 +27,8 @@ from typing import Callable
 import torch
 
 from phoenix_runtime import protocol, state
-from phoenix_runtime.context import log
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -81,7 +83,7 @@ class Persister:
             if not f.done():
                 left.append(item)
             elif f.exception() is not None:  # never marked complete: the previous complete checkpoint stays
-                log(f"persistent checkpoint of step {step} not written ({path}): {f.exception()!r}")
+                log.info(f"persistent checkpoint of step {step} not written ({path}): {f.exception()!r}")
             else:
                 self.report({"type": "persisted", "rank": rank, "step": step, "path": path, "write_s": round(time.perf_counter() - t0, 4),
                              "stage_s": round(stage_s, 4), "nbytes": nbytes})

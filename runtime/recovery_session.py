@@ -13,17 +13,20 @@ Fault-injection points: ``recover_exchange``, ``recover_params``, ``recover_opti
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch.distributed as dist
 
 from phoenix_runtime import protocol, state
-from phoenix_runtime.context import GenerationAbandoned, UnrecoverableError, log
+from phoenix_runtime.context import GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.control import STATE
 from phoenix_runtime.recovery import Descriptor, Plan, plan_recovery
 from phoenix_runtime.replication import recv_snapshot, send_snapshot
 from phoenix_runtime.salvage import salvage
 from phoenix_runtime.wire import recv_named, send_named
+
+log = logging.getLogger(__name__)
 
 
 class RecoverySession:
@@ -55,7 +58,7 @@ class RecoverySession:
             except Exception as e:  # noqa: BLE001 -- a failure during the recovery: wait for the next generation
                 if not self.t.is_failure(e) and not isinstance(e, (GenerationAbandoned, TimeoutError)):
                     raise
-                log(f"generation {gen} abandoned during its recovery ({type(e).__name__}: {str(e)[:160]})")
+                log.info(f"generation {gen} abandoned during its recovery ({type(e).__name__}: {str(e)[:160]})")
                 self.t.teardown_protection()
                 self.t.model = self.t.objs.module
                 gen = ctx.wait_new_gen(gen)
@@ -80,8 +83,8 @@ class RecoverySession:
         if t.first_step is None:
             t.first_step = plan.first_step  # a joiner learns where the run started
         params = "parameter shards with the replicas" if t.params_sharded else f"params from {plan.param_src}"
-        log(f"generation {gen}: plan: resume at step {R}, joiners {list(plan.joiners)}, {params}, "
-            f"replicas from {plan.optim_src}{', fresh ' + str(list(plan.fresh)) if plan.fresh else ''}")
+        log.info(f"generation {gen}: plan: resume at step {R}, joiners {list(plan.joiners)}, {params}, "
+                 f"replicas from {plan.optim_src}{', fresh ' + str(list(plan.fresh)) if plan.fresh else ''}")
         marks["planned"] = time.time()
         t.rebuild_optimizer()  # ZeRO on the new group, in place (the user's scheduler keeps acting on it)
         if live is not None:
@@ -162,7 +165,7 @@ class RecoverySession:
             "resume_s": round(t_end - marks["optim"], 4),
         }
         t.stats["recoveries"].append({"gen": gen, "step": plan.step, **breakdown})
-        log(f"generation {gen}: resumed at step {plan.step} ({breakdown})")
+        log.info(f"generation {gen}: resumed at step {plan.step} ({breakdown})")
         ctx.report({"type": "recovered", "gen": gen, "step": plan.step, "replayed": plan.replayed.get(ctx.rank, 0),
                     "joiner": live is None, "breakdown": breakdown})
         STATE.enter("training")

@@ -13,11 +13,14 @@ nothing lost: ``phoenix-run --resume RUN_DIR``, or a Slurm requeue.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from phoenix_runtime import persist, protocol
-from phoenix_runtime.context import UnrecoverableError, log
+from phoenix_runtime.context import UnrecoverableError
 from phoenix_runtime.recovery import Descriptor, plan_recovery
+
+log = logging.getLogger(__name__)
 
 
 def salvage(t, gen: int, mem: protocol.Membership, live) -> None:
@@ -55,8 +58,8 @@ def salvage(t, gen: int, mem: protocol.Membership, live) -> None:
             optim = own.optim_tensors() if t.replicated else rep.optim_tensors()  # replicated: the same on every peer
             writer.save(R, optim, own.param_tensors(), rep.meta, rank=j)
     writer.close(timeout=max(1.0, deadline - time.monotonic()))
-    log(f"generation {gen}: salvage: S_{R} written for rank {ctx.rank}"
-        f"{' and lost rank(s) ' + str([j for j in plan.joiners if plan.optim_src[j] == ctx.rank]) if ctx.rank in plan.optim_src.values() else ''}")
+    log.info(f"generation {gen}: salvage: S_{R} written for rank {ctx.rank}"
+             f"{' and lost rank(s) ' + str([j for j in plan.joiners if plan.optim_src[j] == ctx.rank]) if ctx.rank in plan.optim_src.values() else ''}")
     while time.monotonic() < deadline:  # the supervisor stops the job once every rank's S_R is in
         time.sleep(0.05)
     raise UnrecoverableError(f"salvage of step {R} done; the job was not stopped within the recovery timeout")

@@ -12,14 +12,17 @@ recovery session runs; the loop then continues at the resume step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import torch.distributed as dist
 
-from phoenix_runtime.context import GenerationAbandoned, log
+from phoenix_runtime.context import GenerationAbandoned
 from phoenix_runtime.control import STATE
 from phoenix_runtime.transport import TransportError
 from phoenix_runtime.wire import ReplicationError
+
+log = logging.getLogger(__name__)
 
 COMM_ERROR_MARKERS = (
     "connection closed",
@@ -116,7 +119,7 @@ class StepGuard:
         while e.cause not in ("checksum mismatch", "skipped") and time.monotonic() < deadline:
             t.ctx.check_generation()
             time.sleep(0.02)
-        log(f"step {step}: replication failed, training goes on unprotected for this step: {str(e)[:300]}")
+        log.info(f"step {step}: replication failed, training goes on unprotected for this step: {str(e)[:300]}")
         t.stats["replication_errors"] = t.stats.get("replication_errors", 0) + 1
         # a broken replicator (a transfer timed out or tore: gloo closed that pair) protects no later step of this
         # generation: the supervisor re-forms it, and the re-protection sends every replica again on fresh pairs

@@ -10,6 +10,7 @@ Fault injection is a plug-in (``faults.FaultInjector``) called at named points.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import time
 from typing import Any, Iterator
@@ -17,7 +18,7 @@ from typing import Any, Iterator
 import torch
 
 from phoenix_runtime import persist, protocol, state
-from phoenix_runtime.context import Context, GenerationAbandoned, UnrecoverableError, log
+from phoenix_runtime.context import Context, GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.control import STATE
 from phoenix_runtime.faults import FaultInjector
 from phoenix_runtime.parallel import reshard
@@ -26,6 +27,8 @@ from phoenix_runtime.quiet import quiet_unused_parameters_warning
 from phoenix_runtime.recovery_session import RecoverySession
 from phoenix_runtime.snapshot import D2H
 from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
+
+log = logging.getLogger(__name__)
 
 
 def optimizer_kind(optimizer) -> str:
@@ -181,8 +184,8 @@ class ProtectedTraining:
                 quiet_unused_parameters_warning()
             elif not self._warned_layout:
                 self._warned_layout = True
-                log("DDP(find_unused_parameters=False): a fresh DDP after a recovery rebuilds its buckets, so a "
-                    "resumed run may differ from an uninterrupted one in the last bits")
+                log.info("DDP(find_unused_parameters=False): a fresh DDP after a recovery rebuilds its buckets, so a "
+                         "resumed run may differ from an uninterrupted one in the last bits")
             if self.ctx.backend == "nccl":
                 kw.setdefault("device_ids", [torch.cuda.current_device()])
             self.model = DDP(self.objs.module, **kw)
@@ -289,7 +292,7 @@ class ProtectedTraining:
         self.metas[k] = meta
         self.step_idx = self.first_step = k
         STATE.stepped(k)
-        log(f"resumed from the persistent checkpoint of step {k} ({step_dir})")
+        log.info(f"resumed from the persistent checkpoint of step {k} ({step_dir})")
 
     def _report_protection(self, step: int) -> None:
         """Once per generation, when the sizes are known: the optimizer state exists (it appears lazily at the
@@ -305,9 +308,9 @@ class ProtectedTraining:
         info["params_replicated"] = self.params_sharded
         info["replica_param_bytes"] = size(p for p in state.param_named(self.objs.module) if p[0].startswith("p.")) if self.params_sharded else 0
         self.protection.check_memory()
-        log(f"protection: {info['host_bytes'] / 2**20:.1f} MiB of host memory (local snapshot {self.d2h.nbytes / 2**20:.1f} MiB x 2, "
-            f"{info['replicas']} replica(s) of {info['replica_bytes'] / 2**20:.1f} MiB x 2"
-            f"{', each with the parameter shard (%.1f MiB)' % (info['replica_param_bytes'] / 2**20) if self.params_sharded else ''})")
+        log.info(f"protection: {info['host_bytes'] / 2**20:.1f} MiB of host memory (local snapshot {self.d2h.nbytes / 2**20:.1f} MiB x 2, "
+                 f"{info['replicas']} replica(s) of {info['replica_bytes'] / 2**20:.1f} MiB x 2"
+                 f"{', each with the parameter shard (%.1f MiB)' % (info['replica_param_bytes'] / 2**20) if self.params_sharded else ''})")
         self.ctx.report({"type": "protection", **info})
 
     def held_replicas(self) -> dict:
@@ -363,7 +366,7 @@ class ProtectedTraining:
         marks = {"t0": time.time()}
         ctx = self.ctx
         STATE.enter("recovering")
-        log(f"step {self.step_idx}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")
+        log.info(f"step {self.step_idx}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")
         ctx.abort_groups()  # pending transfers of the pipeline fail at once instead of timing out
         if not ctx.abandoned():  # the supervisor may not know yet (e.g. a transient link fault)
             ctx.report({"type": "rank_error", "gen": ctx.gen, "error": {"type": type(cause).__name__, "message": str(cause)[:2000]}})
@@ -377,7 +380,7 @@ class ProtectedTraining:
         self.objs.module.zero_grad(set_to_none=True)
         self.model = self.objs.module  # drop DDP (it holds the old group) before the group is destroyed
         marks["quiesced"] = time.time()
-        log(f"quiesced in {marks['quiesced'] - marks['t0']:.3f}s")
+        log.info(f"quiesced in {marks['quiesced'] - marks['t0']:.3f}s")
         RecoverySession(self).run(ctx.wait_new_gen(ctx.gen), live, marks, formed=False)
 
     def restore_local(self, R: int, live: tuple[int, bool]) -> None:

@@ -42,7 +42,7 @@ for name, deps in graph.items():
     if name.startswith("phoenix_launch"):
         for d in deps:
             if d.startswith("phoenix_runtime") and d not in ("phoenix_runtime.protocol", "phoenix_runtime.settings", "phoenix_runtime.auth", "phoenix_runtime",
-                                                         "phoenix_runtime.errors",
+                                                         "phoenix_runtime.errors", "phoenix_runtime.logs",
                                                          "phoenix_runtime.failover"):  # the store client both sides hold (lazily)
                 bad.append(f"launcher imports runtime module {d} from {name}")
 # cycles (module level and function level imports alike)
