@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import os
-import sys
 import time
 from typing import Any
 
 from phoenix_launch.backends.base import NotSupported
 from phoenix_runtime import auth, protocol
+
+log = logging.getLogger(__name__)
 
 K_STATE = "phx/sup/state"  # the leader's mirrored state (sealed JSON)
 K_READY = "phx/sup/standby_ready"  # the standby has the state: the incarnation it would serve (sealed)
@@ -174,13 +176,13 @@ class Standby:
             if self.stop():
                 return False
             if not reachable(self.addr):
-                print("phoenix standby: the leader was lost before this standby was ready; nothing to take over", file=sys.stderr)
+                log.error("phoenix standby: the leader was lost before this standby was ready; nothing to take over")
                 return False
             try:
                 store = self._connect(2.0)
             except dist.DistError:
                 if time.monotonic() > deadline:
-                    print("phoenix standby: the leader's store does not answer", file=sys.stderr)
+                    log.error("phoenix standby: the leader's store does not answer")
                     return False
         acked = 0
         while not self.stop():
@@ -322,7 +324,6 @@ class StandbyLink:
         if int(ctl.get("incarnation", 0) or 0) > sup.plane.incarnation:
             sup.events.emit("superseded", incarnation=sup.plane.incarnation, by=f"{ctl.get('host')}:{ctl.get('port')}",
                             node=ctl.get("node"))
-            print(f"phoenix-run: superseded by the standby that took the job over ({ctl.get('node')}); leaving it to it",
-                  file=sys.stderr, flush=True)
+            log.warning(f"phoenix-run: superseded by the standby that took the job over ({ctl.get('node')}); leaving it to it")
             sup.backend.abandon()
             os._exit(SUPERSEDED_EXIT)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import socket
@@ -21,10 +22,13 @@ from phoenix_launch.control import ControlPlane
 from phoenix_launch.lifecycle import JobState
 from phoenix_launch.mirror import STANDBY_FILE, Standby
 from phoenix_launch.nodes import ENDED
-from phoenix_runtime import auth, protocol
+from phoenix_runtime import auth, logs, protocol
+
+log = logging.getLogger("phoenix_launch.standby")  # by name: this module runs as __main__
 
 
 def main(argv: list[str] | None = None) -> int:
+    logs.configure_launcher()
     ap = argparse.ArgumentParser(prog="phoenix-standby")
     ap.add_argument("--run-dir", required=True)
     where = ap.add_mutually_exclusive_group(required=True)
@@ -40,18 +44,18 @@ def main(argv: list[str] | None = None) -> int:
         told = json.loads((run_dir / STANDBY_FILE).read_text())
         ctl = json.loads((run_dir / "control.json").read_text())
     except (OSError, ValueError) as e:
-        print(f"phoenix standby: cannot start: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        log.error(f"phoenix standby: cannot start: {getattr(e, 'strerror', None) or e}")
         return 2
     try:
         sock = socket.socket(fileno=ns.fd) if ns.fd is not None else _bind_here(run_dir, told, ctl["host"])
     except (OSError, RuntimeError) as e:  # no route to the leader, no port here (PortInUse)
-        print(f"phoenix standby: cannot listen: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        log.error(f"phoenix standby: cannot listen: {getattr(e, 'strerror', None) or e}")
         return 2
     watcher = Standby(ctl["host"], int(ctl["port"]), int(told["incarnation"]), stop=lambda: bool(stopping))
     if not watcher.watch():
         return 0
     if watcher.state is None:
-        print("phoenix standby: the leader was lost before it published any state; nothing to take over", file=sys.stderr)
+        log.error("phoenix standby: the leader was lost before it published any state; nothing to take over")
         return 1
     state = {**watcher.state, "leader_lost_how": watcher.lost_how}
     return take_over(run_dir, told, state, sock, watcher.t_lost or time.time(), stopping)
@@ -121,7 +125,7 @@ def _end_scheduler_job(run_dir: Path, code: int, end_job: Any) -> None:
     deadline = time.monotonic() + 15.0
     while kept and keeper.alive(run_dir) and time.monotonic() < deadline:  # Slurm ends this step meanwhile
         time.sleep(0.5)
-    print(f"phoenix standby: {end_job(code)}", file=sys.stderr, flush=True)
+    log.info(f"phoenix standby: {end_job(code)}")
 
 
 def take_over_job(sup: Any, state: dict[str, Any], sock: Any, t_lost: float, phases: dict[str, float] | None = None) -> None:

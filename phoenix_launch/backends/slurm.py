@@ -21,6 +21,7 @@ argv builders of :mod:`slurm_env`.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -40,6 +41,8 @@ from phoenix_launch.control import route_source
 from phoenix_launch.events import open_private, private_dir, write_private
 from phoenix_launch.procs import die_with_parent, poll_exited
 from phoenix_launch.spec import AgentSpec
+
+log = logging.getLogger(__name__)
 
 #: Deadline for a Slurm query made from the supervisor's loop (squeue/scontrol answer in milliseconds).
 QUERY_TIMEOUT = timedelta(seconds=5)
@@ -119,7 +122,7 @@ class SlurmBackend:
                 f"{_plural(n, 'node')} ({','.join(allocation)}): allocate more nodes (sbatch -N "
                 f"{L.nodes + L.spares}) or lower --nodes/--spares")
         if job.no_kill is False:
-            print(NO_KILL_WARNING, file=sys.stderr, flush=True)
+            log.warning(NO_KILL_WARNING)
         return cls(cfg, run_dir, job, allocation, run=run, submit=submit)
 
     @classmethod
