@@ -92,14 +92,14 @@ def build_mesh(ctx, par: Parallel) -> None:
     """The DeviceMesh of the generation this rank formed; if that generation is abandoned while the mesh's groups
     are formed (a rank lost meanwhile), the next generation is formed and its mesh built (the model is untouched
     until then). A recovery follows before the first step (``formed_after_a_failure``)."""
-    while True:
-        try:
-            par.build_mesh(ctx.gen)
-            return
-        except Exception as e:  # noqa: BLE001 -- a failure of the rendezvous, with the generation abandoned
-            if not (ctx.managed and ctx.abandoned()):
-                raise
-            log.info(f"generation {ctx.gen} abandoned while its DeviceMesh was built ({type(e).__name__}: {str(e)[:120]})")
-            ctx.abort_groups()
-            ctx.destroy_groups()
-            ctx.form_first(ctx.wait_new_gen(ctx.gen))
+    def attempt(gen: int) -> None:
+        if gen != ctx.gen:  # the generation formed in init() was abandoned: form the next one first
+            ctx.form_first(gen)
+        par.build_mesh(ctx.gen)
+
+    def cleanup() -> None:
+        ctx.abort_groups()
+        ctx.destroy_groups()
+
+    ctx.through_generations(ctx.gen, attempt, retry=lambda e: ctx.managed and ctx.abandoned(), cleanup=cleanup,
+                            what="abandoned while its DeviceMesh was built")

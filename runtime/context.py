@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,8 @@ from phoenix_runtime.control import STATE, connect_store, control, start_control
 from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.rank_env import RankEnv, rank_env
 from phoenix_runtime.store_keys import KeyRecorder
+from phoenix_runtime.transport import close_pairs
 
-ABORT_TAG = 32761  # a tag no training op uses: a receive on it only serves to close a pair
 FATE_KEY = "fate"  # under a generation's process-group prefix: "go" (every rank forms it) or "cancel" (none does)
 
 
@@ -159,19 +159,8 @@ class Context:
             if g is None or any(g is d for d in done):
                 continue
             done.append(g)
-            if g is self.repl_group or self.backend == "gloo":
-                probe = torch.empty(1, dtype=torch.uint8)
-                for p in range(g.size()):
-                    if p == g.rank():
-                        continue
-                    try:
-                        g.recv([probe], p, ABORT_TAG).wait(timedelta(milliseconds=1))
-                    except Exception:
-                        pass
-            try:
-                g.abort()
-            except Exception:
-                pass
+            gloo = g is self.repl_group or self.backend == "gloo"
+            close_pairs(g, [p for p in range(g.size()) if p != g.rank()] if gloo else [])  # NCCL: ncclCommAbort only
 
     def add_groups(self, groups) -> None:
         """Groups built on this generation's (a DeviceMesh's sub-groups: TP, FSDP, HSDP's replicate): a newer
@@ -286,20 +275,31 @@ class Context:
                                            abandoned=lambda: self._may_leave(gen))
             log.info(f"generation {gen}: MPI connected to {len(self.mpi_pairs[0])} peers")
 
-    def form_first(self, gen: int, first: bool = False) -> None:
-        """Form generation ``gen``, or the next ones while one is abandoned before it is formed (``init()``; and
-        ``protect()`` when the generation is abandoned while it builds the mesh)."""
+    def through_generations(self, gen: int, attempt: Callable[[int], None], *, retry: Callable[[BaseException], bool],
+                            cleanup: Callable[[], None], what: str) -> None:
+        """The one "generation abandoned, try the next" loop: ``attempt(gen)``; when it fails and ``retry(e)`` says the
+        generation was given up under it, ``cleanup()``, wait (bounded) for the next generation and attempt that.
+        Forming the first generation, building its mesh and a recovery all go through here. ``UnrecoverableError`` is
+        never retried."""
         while True:
-            limit = max(self.recovery_timeout, 600.0) if first else self.recovery_timeout
             try:
-                self.form(gen, time.monotonic() + limit)
+                attempt(gen)
                 return
             except UnrecoverableError:
                 raise
-            except (GenerationAbandoned, RuntimeError) as e:
-                log.info(f"generation {gen} not formed ({type(e).__name__}: {str(e)[:120]})")
-                self.destroy_groups()
+            except Exception as e:  # noqa: BLE001 -- retried only when ``retry`` says so, re-raised otherwise
+                if not retry(e):
+                    raise
+                log.info(f"generation {gen} {what} ({type(e).__name__}: {str(e)[:160]})")
+                cleanup()
                 gen = self.wait_new_gen(gen)
+
+    def form_first(self, gen: int, first: bool = False) -> None:
+        """Form generation ``gen``, or the next ones while one is abandoned before it is formed (``init()``; and
+        ``protect()`` when the generation is abandoned while it builds the mesh)."""
+        limit = max(self.recovery_timeout, 600.0) if first else self.recovery_timeout
+        self.through_generations(gen, lambda g: self.form(g, time.monotonic() + limit), retry=lambda e: isinstance(e, RuntimeError),
+                                 cleanup=self.destroy_groups, what="not formed")
 
     def wait_new_gen(self, after: int) -> int:
         deadline = time.monotonic() + self.recovery_timeout

@@ -60,6 +60,14 @@ class Plan:
     fresh: tuple[int, ...] = ()  # those joiners
 
 
+def plan_for_layout(descs: list[Descriptor], layout, world_size: int, *, replicated: bool, every: int = 1) -> Plan:
+    """``plan_recovery`` with the DP groups and shard ids of ``layout`` (``layout.Layout``): the one way both a
+    recovery and a salvage turn the generation's descriptors into a plan."""
+    ranks = range(world_size)
+    return plan_recovery(descs, {r: layout.dp_group(r) for r in ranks}, {r: str(layout.shard_of(r)) for r in ranks},
+                         replicated=replicated, every=every)
+
+
 def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shard_of: dict[int, str], replicated: bool,
                   every: int = 1) -> Plan:
     """Pure: the resume step and the transfers. ``dp_groups[r]``: ranks with r's TP/PP coordinate;

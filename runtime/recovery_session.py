@@ -21,7 +21,7 @@ import torch.distributed as dist
 from phoenix_runtime import protocol, state
 from phoenix_runtime.context import GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.control import STATE
-from phoenix_runtime.recovery import Descriptor, Plan, plan_recovery
+from phoenix_runtime.recovery import Descriptor, Plan, plan_for_layout
 from phoenix_runtime.replication import recv_snapshot, send_snapshot
 from phoenix_runtime.salvage import salvage
 from phoenix_runtime.wire import recv_named, send_named
@@ -40,28 +40,27 @@ class RecoverySession:
         ctx = self.ctx
         STATE.enter("recovering")
         self.live = live  # updated as the state changes: a survivor rolled back, or a joiner that installed S_R
-        while True:
+        first = [formed]  # only the first generation tried may be formed already
+
+        def attempt(g: int) -> None:
             deadline = time.monotonic() + ctx.recovery_timeout  # each generation gets its own
-            try:
-                if not formed and protocol.read_members(ctx.store, gen).lost:  # no node to recover onto
-                    salvage(self.t, gen, protocol.read_members(ctx.store, gen), self.live)
-                if not formed:
-                    ctx.abort_groups()
-                    ctx.destroy_groups()
-                    ctx.form(gen, deadline)
-                marks["formed"] = time.time()
-                formed = False
-                self._recover_in(gen, marks, deadline)
-                return
-            except UnrecoverableError:
-                raise
-            except Exception as e:  # noqa: BLE001 -- a failure during the recovery: wait for the next generation
-                if not self.t.is_failure(e) and not isinstance(e, (GenerationAbandoned, TimeoutError)):
-                    raise
-                log.info(f"generation {gen} abandoned during its recovery ({type(e).__name__}: {str(e)[:160]})")
-                self.t.teardown_protection()
-                self.t.model = self.t.objs.module
-                gen = ctx.wait_new_gen(gen)
+            formed_now, first[0] = first[0], False
+            if not formed_now:
+                mem = protocol.read_members(ctx.store, g)
+                if mem.lost:  # no node to recover onto
+                    salvage(self.t, g, mem, self.live)
+                ctx.abort_groups()
+                ctx.destroy_groups()
+                ctx.form(g, deadline)
+            marks["formed"] = time.time()
+            self._recover_in(g, marks, deadline)
+
+        def cleanup() -> None:
+            self.t.teardown_protection()
+            self.t.model = self.t.objs.module
+
+        ctx.through_generations(gen, attempt, cleanup=cleanup, what="abandoned during its recovery",
+                                retry=lambda e: self.t.is_failure(e) or isinstance(e, (GenerationAbandoned, TimeoutError)))
 
     # --- one generation ---------------------------------------------------------------------------------
     def _recover_in(self, gen: int, marks: dict, deadline: float) -> None:
@@ -72,10 +71,8 @@ class RecoverySession:
         layout = t.layout()
         raw = ctx.exchange(gen, self.descriptor(live).to_json(), deadline)
         descs = [Descriptor.from_json(d) for d in raw]
-        shard_of = {r: str(layout.shard_of(r)) for r in range(ctx.world_size)}
         try:
-            plan = plan_recovery(descs, {r: layout.dp_group(r) for r in range(ctx.world_size)}, shard_of, replicated=t.replicated,
-                                 every=t.cadence_bound())
+            plan = plan_for_layout(descs, layout, ctx.world_size, replicated=t.replicated, every=t.cadence_bound())
         except UnrecoverableError as e:
             t.give_up(str(e), live)
             raise

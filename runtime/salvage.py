@@ -18,7 +18,7 @@ import time
 
 from phoenix_runtime import persist, protocol
 from phoenix_runtime.context import UnrecoverableError
-from phoenix_runtime.recovery import Descriptor, plan_recovery
+from phoenix_runtime.recovery import Descriptor, plan_for_layout
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,8 @@ def salvage(t, gen: int, mem: protocol.Membership, live) -> None:
     descs = [Descriptor.from_json(d) for d in ctx.exchange(gen, mine.to_json(), deadline, ranks=survivors)]
     descs += [Descriptor(j, has_state=False) for j in mem.lost]
     layout = t.layout()
-    shard_of = {r: str(layout.shard_of(r)) for r in range(ctx.world_size)}
     try:
-        plan = plan_recovery(descs, {r: layout.dp_group(r) for r in range(ctx.world_size)}, shard_of, replicated=t.replicated,
-                             every=t.cadence_bound())
+        plan = plan_for_layout(descs, layout, ctx.world_size, replicated=t.replicated, every=t.cadence_bound())
         if plan.fresh:
             raise UnrecoverableError("nothing to save before the first step completed")
     except UnrecoverableError as e:
@@ -54,7 +52,7 @@ def salvage(t, gen: int, mem: protocol.Membership, live) -> None:
     writer.save(R, own.optim_tensors(), own.param_tensors(), own.meta)
     for j in plan.joiners:
         if plan.optim_src[j] == ctx.rank:
-            rep = t.replica_of(shard_of[j], R)
+            rep = t.replica_of(str(layout.shard_of(j)), R)
             optim = own.optim_tensors() if t.replicated else rep.optim_tensors()  # replicated: the same on every peer
             writer.save(R, optim, own.param_tensors(), rep.meta, rank=j)
     writer.close(timeout=max(1.0, deadline - time.monotonic()))

@@ -25,10 +25,26 @@ import torch
 
 from phoenix_runtime.errors import CommunicationError
 
-TAG_ABORT = 32760  # below MPI's guaranteed tag upper bound (32767)
+TAG_ABORT = 32760  # a tag no other op uses (below MPI's guaranteed upper bound, 32767): a recv on it only closes a pair
 # MPI moves a large message only while a rank calls into it (Test): the poll pause bounds the throughput.
 # 100 us keeps most of a spinning poll's throughput without taking a core (bench/transport.py).
 POLL_MAX_S = 1e-4
+
+
+def close_pairs(group, peers) -> None:
+    """Close this rank's gloo pair to each of ``peers`` in ``group``, then abort the group: every pending op on
+    those pairs fails at once, here and at the peer (a recv on ``TAG_ABORT`` whose 1 ms wait times out closes its
+    pair; ``abort()`` alone does not fail a pending gloo receive). Errors are ignored: the group is being dropped."""
+    probe = torch.empty(1, dtype=torch.uint8)
+    for p in peers:
+        try:
+            group.recv([probe], p, TAG_ABORT).wait(datetime.timedelta(milliseconds=1))
+        except Exception:
+            pass
+    try:
+        group.abort()
+    except Exception:
+        pass
 
 
 class TransportError(CommunicationError, RuntimeError):
@@ -128,17 +144,7 @@ class GlooTransport(Transport):
         with self._lock:
             self._aborted = True
             peers = sorted(self._peers)
-        for p in peers:
-            # A timed-out wait closes the pair: every pending op with p fails at once, here and there.
-            try:
-                w = self.group.recv([torch.empty(1, dtype=torch.uint8)], p, TAG_ABORT)
-                w.wait(datetime.timedelta(milliseconds=1))
-            except Exception:
-                pass
-        try:
-            self.group.abort()
-        except Exception:
-            pass
+        close_pairs(self.group, peers)
 
 
 class _MpiWork(Work):

@@ -288,7 +288,7 @@ def test_joiner_lost_during_recovery_phase(tmp_path, failure_free, opt, phase):
 
 @pytest.mark.parametrize("opt", opts(full=('adamw',)))
 def test_spare_dies_while_joining(tmp_path, failure_free, opt):
-    job = run_job(tmp_path, opt, 2, 2, 2, [crash("node1", 5), crash("node2", None, "recovery", gen=1)])
+    job = run_job(tmp_path, opt, 2, 2, 2, [crash("node1", 5), crash("node2", None, "recover_exchange", gen=1)])
     assert_recovered(job, failure_free(opt, 2, 2))
     assert [e["spare"] for e in of_type(job.evs, "hotswap")] == ["node2", "node3"]
 

@@ -60,7 +60,7 @@ def test_faults_fire_once_at_their_point_with_the_recovery_alias():
     inj.fire(5, "optimizer")
     assert executed == ["rank"] and fired[0]["phase"] == "optimizer"
     inj.fire(5, "optimizer")  # once per job
-    inj.fire(None, "recover_exchange")  # "recovery" is recover_exchange, but only from generation 1
+    inj.fire(None, "recover_exchange")  # the fault is for generation 1 only
     assert executed == ["rank"]
     inj.where(rank=2, gen=1)
     inj.fire(None, "recover_exchange")
