@@ -223,7 +223,7 @@ def _open_backend(cfg, rdir: Path, *, nodes_given: bool):
     if not nodes_given and be.capabilities.allocation:  # Slurm: every allocated node but the spares is active
         cfg = replace(cfg, launch=replace(cfg.launch, nodes=be.use_all_nodes()))
     cfg = replace(cfg, launch=replace(cfg.launch, standby=_standby(cfg, be)))
-    be.standby = cfg.launch.standby == "on"  # its processes outlive this supervisor when a standby continues the job
+    be.agents_outlive = cfg.launch.standby == "on"  # its processes outlive this supervisor when a standby continues the job
     import yaml
 
     from phoenix_launch.events import write_private

@@ -37,7 +37,7 @@ class GenerationPublisher:
         self.gen = 0
         self.members = protocol.Membership(0, world_size, ())
         self.stable = self.members  # the last generation every rank reached (joiners are counted from it)
-        self._swept = 0  # generations below this one had their keys deleted
+        self.swept = 0  # generations below this one had their keys deleted
         self._seen: set[str] = set()  # nodes of every membership published since the last recovery completed
         self.before_bump: Callable[[], None] = lambda: None  # the supervisor mirrors its state to its standby here
 
@@ -51,7 +51,7 @@ class GenerationPublisher:
 
     def restore(self, gen: int, members: protocol.Membership, stable: protocol.Membership, swept: int) -> None:
         """A standby that took over: the lost leader's generation, written anew in the new store."""
-        self.gen, self.members, self.stable, self._swept = gen, members, stable, swept
+        self.gen, self.members, self.stable, self.swept = gen, members, stable, swept
         protocol.put_value(self.store, protocol.k_members(gen), members.to_json())
         if stable.gen != gen:
             protocol.put_value(self.store, protocol.k_members(stable.gen), stable.to_json())
@@ -91,9 +91,9 @@ class GenerationPublisher:
         gone = (self._seen | {r.node for r in self.stable.ranks}) - now  # a joiner lost mid-recovery too
         self._seen = set(now)
         self.stable = self.members
-        keys = [k for g in range(self._swept, self.gen) for k in (protocol.k_members(g), protocol.k_arrived(g))]
+        keys = [k for g in range(self.swept, self.gen) for k in (protocol.k_members(g), protocol.k_arrived(g))]
         keys += [k for node in sorted(gone) for k in node_keys(node, self.nproc)]
-        self._swept = max(self._swept, self.gen)
+        self.swept = max(self.swept, self.gen)
         delete = getattr(self.store, "delete_key", None)
         if delete is None:  # a store without deletes (tests' fakes) keeps them
             return

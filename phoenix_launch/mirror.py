@@ -1,14 +1,15 @@
 """The standby supervisor's parts that the leader uses too: the mirror of the leader's state and the watch.
 
 The leader (the supervisor ``phoenix-run`` started) publishes its state in the store whenever it changes
-(:func:`snapshot`: generation and membership, node states, restarts, the attempt's progress, the agents'
-handles; sealed with the job's secret like every value there). The standby -- ``python -m
+(:class:`Published`: the :class:`SupervisorState` -- generation and membership, node states, restarts, the
+attempt's progress -- and the backend's handles of the agents; sealed with the job's secret like every value
+there). The standby -- ``python -m
 phoenix_launch.standby``, a process of its own that outlives the leader -- polls it, and watches the leader's
 store: a call that fails because the connection is closed, then a connect that fails, is a lost leader.
 
-The takeover (``standby.py``, :meth:`Supervisor.take_over`): the standby serves the control plane on the socket it has held since
-it started (its address and incarnation are in the run directory's ``standby.json``), restores the generation and
-its membership there, rewrites ``control.json`` (``kill-node``, ``status``) and runs the supervisor's loop from
+The takeover (``standby.take_over_job``): the standby serves the control plane on the socket it has held since
+it started (its address and incarnation are in the run directory's ``standby.json``), applies the state
+(``Supervisor.apply_mirror_state``: the generation and its membership written there anew), rewrites ``control.json`` (``kill-node``, ``status``) and runs the supervisor's loop from
 the mirrored state. Agents and ranks reconnect by themselves (``phoenix_runtime.failover``); the ranks' process
 groups do not need the store between recoveries, so training goes on. A job in the middle of a recovery forms
 that recovery's generation again under the new leader. A leader whose node held ranks is a lost node: the new
@@ -27,10 +28,12 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
-from phoenix_launch.backends.base import NotSupported
-from phoenix_runtime import auth, protocol
+from phoenix_launch.backends.base import NotSupported, StandbyBackend
+from phoenix_runtime import protocol
 
 log = logging.getLogger(__name__)
 
@@ -44,64 +47,97 @@ RESTARTS = 3  # a standby that exits is replaced at most this often per leader
 SUPERSEDED_EXIT = 75  # a cut-off leader that finds a newer one serving the job (EX_TEMPFAIL)
 
 
-def snapshot(sup: Any, memo: dict[int, str] | None = None) -> dict[str, Any]:
-    """What a new leader needs to go on with the job (no secrets: the standby reads the secret file).
-    ``memo``: memberships' JSON by generation (a large job's membership is not serialized on every pass)."""
-    gens = sup.publisher
-    att = sup.attempt
-    memo = {} if memo is None else memo
-
-    def members(m: protocol.Membership) -> str:
-        if m.gen not in memo:
-            memo[m.gen] = m.to_json()
-        return memo[m.gen]
-
-    return {
-        "job": sup.job.state.value,
-        "gen": gens.gen,
-        "members": members(gens.members),
-        "stable": members(gens.stable),
-        "swept": gens._swept,
-        "epoch": sup.epoch,
-        "restarts": sup.restarts,
-        "resume": sup.resume,
-        "protect_every": sup.reprotector.every,
-        "nodes": [{"name": n.name, "state": n.state.value, "group_rank": n.group_rank, "failures": n.failures, "lost": n.lost}
-                  for n in sup.nodes],
-        "attempt": {"done": sorted(att.done_ranks), "ready": sorted(att.runtime_ready), "protect_on": att.protect_on,
-                    "step": att.step, "step_time_s": att.step_time_s, "runtime_seen": att.runtime_seen},
-        "agents": sup.backend.agent_handles(),
-        "leader_node": sup.backend.leader_node(),
-        "final": sup.exit_code is not None,
-        "t_ns": time.time_ns(),
-    }
+@dataclass(frozen=True)
+class NodeRecord:
+    name: str
+    state: str  # a NodeState's value
+    group_rank: int | None
+    failures: int
+    lost: bool
 
 
-def restore(sup: Any, state: dict[str, Any]) -> None:
-    """A standby taking over: the lost leader's state (``snapshot``) into ``sup``, and the keys every rank
-    reads (the run id, the cadence, the generation and its membership) written anew in its store."""
-    from phoenix_launch.generations import AttemptProgress
-    from phoenix_launch.lifecycle import NODE_TRANSITIONS, Lifecycle, NodeState
-    from phoenix_launch.nodes import Node
+@dataclass(frozen=True)
+class AttemptRecord:
+    """The attempt's progress as mirrored (``generations.AttemptProgress`` less what an incident holds)."""
 
-    auth.continue_after(int(state.get("t_ns", 0)))  # the values written here are newer than the leader's
-    sup.epoch, sup.restarts, sup.resume = int(state["epoch"]), int(state["restarts"]), str(state["resume"])
-    sup.reprotector.every = int(state["protect_every"])
-    for d in state["nodes"]:
-        sup.nodes.add(Node(d["name"], Lifecycle(NodeState(d["state"]), NODE_TRANSITIONS), d["group_rank"], int(d["failures"]),
-                           bool(d["lost"]), up=d["state"] != NodeState.STARTING.value))
-    a = state["attempt"]
-    sup.attempt = AttemptProgress(done_ranks=set(a["done"]), runtime_ready=set(a["ready"]), protect_on=bool(a["protect_on"]),
-                                  step=int(a["step"]), step_time_s=float(a["step_time_s"]), runtime_seen=bool(a["runtime_seen"]))
-    sup.store.set(protocol.K_RUN_ID, sup.cfg.launch.run_id)
-    protocol.put_value(sup.store, protocol.K_PROTECT_EVERY, str(sup.reprotector.every))
-    sup.publisher = sup.new_publisher()
-    sup.publisher.restore(int(state["gen"]), protocol.Membership.from_json(state["members"]),
-                          protocol.Membership.from_json(state["stable"]), int(state["swept"]))
+    done: tuple[int, ...]
+    ready: tuple[int, ...]
+    protect_on: bool
+    step: int
+    step_time_s: float
+    runtime_seen: bool
+
+
+@dataclass(frozen=True)
+class SupervisorState:
+    """What a new leader needs to go on with the job (no secrets: the standby reads the secret file): built by
+    ``Supervisor.mirror_state``, applied by ``Supervisor.apply_mirror_state``."""
+
+    job: str  # a JobState's value
+    gen: int
+    members: protocol.Membership
+    stable: protocol.Membership  # the last generation every rank reached
+    swept: int  # generations below this one had their keys deleted
+    epoch: int
+    restarts: int
+    resume: str
+    protect_every: int
+    nodes: tuple[NodeRecord, ...]
+    attempt: AttemptRecord
+    final: bool  # the leader ended the job
+
+    def to_dict(self, memo: dict[int, str]) -> dict[str, Any]:
+        """``memo``: memberships' JSON by generation (a large job's membership is not serialized on every pass)."""
+        def members(m: protocol.Membership) -> str:
+            if m.gen not in memo:
+                memo[m.gen] = m.to_json()
+            return memo[m.gen]
+
+        return {"job": self.job, "gen": self.gen, "members": members(self.members), "stable": members(self.stable),
+                "swept": self.swept, "epoch": self.epoch, "restarts": self.restarts, "resume": self.resume,
+                "protect_every": self.protect_every, "nodes": [asdict(n) for n in self.nodes],
+                "attempt": {**asdict(self.attempt), "done": list(self.attempt.done), "ready": list(self.attempt.ready)},
+                "final": self.final}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SupervisorState":
+        a = d["attempt"]
+        return cls(job=str(d["job"]), gen=int(d["gen"]), members=protocol.Membership.from_json(d["members"]),
+                   stable=protocol.Membership.from_json(d["stable"]), swept=int(d["swept"]), epoch=int(d["epoch"]),
+                   restarts=int(d["restarts"]), resume=str(d["resume"]), protect_every=int(d["protect_every"]),
+                   nodes=tuple(NodeRecord(n["name"], n["state"], n["group_rank"], int(n["failures"]), bool(n["lost"]))
+                               for n in d["nodes"]),
+                   attempt=AttemptRecord(tuple(a["done"]), tuple(a["ready"]), bool(a["protect_on"]), int(a["step"]),
+                                         float(a["step_time_s"]), bool(a["runtime_seen"])),
+                   final=bool(d.get("final")))
+
+
+@dataclass(frozen=True)
+class Published:
+    """One publication of the mirror: the supervisor's state and the backend's handles a new leader attaches to."""
+
+    state: SupervisorState
+    agents: dict[str, Any]  # local: pids; Slurm: step names
+    leader_node: str | None  # the job's node the leader runs on, if any
+    t_ns: int  # when it was published: every value a new leader writes is newer
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Published":
+        return cls(SupervisorState.from_dict(d), dict(d.get("agents") or {}), d.get("leader_node"), int(d.get("t_ns", 0)))
+
+
+class Leader(Protocol):
+    """What the standby's parts in the leader read of it (the supervisor)."""
+
+    run_dir: Path
+    argv: list[str]
+    plane: Any  # control.ControlPlane, None until the leader serves
+
+    def mirror_state(self) -> SupervisorState: ...
 
 
 class Mirror:
-    """The leader's side: publish the snapshot when it changed (compared as JSON; a few hundred bytes)."""
+    """The leader's side: publish the state when it changed (compared as JSON; a few hundred bytes)."""
 
     def __init__(self) -> None:
         self.last = ""
@@ -109,18 +145,19 @@ class Mirror:
         self.memo: dict[int, str] = {}  # membership JSON by generation
         self.behind = 0  # synchronous publications the standby did not acknowledge in time
 
-    def publish(self, store: Any, sup: Any, sync: bool = False) -> None:
+    def publish(self, store: Any, state: SupervisorState, backend: StandbyBackend, sync: bool = False) -> None:
         """Publish the state if it changed. ``sync`` (a new generation, before its bump): wait until the
         standby holds it (bounded by ``ACK_BOUND_S``), so that a leader lost right after the bump leaves a
         standby that knows the generation every rank may already see."""
-        state = snapshot(sup, self.memo)
-        if len(self.memo) > 4:  # only the newest generations are in a snapshot
+        doc = {**state.to_dict(self.memo), "agents": backend.agent_handles(), "leader_node": backend.leader_node(),
+               "t_ns": time.time_ns()}
+        if len(self.memo) > 4:  # only the newest generations are in a publication
             for g in sorted(self.memo)[:-4]:
                 del self.memo[g]
-        text = json.dumps(state, sort_keys=True)
+        text = json.dumps(doc, sort_keys=True)
         if text != self.last:
             self.version += 1
-            protocol.put_value(store, K_STATE, json.dumps({**state, "version": self.version}, sort_keys=True))
+            protocol.put_value(store, K_STATE, json.dumps({**doc, "version": self.version}, sort_keys=True))
             self.last = text
         if sync:
             deadline = time.monotonic() + ACK_BOUND_S
@@ -209,28 +246,40 @@ class Standby:
 
 class StandbyLink:
     """The leader's side of its standby (``launch.standby``): start it, mirror the state to it, know when it
-    holds it. Disabled: every method does nothing."""
+    holds it; the supervisor's loop calls its hooks (:meth:`on_pass`, :meth:`publish`, :meth:`on_heartbeat`,
+    :meth:`fence`). Disabled (off, or a backend without the standby capability): every hook does nothing."""
 
-    def __init__(self, enabled: bool, events: Any):
-        self.enabled, self.events = enabled, events
+    def __init__(self, enabled: bool, events: Any, backend: StandbyBackend | None, leader: Leader, hang_s: float):
+        self.enabled = enabled and backend is not None
+        self.events, self.backend, self.leader, self.hang_s = events, backend, leader, hang_s
         self.mirror = Mirror()
         self.ready = False  # the standby said it holds the state (then a new generation waits for its ack)
         self.restarts = 0  # standbys that exited and were replaced
         self.awaiting: set[str] = set()  # after a takeover: nodes whose agents have not reached this leader yet
         self.t_lost = 0.0
         self._armed_at = 0.0  # when the loop's hang watchdog was last re-armed (0: not armed)
+        self._last_pass: float | None = None  # when the loop last passed here (time.monotonic)
 
-    def keep_alive(self, hang_s: float) -> None:
-        """From every pass of the leader's loop: re-arm (once a second) faulthandler's watchdog, a C thread that
-        needs no GIL. A loop stuck ``hang_s`` (``detect.leader_hang_s``) prints every thread's stack on stderr and
-        ends this process (exit 1): its store server, a C++ thread, would otherwise serve on while nobody steers
-        the job; its end is a lost leader, and the standby takes over. Without a standby, nothing is armed."""
+    def on_pass(self) -> None:
+        """From every pass of the leader's loop: the hang watchdog re-armed; a process that stood still since the
+        last pass (stopped, frozen) may have been superseded meanwhile (:meth:`fence`)."""
+        self.keep_alive()
+        now = time.monotonic()
+        if self._last_pass is not None and now - self._last_pass > 1.0:
+            self.fence()
+        self._last_pass = time.monotonic()
+
+    def keep_alive(self) -> None:
+        """Re-arm (once a second) faulthandler's watchdog, a C thread that needs no GIL. A loop stuck ``hang_s``
+        (``detect.leader_hang_s``) prints every thread's stack on stderr and ends this process (exit 1): its store
+        server, a C++ thread, would otherwise serve on while nobody steers the job; its end is a lost leader, and
+        the standby takes over. Without a standby, nothing is armed."""
         if not self.enabled:
             self.disarm()
             return
         now = time.monotonic()
         if now - self._armed_at >= 1.0:
-            faulthandler.dump_traceback_later(hang_s, exit=True)
+            faulthandler.dump_traceback_later(self.hang_s, exit=True)
             self._armed_at = now
 
     def disarm(self) -> None:
@@ -248,27 +297,31 @@ class StandbyLink:
             if not self.awaiting:
                 self.events.emit("takeover_complete", agents_s=round(time.time() - self.t_lost, 3))
 
-    def start(self, sup: Any) -> None:
+    def start(self) -> None:
         """A standby on a socket reserved here and handed over: its address is in ``standby.json`` before the
         standby runs, so a client that loses this leader finds it."""
         if not self.enabled:
             return
         from phoenix_launch.control import reserve_port
         from phoenix_launch.events import write_json_atomic
+        from phoenix_launch.lifecycle import NodeState
         from phoenix_launch.nodes import ENDED
 
-        plane = sup.plane
-        remote = sup.backend.capabilities.remote_standby  # Slurm: on another node, it binds a port there
+        backend, plane = self.backend, self.leader.plane
+        assert backend is not None
+        remote = backend.capabilities.remote_standby  # Slurm: on another node, it binds a port there
         sock = None if remote else reserve_port(plane.host, 0)
         self.ready = False
-        write_json_atomic(sup.run_dir / STANDBY_FILE, {"address": "" if sock is None else f"{plane.host}:{sock.getsockname()[1]}",
-                                                       "incarnation": plane.incarnation + 1, "argv": sup.argv, "backend": sup.backend.name})
-        self.mirror.publish(sup.store, sup)
+        write_json_atomic(self.leader.run_dir / STANDBY_FILE, {"address": "" if sock is None else f"{plane.host}:{sock.getsockname()[1]}",
+                                                               "incarnation": plane.incarnation + 1, "argv": self.leader.argv,
+                                                               "backend": backend.name})
+        state = self.leader.mirror_state()
+        self.mirror.publish(plane.store, state, backend)
         # where it may run, best first: an idle spare, else the active node started last
-        where = [n.name for n in reversed(list(sup.nodes)) if n.state not in ENDED]
-        where.sort(key=lambda name: sup.nodes[name].state.value != "spare")
+        live = [n for n in reversed(state.nodes) if NodeState(n.state) not in ENDED]
+        where = [n.name for n in sorted(live, key=lambda n: n.state != NodeState.SPARE.value)]
         try:
-            sup.backend.start_standby(sock, where)
+            backend.start_standby(sock, where)
         except NotSupported as e:
             self.enabled = False
             self.events.emit("standby_lost", how=f"not started: {e}", restarts=self.restarts, max_restarts=RESTARTS)
@@ -276,54 +329,60 @@ class StandbyLink:
             if sock is not None:
                 sock.close()  # the standby holds it now
 
-    def publish(self, sup: Any, sync: bool = False) -> None:
-        if not self.enabled or sup.plane is None:
+    def publish(self, sync: bool = False) -> None:
+        plane = self.leader.plane
+        if not self.enabled or plane is None:
             return
+        assert self.backend is not None
         behind = self.mirror.behind
-        self.mirror.publish(sup.store, sup, sync=sync and self.ready)
+        state = self.leader.mirror_state()
+        self.mirror.publish(plane.store, state, self.backend, sync=sync and self.ready)
         if self.mirror.behind > behind:
-            self.events.emit("standby_behind", gen=sup.gen, waited_s=ACK_BOUND_S, times=self.mirror.behind)
+            self.events.emit("standby_behind", gen=state.gen, waited_s=ACK_BOUND_S, times=self.mirror.behind)
 
-    def check(self, sup: Any) -> None:
+    def on_heartbeat(self) -> None:
         """Once a heartbeat: the standby holds the leader's state (it says so in the store: an event, once per
         standby); a standby that exited is replaced (at most ``RESTARTS`` times per job)."""
         if not self.enabled:
             return
-        how = sup.backend.standby_exited()
+        assert self.backend is not None
+        plane = self.leader.plane
+        how = self.backend.standby_exited()
         if how is not None:
             self.ready = False
             self.restarts += 1
             self.events.emit("standby_lost", how=how, restarts=self.restarts, max_restarts=RESTARTS)
             for key in (K_READY, K_ACK):  # the new standby says again that it holds the state
-                sup.store.delete_key(key)
+                plane.store.delete_key(key)
             if self.restarts > RESTARTS:
                 self.enabled = False  # the job goes on without one: a lost leader is then the end of the job
                 return
-            self.start(sup)
+            self.start()
             return
-        if self.ready or not sup.store.check([K_READY]):
+        if self.ready or not plane.store.check([K_READY]):
             return
-        if protocol.get_value(sup.store, K_READY) == str(sup.plane.incarnation + 1):
+        if protocol.get_value(plane.store, K_READY) == str(plane.incarnation + 1):
             self.ready = True
-            self.events.emit("standby_ready", incarnation=sup.plane.incarnation + 1)
+            self.events.emit("standby_ready", incarnation=plane.incarnation + 1)
 
-    def stop(self, backend: Any) -> None:
+    def stop(self) -> None:
         if self.enabled:
-            backend.stop_standby()
+            self.backend.stop_standby()  # type: ignore[union-attr]
 
-    def fence(self, sup: Any) -> None:
+    def fence(self) -> None:
         """A leader that was cut off (a partition) while its standby took over must not act on the job any more:
         when ``control.json`` names a newer incarnation, this process leaves at once, without stopping the agents
         (they are the new leader's) or writing the job's end (``superseded`` event; exit code 75)."""
-        if not self.enabled or sup.plane is None:
+        plane = self.leader.plane
+        if not self.enabled or plane is None:
             return
         try:
-            ctl = json.loads((sup.run_dir / protocol.CONTROL_FILE).read_text())
+            ctl = json.loads((self.leader.run_dir / protocol.CONTROL_FILE).read_text())
         except (OSError, ValueError):
             return
-        if int(ctl.get("incarnation", 0) or 0) > sup.plane.incarnation:
-            sup.events.emit("superseded", incarnation=sup.plane.incarnation, by=f"{ctl.get('host')}:{ctl.get('port')}",
-                            node=ctl.get("node"))
+        if int(ctl.get("incarnation", 0) or 0) > plane.incarnation:
+            self.events.emit("superseded", incarnation=plane.incarnation, by=f"{ctl.get('host')}:{ctl.get('port')}",
+                             node=ctl.get("node"))
             log.warning(f"phoenix-run: superseded by the standby that took the job over ({ctl.get('node')}); leaving it to it")
-            sup.backend.abandon()
+            self.backend.abandon()  # type: ignore[union-attr]
             os._exit(SUPERSEDED_EXIT)

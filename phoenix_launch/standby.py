@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     if watcher.state is None:
         log.error("phoenix standby: the leader was lost before it published any state; nothing to take over")
         return 1
-    state = {**watcher.state, "leader_lost_how": watcher.lost_how}
-    return take_over(run_dir, told, state, sock, watcher.t_lost or time.time(), stopping)
+    return take_over(run_dir, told, mirror.Published.from_dict(watcher.state), watcher.lost_how, sock,
+                     watcher.t_lost or time.time(), stopping)
 
 
 def _bind_here(run_dir: Path, told: dict[str, Any], leader_host: str) -> socket.socket:
@@ -81,11 +81,11 @@ def _backend(run_dir: Path, told: dict[str, Any], cfg: Any) -> Any:
         return SlurmBackend.for_takeover(cfg, run_dir)
     from phoenix_launch.backends.local import LocalBackend
 
-    return LocalBackend(run_dir, 0, standby=True)
+    return LocalBackend(run_dir, 0, agents_outlive=True)
 
 
-def take_over(run_dir: Path, told: dict[str, Any], state: dict[str, Any], sock: socket.socket, t_lost: float,
-              stopping: list[int]) -> int:
+def take_over(run_dir: Path, told: dict[str, Any], pub: mirror.Published, lost_how: str, sock: socket.socket,
+              t_lost: float, stopping: list[int]) -> int:
     import yaml
 
     from phoenix_launch.config import build_config
@@ -94,13 +94,13 @@ def take_over(run_dir: Path, told: dict[str, Any], state: dict[str, Any], sock: 
     t0 = time.time()
     cfg = build_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
     backend = _backend(run_dir, told, cfg)
-    backend.attach(state.get("agents") or {})
+    backend.attach(pub.agents)
     sup = Supervisor(cfg, list(told["argv"]), run_dir, backend, takeover=True)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, lambda signum, frame: sup.request_stop(signum))
     if stopping:
         sup.request_stop(stopping[0])
-    take_over_job(sup, {**state, "incarnation": int(told["incarnation"])}, sock, t_lost, phases={"build_s": round(time.time() - t0, 3)})
+    take_over_job(sup, pub, int(told["incarnation"]), lost_how, sock, t_lost, phases={"build_s": round(time.time() - t0, 3)})
     code = sup.loop()
     end_job = getattr(backend, "end_job", None)
     if end_job is not None:
@@ -128,29 +128,33 @@ def _end_scheduler_job(run_dir: Path, code: int, end_job: Any) -> None:
     log.info(f"phoenix standby: {end_job(code)}")
 
 
-def take_over_job(sup: Any, state: dict[str, Any], sock: Any, t_lost: float, phases: dict[str, float] | None = None) -> None:
+def take_over_job(sup: Any, pub: mirror.Published, incarnation: int, lost_how: str, sock: Any, t_lost: float,
+                  phases: dict[str, float] | None = None) -> None:
     """The standby's start (instead of :meth:`Supervisor.start`): serve the control plane where every agent and
-    rank looks after the leader (``standby.json``), restore the lost leader's state (``mirror.restore``), go on."""
+    rank looks after the leader (``standby.json``), apply the lost leader's state (``Supervisor.apply_mirror_state``),
+    go on. ``lost_how``: how the leader was lost (``mirror.Standby.lost_how``)."""
     t0 = time.time()
-    plane = sup.plane = ControlPlane(sock.getsockname()[0], sock=sock, incarnation=int(state["incarnation"]))
+    plane = sup.plane = ControlPlane(sock.getsockname()[0], sock=sock, incarnation=incarnation)
     plane.listen()
     t_serving = time.time()
     sup.write_control()
-    mirror.restore(sup, state)
+    auth.continue_after(pub.t_ns)  # the values written here are newer than the leader's
+    sup.apply_mirror_state(pub.state)
     sup.store.set(protocol.K_RESTORED, str(plane.incarnation))  # clients that moved here wait for this (failover.py)
     sup.open_commands()
     now = time.time()
-    sup.events.emit("takeover", gen=sup.gen, was=state["job"], control=f"{plane.host}:{plane.port}", leader_lost_at=t_lost,
-                     serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid(), how=state.get("leader_lost_how"),
-                     phases={**(phases or {}), "listen_s": round(t_serving - t0, 3)})
+    was = pub.state.job
+    sup.events.emit("takeover", gen=sup.gen, was=was, control=f"{plane.host}:{plane.port}", leader_lost_at=t_lost,
+                    serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid(), how=lost_how,
+                    phases={**(phases or {}), "listen_s": round(t_serving - t0, 3)})
     sup.job.transition(JobState.RUNNING, "took over from the lost leader")
-    leader = state.get("leader_node")
+    leader = pub.leader_node
     sup.standby.await_agents({n.name for n in sup.nodes if n.up and n.state not in ENDED and n.name != leader}, t_lost)
     gens = sup.publisher
-    if gens.members.gen != gens.stable.gen or state["job"] != JobState.RUNNING.value:  # a recovery under way: formed again
+    if gens.members.gen != gens.stable.gen or was != JobState.RUNNING.value:  # a recovery under way: formed again
         sup.reform("takeover", "the leader was lost during a recovery", now)
     if leader and leader in sup.nodes and sup.nodes[leader].state not in ENDED:
-        if state.get("leader_lost_how") in ("refused", "frozen"):
+        if lost_how in ("refused", "frozen"):
             # its host answered: the leader *process* may be all that was lost (the OOM killer, a signal, a hung
             # loop that ended itself, a stopped process), its node's agent and ranks healthy; they reach this
             # leader within a heartbeat or two, else the node is lost by heartbeat (``detect.node_timeout_s``)
@@ -158,7 +162,7 @@ def take_over_job(sup: Any, state: dict[str, Any], sock: Any, t_lost: float, pha
         else:
             sup.backend.kill_node(leader)
             sup.on_agent_exit(leader, -9, now)  # the leader's node held ranks: hot-swapped as any lost node
-    sup.standby.start(sup)  # the next loss of the leader is survived too
+    sup.standby.start()  # the next loss of the leader is survived too
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from phoenix_launch import checkpoints, decide as decisions
-from phoenix_launch.backends.base import Backend
+from phoenix_launch.backends.base import Backend, standby_of
 from phoenix_launch.classify import RankReport, classify
 from phoenix_launch.commands import CommandHandler
 from phoenix_launch.config import Config, runtime_settings
@@ -34,7 +34,7 @@ from phoenix_launch.replenish import Replenisher
 from phoenix_launch.reports import ReportHandlers
 from phoenix_launch.reprotect import Reprotector
 from phoenix_launch.spec import AgentSpec
-from phoenix_launch.mirror import StandbyLink
+from phoenix_launch.mirror import AttemptRecord, NodeRecord, StandbyLink, SupervisorState
 from phoenix_launch.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
 from phoenix_launch.refusals import RefusalLog
 from phoenix_runtime import auth, protocol
@@ -75,7 +75,8 @@ class Supervisor(ReportHandlers):
         self._signal: int | None = None
         self._status_due = False
         self.plane: ControlPlane | None = None  # start() opens it
-        self.standby = StandbyLink(cfg.launch.standby == "on", self.events)  # mirror.py, standby.py
+        self.standby = StandbyLink(cfg.launch.standby == "on", self.events, standby_of(backend), self,  # mirror.py, standby.py
+                                   cfg.detect.leader_hang_s)
         self.publisher: GenerationPublisher | None = None
         self.commands: CommandHandler | None = None
         self.operator_io = OperatorIO(cfg.metrics, run_dir, self.events)  # command socket, metrics, progress
@@ -110,7 +111,7 @@ class Supervisor(ReportHandlers):
         self.store.set(protocol.K_RUN_ID, launch.run_id)
         self.publisher = self.new_publisher()
         self.publisher.first(ranks)
-        self.standby.start(self)
+        self.standby.start()
         self.open_commands()
         self.events.emit("job_start", run_id=launch.run_id, nodes=launch.nodes, nproc_per_node=self.nproc, spares=launch.spares,
                          world_size=self.world_size, argv=self.argv, backend=self.backend.name, control=f"{plane.host}:{plane.port}",
@@ -121,7 +122,7 @@ class Supervisor(ReportHandlers):
         launch = self.cfg.launch
         gens = GenerationPublisher(self.store, world_size=self.world_size, nproc=self.nproc, run_id=launch.run_id,
                                    max_restarts=launch.max_restarts, domains=self.backend.domains)
-        gens.before_bump = lambda: self.standby.publish(self, sync=True)  # the standby holds a generation before its bump
+        gens.before_bump = lambda: self.standby.publish(sync=True)  # the standby holds a generation before its bump
         return gens
 
     def write_control(self) -> None:
@@ -194,7 +195,7 @@ class Supervisor(ReportHandlers):
         self.restart(decisions.Decision(decisions.Kind.RESTART, point[1], fresh=True), now)
 
     def check_heartbeats(self, now: float) -> None:
-        self.standby.fence(self)  # cut off while a standby took over: every heartbeat is silent, and not ours to judge
+        self.standby.fence()  # cut off while a standby took over: every heartbeat is silent, and not ours to judge
         for name, silent_s in self.nodes.silent(self.store, self.cfg.detect.node_timeout_s):
             self.events.emit("failure", kind="heartbeat_lost", node=name, silent_s=silent_s)
             self.backend.kill_node(name)
@@ -460,19 +461,15 @@ class Supervisor(ReportHandlers):
         next_status = 0.0
         next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
         try:
-            last = time.monotonic()
             while self.exit_code is None:
-                self.standby.keep_alive(self.cfg.detect.leader_hang_s)
-                if time.monotonic() - last > 1.0:  # this process stood still (stopped, frozen): superseded meanwhile?
-                    self.standby.fence(self)
-                last = time.monotonic()
+                self.standby.on_pass()  # the hang watchdog; superseded while this process stood still?
                 now = time.time()
                 self.tick(now)
                 if self.exit_code is None:
-                    self.standby.publish(self)
+                    self.standby.publish()
                 if time.monotonic() > next_hb:
                     self.check_heartbeats(now)
-                    self.standby.check(self)
+                    self.standby.on_heartbeat()
                     self._flush_recovery_event()
                     next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
                 if self.exit_code is None and (time.monotonic() > next_status or self._status_due):
@@ -485,6 +482,33 @@ class Supervisor(ReportHandlers):
             self.standby.disarm()  # the shutdown's waits are bounded on their own
             self.shutdown()
         return self.exit_code if self.exit_code is not None else decisions.EXIT_RANK_FAILED
+
+    # --- the standby's mirror (mirror.py) ----------------------------------------------------------
+    def mirror_state(self) -> SupervisorState:
+        gens, att = self._gens(), self.attempt
+        return SupervisorState(
+            job=self.job.state.value, gen=gens.gen, members=gens.members, stable=gens.stable, swept=gens.swept,
+            epoch=self.epoch, restarts=self.restarts, resume=self.resume, protect_every=self.reprotector.every,
+            nodes=tuple(NodeRecord(n.name, n.state.value, n.group_rank, n.failures, n.lost) for n in self.nodes),
+            attempt=AttemptRecord(tuple(sorted(att.done_ranks)), tuple(sorted(att.runtime_ready)), att.protect_on, att.step,
+                                  att.step_time_s, att.runtime_seen),
+            final=self.exit_code is not None)
+
+    def apply_mirror_state(self, state: SupervisorState) -> None:
+        """A standby taking over: the lost leader's state, and the keys every rank reads (the run id, the cadence,
+        the generation and its membership) written anew in this store."""
+        self.epoch, self.restarts, self.resume = state.epoch, state.restarts, state.resume
+        self.reprotector.every = state.protect_every
+        for n in state.nodes:
+            self.nodes.add(Node(n.name, Lifecycle(NodeState(n.state), NODE_TRANSITIONS), n.group_rank, n.failures, n.lost,
+                                up=n.state != NodeState.STARTING.value))
+        a = state.attempt
+        self.attempt = AttemptProgress(done_ranks=set(a.done), runtime_ready=set(a.ready), protect_on=a.protect_on, step=a.step,
+                                       step_time_s=a.step_time_s, runtime_seen=a.runtime_seen)
+        self.store.set(protocol.K_RUN_ID, self.cfg.launch.run_id)
+        protocol.put_value(self.store, protocol.K_PROTECT_EVERY, str(self.reprotector.every))
+        self.publisher = self.new_publisher()
+        self.publisher.restore(state.gen, state.members, state.stable, state.swept)
 
     def status(self) -> dict[str, Any]:
         return job_status(run_id=self.cfg.launch.run_id, run_dir=self.run_dir, state=self.job.state.value, gen=self.gen,
@@ -501,7 +525,7 @@ class Supervisor(ReportHandlers):
 
     def shutdown(self) -> None:
         self.operator_io.close_commands()  # kill-node now says 'stopped' at once
-        self.standby.stop(self.backend)  # first: a job ending on purpose is not a lost leader
+        self.standby.stop()  # first: a job ending on purpose is not a lost leader
         try:
             for n in self.nodes:
                 protocol.Queue(self.store, protocol.q_agent(n.name)).put(protocol.AgentStop())

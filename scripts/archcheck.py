@@ -1,5 +1,6 @@
 """Architecture checks: no production file over 600 lines, no function over 80, no import cycle, the
-runtime never imports the launcher, and the launcher imports only the runtime's torch-free leaves.
+runtime never imports the launcher, the launcher imports only the runtime's torch-free leaves, and its core never
+imports the add-ons (``simulate``, ``report``; only the CLI's subcommands, inside a function).
 
     python3 scripts/archcheck.py [REPO_ROOT]       # exit 1 and one line per problem when any is found
 """
@@ -16,10 +17,13 @@ for pkg, d in pkgs.items():
         rel = f.relative_to(d).with_suffix("")
         name = ".".join([pkg, *rel.parts]).removesuffix(".__init__")
         mods[name] = f
+ADDONS = ("phoenix_launch.simulate", "phoenix_launch.report")
+def addon(m): return any(m == a or m.startswith(a + ".") for a in ADDONS)
 bad = []
 graph = collections.defaultdict(set)
 for name, f in mods.items():
     src = f.read_text(); tree = ast.parse(src)
+    top = {id(node) for node in tree.body}
     n = len(src.splitlines())
     if n > 600: bad.append(f"file {f} {n} lines")
     for node in ast.walk(tree):
@@ -36,6 +40,8 @@ for name, f in mods.items():
         for t in targets:
             if t in mods and t != name:
                 graph[name].add(t)
+            if addon(t) and name.startswith("phoenix_launch") and not addon(name) and (name != "phoenix_launch.cli" or id(node) in top):
+                bad.append(f"core imports add-on {t} from {name}:{node.lineno}")
 for name, deps in graph.items():
     if name.startswith("phoenix_runtime") and any(d.startswith("phoenix_launch") for d in deps):
         bad.append(f"runtime imports launcher: {name}")
@@ -59,5 +65,5 @@ def dfs(u, stack):
 for m in mods:
     if m not in state: dfs(m, [])
 print(f"{len(mods)} modules; {sum(len(v) for v in graph.values())} internal imports")
-print("\n".join(bad) if bad else "OK: no file > 600 lines, no function > 80 lines, no cycle, no upward import")
+print("\n".join(bad) if bad else "OK: no file > 600 lines, no function > 80 lines, no cycle, no add-on in the core, no upward import")
 sys.exit(1 if bad else 0)

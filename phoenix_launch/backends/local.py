@@ -54,13 +54,13 @@ class LocalBackend:
     name = "local"
     # replenishment: a new spare is one more agent on this machine (it joins with the job's secret, as a
     # Slurm replenishment job's agent does); no scheduler to ask about a node
-    capabilities = Capabilities(replenish=True)
+    capabilities = Capabilities(replenish=True, standby=True)
 
-    def __init__(self, run_dir: Path, n_nodes: int, *, standby: bool = False):
+    def __init__(self, run_dir: Path, n_nodes: int, *, agents_outlive: bool = False):
         self.run_dir = run_dir
         self.node_names = [f"node{i}" for i in range(n_nodes)]
         # with a standby supervisor the agents must outlive this process (else they die with it)
-        self.standby = standby
+        self.agents_outlive = agents_outlive
         self.procs: dict[str, subprocess.Popen | Adopted] = {}
         self.standby_proc: subprocess.Popen | None = None
         self.exited: set[str] = set()
@@ -83,11 +83,11 @@ class LocalBackend:
             stderr=log,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: the node's unit of failure
-            preexec_fn=None if self.standby else die_with_parent,
+            preexec_fn=None if self.agents_outlive else die_with_parent,
         )
         log.close()
 
-    # --- the standby supervisor (launch.standby) --------------------------------------------------------
+    # --- StandbyBackend: the standby supervisor (launch.standby) ----------------------------------------
     def start_standby(self, sock, where: list[str] | None = None) -> None:
         """The standby supervisor: a process of its own session (it outlives this one), holding ``sock``."""
         log = open_private(self.run_dir / "logs" / "standby.log", "ab")

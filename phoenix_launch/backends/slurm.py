@@ -64,7 +64,7 @@ def _plural(n: int, word: str) -> str:
 
 class SlurmBackend:
     name = "slurm"
-    capabilities = Capabilities(replenish=True, node_state=True, allocation=True, remote_standby=True)
+    capabilities = Capabilities(replenish=True, node_state=True, allocation=True, standby=True, remote_standby=True)
 
     def __init__(self, cfg: Config, run_dir: Path, job: se.SlurmJob, allocation: tuple[str, ...], *,
                  run: se.Runner = se.run_command, submit: se.Runner | None = None):
@@ -87,7 +87,7 @@ class SlurmBackend:
         self._topology: dict[str, str] | None = None
         self.standby_proc: subprocess.Popen | None = None  # the srun of the standby supervisor's step
         self.standby_node: str | None = None
-        self.standby = cfg.launch.standby == "on"  # a standby continues the job without this supervisor (cli resolves auto)
+        self.agents_outlive = cfg.launch.standby == "on"  # a standby continues the job without this supervisor (cli resolves auto)
         self.attached: set[str] = set()  # nodes whose agent step another supervisor started (a takeover)
         self._next_attached_poll = 0.0
         self._killed: list[tuple[str, int]] = []  # attached agents killed here, to report from poll()
@@ -226,7 +226,7 @@ class SlurmBackend:
         it must outlive it: an ``srun`` killed under a live node makes its helper process cancel the step
         (every step of the job goes within seconds of the leader's SIGKILL), where the standby needs the
         steps to take over; the takeover's leader stops them with ``scancel`` in the end."""
-        return None if self.standby else die_with_parent
+        return None if self.agents_outlive else die_with_parent
 
     def poll(self) -> list[tuple[str, int]]:
         out = poll_exited(self.procs, self.exited) + self._poll_attached() + self._killed
@@ -269,7 +269,7 @@ class SlurmBackend:
             return False, f"scontrol could not drain {node}: {e.detail}"
         return True, f"drained in Slurm ({argv[-1]})"
 
-    # --- the standby supervisor (launch.standby) ----------------------------------------------------
+    # --- StandbyBackend: the standby supervisor (launch.standby) -------------------------------------
     def start_standby(self, sock, where: list[str] | None = None) -> None:
         """The standby supervisor: a one-node step of its own on another node of the allocation (``where``:
         the candidates, best first; never the node this leader runs on). It binds its own port there and

@@ -1,0 +1,118 @@
+"""The standby's narrow interface, without processes: the supervisor's state as the mirror carries it (built by
+``Supervisor.mirror_state``, published, read back and applied by ``Supervisor.apply_mirror_state``) and the
+``standby`` capability the supervisor takes from its backend once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+
+from phoenix_launch import mirror
+from phoenix_launch.backends import Capabilities, standby_of
+from phoenix_launch.config import build_config
+from phoenix_launch.lifecycle import JobState, NodeState
+from phoenix_launch.nodes import Node
+from phoenix_launch.supervisor import Supervisor
+from phoenix_runtime import protocol
+
+
+class _Store:
+    """The few calls of a TCPStore that the mirror and the generation publisher make."""
+
+    def __init__(self):
+        self.kv: dict[str, bytes] = {}
+
+    def set(self, key, value):
+        self.kv[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key):
+        return self.kv[key]
+
+    def check(self, keys):
+        return all(k in self.kv for k in keys)
+
+    def add(self, key, n):
+        self.kv[key] = str(int(self.kv.get(key, b"0")) + n).encode()
+        return int(self.kv[key])
+
+    def delete_key(self, key):
+        return self.kv.pop(key, None) is not None
+
+
+class _Backend:
+    name, node_names = "fake", ["n0", "n1", "n2"]
+
+    def __init__(self, standby: bool):
+        self.capabilities = Capabilities(standby=standby)
+        self.agents_outlive = standby
+
+    def domains(self):
+        return {}
+
+    def agent_handles(self):
+        return {"n0": 101, "n1": 102}
+
+    def leader_node(self):
+        return None
+
+
+def _supervisor(tmp_path, backend, standby="on", takeover=False):
+    cfg = build_config(None, {}, {"launch": {"nodes": 2, "spares": 1, "standby": standby}})
+    sup = Supervisor(cfg, ["x.py"], tmp_path, backend, takeover=takeover)
+    sup.plane = SimpleNamespace(store=_Store(), host="127.0.0.1", port=1, incarnation=0)
+    return sup
+
+
+def test_the_supervisor_state_goes_through_the_mirror_and_back(tmp_path):
+    leader = _supervisor(tmp_path, _Backend(standby=True))
+    ranks = leader.nodes.populate(["n0", "n1", "n2"], 2, 1)
+    leader.publisher = leader.new_publisher()
+    leader.publisher.first(ranks)
+    leader.job.transition(JobState.RUNNING, "test")
+    leader.nodes.transition(leader.nodes["n2"], NodeState.SPARE, "test")
+    leader.nodes["n1"].failures = 2
+    leader.epoch, leader.restarts, leader.resume = 1, 1, "ckpt/step_8"
+    leader.attempt.done_ranks.add(1)
+    leader.attempt.runtime_ready.update({0, 1})
+    leader.attempt.step, leader.attempt.step_time_s, leader.attempt.runtime_seen = 12, 0.25, True
+    state = leader.mirror_state()
+    assert isinstance(state, mirror.SupervisorState) and state.gen == 0 and not state.final
+
+    link = leader.standby
+    assert link.enabled and link.backend is leader.backend
+    link.publish()
+    doc = json.loads(protocol.get_value(leader.store, mirror.K_STATE))
+    assert doc["version"] == 1 and doc["agents"] == {"n0": 101, "n1": 102} and doc["leader_node"] is None
+    link.publish()  # every publication carries its time: a newer version
+    assert json.loads(protocol.get_value(leader.store, mirror.K_STATE))["version"] == 2
+
+    pub = mirror.Published.from_dict(doc)
+    assert pub.state == state and pub.agents == {"n0": 101, "n1": 102} and pub.t_ns > 0
+    standby = _supervisor(tmp_path, _Backend(standby=True), takeover=True)
+    standby.apply_mirror_state(pub.state)
+    # the job's state is the takeover's own (standby.take_over_job: running again); the rest is the leader's
+    assert replace(standby.mirror_state(), job=state.job) == state
+    assert [(n.name, n.up) for n in standby.nodes] == [("n0", False), ("n1", False), ("n2", True)]
+    assert protocol.get_value(standby.store, protocol.K_GEN) == "0"
+    assert standby.store.get(protocol.K_RUN_ID).decode() == standby.cfg.launch.run_id
+    for s in (leader, standby):
+        s.events.close()
+
+
+def test_the_standby_is_a_capability_taken_once(tmp_path):
+    plain = _Backend(standby=False)
+    assert standby_of(plain) is None
+    sup = _supervisor(tmp_path, plain)
+    assert not sup.standby.enabled  # on, but the backend has no standby: every hook does nothing
+    sup.nodes.add(Node.new("n0", 0))
+    sup.standby.on_pass()
+    sup.standby.publish()
+    sup.standby.on_heartbeat()
+    sup.standby.fence()
+    sup.standby.stop()
+    assert not sup.store.check([mirror.K_STATE])
+    off = _supervisor(tmp_path, _Backend(standby=True), standby="off")
+    assert not off.standby.enabled
+    for s in (sup, off):
+        s.events.close()
