@@ -481,10 +481,10 @@ class DecodeError(ProtocolError, ValueError):
 
 
 def decode(raw: dict[str, Any]) -> Message:
-    """A message object from its dict form (as ``Queue.put`` wrote it, or an older writer's plain dict):
+    """A message object from its dict form (as ``Queue.put`` wrote it):
     unknown keys are ignored, missing optional fields take their defaults. ``DecodeError`` when the type
     is unknown or a required field is missing."""
-    kind = raw.get("type", raw.get("cmd"))  # "cmd": agent commands of an older writer
+    kind = raw.get("type")
     try:
         mtype = MsgType(kind)
     except ValueError:
@@ -511,7 +511,7 @@ class Dispatcher:
         try:
             msg = raw if isinstance(raw, Message) else decode(raw)
         except DecodeError:
-            kind = str(raw.get("type", raw.get("cmd")))  # type: ignore[union-attr]
+            kind = str(raw.get("type"))  # type: ignore[union-attr]
             self.dropped[kind] = self.dropped.get(kind, 0) + 1
             return None
         handler = self.handlers.get(msg.TYPE)
