@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 import phoenix_runtime as phx
 from phoenix_runtime import state as phx_state
-from phoenix_runtime.codec import checksum
-from phoenix_runtime.threads import background_priority
+from phoenix_runtime.protection.codec import checksum
+from phoenix_runtime.plane.threads import background_priority
 
 GPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
 TAG_SIZE, TAG_DATA = 1, 2

@@ -16,8 +16,8 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-from phoenix_runtime import auth, control, protocol
-from phoenix_runtime.rank_env import RankEnv
+from phoenix_runtime.plane import auth, control, protocol
+from phoenix_runtime.plane.rank_env import RankEnv
 
 auth.set_key(b"k" * 32)
 secs = float(sys.argv[1]) if len(sys.argv) > 1 else 10.0

@@ -84,7 +84,7 @@ def parse(raw: str):
             continue
         frames = stack.split(";")
         procs = [i for i, f in enumerate(frames) if f.startswith("process ")]
-        if not procs or "phoenix_runtime.bootstrap" not in frames[procs[-1]] or procs[-1] + 1 >= len(frames):
+        if not procs or "phoenix_runtime.plane.bootstrap" not in frames[procs[-1]] or procs[-1] + 1 >= len(frames):
             continue  # the launcher, the agents
         i = procs[-1]
         pids.add(frames[i].split(":")[0].split()[1])

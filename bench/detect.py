@@ -88,7 +88,7 @@ def _is_agent(pid: str, node: str, rd: Path) -> bool:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
-    return "phoenix_launch.agent" in cmd and f"logs/{node}/agent.spec.json" in cmd and str(rd) in cmd
+    return "phoenix_launch.detect.agent" in cmd and f"logs/{node}/agent.spec.json" in cmd and str(rd) in cmd
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ def copy_floor(optim_bytes: int, snap_bytes: int, reps: int = 15) -> dict:
     (counted twice: sender and receiver), one loopback TCP send + receive of the shard (both ends)."""
     import torch
 
-    from phoenix_runtime.codec import checksum
+    from phoenix_runtime.protection.codec import checksum
 
     torch.set_num_threads(1)  # one thread: ``thread_time`` sees all of it
     src = torch.full((snap_bytes,), 7, dtype=torch.uint8)

@@ -35,8 +35,8 @@ def worker(rank: int, port: int, a: dict) -> None:
     import torch.distributed as dist
 
     from phoenix_runtime.layout import Layout
-    from phoenix_runtime.replication import GlooTransport, Replicator
-    from phoenix_runtime.snapshot import D2H
+    from phoenix_runtime.protection.replication import GlooTransport, Replicator
+    from phoenix_runtime.protection.snapshot import D2H
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))

@@ -72,7 +72,7 @@ def job_ranks(run_dir: Path) -> dict[int, psutil.Process]:
     rd, out = str(run_dir.resolve()), {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if "phoenix_runtime.bootstrap" in " ".join(p.info["cmdline"] or []) and p.environ().get("PHOENIX_RUN_DIR") == rd:
+            if "phoenix_runtime.plane.bootstrap" in " ".join(p.info["cmdline"] or []) and p.environ().get("PHOENIX_RUN_DIR") == rd:
                 out[p.pid] = p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

@@ -78,7 +78,7 @@ def main():
         try:
             wait(lambda: of(events(run_dir), "progress"), 240, "the first step")
             wait(lambda: of(events(run_dir), "standby_ready"), 120, "the first standby")
-            standby_cpu = _cpu_share(run_dir, "phoenix_launch.standby", 5.0)
+            standby_cpu = _cpu_share(run_dir, "phoenix_launch.standby.standby", 5.0)
             for k in range(a.trials):
                 wait(lambda: [e for e in of(events(run_dir), "standby_ready") if e["incarnation"] == k + 1], 120, f"standby {k + 1}")
                 time.sleep(rng.uniform(0.5, 1.5))  # somewhere in a step

@@ -60,7 +60,7 @@ def worker(kind: str, rank: int, port: int, sizes: list[int], reps: int, out: st
     if kind == "gloo":
         import torch.distributed as dist
 
-        from phoenix_runtime.transport import GlooTransport
+        from phoenix_runtime.protection.transport import GlooTransport
 
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
@@ -68,8 +68,8 @@ def worker(kind: str, rank: int, port: int, sizes: list[int], reps: int, out: st
     elif kind == "mpi-pairs":  # as in a phoenix-run job: singletons connected through the store
         import torch.distributed as dist
 
-        from phoenix_runtime.mpi_pairs import connect_pairs
-        from phoenix_runtime.transport import MpiTransport
+        from phoenix_runtime.protection.mpi_pairs import connect_pairs
+        from phoenix_runtime.protection.transport import MpiTransport
 
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
         pairs, _ = connect_pairs(store, "bench", rank, 2, time.monotonic() + 60)
@@ -77,7 +77,7 @@ def worker(kind: str, rank: int, port: int, sizes: list[int], reps: int, out: st
     else:
         from mpi4py import MPI
 
-        from phoenix_runtime.transport import MpiTransport
+        from phoenix_runtime.protection.transport import MpiTransport
 
         rank = MPI.COMM_WORLD.Get_rank()
         T = MpiTransport(MPI.COMM_WORLD)

@@ -147,7 +147,7 @@ def run(
 
 def _resume_point(run_dir: Path) -> tuple[Path, list[str] | None]:
     """``--resume RUN_DIR``: its newest complete persistent checkpoint, and the argv its job ran."""
-    from phoenix_launch.checkpoints import newest_complete
+    from phoenix_launch.repair.checkpoints import newest_complete
 
     if not run_dir.is_dir():
         raise fail(f"--resume: {run_dir} is not a run directory")
@@ -171,7 +171,7 @@ def _requeue_resume(cfg, rdir: Path, env):
     one the job starts again from scratch, and says so."""
     from dataclasses import replace
 
-    from phoenix_launch.checkpoints import newest_complete
+    from phoenix_launch.repair.checkpoints import newest_complete
 
     from phoenix_launch.backends.slurm_env import requeue_count
 
@@ -198,7 +198,7 @@ def _prepare_run_dir(cfg, log_dir: Optional[str]):
     rid = launch.run_id or (f"slurm-{job}" if job else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
     rdir = Path(launch.run_dir or Path(log_dir or "phoenix-runs") / rid)
     try:
-        from phoenix_launch.events import private_dir, write_private
+        from phoenix_launch.observe.events import private_dir, write_private
 
         private_dir(rdir)
         probe = rdir / ".write-test"
@@ -226,7 +226,7 @@ def _open_backend(cfg, rdir: Path, *, nodes_given: bool):
     be.agents_outlive = cfg.launch.standby == "on"  # its processes outlive this supervisor when a standby continues the job
     import yaml
 
-    from phoenix_launch.events import write_private
+    from phoenix_launch.observe.events import write_private
 
     write_private(rdir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return cfg, be
@@ -247,12 +247,12 @@ def _standby(cfg, be) -> str:
 
 
 def _supervise(cfg, argv: list[str], rdir: Path, be) -> None:
-    from phoenix_launch.control import PortInUse
+    from phoenix_launch.plane.control import PortInUse
     from phoenix_launch.supervisor import Supervisor
-    from phoenix_launch.ui import LiveUI, PlainUI
+    from phoenix_launch.observe.ui import LiveUI, PlainUI
 
     if cfg.launch.standby == "on" and be.capabilities.remote_standby:  # Slurm: the batch step outlives the leader
-        from phoenix_launch.keeper import fork_leader
+        from phoenix_launch.standby.keeper import fork_leader
 
         fork_leader(rdir, cfg.detect.takeover_timeout_s)
     sup = Supervisor(cfg, argv, rdir, be)
@@ -276,7 +276,7 @@ def _report(sup, code: int) -> None:
     typer.echo(f"phoenix-run: job failed (exit {code}): {sup.stop_reason}", err=True)
     rc = sup.root_cause
     if rc is not None:
-        from phoenix_launch.classify import describe_exit
+        from phoenix_launch.decide.classify import describe_exit
 
         where = f"rank {rc.rank} on {rc.node}" if rc.rank is not None else f"node {rc.node}"
         typer.echo(f"phoenix-run: root cause: {where}: {describe_exit(rc.exit_code, rc.signal)}", err=True)
@@ -292,8 +292,8 @@ def status(run_dir: Optional[str] = typer.Argument(None, help="Run directory (de
     """Print the live snapshot of a job from its run directory."""
     import json
 
-    from phoenix_launch.events import find_run_dir
-    from phoenix_launch.ui import print_status
+    from phoenix_launch.observe.events import find_run_dir
+    from phoenix_launch.observe.ui import print_status
 
     try:
         rdir = find_run_dir(run_dir)
@@ -311,9 +311,9 @@ def kill_node(
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default: the newest under .)."),
 ) -> None:
     """Inject a failure into a running job."""
-    from phoenix_launch.events import find_run_dir
-    from phoenix_launch.inject import MODES, InjectError, send_command
-    from phoenix_runtime.protocol import KillCommand
+    from phoenix_launch.observe.events import find_run_dir
+    from phoenix_launch.plane.inject import MODES, InjectError, send_command
+    from phoenix_runtime.plane.protocol import KillCommand
 
     if mode not in MODES:
         raise fail(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")

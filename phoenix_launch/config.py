@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from phoenix_runtime.errors import UsageError
-from phoenix_runtime.settings import FAULT_MODES, FAULT_PHASES, TRANSPORTS, RuntimeSettings
+from phoenix_runtime.plane.settings import FAULT_MODES, FAULT_PHASES, TRANSPORTS, RuntimeSettings
 
-#: The runtime's defaults, owned by ``phoenix_runtime.settings`` (the rank reads the same schema).
+#: The runtime's defaults, owned by ``phoenix_runtime.plane.settings`` (the rank reads the same schema).
 RUNTIME_DEFAULTS = RuntimeSettings()
 
 
@@ -163,7 +163,7 @@ PHASES = FAULT_PHASES
 @dataclass(frozen=True)
 class InjectConfig:
     # [{node: node1 | rank: 3, step: 20, mode: crash, phase: begin, gen: 0}]: phase is where in the step (or
-    # the recovery) it fires (phoenix_runtime.settings.FAULT_PHASES); gen: only from that generation on
+    # the recovery) it fires (phoenix_runtime.plane.settings.FAULT_PHASES); gen: only from that generation on
     faults: tuple[dict, ...] = ()
     chaos_mtbf_s: float = 0.0  # > 0: draw failures from an exponential distribution (soak runs)
     chaos_ranks: tuple[int, ...] = ()  # chaos crashes only the nodes holding these logical ranks (empty: any node)
@@ -207,7 +207,7 @@ class SlurmConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """Prometheus metrics (:mod:`phoenix_launch.metrics`); both off by default."""
+    """Prometheus metrics (:mod:`phoenix_launch.observe.metrics`); both off by default."""
 
     port: int = 0  # > 0: serve GET /metrics on this port
     host: str = ""  # the address to bind; empty: the job's control-plane address

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from phoenix_runtime.settings import FAULT_MODES
+from phoenix_runtime.plane.settings import FAULT_MODES
 
 EXIT_USAGE = 2
 
@@ -34,10 +34,10 @@ def main(args: list[str]) -> int:
         return int(e.code or 0) and EXIT_USAGE
     if a.mode not in FAULT_MODES:
         return _fail(f"unknown mode {a.mode!r}; valid: {', '.join(FAULT_MODES)}", EXIT_USAGE)
-    from phoenix_launch.events import find_run_dir
-    from phoenix_launch.inject import send_command
+    from phoenix_launch.observe.events import find_run_dir
+    from phoenix_launch.plane.inject import send_command
     from phoenix_runtime.errors import PhoenixError
-    from phoenix_runtime.protocol import KillCommand
+    from phoenix_runtime.plane.protocol import KillCommand
 
     try:
         rdir = find_run_dir(a.run_dir)

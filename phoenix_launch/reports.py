@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from phoenix_launch.classify import RankReport, describe_exit
+from phoenix_launch.decide.classify import RankReport, describe_exit
 from phoenix_launch.lifecycle import JobState, NodeState
-from phoenix_launch.nodes import ENDED
-from phoenix_runtime import protocol
+from phoenix_launch.detect.nodes import ENDED
+from phoenix_runtime.plane import protocol
 
 #: a live rank's error of this type is a failed replica, not a job failure: the step is protected again
 REPLICATION_ERROR = "ReplicationError"

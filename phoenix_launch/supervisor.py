@@ -15,29 +15,30 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phoenix_launch import checkpoints, decide as decisions
+from phoenix_launch.repair import checkpoints
+from phoenix_launch.decide import decide as decisions
 from phoenix_launch.backends.base import Backend, standby_of
-from phoenix_launch.classify import RankReport, classify
-from phoenix_launch.commands import CommandHandler
+from phoenix_launch.decide.classify import RankReport, classify
+from phoenix_launch.plane.commands import CommandHandler
 from phoenix_launch.config import Config, runtime_settings
-from phoenix_launch.control import ControlPlane
-from phoenix_launch.events import EventLog, write_json_atomic
-from phoenix_launch.generations import Attempt, AttemptProgress, GenerationPublisher
-from phoenix_launch.health import with_probe_evidence
-from phoenix_launch.incidents import Incident, IncidentTracker
-from phoenix_launch.inject import SOCKET_PURPOSE, Chaos, JobTargets
+from phoenix_launch.plane.control import ControlPlane
+from phoenix_launch.observe.events import EventLog, write_json_atomic
+from phoenix_launch.repair.generations import Attempt, AttemptProgress, GenerationPublisher
+from phoenix_launch.detect.health import with_probe_evidence
+from phoenix_launch.decide.incidents import Incident, IncidentTracker
+from phoenix_launch.plane.inject import SOCKET_PURPOSE, Chaos, JobTargets
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState
-from phoenix_launch.nodes import Node, NodeTable
-from phoenix_launch.operator_io import OperatorIO
-from phoenix_launch.recovery_watch import RecoveryWatch
-from phoenix_launch.replenish import Replenisher
+from phoenix_launch.detect.nodes import Node, NodeTable
+from phoenix_launch.observe.operator_io import OperatorIO
+from phoenix_launch.repair.recovery_watch import RecoveryWatch
+from phoenix_launch.repair.replenish import Replenisher
 from phoenix_launch.reports import ReportHandlers
-from phoenix_launch.reprotect import Reprotector
+from phoenix_launch.repair.reprotect import Reprotector
 from phoenix_launch.spec import AgentSpec
-from phoenix_launch.mirror import AttemptRecord, NodeRecord, StandbyLink, SupervisorState
-from phoenix_launch.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
-from phoenix_launch.refusals import RefusalLog
-from phoenix_runtime import auth, protocol
+from phoenix_launch.standby.mirror import AttemptRecord, NodeRecord, StandbyLink, SupervisorState
+from phoenix_launch.observe.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
+from phoenix_launch.observe.refusals import RefusalLog
+from phoenix_runtime.plane import auth, protocol
 
 
 

@@ -3,7 +3,7 @@
     import phoenix_runtime as phx
     phx.init(); training = phx.protect(model, optimizer)
 
-The package stays importable without torch (``phoenix_runtime.protocol`` and ``settings`` are shared with
+The package stays importable without torch (``phoenix_runtime.plane.protocol`` and ``settings`` are shared with
 the launcher): the API is loaded on first use. Every exception PHOENIX raises derives from ``PhoenixError``.
 """
 

@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from phoenix_runtime.context import Context, init  # noqa: F401  (the public init)
+from phoenix_runtime.plane.context import Context, init  # noqa: F401  (the public init)
 from phoenix_runtime.parallel import Parallel, check_bare, make_optimizer
 from phoenix_runtime.state import LoopObjects, name_by_shard
 from phoenix_runtime.training import ProtectedTraining  # noqa: F401

@@ -21,8 +21,8 @@ from typing import Callable, Optional
 
 def env_rank() -> Optional[int]:
     """The rank the environment gives this process (None on a spare waiting for an assignment)."""
-    from phoenix_runtime import protocol
-    from phoenix_runtime.rank_env import rank_env
+    from phoenix_runtime.plane import protocol
+    from phoenix_runtime.plane.rank_env import rank_env
 
     env = rank_env()
     return None if env.role == protocol.ROLE_SPARE else env.rank

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from phoenix_runtime import auth
+from phoenix_runtime.plane import auth
 from phoenix_runtime.parallel import like, local_of, shard_key
 
 

@@ -17,10 +17,10 @@ import time
 
 import torch.distributed as dist
 
-from phoenix_runtime.context import GenerationAbandoned
-from phoenix_runtime.control import STATE
-from phoenix_runtime.transport import TransportError
-from phoenix_runtime.wire import ReplicationError
+from phoenix_runtime.plane.context import GenerationAbandoned
+from phoenix_runtime.plane.control import STATE
+from phoenix_runtime.protection.transport import TransportError
+from phoenix_runtime.protection.wire import ReplicationError
 
 log = logging.getLogger(__name__)
 

@@ -17,15 +17,17 @@ from typing import Any, Iterator
 
 import torch
 
-from phoenix_runtime import persist, protocol, state
-from phoenix_runtime.context import Context, GenerationAbandoned, UnrecoverableError
-from phoenix_runtime.control import STATE
+from phoenix_runtime.recover import persist
+from phoenix_runtime.plane import protocol
+from phoenix_runtime import state
+from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
+from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.faults import FaultInjector
 from phoenix_runtime.parallel import reshard
-from phoenix_runtime.protection import ProtectionSession, merge_replicas
+from phoenix_runtime.protection.protection import ProtectionSession, merge_replicas
 from phoenix_runtime.quiet import quiet_unused_parameters_warning
-from phoenix_runtime.recovery_session import RecoverySession
-from phoenix_runtime.snapshot import D2H
+from phoenix_runtime.recover.recovery_session import RecoverySession
+from phoenix_runtime.protection.snapshot import D2H
 from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
 
 log = logging.getLogger(__name__)

@@ -47,9 +47,9 @@ for name, deps in graph.items():
         bad.append(f"runtime imports launcher: {name}")
     if name.startswith("phoenix_launch"):
         for d in deps:
-            if d.startswith("phoenix_runtime") and d not in ("phoenix_runtime.protocol", "phoenix_runtime.settings", "phoenix_runtime.auth", "phoenix_runtime",
+            if d.startswith("phoenix_runtime") and d not in ("phoenix_runtime.plane.protocol", "phoenix_runtime.plane.settings", "phoenix_runtime.plane.auth", "phoenix_runtime",
                                                          "phoenix_runtime.errors", "phoenix_runtime.logs",
-                                                         "phoenix_runtime.failover"):  # the store client both sides hold (lazily)
+                                                         "phoenix_runtime.plane.failover"):  # the store client both sides hold (lazily)
                 bad.append(f"launcher imports runtime module {d} from {name}")
 # cycles (module level and function level imports alike)
 sys.setrecursionlimit(10000)

@@ -165,7 +165,7 @@ def assert_same_digest(got_path: Path, expected: dict) -> None:
 def check_resume_steps(evs: list[dict], failed_at: int | None = None, lag: int = 0) -> list[tuple[int, int]]:
     """Each ``recovery`` event's resume step against the step that failed: a step that failed resumes at that
     step or the one before it (nothing completed is lost, one step replayed), or, with ``lag=1`` (a replicated
-    optimizer, whose ranks may be a step apart: see ``phoenix_runtime.recovery``), two before it.
+    optimizer, whose ranks may be a step apart: see ``phoenix_runtime.recover.recovery``), two before it.
 
     The failed steps are those of the faults injected so far and not yet matched (or ``failed_at`` for a failure
     the test caused itself), in the order they fired; a recovery is matched with the first of them its resume
@@ -233,7 +233,7 @@ def pytest_collection_modifyitems(config, items):
 def _own_job_secret():
     """A test that builds a supervisor in-process (which makes and uses a job secret) leaves the next test's
     process with the secret it had before."""
-    from phoenix_runtime import auth
+    from phoenix_runtime.plane import auth
 
     saved = (auth._key, auth._loaded)
     yield

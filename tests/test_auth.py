@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLES, assert_same_digest, events, job_processes, kill_job, load_digest, of_type, run_phoenix, start_phoenix, wait_for
-from phoenix_runtime import auth, protocol
+from phoenix_runtime.plane import auth, protocol
 
 GPT = str(EXAMPLES / "train_gpt.py")
 
@@ -106,7 +106,7 @@ def test_the_control_thread_polls_one_counter_and_a_forged_one_hides_nothing(sec
     written yet is read again at the next poll without a new bump."""
     from test_pure import DictStore
 
-    from phoenix_runtime.control import ControlThread
+    from phoenix_runtime.plane.control import ControlThread
 
     class Counting(DictStore):
         calls = 0
@@ -173,8 +173,8 @@ def test_a_bump_wakes_the_control_thread_at_once_and_the_notify_keys_stay_few(se
     only the newest ``NOTIFY_KEEP`` of those keys."""
     from torch.distributed import TCPStore
 
-    from phoenix_runtime.control import ControlThread, RankState
-    from phoenix_runtime.rank_env import RankEnv
+    from phoenix_runtime.plane.control import ControlThread, RankState
+    from phoenix_runtime.plane.rank_env import RankEnv
 
     master = TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, timeout=timedelta(seconds=30))
     protocol.put_value(master, protocol.K_GEN, "0")
@@ -212,8 +212,8 @@ def test_a_spare_sees_its_assignment_at_once_and_waits_out_a_forged_one(secret, 
 
     from torch.distributed import TCPStore
 
-    from phoenix_runtime import bootstrap
-    from phoenix_runtime import rank_env as rank_env_module
+    from phoenix_runtime.plane import bootstrap
+    from phoenix_runtime.plane import rank_env as rank_env_module
 
     master = TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, timeout=timedelta(seconds=30))
     for k, v in {protocol.ENV_STORE_HOST: "127.0.0.1", protocol.ENV_STORE_PORT: str(master.port), protocol.ENV_NODE: "spare0",
@@ -244,8 +244,8 @@ def test_a_spare_sees_its_assignment_at_once_and_waits_out_a_forged_one(secret, 
 
 @pytest.mark.timeout(30)
 def test_an_assignment_sets_only_the_launchers_variables(secret, monkeypatch):
-    from phoenix_runtime import bootstrap
-    from phoenix_runtime import rank_env as rank_env_module
+    from phoenix_runtime.plane import bootstrap
+    from phoenix_runtime.plane import rank_env as rank_env_module
 
     monkeypatch.setenv(protocol.ENV_NODE, "spare0")
     monkeypatch.setenv(protocol.ENV_SLOT, "1")
@@ -262,7 +262,7 @@ def test_an_assignment_sets_only_the_launchers_variables(secret, monkeypatch):
 @pytest.mark.timeout(30)
 def test_the_secret_file_is_new_private_and_never_follows_a_link(tmp_path):
     d = tmp_path / "run"
-    from phoenix_launch.events import private_dir, write_private
+    from phoenix_launch.observe.events import private_dir, write_private
 
     private_dir(d)
     assert stat.S_IMODE(d.stat().st_mode) == 0o700

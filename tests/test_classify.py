@@ -1,4 +1,4 @@
-"""The failure classifier (phoenix_launch.classify) and the node-health probes (phoenix_launch.health).
+"""The failure classifier (phoenix_launch.decide.classify) and the node-health probes (phoenix_launch.detect.health).
 
 The table test feeds real error strings of torch, gloo, NCCL, CUDA and the Linux kernel, each with
 where it was seen, through ``classify`` as a one-rank incident on a healthy two-node job.
@@ -17,7 +17,7 @@ from datetime import timedelta
 import psutil
 import pytest
 
-from phoenix_launch.classify import (
+from phoenix_launch.decide.classify import (
     PATTERNS,
     XID_CLASS,
     Action,
@@ -32,7 +32,7 @@ from phoenix_launch.classify import (
     slurm_state_bad,
     xid_codes,
 )
-from phoenix_launch.health import (
+from phoenix_launch.detect.health import (
     GpuEcc,
     assess,
     parse_nvidia_smi_ecc,
@@ -1040,7 +1040,7 @@ def test_probe_node_on_this_machine(tmp_path, monkeypatch):
 
 def test_probe_evidence_reaches_the_classifier():
     """The agents' readings (Xid, ECC, a stopped rank) and the scheduler's node state become Signals evidence."""
-    from phoenix_launch.health import with_probe_evidence
+    from phoenix_launch.detect.health import with_probe_evidence
 
     base = Signals(reports=(rep("n1", 0, exit_code=None, error=CLOSED, t=1.0), rep("n2", 2, exit_code=None, error=CLOSED, t=1.1)),
                    healthy_nodes=frozenset({"n1", "n2"}), world_ranks=4)

@@ -1,4 +1,4 @@
-"""The global commit point (runtime/commit.py): a rank a step ahead never reuses the buffer of S_{k-1} before
+"""The global commit point (runtime/protection/commit.py): a rank a step ahead never reuses the buffer of S_{k-1} before
 every rank's S_k is committed at its replicas.
 
 Real processes, real gloo, the real ``ProtectionSession`` (D2H engine + replicator + pipeline). Four ranks on two
@@ -30,10 +30,10 @@ def _worker(rank: int, port: int, outdir: Path) -> dict:
     import torch.distributed as dist
 
     from phoenix_runtime.layout import Layout
-    from phoenix_runtime.protection import ProtectionSession
-    from phoenix_runtime.settings import RuntimeSettings
-    from phoenix_runtime.snapshot import D2H
-    from phoenix_runtime.transport import GlooTransport
+    from phoenix_runtime.protection.protection import ProtectionSession
+    from phoenix_runtime.plane.settings import RuntimeSettings
+    from phoenix_runtime.protection.snapshot import D2H
+    from phoenix_runtime.protection.transport import GlooTransport
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=4, timeout=datetime.timedelta(seconds=30))

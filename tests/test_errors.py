@@ -36,7 +36,7 @@ def test_every_exception_class_derives_from_phoenix_error():
 def test_the_root_is_exported_and_names_do_not_clash():
     assert phoenix_runtime.PhoenixError is PhoenixError
     names = [n.rsplit(".", 1)[1] for n in _exception_classes()]
-    from phoenix_runtime import protocol
+    from phoenix_runtime.plane import protocol
 
     messages = {c.__name__ for c in vars(protocol).values() if inspect.isclass(c) and issubclass(c, protocol.Message)}
     assert not messages & set(names), messages & set(names)  # a message and an exception never share a name

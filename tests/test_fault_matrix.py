@@ -367,8 +367,8 @@ PERSIST = {"persist_every": 4}
 def test_checkpoint_catalog_uses_only_complete_checkpoints(tmp_path):
     """A step's directory is COMPLETE only once every logical rank reported its write; a write the failure
     interrupted (no marker) is never chosen; the newest ``keep`` complete ones are kept, older ones deleted."""
-    from phoenix_launch.checkpoints import Catalog, newest_complete, step_of
-    from phoenix_runtime import protocol
+    from phoenix_launch.repair.checkpoints import Catalog, newest_complete, step_of
+    from phoenix_runtime.plane import protocol
 
     def wrote(cat, step, rank):
         d = Path(protocol.persist_rank_dir(protocol.persist_step_dir(str(tmp_path), step), rank))

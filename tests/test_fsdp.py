@@ -87,7 +87,7 @@ def test_node_lost_while_a_survivor_is_a_step_ahead(tmp_path, baseline):
     step 4 while ranks 1 and 3 go on to step 5 (FSDP2's optimizer step and its forward all-gather within a node
     need no one else); node1 is lost at rank 3's step 5. S_4 is no resume point (rank 2's share survives
     nowhere), so the survivors resume at S_3, which rank 1, a step ahead, must still hold: its S_5 waited for
-    S_4's commit point (runtime/commit.py). Before that it was gone, and the job stopped with nothing to resume."""
+    S_4's commit point (runtime/protection/commit.py). Before that it was gone, and the job stopped with nothing to resume."""
     faults = [{"rank": 2, "step": 4, "mode": "late"}, {"node": "node1", "step": 5, "mode": "crash"}]
     r, run_dir, dg = run_job(tmp_path, "job", "hsdp", 2, 2, 1, faults, runtime={"replica_timeout_s": 20.0})
     evs = assert_recovered(r, run_dir, dg, baseline("hsdp"))

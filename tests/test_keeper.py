@@ -1,4 +1,4 @@
-"""The batch step's keeper (``phoenix_launch/keeper.py``): real processes, a real fork and a real SIGKILL.
+"""The batch step's keeper (``phoenix_launch/standby/keeper.py``): real processes, a real fork and a real SIGKILL.
 
 ``fork_leader`` runs in a child Python process here (as in ``phoenix-run``): its forked leader either ends the
 job or is SIGKILLed; what the keeper then does is read from the run directory, as a new leader would write it.
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 LEADER = """
 import json, os, signal, sys
 from pathlib import Path
-from phoenix_launch.keeper import fork_leader
+from phoenix_launch.standby.keeper import fork_leader
 rd = Path(sys.argv[1])
 fork_leader(rd, float(sys.argv[2]))
 if sys.argv[3] == "end":  # the leader ends the job itself: status final, job_end
@@ -59,7 +59,7 @@ def test_a_lost_leader_the_keeper_waits_for_the_new_leaders_end(tmp_path):
     _standby(tmp_path)
     p = _start(tmp_path, "kill")
     wait_for(lambda: (tmp_path / "keeper.json").exists(), 20, "the keeper's keeper.json")
-    from phoenix_launch import keeper
+    from phoenix_launch.standby import keeper
 
     assert keeper.alive(tmp_path) and p.poll() is None
     (tmp_path / "control.json").write_text(json.dumps({"incarnation": 1}))

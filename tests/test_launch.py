@@ -234,7 +234,7 @@ def test_bad_run_dir_not_writable(tmp_path):
 
 
 def _agent(tmp_path, script_text: str, nproc: int = 2):
-    from phoenix_launch.agent import Agent
+    from phoenix_launch.detect.agent import Agent
     from phoenix_launch.spec import AgentSpec
 
     script = tmp_path / "rank.py"

@@ -8,13 +8,13 @@ import json
 from dataclasses import replace
 from types import SimpleNamespace
 
-from phoenix_launch import mirror
+from phoenix_launch.standby import mirror
 from phoenix_launch.backends import Capabilities, standby_of
 from phoenix_launch.config import build_config
 from phoenix_launch.lifecycle import JobState, NodeState
-from phoenix_launch.nodes import Node
+from phoenix_launch.detect.nodes import Node
 from phoenix_launch.supervisor import Supervisor
-from phoenix_runtime import protocol
+from phoenix_runtime.plane import protocol
 
 
 class _Store:

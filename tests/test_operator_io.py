@@ -22,9 +22,9 @@ import pytest
 import yaml
 
 from conftest import EXAMPLES, events, job_processes, kill_job, of_type, phoenix_cmd, run_phoenix, start_phoenix, wait_for
-from phoenix_launch.command_socket import SOCKET_NAME, CommandSocket, JobUnreachable, send
-from phoenix_launch.metrics import render_metrics
-from phoenix_launch.observe import JobCounters, progress_text, progress_view
+from phoenix_launch.plane.command_socket import SOCKET_NAME, CommandSocket, JobUnreachable, send
+from phoenix_launch.observe.metrics import render_metrics
+from phoenix_launch.observe.observe import JobCounters, progress_text, progress_view
 
 GPT = str(EXAMPLES / "train_gpt.py")
 FAST_S = 0.5  # the target for kill-node
@@ -131,7 +131,7 @@ def test_metrics_text_is_valid_exposition_with_escaped_labels():
 
 
 def test_progress_bar_eta_and_last_incident_in_the_live_view():
-    from phoenix_launch.ui import print_status
+    from phoenix_launch.observe.ui import print_status
 
     snap = snapshot(run_id="r1")
     snap["progress"] = progress_view(snap, fed(*INCIDENT))

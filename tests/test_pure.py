@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import pytest
 
-from phoenix_launch import decide as decisions
-from phoenix_launch.classify import Action, FailureClass, Verdict
+from phoenix_launch.decide import decide as decisions
+from phoenix_launch.decide.classify import Action, FailureClass, Verdict
 from phoenix_launch.config import ConfigError, build_config
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState, TransitionError
-from phoenix_runtime import protocol
-from phoenix_runtime.codec import pack, unpack
-from phoenix_runtime.context import UnrecoverableError
-from phoenix_runtime.recovery import Descriptor, plan_recovery
+from phoenix_runtime.plane import protocol
+from phoenix_runtime.protection.codec import pack, unpack
+from phoenix_runtime.plane.context import UnrecoverableError
+from phoenix_runtime.recover.recovery import Descriptor, plan_recovery
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -239,11 +239,11 @@ def test_typed_messages_roundtrip_and_old_dicts_decode():
 
 
 # --- the supervisor's parts, on a fake clock ------------------------------------------------------------
-from phoenix_launch.classify import RankReport  # noqa: E402
+from phoenix_launch.decide.classify import RankReport  # noqa: E402
 from phoenix_launch.config import DetectConfig  # noqa: E402
-from phoenix_launch.generations import Attempt, GenerationPublisher  # noqa: E402
-from phoenix_launch.incidents import FleetView, IncidentTracker  # noqa: E402
-from phoenix_launch.recovery_watch import RecoveryWatch  # noqa: E402
+from phoenix_launch.repair.generations import Attempt, GenerationPublisher  # noqa: E402
+from phoenix_launch.decide.incidents import FleetView, IncidentTracker  # noqa: E402
+from phoenix_launch.repair.recovery_watch import RecoveryWatch  # noqa: E402
 
 DETECT = DetectConfig(heartbeat_s=0.5, hang_timeout_s=10.0, node_timeout_s=5.0, settle_s=0.3)
 FLEET = FleetView(healthy=frozenset({"n0", "n1"}), world_ranks=4)
@@ -370,7 +370,7 @@ def test_decisions_for_exited_ranks_and_failures_before_the_first_step():
 
 
 def test_hang_check_uses_progress_when_the_runtime_reports_it():
-    from phoenix_launch.agent import hang_check
+    from phoenix_launch.detect.agent import hang_check
 
     hb = protocol.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0)
     assert hang_check(hb, 100.2, 10.0) == ("progress", pytest.approx(20.2))  # heartbeat fresh, no step for 20 s
@@ -394,8 +394,8 @@ def test_the_first_step_after_a_start_or_a_recovery_gets_the_longer_bound():
     10 s hang bound, and a healthy rank was killed. Until a step completed in its phase, only
     ``first_step_timeout_s`` (or a silent heartbeat) makes a rank hung; a heartbeat without ``warm`` (an older
     runtime) keeps the old rule."""
-    from phoenix_launch.agent import hang_check
-    from phoenix_runtime.control import RankState
+    from phoenix_launch.detect.agent import hang_check
+    from phoenix_runtime.plane.control import RankState
 
     cold = protocol.RankHeartbeat(t=100.0, step=-1, phase="training", t_step=50.0, blocked_in="code", warm=False)
     assert hang_check(cold, 100.2, 10.0, 600.0) is None  # 50 s into its first step: not hung
@@ -416,7 +416,7 @@ def test_the_first_step_after_a_start_or_a_recovery_gets_the_longer_bound():
 
 def test_a_replica_failure_reported_by_a_rank_is_recorded_and_never_a_job_failure(tmp_path):
     from phoenix_launch.backends import Capabilities
-    from phoenix_launch.nodes import Node
+    from phoenix_launch.detect.nodes import Node
     from phoenix_launch.supervisor import Supervisor
 
     class Backend:
@@ -480,7 +480,7 @@ def test_a_deferred_incident_settles_again_and_gathers_new_reports():
 
 # --- re-protection after a broken replicator (reprotect.py), on a fake clock ----------------------------
 def test_reprotect_waits_its_grace_and_for_a_quiet_job():
-    from phoenix_launch.reprotect import Reprotector
+    from phoenix_launch.repair.reprotect import Reprotector
 
     r = Reprotector(limit=2, grace_s=0.5)
     assert r.due(0.0, 0, quiet=True) is None  # nothing broke
@@ -494,7 +494,7 @@ def test_reprotect_waits_its_grace_and_for_a_quiet_job():
 
 
 def test_reprotect_skips_a_generation_already_replaced_and_is_bounded():
-    from phoenix_launch.reprotect import Reprotector
+    from phoenix_launch.repair.reprotect import Reprotector
 
     r = Reprotector(limit=1, grace_s=0.0)
     r.broken(3, "node1", 2, "torn", now=0.0)
@@ -510,7 +510,7 @@ def test_protection_cadence_adapts_when_replication_does_not_fit():
     """The paper's rule: after ``patience`` progress reports whose replica wait is over the threshold, the
     cadence becomes ceil(1.1 m / (1 - wait_frac)); applied at a quiet moment by re-forming the generation;
     not counted against reprotect_max; bounded by cadence_max; off with protect_adapt false."""
-    from phoenix_launch.reprotect import Reprotector
+    from phoenix_launch.repair.reprotect import Reprotector
 
     r = Reprotector(limit=0, grace_s=0.0, every=1)
     for frac in (0.5, 0.01, 0.5, 0.5):  # a report under the threshold resets the count
@@ -534,7 +534,7 @@ def test_protection_cadence_adapts_when_replication_does_not_fit():
 def test_persistent_checkpoints_follow_the_protected_steps():
     """Persister.due on protected steps only: with protection every step, the multiples of ``every`` and the
     asked step; every m-th step, the protected step at or before each multiple (the same on every rank)."""
-    from phoenix_runtime.persist import Persister
+    from phoenix_runtime.recover.persist import Persister
 
     p = Persister("/nonexistent", 0, every=4, report=lambda m: None)
     assert [k for k in range(1, 13) if p.due(k, -1, k + 1)] == [4, 8, 12]
@@ -561,8 +561,8 @@ def test_a_failure_while_a_restart_starts_up_still_starts_fresh():
     attempt no rank has got that far yet when another node is lost: nothing is lost by starting fresh again.
     A job never seen to run the runtime (a plain script) keeps torchrun's restart budget once every rank has
     formed its default group; before that (a rank still importing) nothing was trained and it starts fresh."""
-    from phoenix_launch.generations import AttemptProgress
-    from phoenix_launch.status import nothing_done
+    from phoenix_launch.repair.generations import AttemptProgress
+    from phoenix_launch.observe.status import nothing_done
 
     st = DictStore()
     members = protocol.Membership(2, 2, (protocol.RankSlot(0, "n0", 0), protocol.RankSlot(1, "n2", 0)))

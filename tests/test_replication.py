@@ -82,7 +82,7 @@ class _Trainer:
 
 
 def _own_sha(tr: _Trainer) -> str:
-    from phoenix_runtime.snapshot import Packer
+    from phoenix_runtime.protection.snapshot import Packer
 
     named = tr.optim_named()
     p = Packer(named)
@@ -92,7 +92,7 @@ def _own_sha(tr: _Trainer) -> str:
 
 
 def _make_transport(kind: str, group):
-    from phoenix_runtime.replication import GlooTransport, MpiTransport
+    from phoenix_runtime.protection.replication import GlooTransport, MpiTransport
 
     return GlooTransport(group) if kind == "gloo" else MpiTransport()
 
@@ -111,8 +111,8 @@ def _dump(outdir: Path, rank: int, res: dict) -> None:
 
 def scenario_steps(rank, n, group, store, a, outdir):
     """Train `steps` steps with D2H + replication; record own S_k and every replica held."""
-    from phoenix_runtime.replication import Replicator, host_bytes_required
-    from phoenix_runtime.snapshot import D2H
+    from phoenix_runtime.protection.replication import Replicator, host_bytes_required
+    from phoenix_runtime.protection.snapshot import D2H
 
     lay = _layout(a, n)
     tr = _Trainer(seed=100 + rank, width=a.get("width", 64))
@@ -159,8 +159,8 @@ def scenario_steps(rank, n, group, store, a, outdir):
 
 def scenario_torn(rank, n, group, store, a, outdir):
     """Rank 1 dies in the middle of sending its S_2 (after chunk 3 of many)."""
-    from phoenix_runtime.replication import ReplicationError, Replicator
-    from phoenix_runtime.snapshot import D2H
+    from phoenix_runtime.protection.replication import ReplicationError, Replicator
+    from phoenix_runtime.protection.snapshot import D2H
 
     lay = _layout(a, n)
     tr = _Trainer(seed=200 + rank, width=256)
@@ -229,8 +229,8 @@ def scenario_torn(rank, n, group, store, a, outdir):
 def scenario_corrupt(rank, n, group, store, a, outdir):
     """Rank 0 flips a bit of rank 1's replica of S_1 on arrival, every time (the checksum catches it, the
     bounded resends fail too), and of S_2 once (the resend commits it)."""
-    from phoenix_runtime.replication import ReplicationError, Replicator
-    from phoenix_runtime.snapshot import D2H
+    from phoenix_runtime.protection.replication import ReplicationError, Replicator
+    from phoenix_runtime.protection.snapshot import D2H
 
     lay = _layout(a, n)
     tr = _Trainer(seed=300 + rank)
@@ -271,7 +271,7 @@ def scenario_corrupt(rank, n, group, store, a, outdir):
     res["broken"] = rep.broken is not None
     res["stopped"] = rep.stop(5, abort=False)  # keep the transport for the transfer below
     # recovery-style transfer on the same transport: rank 0 gives rank 1 back its replica of S_2
-    from phoenix_runtime.replication import recv_snapshot, send_snapshot
+    from phoenix_runtime.protection.replication import recv_snapshot, send_snapshot
 
     if rank == 0:
         held = rep.replicas()[lay.shard_of(1)]
@@ -297,8 +297,8 @@ def scenario_corrupt(rank, n, group, store, a, outdir):
 
 def scenario_stall(rank, n, group, store, a, outdir):
     """Rank 1 never submits step 1: rank 0's wait_committed times out, stop() is bounded."""
-    from phoenix_runtime.replication import ReplicationError, Replicator
-    from phoenix_runtime.snapshot import D2H
+    from phoenix_runtime.protection.replication import ReplicationError, Replicator
+    from phoenix_runtime.protection.snapshot import D2H
 
     lay = _layout(a, n)
     tr = _Trainer(seed=400 + rank)
@@ -346,7 +346,7 @@ def scenario_contract(rank, n, group, store, a, outdir):
     """Transport contract: tagged p2p in any order, both directions, abort unblocks a pending recv."""
     import threading
 
-    from phoenix_runtime.replication import TransportError
+    from phoenix_runtime.protection.replication import TransportError
 
     T = _make_transport(a["transport"], group)
     peer = 1 - rank

@@ -12,12 +12,13 @@ import threading
 import pytest
 import torch
 
-from phoenix_runtime import protocol, state
+from phoenix_runtime.plane import protocol
+from phoenix_runtime import state
 from phoenix_runtime.faults import FaultInjector
-from phoenix_runtime.rank_env import RankEnv
-from phoenix_runtime.settings import RuntimeSettings
-from phoenix_runtime.transport import Transport, TransportError, Work
-from phoenix_runtime.wire import ReplicationError, recv_named, send_named
+from phoenix_runtime.plane.rank_env import RankEnv
+from phoenix_runtime.plane.settings import RuntimeSettings
+from phoenix_runtime.protection.transport import Transport, TransportError, Work
+from phoenix_runtime.protection.wire import ReplicationError, recv_named, send_named
 
 
 # --- the rank's environment ----------------------------------------------------------------------------
@@ -257,7 +258,7 @@ def _forming(store, latest: int, incarnation: int = 0):
     """A Context as ``form`` uses it, on a real store, without a job around it (2 ranks)."""
     from types import SimpleNamespace
 
-    from phoenix_runtime.context import Context
+    from phoenix_runtime.plane.context import Context
 
     ctx = object.__new__(Context)
     ctx.managed, ctx.world_size, ctx._committed = True, 2, None
@@ -277,8 +278,8 @@ def test_a_generation_is_formed_by_every_rank_or_by_none():
 
     import torch.distributed as dist
 
-    from phoenix_runtime.context import GenerationAbandoned
-    from phoenix_runtime.store_keys import KeyRecorder
+    from phoenix_runtime.plane.context import GenerationAbandoned
+    from phoenix_runtime.plane.store_keys import KeyRecorder
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
     far = time.monotonic() + 30

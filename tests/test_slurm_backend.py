@@ -129,7 +129,7 @@ def test_replenish_submits_one_node_job_off_this_jobs_nodes(tmp_path: Path) -> N
     assert argv[0] == "sbatch" and "--nodes=1" in argv and "--exclude=n1,n2,n3,n4" in argv
     assert "--partition=debug" in argv and "--time=01:00:00" in argv and "--chdir=/w" in argv
     script = Path(argv[-1]).read_text()
-    assert "phoenix_launch.agent" in script and '--node "${SLURMD_NODENAME:-$(hostname -s)}"' in script
+    assert "phoenix_launch.detect.agent" in script and '--node "${SLURMD_NODENAME:-$(hostname -s)}"' in script
     spec = json.loads((tmp_path / "logs" / "replenish" / "r1.spec.json").read_text())
     assert spec["join"] == "r1" and spec["role"] == "spare"
     be.adopt("n5", "r1")
@@ -198,7 +198,7 @@ def test_join_needs_the_jobs_secret(tmp_path: Path) -> None:
     """A joining agent's agent_up is accepted only sealed with the job's secret: one written by a plain store
     client (no secret) is refused by the queue and logged as a refused event."""
     from phoenix_launch.supervisor import Supervisor
-    from phoenix_runtime import protocol
+    from phoenix_runtime.plane import protocol
 
     from test_pure import DictStore
 
@@ -221,7 +221,7 @@ def test_join_needs_the_jobs_secret(tmp_path: Path) -> None:
 
 def test_replenish_asks_for_the_missing_spares_once(tmp_path: Path) -> None:
     from phoenix_launch.lifecycle import JobState, Lifecycle, NodeState, NODE_TRANSITIONS
-    from phoenix_launch.nodes import Node
+    from phoenix_launch.detect.nodes import Node
     from phoenix_launch.supervisor import Supervisor
 
     be = _Backend()
@@ -244,7 +244,7 @@ def test_replenish_asks_for_the_missing_spares_once(tmp_path: Path) -> None:
 
 def test_a_replenishment_job_that_ends_without_joining_is_replaced(tmp_path: Path) -> None:
     from phoenix_launch.lifecycle import JobState, Lifecycle, NodeState, NODE_TRANSITIONS
-    from phoenix_launch.nodes import Node
+    from phoenix_launch.detect.nodes import Node
     from phoenix_launch.supervisor import Supervisor
 
     be = _Backend()
@@ -268,8 +268,8 @@ def test_a_replenishment_job_that_ends_without_joining_is_replaced(tmp_path: Pat
 def test_node_state_and_drain_reason_reach_the_incident(tmp_path: Path) -> None:
     """The Slurm backend reads a node's state and reason on an incident (capability ``node_state``); the node
     table turns it into classifier evidence and a ``probe`` event."""
-    from phoenix_launch.events import EventLog
-    from phoenix_launch.nodes import NodeTable
+    from phoenix_launch.observe.events import EventLog
+    from phoenix_launch.detect.nodes import NodeTable
 
     def show(argv):
         if argv[3] == "node":

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from phoenix_launch.backends import slurm_env as se
-from phoenix_launch.checkpoints import complete_steps, step_of
+from phoenix_launch.repair.checkpoints import complete_steps, step_of
 from slurm_fixture import SlurmCluster, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
@@ -167,7 +167,7 @@ def agent_alive(run_dir: Path, node: str) -> bool:
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
             cmd = p.info["cmdline"] or []
-            if p.info["status"] != psutil.STATUS_ZOMBIE and "phoenix_launch.agent" in cmd and f"@{spec}" in cmd:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and "phoenix_launch.detect.agent" in cmd and f"@{spec}" in cmd:
                 return True
         except psutil.NoSuchProcess:
             continue

@@ -288,12 +288,12 @@ def test_drain_command() -> None:
 
 
 def test_agent_srun_command() -> None:
-    cmd = agent_srun_command("n4", ["python3", "-m", "phoenix_launch.agent", "--node-rank", "3"])
+    cmd = agent_srun_command("n4", ["python3", "-m", "phoenix_launch.detect.agent", "--node-rank", "3"])
     assert cmd[0] == "srun"
     for flag in ("--nodes=1", "--ntasks=1", "--overlap", "--kill-on-bad-exit=0", "--no-kill"):
         assert flag in cmd
     assert cmd[cmd.index("-w") + 1] == "n4"
-    assert cmd[-5:] == ["python3", "-m", "phoenix_launch.agent", "--node-rank", "3"]
+    assert cmd[-5:] == ["python3", "-m", "phoenix_launch.detect.agent", "--node-rank", "3"]
     assert not any(c.startswith("--gpus") for c in cmd)
     cmd = agent_srun_command("n4", ["a"], ["--unbuffered"], gpus_per_node=4)
     assert "--gpus-per-node=4" in cmd and cmd[-2:] == ["--unbuffered", "a"]

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from phoenix_runtime.replication import HostMemoryError, check_host_memory, host_bytes_required
-from phoenix_runtime.snapshot import (
+from phoenix_runtime.protection.replication import HostMemoryError, check_host_memory, host_bytes_required
+from phoenix_runtime.protection.snapshot import (
     ALIGN,
     D2H,
     D2HError,
@@ -86,7 +86,7 @@ def test_packer_rejects_layout_change():
 def test_checksum_is_xxh3_63_bits_and_streams():
     import xxhash
 
-    from phoenix_runtime.codec import CHECKSUM_MASK, Digest
+    from phoenix_runtime.protection.codec import CHECKSUM_MASK, Digest
 
     t = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
     assert checksum(t) == xxhash.xxh3_64_intdigest(bytes(t.numpy())) & CHECKSUM_MASK

@@ -80,7 +80,7 @@ def _kill_leader_at(tmp_path: Path, step: int, and_node: str | None = None, stan
     try:
         wait_for(lambda: _progress(run_dir, step) and of_type(events(run_dir), "standby_ready"), 180, f"step {step} and a ready standby")
         if standby_first:  # the standby itself is lost first: the leader replaces it
-            (sb,) = [p for p in job_processes(run_dir) if "phoenix_launch.standby" in " ".join(p.cmdline())]
+            (sb,) = [p for p in job_processes(run_dir) if "phoenix_launch.standby.standby" in " ".join(p.cmdline())]
             sb.kill()
             wait_for(lambda: of_type(events(run_dir), "standby_lost") and len(of_type(events(run_dir), "standby_ready")) == 2, 60,
                      "a new standby after the first was lost")
@@ -195,7 +195,7 @@ def test_a_store_call_on_a_vanished_leader_is_cut_not_left_hanging(monkeypatch):
 
     import torch.distributed as dist
 
-    from phoenix_runtime import failover
+    from phoenix_runtime.plane import failover
 
     server = subprocess.Popen([sys.executable, "-c", "import sys, time, datetime, torch.distributed as d; "
                                "s = d.TCPStore('127.0.0.1', 0, is_master=True, timeout=datetime.timedelta(seconds=30)); "

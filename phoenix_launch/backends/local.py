@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from phoenix_launch.backends.base import Capabilities, NotSupported, SchedulerView
-from phoenix_launch.events import open_private, private_dir, write_private
-from phoenix_launch.procs import die_with_parent, poll_exited
+from phoenix_launch.observe.events import open_private, private_dir, write_private
+from phoenix_launch.detect.procs import die_with_parent, poll_exited
 from phoenix_launch.spec import AgentSpec
 
 
@@ -78,7 +78,7 @@ class LocalBackend:
         write_private(spec_path, spec.to_json())
         log = open_private(self.run_dir / "logs" / node / "agent.log", "ab")
         self.procs[node] = subprocess.Popen(
-            [sys.executable, "-m", "phoenix_launch.agent", "--spec", f"@{spec_path}"],
+            [sys.executable, "-m", "phoenix_launch.detect.agent", "--spec", f"@{spec_path}"],
             stdout=log if spec.tee == "0" else None,
             stderr=log,
             stdin=subprocess.DEVNULL,
@@ -92,7 +92,7 @@ class LocalBackend:
         """The standby supervisor: a process of its own session (it outlives this one), holding ``sock``."""
         log = open_private(self.run_dir / "logs" / "standby.log", "ab")
         self.standby_proc = subprocess.Popen(
-            [sys.executable, "-m", "phoenix_launch.standby", "--run-dir", str(self.run_dir), "--fd", str(sock.fileno())],
+            [sys.executable, "-m", "phoenix_launch.standby.standby", "--run-dir", str(self.run_dir), "--fd", str(sock.fileno())],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(sock.fileno(),))
         log.close()
 

@@ -37,9 +37,9 @@ from typing import Any, Mapping
 from phoenix_launch.backends.base import Capabilities, NotSupported, SchedulerView
 from phoenix_launch.backends import slurm_env as se
 from phoenix_launch.config import Config, ConfigError
-from phoenix_launch.control import route_source
-from phoenix_launch.events import open_private, private_dir, write_private
-from phoenix_launch.procs import die_with_parent, poll_exited
+from phoenix_launch.plane.control import route_source
+from phoenix_launch.observe.events import open_private, private_dir, write_private
+from phoenix_launch.detect.procs import die_with_parent, poll_exited
 from phoenix_launch.spec import AgentSpec
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ class SlurmBackend:
         return replace(spec, **changes)
 
     def _agent_argv(self, spec_path: Path) -> list[str]:
-        return [sys.executable, "-m", "phoenix_launch.agent", "--spec", f"@{spec_path}"]
+        return [sys.executable, "-m", "phoenix_launch.detect.agent", "--spec", f"@{spec_path}"]
 
     def start_agent(self, node: str, spec: AgentSpec) -> None:
         spec = self._spec_for_slurm(spec)
@@ -282,7 +282,7 @@ class SlurmBackend:
         log = self.run_dir / "logs" / "standby.log"
         private_dir(log.parent)
         open_private(log, "ab").close()
-        argv = se.agent_srun_command(node, [sys.executable, "-m", "phoenix_launch.standby", "--run-dir",
+        argv = se.agent_srun_command(node, [sys.executable, "-m", "phoenix_launch.standby.standby", "--run-dir",
                                             str(self.run_dir), "--slurm"],
                                      [f"--output={log}", f"--error={log}", "--open-mode=append"],
                                      step_name=STANDBY_STEP)

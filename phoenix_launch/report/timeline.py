@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phoenix_launch.events import parse_events
+from phoenix_launch.observe.events import parse_events
 from phoenix_runtime.errors import UsageError
 
 # the recovery's phases, in the order they happen, with the labels the report uses

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from phoenix_launch.events import parse_events
+from phoenix_launch.observe.events import parse_events
 
 from .quantities import SimulateInputError, parse_duration
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from phoenix_runtime.context import Context
-from phoenix_runtime.store_keys import KeyRecorder
+from phoenix_runtime.plane.context import Context
+from phoenix_runtime.plane.store_keys import KeyRecorder
 
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))

@@ -1,0 +1,1 @@
+"""Classify and decide: signals -> verdict -> the one decision (pure)."""

@@ -1,0 +1,1 @@
+"""Detect: the agents (rank exits, hangs), node heartbeats and lifecycles, health probes."""

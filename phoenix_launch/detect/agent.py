@@ -1,0 +1,509 @@
+"""The node agent: spawns and watches one node's rank processes.
+
+One agent runs per node (a child process under the local backend, an ``srun`` step under Slurm). It
+starts its ranks first and imports torch (for its control-plane client) only once they are warm, so that
+it does not compete with their imports; then joins the control plane, heartbeats, reports every rank exit
+with its error file and a probe of the node (process states; Xid and ECC where the NVIDIA tools exist),
+kills a hung rank (no step completed, or its heartbeat silent, past the hang timeout: :func:`hang_check`)
+so that its peers' collectives fail at once, and carries out the supervisor's commands (restart the ranks
+for a new attempt, respawn dead ranks as joiners of a new generation, inject a fault, stop).
+
+If the control plane is unreachable for longer than the node timeout, the agent takes the supervisor for
+dead, ends its ranks and exits: no process outlives the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from phoenix_launch.observe.events import open_private, private_dir
+from phoenix_launch.detect.procs import die_with_parent
+from phoenix_launch.detect.procs import send_signal as _signal
+from phoenix_launch.spec import AgentSpec, SpecError
+from phoenix_runtime.plane import auth, protocol
+from phoenix_runtime import logs
+
+log = logging.getLogger("phoenix_launch.detect.agent")  # by name: this module runs as __main__
+
+WARM_WAIT_S = 120.0  # the longest an agent defers joining the control plane for its ranks' imports
+#: phases in which a rank is not expected to complete steps (the hang check falls back to its heartbeat)
+IDLE_PHASES = ("starting", "spare", "recovering", "done")
+
+
+def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
+               first_step_timeout_s: float | None = None) -> tuple[str, float] | None:
+    """Pure: is the rank whose latest heartbeat is ``hb`` hung at ``now``? Returns (why, seconds) or None.
+
+    With ``phase`` and ``t_step`` (the runtime's progress report): in phase "training", no step completed
+    for ``hang_timeout_s`` is a hang, whatever its heartbeat thread says (the main thread may be blocked
+    while that thread beats on). Outside training (start-up, a recovery, done) and from a rank without
+    them, only a heartbeat silent for ``hang_timeout_s`` is. A warm spare idles by design; a starting rank
+    may hold the GIL in imports: neither is judged by its heartbeat. When one rank's loop stalls, its peers
+    stop progressing too, blocked in the next collective: a rank whose main thread waits in a collective
+    (``blocked_in``) is not the hung one; the one stuck in its own code is (a job whose every rank waits in
+    a collective is left to the collective timeout). Until the rank completed a step since it entered training
+    (``hb.warm`` False: its first step after a start or a recovery), no step is a hang only after
+    ``first_step_timeout_s``: that step builds what the loop needs (DDP's broadcast, torch.compile)."""
+    silent = now - hb.t
+    if hb.phase in ("starting", "spare"):
+        return None
+    limit = first_step_timeout_s if hb.warm is False and first_step_timeout_s else hang_timeout_s
+    if hb.phase == "training" and hb.t_step is not None and now - hb.t_step > limit:
+        if hb.blocked_in == "collective" and silent <= hang_timeout_s:
+            return None  # waiting for a peer: the peer stuck in its own code is the hung one
+        return "progress", now - hb.t_step
+    if silent > hang_timeout_s:
+        return "heartbeat", silent
+    return None
+
+
+@dataclass
+class RankProc:
+    slot: int
+    attempt: int
+    proc: subprocess.Popen
+    log_path: Path
+    error_file: Path
+    started: float
+    reported: bool = False
+    tee_threads: tuple = ()
+    warm_fd: int | None = None  # read end of the rank's warm pipe, until the agent has joined the control plane
+    exit_seen: float | None = None  # when the agent first saw it exited (it may report it later: see wait_warm)
+
+
+class Agent:
+    def __init__(self, spec: AgentSpec):
+        self.spec = spec
+        self.node = spec.node
+        self.nproc = spec.nproc
+        self.run_dir = Path(spec.run_dir)
+        self.log_dir = self.run_dir / "logs" / self.node
+        private_dir(self.log_dir)
+        self.epoch = spec.epoch
+        self.ranks: dict[int, RankProc] = {}
+        self.attempts: dict[int, int] = {}
+        self.stopping = False
+        self.store: Any = None
+        self.q_sup: protocol.Queue | None = None
+        self.q_cmd: protocol.Queue | None = None
+        self.last_store_ok = time.monotonic()
+        self.incarnation = 0  # the store's (runtime/plane/failover.py): 1 once a standby supervisor took over
+        self.t_start_uptime = _uptime()  # kernel-log Xids from before this agent started are not this job's
+        self._stop_signal: int | None = None
+        self._gpu_probe: threading.Thread | None = None  # a GPU probe after a rank exit (see probe)
+        self._gpu_reading: dict | None = None
+        self.commands = protocol.Dispatcher({
+            protocol.MsgType.RESTART: self._restart,
+            protocol.MsgType.RESPAWN: self._respawn,
+            protocol.MsgType.STOP: self._stop,
+            protocol.MsgType.INJECT: self.inject,
+        })
+
+    # --- ranks -------------------------------------------------------------------------------------
+    def _rank_env(self, slot: int, role: str, attempt: int, error_file: Path, gen: int) -> dict[str, str]:
+        s = self.spec
+        env = dict(os.environ)
+        for k in list(env):
+            if k.startswith(("PHOENIX_AGENT_",)):
+                del env[k]
+        env.update(auth.env_for_child())  # the job's secret: ranks get it only through their environment
+        env.update(
+            {
+                protocol.ENV_STORE_HOST: s.store_host,
+                protocol.ENV_STORE_PORT: str(s.store_port),
+                protocol.ENV_NODE: self.node,
+                protocol.ENV_SLOT: str(slot),
+                protocol.ENV_RUN_DIR: str(self.run_dir),
+                protocol.ENV_ROLE: role,
+                protocol.ENV_GEN: str(gen),
+                protocol.ENV_HEARTBEAT_S: str(s.heartbeat_s),
+                protocol.ENV_RUNTIME_CFG: s.runtime_json,
+                protocol.ENV_RESUME: s.resume,
+                protocol.ENV_ERROR_FILE: str(error_file),
+                "PHOENIX_RUN_ID": s.run_id,
+                "PHOENIX_ATTEMPT": str(attempt),
+            }
+        )
+        if "OMP_NUM_THREADS" not in os.environ and self.nproc > 1:
+            env["OMP_NUM_THREADS"] = "1"  # torchrun's default
+        env.update(s.extra_env)
+        if s.gpus_per_node:
+            env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(s.gpus_per_node)))
+        if role == protocol.ROLE_ACTIVE:
+            group_rank = s.group_rank or 0
+            env.update(
+                protocol.torchrun_env(
+                    rank=group_rank * self.nproc + slot,
+                    local_rank=slot,
+                    world_size=s.world_size,
+                    local_world_size=self.nproc,
+                    group_rank=group_rank,
+                    group_world_size=s.world_size // self.nproc,
+                    master_addr=s.store_host,
+                    master_port=s.master_port,
+                    run_id=s.run_id,
+                    restart_count=self.epoch,
+                    max_restarts=s.max_restarts,
+                    error_file=str(error_file),
+                )
+            )
+        else:
+            for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "ROLE_RANK"):
+                env.pop(k, None)
+        return env
+
+    def spawn(self, slot: int, role: str, gen: int | None = None) -> RankProc:
+        attempt = self.attempts.get(slot, -1) + 1
+        self.attempts[slot] = attempt
+        log_path = self.log_dir / f"{slot}.{attempt}.log"
+        error_file = self.log_dir / f"{slot}.{attempt}.error.json"
+        env = self._rank_env(slot, role, attempt, error_file, self.spec.gen if gen is None else gen)
+        warm_r = warm_w = None
+        if self.store is None:  # not connected yet: learn when this rank is warm (see wait_warm)
+            warm_r, warm_w = os.pipe()
+            env[protocol.ENV_WARM_FD] = str(warm_w)
+        cmd = [sys.executable, "-m", "phoenix_runtime.plane.bootstrap", *self.spec.argv]
+        redirects = self.spec.redirects
+        tee = self.spec.tee
+        logf = open_private(log_path, "ab", buffering=0)
+        out_target: Any = logf if redirects in ("1", "3") else None
+        err_target: Any = logf if redirects in ("2", "3") else None
+        if tee != "0":
+            out_target = subprocess.PIPE if tee in ("1", "3") else out_target
+            err_target = subprocess.PIPE if tee in ("2", "3") else err_target
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out_target,
+            stderr=err_target,
+            stdin=subprocess.DEVNULL,
+            cwd=self.spec.cwd or None,
+            preexec_fn=die_with_parent,
+            pass_fds=(warm_w,) if warm_w is not None else (),
+        )
+        if warm_w is not None:
+            os.close(warm_w)
+        threads = []
+        for stream, console in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            if stream is not None:
+                t = threading.Thread(target=_tee, args=(stream, logf, console, f"[{self.node}/{slot}]"), daemon=True)
+                t.start()
+                threads.append(t)
+        logf.close() if not threads else None
+        rp = RankProc(slot, attempt, proc, log_path, error_file, time.time(), tee_threads=tuple(threads), warm_fd=warm_r)
+        self.ranks[slot] = rp
+        return rp
+
+    def spawn_all(self, role: str) -> None:
+        for slot in range(self.nproc):
+            self.spawn(slot, role)
+
+    def terminate_ranks(self, grace: float) -> None:
+        live = [r for r in self.ranks.values() if r.proc.poll() is None]
+        for r in live:
+            _signal(r.proc, signal.SIGCONT)
+            _signal(r.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(r.proc.poll() is None for r in live):
+            time.sleep(0.02)
+        for r in live:
+            if r.proc.poll() is None:
+                _signal(r.proc, signal.SIGKILL)
+        for r in live:
+            try:
+                r.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def wait_warm(self, bound_s: float) -> None:
+        """Before its own torch import (the TCPStore client), wait until every rank is warm: torch imported
+        and joined to the control plane (each writes to its pipe). On a node with few cores the agent's
+        import would otherwise compete with its ranks' and delay the first step. The wait ends early when a
+        rank exits (to report it) or a stop signal arrives, and after ``bound_s`` at the latest; the agent's
+        heartbeat is judged only from its ``agent_up`` on, so the wait is safe for the job."""
+        fds = {r.warm_fd: r for r in self.ranks.values() if r.warm_fd is not None}
+        deadline = time.monotonic() + bound_s
+        try:
+            while fds and time.monotonic() < deadline and self._stop_signal is None:
+                ready, _, _ = select.select(list(fds), [], [], 0.05)
+                for fd in ready:
+                    fds.pop(fd).warm_fd = None
+                    os.close(fd)  # a byte (warm) or EOF (the rank exited): either way, done waiting for it
+                if self._exited():
+                    break
+        finally:
+            for fd, r in fds.items():
+                os.close(fd)
+                r.warm_fd = None
+
+    def _exited(self) -> list[RankProc]:
+        """The ranks that have exited, each stamped with when that was first seen."""
+        out = []
+        for r in self.ranks.values():
+            if r.proc.poll() is not None:
+                r.exit_seen = r.exit_seen or time.time()
+                out.append(r)
+        return out
+
+    # --- control plane -----------------------------------------------------------------------------
+    def connect(self) -> None:
+        from phoenix_runtime.plane.failover import FailoverStore
+
+        s = self.spec
+        # follows a takeover to the standby supervisor's store (bounded: takeover_timeout_s)
+        self.store = FailoverStore((s.store_host, int(s.store_port)), self.run_dir, timeout_s=30.0, reconnect_s=s.takeover_timeout_s)
+        self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
+        self.q_cmd = protocol.Queue(self.store, protocol.q_agent(self.node))
+        # a node joining a running job (replenishment) is accepted because its agent_up is sealed with the
+        # job's secret (run_dir/secret, 0600, on the shared filesystem), as every message is
+        self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, s.join))
+
+    def report_exit(self, r: RankProc, code: int) -> None:
+        error = None
+        if r.error_file.exists():
+            try:
+                error = json.loads(r.error_file.read_text())
+            except (OSError, json.JSONDecodeError):
+                error = None
+        self.q_sup.put(protocol.RankExit(  # type: ignore[union-attr]
+            node=self.node, slot=r.slot, attempt=r.attempt, epoch=self.epoch, pid=r.proc.pid,
+            t_exit=r.exit_seen or time.time(), exit_code=code if code >= 0 else None, signal=-code if code < 0 else None,
+            error=error, log=str(r.log_path), log_tail=_tail(r.log_path), health=self.probe(),
+        ))
+
+    def probe(self) -> dict:
+        """The node's health now, cheaply (only on an incident): its live ranks' process states. Where the
+        NVIDIA tools exist, the GPUs' ECC counters and the kernel's Xids are read in a thread (nvidia-smi may
+        take seconds, or hang on a lost GPU) and follow as a ``NodeProbe`` (see :meth:`send_probe`)."""
+        from phoenix_launch.detect.health import assess, gpu_tools, node_health_summary, probe_local
+
+        pids = [r.proc.pid for r in self.ranks.values() if r.proc.poll() is None]
+        summary = node_health_summary(assess(self.node, probe_local(pids)))
+        if gpu_tools():
+            summary["probing"] = True
+            if self._gpu_probe is None:
+                self._gpu_probe = threading.Thread(target=self._probe_gpus, name="phoenix-probe", daemon=True)
+                self._gpu_probe.start()
+        return summary
+
+    def _probe_gpus(self) -> None:
+        from phoenix_launch.detect.health import node_health_summary, probe_node
+
+        self._gpu_reading = node_health_summary(probe_node(self.node, [], since_uptime=self.t_start_uptime))
+
+    def send_probe(self) -> None:
+        """The GPU probe finished: its reading goes to the supervisor (from the main thread, which owns the
+        store client)."""
+        if self._gpu_probe is None or self._gpu_probe.is_alive():
+            return
+        self._gpu_probe = None
+        self.q_sup.put(protocol.NodeProbe(self.node, self._gpu_reading or {"problems": ["GPU probe failed"]}))  # type: ignore[union-attr]
+        self._gpu_reading = None
+
+    def handle(self, raw: dict[str, Any]) -> None:
+        self.commands.dispatch(raw)
+
+    def _restart(self, cmd: protocol.AgentRestart) -> None:
+        """torchrun's behaviour: a fresh attempt of every rank of this node."""
+        self.terminate_ranks(self.spec.stop_grace_s)
+        self.epoch = cmd.epoch
+        self.spec = replace(self.spec, group_rank=cmd.group_rank, world_size=cmd.world_size, gen=cmd.gen,
+                            master_port=cmd.master_port, epoch=cmd.epoch, resume=cmd.resume)
+        self.spawn_all(cmd.role)
+
+    def _respawn(self, cmd: protocol.AgentRespawn) -> None:
+        """Start dead ranks again as joiners of generation ``cmd.gen``: each waits for its assignment, as a
+        spare's rank does, then restores its state from its peers."""
+        for slot in cmd.slots:
+            r = self.ranks.get(slot)
+            if r is not None and r.proc.poll() is None:
+                continue  # alive after all: the recovery takes it as a survivor
+            if r is not None and not r.reported:
+                r.reported = True  # its exit is the incident being repaired
+            self.spawn(slot, protocol.ROLE_SPARE, gen=cmd.gen)
+
+    def _stop(self, cmd: protocol.AgentStop) -> None:
+        self.stopping = True
+
+    def inject(self, cmd: protocol.AgentInject) -> None:
+        mode = cmd.mode
+        slots = [cmd.slot] if cmd.slot is not None else list(self.ranks)
+        if mode == "crash":  # the whole node: this agent and every rank, SIGKILLed
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        for s in slots:
+            r = self.ranks.get(s)
+            if r is None or r.proc.poll() is not None:
+                continue
+            if mode == "rank":
+                _signal(r.proc, signal.SIGKILL)
+            elif mode == "hang":
+                _signal(r.proc, signal.SIGSTOP)
+
+    def check_hangs(self, hang_timeout: float) -> None:
+        now = time.time()
+        for r in self.ranks.values():
+            if r.proc.poll() is not None or now - r.started < hang_timeout:
+                continue
+            key = protocol.k_rank_hb(self.node, r.slot)
+            if not self.store.check([key]):
+                continue  # not started yet: still importing
+            text = protocol.get_value(self.store, key)
+            if text is None:
+                continue  # only forged ones so far
+            hb = protocol.RankHeartbeat.from_json(text)
+            if hb.pid != r.proc.pid:
+                continue
+            hung = hang_check(hb, now, hang_timeout, float(self.spec.first_step_timeout_s))
+            if hung is None:
+                continue
+            why, seconds = hung
+            state = _proc_state(r.proc.pid)
+            self.q_sup.put(protocol.RankHang(self.node, r.slot, round(seconds, 3), hb.step, why, state))  # type: ignore[union-attr]
+            _signal(r.proc, signal.SIGKILL)  # its peers' collectives now fail at once
+            r.started = now  # report once
+
+    # --- main loop ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.spawn_all(self.spec.role)
+        self.wait_warm(WARM_WAIT_S)
+        if self._stop_signal is not None:
+            self.terminate_ranks(self.spec.stop_grace_s)
+            return 0
+        self.connect()
+        hb_every = float(self.spec.heartbeat_s)
+        hang_timeout = float(self.spec.hang_timeout_s)
+        node_timeout = float(self.spec.node_timeout_s)
+        next_hb = 0.0
+        next_hang = time.monotonic() + hb_every
+        while True:
+            if self._stop_signal is not None:
+                self.stopping = True
+            now = time.monotonic()
+            try:
+                if now >= next_hb:
+                    protocol.put_value(self.store, protocol.k_agent_hb(self.node), str(time.time()))
+                    refused = auth.drain()  # what this agent refused to read since the last beat
+                    if refused:
+                        self.q_sup.put(protocol.RefusedReport(self.node, None, refused))  # type: ignore[union-attr]
+                    next_hb = now + hb_every
+                for cmd in self.q_cmd.get_all():
+                    self.handle(cmd)
+                if protocol.incarnation_of(self.store) != self.incarnation:  # a standby took over: say so to the new leader
+                    self.incarnation = protocol.incarnation_of(self.store)
+                    self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, self.spec.join))  # type: ignore[union-attr]
+                for r in self._exited():
+                    if not r.reported:
+                        r.reported = True
+                        for t in r.tee_threads:
+                            t.join(timeout=1)
+                        self.report_exit(r, r.proc.returncode)
+                self.send_probe()
+                if now >= next_hang:
+                    self.check_hangs(hang_timeout)
+                    next_hang = now + hb_every
+                self.last_store_ok = now
+            except Exception as e:  # store unreachable: the supervisor is gone
+                if time.monotonic() - self.last_store_ok > node_timeout:
+                    log.error(f"phoenix agent {self.node}: control plane lost ({e}); stopping ranks")
+                    self.terminate_ranks(self.spec.stop_grace_s)
+                    return 1
+            if self.stopping:
+                self.terminate_ranks(self.spec.stop_grace_s)
+                for r in self.ranks.values():
+                    if not r.reported and r.proc.poll() is not None:
+                        r.reported = True
+                        try:
+                            self.report_exit(r, r.proc.returncode)
+                        except Exception:
+                            pass
+                return 0
+            time.sleep(0.02)
+
+
+def _proc_state(pid: int) -> str | None:
+    from phoenix_launch.detect.health import probe_local
+
+    states = probe_local([pid])["pids"]
+    return states.get(pid)
+
+
+def _uptime() -> float | None:
+    from phoenix_launch.detect.health import read_uptime
+
+    return read_uptime()
+
+
+def _tee(stream, logf, console, prefix: str) -> None:
+    for line in iter(stream.readline, b""):
+        logf.write(line)
+        try:
+            console.write(f"{prefix}: {line.decode(errors='replace')}")
+            console.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _tail(path: Path, n: int = 20, max_bytes: int = 16384) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-n:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    logs.configure_launcher()
+    ap = argparse.ArgumentParser(prog="phoenix-agent")
+    ap.add_argument("--spec", required=True, help="JSON spec, or @FILE")
+    ap.add_argument("--node", help="override the node name (Slurm: this host)")
+    ns = ap.parse_args(argv)
+    try:
+        text = Path(ns.spec[1:]).read_text() if ns.spec.startswith("@") else ns.spec
+        spec = AgentSpec.from_json(text)
+    except (OSError, SpecError) as e:
+        log.error(f"phoenix agent: {e}")
+        return 2
+    if ns.node:
+        spec = replace(spec, node=ns.node)
+    if spec.store_host and auth.key() is None:
+        try:  # the job's secret: only its user can read the run directory
+            auth.set_key(auth.read_secret(Path(spec.run_dir)))
+        except (OSError, ValueError) as e:
+            log.error(f"phoenix agent: cannot read the job's secret in {spec.run_dir}: {getattr(e, 'strerror', None) or e}")
+            return 2
+    agent = Agent(spec)
+
+    def on_signal(signum, frame):
+        agent._stop_signal = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        return agent.run()
+    except KeyboardInterrupt:
+        agent.terminate_ranks(agent.spec.stop_grace_s)
+        return 130
+    finally:
+        for r in agent.ranks.values():
+            if r.proc.poll() is None:
+                _signal(r.proc, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Observe: status.json, events.jsonl, metrics, the live view, refused values."""

@@ -1,0 +1,87 @@
+"""The job's status (``status.json`` and the live view), read from the ranks' heartbeats."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from phoenix_launch.observe.events import EventLog
+from phoenix_launch.detect.nodes import NodeTable
+from phoenix_runtime.plane import protocol
+
+
+def read_rank_heartbeats(store: Any, members: protocol.Membership) -> dict[tuple[str, int], protocol.RankHeartbeat]:
+    """(node, slot) -> the rank's latest heartbeat, for the ranks of ``members`` that have written one."""
+    out: dict[tuple[str, int], protocol.RankHeartbeat] = {}
+    if store is None:
+        return out
+    for r in members.ranks:
+        key = protocol.k_rank_hb(r.node, r.slot)
+        try:
+            text = protocol.get_value(store, key)
+            if text is not None:
+                out[(r.node, r.slot)] = protocol.RankHeartbeat.from_json(text)
+        except Exception:
+            continue
+    return out
+
+
+def read_rank_steps(store: Any, members: protocol.Membership) -> dict[int, tuple[int, float]]:
+    """Logical rank -> (its latest step, when it completed it), from the ranks' heartbeats."""
+    out = {}
+    for (node, slot), hb in read_rank_heartbeats(store, members).items():
+        rank = members.rank_at(node, slot)
+        if rank is not None:
+            out[rank] = (hb.step, hb.t_step if hb.t_step is not None else hb.t)
+    return out
+
+
+def nothing_done(attempt, store: Any, members: protocol.Membership, world_size: int) -> bool:
+    """No step completed in this attempt, and the job runs the runtime (a rank said so, in this attempt or an
+    earlier one: remembered in ``attempt.runtime_seen``, which a restart carries over) or is still starting:
+    not every rank has joined the control plane, or not every rank has formed torch.distributed's default
+    group (it is still importing or rendezvousing, so no distributed step was taken, whether or not the script
+    uses the runtime). Starting fresh then loses nothing."""
+    if attempt.step >= 1:
+        return False
+    hbs = read_rank_heartbeats(store, members)
+    if any(hb.step >= 1 for hb in hbs.values()):
+        return False
+    attempt.runtime_seen = attempt.runtime_seen or bool(attempt.runtime_ready) or any(hb.runtime for hb in hbs.values())
+    return attempt.runtime_seen or len(hbs) < world_size or not all(hb.formed for hb in hbs.values())
+
+
+def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: int, nproc: int, nodes: NodeTable,
+               members: protocol.Membership, store: Any, events: EventLog, protect_every: int = 1) -> dict[str, Any]:
+    hbs = read_rank_heartbeats(store, members)
+    rows = []
+    for n in nodes:
+        ranks = [r.rank for r in members.ranks if r.node == n.name]
+        steps = [hbs[(n.name, s)].step if (n.name, s) in hbs else -1 for s in range(nproc)]
+        rows.append({"name": n.name, "state": n.state.value, "ranks": ranks, "step": max(steps) if ranks else None, "failures": n.failures})
+    steps = [h.step for h in hbs.values()]
+    sps = [h.sps for h in hbs.values() if h.sps]
+    return {
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "state": state,
+        "gen": gen,
+        "restarts": restarts,
+        "world_size": members.world_size,
+        "step": min(steps) if steps else -1,
+        "steps_per_s": round(min(sps), 3) if sps else 0.0,
+        "spares_left": len(nodes.spare_nodes()),
+        "protect_every": protect_every,  # every m-th step is protected (adapted when the copy does not fit)
+        "nodes": rows,
+        "events": events.recent[-8:],
+        "store_keys": _num_keys(store),  # the control plane's store: flat over a long job
+        "t": time.time(),
+    }
+
+
+def _num_keys(store: Any) -> int | None:
+    try:
+        return int(store.num_keys())
+    except Exception:  # noqa: BLE001 -- a store that cannot count
+        return None

@@ -1,0 +1,103 @@
+"""The terminal UI, the only module that imports rich.
+
+A live view (nodes with role and state, ranks, step, steps/s, spares left, last events) when stdout is a
+terminal; plain timestamped lines, one per event, otherwise (Slurm output files).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+
+def format_event(ev: dict[str, Any]) -> str:
+    t = time.strftime("%H:%M:%S", time.localtime(ev.get("t", time.time())))
+    fields = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("v", "t", "type", "argv") and v is not None)
+    return f"{t} phoenix {ev.get('type')}: {fields}"
+
+
+def render(snap: dict[str, Any]):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    head = Text(
+        f"PHOENIX {snap.get('run_id', '')}  state={snap.get('state')}  gen={snap.get('gen')}  "
+        f"step={snap.get('step')}  {snap.get('steps_per_s', 0):.2f} steps/s  spares left={snap.get('spares_left')}  "
+        f"restarts={snap.get('restarts')}",
+        style="bold",
+    )
+    colors = {"active": "green", "spare": "cyan", "joining": "yellow", "failed": "red", "drained": "red", "stopped": "dim"}
+    t = Table(expand=False)
+    for c in ("node", "state", "ranks", "step", "failures"):
+        t.add_column(c)
+    for n in snap.get("nodes", []):
+        st = n["state"]
+        t.add_row(n["name"], Text(st, style=colors.get(st, "")), ",".join(map(str, n["ranks"])) or "-", str(n["step"] if n["step"] is not None else "-"), str(n["failures"]))
+    ev = Table(show_header=False, box=None)
+    for e in snap.get("events", [])[-6:]:
+        ev.add_row(format_event(e))
+    return Group(head, *_progress(snap.get("progress") or {}), t, ev)
+
+
+def _progress(prog: dict[str, Any]) -> list:
+    """A bar of the steps done out of the total with the ETA (only when the total is known), and the last
+    incident on one line (texts from :mod:`phoenix_launch.observe.observe`)."""
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    from phoenix_launch.observe.observe import progress_text
+
+    rows: list = []
+    if prog.get("total"):
+        bar = Table.grid(padding=(0, 1))
+        bar.add_row(ProgressBar(total=prog["total"], completed=min(prog["done"], prog["total"]), width=40), Text(progress_text(prog)))
+        rows.append(bar)
+    if prog.get("last_incident"):
+        rows.append(Text(f"last incident: {prog['last_incident']}", style="yellow", no_wrap=True, overflow="ellipsis"))
+    return rows
+
+
+def print_status(snap: dict[str, Any], out: TextIO | None = None) -> None:
+    from rich.console import Console
+
+    Console(file=out or sys.stdout).print(render(snap))
+
+
+class LiveUI:
+    def __init__(self) -> None:
+        from rich.live import Live
+
+        self.live = Live(refresh_per_second=4, transient=False)
+        self.live.start()
+
+    def update(self, snap: dict[str, Any]) -> None:
+        self.live.update(render(snap))
+
+    def close(self, snap: dict[str, Any]) -> None:
+        if snap:
+            self.live.update(render(snap))
+        self.live.stop()
+
+
+class PlainUI:
+    """One line per event, to stderr-free stdout, flushed (Slurm output files)."""
+
+    def __init__(self, events) -> None:
+        self.events = events
+        self.seen = 0
+
+    def _flush(self) -> None:
+        n = self.events.count
+        new = self.events.recent[-(n - self.seen):] if n > self.seen else []
+        self.seen = n
+        for e in new:
+            print(format_event(e), flush=True)
+
+    def update(self, snap: dict[str, Any]) -> None:
+        self._flush()
+
+    def close(self, snap: dict[str, Any]) -> None:
+        self._flush()

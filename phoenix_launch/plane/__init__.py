@@ -1,0 +1,1 @@
+"""The control plane's server side: the store, operator commands, failure injection."""

@@ -1,0 +1,1 @@
+"""Repair: generations, the recovery's watch, replenishing spares, re-protection, checkpoints."""

@@ -1,0 +1,146 @@
+"""The generation publisher: the only writer of memberships (repair, in the failure path).
+
+Hot-swap, local recovery and restart all end in the same act: a new generation with its membership, the
+joiners' assignments, then the generation bump that the survivors abort on. A hot-swap's joiners are the
+ranks whose (node, slot) changed since the last stable generation; a local recovery adds the ranks it
+respawned on the same node; a restart (``fresh``) has no joiners: every worker starts again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from phoenix_runtime.plane import protocol
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What the ranks of one attempt are told besides their membership (torchrun's view of it)."""
+
+    epoch: int  # restart count
+    master_host: str
+    master_port: int  # this attempt's env:// rendezvous store
+    resume: str = ""  # the persistent checkpoint this attempt started from (joiners load it at its step)
+
+
+class GenerationPublisher:
+    def __init__(self, store: protocol.Store, *, world_size: int, nproc: int, run_id: str, max_restarts: int,
+                 domains: Callable[[], dict[str, str]]):
+        self.store = store
+        self.world_size = world_size
+        self.nproc = nproc
+        self.run_id = run_id
+        self.max_restarts = max_restarts
+        self.domains = domains
+        self.gen = 0
+        self.members = protocol.Membership(0, world_size, ())
+        self.stable = self.members  # the last generation every rank reached (joiners are counted from it)
+        self.swept = 0  # generations below this one had their keys deleted
+        self._seen: set[str] = set()  # nodes of every membership published since the last recovery completed
+        self.before_bump: Callable[[], None] = lambda: None  # the supervisor mirrors its state to its standby here
+
+    def first(self, ranks: Iterable[protocol.RankSlot]) -> protocol.Membership:
+        """Generation 0, as the agents start it."""
+        self.members = self.stable = protocol.Membership(0, self.world_size, tuple(ranks), domains=self.domains())
+        protocol.put_value(self.store, protocol.k_members(0), self.members.to_json())
+        protocol.put_value(self.store, protocol.K_GEN, "0")
+        protocol.notify_ranks(self.store)
+        return self.members
+
+    def restore(self, gen: int, members: protocol.Membership, stable: protocol.Membership, swept: int) -> None:
+        """A standby that took over: the lost leader's generation, written anew in the new store."""
+        self.gen, self.members, self.stable, self.swept = gen, members, stable, swept
+        protocol.put_value(self.store, protocol.k_members(gen), members.to_json())
+        if stable.gen != gen:
+            protocol.put_value(self.store, protocol.k_members(stable.gen), stable.to_json())
+        protocol.put_value(self.store, protocol.K_GEN, str(gen))
+        protocol.notify_ranks(self.store)
+
+    def publish(self, ranks: Iterable[protocol.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
+                *, respawned: Iterable[int] = (), fresh: bool = False, lost: tuple[int, ...] = ()) -> protocol.Membership:
+        """A new generation: membership first, then the joiners' assignments, then the bump."""
+        ranks = tuple(sorted(ranks, key=lambda r: r.rank))
+        self.gen += 1
+        if fresh or lost:  # a salvage generation starts nobody
+            joiners: tuple[int, ...] = ()
+        else:
+            before = {r.rank: (r.node, r.slot) for r in self.stable.ranks}
+            again = set(respawned)
+            joiners = tuple(r.rank for r in ranks if before.get(r.rank) != (r.node, r.slot) or r.rank in again)
+        mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains(), lost)
+        self._seen |= {r.node for r in self.members.ranks}
+        protocol.put_value(self.store, protocol.k_members(self.gen), mem.to_json())
+        for r in ranks:
+            if r.rank in joiners:
+                protocol.put_value(self.store, protocol.k_assign(r.node, r.slot), json.dumps(self._assignment(r, group_ranks[r.node], attempt)))
+        self.members = mem
+        if fresh:
+            self.stable = mem
+        self.before_bump()  # a standby holds the new generation before any rank can see it
+        protocol.put_value(self.store, protocol.K_GEN, str(self.gen))
+        protocol.notify_ranks(self.store)
+        return mem
+
+    def recovered(self) -> None:
+        """Every rank reached the current generation: it is the base the next joiners are counted from. The
+        keys of the generations before it, and of the nodes that left the job, are read no more: deleted, so
+        the store stays flat over many recoveries."""
+        now = {r.node for r in self.members.ranks}
+        gone = (self._seen | {r.node for r in self.stable.ranks}) - now  # a joiner lost mid-recovery too
+        self._seen = set(now)
+        self.stable = self.members
+        keys = [k for g in range(self.swept, self.gen) for k in (protocol.k_members(g), protocol.k_arrived(g))]
+        keys += [k for node in sorted(gone) for k in node_keys(node, self.nproc)]
+        self.swept = max(self.swept, self.gen)
+        delete = getattr(self.store, "delete_key", None)
+        if delete is None:  # a store without deletes (tests' fakes) keeps them
+            return
+        for key in keys:
+            try:
+                delete(key)
+            except Exception:  # noqa: BLE001 -- a key already gone
+                pass
+
+    def _assignment(self, r: protocol.RankSlot, group_rank: int | None, attempt: Attempt) -> dict:
+        env = protocol.torchrun_env(
+            rank=r.rank,
+            local_rank=r.slot,
+            world_size=self.world_size,
+            local_world_size=self.nproc,
+            group_rank=group_rank if group_rank is not None else r.rank // self.nproc,
+            group_world_size=self.world_size // self.nproc,
+            master_addr=attempt.master_host,
+            master_port=attempt.master_port,
+            run_id=self.run_id,
+            restart_count=attempt.epoch,
+            max_restarts=self.max_restarts,
+            error_file="",
+        )
+        env.pop(protocol.ENV_ERROR_FILE)
+        env[protocol.ENV_RESUME] = attempt.resume
+        return {"rank": r.rank, "gen": self.gen, "env": env}
+
+
+@dataclass
+class AttemptProgress:
+    """What the ranks of the current attempt have told the supervisor (reset by a restart)."""
+
+    done_ranks: set[int] = field(default_factory=set)  # exited 0
+    runtime_ready: set[int] = field(default_factory=set)  # run the runtime with protection on
+    protect_on: bool = True
+    step: int = -1  # the latest progress report
+    step_time_s: float = 0.0
+    unrecoverable: dict[int, protocol.Unrecoverable] = field(default_factory=dict)  # ranks that cannot recover
+    unrecoverable_t0: float | None = None
+    runtime_seen: bool = False  # a rank of this job (this attempt or one before) runs the PHOENIX runtime
+
+
+def node_keys(node: str, nproc: int) -> list[str]:
+    """The keys a node's agent and ranks use (``protocol``): deleted once the node has left the job."""
+    keys = [protocol.k_agent_hb(node), f"{protocol.q_agent(node)}/n", f"{protocol.q_agent(node)}/read"]
+    for s in range(nproc):
+        q = protocol.q_rank(node, s)
+        keys += [protocol.k_rank_hb(node, s), protocol.k_assign(node, s), f"{q}/n", f"{q}/read"]
+    return keys

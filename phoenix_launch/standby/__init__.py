@@ -1,0 +1,1 @@
+"""The standby supervisor, the leader's mirror, the keeper (no single point of failure)."""

@@ -1,0 +1,1 @@
+"""The rank's control plane: context and generations, the heartbeat thread, channels, auth, protocol."""

@@ -1,0 +1,383 @@
+"""The process-wide runtime state of one rank: control-plane connection, generations, process groups.
+
+``init()`` joins the training world: under phoenix-run, the current generation's groups on the control plane
+(a replacement rank joins the generation it was assigned to); elsewhere ``init_process_group`` from the
+environment (torchrun), with no recovery.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from phoenix_runtime import logs
+from phoenix_runtime.plane import protocol
+from phoenix_runtime.plane.control import STATE, connect_store, control, start_control
+from phoenix_runtime.errors import RecoveryError
+from phoenix_runtime.plane.rank_env import RankEnv, rank_env
+from phoenix_runtime.plane.store_keys import KeyRecorder
+from phoenix_runtime.protection.transport import close_pairs
+
+FATE_KEY = "fate"  # under a generation's process-group prefix: "go" (every rank forms it) or "cancel" (none does)
+
+
+class UnrecoverableError(RecoveryError, RuntimeError):
+    """Recovery from memory is impossible (a shard lost with every replica, or no state at all)."""
+
+
+class GenerationAbandoned(RecoveryError, RuntimeError):
+    """The supervisor published a newer generation while this one was running or being formed."""
+
+
+log = logging.getLogger(__name__)
+
+
+def _log_rank() -> int | None:
+    """The rank this process's log lines name (logs.rank_source): the context's, once it exists."""
+    return _CTX.rank if _CTX is not None else logs.env_rank()
+
+
+logs.rank_source = _log_rank
+
+
+def desc_key(gen: int, rank: int) -> str:
+    """The store key of rank ``rank``'s recovery descriptor in generation ``gen`` (owned by the runtime)."""
+    return f"phx/gen/{gen}/desc/{rank}"
+
+
+class Context:
+    def __init__(self, env: RankEnv, backend: str | None, tp: int, pp: int):
+        self.env = env
+        self.settings = env.settings
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.tp, self.pp = tp, pp
+        self.managed = env.managed
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.node, self.slot = env.node, env.slot
+        self.joining = env.joining  # the one representation of "this rank replaces a lost one"
+        self.gen = env.gen
+        self.epoch = env.restart_count
+        self.repl_group = None  # a gloo group of each generation: replicas and recovery transfers
+        self.mpi_pairs = None  # runtime.transport: mpi: (recovery, replication) maps peer -> MPI communicator
+        self._transports: list = []  # this generation's transports (aborted with its groups)
+        self.mesh_groups: list = []  # this generation's DeviceMesh groups (parallelize=), aborted with the others
+        self.members: protocol.Membership | None = None
+        self._aborted_gen = -1
+        self._lock = threading.Lock()
+        self._own_keys: list[tuple[int, str]] = []
+        self._pg_stores: list[tuple[int, KeyRecorder]] = []  # each generation's process-group rendezvous keys
+        self._committed: tuple[int, int] | None = None  # (generation, store incarnation) this rank forms, committed
+        self.timeout = timedelta(seconds=self.settings.collective_timeout_s)
+        self.recovery_timeout = self.settings.recovery_timeout_s
+        if torch.cuda.is_available():
+            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        if self.managed:
+            self.ctl = start_control()
+            self.store = connect_store(env)
+            self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
+            self.ctl.on_gen_change.append(self._on_gen_change)
+
+    @property
+    def formed_after_a_failure(self) -> bool:
+        """This rank joined a generation that replaced the one it was started in: the ranks agree on the
+        state (a recovery) before the first step."""
+        return self.joining or self.gen > self.env.gen
+
+    @property
+    def device(self) -> torch.device:
+        """The GPU whenever there is one (gloo carries CUDA tensors too: several ranks on one GPU use gloo, as
+        NCCL refuses two ranks on one device), else the CPU."""
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def report(self, msg: dict[str, Any]) -> None:
+        if self.managed:
+            self.q_sup.put({"node": self.node, "slot": self.slot, "rank": self.rank, **msg})
+
+    def post(self, msg: dict[str, Any]) -> None:
+        """``report``, sent by the control thread: the training thread never waits for the store in a step."""
+        c = control()
+        if c is None:
+            self.report(msg)
+        elif self.managed:
+            c.post({"node": self.node, "slot": self.slot, "rank": self.rank, **msg})
+
+    # --- generations ---------------------------------------------------------------------------------
+    def latest_gen(self) -> int:
+        return protocol.read_gen(self.store)
+
+    def abandoned(self) -> bool:
+        """The supervisor published a newer generation (the control thread's view: no store round trip)."""
+        return self.managed and self.ctl.latest_gen > self.gen
+
+    def _check_gen(self, gen: int) -> None:
+        """Raise once generation ``gen`` is abandoned: a rendezvous on its store (forming its groups, a mesh's
+        ``new_group``) stops waiting for a rank that died with it."""
+        if self._may_leave(gen):
+            raise GenerationAbandoned(f"generation {gen} abandoned while its process groups were formed")
+
+    def _may_leave(self, gen: int) -> bool:
+        """Generation ``gen`` is abandoned, and this rank may leave its rendezvous: not while it forms a
+        generation every rank committed to on the store it still uses (``_commit``). Its peers form it too, and
+        one that left would strand those that wait in gloo's connect for it (no store call there to stop them)."""
+        return self.managed and self.ctl.latest_gen > gen and self._committed != (gen, self._incarnation())
+
+    def _incarnation(self) -> int:
+        return int(getattr(self.store, "incarnation", 0))
+
+    def check_generation(self) -> None:
+        if self.abandoned():
+            raise GenerationAbandoned(f"generation {self.gen} was replaced by {self.ctl.latest_gen}")
+
+    def _on_gen_change(self, new_gen: int) -> None:
+        """Control thread: a newer generation abandons ours; make blocked collectives fail at once."""
+        with self._lock:
+            if new_gen > self.gen and self._aborted_gen < self.gen:
+                self._aborted_gen = self.gen
+                self.abort_groups()
+
+    def abort_groups(self) -> None:
+        """Make every pending op of this generation's groups fail at once, here and at the peers.
+
+        gloo's abort() alone does not fail a pending receive (torch 2.13); a receive whose
+        wait times out closes its pair, which fails every pending op on that pair on both sides. So each
+        peer's pair is closed that way first (a 1 ms wait on a reserved tag), then the group is aborted
+        (NCCL: ncclCommAbort)."""
+        world = dist.group.WORLD if dist.is_initialized() else None
+        for t in self._transports:  # MPI: pending ops are cancelled (a peer is not notified; its wait is bounded)
+            t.abort()
+        self._abort([self.repl_group, world, *self.mesh_groups])
+
+    def _abort(self, groups) -> None:
+        done: list = []
+        for g in groups:
+            if g is None or any(g is d for d in done):
+                continue
+            done.append(g)
+            gloo = g is self.repl_group or self.backend == "gloo"
+            close_pairs(g, [p for p in range(g.size()) if p != g.rank()] if gloo else [])  # NCCL: ncclCommAbort only
+
+    def add_groups(self, groups) -> None:
+        """Groups built on this generation's (a DeviceMesh's sub-groups: TP, FSDP, HSDP's replicate): a newer
+        generation aborts them with the others, so that a collective blocked on one fails at once (a rank whose
+        sub-groups hold no lost rank is otherwise blocked until a surviving peer's collective times out). Groups
+        added after this generation was abandoned are aborted here."""
+        with self._lock:
+            self.mesh_groups = list(groups)
+            if self._aborted_gen >= self.gen:
+                self._abort(self.mesh_groups)
+
+    def new_transport(self, use: int):
+        """A transport over this generation's ranks (``use``: 0 recovery transfers, 1 replication), or None
+        without protection: gloo on ``repl_group``, or MPI on the generation's pairs."""
+        from phoenix_runtime.protection.transport import GlooTransport, MpiTransport
+
+        if self.mpi_pairs is None:  # gloo; without protection the recovery transfers use the default group
+            return GlooTransport(self.repl_group) if self.repl_group is not None or use == 0 else None
+        t = MpiTransport(pairs=self.mpi_pairs[use], rank=self.rank, size=self.world_size)
+        self._transports.append(t)
+        return t
+
+    def destroy_groups(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        self.repl_group = None
+        self.mpi_pairs = None
+        self._transports = []
+        self.mesh_groups = []
+
+    def _wait_all(self, key: str, gen: int, deadline: float, pg_store: KeyRecorder) -> None:
+        """Every rank arrived: the generation is formed, by every rank or by none. The first rank that sees every
+        rank arrived commits it (``go``), one that gives it up first (a newer generation, its deadline) cancels
+        it: one ``compare_set``, so every rank follows the same fate, and a rank that gives up after the commit
+        forms the generation anyway (then leaves it for the newer one). A rank that left alone would strand
+        the peers that wait in gloo's connect for it."""
+        while True:
+            if int(self.store.add(key, 0)) >= self.world_size:
+                if self._commit(pg_store, gen, "go"):
+                    return
+                raise GenerationAbandoned(f"generation {gen} abandoned before it was formed")
+            late = time.monotonic() > deadline
+            if self.latest_gen() > gen or late:
+                if self._commit(pg_store, gen, "cancel"):
+                    return  # another rank committed it first: formed by every rank, then left for the newer one
+                if late:
+                    raise TimeoutError(f"generation {gen}: not every rank arrived within the recovery timeout")
+                raise GenerationAbandoned(f"generation {gen} abandoned")
+            time.sleep(0.005)
+
+    def _commit(self, pg_store: KeyRecorder, gen: int, want: str) -> bool:
+        """The generation's fate, decided once in the store (the first ``compare_set`` wins): True to form it.
+        The commitment holds on this store only: a takeover's new store knows nothing of it."""
+        fate = pg_store.compare_set(FATE_KEY, "", want)
+        go = (fate.decode() if isinstance(fate, bytes) else str(fate)) == "go"
+        self._committed = (gen, self._incarnation()) if go else None
+        return go
+
+    def form(self, gen: int, deadline: float) -> None:
+        """Form generation ``gen``'s process groups on a fresh generation-scoped store prefix."""
+        self.gen = gen
+        self.mesh_groups = []  # the last generation's (parallelize=): this one's are added when its mesh is built
+        self.members = protocol.read_members(self.store, gen)
+        me = self.members.rank_at(self.node, self.slot)
+        if me is None:
+            raise UnrecoverableError(f"{self.node}/{self.slot} is not a member of generation {gen}")
+        self.rank = me
+        STATE.gen = gen
+        pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store), stop=lambda: self._check_gen(gen))
+        self._pg_stores.append((gen, pg_store))  # its keys (the fate's too) are deleted with the generation
+        self.store.add(protocol.k_arrived(gen), 1)
+        log.info(f"generation {gen}: arrived")
+        try:
+            self._wait_all(protocol.k_arrived(gen), gen, deadline, pg_store)
+            log.info(f"generation {gen}: every rank arrived")
+            self._form_groups(gen, pg_store, deadline)
+        finally:
+            self._committed = None  # formed: a later new_group (a mesh) stops at a newer generation
+        log.info(f"generation {gen}: process groups formed")
+        if self.latest_gen() > gen:
+            raise GenerationAbandoned(f"generation {gen} abandoned")
+
+    def _form_groups(self, gen: int, pg_store: KeyRecorder, deadline: float) -> None:
+        # Forming is bounded by half the recovery timeout, not by the collectives' timeout: a committed rank waits
+        # for a peer's address (lost after the commit) with this timeout, and must be free while the next
+        # generation (its deadline is a whole recovery timeout) can still form. The ranks all arrived already:
+        # this takes seconds. The listening side of gloo's connect does not honour this timeout (torch 2.13): a
+        # rank stranded there is only freed by the recovery deadline.
+        bound = min(self.timeout.total_seconds(), deadline - time.monotonic(), self.recovery_timeout / 2)
+        forming = timedelta(seconds=max(5.0, bound))
+        dist.init_process_group(
+            self.backend,
+            store=pg_store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=forming,
+        )
+        # CPU tensors (replicas, recovery transfers) travel on a gloo group of their own: never interleaved
+        # with training collectives, and an NCCL group cannot carry them
+        self.repl_group = dist.new_group(backend="gloo", timeout=forming) if self.settings.protect else None
+        dist.distributed_c10d._set_pg_timeout(self.timeout)  # formed: the collectives' own timeout from now on
+        if self.repl_group is not None:
+            dist.distributed_c10d._set_pg_timeout(self.timeout, self.repl_group)
+        self.mpi_pairs = None
+        if self.settings.protect and self.settings.transport == "mpi":
+            from phoenix_runtime.protection.mpi_pairs import connect_pairs
+
+            self.mpi_pairs = connect_pairs(pg_store, "mpi", self.rank, self.world_size, deadline,
+                                           abandoned=lambda: self._may_leave(gen))
+            log.info(f"generation {gen}: MPI connected to {len(self.mpi_pairs[0])} peers")
+
+    def through_generations(self, gen: int, attempt: Callable[[int], None], *, retry: Callable[[BaseException], bool],
+                            cleanup: Callable[[], None], what: str) -> None:
+        """The one "generation abandoned, try the next" loop: ``attempt(gen)``; when it fails and ``retry(e)`` says the
+        generation was given up under it, ``cleanup()``, wait (bounded) for the next generation and attempt that.
+        Forming the first generation, building its mesh and a recovery all go through here. ``UnrecoverableError`` is
+        never retried."""
+        while True:
+            try:
+                attempt(gen)
+                return
+            except UnrecoverableError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- retried only when ``retry`` says so, re-raised otherwise
+                if not retry(e):
+                    raise
+                log.info(f"generation {gen} {what} ({type(e).__name__}: {str(e)[:160]})")
+                cleanup()
+                gen = self.wait_new_gen(gen)
+
+    def form_first(self, gen: int, first: bool = False) -> None:
+        """Form generation ``gen``, or the next ones while one is abandoned before it is formed (``init()``; and
+        ``protect()`` when the generation is abandoned while it builds the mesh)."""
+        limit = max(self.recovery_timeout, 600.0) if first else self.recovery_timeout
+        self.through_generations(gen, lambda g: self.form(g, time.monotonic() + limit), retry=lambda e: isinstance(e, RuntimeError),
+                                 cleanup=self.destroy_groups, what="not formed")
+
+    def wait_new_gen(self, after: int) -> int:
+        deadline = time.monotonic() + self.recovery_timeout
+        while time.monotonic() < deadline:
+            g = self.latest_gen()
+            if g > after:
+                return g
+            time.sleep(0.005)
+        raise TimeoutError(f"no new generation after {after} within {self.recovery_timeout:g} s")
+
+    def exchange(self, gen: int, desc_json: str, deadline: float, ranks: list[int] | None = None) -> list[str]:
+        """Publish this rank's descriptor of generation ``gen`` and read everybody's (or ``ranks``'s; bounded; a
+        forged one is refused and waited past, as a missing one)."""
+        key = desc_key(gen, self.rank)
+        protocol.put_value(self.store, key, desc_json)
+        self._own_keys.append((gen, key))
+        keys = [desc_key(gen, r) for r in (range(self.world_size) if ranks is None else ranks)]
+        self._own_keys += [(gen, k) for k in keys if k != key]  # a dead rank's too: deleted with the generation
+        got: dict[str, str] = {}
+        while True:
+            if self.store.check([k for k in keys if k not in got]):
+                got.update({k: v for k in keys if k not in got and (v := protocol.get_value(self.store, k)) is not None})
+                if len(got) == len(keys):
+                    return [got[k] for k in keys]
+            if self.latest_gen() > gen:
+                raise GenerationAbandoned(f"generation {gen} abandoned")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation {gen}: descriptors missing after the recovery timeout")
+            time.sleep(0.003)
+
+    def delete_old_keys(self) -> None:
+        """Delete the store keys this rank wrote for generations before the current one: its descriptors, and
+        what torch.distributed wrote to form that generation's groups."""
+        for gen, recorder in [x for x in self._pg_stores if x[0] < self.gen]:
+            recorder.delete_used()
+        self._pg_stores = [x for x in self._pg_stores if x[0] >= self.gen]
+        keep = []
+        for gen, key in self._own_keys:
+            if gen < self.gen:
+                try:
+                    self.store.delete_key(key)
+                except Exception:  # noqa: BLE001 -- a key the store lost is as good as deleted
+                    pass
+            else:
+                keep.append((gen, key))
+        self._own_keys = keep
+
+
+_CTX: Context | None = None
+
+
+def init(backend: str | None = None, *, tp: int = 1, pp: int = 1) -> Context:
+    """Join the training world (idempotent)."""
+    global _CTX
+    if _CTX is not None:
+        return _CTX
+    logs.configure_rank()  # under phoenix-run the bootstrap did already
+    env = rank_env()
+    ctx = Context(env, backend, tp, pp)
+    if not ctx.managed:
+        if ctx.world_size > 1 or env.master_addr:
+            dist.init_process_group(ctx.backend, timeout=ctx.timeout)
+        else:
+            dist.init_process_group(ctx.backend, store=dist.HashStore(), rank=0, world_size=1)
+        _CTX = ctx
+        return ctx
+    # the script runs on the PHOENIX runtime (its heartbeat says so): a failure before its first step loses
+    # nothing, so the supervisor starts the attempt fresh (with a spare for a lost node) instead of stopping
+    STATE.runtime = True
+    if ctx.joining:
+        log.info(f"joining generation {ctx.gen} as rank {ctx.rank}")
+    gen = max(ctx.gen, ctx.latest_gen()) if ctx.joining else ctx.gen
+    ctx.form_first(gen, first=not ctx.joining)  # the job's start: every rank imports torch at once, allow for it
+    _CTX = ctx
+    return ctx
+
+
+def current() -> Context | None:
+    return _CTX
+

@@ -1,0 +1,280 @@
+"""The rank's side of the control plane: one background thread with a store connection of its own.
+
+It heartbeats, watches the job generation (a bump means the current process groups are abandoned: it calls
+the registered abort callbacks so that collectives blocked on a lost peer fail at once instead of waiting out
+their timeout), and receives injected faults addressed to this rank.
+
+The heartbeat (JSON at ``protocol.k_rank_hb``): ``t`` (now), ``step`` (the next step to run), ``gen``,
+``pid``, ``runtime`` (the script called phx.init()), ``phase`` -- ``starting`` (importing, forming, a spare's wait),
+``training``, ``recovering``, ``done`` -- and ``t_step``: the unix time of the last completed step, or of
+entering the current phase. The agent calls a rank hung when ``phase == "training"`` and ``t_step`` is
+older than its hang timeout, whatever this thread's own liveness says, unless ``blocked_in`` says the main
+thread waits in a collective (then a peer is the one stalled: see ``main_thread_blocked_in``).
+
+A TCPStore client must not be shared between a thread that blocks in it and another thread (seen here: a
+blocked ``wait`` holds the connection), so this thread owns its own client and never blocks in it. What blocks
+is a second thread with a client of its own (``NotifyWatcher``): it waits in the store for the key that
+``protocol.notify_ranks`` writes with the counter's next value and wakes this thread, which otherwise sleeps
+until its next heartbeat. A quiet control plane thus costs two wake-ups a second instead of fifty round trips
+(the 20 ms poll, kept while the watcher is not armed or a message is half written), and a bump is seen at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+from phoenix_runtime.plane import auth, protocol
+from phoenix_runtime.plane.channel import incarnation_of
+from phoenix_runtime.plane.rank_env import RankEnv, rank_env
+
+PHASES = ("starting", "training", "recovering", "done")
+POLL_S = 0.02  # the poll interval while the notify watcher is not armed (or a message is half written)
+
+# Where a rank's main thread is blocked, seen from its control thread: inside these (torch's collectives,
+# autograd's backward where DDP's all-reduce waits, DDP itself, or the runtime's own bounded waits) it waits
+# for a peer; anywhere else it is running (or stuck in) the user's own code.
+_WAITING_ON_PEERS = (
+    os.sep + os.path.join("torch", "distributed") + os.sep,
+    os.sep + os.path.join("torch", "autograd") + os.sep,
+    os.sep + os.path.join("torch", "nn", "parallel") + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # the whole runtime package
+)
+
+
+def main_thread_blocked_in() -> str:
+    """``"collective"`` when the main thread's innermost Python frame waits on peers (see above), else
+    ``"code"``. A rank whose loop stalls makes its peers stop progressing too, blocked in the next
+    collective: this tells the stalled rank (``code``) from the ranks waiting for it (``collective``)."""
+    import sys
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "code"
+    path = os.path.abspath(frame.f_code.co_filename)
+    return "collective" if any(p in path for p in _WAITING_ON_PEERS) else "code"
+
+
+class RankState:
+    """What the rank reports; written by the training thread, read by the control thread."""
+
+    def __init__(self) -> None:
+        self.step: int = -1
+        self.gen: int = 0
+        self.runtime: bool = False
+        self.phase: str = "starting"
+        self.t_step: float = time.time()
+        self.steps_per_s: float = 0.0
+        self.warm = False  # a step completed since ``enter``: the first one is judged by the longer bound
+        self.formed = False  # torch.distributed's default group has existed in this process (sticky)
+
+    def enter(self, phase: str) -> None:
+        """A new phase; ``t_step`` restarts from now (progress is measured within a phase)."""
+        if phase != self.phase:
+            self.phase = phase
+            self.t_step = time.time()
+            self.warm = False
+
+    def stepped(self, step: int) -> None:
+        self.step = step
+        self.t_step = time.time()
+        self.warm = True
+
+
+def connect_store(env: RankEnv | None = None, timeout_s: float = 30.0):
+    """A client of the control plane's store that follows a takeover to the standby supervisor (``failover``)."""
+    from phoenix_runtime.plane.failover import FailoverStore
+
+    env = env or rank_env()
+    return FailoverStore((env.store_host, env.store_port), env.run_dir, timeout_s=timeout_s, reconnect_s=env.settings.takeover_timeout_s)
+
+
+class NotifyWatcher:
+    """Wakes the control thread when ``protocol.K_NOTIFY`` moves: blocked in the store, on a client of its own,
+    on the key ``notify_ranks`` writes when the counter reaches the next value. ``armed`` while it is blocked
+    there; else (connecting, a store it cannot read the counter from) the control thread polls every 20 ms."""
+
+    # A wait that times out is harmless (read the counter, wait again) but torch logs two warning lines each time;
+    # nothing needs it sooner (a takeover ends the wait, and the control thread reads everything every heartbeat)
+    WAIT_S = 3600.0
+
+    def __init__(self, env: RankEnv, wake: threading.Event, stop: threading.Event):
+        self.env, self.wake, self.stop = env, wake, stop
+        self.armed = False
+        self.thread = threading.Thread(target=self._run, name="phoenix-notify", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            store = connect_store(self.env)  # here, not in the constructor: the connection takes a while
+        except Exception:
+            return  # the control thread polls
+        last, woke = None, False
+        while not self.stop.is_set():
+            try:
+                n = protocol.read_notify(store)
+                self.armed = True
+                if n != last:
+                    last = n
+                    self.wake.set()  # the control thread reads the counter (and what it announces) now
+                elif woke:  # the next value's key is there, the counter is not (a forged key): poll, not spin
+                    self.stop.wait(POLL_S)
+                woke = store.wait_or_move([protocol.k_notify(n + 1)], timedelta(seconds=self.WAIT_S))
+                last = last if woke else None  # moved to a new leader's store: wake the control thread there too
+            except dist.DistStoreError as e:
+                if "timeout" not in str(e).lower():
+                    self._disarm()
+            except Exception:  # the store lost (the control thread decides nothing here), a counter not a number
+                self._disarm()
+        self.armed = False
+
+    def _disarm(self) -> None:
+        """The control thread polls (woken now to see it), until the next try here in a second."""
+        self.armed = False
+        self.wake.set()
+        self.stop.wait(1.0)
+
+
+class ControlThread:
+    def __init__(self, state: RankState, env: RankEnv):
+        self.state = state
+        self.node = env.node
+        self.slot = env.slot
+        self.heartbeat_s = env.settings.heartbeat_s
+        self.store = connect_store(env)
+        self.q_rank = protocol.Queue(self.store, protocol.q_rank(self.node, self.slot))
+        self.latest_gen = protocol.read_gen(self.store)
+        self.persist_at = -1  # the step the supervisor asked every rank to write a persistent checkpoint of
+        self._notified: int | None = None  # protocol.K_NOTIFY at the last complete full read (_poll)
+        self._incarnation = 0  # the store's (runtime/plane/failover.py): a takeover's new store forces a full read
+        self._dirty = True  # the next poll reads everything
+        self.on_gen_change: list[Callable[[int], None]] = []
+        self.on_fault: list[Callable[[dict[str, Any]], None]] = []
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # set by the watcher: the notify counter moved
+        self.asleep_until = 0.0  # while it waits for the watcher or its next heartbeat: until when (monotonic)
+        self._outbox: collections.deque = collections.deque(maxlen=16)  # reports posted by the training thread
+        self._q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
+        self._watcher = NotifyWatcher(env, self._wake, self._stop)
+        self._thread = threading.Thread(target=self._run, name="phoenix-control", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        if not self.state.formed:
+            dist = sys.modules.get("torch.distributed")  # torch is imported by the bootstrap, never from here
+            self.state.formed = bool(dist is not None and dist.is_available() and dist.is_initialized())
+        hb = {
+            "t": time.time(),
+            "step": self.state.step,
+            "gen": self.state.gen,
+            "pid": os.getpid(),
+            "runtime": self.state.runtime,
+            "phase": self.state.phase,
+            "t_step": self.state.t_step,
+            "blocked_in": main_thread_blocked_in() if self.state.phase == "training" else None,
+            "sps": round(self.state.steps_per_s, 3),
+            "warm": self.state.warm,
+            "formed": self.state.formed,
+        }
+        protocol.put_value(self.store, protocol.k_rank_hb(self.node, self.slot), json.dumps(hb))
+
+    def post(self, msg: dict[str, Any]) -> None:
+        """A report the training thread must not wait for (its progress): this thread sends it. A store call can
+        stall (a frozen leader, cut after ``failover.FROZEN_S``); training must not stall with it, or the
+        ranks' progress would say "hung" once the store is back. At most 16 wait; the oldest go first."""
+        self._outbox.append(msg)
+        self._wake.set()
+
+    def _send_posted(self) -> None:
+        while self._outbox:
+            self._q_sup.put(self._outbox[0])
+            self._outbox.popleft()
+
+    def report_refused(self) -> None:
+        """Tell the supervisor what this rank refused to read since the last call (forged or replayed)."""
+        refused = auth.drain()
+        if refused:
+            self._q_sup.put(protocol.RefusedReport(self.node, self.slot, refused))
+
+    def _poll(self, full: bool) -> None:
+        """Read what the supervisor writes for this rank (the generation, the persist step, this rank's queue)
+        when ``protocol.K_NOTIFY`` moved since the last full read, when ``full``, or when the last one did not
+        finish (an error, a message reserved but not written yet); else nothing but that one counter: one
+        round trip per poll instead of three, and no MAC to check. The counter is read before the keys, so a
+        write bumped after it is read again at the next poll."""
+        try:
+            seen: int | None = protocol.read_notify(self.store)
+        except Exception:
+            seen = None  # not a counter (forged): read everything, every poll
+        if incarnation_of(self.store) != self._incarnation:  # a new leader's store (a takeover): its counter is new
+            self._incarnation, full = incarnation_of(self.store), True
+        if not (full or self._dirty or seen is None or seen != self._notified):
+            return
+        self._dirty = True
+        self.persist_at = int(protocol.get_value(self.store, protocol.K_PERSIST_AT) or 0)
+        g = protocol.read_gen(self.store)
+        if g > self.latest_gen:
+            self.latest_gen = g
+            for cb in list(self.on_gen_change):
+                cb(g)
+        for msg in self.q_rank.get_all():
+            for cb in list(self.on_fault):
+                cb(msg)
+        self._notified = seen
+        self._dirty = self.q_rank.pending
+
+    def _run(self) -> None:
+        next_hb = next_full = 0.0
+        while not self._stop.is_set():
+            self._wake.clear()  # before the counter is read: a bump after this read ends the wait below at once
+            delay = POLL_S
+            try:
+                now = time.monotonic()
+                if now >= next_hb:
+                    self.beat()
+                    self.report_refused()
+                    next_hb = now + self.heartbeat_s
+                self._poll(full=now >= next_full)
+                self._send_posted()
+                if now >= next_full:  # a writer that did not bump the counter is noticed within a heartbeat
+                    next_full = now + self.heartbeat_s
+                if self._watcher.armed and not self._dirty:  # until the watcher's wake-up or the next heartbeat
+                    delay = max(0.0, min(next_hb, next_full) - time.monotonic())
+            except Exception:
+                if self._stop.is_set():
+                    return
+                time.sleep(0.2)  # the store is briefly unreachable; the agent decides about liveness
+            self.asleep_until = time.monotonic() + delay
+            self._wake.wait(delay)
+            self.asleep_until = 0.0
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=2)  # the watcher, blocked in the store, is a daemon: it is not waited for
+
+
+_CONTROL: ControlThread | None = None
+STATE = RankState()
+
+
+def control() -> ControlThread | None:
+    return _CONTROL
+
+
+def start_control() -> ControlThread | None:
+    """Start the control thread once per process (no-op when not launched by phoenix-run)."""
+    global _CONTROL
+    env = rank_env()
+    if _CONTROL is None and env.managed:
+        STATE.gen = env.gen
+        _CONTROL = ControlThread(STATE, env)
+    return _CONTROL

@@ -1,0 +1,598 @@
+"""The control-plane protocol: every store key, environment variable and message, defined once.
+
+Both sides import this module: the launcher (supervisor, agents, ``kill-node``) and the runtime inside
+each rank. It is torch-free; the ``store`` objects it takes are duck-typed ``torch.distributed.Store``
+instances (``set``, ``get``, ``add``, ``check``), so the protocol cannot drift between writer and reader.
+
+Key space (all under ``phx/``)::
+
+    phx/gen                       current job generation (int as text); bumped only by the supervisor
+    phx/gen/<g>/members           membership of generation g (JSON, see ``Membership``)
+    phx/gen/<g>/pg/...            the process groups of generation g (a PrefixStore scope)
+    phx/gen/<g>/arrived           ranks that reached generation g's rendezvous (counter)
+    phx/assign/<node>/<slot>      logical-rank assignment of a warm spare rank (JSON)
+    phx/hb/rank/<node>/<slot>     rank heartbeat (JSON, ``RankHeartbeat``: t, step, gen, pid, runtime, phase, t_step)
+    phx/hb/agent/<node>           agent heartbeat (unix time as text)
+    phx/q/sup/...                 queue: agents and ranks -> supervisor (reports)
+    phx/q/agent/<node>/...        queue: supervisor -> one agent (commands)
+    phx/q/rank/<node>/<slot>/...  queue: supervisor -> one rank (injected faults)
+    phx/q/cmd/...                 queue: ``phoenix-run kill-node`` -> supervisor
+    phx/persist/at                the step every rank writes a persistent checkpoint of (time-based cadence)
+    phx/notify                    counter: bumped after each write above that ranks poll for (``notify_ranks``)
+    phx/notify/<n>                written when the counter reaches n (the newest NOTIFY_KEEP kept): ranks block on it
+
+Every value and message above (but the counters and torch's own ``pg`` keys) is sealed with the job's
+secret (``channel``, ``auth``): readers drop what is unsigned, forged or replayed, and report it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+from typing import Any, Callable, ClassVar, Protocol
+
+from phoenix_runtime.plane.channel import SCHEMA_VERSION, Incarnated, Queue, get_value, incarnation_of, put_value, read_json_object  # noqa: F401  (re-exported)
+from phoenix_runtime.errors import ProtocolError
+
+# --- environment variables the launcher gives every rank (besides torchrun's own) -------------------
+ENV_STORE_HOST = "PHOENIX_STORE_HOST"
+ENV_STORE_PORT = "PHOENIX_STORE_PORT"
+ENV_NODE = "PHOENIX_NODE"
+ENV_SLOT = "PHOENIX_SLOT"
+ENV_RUN_DIR = "PHOENIX_RUN_DIR"
+ENV_ROLE = "PHOENIX_ROLE"  # "active" | "spare"
+ENV_GEN = "PHOENIX_GEN"  # generation the rank starts in (joiners: the generation they join)
+ENV_JOINING = "PHOENIX_JOINING"  # "1" when the rank replaces a lost one
+ENV_HEARTBEAT_S = "PHOENIX_HEARTBEAT_S"
+ENV_RUNTIME_CFG = "PHOENIX_RUNTIME_CONFIG"  # JSON of the runtime config (protect, replicas, timeouts)
+# A pipe's write end: the rank writes a byte and closes it once it is warm (torch imported, control plane
+# joined); its agent defers its own torch import until then, so as not to compete with its ranks' imports.
+ENV_WARM_FD = "PHOENIX_WARM_FD"
+ENV_RESUME = "PHOENIX_RESUME"  # a complete persistent checkpoint (its step directory) this attempt starts from
+PERSIST_COMPLETE = "COMPLETE"  # the marker file of a persistent checkpoint every rank has written
+ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torchrun's name; the same file format as its @record
+
+ROLE_ACTIVE = "active"
+ROLE_SPARE = "spare"
+
+
+class Store(Protocol):
+    def set(self, key: str, value: str | bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def add(self, key: str, value: int) -> int: ...
+    def check(self, keys: list[str]) -> bool: ...
+
+
+# --- keys ------------------------------------------------------------------------------------------
+CONTROL_FILE = "control.json"  # in the run directory: the serving leader {"host", "port", "incarnation", "pid", ...}
+STANDBY_FILE = "standby.json"  # in the run directory: the waiting standby {"address", "incarnation", "argv", "backend"}
+K_RESTORED = "phx/sup/restored"  # a leader that took over has restored the store (clients that moved wait for it)
+K_GEN = "phx/gen"
+K_RUN_ID = "phx/run_id"
+K_PERSIST_AT = "phx/persist/at"  # the step every rank writes a persistent checkpoint of (time-based cadence)
+K_PROTECT_EVERY = "phx/protect/every"  # protect every m-th step from the next generation on (0: the setting)
+# A counter the writer of K_GEN, K_PERSIST_AT or a rank's queue bumps after the write (``notify_ranks``): a rank's
+# control thread polls it alone (one round trip) and reads those keys only when it moved, or every heartbeat
+# anyway. Like the other counters it is not sealed: a forged bump costs a rank one full read, and a forged
+# decrease delays a genuine write by one heartbeat at most (the periodic full read), never hides it.
+K_NOTIFY = "phx/notify"
+NOTIFY_KEEP = 8  # the newest k_notify keys kept (a rank blocks on the one after the counter it read)
+
+
+def k_notify(n: int) -> str:
+    return f"{K_NOTIFY}/{n}"
+
+
+def notify_ranks(store: Store) -> None:
+    """Tell every rank's control thread to read K_GEN, K_PERSIST_AT and its queue now (after writing them): the
+    counter, then its value's key, which wakes the ranks blocked on it (``control.NotifyWatcher``)."""
+    n = int(store.add(K_NOTIFY, 1))
+    store.set(k_notify(n), "1")
+    if n > NOTIFY_KEEP and hasattr(store, "delete_key"):
+        store.delete_key(k_notify(n - NOTIFY_KEEP))
+
+
+def read_notify(store: Store) -> int:
+    return int(store.add(K_NOTIFY, 0))
+
+
+def k_members(gen: int) -> str:
+    return f"phx/gen/{gen}/members"
+
+
+def k_pg_prefix(gen: int) -> str:
+    return f"phx/gen/{gen}/pg"
+
+
+def k_arrived(gen: int) -> str:
+    return f"phx/gen/{gen}/arrived"
+
+
+def k_assign(node: str, slot: int) -> str:
+    return f"phx/assign/{node}/{slot}"
+
+
+def k_rank_hb(node: str, slot: int) -> str:
+    return f"phx/hb/rank/{node}/{slot}"
+
+
+def k_agent_hb(node: str) -> str:
+    return f"phx/hb/agent/{node}"
+
+
+Q_SUPERVISOR = "phx/q/sup"
+Q_COMMANDS = "phx/q/cmd"
+
+
+def q_agent(node: str) -> str:
+    return f"phx/q/agent/{node}"
+
+
+def q_rank(node: str, slot: int) -> str:
+    return f"phx/q/rank/{node}/{slot}"
+
+
+# the persistent checkpoint of step k: persist/step_<k>/rank<r>/ (DCP, one per rank), and COMPLETE once every
+# rank's is written (only then is it ever used)
+def persist_step_dir(run_dir: str, step: int) -> str:
+    return f"{run_dir}/persist/step_{step:09d}"
+
+
+def persist_rank_dir(step_dir: str, rank: int) -> str:
+    return f"{step_dir}/rank{rank}"
+
+
+def persist_step_of(step_dir) -> int:  # a persist_step_dir, str or path
+    return int(str(step_dir).rstrip("/").rsplit("_", 1)[-1])
+
+
+def read_protect_every(store) -> int:
+    return int(get_value(store, K_PROTECT_EVERY) or 0)
+
+
+# --- messages --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankSlot:
+    rank: int
+    node: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who holds which logical rank in one generation. Written only by the supervisor."""
+
+    gen: int
+    world_size: int
+    ranks: tuple[RankSlot, ...]
+    joiners: tuple[int, ...] = ()  # logical ranks whose process is new in this generation
+    reason: str = ""
+    epoch: int = 0  # restart count (torchrun's TORCHELASTIC_RESTART_COUNT)
+    domains: dict[str, str] = field(default_factory=dict)  # node -> failure domain (switch), when known
+    lost: tuple[int, ...] = ()  # a salvage generation: these ranks are lost for good, the others save S_R
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Membership":
+        d = json.loads(text)
+        d["ranks"] = tuple(RankSlot(**r) for r in d["ranks"])
+        d["joiners"], d["lost"] = tuple(d.get("joiners", ())), tuple(d.get("lost", ()))
+        return cls(**d)
+
+    def slot_of(self, rank: int) -> RankSlot:
+        return self.ranks[rank]
+
+    def rank_at(self, node: str, slot: int) -> int | None:
+        for r in self.ranks:
+            if r.node == node and r.slot == slot:
+                return r.rank
+        return None
+
+    def nodes(self) -> list[str]:
+        seen: list[str] = []
+        for r in self.ranks:
+            if r.node not in seen:
+                seen.append(r.node)
+        return seen
+
+
+def read_gen(store: Store) -> int:
+    text = get_value(store, K_GEN)
+    return int(text) if text is not None else 0
+
+
+def read_members(store: Store, gen: int) -> Membership:
+    """Generation ``gen``'s membership (``KeyError`` when there is none, or none genuine)."""
+    if not store.check([k_members(gen)]):
+        store.get(k_members(gen))  # waits (the store's timeout) for the supervisor to write it
+    text = get_value(store, k_members(gen))
+    if text is None:
+        raise KeyError(k_members(gen))
+    return Membership.from_json(text)
+
+
+# --- typed messages ---------------------------------------------------------------------------------
+class MsgType(str, Enum):
+    """Every message on the control plane's queues, by its ``type`` field."""
+
+    # rank / agent -> supervisor (Q_SUPERVISOR)
+    AGENT_UP = "agent_up"
+    RANK_EXIT = "rank_exit"
+    RANK_HANG = "rank_hang"
+    RANK_ERROR = "rank_error"
+    RUNTIME_READY = "runtime_ready"
+    RECOVERED = "recovered"
+    PROGRESS = "progress"
+    UNRECOVERABLE = "unrecoverable"
+    PROTECTION = "protection"
+    FAULT_FIRED = "fault_fired"
+    CHECKPOINT = "checkpoint"
+    PERSISTED = "persisted"
+    NODE_PROBE = "node_probe"
+    REFUSED = "refused"  # values a reader refused (unsigned, forged, replayed): see ``auth``
+    # supervisor -> one agent (q_agent)
+    RESTART = "restart"
+    RESPAWN = "respawn"
+    STOP = "stop"
+    INJECT = "inject"
+    # ``phoenix-run kill-node`` -> supervisor (Q_COMMANDS)
+    KILL = "kill"
+    # supervisor -> one rank (q_rank): a fault to inject
+    FAULT = "fault"
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message: ``t`` is when it was put (filled in by ``Queue.put`` when None)."""
+
+    TYPE: ClassVar[MsgType]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if not (k == "t" and v is None)}
+        return {"type": self.TYPE.value, **d}
+
+
+@dataclass(frozen=True)
+class AgentUp(Message):
+    TYPE: ClassVar[MsgType] = MsgType.AGENT_UP
+    node: str
+    pid: int | None = None
+    host: str = ""
+    join: str | None = None  # a replenished node's request id (accepted because the message is sealed)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class RankExit(Message):
+    TYPE: ClassVar[MsgType] = MsgType.RANK_EXIT
+    node: str
+    slot: int
+    attempt: int = 0
+    epoch: int = 0
+    pid: int | None = None
+    t_exit: float | None = None  # when the agent first saw it exited
+    exit_code: int | None = None  # >= 0, or None when killed by a signal
+    signal: int | None = None
+    error: dict | None = None  # the rank's error file (torchrun's format, under "phoenix" our fields)
+    log: str = ""
+    log_tail: str = ""
+    health: dict | None = None  # the agent's probe of its node at the exit (health.node_health_summary)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class RankHang(Message):
+    TYPE: ClassVar[MsgType] = MsgType.RANK_HANG
+    node: str
+    slot: int
+    silent_s: float = 0.0  # how long it has not heartbeated, or not completed a step (see ``reason``)
+    step: int | None = None
+    reason: str = "heartbeat"  # "heartbeat": its heartbeat went silent; "progress": no step completed
+    proc_state: str | None = None  # the process's state when killed (psutil: "stopped", "disk_sleep", ...)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class NodeProbe(Message):
+    """An agent's probe of its node's GPUs (ECC counters, Xids), run after a rank exit where the tools exist;
+    it follows the exit report (whose ``health`` says ``probing``) so that the report is not delayed."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_PROBE
+    node: str
+    health: dict = field(default_factory=dict)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class RefusedReport(Message):
+    """What an agent or a rank refused to read since its last report: ``[{"kind", "key", "count"}]``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REFUSED
+    node: str = ""
+    slot: int | None = None
+    refused: list = field(default_factory=list)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class RankMessage(Message):
+    """A message a rank's runtime sends (``Context.report`` adds node, slot and rank)."""
+
+    node: str = ""
+    slot: int = 0
+    rank: int | None = None
+    t: float | None = None  # when it was sent (Queue.put sets it)
+
+
+@dataclass(frozen=True)
+class RankError(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.RANK_ERROR
+    gen: int = 0
+    error: dict | None = None  # {"type", "message"}
+
+
+@dataclass(frozen=True)
+class RuntimeReady(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.RUNTIME_READY
+    protect: bool = True
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class Recovered(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.RECOVERED
+    gen: int = 0
+    step: int | None = None
+    replayed: int = 0
+    joiner: bool = False
+    breakdown: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Progress(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.PROGRESS
+    step: int = -1
+    step_time_s: float | None = None
+    sps: float = 0.0
+    total: int | None = None  # the loop's total steps (``trainer.steps(total)``), when known
+    wait_frac: float | None = None  # the fraction of the recent steps' time spent waiting for replicas
+
+
+@dataclass(frozen=True)
+class Unrecoverable(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.UNRECOVERABLE
+    reason: str = "recovery from memory impossible"
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class Protection(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.PROTECTION
+    host_bytes: int = 0
+    optim_bytes: int = 0
+    param_bytes: int = 0
+    replicas: int = 0
+
+
+@dataclass(frozen=True)
+class FaultFired(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.FAULT_FIRED
+    mode: str = "crash"
+    step: int | None = None
+    phase: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointSaved(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.CHECKPOINT
+    path: str = ""
+    step: int | None = None
+    rank_saved: int | None = None
+
+
+@dataclass(frozen=True)
+class Persisted(RankMessage):
+    TYPE: ClassVar[MsgType] = MsgType.PERSISTED  # this rank's persistent checkpoint of ``step`` is written
+    step: int = 0
+    path: str = ""
+    write_s: float = 0.0  # from the call to the end of the write (staging + the writer thread)
+    stage_s: float = 0.0  # what the training loop paid: the host copy
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class AgentRestart(Message):
+    """A fresh attempt of every rank of the node (torchrun's restart), in the given role."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RESTART
+    epoch: int
+    master_port: int
+    group_rank: int | None
+    world_size: int
+    gen: int
+    role: str = "active"
+    resume: str = ""  # a complete persistent checkpoint to start from (the fallback ladder's restart)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class AgentRespawn(Message):
+    """Start the given (dead) slots again as joiners of generation ``gen``: each waits, warm, for its
+    assignment (``k_assign``), as a spare's rank does."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RESPAWN
+    slots: tuple[int, ...]
+    gen: int
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class AgentStop(Message):
+    TYPE: ClassVar[MsgType] = MsgType.STOP
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class AgentInject(Message):
+    TYPE: ClassVar[MsgType] = MsgType.INJECT
+    mode: str
+    slot: int | None = None
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class KillCommand(Message):
+    """``phoenix-run kill-node TARGET --mode M [--at-step N]``: sealed with the job's secret (store), or with
+    ``token`` derived from it (the run directory's unix socket)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.KILL
+    target: str = ""
+    mode: str = "crash"
+    at_step: int | None = None
+    token: str = ""
+    id: str = "none"
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class RankFault(Message):
+    """A fault for one rank's runtime to fire (now, or when it reaches ``at_step``)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.FAULT
+    mode: str
+    at_step: int | None = None
+    id: str | None = None
+    t: float | None = None
+
+
+MESSAGE_CLASSES: dict[MsgType, type] = {
+    cls.TYPE: cls
+    for cls in (AgentUp, RankExit, RankHang, NodeProbe, RefusedReport, RankError, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
+                FaultFired, CheckpointSaved, Persisted, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
+}
+_FIELDS = {t: {f.name: f for f in fields(c)} for t, c in MESSAGE_CLASSES.items()}
+
+
+class DecodeError(ProtocolError, ValueError):
+    pass
+
+
+def decode(raw: dict[str, Any]) -> Message:
+    """A message object from its dict form (as ``Queue.put`` wrote it):
+    unknown keys are ignored, missing optional fields take their defaults. ``DecodeError`` when the type
+    is unknown or a required field is missing."""
+    kind = raw.get("type")
+    try:
+        mtype = MsgType(kind)
+    except ValueError:
+        raise DecodeError(f"unknown message type {kind!r}") from None
+    known = _FIELDS[mtype]
+    kw = {k: v for k, v in raw.items() if k in known}
+    if mtype is MsgType.RESPAWN and "slots" in kw:
+        kw["slots"] = tuple(kw["slots"])
+    try:
+        return MESSAGE_CLASSES[mtype](**kw)
+    except TypeError as e:
+        raise DecodeError(f"bad {mtype.value} message: {e}") from None
+
+
+class Dispatcher:
+    """Calls the handler registered for each message's type; messages of a type with no handler, of an
+    unknown type or malformed are dropped and counted (``dropped``), never raised."""
+
+    def __init__(self, handlers: dict[MsgType, Callable[..., None]]):
+        self.handlers = handlers
+        self.dropped: dict[str, int] = {}
+
+    def dispatch(self, raw: dict[str, Any] | Message, *args: Any) -> Message | None:
+        try:
+            msg = raw if isinstance(raw, Message) else decode(raw)
+        except DecodeError:
+            kind = str(raw.get("type"))  # type: ignore[union-attr]
+            self.dropped[kind] = self.dropped.get(kind, 0) + 1
+            return None
+        handler = self.handlers.get(msg.TYPE)
+        if handler is None:
+            self.dropped[msg.TYPE.value] = self.dropped.get(msg.TYPE.value, 0) + 1
+            return None
+        handler(msg, *args)
+        return msg
+
+
+# --- the rank heartbeat -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankHeartbeat:
+    """What a rank's control thread writes at ``k_rank_hb`` (JSON). ``phase`` and ``t_step`` may be absent
+    (an older runtime): then only the heartbeat's own time ``t`` tells whether the rank is alive."""
+
+    t: float
+    step: int = -1
+    gen: int = 0
+    pid: int | None = None
+    runtime: bool = False
+    phase: str | None = None  # "starting", "training", "recovering", "done" (or "spare")
+    t_step: float | None = None  # unix time of the last completed step, or of entering the current phase
+    blocked_in: str | None = None  # in training: "collective" (the main thread waits on peers) or "code"
+    sps: float = 0.0
+    warm: bool | None = None  # a step completed since the rank entered its phase (None: an older runtime)
+    #: the process has formed torch.distributed's default group at least once: until every rank has, no
+    #: distributed step can have been taken (a script of either kind is still importing or rendezvousing)
+    formed: bool = False
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "RankHeartbeat":
+        d = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# --- environment given to one rank ---------------------------------------------------------------
+def torchrun_env(
+    *,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    local_world_size: int,
+    group_rank: int,
+    group_world_size: int,
+    master_addr: str,
+    master_port: int,
+    run_id: str,
+    restart_count: int,
+    max_restarts: int,
+    error_file: str,
+) -> dict[str, str]:
+    """The variables torchrun (torch.distributed.run) sets for a worker, for the same layout."""
+    env = {
+        "RANK": rank,
+        "LOCAL_RANK": local_rank,
+        "WORLD_SIZE": world_size,
+        "LOCAL_WORLD_SIZE": local_world_size,
+        "GROUP_RANK": group_rank,
+        "GROUP_WORLD_SIZE": group_world_size,
+        "ROLE_NAME": "default",
+        "ROLE_RANK": rank,
+        "ROLE_WORLD_SIZE": world_size,
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": master_port,
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": restart_count,
+        "TORCHELASTIC_MAX_RESTARTS": max_restarts,
+        # workers' env:// rendezvous joins our store as a client, under /worker/attempt_<restart_count>
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": 2,  # abort the comm and raise, not 1: tear the process down (docs/runtime.md)
+        "TORCHELASTIC_ERROR_FILE": error_file,
+    }
+    return {k: str(v) for k, v in env.items()}
+
+
+def assignment_env_keys() -> frozenset[str]:
+    """The variables a spare takes from its assignment: the launcher's own (torchrun's, but its error file,
+    which the spare's agent set already; and the checkpoint to resume from). Any other key is refused."""
+    env = torchrun_env(rank=0, local_rank=0, world_size=1, local_world_size=1, group_rank=0, group_world_size=1,
+                       master_addr="", master_port=0, run_id="", restart_count=0, max_restarts=0, error_file="")
+    return frozenset(env) - {ENV_ERROR_FILE} | {ENV_RESUME}

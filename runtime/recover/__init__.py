@@ -1,0 +1,1 @@
+"""Recovery: the pure plan, the recovery session, the salvage, persistent checkpoints."""

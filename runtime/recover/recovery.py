@@ -1,0 +1,116 @@
+"""Recovery (Algorithm 2): the pure plan, and the transfers that carry it out.
+
+Every rank of the new generation publishes a descriptor of what it holds (through the control-plane
+store, before any collective, so that a joiner and the survivors agree without a process group);
+``plan_recovery`` then computes, identically on every rank, the step to resume at and who sends what to
+whom. Sources and targets are matched by logical shard identity, never by rank number.
+
+Resume step R: the newest step such that every survivor can provide its own state at R (a committed local
+snapshot, or its live state when the optimizer had not started stepping) and every joiner's replica of
+S_R is held by someone: its optimizer shard (sharded layouts) and, whatever the layout, its own envelope
+(RNG states, data position, schedulers...): a joiner never takes a peer's. Survivors that were one step
+ahead roll back to R from their local snapshot: partial progress is never committed (I4).
+
+The first step of a run needs no replica: a joiner that replaces a rank at that step rebuilds it fresh
+(it ran the same script to the same point: its own state is the lost rank's), so a failure before
+anything was protected restarts from the first step, nothing lost.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from phoenix_runtime.plane.context import UnrecoverableError
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    rank: int
+    has_state: bool
+    live_step: int | None = None  # the step in progress; its state is S_live when live_clean
+    live_clean: bool = False  # the optimizer had not started mutating state in the live step
+    local_steps: tuple[int, ...] = ()  # committed local snapshots
+    replicas: dict[str, list[int]] = field(default_factory=dict)  # str(ShardId) -> committed steps held here
+    first_step: int = 0  # the step this rank's run started at: its optimizer state there is the fresh one
+
+    def to_json(self) -> str:
+        return json.dumps({**self.__dict__, "local_steps": list(self.local_steps)})
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> "Descriptor":
+        d = json.loads(s)
+        d["local_steps"] = tuple(d["local_steps"])
+        return cls(**d)
+
+    def can_provide(self, step: int) -> bool:
+        return step in self.local_steps or (self.live_clean and self.live_step == step)
+
+
+@dataclass(frozen=True)
+class Plan:
+    step: int
+    joiners: tuple[int, ...]
+    param_src: dict[int, int]  # joiner -> survivor that sends the parameters (and a replicated optimizer's state)
+    optim_src: dict[int, int]  # joiner -> holder of its replica of S_R (optimizer shard + its own envelope)
+    replayed: dict[int, int]  # survivor -> steps it replays
+    first_step: int = 0
+    fresh_optim: bool = False  # some joiner rebuilds S_first fresh (no replica of it exists)
+    fresh: tuple[int, ...] = ()  # those joiners
+
+
+def plan_for_layout(descs: list[Descriptor], layout, world_size: int, *, replicated: bool, every: int = 1) -> Plan:
+    """``plan_recovery`` with the DP groups and shard ids of ``layout`` (``layout.Layout``): the one way both a
+    recovery and a salvage turn the generation's descriptors into a plan."""
+    ranks = range(world_size)
+    return plan_recovery(descs, {r: layout.dp_group(r) for r in ranks}, {r: str(layout.shard_of(r)) for r in ranks},
+                         replicated=replicated, every=every)
+
+
+def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shard_of: dict[int, str], replicated: bool,
+                  every: int = 1) -> Plan:
+    """Pure: the resume step and the transfers. ``dp_groups[r]``: ranks with r's TP/PP coordinate;
+    ``shard_of[r]``: the logical id of r's optimizer shard; ``every``: protection every m-th step."""
+    by_rank = {d.rank: d for d in descs}
+    survivors = [d for d in descs if d.has_state]
+    joiners = tuple(sorted(d.rank for d in descs if not d.has_state))
+    if not survivors:
+        raise UnrecoverableError("no rank holds any state")
+    candidates = sorted({s for d in survivors for s in d.local_steps} | {d.live_step for d in survivors if d.live_clean and d.live_step is not None}, reverse=True)
+    why = "no step is held by every survivor"
+    first = max(d.first_step for d in survivors)
+    # the newest step first: the last completed step, or the one before it (one step replayed). With a replicated
+    # optimizer a rank may lag its peers by one step (its optimizer step has no collective), so a lost rank's
+    # envelope of the step before the newest may not be committed yet: then two steps are replayed.
+    newest = max((d.live_step for d in survivors if d.live_step is not None), default=None)
+    if newest is not None:
+        candidates = [c for c in candidates if c >= newest - 1 - 2 * every]  # S_p's replicas may still travel: S_{p-m}
+    for step in candidates:
+        if not all(d.can_provide(step) for d in survivors):
+            continue
+        param_src: dict[int, int] = {}
+        optim_src: dict[int, int] = {}
+        fresh: list[int] = []
+        ok = True
+        for j in joiners:
+            peers = [r for r in dp_groups[j] if r != j and by_rank[r].has_state]
+            if not peers:
+                ok, why = False, f"rank {j} has no data-parallel peer left to take parameters from"
+                break
+            param_src[j] = peers[j % len(peers)]  # spread the load over the peers
+            holders = sorted(r for r, d in by_rank.items() if d.has_state and step in d.replicas.get(shard_of[j], []))
+            if holders:
+                optim_src[j] = holders[j % len(holders)]
+            elif step == first:
+                optim_src[j] = param_src[j]  # nothing to send: the joiner's own fresh state is S_first
+                fresh.append(j)
+            else:
+                what = "optimizer shard" if not replicated else "envelope (RNG, data position)"
+                ok, why = False, f"the {what} of {shard_of[j]} at step {step} survives nowhere (its holder and every replica were lost)"
+                break
+        if ok:
+            replayed = {d.rank: max(0, (d.live_step if d.live_step is not None else step) - step) for d in survivors}
+            return Plan(step, joiners, param_src, optim_src, replayed, first, bool(fresh), tuple(fresh))
+    raise UnrecoverableError(why)
+
