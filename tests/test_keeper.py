@@ -77,3 +77,15 @@ def test_no_new_leader_within_the_bound_the_keeper_gives_up(tmp_path):
     assert p.wait(timeout=30) == 137
     assert time.monotonic() - t0 >= 2.0
     assert "no standby took the job over within 2 s" in p.stderr.read()
+
+
+def test_a_standby_whose_batch_script_was_lost_ends_the_scheduler_job_with_its_code(tmp_path: Path) -> None:
+    """No keeper lives (the batch script was lost with the leader's node): the standby that took over ends the
+    scheduler's job itself with the supervisor's exit code, after saying so in the events."""
+    from phoenix_launch.standby.standby import _end_scheduler_job
+
+    ended: list[int] = []
+    _end_scheduler_job(tmp_path, 3, lambda code: ended.append(code) or f"ended with {code}")
+    assert ended == [3]
+    [ev] = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert ev["type"] == "scheduler_job_end" and ev["exit_code"] == 3 and "lost with the leader" in ev["why"]

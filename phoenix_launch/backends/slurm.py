@@ -279,12 +279,12 @@ class SlurmBackend:
         node = next((n for n in (where or []) if n != here and n in self.allocation), None)
         if node is None:
             raise NotSupported("no other node of the allocation to run a standby supervisor on")
-        log = self.run_dir / "logs" / "standby.log"
-        private_dir(log.parent)
-        open_private(log, "ab").close()
+        out = self.run_dir / "logs" / "standby.log"
+        private_dir(out.parent)
+        open_private(out, "ab").close()
         argv = se.agent_srun_command(node, [sys.executable, "-m", "phoenix_launch.standby.standby", "--run-dir",
                                             str(self.run_dir), "--slurm"],
-                                     [f"--output={log}", f"--error={log}", "--open-mode=append"],
+                                     [f"--output={out}", f"--error={out}", "--open-mode=append"],
                                      step_name=STANDBY_STEP)
         self.standby_proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                              stderr=subprocess.DEVNULL, start_new_session=True,

@@ -119,10 +119,10 @@ def _end_scheduler_job(run_dir: Path, code: int, end_job: Any) -> None:
     from phoenix_launch.standby import keeper
     from phoenix_launch.observe.events import EventLog
 
-    log = EventLog(run_dir / "events.jsonl")  # written before: ending the job may kill this step at once
+    events = EventLog(run_dir / "events.jsonl")  # written before: ending the job may kill this step at once
     kept = keeper.alive(run_dir)
-    log.emit("scheduler_job_end", exit_code=code, why="the batch script's keeper ends it" if kept else "the batch script was lost with the leader")
-    log.close()
+    events.emit("scheduler_job_end", exit_code=code, why="the batch script's keeper ends it" if kept else "the batch script was lost with the leader")
+    events.close()
     deadline = time.monotonic() + 15.0
     while kept and keeper.alive(run_dir) and time.monotonic() < deadline:  # Slurm ends this step meanwhile
         time.sleep(0.5)
