@@ -15,10 +15,6 @@ from phoenix_launch.lifecycle import JobState, NodeState
 from phoenix_launch.detect.nodes import ENDED
 from phoenix_runtime.plane import protocol
 
-#: a live rank's error of this type is a failed replica, not a job failure: the step is protected again
-REPLICATION_ERROR = "ReplicationError"
-
-
 class ReportHandlers:
     """``on_<message>`` for every report type, and ``on_agent_exit`` (an agent process ended)."""
 
@@ -73,18 +69,21 @@ class ReportHandlers:
                              reason=m.reason, proc_state=m.proc_state)
 
     def on_rank_error(self, m: protocol.RankError, now: float) -> None:
-        """A live rank saw a step fail (a collective, a replica)."""
+        """A live rank saw a step fail (a collective, a peer): evidence of the generation's failure."""
         node = self.nodes.get(m.node)
-        err = m.error or {}
         if node is None or m.gen != self.gen or self.job.state is not JobState.RUNNING:
             return
-        if str(err.get("type", "")).rsplit(".", 1)[-1] == REPLICATION_ERROR:
-            self.events.emit("replication_error", node=node.name, rank=m.rank, gen=m.gen, broken=bool(err.get("broken")),
-                             message=str(err.get("message", ""))[:500])
-            if err.get("broken"):
-                self.reprotector.broken(m.gen, node.name, m.rank, str(err.get("message", "")), now)
+        self.incidents.rank_failed(RankReport(node.name, m.rank, None, None, m.error or {}, "", time=m.t or now), now, exited=False)
+
+    def on_replica_failed(self, m: protocol.ReplicaFailed, now: float) -> None:
+        """A replica did not reach its holder: not a failure of the job (that step trains on unprotected); a
+        broken replicator is re-protected (``reprotect``)."""
+        node = self.nodes.get(m.node)
+        if node is None or m.gen != self.gen or self.job.state is not JobState.RUNNING:
             return
-        self.incidents.rank_failed(RankReport(node.name, m.rank, None, None, err, "", time=m.t or now), now, exited=False)
+        self.events.emit("replication_error", node=node.name, rank=m.rank, gen=m.gen, broken=m.broken, message=m.message[:500])
+        if m.broken:
+            self.reprotector.broken(m.gen, node.name, m.rank, m.message, now)
 
     def on_runtime_ready(self, m: protocol.RuntimeReady, now: float) -> None:
         self.attempt.protect_on = bool(m.protect)

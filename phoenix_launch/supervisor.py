@@ -86,6 +86,7 @@ class Supervisor(ReportHandlers):
             protocol.MsgType.RANK_EXIT: self.on_rank_exit,
             protocol.MsgType.RANK_HANG: self.on_rank_hang,
             protocol.MsgType.RANK_ERROR: self.on_rank_error,
+            protocol.MsgType.REPLICA_FAILED: self.on_replica_failed,
             protocol.MsgType.RUNTIME_READY: self.on_runtime_ready,
             protocol.MsgType.RECOVERED: self.on_recovered,
             protocol.MsgType.PROGRESS: self.on_progress,
@@ -178,12 +179,12 @@ class Supervisor(ReportHandlers):
 
     # --- messages (detect) -------------------------------------------------------------------------
     def handle_message(self, raw: dict[str, Any] | protocol.Message, now: float) -> None:
-        """Decode and dispatch by type; an unknown or malformed message is dropped and counted (an event the
-        first time a type is dropped)."""
+        """Decode and dispatch by type; a message ``decode`` refuses (an unknown type or field, a required one
+        missing) is dropped and counted (an event the first time a type is dropped, with the reason)."""
         if self.messages.dispatch(raw, now) is None and isinstance(raw, dict):
             kind = str(raw.get("type"))
             if self.messages.dropped.get(kind) == 1:
-                self.events.emit("message_dropped", message_type=kind, why="unknown type or missing field")
+                self.events.emit("message_dropped", message_type=kind, why=self.messages.why)
 
     def fallback(self, reason: str, now: float) -> None:
         """Recovery from memory is impossible: every worker restarts from the newest complete persistent

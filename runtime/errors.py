@@ -3,8 +3,11 @@
 Every exception class of the runtime and the launcher derives from one of these, so a caller that only
 wants "PHOENIX refused or failed" catches :class:`PhoenixError`; the launcher's CLI shows one as one line.
 A class keeps a builtin base too (``ValueError``, ``RuntimeError`` ...) where code catches it by that base.
-A torch-free leaf: the launcher imports it.
+A torch-free leaf: the launcher imports it. Also the one table of what says an error is a communication failure.
 """
+
+import re
+from dataclasses import dataclass
 
 
 class PhoenixError(Exception):
@@ -37,3 +40,45 @@ class RecoveryError(PhoenixError):
 
 class BackendError(PhoenixError):
     """The cluster backend (local processes or Slurm) cannot do what was asked."""
+
+
+# --- the evidence that an error is a communication failure -------------------------------------------------
+@dataclass(frozen=True)
+class CommEvidence:
+    """One row of the table: a regex (case-insensitive) over an error's text."""
+
+    name: str
+    regex: str
+    #: the launcher's classifier counts it too (``decide/failure_text.py``): specific enough to name a failure
+    #: from a rank's log. The broad rows count only for a rank that caught the exception in a step, where a
+    #: collective or a transfer raised it.
+    classify: bool = True
+
+
+#: The one table of communication-failure evidence, read by the rank (``step_guard``: recover in the next
+#: generation, or re-raise a bug) and by the launcher (a failure's class).
+COMM_EVIDENCE: tuple[CommEvidence, ...] = (
+    CommEvidence("gloo-closed", r"Connection closed by (?:remote )?peer"),
+    CommEvidence("conn-reset", r"Connection reset by peer|ECONNRESET|Broken pipe"),
+    CommEvidence("conn-refused", r"Connection refused|ECONNREFUSED"),
+    CommEvidence("gloo-timeout", r"Timed out waiting \d+ms for (?:recv|send) operation to complete"),
+    CommEvidence("gloo-pair-closure", r"Application timeout caused pair closure"),
+    CommEvidence("nccl-remote", r"ncclRemoteError|remote process exited or there was a network error"),
+    CommEvidence("nccl-system", r"ncclSystemError|unhandled system error"),
+    CommEvidence("nccl-watchdog", r"Watchdog caught collective operation timeout|watchdog callback timed out"),
+    CommEvidence("nccl-aborted", r"NCCL communicator was aborted"),
+    CommEvidence("ib-completion", r"NET/IB ?: Got completion from peer"),
+    CommEvidence("store-recv", r"failed to recv, got 0 bytes|recvValue failed|\bSocket Timeout\b|DistNetworkError|DistStoreError"),
+    CommEvidence("closed-or-reset", r"connection (?:closed|reset)", classify=False),
+    CommEvidence("timeout", r"timed out|timeout", classify=False),
+    CommEvidence("backend", r"gloo|nccl|connectFullMesh", classify=False),
+    CommEvidence("aborted", r"aborted", classify=False),
+    CommEvidence("socket-or-peer", r"socket|peer", classify=False),
+)
+
+_COMM_RE = [(e.name, re.compile(e.regex, re.IGNORECASE)) for e in COMM_EVIDENCE]
+
+
+def comm_evidence(text: str) -> str | None:
+    """The name of the first row of :data:`COMM_EVIDENCE` that ``text`` matches, else None."""
+    return next((name for name, rx in _COMM_RE if rx.search(text)), None)

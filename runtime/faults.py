@@ -14,10 +14,13 @@ import signal
 import time
 from typing import Any, Callable
 
+from phoenix_runtime.plane import protocol
+
+
 class FaultInjector:
     """The faults addressed to this rank: from the configuration, or sent by ``phoenix-run kill-node``."""
 
-    def __init__(self, faults, node: str, store, report: Callable[[dict], None], abort_links: Callable[[], None],
+    def __init__(self, faults, node: str, store, report: Callable[[protocol.RankMessage], None], abort_links: Callable[[], None],
                  late_s: float = 5.0):
         self.late_s = late_s  # a "late" replica is held back this long (longer than the replica timeout)
         self.pending: list[dict[str, Any]] = [dict(f, id=f"cfg{i}") for i, f in enumerate(faults)]
@@ -64,7 +67,7 @@ class FaultInjector:
             if self.store is not None and self.store.add(f"phx/fault/{f.get('id')}", 1) != 1:
                 continue  # fire once per job, even if this step is replayed after a recovery
             mode = f.get("mode", "crash")
-            self.report({"type": "fault_fired", "mode": mode, "step": step, "phase": phase})
+            self.report(protocol.FaultFired(mode=mode, step=step, phase=phase))
             self.execute(mode)
 
     def optimizer_hook(self, *args, **kwargs) -> None:

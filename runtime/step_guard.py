@@ -17,6 +17,8 @@ import time
 
 import torch.distributed as dist
 
+from phoenix_runtime.errors import comm_evidence
+from phoenix_runtime.plane import protocol
 from phoenix_runtime.plane.context import GenerationAbandoned
 from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.protection.transport import TransportError
@@ -24,29 +26,12 @@ from phoenix_runtime.protection.wire import ReplicationError
 
 log = logging.getLogger(__name__)
 
-COMM_ERROR_MARKERS = (
-    "connection closed",
-    "connection reset",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "gloo",
-    "nccl",
-    "aborted",
-    "connectfullmesh",
-    "socket",
-    "peer",
-)
-
-
 def looks_like_comm_failure(e: BaseException) -> bool:
-    """A communication failure (a peer died, a link dropped), as opposed to a bug in the training code."""
+    """A communication failure (a peer died, a link dropped), as opposed to a bug in the training code: a
+    transfer's or torch.distributed's error, or a RuntimeError whose text is evidence of one (``COMM_EVIDENCE``)."""
     if isinstance(e, (ReplicationError, TransportError, dist.DistError)):
         return True
-    if isinstance(e, RuntimeError):
-        text = str(e).lower()
-        return any(m in text for m in COMM_ERROR_MARKERS)
-    return False
+    return isinstance(e, RuntimeError) and comm_evidence(str(e)) is not None
 
 
 class StepGuard:
@@ -125,9 +110,7 @@ class StepGuard:
         # generation: the supervisor re-forms it, and the re-protection sends every replica again on fresh pairs
         rep = t.replicator
         broken = rep is not None and rep.broken is not None
-        t.ctx.report({"type": "rank_error", "gen": t.ctx.gen, "fatal": False,
-                      "error": {"type": "ReplicationError", "message": str(e)[:2000], "step": step, "peer": e.peer,
-                                "broken": broken}})
+        t.ctx.report(protocol.ReplicaFailed(gen=t.ctx.gen, step=step, peer=e.peer, broken=broken, message=str(e)[:2000]))
 
     def _progress(self) -> None:
         t = self.t
@@ -141,9 +124,9 @@ class StepGuard:
         if t.ctx.rank == 0 and t.ctx.managed and time.time() - self._last_progress > 2.0:
             self._last_progress = time.time()
             median = sorted(self._step_times)[len(self._step_times) // 2]
-            t.ctx.post({"type": "progress", "step": t.step_idx, "step_time_s": round(median, 5), "sps": round(STATE.steps_per_s, 3),
-                          "total": getattr(t, "total_steps", None),
-                          "wait_frac": self._wait_frac() if t.protect_on else None})
+            t.ctx.post(protocol.Progress(step=t.step_idx, step_time_s=round(median, 5), sps=round(STATE.steps_per_s, 3),
+                                         total=getattr(t, "total_steps", None),
+                                         wait_frac=self._wait_frac() if t.protect_on else None))
 
     def _wait_frac(self) -> float:
         """The fraction of the recent steps' time spent waiting for replicas, the longest wait left out: one

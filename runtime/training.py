@@ -94,7 +94,7 @@ class ProtectedTraining:
         self._warned_layout = False
         STATE.runtime = True
         STATE.enter("training")
-        ctx.report({"type": "runtime_ready", "protect": self.protect_on, "epoch": ctx.epoch})
+        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch))
 
     # --- the public API ------------------------------------------------------------------------------------
     @property
@@ -313,7 +313,7 @@ class ProtectedTraining:
         log.info(f"protection: {info['host_bytes'] / 2**20:.1f} MiB of host memory (local snapshot {self.d2h.nbytes / 2**20:.1f} MiB x 2, "
                  f"{info['replicas']} replica(s) of {info['replica_bytes'] / 2**20:.1f} MiB x 2"
                  f"{', each with the parameter shard (%.1f MiB)' % (info['replica_param_bytes'] / 2**20) if self.params_sharded else ''})")
-        self.ctx.report({"type": "protection", **info})
+        self.ctx.report(protocol.Protection(**info))
 
     def held_replicas(self) -> dict:
         return merge_replicas(self.retained, self.protection.replicas() if self.protection is not None else {})
@@ -371,7 +371,7 @@ class ProtectedTraining:
         log.info(f"step {self.step_idx}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")
         ctx.abort_groups()  # pending transfers of the pipeline fail at once instead of timing out
         if not ctx.abandoned():  # the supervisor may not know yet (e.g. a transient link fault)
-            ctx.report({"type": "rank_error", "gen": ctx.gen, "error": {"type": type(cause).__name__, "message": str(cause)[:2000]}})
+            ctx.report(protocol.RankError(gen=ctx.gen, error={"type": type(cause).__name__, "message": str(cause)[:2000]}))
         live = (self.step_idx, not self.opt_started)
         self.teardown_protection()
         try:
@@ -438,10 +438,10 @@ class ProtectedTraining:
                     "step": torch.tensor(live[0]),
                 }
                 dcp.save(saved, checkpoint_id=path, no_dist=True)
-                self.ctx.report({"type": "checkpoint", "path": path, "step": live[0], "rank_saved": self.ctx.rank})
+                self.ctx.report(protocol.CheckpointSaved(path=path, step=live[0], rank_saved=self.ctx.rank))
             except Exception as e:  # noqa: BLE001
                 path = f"failed: {e}"
-        self.ctx.report({"type": "unrecoverable", "reason": reason, "checkpoint": path})
+        self.ctx.report(protocol.Unrecoverable(reason=reason, checkpoint=path))
         # the supervisor stops the job once every rank has saved what it holds; wait for it (bounded)
         deadline = time.monotonic() + self.ctx.recovery_timeout
         while time.monotonic() < deadline:

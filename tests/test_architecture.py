@@ -30,3 +30,25 @@ def test_archcheck_refuses_an_add_on_in_the_core(tmp_path):
     (tmp_path / "phoenix_launch/cli.py").write_text("from phoenix_launch.report import cost\n")
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "archcheck.py"), str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert "core imports add-on phoenix_launch.report.cost from phoenix_launch.cli:1" in r.stdout
+
+
+def _calls_with_a_dict(root: Path):
+    """``x.report({...})``, ``x.post(dict(...))``, ``q.put({...})``: a message built by hand instead of typed."""
+    import ast
+
+    for f in sorted([*(root / "runtime").rglob("*.py"), *(root / "phoenix_launch").rglob("*.py")]):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("report", "post", "put")
+                    and node.args and (isinstance(node.args[0], ast.Dict) or (isinstance(node.args[0], ast.Call)
+                                       and getattr(node.args[0].func, "id", None) == "dict"))):
+                yield f"{f.relative_to(root)}:{node.lineno}"
+
+
+def test_every_message_is_a_protocol_dataclass(tmp_path):
+    """Typed both ways: no report, post or queue put of a hand-built dict anywhere in the runtime or the
+    launcher (``Queue.put`` refuses one at run time too; the supervisor's handlers: ``test_pure``)."""
+    assert list(_calls_with_a_dict(ROOT)) == []
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "phoenix_launch").mkdir()
+    (tmp_path / "runtime" / "x.py").write_text('ctx.report({"type": "rank_error", "fatal": False})\nq.put(dict(type="stop"))\n')
+    assert list(_calls_with_a_dict(tmp_path)) == ["runtime/x.py:1", "runtime/x.py:2"]

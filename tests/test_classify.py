@@ -1053,3 +1053,19 @@ def test_probe_evidence_reaches_the_classifier():
     assert (v.cls, v.node) == (HO, "n2") and "IDLE+DRAIN" in v.reason
     v = classify(with_probe_evidence(base, {"n1": {"problems": ["rank process(es) in uninterruptible sleep (D): [7]"]}}, {}))
     assert (v.cls, v.node) == (NS, "n1")  # a comm error on a node that fails its probe: replaced
+
+
+def test_one_table_of_communication_evidence_for_the_rank_and_the_classifier():
+    """``COMM_EVIDENCE`` is read by both sides: its specific rows are the classifier's communication rows, and
+    the rank also takes the broad ones (an exception caught in a step) but never a training bug's text."""
+    from phoenix_launch.decide.failure_text import PATTERNS
+    from phoenix_runtime.errors import COMM_EVIDENCE, comm_evidence
+
+    comm_rows = [(p.name, p.regex.pattern) for p in PATTERNS if p.cls is FailureClass.TRANSIENT_COMM]
+    assert comm_rows == [(e.name, e.regex) for e in COMM_EVIDENCE if e.classify]
+    for text, row in [("[../gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:41234: Connection reset by peer", "conn-reset"),
+                      ("Timed out waiting 30000ms for recv operation to complete", "gloo-timeout"),
+                      ("Gloo connectFullMesh failed with [..] no error", "backend"),
+                      ("NCCL communicator was aborted on rank 3", "nccl-aborted")]:
+        assert comm_evidence(text) == row, text
+    assert comm_evidence("mat1 and mat2 shapes cannot be multiplied (4x8 and 7x8)") is None

@@ -199,12 +199,12 @@ class DictStore:
 def test_queue_in_order_and_skips_a_hole():
     st = DictStore()
     q = protocol.Queue(st, "q")
-    q.put({"a": 1})
+    q.put(protocol.Progress(step=1))
     st.add("q/n", 1)  # a writer died between reserving and writing
-    q.put({"a": 3})
+    q.put(protocol.Progress(step=3))
     r = protocol.Queue(st, "q")
-    assert [m["a"] for m in r.get_all()] == [1]  # the reserved message may still come: not skipped yet
-    assert [m["a"] for m in r.get_all(hole_timeout_s=0.0)] == [3]  # a writer that died: skipped at last
+    assert [m["step"] for m in r.get_all()] == [1]  # the reserved message may still come: not skipped yet
+    assert [m["step"] for m in r.get_all(hole_timeout_s=0.0)] == [3]  # a writer that died: skipped at last
     assert r.get_all() == []
 
 
@@ -214,13 +214,13 @@ def test_membership_roundtrip():
     assert m2 == m and m2.rank_at("n2", 0) == 1 and m2.nodes() == ["n0", "n2"]
 
 
-def test_typed_messages_roundtrip_and_old_dicts_decode():
+def test_typed_messages_both_ways_and_a_strict_decode():
     st = DictStore()
     q = protocol.Queue(st, "q")
     q.put(protocol.RankExit("n1", 1, exit_code=None, signal=9, log_tail="x"))
-    q.put({"type": "progress", "node": "n0", "slot": 0, "rank": 0, "step": 7})  # a writer not converted yet
-    q.put({"type": "something_new", "x": 1})
-    q.put({"type": "rank_exit"})  # a required field missing
+    q.put(protocol.Progress(node="n0", slot=0, rank=0, step=7))
+    with pytest.raises(TypeError, match="protocol message"):
+        q.put({"type": "progress", "step": 8})  # a hand-built dict is not a message
     seen = []
     d = protocol.Dispatcher({protocol.MsgType.RANK_EXIT: lambda m, now: seen.append(m), protocol.MsgType.PROGRESS: lambda m, now: seen.append(m)})
     for raw in protocol.Queue(st, "q").get_all():
@@ -228,7 +228,12 @@ def test_typed_messages_roundtrip_and_old_dicts_decode():
     assert isinstance(seen[0], protocol.RankExit) and (seen[0].signal, seen[0].exit_code, seen[0].slot) == (9, None, 1)
     assert seen[0].t is not None  # stamped by put
     assert isinstance(seen[1], protocol.Progress) and seen[1].step == 7 and seen[1].sps == 0.0  # defaults for the rest
-    assert d.dropped == {"something_new": 1, "rank_exit": 1}
+    # what a writer that does not speak this protocol sends is refused and counted, never trimmed to fit
+    d.dispatch({"type": "rank_error", "node": "n0", "gen": 1, "fatal": False}, 0.0)
+    assert d.dropped == {"rank_error": 1} and "unknown field(s) fatal" in d.why
+    d.dispatch({"type": "something_new", "x": 1}, 0.0)
+    d.dispatch({"type": "rank_exit"}, 0.0)  # a required field missing
+    assert d.dropped == {"rank_error": 1, "something_new": 1, "rank_exit": 1} and len(seen) == 2
     # every message class survives its own dict form
     for cls, kw in [(protocol.AgentRestart, dict(epoch=1, master_port=2, group_rank=0, world_size=4, gen=3)),
                     (protocol.AgentRespawn, dict(slots=(0, 1), gen=4)), (protocol.KillCommand, dict(target="rank:1", at_step=3))]:
@@ -429,11 +434,13 @@ def test_a_replica_failure_reported_by_a_rank_is_recorded_and_never_a_job_failur
     for i in range(2):
         sup.nodes.add(Node.new(f"n{i}", i))
     sup.job.transition(JobState.RUNNING, "test")
-    bad = {"type": "ReplicationError", "message": "replica of optim/dp1of2 failed its checksum (crc32 mismatch)"}
-    sup.handle_message({"type": "rank_error", "node": "n1", "slot": 0, "rank": 1, "gen": 0, "error": bad}, 10.0)
+    sent_by_ranks = {c.TYPE for c in protocol.MESSAGE_CLASSES.values() if issubclass(c, protocol.RankMessage)}
+    assert sent_by_ranks <= set(sup.messages.handlers)  # every type a rank sends has its handler
+    sup.handle_message(protocol.ReplicaFailed(node="n1", slot=0, rank=1, gen=0, step=3, peer=0,
+                                              message="replica of optim/dp1of2 failed its checksum (crc32 mismatch)"), 10.0)
     assert sup.incidents.current is None
-    sup.handle_message({"type": "rank_error", "node": "n1", "slot": 0, "rank": 1, "gen": 0,
-                        "error": {"type": "DistBackendError", "message": "Connection closed by peer"}}, 11.0)
+    sup.handle_message(protocol.RankError(node="n1", slot=0, rank=1, gen=0,
+                                          error={"type": "DistBackendError", "message": "Connection closed by peer"}), 11.0)
     assert sup.incidents.current is not None and len(sup.incidents.current.reports) == 1
     sup.events.close()
     evs = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
@@ -548,12 +555,12 @@ def test_queue_deletes_what_it_read_and_a_new_reader_continues_after_it():
     st.delete_key = lambda k: st.d.pop(k, None) is not None
     q = protocol.Queue(st, "q")
     for i in range(3):
-        q.put({"a": i})
+        q.put(protocol.Progress(step=i))
     r = protocol.Queue(st, "q")
-    assert [m["a"] for m in r.get_all()] == [0, 1, 2]
+    assert [m["step"] for m in r.get_all()] == [0, 1, 2]
     assert not any(k.startswith("q/") and k.split("/")[-1].isdigit() for k in st.d)  # read messages deleted
-    q.put({"a": 3})
-    assert [m["a"] for m in protocol.Queue(st, "q").get_all()] == [3]  # a respawned reader: no re-delivery
+    q.put(protocol.Progress(step=3))
+    assert [m["step"] for m in protocol.Queue(st, "q").get_all()] == [3]  # a respawned reader: no re-delivery
 
 
 def test_a_failure_while_a_restart_starts_up_still_starts_fresh():

@@ -48,7 +48,7 @@ class _Store:
         return self.n[key]
 
 
-def test_faults_fire_once_at_their_point_with_the_recovery_alias():
+def test_faults_fire_once_at_their_point_and_report_it():
     fired, executed = [], []
     inj = FaultInjector([{"node": "n1", "step": 5, "mode": "rank", "phase": "optimizer"},
                          {"node": "n1", "step": None, "mode": "comm", "phase": "recover_exchange", "gen": 1},
@@ -59,13 +59,13 @@ def test_faults_fire_once_at_their_point_with_the_recovery_alias():
     inj.fire(4, "optimizer")
     assert executed == []
     inj.fire(5, "optimizer")
-    assert executed == ["rank"] and fired[0]["phase"] == "optimizer"
+    assert executed == ["rank"] and fired[0].phase == "optimizer"
     inj.fire(5, "optimizer")  # once per job
     inj.fire(None, "recover_exchange")  # the fault is for generation 1 only
     assert executed == ["rank"]
     inj.where(rank=2, gen=1)
     inj.fire(None, "recover_exchange")
-    assert executed == ["rank", "comm"] and fired[1]["step"] is None
+    assert executed == ["rank", "comm"] and fired[1].step is None
 
 
 # --- the envelope ----------------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ import signal as _signal
 from dataclasses import dataclass
 from enum import Enum
 
+from phoenix_runtime.errors import COMM_EVIDENCE
+
+
 class FailureClass(str, Enum):
     """What kind of fault an incident is (the paper's Table II rows)."""
 
@@ -103,19 +106,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("illegal-memory-access", r"an illegal memory access was encountered", _S),
     _p("dataloader-shm", r"out of shared memory", _S),
     _p("floating-point", r"\bFloatingPointError\b", _S),
-    # communication symptoms (consequences whenever a peer failed)
-    _p("gloo-closed", r"Connection closed by (?:remote )?peer", _C),
-    _p("conn-reset", r"Connection reset by peer|ECONNRESET|Broken pipe", _C),
-    _p("conn-refused", r"Connection refused|ECONNREFUSED", _C),
-    _p("gloo-timeout", r"Timed out waiting \d+ms for (?:recv|send) operation to complete", _C),
-    _p("gloo-pair-closure", r"Application timeout caused pair closure", _C),
-    _p("nccl-remote", r"ncclRemoteError|remote process exited or there was a network error", _C),
-    _p("nccl-system", r"ncclSystemError|unhandled system error", _C),
-    _p("nccl-watchdog", r"Watchdog caught collective operation timeout|watchdog callback timed out", _C),
-    _p("nccl-aborted", r"NCCL communicator was aborted", _C),
-    _p("ib-completion", r"NET/IB ?: Got completion from peer", _C),
-    _p("store-recv", r"failed to recv, got 0 bytes|recvValue failed|\bSocket Timeout\b"
-                     r"|DistNetworkError|DistStoreError", _C),
+    # communication symptoms (consequences whenever a peer failed): the runtime's table, shared with the ranks
+    *(_p(e.name, e.regex, _C) for e in COMM_EVIDENCE if e.classify),
 )
 
 _PRIORITY = {_G: 3, _H: 3, _N: 3, _S: 2, _C: 1, FailureClass.PROCESS_EXIT: 1}

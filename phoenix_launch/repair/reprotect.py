@@ -5,7 +5,7 @@ replicator of both ends: a gloo wait that times out closes the pair, so nothing 
 this generation, and every later step would go unprotected. A checksum mismatch does not break it (the
 replicator resends that replica itself, ``runtime/protection/replica_exchange.py``).
 
-The ranks report the break (a non-fatal ``rank_error`` with ``broken``); after a short grace (two heartbeats:
+The ranks report the break (``ReplicaFailed`` with ``broken``); after a short grace (two heartbeats:
 the time a peer's death takes to open an incident, whose own repair then forms the fresh pairs) the supervisor
 publishes a new generation with the same members and no joiners. The survivors recover in it (no transfer;
 a rollback to the last completed step at most) and the re-protection sends every replica again on the new

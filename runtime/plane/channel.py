@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from phoenix_runtime.plane import auth
+from phoenix_runtime.plane.messages import Message
 
 
 def incarnation_of(store: Any) -> int:
@@ -96,9 +97,11 @@ class Queue:
         """The last ``get_all`` stopped at a reserved-but-unwritten message: call it again."""
         return self._hole_since is not None
 
-    def put(self, msg: Any) -> int:
-        """Append a message object (``to_dict()``) or a plain dict with a ``type``."""
-        body = msg.to_dict() if hasattr(msg, "to_dict") else dict(msg)
+    def put(self, msg: Message) -> int:
+        """Append a typed message (``messages.py``); its reader gets it back with ``decode``."""
+        if not isinstance(msg, Message):
+            raise TypeError(f"Queue.put takes a protocol message, not {type(msg).__name__}")
+        body = msg.to_dict()
         if body.get("t") is None:
             body["t"] = time.time()
         body = {"v": SCHEMA_VERSION, **body}

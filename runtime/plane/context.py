@@ -7,11 +7,12 @@ environment (torchrun), with no recovery.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -96,17 +97,21 @@ class Context:
         NCCL refuses two ranks on one device), else the CPU."""
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    def report(self, msg: dict[str, Any]) -> None:
-        if self.managed:
-            self.q_sup.put({"node": self.node, "slot": self.slot, "rank": self.rank, **msg})
+    def _signed(self, msg: protocol.RankMessage) -> protocol.RankMessage:
+        """``msg`` from this rank: its node, slot and rank (a rank given by the sender stays)."""
+        return dataclasses.replace(msg, node=self.node, slot=self.slot, rank=self.rank if msg.rank is None else msg.rank)
 
-    def post(self, msg: dict[str, Any]) -> None:
+    def report(self, msg: protocol.RankMessage) -> None:
+        if self.managed:
+            self.q_sup.put(self._signed(msg))
+
+    def post(self, msg: protocol.RankMessage) -> None:
         """``report``, sent by the control thread: the training thread never waits for the store in a step."""
         c = control()
         if c is None:
             self.report(msg)
         elif self.managed:
-            c.post({"node": self.node, "slot": self.slot, "rank": self.rank, **msg})
+            c.post(self._signed(msg))
 
     # --- generations ---------------------------------------------------------------------------------
     def latest_gen(self) -> int:

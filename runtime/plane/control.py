@@ -186,7 +186,7 @@ class ControlThread:
         }
         protocol.put_value(self.store, protocol.k_rank_hb(self.node, self.slot), json.dumps(hb))
 
-    def post(self, msg: dict[str, Any]) -> None:
+    def post(self, msg: protocol.Message) -> None:
         """A report the training thread must not wait for (its progress): this thread sends it. A store call can
         stall (a frozen leader, cut after ``failover.FROZEN_S``); training must not stall with it, or the
         ranks' progress would say "hung" once the store is back. At most 16 wait; the oldest go first."""

@@ -43,7 +43,7 @@ def _quiet_dcp():
 class Persister:
     """Writes this rank's persistent checkpoints off the training path and reports each one written."""
 
-    def __init__(self, run_dir: str, rank: int, every: int, report: Callable[[dict], None]):
+    def __init__(self, run_dir: str, rank: int, every: int, report: Callable[[protocol.RankMessage], None]):
         self.run_dir, self.rank, self.every, self.report = run_dir, rank, every, report
         self.pending: list[tuple] = []  # step, path, t0, stage_s, bytes, future, rank
         self.last = -1
@@ -86,8 +86,8 @@ class Persister:
             elif f.exception() is not None:  # never marked complete: the previous complete checkpoint stays
                 log.info(f"persistent checkpoint of step {step} not written ({path}): {f.exception()!r}")
             else:
-                self.report({"type": "persisted", "rank": rank, "step": step, "path": path, "write_s": round(time.perf_counter() - t0, 4),
-                             "stage_s": round(stage_s, 4), "nbytes": nbytes})
+                self.report(protocol.Persisted(rank=rank, step=step, path=path, write_s=round(time.perf_counter() - t0, 4),
+                                               stage_s=round(stage_s, 4), nbytes=nbytes))
         self.pending = left
 
     def close(self, timeout: float = 60.0) -> None:

@@ -164,6 +164,6 @@ class RecoverySession:
         }
         t.stats["recoveries"].append({"gen": gen, "step": plan.step, **breakdown})
         log.info(f"generation {gen}: resumed at step {plan.step} ({breakdown})")
-        ctx.report({"type": "recovered", "gen": gen, "step": plan.step, "replayed": plan.replayed.get(ctx.rank, 0),
-                    "joiner": live is None, "breakdown": breakdown})
+        ctx.report(protocol.Recovered(gen=gen, step=plan.step, replayed=plan.replayed.get(ctx.rank, 0), joiner=live is None,
+                                      breakdown=breakdown))
         STATE.enter("training")

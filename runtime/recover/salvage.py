@@ -45,7 +45,7 @@ def salvage(t, gen: int, mem: protocol.Membership, live) -> None:
         if plan.fresh:
             raise UnrecoverableError("nothing to save before the first step completed")
     except UnrecoverableError as e:
-        ctx.report({"type": "unrecoverable", "reason": f"nothing saved from memory: {e}", "checkpoint": None})
+        ctx.report(protocol.Unrecoverable(reason=f"nothing saved from memory: {e}"))
         raise
     R = plan.step
     own = t.d2h_committed()[R]
