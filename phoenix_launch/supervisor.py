@@ -187,14 +187,10 @@ class Supervisor(ReportHandlers):
                 self.events.emit("message_dropped", message_type=kind, why=self.messages.why)
 
     def fallback(self, reason: str, now: float) -> None:
-        """Recovery from memory is impossible: every worker restarts from the newest complete persistent
-        checkpoint (``checkpoints.Ladder``), or the job stops, resumable from it."""
-        point = self.ladder.restart_point(reason, self.attempt.step)
-        if point is None:
-            self.stop(reason, decisions.EXIT_UNRECOVERABLE, now)
-            return
-        self.resume = point[0]
-        self.restart(decisions.Decision(decisions.Kind.RESTART, point[1], fresh=True), now)
+        """Every rank reported recovery from memory impossible: ``decide.unrecoverable`` chooses between the
+        newest complete persistent checkpoint (``checkpoints.Ladder``) and a stop, resumable from it."""
+        ckpt = self.ladder.restart_candidate()
+        self.execute(decisions.unrecoverable(reason, ckpt, checkpoints.describe(Path(ckpt)) if ckpt else ""), now)
 
     def check_heartbeats(self, now: float) -> None:
         self.standby.fence()  # cut off while a standby took over: every heartbeat is silent, and not ours to judge
@@ -235,21 +231,32 @@ class Supervisor(ReportHandlers):
             nothing_done=nothing_done(self.attempt, self.store, self._gens().members, self.world_size),
             spares_coming=self.nodes.coming_spares() - len(spares) + len(self.replenisher.joins),
             may_wait=inc.wait_until is None or now < inc.wait_until,
+            also_lost=tuple(n for n in inc.lost if n in self.nodes and not self.nodes[n].is_spare),
+            may_salvage=self._may_salvage(),
         )
         d = decisions.decide(view, verdict, now)
         if d.kind is decisions.Kind.WAIT and not self.incidents.defer(inc, now, self.cfg.detect.spare_wait_s):
             return  # still waiting for a spare: the decision event was emitted once
         self.events.emit("decision", cls=verdict.cls.value, action=verdict.action.value, decision=d.kind.value, node=d.node,
                          spare=d.spare, reason=d.reason, injected=inc.injected)
-        if d.kind is decisions.Kind.STOP:
+        if d.exit_code:
             self.root_cause = verdict.root or self.root_cause
-            self.stop(d.reason, d.exit_code, now, lost={n for n in [d.node, *inc.lost] if n} if d.exit_code == decisions.EXIT_UNRECOVERABLE else None)
-        elif d.kind is decisions.Kind.HOTSWAP:
-            self.hotswap(d, inc, now)
-        elif d.kind is decisions.Kind.LOCAL:
-            self.local_recovery(d, inc, now)
-        elif d.kind is decisions.Kind.RESTART:
-            self.restart(d, now)
+        self.execute(d, now, inc)
+
+    def _may_salvage(self) -> bool:
+        return self.attempt.protect_on and len(self.attempt.runtime_ready) == self.world_size and self.ladder.salvaging is None
+
+    # --- execute: what ``decide.py`` chose, one method per kind ------------------------------------
+    def execute(self, d: decisions.Decision, now: float, inc: Incident | None = None) -> None:
+        """Carry out a decision. Nothing here chooses: each kind has its one method (``test_pure`` checks that
+        these are called from nowhere else)."""
+        run = {
+            decisions.Kind.HOTSWAP: self.hotswap, decisions.Kind.LOCAL: self.local_recovery, decisions.Kind.RESTART: self.restart,
+            decisions.Kind.FALLBACK: self.fallback_restart, decisions.Kind.SALVAGE: self.salvage, decisions.Kind.REFORM: self.reform,
+            decisions.Kind.HUNG: self.mark_hung, decisions.Kind.STOP: self.stop,
+            decisions.Kind.WAIT: lambda d, inc, now: None, decisions.Kind.IGNORE: lambda d, inc, now: None,
+        }[d.kind]
+        run(d, inc or Incident(now), now)
 
     # --- repair (hot-swap, local recovery, restart) ------------------------------------------------
     def _attempt(self) -> Attempt:
@@ -257,16 +264,8 @@ class Supervisor(ReportHandlers):
         return Attempt(self.epoch, self.plane.host, self.plane.rdzv_port, self.resume)
 
     def hotswap(self, d: decisions.Decision, inc: Incident, now: float) -> None:
-        """Replace the failed node -- and every other node lost in the same incident -- by warm spares."""
-        failed = [n for n in dict.fromkeys([d.node] + list(inc.lost)) if n in self.nodes and not self.nodes[n].is_spare]
-        spares = list(self.spares())
-        if len(spares) < len(failed):
-            for n in failed:
-                self.nodes.exclude(n, d.reason)
-            self.stop(f"{d.reason}; {len(failed)} nodes lost and only {len(spares)} spare(s) left", decisions.EXIT_UNRECOVERABLE, now,
-                      lost=set(failed))
-            return
-        swap = dict(zip(failed, spares))
+        """Replace the failed node -- and every other node lost in the same incident -- by warm spares (``d.swap``)."""
+        swap = dict(d.swap)
         for f, sp in swap.items():
             self.nodes.swap_in(f, sp, d.reason, f"replaces {f}")
         gens = self._gens()
@@ -292,20 +291,19 @@ class Supervisor(ReportHandlers):
         self.events.emit("local_recovery", gen=mem.gen, node=d.node, respawned=list(d.respawn))
 
     def reprotect(self, now: float) -> None:
-        """A replicator broke on a healthy job, or the protection's cadence must change (``reprotect.py``): re-form
-        the generation with the same members."""
-        due = self.reprotector.due(now, self.gen, self.job.state is JobState.RUNNING and self.incidents.current is None)
-        if due is not None and not due[0]:
-            self.events.emit("replication_unprotected", gen=self.gen, reason=due[1])
-        elif due is not None:
-            protocol.put_value(self.store, protocol.K_PROTECT_EVERY, str(self.reprotector.every))  # read in the recovery
-            self.reform("reprotect", due[1], now)
+        """A replicator broke on a healthy job, or the protection's cadence must change (``reprotect.py``)."""
+        d = decisions.reprotect(self.reprotector.due(now, self.gen, self.job.state is JobState.RUNNING and self.incidents.current is None))
+        if d.kind is decisions.Kind.IGNORE and d.reason:
+            self.events.emit("replication_unprotected", gen=self.gen, reason=d.reason)
+        self.execute(d, now)
 
-    def reform(self, path: str, reason: str, now: float) -> None:
+    def reform(self, d: decisions.Decision, inc: Incident, now: float) -> None:
         """The same members form a new generation (a broken replicator, a new cadence, a takeover mid-recovery)."""
-        mem = self._gens().publish(self._gens().members.ranks, reason, self._attempt(), self.nodes.group_ranks())
-        self._begin_recovery(path, decisions.Decision(decisions.Kind.LOCAL, reason), Incident(now), now)
-        self.events.emit("reprotect", gen=mem.gen, reason=reason, protect_every=self.reprotector.every)
+        if d.path == "reprotect":
+            protocol.put_value(self.store, protocol.K_PROTECT_EVERY, str(self.reprotector.every))  # read in the recovery
+        mem = self._gens().publish(self._gens().members.ranks, d.reason, self._attempt(), self.nodes.group_ranks())
+        self._begin_recovery(d.path, d, inc, now)
+        self.events.emit("reprotect", gen=mem.gen, reason=d.reason, protect_every=self.reprotector.every)
 
     def _respawn(self, mem: protocol.Membership, ranks: tuple[int, ...]) -> None:
         """Ask the agents to start these (dead) ranks again, after their assignments are published."""
@@ -350,14 +348,22 @@ class Supervisor(ReportHandlers):
         late = sorted({members.slot_of(r).node for r in missing})
         timeout = self.cfg.detect.recovery_timeout_s
         self.events.emit("recovery_timeout", gen=self.gen, missing=list(missing), nodes=late, timeout_s=timeout)
-        if len(missing) == self.world_size or not late:
-            self.stop(f"recovery did not complete within {timeout:g} s", decisions.EXIT_UNRECOVERABLE, now)
-            return
+        self.execute(decisions.recovery_timed_out(tuple(missing), self.world_size, tuple(late), timeout), now)
+
+    def mark_hung(self, d: decisions.Decision, inc: Incident, now: float) -> None:
+        """The late ranks' nodes are taken as hung: a new incident replaces them."""
         self.recovery.current.t_gen = now  # type: ignore[union-attr]  (re-armed until the next generation)
-        for name in late:
+        for name in d.lost:
             self.incidents.node_hung(name, now)
 
-    def restart(self, d: decisions.Decision, now: float) -> None:
+    def fallback_restart(self, d: decisions.Decision, inc: Incident, now: float) -> None:
+        """Rung 3 of the fallback ladder: every worker restarts from ``d.resume``."""
+        assert d.resume is not None
+        self.ladder.restart_from(d.resume, d.reason, self.attempt.step)
+        self.resume = d.resume
+        self.restart(d, inc, now)
+
+    def restart(self, d: decisions.Decision, inc: Incident, now: float) -> None:
         """Every worker starts again (torchrun's restart; ``fresh``: before any step, not counted)."""
         assert self.plane is not None
         self.restarts += 0 if d.fresh else 1
@@ -378,16 +384,33 @@ class Supervisor(ReportHandlers):
         self.events.emit("restart", attempt=self.restarts, max_restarts=self.cfg.launch.max_restarts, reason=d.reason, fresh=d.fresh)
         self.job.transition(JobState.RUNNING, f"restart {self.epoch}")
 
-    def stop(self, reason: str, code: int, now: float, lost: set[str] | None = None) -> None:  # lost: salvage first
-        if self.exit_code is not None or (lost and self.attempt.protect_on and len(self.attempt.runtime_ready) == self.world_size
-                                          and self.ladder.salvage(self._gens(), lost, reason, self._attempt(), self.nodes.group_ranks(),
-                                                                  now, self.cfg.detect.recovery_timeout_s)):
+    def salvage(self, d: decisions.Decision, inc: Incident, now: float) -> None:
+        """No node to recover onto: the survivors save what their memory holds (``Ladder.salvage``); the job
+        stops when that is over (``tick``)."""
+        self._exclude(d)
+        if self.exit_code is None and not self.ladder.salvage(self._gens(), set(d.lost), d.reason, self._attempt(),
+                                                              self.nodes.group_ranks(), now, self.cfg.detect.recovery_timeout_s):
+            self._end(d)
+
+    def stop(self, d: decisions.Decision, inc: Incident, now: float) -> None:
+        self._exclude(d)
+        self._end(d)
+
+    def _end(self, d: decisions.Decision) -> None:
+        if self.exit_code is not None:
             return
-        if code == decisions.EXIT_UNRECOVERABLE:  # the ladder's last rung: say how the next job resumes
+        reason = d.reason
+        if d.exit_code == decisions.EXIT_UNRECOVERABLE:  # the ladder's last rung: say how the next job resumes
             reason = self.ladder.stop_reason(reason)
-        self.stop_reason, self.exit_code = reason, code
+        self.stop_reason, self.exit_code = reason, d.exit_code
         if self.job.state is not JobState.STOPPING:
             self.job.transition(JobState.STOPPING, reason)
+
+    def _exclude(self, d: decisions.Decision) -> None:
+        """More nodes lost than spares to replace them: none of them is trusted again."""
+        for n in d.lost if d.exclude else ():
+            if n in self.nodes and self.nodes[n].state is not NodeState.DRAINED:
+                self.nodes.exclude(n, d.reason)
 
     # --- the spare pool ------------------------------------------------------------------------------
     def replenish(self, now: float) -> None:
@@ -429,7 +452,7 @@ class Supervisor(ReportHandlers):
         """One pass of the loop: messages, agents' exits, commands, then the decisions that are due."""
         if self._signal is not None and self.exit_code is None:
             name = signal.Signals(self._signal).name
-            self.stop(f"received {name}", decisions.EXIT_SIGINT if self._signal == signal.SIGINT else decisions.EXIT_SIGTERM, now)
+            self.execute(decisions.signalled(name, self._signal == signal.SIGINT), now)
         assert self.plane is not None and self.commands is not None, "start() opens the control plane"
         for m in self.plane.reports.get_all():  # before the agents' exits: a fault report precedes the crash
             self.handle_message(m, now)
@@ -442,7 +465,7 @@ class Supervisor(ReportHandlers):
         self.replenish(now)
         over = self.ladder.salvage_over(now)
         if over is not None:
-            self.stop(over, decisions.EXIT_UNRECOVERABLE, now)
+            self.execute(decisions.salvage_over(over), now)
         if self.job.state is not JobState.STOPPING and self.ladder.salvaging is None:
             self.settle(now)
             self.reprotect(now)
@@ -450,10 +473,10 @@ class Supervisor(ReportHandlers):
             self.run_chaos(now)
             self.check_recovery_deadline(now)
         if self.attempt.unrecoverable_t0 and now - self.attempt.unrecoverable_t0 > self.cfg.detect.recovery_timeout_s:
-            self.stop(next(iter(self.attempt.unrecoverable.values())).reason, decisions.EXIT_UNRECOVERABLE, now)
+            self.execute(decisions.unrecoverable(next(iter(self.attempt.unrecoverable.values())).reason, None), now)
         if self.job.state is JobState.RUNNING and self.incidents.current is None and len(self.attempt.done_ranks) == self.world_size:
             self._flush_recovery_event(final=True)
-            self.stop("all ranks finished", decisions.EXIT_OK, now)
+            self.execute(decisions.finished(), now)
 
     def run(self) -> int:
         self.start()

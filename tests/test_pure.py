@@ -586,3 +586,68 @@ def test_a_failure_while_a_restart_starts_up_still_starts_fresh():
     first = AttemptProgress()
     st.set(protocol.k_rank_hb("n0", 0), json.dumps({"t": 1.0, "step": 0, "runtime": True, "phase": "starting"}))
     assert nothing_done(first, st, members, 2) and first.runtime_seen  # seen once: kept for the next attempt
+
+
+def test_decide_has_a_row_for_every_outcome():
+    """Every ``Kind`` is chosen by ``decide.py`` alone: a row each, on a fake clock (``now`` passed in)."""
+    K, host = decisions.Kind, V(FailureClass.HOST, Action.REPLACE_NODE)
+    rows = {
+        "hotswap, both nodes of the incident": decisions.decide(view(spares=("s1", "s2"), also_lost=("n2",)), host, 5.0),
+        "local": decisions.decide(view(), V(FailureClass.TRANSIENT_COMM, Action.LOCAL_RECOVERY), 5.0),
+        "restart": decisions.decide(view(runtime_ready=False, max_restarts=1), host, 5.0),
+        "wait": decisions.decide(view(spares=(), spares_coming=1, may_wait=True), host, 5.0),
+        "salvage": decisions.decide(view(spares=(), may_salvage=True), host, 5.0),
+        "stop": decisions.decide(view(spares=()), host, 5.0),
+        "fallback": decisions.unrecoverable("shard lost", "/r/persist/step_8", "step 8"),
+        "reform": decisions.reprotect((True, "replicator broken on n1")),
+        "hung": decisions.recovery_timed_out((3,), 4, ("n1",), 30.0),
+        "ignore": decisions.reprotect((False, "re-forms used up")),
+    }
+    assert {d.kind for d in rows.values()} == set(K)
+    d = rows["hotswap, both nodes of the incident"]
+    assert d.kind is K.HOTSWAP and d.swap == (("n1", "s1"), ("n2", "s2"))
+    d = decisions.decide(view(spares=("s1",), also_lost=("n2",), may_salvage=True), host)  # two lost, one spare
+    assert (d.kind, d.lost, d.exclude, d.exit_code) == (K.SALVAGE, ("n1", "n2"), True, decisions.EXIT_UNRECOVERABLE)
+    assert "2 nodes lost and only 1 spare(s) left" in d.reason
+    assert decisions.decide(view(spares=("s1",), also_lost=("n2",)), host).kind is K.STOP  # nothing to salvage from
+    assert (rows["salvage"].lost, rows["salvage"].exclude) == (("n1",), False)
+    d = rows["fallback"]
+    assert (d.resume, d.fresh) == ("/r/persist/step_8", True) and "restarts from step 8" in d.reason
+    assert decisions.unrecoverable("shard lost", None).kind is K.STOP
+    assert rows["hung"].lost == ("n1",)
+    assert decisions.recovery_timed_out((0, 1, 2, 3), 4, ("n0", "n1"), 30.0).kind is K.STOP  # every rank late
+    assert decisions.reprotect(None) == decisions.Decision(K.IGNORE, "")
+    assert decisions.signalled("SIGTERM", False).exit_code == decisions.EXIT_SIGTERM
+    assert decisions.signalled("SIGINT", True).exit_code == decisions.EXIT_SIGINT
+    assert (decisions.finished().kind, decisions.finished().exit_code) == (K.STOP, decisions.EXIT_OK)
+    assert decisions.salvage_over("shard lost").exit_code == decisions.EXIT_UNRECOVERABLE
+
+
+def test_only_decide_chooses_and_the_supervisor_executes():
+    """No module of the launcher but ``decide.py`` builds a ``Decision``; the supervisor's repair methods (one per
+    ``Kind``) are called from ``Supervisor.execute`` only, which has one for every kind."""
+    import ast
+    from pathlib import Path
+
+    import phoenix_launch
+
+    root = Path(phoenix_launch.__file__).parent
+    executors = {"hotswap", "local_recovery", "restart", "fallback_restart", "salvage", "reform", "mark_hung", "stop"}
+    built, called = [], []
+    for f in sorted(root.rglob("*.py")):
+        tree = ast.parse(f.read_text())
+        for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.Call):
+                    continue
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if name == "Decision" and f.name != "decide.py":
+                    built.append(f"{f.relative_to(root)}:{node.lineno}")
+                receiver = getattr(node.func, "value", None)
+                if (name in executors and isinstance(receiver, ast.Name) and receiver.id in ("self", "sup")
+                        and f.name in ("supervisor.py", "reports.py", "standby.py", "commands.py") and fn.name not in executors | {"execute"}):
+                    called.append(f"{f.relative_to(root)}:{node.lineno} {name} from {fn.name}")
+    assert built == [] and called == []
+    execute = next(n for n in ast.walk(ast.parse((root / "supervisor.py").read_text()))
+                   if isinstance(n, ast.FunctionDef) and n.name == "execute")
+    assert all(f"decisions.Kind.{k.name}" in ast.unparse(execute) for k in decisions.Kind)

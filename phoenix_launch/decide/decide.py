@@ -1,6 +1,9 @@
-"""Pure decisions: what the supervisor does about an incident. No I/O, no clock but the one passed in.
+"""Pure decisions: the one place that chooses what the supervisor does. No I/O, no clock but the one passed in.
 
-``decide(view, verdict, now)`` returns a ``Decision`` whose ``reason`` is also the log line.
+``decide(view, verdict, now)`` answers an incident; ``unrecoverable``, ``recovery_timed_out``, ``reprotect``,
+``reform``, ``signalled``, ``salvage_over``, ``finished`` answer the other moments a job's course can change.
+Each returns a ``Decision`` (its ``reason`` is also the log line); the supervisor only executes it
+(``Supervisor.execute``, one method per ``Kind``).
 """
 
 from __future__ import annotations
@@ -19,11 +22,16 @@ EXIT_SIGTERM = 143
 
 
 class Kind(str, Enum):
-    HOTSWAP = "hotswap"  # replace the failed node with a warm spare, live
+    HOTSWAP = "hotswap"  # replace the failed node(s) with warm spares, live
     LOCAL = "local"  # the same node's ranks rejoin as their own replacement
     RESTART = "restart"  # torchrun's behaviour: stop every worker and start them again
+    FALLBACK = "fallback"  # recovery from memory impossible: every worker restarts from a persistent checkpoint
+    SALVAGE = "salvage"  # no node to recover onto: the survivors save what their memory holds, then the job stops
+    REFORM = "reform"  # the same members form a new generation (a broken replicator, a new cadence, a takeover)
+    HUNG = "hung"  # ranks that did not report in a recovery: their nodes are taken as hung (a new incident)
     STOP = "stop"
     WAIT = "wait"  # a node must be replaced, no spare is ready but one is starting: decide again (bounded)
+    IGNORE = "ignore"  # nothing to change (the reason is recorded)
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,8 @@ class JobView:
     nothing_done: bool = False
     spares_coming: int = 0  # spares starting (or requested from the backend), not ready yet
     may_wait: bool = False  # the incident may still wait for one of them (its wait has not run out)
+    also_lost: tuple[str, ...] = ()  # other active nodes lost in the same incident: replaced with the failed one
+    may_salvage: bool = False  # protection on in every rank and no salvage begun: survivors can save from memory
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,11 @@ class Decision:
     #: the logical ranks whose process exited: started again as joiners (LOCAL; HOTSWAP: those on the nodes kept)
     respawn: tuple[int, ...] = ()
     fresh: bool = False  # RESTART before any step completed: not counted against --max-restarts
+    swap: tuple[tuple[str, str], ...] = ()  # HOTSWAP: (failed node, the spare that takes its place), every one
+    lost: tuple[str, ...] = ()  # SALVAGE: the nodes whose ranks are lost; HUNG: the nodes taken as hung
+    exclude: bool = False  # the ``lost`` nodes are marked failed first (more lost than spares to replace them)
+    resume: str | None = None  # FALLBACK: the complete persistent checkpoint every worker restarts from
+    path: str = ""  # REFORM: why the generation is re-formed ("reprotect", "takeover")
 
 
 def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
@@ -69,12 +84,16 @@ def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
             respawn = f" with rank(s) {', '.join(map(str, verdict.exited))} respawned" if verdict.exited else ""
             return Decision(Kind.LOCAL, f"{why}: local recovery, {node} rejoins{respawn}", node, respawn=verdict.exited)
         if action is Action.REPLACE_NODE:
-            if view.spares:
+            failed = tuple(dict.fromkeys(n for n in (node, *view.also_lost) if n))
+            if view.spares and len(view.spares) >= len(failed):
                 return Decision(Kind.HOTSWAP, f"{why}: hot-swap {node} -> {view.spares[0]}", node, view.spares[0],
-                                respawn=verdict.exited)
+                                respawn=verdict.exited, swap=tuple(zip(failed, view.spares)))
             if view.spares_coming and view.may_wait:
                 return _wait(view, node, why)
-            return Decision(Kind.STOP, f"{why}: no spare left to replace {node}", node, exit_code=EXIT_UNRECOVERABLE)
+            if view.spares:  # some, not enough: the lost nodes are not trusted again
+                return _unrecoverable(view, f"{why}; {len(failed)} nodes lost and only {len(view.spares)} spare(s) left",
+                                      node, failed, exclude=True)
+            return _unrecoverable(view, f"{why}: no spare left to replace {node}", node, failed)
     if view.nothing_done and action in (Action.LOCAL_RECOVERY, Action.REPLACE_NODE):
         fresh = _fresh_start(view, action, node, why)
         if fresh is not None:
@@ -84,7 +103,7 @@ def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
         spare = None
         if node is not None and node in view.lost_nodes:
             if not view.spares:
-                return Decision(Kind.STOP, f"{why}: {node} is lost and no spare is left", node, exit_code=EXIT_UNRECOVERABLE)
+                return _unrecoverable(view, f"{why}: {node} is lost and no spare is left", node, (node, *view.also_lost))
             spare = view.spares[0]
         n = view.restarts_used + 1
         return Decision(Kind.RESTART, f"{why}: restart {n}/{view.max_restarts} of all workers", node, spare)
@@ -109,3 +128,56 @@ def _fresh_start(view: JobView, action: Action, node: str | None, why: str) -> D
 def _wait(view: JobView, node: str | None, why: str) -> Decision:
     return Decision(Kind.WAIT, f"{why}: no spare ready to replace {node}; waiting for one of the {view.spares_coming} "
                     "starting", node)
+
+
+def _unrecoverable(view: JobView, why: str, node: str | None, lost: tuple[str, ...], exclude: bool = False) -> Decision:
+    """Nothing to recover onto: the survivors first save what their memory holds when they can (SALVAGE), else stop."""
+    lost = tuple(dict.fromkeys(n for n in lost if n))
+    kind = Kind.SALVAGE if view.may_salvage and lost else Kind.STOP
+    return Decision(kind, why, node, exit_code=EXIT_UNRECOVERABLE, lost=lost, exclude=exclude)
+
+
+# --- the other moments a job's course changes ------------------------------------------------------------
+def unrecoverable(reason: str, checkpoint: str | None, describe: str = "") -> Decision:
+    """Every rank reported recovery from memory impossible (a shard lost with every replica): the fallback
+    ladder's rung 3 restarts every worker from the newest complete persistent checkpoint (``checkpoint``, None
+    when there is none or the rung is used up); rung 4 stops the job."""
+    if checkpoint is None:
+        return Decision(Kind.STOP, reason, exit_code=EXIT_UNRECOVERABLE)
+    return Decision(Kind.FALLBACK, f"{reason}: every worker restarts from {describe or checkpoint}", resume=checkpoint, fresh=True)
+
+
+def recovery_timed_out(missing: tuple[int, ...], world_size: int, late: tuple[str, ...], timeout_s: float) -> Decision:
+    """A generation did not recover within the deadline: the nodes of the ranks that did not report are taken
+    as hung (replaced, as a hang is); when every rank is late there is no one to trust: stop."""
+    if len(missing) == world_size or not late:
+        return Decision(Kind.STOP, f"recovery did not complete within {timeout_s:g} s", exit_code=EXIT_UNRECOVERABLE)
+    return Decision(Kind.HUNG, f"recovery did not complete within {timeout_s:g} s on {', '.join(late)}", lost=late)
+
+
+def reprotect(due: tuple[bool, str] | None) -> Decision:
+    """``Reprotector.due``: re-form the generation (a broken replicator, a new cadence), or record that the job
+    trains on unprotected (re-forms used up)."""
+    if due is None:
+        return Decision(Kind.IGNORE, "")
+    ok, why = due
+    return Decision(Kind.REFORM, why, path="reprotect") if ok else Decision(Kind.IGNORE, why)
+
+
+def reform(path: str, reason: str) -> Decision:
+    """The same members form a new generation (``path``: what asks for it, e.g. a takeover mid-recovery)."""
+    return Decision(Kind.REFORM, reason, path=path)
+
+
+def signalled(name: str, sigint: bool) -> Decision:
+    """The launcher got SIGINT/SIGTERM/SIGHUP: the job stops with the shell's code for it."""
+    return Decision(Kind.STOP, f"received {name}", exit_code=EXIT_SIGINT if sigint else EXIT_SIGTERM)
+
+
+def salvage_over(reason: str) -> Decision:
+    """The salvage is complete, failed or out of time: the job stops (resumable from what it wrote)."""
+    return Decision(Kind.STOP, reason, exit_code=EXIT_UNRECOVERABLE)
+
+
+def finished() -> Decision:
+    return Decision(Kind.STOP, "all ranks finished", exit_code=EXIT_OK)

@@ -142,17 +142,19 @@ class Ladder:
             self.events.emit("salvaged", step=self.salvaged, took_s=round(now - t0, 3))
         return reason
 
-    def restart_point(self, reason: str, step_now: int) -> tuple[str, str] | None:
-        """(the checkpoint to restart every worker from, the decision's reason), or None: stop instead."""
+    def restart_candidate(self) -> str | None:
+        """The checkpoint rung 3 would restart every worker from: the newest complete one while the rung is not
+        used up (``limit`` per job), else None."""
         ckpt = newest_complete(self.run_dir)
-        if ckpt is None or self.used >= self.limit:
-            return None
+        return None if ckpt is None or self.used >= self.limit else str(ckpt)
+
+    def restart_from(self, ckpt: str, reason: str, step_now: int) -> None:
+        """Rung 3 taken (``decide.unrecoverable``): counted, said, and the attempt's checkpoint reports dropped."""
         self.used += 1
-        step = step_of(ckpt)
-        self.events.emit("fallback", rung="restart_from_checkpoint", reason=reason, checkpoint=str(ckpt), step=step,
+        step = step_of(Path(ckpt))
+        self.events.emit("fallback", rung="restart_from_checkpoint", reason=reason, checkpoint=ckpt, step=step,
                          steps_lost=max(0, step_now - step))
         self.catalog.reset()
-        return str(ckpt), f"{reason}: every worker restarts from {describe(ckpt)}"
 
     def stop_reason(self, reason: str) -> str:
         ckpt = newest_complete(self.run_dir)

@@ -190,7 +190,7 @@ class _IncidentBuilder:
                 waiting.outcome = "abandoned"  # a new failure arrived before the recovery completed
             inc = Incident(len(self.incidents) + 1, self.pending, ev)
             self.pending = []
-            if ev.get("decision") == "stop":
+            if ev.get("decision") in ("stop", "salvage"):
                 inc.outcome = "stopped"
             self.incidents.append(inc)
         elif kind in ("hotswap", "local_recovery", "restart"):

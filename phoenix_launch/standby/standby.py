@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from phoenix_launch.decide import decide as decisions
 from phoenix_launch.standby import mirror
 from phoenix_launch.plane.control import ControlPlane
 from phoenix_launch.lifecycle import JobState
@@ -153,7 +154,7 @@ def take_over_job(sup: Any, pub: mirror.Published, incarnation: int, lost_how: s
     sup.standby.await_agents({n.name for n in sup.nodes if n.up and n.state not in ENDED and n.name != leader}, t_lost)
     gens = sup.publisher
     if gens.members.gen != gens.stable.gen or was != JobState.RUNNING.value:  # a recovery under way: formed again
-        sup.reform("takeover", "the leader was lost during a recovery", now)
+        sup.execute(decisions.reform("takeover", "the leader was lost during a recovery"), now)
     if leader and leader in sup.nodes and sup.nodes[leader].state not in ENDED:
         if lost_how in ("refused", "frozen"):
             # its host answered: the leader *process* may be all that was lost (the OOM killer, a signal, a hung
