@@ -651,3 +651,30 @@ def test_only_decide_chooses_and_the_supervisor_executes():
     execute = next(n for n in ast.walk(ast.parse((root / "supervisor.py").read_text()))
                    if isinstance(n, ast.FunctionDef) and n.name == "execute")
     assert all(f"decisions.Kind.{k.name}" in ast.unparse(execute) for k in decisions.Kind)
+
+
+def test_heartbeats_are_read_in_one_batch_from_a_real_store():
+    """``get_values``: every key present -> one ``check`` and one ``multi_get`` (not two round trips a key); a key
+    absent -> read one by one (``multi_get`` would wait for it), absent as None; sealed values only."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, []
+
+        def __getattr__(self, name):  # counts the calls (round trips), not the lookups
+            fn = getattr(self.inner, name)
+            return lambda *a: (self.calls.append(name), fn(*a))[1]
+
+    st = Counting(dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False))
+    keys = [protocol.k_agent_hb(f"n{i}") for i in range(50)]
+    for i, k in enumerate(keys):
+        protocol.put_value(st, k, str(1000 + i))
+    st.calls.clear()
+    got = protocol.get_values(st, keys)
+    assert got == {k: str(1000 + i) for i, k in enumerate(keys)} and st.calls == ["check", "multi_get"]
+    st.calls.clear()
+    got = protocol.get_values(st, keys[:3] + ["phx/hb/agent/absent"])
+    assert got["phx/hb/agent/absent"] is None and got[keys[2]] == "1002" and "multi_get" not in st.calls

@@ -353,15 +353,12 @@ class Agent:
 
     def check_hangs(self, hang_timeout: float) -> None:
         now = time.time()
-        for r in self.ranks.values():
-            if r.proc.poll() is not None or now - r.started < hang_timeout:
-                continue
-            key = protocol.k_rank_hb(self.node, r.slot)
-            if not self.store.check([key]):
-                continue  # not started yet: still importing
-            text = protocol.get_value(self.store, key)
+        judged = [r for r in self.ranks.values() if r.proc.poll() is None and now - r.started >= hang_timeout]
+        beats = protocol.get_values(self.store, [protocol.k_rank_hb(self.node, r.slot) for r in judged])  # one batch
+        for r in judged:
+            text = beats[protocol.k_rank_hb(self.node, r.slot)]
             if text is None:
-                continue  # only forged ones so far
+                continue  # not started yet (still importing), or only forged ones so far
             hb = protocol.RankHeartbeat.from_json(text)
             if hb.pid != r.proc.pid:
                 continue

@@ -122,10 +122,10 @@ class NodeTable:
         """Nodes whose agent's heartbeat is older than ``timeout`` (name, seconds silent). An agent not up yet is
         judged by its process (local) or srun step (Slurm)."""
         out = []
-        for node in self:
-            if node.lost or not node.up or node.state not in (NodeState.ACTIVE, NodeState.JOINING, NodeState.SPARE):
-                continue
-            node.last_hb = float(protocol.get_value(store, protocol.k_agent_hb(node.name)) or node.last_hb)
+        watched = [n for n in self if not n.lost and n.up and n.state in (NodeState.ACTIVE, NodeState.JOINING, NodeState.SPARE)]
+        beats = protocol.get_values(store, [protocol.k_agent_hb(n.name) for n in watched])
+        for node in watched:
+            node.last_hb = float(beats[protocol.k_agent_hb(node.name)] or node.last_hb)
             if time.time() - node.last_hb > timeout:
                 out.append((node.name, round(time.time() - node.last_hb, 2)))
         return out

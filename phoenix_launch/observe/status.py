@@ -16,13 +16,16 @@ def read_rank_heartbeats(store: Any, members: protocol.Membership) -> dict[tuple
     out: dict[tuple[str, int], protocol.RankHeartbeat] = {}
     if store is None:
         return out
-    for r in members.ranks:
-        key = protocol.k_rank_hb(r.node, r.slot)
+    keys = {protocol.k_rank_hb(r.node, r.slot): (r.node, r.slot) for r in members.ranks}
+    try:
+        texts = protocol.get_values(store, list(keys))
+    except Exception:  # noqa: BLE001 -- a store that is going away: no heartbeats this time
+        return out
+    for key, text in texts.items():
         try:
-            text = protocol.get_value(store, key)
             if text is not None:
-                out[(r.node, r.slot)] = protocol.RankHeartbeat.from_json(text)
-        except Exception:
+                out[keys[key]] = protocol.RankHeartbeat.from_json(text)
+        except (ValueError, TypeError):  # a heartbeat of another format: that rank is not judged by it
             continue
     return out
 

@@ -52,7 +52,18 @@ def get_value(store: Any, key: str) -> str | None:
     instead (None if none was)."""
     if not store.check([key]):
         return None
-    raw = store.get(key)
+    return _accept(key, store.get(key))
+
+
+def get_values(store: Any, keys: list[str]) -> dict[str, str | None]:
+    """``get_value`` of every key, in two round trips when all of them exist (``check``, then ``multi_get``):
+    the supervisor reads a heartbeat per node and per rank on each pass, and the store is one thread."""
+    if keys and hasattr(store, "multi_get") and store.check(keys):
+        return {k: _accept(k, raw) for k, raw in zip(keys, store.multi_get(keys))}
+    return {k: get_value(store, k) for k in keys}  # some absent: multi_get would wait for them
+
+
+def _accept(key: str, raw: bytes) -> str | None:
     with _lock:
         last = _accepted.get(key)
     try:

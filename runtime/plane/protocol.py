@@ -31,7 +31,9 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Protocol
 
-from phoenix_runtime.plane.channel import SCHEMA_VERSION, Incarnated, Queue, get_value, incarnation_of, put_value, read_json_object  # noqa: F401  (re-exported)
+from phoenix_runtime.plane.channel import (  # noqa: F401  (re-exported)
+    SCHEMA_VERSION, Incarnated, Queue, get_value, get_values, incarnation_of, put_value, read_json_object,
+)
 from phoenix_runtime.plane.messages import (  # noqa: F401  (re-exported: every message type)
     AgentInject, AgentRespawn, AgentRestart, AgentStop, AgentUp, CheckpointSaved, decode, DecodeError, Dispatcher, FaultFired,
     KillCommand, Message, MESSAGE_CLASSES, MsgType, NodeProbe, Persisted, Progress, Protection, RankError, RankExit,
