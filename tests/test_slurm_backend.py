@@ -95,6 +95,9 @@ def test_live_node_list_after_a_shrink(tmp_path: Path) -> None:
     ("#!/bin/bash\nexec phoenix-run\n", False),  # unknown on Slurm 22.05: no warning
 ])
 def test_no_kill_warning(tmp_path: Path, capsys, script: str, warned: bool) -> None:
+    from phoenix_runtime import logs
+
+    logs.configure_launcher()  # as phoenix-run does: the launcher's lines on stderr, whatever ran before
     SlurmBackend.create(cfg(), tmp_path, environ=BATCH_ENV, run=fake(batch_script=script))
     err = capsys.readouterr().err
     assert err == (NO_KILL_WARNING + "\n" if warned else "")
