@@ -139,8 +139,8 @@ class ProtectedTraining:
         if self.d2h is not None:
             self.d2h.stop(5.0)
         STATE.enter("done")
-        # free everything that holds the process group before it is destroyed (seen here: a deadlock in
-        # gloo's teardown at exit while DDP still held the group)
+        # free everything that holds the process group before it is destroyed: gloo's teardown at exit can
+        # deadlock while DDP still holds the group
         self.model = self.objs.module
         gc.collect()
 

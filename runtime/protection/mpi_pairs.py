@@ -35,9 +35,9 @@ def mpi():
     mpi4py.rc.finalize = False
     mpi4py.rc.thread_level = "multiple"
     # UCX's cross-memory-attach transport reads a peer's pages with process_vm_readv, and a peer that died
-    # mid-transfer makes that a fatal error: UCX aborts the *survivor* (seen here: a node lost during the
-    # replica copy took its neighbour down with SIGABRT). Shared-memory and network transports stay; a site's
-    # own UCX_TLS is left alone.
+    # mid-transfer makes that a fatal error: UCX aborts the *survivor* (a node lost during the replica copy
+    # would take its neighbour down with SIGABRT). Shared-memory and network transports stay; a site's own
+    # UCX_TLS is left alone.
     os.environ.setdefault("UCX_TLS", "^cma")
     from mpi4py import MPI
 
