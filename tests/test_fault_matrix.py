@@ -241,7 +241,7 @@ def test_protection_adapts_when_the_copy_does_not_fit_and_still_recovers(tmp_pat
 
 
 @pytest.mark.parametrize("opt,phase", rows("opt,phase", [(o, p) for o in OPTIMIZERS for p in ("forward", "optimizer", "d2h", "h2h")],
-                                             full={("adamw", p) for p in ("forward", "d2h", "h2h")}))
+                                             full={("adamw", p) for p in ("forward", "d2h", "h2h")} | {("zero", "forward"), ("zero", "d2h")}))
 def test_node_crash_in_step_phase(tmp_path, failure_free, opt, phase):
     job = run_job(tmp_path, opt, 2, 2, 1, [crash("node1", MID - 1, phase)])
     assert_recovered(job, failure_free(opt, 2, 2))
@@ -277,7 +277,8 @@ RECOVERY_PHASES = ["recover_exchange", "recover_params", "recover_optim", "recov
 
 
 @pytest.mark.parametrize("opt,phase", rows("opt,phase", [(o, p) for o in OPTIMIZERS for p in RECOVERY_PHASES],
-                                             full={("adamw", p) for p in RECOVERY_PHASES if p != "recover_optim"}))
+                                             full={("adamw", p) for p in RECOVERY_PHASES if p != "recover_optim"}
+                                             | {("zero", "recover_exchange"), ("zero", "recover_reprotect")}))
 def test_joiner_lost_during_recovery_phase(tmp_path, failure_free, opt, phase):
     # node1 lost at step 5; the first recovery (generation 1) loses its joiner, node2, in `phase`
     job = run_job(tmp_path, opt, 2, 2, 2, [crash("node1", 5), crash("node2", None, phase, gen=1)])

@@ -8,8 +8,8 @@ not a resume point (a lost rank's share of it survives nowhere) and ``S_{k-1}`` 
 nothing is left to resume from (seen in an HSDP hot-swap: "the envelope of ... at step 4 survives nowhere").
 
 So a buffer that holds ``S_{k-1}`` is reused only once ``S_k`` is committed everywhere: after its own step-k
-exchange, each replicator joins a dissemination barrier over the same transport (``ceil(log2 N)`` rounds of
-one 16-byte message, on the background thread); the D2H engine stages ``S_{k+1}`` only once that barrier of
+exchange, each replicator joins a barrier over the same transport (a binary tree: arrivals up to rank 0, the
+release down, one 16-byte message a hop, on the background thread); the D2H engine stages ``S_{k+1}`` only once that barrier of
 ``S_k`` completed (``Replicator.wait_global``). A source's replica buffers are staged for ``S_{k+1}`` only after
 that source's D2H of ``S_{k+1}``, so the same holds for replicas: at any time the newest globally committed
 step is held by every live rank, locally and at the replicas, and a recovery can resume there.
@@ -32,26 +32,42 @@ TAG_COMMIT = 4  # (header 1, envelope 2, ack 3, chunks 16+: wire.py)
 MAGIC_COMMIT = 0x434D4954  # "CMIT"
 
 
+def tree_partners(rank: int, size: int) -> tuple[int | None, list[int]]:
+    """The barrier's tree: rank ``r``'s parent ``(r-1)//2`` (None at the root) and children ``2r+1``, ``2r+2``.
+    At most three partners a rank at any ``size``: with a lazily connected group (``transport.pairwise_gloo_group``)
+    the commit point adds at most three pairs per rank, where a dissemination barrier adds ``2 log2 N``."""
+    parent = (rank - 1) // 2 if rank > 0 else None
+    return parent, [c for c in (2 * rank + 1, 2 * rank + 2) if c < size]
+
+
 def barrier(transport: Transport, rank: int, size: int, step: int, timeout: float) -> None:
-    """Return once every rank of ``size`` reached this call for ``step`` (dissemination barrier).
+    """Return once every rank of ``size`` reached this call for ``step``: each rank waits for its children's arrival,
+    tells its parent, then waits for the release from its parent and passes it on (``2 ceil(log2 N)`` hops).
 
     ``TransportError`` on a failure or after ``timeout`` seconds; ``RuntimeError`` naming the peer when a peer
     is at another step (out of lockstep)."""
     deadline = time.monotonic() + timeout
-    dist = 1
-    out = torch.tensor([MAGIC_COMMIT, step], dtype=torch.int64).view(torch.uint8)  # the same message every round
-    got = torch.empty(2, dtype=torch.int64)  # each round's receive and send are waited for before the next
-    while dist < size:
-        dst, src = (rank + dist) % size, (rank - dist) % size
-        got.zero_()
-        rw = transport.irecv(src, got.view(torch.uint8), TAG_COMMIT)
-        sw = transport.isend(dst, out, TAG_COMMIT)
-        rw.wait(max(0.0, deadline - time.monotonic()))
-        sw.wait(max(0.0, deadline - time.monotonic()))
-        seen = got.tolist()
-        if seen != [MAGIC_COMMIT, step]:
-            raise RuntimeError(f"commit point of step {step}: rank {src} sent {seen} (out of lockstep)")
-        dist *= 2
+    left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
+    parent, children = tree_partners(rank, size)
+    out = torch.tensor([MAGIC_COMMIT, step], dtype=torch.int64).view(torch.uint8)  # the same message every hop
+    got = [torch.zeros(2, dtype=torch.int64) for _ in children]
+    for w in [transport.irecv(c, g.view(torch.uint8), TAG_COMMIT) for c, g in zip(children, got)]:
+        w.wait(left())
+    for c, g in zip(children, got):
+        _check(g, c, step)
+    if parent is not None:
+        transport.isend(parent, out, TAG_COMMIT).wait(left())
+        down = torch.zeros(2, dtype=torch.int64)
+        transport.irecv(parent, down.view(torch.uint8), TAG_COMMIT).wait(left())
+        _check(down, parent, step)
+    for w in [transport.isend(c, out, TAG_COMMIT) for c in children]:
+        w.wait(left())
 
 
-__all__ = ["barrier", "TAG_COMMIT"]
+def _check(got: torch.Tensor, peer: int, step: int) -> None:
+    seen = got.tolist()
+    if seen != [MAGIC_COMMIT, step]:
+        raise RuntimeError(f"commit point of step {step}: rank {peer} sent {seen} (out of lockstep)")
+
+
+__all__ = ["barrier", "tree_partners", "TAG_COMMIT"]
