@@ -678,3 +678,21 @@ def test_heartbeats_are_read_in_one_batch_from_a_real_store():
     st.calls.clear()
     got = protocol.get_values(st, keys[:3] + ["phx/hb/agent/absent"])
     assert got["phx/hb/agent/absent"] is None and got[keys[2]] == "1002" and "multi_get" not in st.calls
+
+
+@pytest.mark.timeout(30)
+def test_the_commit_points_tree_spans_every_rank_with_at_most_three_partners():
+    from phoenix_runtime.protection.commit import tree_partners
+
+    for size in (1, 2, 3, 7, 8, 100, 1000):
+        parents = {r: tree_partners(r, size)[0] for r in range(size)}
+        assert parents[0] is None and all(parents[r] is not None for r in range(1, size))
+        for r in range(size):
+            parent, children = tree_partners(r, size)
+            assert len(children) + (parent is not None) <= 3
+            assert all(parents[c] == r for c in children)  # the two views of the tree agree
+        for r in range(size):  # every rank reaches the root: the release reaches everyone
+            seen = 0
+            while parents[r] is not None and seen <= size:
+                r, seen = parents[r], seen + 1
+            assert r == 0

@@ -23,7 +23,7 @@ from phoenix_runtime.plane.control import STATE, connect_store, control, start_c
 from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
 from phoenix_runtime.plane.store_keys import KeyRecorder
-from phoenix_runtime.protection.transport import close_pairs, pairwise_gloo_group
+from phoenix_runtime.protection.transport import close_pairs
 
 FATE_KEY = "fate"  # under a generation's process-group prefix: "go" (every rank forms it) or "cancel" (none does)
 
@@ -155,9 +155,7 @@ class Context:
         peer's pair is closed that way first (a 1 ms wait on a reserved tag), then the group is aborted
         (NCCL: ncclCommAbort)."""
         world = dist.group.WORLD if dist.is_initialized() else None
-        # gloo: each transport closes the pairs it used; MPI: pending ops are cancelled (a peer is not notified;
-        # its wait is bounded)
-        for t in list(self._transports):
+        for t in self._transports:  # MPI: pending ops are cancelled (a peer is not notified; its wait is bounded)
             t.abort()
         self._abort([self.repl_group, world, *self.mesh_groups])
 
@@ -167,12 +165,7 @@ class Context:
             if g is None or any(g is d for d in done):
                 continue
             done.append(g)
-            if g is self.repl_group:
-                # connected on first use: its transports closed the pairs they used. A receive on a pair never
-                # connected would connect it first, and to a dead peer that blocks for the group's timeout.
-                close_pairs(g, [])
-                continue
-            gloo = self.backend == "gloo"
+            gloo = g is self.repl_group or self.backend == "gloo"
             close_pairs(g, [p for p in range(g.size()) if p != g.rank()] if gloo else [])  # NCCL: ncclCommAbort only
 
     def add_groups(self, groups) -> None:
@@ -191,11 +184,7 @@ class Context:
         from phoenix_runtime.protection.transport import GlooTransport, MpiTransport
 
         if self.mpi_pairs is None:  # gloo; without protection the recovery transfers use the default group
-            if self.repl_group is None and use != 0:
-                return None
-            t = GlooTransport(self.repl_group)
-            self._transports.append(t)  # aborted with the generation: it closes the pairs it used
-            return t
+            return GlooTransport(self.repl_group) if self.repl_group is not None or use == 0 else None
         t = MpiTransport(pairs=self.mpi_pairs[use], rank=self.rank, size=self.world_size)
         self._transports.append(t)
         return t
@@ -279,9 +268,8 @@ class Context:
             timeout=forming,
         )
         # CPU tensors (replicas, recovery transfers) travel on a gloo group of their own: never interleaved
-        # with training collectives, and an NCCL group cannot carry them. Its pairs connect on first use, so a
-        # rank's sockets on it do not grow with the world.
-        self.repl_group = pairwise_gloo_group(forming) if self.settings.protect else None
+        # with training collectives, and an NCCL group cannot carry them
+        self.repl_group = dist.new_group(backend="gloo", timeout=forming) if self.settings.protect else None
         dist.distributed_c10d._set_pg_timeout(self.timeout)  # formed: the collectives' own timeout from now on
         if self.repl_group is not None:
             dist.distributed_c10d._set_pg_timeout(self.timeout, self.repl_group)

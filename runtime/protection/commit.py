@@ -34,8 +34,8 @@ MAGIC_COMMIT = 0x434D4954  # "CMIT"
 
 def tree_partners(rank: int, size: int) -> tuple[int | None, list[int]]:
     """The barrier's tree: rank ``r``'s parent ``(r-1)//2`` (None at the root) and children ``2r+1``, ``2r+2``.
-    At most three partners a rank at any ``size``: with a lazily connected group (``transport.pairwise_gloo_group``)
-    the commit point adds at most three pairs per rank, where a dissemination barrier adds ``2 log2 N``."""
+    At most three partners a rank at any ``size``, where a dissemination barrier has ``2 log2 N``: the commit point
+    needs no pair beyond these."""
     parent = (rank - 1) // 2 if rank > 0 else None
     return parent, [c for c in (2 * rank + 1, 2 * rank + 2) if c < size]
 

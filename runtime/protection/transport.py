@@ -47,26 +47,6 @@ def close_pairs(group, peers) -> None:
         pass
 
 
-def pairwise_gloo_group(timeout):
-    """A gloo group over the whole world that connects a pair only when the pair is first used
-    (``TORCH_GLOO_LAZY_INIT``, read when the group is built). A rank then holds sockets to the peers it talks to:
-    its replica holders and sources, its commit-point tree partners, a recovery's sources and joiners; not N-1.
-    Every rank of the default group calls it (as ``new_group``)."""
-    import os
-
-    import torch.distributed as dist
-
-    was = os.environ.get("TORCH_GLOO_LAZY_INIT")
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-    try:
-        return dist.new_group(backend="gloo", timeout=timeout)
-    finally:
-        if was is None:
-            os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
-        else:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = was
-
-
 class TransportError(CommunicationError, RuntimeError):
     """A point-to-point operation failed (peer gone, pair closed, timeout, aborted)."""
 
@@ -117,8 +97,8 @@ class _GlooWork(Work):
 class GlooTransport(Transport):
     """Point-to-point over a dedicated gloo process group (group ranks = logical ranks).
 
-    Create the group with ``pairwise_gloo_group`` (or ``dist.new_group(backend="gloo")``) so replication never
-    interleaves with the training collectives.
+    Create the group with ``dist.new_group(backend="gloo")`` so replication never interleaves with
+    the training collectives.
     """
 
     def __init__(self, group=None):
