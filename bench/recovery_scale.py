@@ -1,0 +1,309 @@
+"""Hot-swap recovery time against the number of ranks, real ranks on this machine, and a fit to project it.
+
+    python bench/recovery_scale.py [--ranks 4,8,16,32] [--repeats 1] [--quick]
+
+For each N: phoenix-run with N simulated nodes x 1 rank (gloo on CPU, the tiniest examples/train_gpt.py) and 1
+warm spare, a job far longer than the measurement (stopped once it is taken). Once rank 0's step log shows the
+job trains (``--warm-steps`` past its first step), node1 is SIGKILLed (``phoenix-run kill-node node1``: its
+agent and its rank), the bench waits for the ``recovery`` event and records its phases, then samples every rank:
+TCP sockets (ESTABLISHED, split by what the other end is: the control-plane store, another rank, a launcher
+process, other) and threads. Formation time per generation is read from the ranks' log lines ("every rank
+arrived" -> "process groups formed": the default gloo group and the replication group together; the runtime
+logs no per-group time, and nothing is added to it here).
+
+Then a table per N (median over repeats), least-squares fits of recovery total and reconfigure against N and
+against log2 N with R^2, a projection to 1K / 10K / 100K ranks next to the paper's figures, and the ratio
+total(N_max) / total(N_min) measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import psutil
+
+from common import GPT, env, events, med, phoenix, step_log, wait
+
+# The tiniest model the example allows: the step is mostly the runtime's own work, not arithmetic.
+TINY = ("--d-model", 8, "--layers", 1, "--heads", 1, "--seq", 4, "--batch", 1, "--vocab", 16, "--log-every", 100000)
+PHASES = ("detect_s", "quiesce_s", "reconfigure_s", "param_restore_s", "optim_restore_s", "resume_s", "total_s", "steps_replayed")
+SOCK_KINDS = ("store", "ranks", "launcher", "other")
+PAPER = "paper: 17 s at 64 GPUs, 30 s at 512 GPUs (~+4.3 s per doubling)"
+
+
+# ------------------------------------------------------------------------------------------ one job
+
+class Job:
+    """A phoenix-run job in its own session; ``stop()`` kills every process of it (its agents lead groups of
+    their own, so the whole tree is collected, not only the launcher's group)."""
+
+    def __init__(self, d: Path, n: int, a):
+        self.d, self.n, self.run_dir, self.log = d, n, d / "run", d / "steps.log"
+        cmd = phoenix("--nodes", n, "--nproc-per-node", 1, "--spares", 1, "--run-dir", self.run_dir,
+                      GPT, "--steps", 10_000_000, "--step-log", self.log, *TINY)
+        self.out = open(d / "phoenix.out", "w")
+        self.proc = subprocess.Popen(cmd, cwd=d, env=env(), stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self) -> None:
+        procs = self.tree()
+        groups = {self.proc.pid}
+        for p in procs:
+            try:
+                groups.add(os.getpgid(p.pid))
+            except ProcessLookupError:
+                pass
+        for g in groups:
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        psutil.wait_procs(procs, timeout=10)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            print(f"  warning: launcher {self.proc.pid} did not exit after SIGKILL", file=sys.stderr)
+        self.out.close()
+        left = [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if left:
+            print(f"  warning: processes left after stop: {left}", file=sys.stderr)
+
+    def alive(self) -> None:
+        if self.proc.poll() is not None:
+            tail = (self.d / "phoenix.out").read_text()[-1500:]
+            raise RuntimeError(f"N={self.n}: phoenix-run exited ({self.proc.returncode}) early:\n{tail}")
+
+    def steps(self) -> int:
+        s, _ = step_log(self.log)
+        return s[-1][0] if s else -1
+
+
+def ranks_of(job: Job) -> dict[str, psutil.Process]:
+    """Node name -> its rank process (1 rank a node; a warm spare's too). The node is read from the agent's spec
+    path, not the environment: a spare's environment predates the rank it is assigned."""
+    out = {}
+    for p in job.tree():
+        try:
+            if "phoenix_runtime.plane.bootstrap" not in p.cmdline():
+                continue
+            spec = next((x for x in p.parent().cmdline() if x.endswith("agent.spec.json")), "")
+        except (psutil.NoSuchProcess, AttributeError):
+            continue
+        out[Path(spec).parent.name or str(p.pid)] = p
+    return out
+
+
+# ------------------------------------------------------------------------------------------ sockets, threads
+
+def port_owners(job: Job) -> dict[int, str]:
+    """Local TCP port -> "rank" or "launcher", for every process of the job (the other end of a socket)."""
+    owners = {}
+    for p in job.tree():
+        try:
+            kind = "rank" if "phoenix_runtime.plane.bootstrap" in p.cmdline() else "launcher"
+            for c in p.net_connections(kind="tcp"):
+                owners[c.laddr.port] = kind
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return owners
+
+
+def sample(job: Job, store_port: int) -> dict[str, dict]:
+    """Per node (its one rank): ESTABLISHED TCP sockets by kind of peer, their total, and threads."""
+    owners = port_owners(job)
+    out = {}
+    for r, p in sorted(ranks_of(job).items()):
+        try:
+            conns = [c for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED and c.raddr]
+            threads = p.num_threads()
+        except psutil.NoSuchProcess:
+            continue
+        kinds = dict.fromkeys(SOCK_KINDS, 0)
+        for c in conns:
+            if c.raddr.port == store_port:
+                kinds["store"] += 1
+            else:
+                kinds[{"rank": "ranks", "launcher": "launcher"}.get(owners.get(c.raddr.port), "other")] += 1
+        out[r] = {**kinds, "total": len(conns), "threads": threads}
+    return out
+
+
+# ------------------------------------------------------------------------------------------ formation times
+
+LINE = re.compile(r"^\[phoenix (\d\d:\d\d:\d\d\.\d{3}) rank (\d+)\] generation (\d+): (every rank arrived|process groups formed)")
+
+
+def formation(run_dir: Path) -> dict[int, list[float]]:
+    """Generation -> every rank's "every rank arrived" -> "process groups formed" seconds (its log lines)."""
+    per: dict[tuple[int, Path], dict[str, float]] = {}
+    for f in sorted((run_dir / "logs").glob("*/*.log")):
+        if f.name == "agent.log":
+            continue
+        for line in f.read_text(errors="replace").splitlines():
+            m = LINE.match(line)
+            if m:
+                t = datetime.strptime(m[1], "%H:%M:%S.%f")
+                per.setdefault((int(m[3]), f), {})[m[4]] = t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6
+    out: dict[int, list[float]] = {}
+    for (gen, _), ts in per.items():
+        if len(ts) == 2:
+            out.setdefault(gen, []).append((ts["process groups formed"] - ts["every rank arrived"]) % 86400)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ one measurement
+
+def measure(td: Path, n: int, rep: int, a) -> dict:
+    d = td / f"n{n}-r{rep}"
+    d.mkdir()
+    job = Job(d, n, a)
+    try:
+        start = n * a.start_s_per_rank + 60
+        wait(lambda: job.alive() or job.steps() >= 0, start, f"N={n}: no training step within {start:.0f} s")
+        first = job.steps()
+        wait(lambda: job.alive() or job.steps() >= first + a.warm_steps, 300, f"N={n}: {a.warm_steps} steps not done in 300 s")
+        store_port = int(next(e for e in events(job.run_dir) if e["type"] == "job_start")["control"].rsplit(":", 1)[1])
+        before = sample(job, store_port)
+        spare = before.pop(f"node{n}", None)  # the warm spare (the last node) holds no rank yet
+        step_at_kill, uptime = job.steps(), os.getloadavg()
+        r = subprocess.run(phoenix("kill-node", "node1", "--run-dir", job.run_dir), cwd=d, env=env(),
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(f"N={n}: kill-node failed: {r.stderr[-500:]}")
+        rec = wait(lambda: job.alive() or next((e for e in events(job.run_dir) if e["type"] == "recovery"), None),
+                   a.recovery_wait_s, f"N={n}: no recovery event within {a.recovery_wait_s} s of the kill")
+        after_step = job.steps()
+        wait(lambda: job.alive() or job.steps() >= after_step + a.warm_steps, 300, f"N={n}: no training after recovery in 300 s")
+        after = sample(job, store_port)
+        return {"n": n, "rec": rec, "before": before, "after": after, "forms": formation(job.run_dir), "spare": spare,
+                "step_at_kill": step_at_kill, "load": uptime}
+    finally:
+        job.stop()
+
+
+# ------------------------------------------------------------------------------------------ fits, printing
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least squares y = a + b x: (a, b, R^2)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    a0 = my - b * mx
+    ss = sum((y - my) ** 2 for y in ys)
+    res = sum((y - a0 - b * x) ** 2 for x, y in zip(xs, ys))
+    return a0, b, (1 - res / ss) if ss else float("nan")
+
+
+def print_table(res: list[dict]) -> None:
+    print(f"\n{'N':>4s} " + " ".join(f"{p[:-2] if p.endswith('_s') else p:>10s}" for p in PHASES)
+          + f" {'form g0 med/max':>16s} {'form g1 med/max':>16s} {'load1':>6s} {'runs':>5s}")
+    for n in sorted({r["n"] for r in res}):
+        rs = [r for r in res if r["n"] == n]
+        cols = " ".join(f"{med([r['rec'][p] for r in rs]):10.3f}" for p in PHASES)
+        forms = []
+        for g in (0, 1):
+            xs = [x for r in rs for x in r["forms"].get(g, [])]
+            forms.append(f"{med(xs):7.3f}/{max(xs, default=float('nan')):<7.3f}" if xs else f"{'-':>16s}")
+        print(f"{n:4d} {cols} {forms[0]:>16s} {forms[1]:>16s} {med([r['load'][0] for r in rs]):6.2f} {len(rs):5d}")
+
+
+def print_sockets(res: list[dict]) -> None:
+    print("\nper rank, ESTABLISHED TCP sockets (store / other ranks / launcher / other = total) and threads; "
+          "before the kill and after recovery (median over ranks, [min-max] of the total):")
+    for n in sorted({r["n"] for r in res}):
+        r = next(x for x in res if x["n"] == n)
+        for when in ("before", "after"):
+            per = r[when].values()
+            if not per:
+                continue
+            m = {k: med([p[k] for p in per]) for k in (*SOCK_KINDS, "total", "threads")}
+            tot = [p["total"] for p in per]
+            print(f"  N={n:3d} {when:6s}: " + " / ".join(f"{m[k]:g}" for k in SOCK_KINDS)
+                  + f" = {m['total']:g} [{min(tot)}-{max(tot)}], threads {m['threads']:g} ({len(per)} ranks)")
+        if r["spare"]:
+            sp = r["spare"]
+            print(f"  N={n:3d} warm spare before its assignment: " + " / ".join(str(sp[k]) for k in SOCK_KINDS)
+                  + f" = {sp['total']}, threads {sp['threads']}")
+        print(f"  N={n:3d} per rank before: " + " ".join(f"{k}:{v['total']}s/{v['threads']}t" for k, v in r["before"].items()))
+
+
+def print_fits(res: list[dict]) -> None:
+    ns = sorted({r["n"] for r in res})
+    if len(ns) < 2:
+        print("\n(one N only: no fit)")
+        return
+    print("\nfits (least squares over the per-N medians; EXTRAPOLATED FROM N<=%d ON 2 SHARED CPU CORES):" % max(ns))
+    for key in ("total_s", "reconfigure_s"):
+        ys = [med([r["rec"][key] for r in res if r["n"] == n]) for n in ns]
+        print(f"  {key}: data " + ", ".join(f"N={n}: {y:.3f}" for n, y in zip(ns, ys)))
+        for name, f in (("linear in N", float), ("linear in log2 N", math.log2)):
+            a0, b, r2 = fit([f(n) for n in ns], ys)
+            proj = ", ".join(f"{k}: {a0 + b * f(v):.1f} s" for k, v in (("1K", 1024), ("10K", 10_000), ("100K", 100_000)))
+            unit = "per rank" if f is float else "per doubling"
+            print(f"    {name:17s}: {a0:.3f} + {b:.4f} s {unit}, R^2 {r2:.3f}; projected {proj}")
+    print(f"  {PAPER}; the paper's fit projected: 1K {30 + 4.3:.1f} s, 10K {30 + 4.3 * math.log2(10_000 / 512):.1f} s, "
+          f"100K {30 + 4.3 * math.log2(100_000 / 512):.1f} s")
+    lo, hi = ns[0], ns[-1]
+    t_lo = med([r["rec"]["total_s"] for r in res if r["n"] == lo])
+    t_hi = med([r["rec"]["total_s"] for r in res if r["n"] == hi])
+    print(f"\nratio recovery_total(N={hi}) / recovery_total(N={lo}) in this run: {t_hi / t_lo:.2f}x (target <= 2x)")
+
+
+def _sigterm(*_):
+    raise KeyboardInterrupt  # SIGTERM takes the same path as Ctrl-C: the running job is stopped in measure's finally
+
+
+def main():
+    signal.signal(signal.SIGTERM, _sigterm)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", default="4,8,16,32")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="N = 4, 8 once: a check that the bench works")
+    ap.add_argument("--warm-steps", type=int, default=20, help="steps past the first before the kill, and after recovery")
+    ap.add_argument("--start-s-per-rank", type=float, default=8.0, help="the deadline for the first step: this x N + 60 s")
+    ap.add_argument("--recovery-wait-s", type=float, default=240.0)
+    a = ap.parse_args()
+    ns = [4, 8] if a.quick else [int(x) for x in a.ranks.split(",")]
+    reps = 1 if a.quick else a.repeats
+    print(f"load before: {os.getloadavg()}, {os.cpu_count()} CPUs")
+    res, failed = [], []
+    with tempfile.TemporaryDirectory(prefix="recovery_scale-") as td:
+        for n in ns:
+            for rep in range(reps):
+                t0 = time.monotonic()
+                try:
+                    r = measure(Path(td), n, rep, a)
+                except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
+                    print(f"N={n} repeat {rep}: FAILED: {e}", file=sys.stderr)
+                    failed.append((n, rep, str(e)[:300]))
+                    continue
+                res.append(r)
+                print(f"N={n} repeat {rep}: total {r['rec']['total_s']} s, reconfigure {r['rec']['reconfigure_s']} s, "
+                      f"killed at step {r['step_at_kill']}, load {r['load'][0]:.2f} ({time.monotonic() - t0:.0f} s)", flush=True)
+    if res:
+        print_table(res)
+        print_sockets(res)
+        print_fits(res)
+    for n, rep, why in failed:
+        print(f"FAILED N={n} repeat {rep}: {why}")
+    print(f"load after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
