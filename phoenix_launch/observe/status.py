@@ -33,8 +33,9 @@ def read_rank_heartbeats(store: Any, members: protocol.Membership) -> dict[tuple
 def read_rank_steps(store: Any, members: protocol.Membership) -> dict[int, tuple[int, float]]:
     """Logical rank -> (its latest step, when it completed it), from the ranks' heartbeats."""
     out = {}
+    at = {(r.node, r.slot): r.rank for r in members.ranks}  # one pass: Membership.rank_at is a scan of every rank
     for (node, slot), hb in read_rank_heartbeats(store, members).items():
-        rank = members.rank_at(node, slot)
+        rank = at.get((node, slot))
         if rank is not None:
             out[rank] = (hb.step, hb.t_step if hb.t_step is not None else hb.t)
     return out
@@ -59,8 +60,11 @@ def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: in
                members: protocol.Membership, store: Any, events: EventLog, protect_every: int = 1) -> dict[str, Any]:
     hbs = read_rank_heartbeats(store, members)
     rows = []
+    by_node: dict[str, list[int]] = {}  # the ranks of each node, in one pass (not one scan of every rank per node)
+    for r in members.ranks:
+        by_node.setdefault(r.node, []).append(r.rank)
     for n in nodes:
-        ranks = [r.rank for r in members.ranks if r.node == n.name]
+        ranks = by_node.get(n.name, [])
         steps = [hbs[(n.name, s)].step if (n.name, s) in hbs else -1 for s in range(nproc)]
         rows.append({"name": n.name, "state": n.state.value, "ranks": ranks, "step": max(steps) if ranks else None, "failures": n.failures})
     steps = [h.step for h in hbs.values()]
