@@ -215,12 +215,12 @@ def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, stop: thread
 
 
 def report(path: Path, lanes: list[Lane], seen: dict, killed: dict, n_ranks: int) -> None:
-    lags = sorted(x for lane in lanes for x in lane.lags)
+    lags = sorted(x for lane in lanes for x in list(lane.lags))  # list(): one copy under the GIL, not a walk the lanes mutate
     write_json_atomic(path, {
         "t": time.time(), "ops": sum(lane.store.ops for lane in lanes), "errors": sum(lane.errors for lane in lanes),
         "lag_p50": lags[len(lags) // 2] if lags else 0.0, "lag_p99": lags[int(len(lags) * 0.99)] if lags else 0.0,
         "ranks": n_ranks, "killed": killed,
-        "seen": {g: {"count": len(ts), "last": max(ts), "first": min(ts)} for g, ts in list(seen.items())},
+        "seen": {g: {"count": len(ts), "last": max(ts), "first": min(ts)} for g, ts in ((g, list(ts)) for g, ts in list(seen.items()))},
     })
 
 
@@ -249,7 +249,10 @@ def main() -> int:
 
     def reporter() -> None:
         while not stop.wait(1.0):
-            report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()))
+            try:
+                report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()))
+            except Exception as e:  # noqa: BLE001 -- one report lost (a dict the lanes grew meanwhile); the next follows
+                print(f"report: {e!r}", file=sys.stderr, flush=True)
     threading.Thread(target=reporter, daemon=True).start()
     for line in sys.stdin:  # the bench's commands; end of input: done
         words = line.split()

@@ -50,6 +50,9 @@ class Store:
     def multi_get(self, keys):
         return [self.values[k] for k in keys]
 
+    def get(self, key):
+        return self.values[key]
+
     def num_keys(self):
         return len(self.values)
 
@@ -88,3 +91,28 @@ def test_fleet_quick_detects_the_lost_node_and_every_rank_sees_the_generation(tm
     assert row["detect_s"] is not None and row["detect_s"] <= 2.0 + 1.0  # --quick's node timeout + 1 s
     assert row["propagate_s"] is not None and row["seen"] == row["live_ranks"] == 6 * 8  # the spare's ranks see it too
     assert row["period_med_ms"] > 0 and row["ops_s"] > 0
+
+
+def test_status_reads_a_few_absent_heartbeats_in_a_few_round_trips():
+    class Counting(Store):
+        calls = 0
+
+        def check(self, keys):
+            Counting.calls += 1
+            return super().check(keys)
+
+        def multi_get(self, keys):
+            Counting.calls += 1
+            return super().multi_get(keys)
+
+    keys = [f"k{i}" for i in range(4096)]
+    store = Counting({k: b"v" for k in keys if k != "k1000"})
+    import phoenix_runtime.plane.channel as channel
+    orig = channel._accept
+    channel._accept = lambda k, raw: raw.decode()
+    try:
+        got = status.read_present(store, keys)
+    finally:
+        channel._accept = orig
+    assert got["k1000"] is None and got["k4095"] == "v" and len(got) == 4096
+    assert Counting.calls < 100, Counting.calls  # get_values alone: a check per key, 4096 of them
