@@ -1,0 +1,269 @@
+"""Simulated nodes of ``bench/fleet.py``: many agents and ranks in one process, over a few store connections.
+
+    python bench/fleet_sim.py --run-dir DIR --port P --nodes 0:125 --active 1000 --nproc 8 [--conns 4]
+
+Each simulated rank is the real rank's control thread (``phoenix_runtime.plane.control.ControlThread``: its
+``beat``, ``_poll``, ``_send_posted`` and ``report_refused``, unchanged) on a connection it shares; each simulated
+agent does what the real agent's loop does with the store (``detect/agent.py``): its heartbeat every
+``heartbeat_s``, its command queue every pass (20 ms), its ranks' heartbeats every ``heartbeat_s`` judged by the
+real ``hang_check``, and its ``AgentUp`` first. Active ranks report ``RuntimeReady`` once, as the runtime does;
+a spare's ranks look for their assignment once a second, as ``bootstrap.wait_for_assignment`` does.
+
+What differs from a real job: no processes are spawned; ``conns`` threads, each with one store connection of its
+own, run every client's due work in turn (a real node holds 1 + 2 x nproc connections); and one notify watcher per
+process, blocked in the store, wakes every simulated rank of the process, where each real rank has its own.
+
+stdin: ``kill NODE`` stops that node's agent and ranks (they never touch the store again); end of input ends
+the process. ``DIR/bench_sim<first>.json`` says, once a second: round trips made, how late the due work ran
+(a late simulation is one that cannot keep the real protocol's rate), and when each rank saw each generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import heapq
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from phoenix_launch.detect.agent import hang_check
+from phoenix_launch.observe.events import write_json_atomic
+from phoenix_runtime.plane import auth, control, protocol
+
+from fleet_store import CountingStore
+
+AGENT_PASS_S = 0.02  # the real agent loop's sleep between passes
+ASSIGN_POLL_S = 1.0  # a spare rank's assignment poll (bootstrap.wait_for_assignment's wake_s)
+
+
+class SimWatcher:
+    """``control.NotifyWatcher``'s part in ``ControlThread``: only ``armed`` is read (one watcher per process)."""
+
+    armed = False
+
+
+class SimRank(control.ControlThread):
+    """The real control thread's methods, on a shared connection; its loop is ``step`` (one pass of ``_run``)."""
+
+    def __init__(self, node: str, slot: int, rank: int | None, store, watcher: SimWatcher, heartbeat_s: float, seen: dict):
+        self.state = control.RankState()
+        self.state.phase = "training" if rank is not None else "spare"
+        self.node, self.slot, self.rank, self.heartbeat_s = node, slot, rank, heartbeat_s
+        self.store = store
+        self.q_rank = protocol.Queue(store, protocol.q_rank(node, slot))
+        self.latest_gen = 0
+        self.persist_at = -1
+        self._notified = None
+        self._incarnation = 0
+        self._dirty = True
+        self.on_gen_change = [lambda g: seen.setdefault(g, []).append(time.time())]
+        self.on_fault = []
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self.asleep_until = 0.0
+        self._outbox = collections.deque(maxlen=16)
+        self._q_sup = protocol.Queue(store, protocol.Q_SUPERVISOR)
+        self._watcher = watcher
+        self.next_hb = self.next_full = self.next_assign = 0.0
+        self.dead = False
+        if rank is not None:
+            self.post(protocol.RuntimeReady(node=node, slot=slot, rank=rank, protect=True, epoch=0))
+
+    def step(self, now: float) -> float:
+        """One pass of ``ControlThread._run``; returns when the next is due (monotonic)."""
+        if now >= self.next_hb:
+            self.state.stepped(self.state.step + 1)  # training progresses (the agent's hang check reads t_step)
+            self.beat()
+            self.report_refused()
+            self.next_hb = now + self.heartbeat_s
+        self._poll(full=now >= self.next_full)
+        self._send_posted()
+        if now >= self.next_full:
+            self.next_full = now + self.heartbeat_s
+        due = now + control.POLL_S
+        if self._watcher.armed and not self._dirty:
+            due = min(self.next_hb, self.next_full)
+        if self.rank is None and now >= self.next_assign:  # a spare: its assignment yet?
+            self.next_assign = now + ASSIGN_POLL_S
+            if protocol.get_value(self.store, protocol.k_assign(self.node, self.slot)) is not None:
+                self.rank, self.state.phase = -1, "training"
+        return min(due, self.next_assign) if self.rank is None else due
+
+
+class SimAgent:
+    """What the real agent's loop does with the store, pass by pass (``Agent.run``, ``Agent.check_hangs``)."""
+
+    def __init__(self, node: str, slots: int, store, spec_heartbeat_s: float, hang_timeout_s: float):
+        self.node, self.slots, self.store = node, slots, store
+        self.heartbeat_s, self.hang_timeout_s = spec_heartbeat_s, hang_timeout_s
+        self.q_sup = protocol.Queue(store, protocol.Q_SUPERVISOR)
+        self.q_cmd = protocol.Queue(store, protocol.q_agent(node))
+        self.commands = protocol.Dispatcher({t: self._command for t in (protocol.MsgType.RESTART, protocol.MsgType.RESPAWN,
+                                                                        protocol.MsgType.STOP, protocol.MsgType.INJECT)})
+        self.started = time.time()
+        self.next_hb = 0.0
+        self.next_hang = time.monotonic() + spec_heartbeat_s
+        self.up = False
+        self.dead = False
+        self.stopped = False
+
+    def _command(self, cmd, now=None) -> None:
+        self.stopped = self.stopped or isinstance(cmd, protocol.AgentStop)
+
+    def step(self, now: float) -> float:
+        if not self.up:
+            self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, None))
+            self.up = True
+        if now >= self.next_hb:
+            protocol.put_value(self.store, protocol.k_agent_hb(self.node), str(time.time()))
+            self.next_hb = now + self.heartbeat_s
+        for cmd in self.q_cmd.get_all():
+            self.commands.dispatch(cmd)
+        if now >= self.next_hang:
+            self.check_hangs()
+            self.next_hang = now + self.heartbeat_s
+        return time.monotonic() + AGENT_PASS_S
+
+    def check_hangs(self) -> None:
+        t = time.time()
+        if t - self.started < self.hang_timeout_s:
+            return  # the real agent judges a rank only once it has run for the hang timeout
+        keys = [protocol.k_rank_hb(self.node, s) for s in range(self.slots)]
+        for text in protocol.get_values(self.store, keys).values():
+            if text is not None:
+                hang_check(protocol.RankHeartbeat.from_json(text), t, self.hang_timeout_s, 600.0)
+
+
+class Lane(threading.Thread):
+    """One store connection and the simulated clients that share it, each run when it is due."""
+
+    def __init__(self, host: str, port: int, clients: list, stop: threading.Event):
+        super().__init__(daemon=True)
+        from phoenix_launch.plane.control import connect
+
+        self.store = CountingStore(connect(host, port, timeout_s=60.0))
+        self.clients = clients
+        self.stop, self.woken = stop, threading.Event()
+        self.lags: collections.deque = collections.deque(maxlen=20000)  # seconds late, per run of a client
+        self.errors = 0
+
+    def run(self) -> None:
+        heap = [(time.monotonic() + i * 1e-5, i) for i in range(len(self.clients))]
+        heapq.heapify(heap)
+        while not self.stop.is_set() and heap:
+            if self.woken.is_set():  # the notify counter moved: every rank polls now, as a real watcher wakes its own
+                self.woken.clear()
+                now = time.monotonic()
+                heap = [(min(due, now) if isinstance(self.clients[i], SimRank) else due, i) for due, i in heap]
+                heapq.heapify(heap)
+            due, i = heap[0]
+            now = time.monotonic()
+            if due > now:
+                self.woken.wait(min(due - now, 0.05))
+                continue
+            heapq.heappop(heap)
+            c = self.clients[i]
+            if c.dead:
+                continue
+            self.lags.append(now - due)
+            try:
+                nxt = c.step(now)
+            except Exception:  # noqa: BLE001 -- a store error: the client retries later, as the real ones do
+                self.errors += 1
+                nxt = now + 0.2
+            heapq.heappush(heap, (nxt, i))
+
+
+def watch_notify(host: str, port: int, lanes: list[Lane], watcher: SimWatcher, stop: threading.Event) -> None:
+    """``NotifyWatcher._run`` for every rank of this process: block on the counter's next key, wake every lane."""
+    from phoenix_launch.plane.control import connect
+
+    store = connect(host, port, timeout_s=60.0)
+    last = None
+    while not stop.is_set():
+        try:
+            n = protocol.read_notify(store)
+            watcher.armed = True
+            if n != last:
+                last = n
+                for lane in lanes:
+                    lane.woken.set()
+            store.wait([protocol.k_notify(n + 1)], timedelta(seconds=2.0))
+        except Exception:  # noqa: BLE001 -- the wait timed out (nothing moved), or the store is going away
+            time.sleep(0.01)
+
+
+def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, stop: threading.Event):
+    """The lanes (connections) and their clients: node i's agent and ranks on lane i % conns."""
+    lo, hi = (int(x) for x in a.nodes.split(":"))
+    per_lane: list[list] = [[] for _ in range(a.conns)]
+    lanes = [Lane(host, port, per_lane[i], stop) for i in range(a.conns)]
+    by_node: dict[str, list] = {}
+    for i in range(lo, hi):
+        lane = lanes[i % a.conns]
+        node = f"node{i}"
+        agent = SimAgent(node, a.nproc, lane.store, a.heartbeat_s, a.hang_timeout_s)
+        ranks = [SimRank(node, s, i * a.nproc + s if i < a.active else None, lane.store, watcher, a.heartbeat_s, seen)
+                 for s in range(a.nproc)]
+        lane.clients += [agent, *ranks]
+        by_node[node] = [agent, *ranks]
+    return lanes, by_node
+
+
+def report(path: Path, lanes: list[Lane], seen: dict, killed: dict, n_ranks: int) -> None:
+    lags = sorted(x for lane in lanes for x in list(lane.lags))  # list(): one copy under the GIL, not a walk the lanes mutate
+    write_json_atomic(path, {
+        "t": time.time(), "ops": sum(lane.store.ops for lane in lanes), "errors": sum(lane.errors for lane in lanes),
+        "lag_p50": lags[len(lags) // 2] if lags else 0.0, "lag_p99": lags[int(len(lags) * 0.99)] if lags else 0.0,
+        "ranks": n_ranks, "killed": killed,
+        "seen": {g: {"count": len(ts), "last": max(ts), "first": min(ts)} for g, ts in ((g, list(ts)) for g, ts in list(seen.items()))},
+    })
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--nodes", required=True, help="first:end node indices simulated here")
+    ap.add_argument("--active", type=int, required=True, help="nodes below this index hold ranks; the rest are spares")
+    ap.add_argument("--nproc", type=int, default=8)
+    ap.add_argument("--conns", type=int, default=4)
+    ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    ap.add_argument("--hang-timeout-s", type=float, default=30.0)
+    a = ap.parse_args()
+    run_dir = Path(a.run_dir)
+    auth.set_key(auth.read_secret(run_dir))
+    host = "127.0.0.1"
+    seen: dict[int, list[float]] = {}
+    watcher, stop = SimWatcher(), threading.Event()
+    lanes, by_node = build(a, host, a.port, seen, watcher, stop)
+    killed: dict[str, float] = {}
+    threading.Thread(target=watch_notify, args=(host, a.port, lanes, watcher, stop), daemon=True).start()
+    for lane in lanes:
+        lane.start()
+    path = run_dir / f"bench_sim{a.nodes.split(':')[0]}.json"
+
+    def reporter() -> None:
+        while not stop.wait(1.0):
+            try:
+                report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()))
+            except Exception as e:  # noqa: BLE001 -- one report lost (a dict the lanes grew meanwhile); the next follows
+                print(f"report: {e!r}", file=sys.stderr, flush=True)
+    threading.Thread(target=reporter, daemon=True).start()
+    for line in sys.stdin:  # the bench's commands; end of input: done
+        words = line.split()
+        if len(words) == 2 and words[0] == "kill" and words[1] in by_node:
+            for c in by_node[words[1]]:
+                c.dead = True
+            killed[words[1]] = time.time()
+    stop.set()
+    report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()))
+    os._exit(0)  # the watcher is blocked in the store: not waited for
+
+
+if __name__ == "__main__":
+    sys.exit(main())
