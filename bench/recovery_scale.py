@@ -1,6 +1,6 @@
 """Hot-swap recovery time against the number of ranks, real ranks on this machine, and a fit to project it.
 
-    python bench/recovery_scale.py [--ranks 4,8,16,32] [--repeats 1] [--quick]
+    python bench/recovery_scale.py [--ranks 4,8,16,32] [--repeats 1] [--quick] [--json-out PATH]
 
 For each N: phoenix-run with N simulated nodes x 1 rank (gloo on CPU, the tiniest examples/train_gpt.py) and 1
 warm spare, a job far longer than the measurement (stopped once it is taken). Once rank 0's step log shows the
@@ -13,12 +13,14 @@ logs no per-group time, and nothing is added to it here).
 
 Then a table per N (median over repeats), least-squares fits of recovery total and reconfigure against N and
 against log2 N with R^2, a projection to 1K / 10K / 100K ranks next to the paper's figures, and the ratio
-total(N_max) / total(N_min) measured in this run.
+total(N_max) / total(N_min) measured in this run. ``--json-out`` also writes the per-N medians, with the date, commit,
+cores and load they were taken at, in the form ``phoenix-run simulate --scale-from`` reads (bench/data/).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from common import GPT, env, events, med, phoenix, step_log, wait
+from common import GPT, ROOT, env, events, med, phoenix, step_log, wait
 
 # The tiniest model the example allows: the step is mostly the runtime's own work, not arithmetic.
 TINY = ("--d-model", 8, "--layers", 1, "--heads", 1, "--seq", 4, "--batch", 1, "--vocab", 16, "--log-every", 100000)
@@ -265,6 +267,35 @@ def print_fits(res: list[dict]) -> None:
     print(f"\nratio recovery_total(N={hi}) / recovery_total(N={lo}) in this run: {t_hi / t_lo:.2f}x (target <= 2x)")
 
 
+def git_commit() -> str:
+    """The checkout's short commit, "+dirty" when it has uncommitted changes; "unknown" outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def write_json(res: list[dict], path: Path, commit: str) -> None:
+    """Per-N medians of recovery total and reconfigure, and where and when they were measured, as JSON. ``commit``
+    is read when the run starts: the checkout may change while it runs."""
+    date, cores = datetime.now().astimezone().isoformat(timespec="seconds"), os.cpu_count()
+    points = []
+    for n in sorted({r["n"] for r in res}):
+        rs = [r for r in res if r["n"] == n]
+        points.append({"ranks": n, "total_s": med([r["rec"]["total_s"] for r in rs]),
+                       "reconfigure_s": med([r["rec"]["reconfigure_s"] for r in rs]), "repeats": len(rs),
+                       "date": date, "commit": commit, "cores": cores, "load1": med([r["load"][0] for r in rs])})
+    doc = {"source": "bench/recovery_scale.py", "date": date, "commit": commit, "cores": cores, "points": points}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {len(points)} points to {path}")
+
+
 def _sigterm(*_):
     raise KeyboardInterrupt  # SIGTERM takes the same path as Ctrl-C: the running job is stopped in measure's finally
 
@@ -278,10 +309,12 @@ def main():
     ap.add_argument("--warm-steps", type=int, default=20, help="steps past the first before the kill, and after recovery")
     ap.add_argument("--start-s-per-rank", type=float, default=8.0, help="the deadline for the first step: this x N + 60 s")
     ap.add_argument("--recovery-wait-s", type=float, default=240.0)
+    ap.add_argument("--json-out", type=Path, help="also write the per-N medians as JSON (for simulate --scale-from)")
     a = ap.parse_args()
     ns = [4, 8] if a.quick else [int(x) for x in a.ranks.split(",")]
     reps = 1 if a.quick else a.repeats
-    print(f"load before: {os.getloadavg()}, {os.cpu_count()} CPUs")
+    commit = git_commit()
+    print(f"load before: {os.getloadavg()}, {os.cpu_count()} CPUs, commit {commit}")
     res, failed = [], []
     with tempfile.TemporaryDirectory(prefix="recovery_scale-") as td:
         for n in ns:
@@ -300,6 +333,8 @@ def main():
         print_table(res)
         print_sockets(res)
         print_fits(res)
+        if a.json_out:
+            write_json(res, a.json_out, commit)
     for n, rep, why in failed:
         print(f"FAILED N={n} repeat {rep}: {why}")
     print(f"load after: {os.getloadavg()}")
