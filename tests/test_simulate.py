@@ -649,3 +649,97 @@ def test_cli_renders_degenerate_runs():
     # too few trajectories for a two-failure distribution
     res = _invoke("--preset", "paper-2.3b", "--trials", "3")
     assert res.exit_code == 0, res.output
+
+
+# ------------------------------------------------------------------------------------------------------
+# --scale-from: recovery_scale.py's measured points, labelled measured / extrapolated
+# ------------------------------------------------------------------------------------------------------
+
+def _scale_file(path, points, **top) -> str:
+    """A file in recovery_scale.py --json-out's form: points as (ranks, total_s)."""
+    doc = {"source": "bench/recovery_scale.py", "date": "2026-01-02T03:04:05+00:00", "commit": "abc1234", "cores": 2,
+           **top, "points": [{"ranks": n, "total_s": t, "reconfigure_s": t / 2, "repeats": 1, "load1": 1.5}
+                             for n, t in points]}
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+@pytest.mark.timeout(60)
+def test_scale_from_reads_and_labels_the_points(tmp_path):
+    f = _scale_file(tmp_path / "scale.json", [(16, 2.6), (4, 1.5), (8, 1.9)])
+    inp = resolve_inputs({"gpus": "64", "project_to": "100000"}, scale_from=f)
+    assert inp.scale_points == ((4, 1.5), (8, 1.9), (16, 2.6))  # sorted by rank count
+    assert inp.scale_source == f"--scale-from {f}"
+    sc = analyse(inp, run_mc=False)["scaling"]
+    assert sc["points"] == [[4, 1.5], [8, 1.9], [16, 2.6]]
+    assert [m["kind"] for m in sc["measured"]] == ["measured"] * 3
+    assert sc["measured"][0]["label"] == "measured (4 ranks, 2-core bench machine, load 1.50, 2026-01-02, commit abc1234)"
+    gpus, far = sc["projected"]
+    assert gpus["gpus"] == 64 and gpus["kind"] == "extrapolated" and far["gpus"] == 100_000
+    assert far["label"].startswith("extrapolated (fit: power law T = ") and "from 3 points)" in far["label"]
+    assert 0 < sc["models"]["power"]["r2"] <= 1 and f"R^2 {sc['models']['power']['r2']:.3f}" in far["label"]
+    assert far["recovery_s"] == pytest.approx(sc["models"]["power"]["recovery_at_scale_s"])
+    inside = analyse(resolve_inputs({"gpus": "8", "project_to": "100000"}, scale_from=f), run_mc=False)
+    assert inside["scaling"]["projected"][0]["kind"] == "interpolated"
+
+
+@pytest.mark.timeout(60)
+def test_default_and_scale_point_figures_are_labelled_by_their_source():
+    sc = analyse(resolve_inputs({"gpus": "512"}), run_mc=False)["scaling"]
+    assert sc["measured"][0]["label"] == "measured (paper, GPT-7B, Fig. 11)"
+    assert sc["projected"][0]["kind"] == "interpolated" and sc["projected"][1]["kind"] == "extrapolated"
+    sc = analyse(resolve_inputs({}, scale_points=["8:3s", "16:3.5s"]), run_mc=False)["scaling"]
+    assert sc["measured"][1]["label"] == "measured (--scale-point)"
+    assert "from 2 points" in sc["projected"][0]["label"]
+
+
+@pytest.mark.timeout(60)
+def test_cli_scale_from_gpus_100000_names_measured_and_extrapolated(tmp_path):
+    f = _scale_file(tmp_path / "scale.json", [(4, 1.5), (8, 1.9), (16, 2.6), (32, 3.1)])
+    args = ("--scale-from", f, "--gpus", "100000", "--trials", "20", "--steps", "1000")
+    res = _invoke(*args)
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.stdout.split())  # the terminal wraps long lines
+    assert "measured (32 ranks, 2-core bench machine, load 1.50, 2026-01-02, commit abc1234)" in out
+    assert "100,000 GPUs:" in out and "extrapolated (fit: power law" in out and "from 4 points) [--gpus" in out
+    rep = json.loads(_invoke(*args, "--json").stdout)
+    sc = rep["scaling"]
+    assert rep["inputs"]["gpus"] == 100_000 and sc["measured_range"] == [4, 32]
+    assert [(m["gpus"], m["kind"]) for m in sc["measured"]] == [(4, "measured"), (8, "measured"), (16, "measured"),
+                                                                 (32, "measured")]
+    assert sc["projected"] == [{**sc["projected"][0], "gpus": 100_000, "role": "--gpus, --project-to",
+                                "kind": "extrapolated"}]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("content,needle", [
+    (None, "no such file"),
+    ("{not json", "not valid JSON"),
+    ('{"rows": []}', 'no "points" list'),
+    ('{"points": [{"ranks": 4, "total_s": 1.5}]}', "at least 2 points"),
+    ('{"points": [{"ranks": 4, "total_s": 1.5}, {"ranks": 4, "total_s": 1.6}]}', "at least 2 points"),
+    ('{"points": [{"ranks": 4}, {"ranks": 8, "total_s": 1.6}]}', '"total_s"'),
+    ('{"points": [{"ranks": 4, "total_s": -1}, {"ranks": 8, "total_s": 1.6}]}', "total_s > 0"),
+])
+def test_cli_scale_from_bad_file_is_one_line_and_exit_2(tmp_path, content, needle):
+    f = tmp_path / "scale.json"
+    if content is not None:
+        f.write_text(content)
+    _assert_one_line_error(_invoke("--trials", "10", "--steps", "100", "--scale-from", str(f)), needle)
+
+
+@pytest.mark.timeout(60)
+def test_cli_scale_from_and_scale_point_are_exclusive(tmp_path):
+    f = _scale_file(tmp_path / "scale.json", [(4, 1.5), (8, 1.9)])
+    _assert_one_line_error(_invoke("--trials", "10", "--steps", "100", "--scale-from", f, "--scale-point", "8:3s",
+                                   "--scale-point", "16:4s"), "not both")
+
+
+@pytest.mark.timeout(60)
+def test_scale_from_measured_names_the_checkouts_bench_file(tmp_path, monkeypatch):
+    from phoenix_launch.simulate import measurements
+
+    monkeypatch.setattr(measurements, "MEASURED_SCALE_FILE", tmp_path / "recovery_scale.json")
+    _assert_one_line_error(_invoke("--trials", "10", "--steps", "100", "--scale-from", "measured"), "--scale-from")
+    _scale_file(tmp_path / "recovery_scale.json", [(4, 1.5), (8, 1.9)])
+    assert resolve_inputs({}, scale_from="measured").scale_points == ((4, 1.5), (8, 1.9))

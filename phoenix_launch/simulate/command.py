@@ -101,6 +101,10 @@ _SEED_OPTION = _opt("--seed", "N", "\\[default: 0]", _RUN)
 _SCALE_POINT_OPTION = typer.Option(
     None, "--scale-point", metavar="GPUS:SECONDS", help="Measured recovery time at a GPU count (repeat); "
     "replaces the paper's points 32:17.1, 64:17.1, 512:29.8.", rich_help_panel=_RUN)
+_SCALE_FROM_OPTION = _opt(
+    "--scale-from", "FILE", "Recovery time by rank count from bench/recovery_scale.py --json-out (one rank "
+    "counted as one GPU); 'measured' names the checkout's bench/data/recovery_scale.json. Instead of "
+    "--scale-point.", _RUN)
 _PROJECT_TO_OPTION = _opt(
     "--project-to", "GPUS", "GPU count to extrapolate recovery time to \\[default: 100000].", _RUN)
 _JSON_OUT_OPTION = typer.Option(False, "--json", help="Print the report as JSON.", rich_help_panel=_OUT)
@@ -142,6 +146,7 @@ def simulate(
     trials: Optional[str] = _TRIALS_OPTION,
     seed: Optional[str] = _SEED_OPTION,
     scale_point: Optional[List[str]] = _SCALE_POINT_OPTION,
+    scale_from: Optional[str] = _SCALE_FROM_OPTION,
     project_to: Optional[str] = _PROJECT_TO_OPTION,
     json_out: bool = _JSON_OUT_OPTION,
     plot: Optional[str] = _PLOT_OPTION,
@@ -160,7 +165,8 @@ def simulate(
     try:
         if plot is not None and importlib.util.find_spec("matplotlib") is None:
             raise SimulateInputError("--plot needs matplotlib: pip install 'phoenix-run[plot]'")
-        inp = resolve_inputs(explicit, preset=preset, from_run=from_run, trace=trace, scale_points=scale_point)
+        inp = resolve_inputs(explicit, preset=preset, from_run=from_run, trace=trace, scale_points=scale_point,
+                             scale_from=scale_from)
         report = analyse(inp)
         if plot is not None:
             report["plot"] = plot_efficiency(inp, plot)

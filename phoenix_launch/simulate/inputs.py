@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .closed_forms import amortised_ckpt_overhead, per_step_probability
-from .measurements import load_trace, read_run_events, trace_gaps
+from .measurements import load_scale_file, load_trace, read_run_events, trace_gaps
 from .montecarlo import SimConfig
 from .presets import PAPER_RECOVERY_POINTS, PRESETS
 from .quantities import Dist, SimulateInputError, parse_count, parse_dist, parse_duration, parse_fraction
@@ -67,6 +67,7 @@ class Inputs:
     trace_path: str | None = None
     scale_points: tuple[tuple[int, float], ...] = PAPER_RECOVERY_POINTS
     scale_source: str = "paper (GPT-7B, Fig. 11)"
+    scale_provenance: tuple[dict, ...] | None = None  # per point, from --scale-from: ranks, date, commit, cores
     project_to: int = 100_000
     risk_target: float = 0.01
     preset: str | None = None
@@ -94,7 +95,7 @@ class Inputs:
 
 def resolve_inputs(explicit: dict[str, Any] | None = None, preset: str | None = None,
                    from_run: str | Path | None = None, trace: str | Path | None = None,
-                   scale_points: Sequence[str] | None = None) -> Inputs:
+                   scale_points: Sequence[str] | None = None, scale_from: str | Path | None = None) -> Inputs:
     """Merge built-in defaults < preset < --from-run < explicit values, parse and validate them.
 
     ``explicit`` maps option names (python spelling: "mttf_node", "step_time", ...) to strings or numbers;
@@ -111,7 +112,7 @@ def resolve_inputs(explicit: dict[str, Any] | None = None, preset: str | None = 
     fields.update(_failure_rates(values, sources, fields["nodes"], fields["domain_size"], trace_times))
     fields.update(_checkpoint_costs(values, fields["ckpt_every"], fields["step_time"], fields["mttf_sys"]))
     fields.update(_loss_probabilities(values, fields))
-    fields.update(_scale_points(scale_points))
+    fields.update(_scale_points(scale_points, scale_from))
     return Inputs(**fields)
 
 
@@ -272,8 +273,15 @@ def _loss_probabilities(values: _Values, fields: dict[str, Any]) -> dict[str, An
     return {"p_node": p_node, "q_domain": q_domain, "q_source": q_source, "shards": shards}
 
 
-def _scale_points(scale_points: Sequence[str] | None) -> dict[str, Any]:
-    """Measured recovery times by GPU count: the paper's, or --scale-point's."""
+def _scale_points(scale_points: Sequence[str] | None, scale_from: str | Path | None) -> dict[str, Any]:
+    """Measured recovery times by GPU count: the paper's, --scale-point's, or a --scale-from file's (one rank
+    counted as one GPU)."""
+    if scale_points and scale_from is not None:
+        raise SimulateInputError("give --scale-point or --scale-from, not both")
+    if scale_from is not None:
+        got = load_scale_file(scale_from)
+        return {"scale_points": got["points"], "scale_source": f"--scale-from {got['path']}",
+                "scale_provenance": got["provenance"]}
     if not scale_points:
         return {"scale_points": tuple(PAPER_RECOVERY_POINTS), "scale_source": "paper (GPT-7B, Fig. 11)"}
     points = tuple(parse_scale_point(s) for s in scale_points)

@@ -1,7 +1,9 @@
-"""Measured inputs: a PHOENIX run's ``events.jsonl`` (``--from-run``) and a file of failure times (``--trace``)."""
+"""Measured inputs: a PHOENIX run's ``events.jsonl`` (``--from-run``), a file of failure times (``--trace``) and
+the recovery-vs-ranks points ``bench/recovery_scale.py --json-out`` writes (``--scale-from``)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import statistics
@@ -111,3 +113,48 @@ def trace_gaps(t: np.ndarray) -> tuple[float, ...]:
     gaps = np.diff(t)
     wrap = float(gaps.mean())  # the gap from the last failure back to the first when the trace is replayed
     return tuple(float(g) for g in np.append(gaps, wrap))
+
+
+# ``--scale-from measured``: the points committed with a source checkout (bench/recovery_scale.py's output).
+MEASURED_SCALE_FILE = Path(__file__).resolve().parents[2] / "bench" / "data" / "recovery_scale.json"
+
+_PROVENANCE = ("repeats", "date", "commit", "cores", "load1")
+
+
+def load_scale_file(path: str | Path) -> dict:
+    """Recovery total by rank count from a ``recovery_scale.py --json-out`` file, ``measured`` naming the
+    checkout's own bench/data/recovery_scale.json.
+
+    Returns {"path", "points" ((ranks, total_s), ...) sorted by ranks, "provenance" (per point: ranks and
+    whatever of repeats, date, commit, cores, load1 the file records)}. Raises SimulateInputError when the file
+    is missing or malformed, or holds fewer than 2 points at different rank counts.
+    """
+    f = MEASURED_SCALE_FILE if str(path) == "measured" else Path(path)
+    if not f.is_file():
+        hint = " (it ships with a source checkout; write one with bench/recovery_scale.py --json-out)" \
+            if str(path) == "measured" else ""
+        raise SimulateInputError(f"--scale-from: no such file {f}{hint}")
+    try:
+        doc = json.loads(f.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError) as exc:
+        raise SimulateInputError(f"--scale-from: {f} is not valid JSON ({str(exc).splitlines()[0]})") from None
+    rows = doc.get("points") if isinstance(doc, dict) else None
+    if not isinstance(rows, list):
+        raise SimulateInputError(f"--scale-from: {f} has no \"points\" list (write it with recovery_scale.py --json-out)")
+    points, provenance = [], []
+    for i, row in enumerate(rows):
+        try:
+            ranks, total = int(row["ranks"]), float(row["total_s"])
+        except (TypeError, KeyError, ValueError):
+            raise SimulateInputError(f"--scale-from: {f} point {i + 1}: needs numeric \"ranks\" and \"total_s\"") from None
+        if ranks < 1 or not (math.isfinite(total) and total > 0):
+            raise SimulateInputError(f"--scale-from: {f} point {i + 1}: ranks must be >= 1 and total_s > 0")
+        points.append((ranks, total))
+        provenance.append({"ranks": ranks, **{k: (row.get(k, doc.get(k))) for k in _PROVENANCE
+                                              if row.get(k, doc.get(k)) is not None}})
+    if len({r for r, _ in points}) < 2:
+        raise SimulateInputError(f"--scale-from: {f} needs at least 2 points at different rank counts, "
+                                 f"found {len(points)}")
+    order = sorted(range(len(points)), key=lambda i: points[i][0])
+    return {"path": str(f), "points": tuple(points[i] for i in order),
+            "provenance": tuple(provenance[i] for i in order)}

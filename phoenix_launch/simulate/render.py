@@ -303,3 +303,8 @@ def _render_scaling(console, Table, rep: dict) -> None:
                   f"held fixed {_eta(sc['eta_phoenix_fixed_hotswap_at_scale'])}. With "
                   f"{len(sc['points'])} points the fit has {len(sc['points']) - 2} degree(s) of freedom: the "
                   "spread between models is the real uncertainty.")
+    for f in sc["measured"]:
+        console.print(f"  {f['gpus']:>7,} GPUs: {_dur(f['recovery_s']):>8s}  {f['label']}", markup=False)
+    for f in sc["projected"]:
+        console.print(f"  {f['gpus']:>7,} GPUs: {_dur(f['recovery_s']):>8s}  {f['label']} [{f['role']}]",
+                      markup=False)

@@ -87,9 +87,41 @@ def _scaling_section(inp: Inputs) -> dict:
             "resid_sd": fit.resid_sd, "dof": fit.n - 2,
             "recovery_at_scale_s": c, "pi95": [lo, hi],
             "eta_phoenix_at_scale": eta(c), "eta_phoenix_pi95": [eta(hi), eta(lo)],
-            "at_points": [fit.predict(g)[0] for g, _ in inp.scale_points],
+            "at_points": [fit.predict(g)[0] for g, _ in inp.scale_points], "r2": fit.r2,
         }
+    out.update(_labelled_figures(inp, fit_scaling(inp.scale_points, out["primary_model"])))
     return out
+
+
+def _measured_label(inp: Inputs, i: int) -> str:
+    """Where point i came from: the bench run that measured it, the paper, or --scale-point."""
+    if inp.scale_provenance is None:
+        return "measured (paper, GPT-7B, Fig. 11)" if inp.scale_source.startswith("paper") else "measured (--scale-point)"
+    p = inp.scale_provenance[i]
+    machine = f"{p['cores']}-core bench machine" if p.get("cores") else "bench machine"
+    load = f", load {p['load1']:.2f}" if isinstance(p.get("load1"), (int, float)) else ""
+    date = str(p.get("date", "date unknown"))[:10]
+    return f"measured ({p['ranks']} ranks, {machine}{load}, {date}, commit {p.get('commit', 'unknown')})"
+
+
+def _labelled_figures(inp: Inputs, fit) -> dict:
+    """Each figure the scaling section shows, labelled: the points as measured, the primary fit's value at
+    --gpus and --project-to as interpolated (inside the measured counts) or extrapolated (outside them)."""
+    counts = [g for g, _ in inp.scale_points]
+    lo, hi = min(counts), max(counts)
+    law = f"{fit.model} law {fit.describe()}, R^2 {fit.r2:.3f}, from {fit.n} points"
+    measured = [{"gpus": g, "recovery_s": t, "kind": "measured", "label": _measured_label(inp, i)}
+                for i, (g, t) in enumerate(inp.scale_points)]
+    projected = []
+    for role, g in (("--gpus", inp.gpus), ("--project-to", inp.project_to)):
+        if any(p["gpus"] == g for p in projected):
+            projected[-1]["role"] += f", {role}"
+            continue
+        c, plo, phi = fit.predict(g)
+        kind = "interpolated" if lo <= g <= hi else "extrapolated"
+        projected.append({"gpus": g, "role": role, "recovery_s": c, "pi95": [plo, phi], "kind": kind,
+                          "label": f"{kind} (fit: {law})"})
+    return {"measured": measured, "projected": projected, "measured_range": [lo, hi]}
 
 
 def analyse(inp: Inputs, run_mc: bool = True) -> dict:

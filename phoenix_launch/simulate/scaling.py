@@ -44,6 +44,7 @@ class ScalingFit:
     resid_sd: float
     x_mean: float
     sxx: float
+    r2: float = math.nan  # coefficient of determination in the fitted space (log-log for the power law)
 
     def _x(self, g):
         g = np.asarray(g, float)
@@ -103,7 +104,9 @@ def fit_scaling(points: Sequence[tuple[float, float]], model: str = "power") -> 
     resid = y - (a + b * x)
     dof = len(pts) - 2
     sd = float(math.sqrt((resid ** 2).sum() / dof)) if dof > 0 else 0.0
-    return ScalingFit(model, a, b, len(pts), sd, xm, sxx)
+    ss = float(((y - y.mean()) ** 2).sum())
+    r2 = 1 - float((resid ** 2).sum()) / ss if ss > 0 else math.nan
+    return ScalingFit(model, a, b, len(pts), sd, xm, sxx, r2)
 
 
 def parse_scale_point(text: str) -> tuple[int, float]:
