@@ -36,7 +36,7 @@ from .closed_forms import (FailureCost, amortised_ckpt_overhead, cost_ckpt, cost
                            per_step_probability, poisson_sf, ring_loss_prob_step, simulate_shard_loss,
                            spare_dry_prob_per_failure, spares_needed)
 from .inputs import DEFAULTS, MAX_TRIALS, Inputs, resolve_inputs
-from .measurements import load_trace, read_run_events
+from .measurements import MEASURED_SCALE_FILE, load_scale_file, load_trace, read_run_events
 from .montecarlo import SimConfig, run_monte_carlo
 from .plot import plot_efficiency
 from .presets import FT_HSDP_MTTF_GPU_S, PAPER_23B_TRAJECTORY, PAPER_RECOVERY_POINTS, PRESETS, paper_trajectory_ratio
@@ -78,7 +78,9 @@ __all__ = [
     "DEFAULTS",
     "MAX_TRIALS",
     "read_run_events",
+    "load_scale_file",
     "load_trace",
+    "MEASURED_SCALE_FILE",
     "SCALING_MODELS",
     "ScalingFit",
     "fit_scaling",
