@@ -122,9 +122,6 @@ class ReportHandlers:
         self.events.emit("injected", mode=m.mode, node=m.node, rank=m.rank, step=m.step, phase=m.phase, t_fired=t)
         self.incidents.fault_fired(t)
 
-    def on_checkpoint(self, m: protocol.CheckpointSaved, now: float) -> None:
-        self.events.emit("fallback_checkpoint", node=m.node, slot=m.slot, rank=m.rank, path=m.path, step=m.step, rank_saved=m.rank_saved)
-
     def on_node_probe(self, m: protocol.NodeProbe, now: float) -> None:
         """The GPU reading that follows a rank exit: the incident's evidence (Xid, ECC, a lost GPU)."""
         self.probing.discard(m.node)

@@ -93,7 +93,6 @@ class Supervisor(ReportHandlers):
             protocol.MsgType.UNRECOVERABLE: self.on_unrecoverable,
             protocol.MsgType.PROTECTION: self.on_protection,
             protocol.MsgType.FAULT_FIRED: self.on_fault_fired,
-            protocol.MsgType.CHECKPOINT: self.on_checkpoint,
             protocol.MsgType.PERSISTED: lambda m, now: self.ladder.persisted(m),
             protocol.MsgType.NODE_PROBE: self.on_node_probe,
             protocol.MsgType.REFUSED: self.refusals.report,

@@ -22,6 +22,7 @@ from phoenix_runtime.plane import protocol
 from phoenix_runtime.plane.context import GenerationAbandoned
 from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.protection.transport import TransportError
+from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.protection.wire import ReplicationError
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,11 @@ def looks_like_comm_failure(e: BaseException) -> bool:
 
 
 class StepGuard:
-    def __init__(self, training):
-        self.t = training
+    """``ctx`` the control plane, ``rs`` this rank's state (read and advanced), ``ops`` the operations on the model,
+    optimizer and protection (``rank_state.TrainingOps``)."""
+
+    def __init__(self, ctx, rs: RankState, ops: TrainingOps):
+        self.ctx, self.rs, self.ops = ctx, rs, ops
         self._t_step = time.perf_counter()
         self._step_times: list[float] = []
         self._last_progress = 0.0
@@ -45,75 +49,74 @@ class StepGuard:
 
     @contextlib.contextmanager
     def step(self):
-        t = self.t
-        t.recover_if_pending()
-        step = t.step_idx
-        t.opt_started = False
-        t.faults.step = step
+        ctx, rs, ops = self.ctx, self.rs, self.ops
+        ops.recover_if_pending()
+        step = rs.step
+        rs.opt_started = False
+        ops.faults.step = step
         try:
             # no generation check before the body: a failure here could not be recovered from (a context manager
             # cannot skip its body); ``steps()`` checks between steps, and the body's collectives fail at once
             # on an abandoned generation (its groups are aborted), caught below
-            t.faults.fire(step, "begin")
-            if t.first_step is None:
-                t.first_step = step
-            if t.protect_on and t.protect_due(step):
-                t.protect_now(step)
-            elif t.protect_on:
-                t.capture_boundary(step)  # not protected (protect_every > 1): a rollback to it still restores it
-            t.faults.fire(step, "forward")
-            yield t
-            t.ctx.check_generation() if t.ctx.managed else None
+            ops.faults.fire(step, "begin")
+            if rs.first_step is None:
+                rs.first_step = step
+            if ops.protect_on and ops.protect_due(step):
+                ops.protect_now(step)
+            elif ops.protect_on:
+                ops.capture_boundary(step)  # not protected (protect_every > 1): a rollback to it still restores it
+            ops.faults.fire(step, "forward")
+            yield ops
+            ctx.check_generation() if ctx.managed else None
         except BaseException as e:
-            if not t.is_failure(e):
+            if not ops.is_failure(e):
                 raise
-            t.recover(e)
+            ops.recover(e)
             return
-        t.step_idx = step + 1
-        STATE.stepped(t.step_idx)
+        rs.step = step + 1
+        STATE.stepped(rs.step)
         self._progress()
 
     def optimizer_step(self) -> None:
-        t = self.t
-        step = t.step_idx
-        if t.protect_on and t.protection is not None and t.last_protected == step:
+        rs, ops = self.rs, self.ops
+        step = rs.step
+        if ops.protect_on and ops.protection is not None and rs.last_protected == step:
             self.wait_replicated(step)  # S_k committed locally and at its replicas before the optimizer mutates it
-        t.opt_started = True
-        t.objs.optimizer.step()  # phase "optimizer" faults fire inside it (a post-hook of the local optimizer)
-        t.objs.optimizer.zero_grad(set_to_none=True)
+        rs.opt_started = True
+        ops.objs.optimizer.step()  # phase "optimizer" faults fire inside it (a post-hook of the local optimizer)
+        ops.objs.optimizer.zero_grad(set_to_none=True)
 
     def wait_replicated(self, step: int) -> None:
         """S_step committed locally and at its replicas (bounded): only on protected steps (every m-th)."""
-        t = self.t
         t0 = time.perf_counter()
         try:
-            t.protection.wait(step, t.ctx.check_generation)
+            self.ops.protection.wait(step, self.ctx.check_generation)
         except ReplicationError as e:
             self._replica_failed(step, e)
-        t.stats["last_wait_s"] = time.perf_counter() - t0
-        self._waited += t.stats["last_wait_s"]
+        self.rs.stats["last_wait_s"] = time.perf_counter() - t0
+        self._waited += self.rs.stats["last_wait_s"]
 
     def _replica_failed(self, step: int, e: ReplicationError) -> None:
         """A replica that failed (after its bounded resends) never stops a healthy job: report it and go on.
         A peer that died is a failure of the generation, though: give the supervisor a moment to say so."""
-        t = self.t
-        if t.replication_failed_gen == t.ctx.gen:
+        ctx, rs = self.ctx, self.rs
+        if rs.replication_failed_gen == ctx.gen:
             return  # reported once per generation (a broken replicator fails every later step at once)
-        t.replication_failed_gen = t.ctx.gen
-        deadline = time.monotonic() + max(1.0, 4 * t.ctx.settings.heartbeat_s)
+        rs.replication_failed_gen = ctx.gen
+        deadline = time.monotonic() + max(1.0, 4 * ctx.settings.heartbeat_s)
         while e.cause not in ("checksum mismatch", "skipped") and time.monotonic() < deadline:
-            t.ctx.check_generation()
+            ctx.check_generation()
             time.sleep(0.02)
         log.info(f"step {step}: replication failed, training goes on unprotected for this step: {str(e)[:300]}")
-        t.stats["replication_errors"] = t.stats.get("replication_errors", 0) + 1
+        rs.stats["replication_errors"] = rs.stats.get("replication_errors", 0) + 1
         # a broken replicator (a transfer timed out or tore: gloo closed that pair) protects no later step of this
         # generation: the supervisor re-forms it, and the re-protection sends every replica again on fresh pairs
-        rep = t.replicator
+        rep = self.ops.replicator
         broken = rep is not None and rep.broken is not None
-        t.ctx.report(protocol.ReplicaFailed(gen=t.ctx.gen, step=step, peer=e.peer, broken=broken, message=str(e)[:2000]))
+        ctx.report(protocol.ReplicaFailed(gen=ctx.gen, step=step, peer=e.peer, broken=broken, message=str(e)[:2000]))
 
     def _progress(self) -> None:
-        t = self.t
+        ctx = self.ctx
         now = time.perf_counter()
         self._step_times.append(now - self._t_step)
         self._step_times = self._step_times[-20:]
@@ -121,12 +124,11 @@ class StepGuard:
         self._waited = 0.0
         self._t_step = now
         STATE.steps_per_s = len(self._step_times) / max(sum(self._step_times), 1e-9)
-        if t.ctx.rank == 0 and t.ctx.managed and time.time() - self._last_progress > 2.0:
+        if ctx.rank == 0 and ctx.managed and time.time() - self._last_progress > 2.0:
             self._last_progress = time.time()
             median = sorted(self._step_times)[len(self._step_times) // 2]
-            t.ctx.post(protocol.Progress(step=t.step_idx, step_time_s=round(median, 5), sps=round(STATE.steps_per_s, 3),
-                                         total=getattr(t, "total_steps", None),
-                                         wait_frac=self._wait_frac() if t.protect_on else None))
+            ctx.post(protocol.Progress(step=self.rs.step, step_time_s=round(median, 5), sps=round(STATE.steps_per_s, 3),
+                                       total=self.rs.total, wait_frac=self._wait_frac() if self.ops.protect_on else None))
 
     def _wait_frac(self) -> float:
         """The fraction of the recent steps' time spent waiting for replicas, the longest wait left out: one

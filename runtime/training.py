@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from typing import Any, Iterator
 
@@ -26,6 +25,7 @@ from phoenix_runtime.faults import FaultInjector
 from phoenix_runtime.parallel import reshard
 from phoenix_runtime.protection.protection import ProtectionSession, merge_replicas
 from phoenix_runtime.quiet import quiet_unused_parameters_warning
+from phoenix_runtime.rank_state import RankState
 from phoenix_runtime.recover.recovery_session import RecoverySession
 from phoenix_runtime.protection.snapshot import D2H
 from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
@@ -58,18 +58,7 @@ class ProtectedTraining:
         self.replicated = self.kind == "replicated" or (parallel is not None and parallel.replicated)
         # no peer holds this rank's parameter shard (FSDP without a replicate dimension): it is replicated
         self.params_sharded = parallel is not None and not parallel.replicated
-        self.step_idx = 0
-        self.opt_started = False
-        self.first_step: int | None = None  # the step this process's run started at
-        self.protected_step = -1  # a step whose protection was already done by the recovery
-        self.last_protected = -1  # the newest step whose protection started
-        self.every, self.base = self.settings.protect_every, None  # protected steps: base, base + every, ...
-        self.replication_failed_gen = -1
-        self.stats: dict[str, Any] = {"recoveries": []}
-        self.metas: dict[int, dict] = {}  # envelopes of the last steps (the live step's, for a rollback)
-        self.boundary_buffers: dict = {}  # the buffers at the live step's boundary (the forward changes them)
-        self.boundary_step = -1
-        self.retained: dict = {}  # replicas held from the generations being recovered from
+        self.rs = RankState(every=self.settings.protect_every)  # what the step guard and the recovery read and change
         self.protection: ProtectionSession | None = None
         self.faults = FaultInjector(self.settings.faults, ctx.node, getattr(ctx, "store", None), ctx.report, ctx.abort_groups,
                                     late_s=self.settings.replica_timeout_s + 2.0)
@@ -79,13 +68,13 @@ class ProtectedTraining:
         self.d2h: D2H | None = None
         if self.protect_on:
             # the boundary's buffers, captured just before (an empty dict when the model has none: not walked again)
-            self.d2h = D2H(ctx.device, lambda: self.shard_named(self.boundary_buffers if self.boundary_step >= 0 else state.buffers_now(self.objs.module)),
-                           lambda: self.local_named(self.boundary_buffers),
+            self.d2h = D2H(ctx.device, lambda: self.shard_named(self.rs.boundary_buffers if self.rs.boundary_step >= 0 else state.buffers_now(self.objs.module)),
+                           lambda: self.local_named(self.rs.boundary_buffers),
                            fault=self.faults.copy_hook)
         self.persister = persist.Persister(ctx.env.run_dir, ctx.rank, self.settings.persist_every, ctx.report) \
             if self.protect_on and (self.settings.persist_every > 0 or self.settings.persist_every_s > 0) else None
         self.model = objs.module
-        self.guard = StepGuard(self)
+        self.guard = StepGuard(ctx, self.rs, self)
         self._hook_optimizer()
         # the first step() / steps() recovers (a joiner, or a rank whose first generation replaced the one it
         # started in) or builds DDP: both are collectives, so a peer lost meanwhile is a failure recovered from
@@ -106,22 +95,35 @@ class ProtectedTraining:
         return self.objs.module
 
     @property
+    def step_idx(self) -> int:
+        """The next step to run (the loop's step while it runs); a script resuming on its own sets it."""
+        return self.rs.step
+
+    @step_idx.setter
+    def step_idx(self, step: int) -> None:
+        self.rs.step = step
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.rs.stats
+
+    @property
     def replicator(self):
         return self.protection.replicator if self.protection is not None else None
 
     def steps(self, total: int) -> Iterator[int]:
-        self.total_steps = total  # the live view's progress bar and ETA
+        self.rs.total = total  # the live view's progress bar and ETA
         try:
             self.recover_if_pending()
-            while self.step_idx < total:
+            while self.rs.step < total:
                 if self.protect_on and self.ctx.managed and self.ctx.abandoned():
                     # a new generation between two steps (a re-formed one, a peer lost): recover here, before the
                     # loop's body is given a step number, so that it is given the resume step. The live state is
                     # the clean boundary of step_idx (nothing of it ran)
-                    self.opt_started = False
+                    self.rs.opt_started = False
                     self.recover(GenerationAbandoned(f"generation {self.ctx.gen} abandoned"))
                     continue
-                yield self.step_idx
+                yield self.rs.step
         finally:
             self.close()
 
@@ -135,7 +137,7 @@ class ProtectedTraining:
         if self.persister is not None:
             self.persister.close()
         self.teardown_protection()
-        self.retained = {}
+        self.rs.retained = {}
         if self.d2h is not None:
             self.d2h.stop(5.0)
         STATE.enter("done")
@@ -236,15 +238,16 @@ class ProtectedTraining:
     def teardown_protection(self) -> None:
         """Stop this generation's pipeline and replicator; the replicas it held stay usable (retained)."""
         if self.protection is not None:
-            self.retained = merge_replicas(self.retained, self.protection.close())
+            self.rs.retained = merge_replicas(self.rs.retained, self.protection.close())
             self.protection = None
 
     def protect_due(self, step: int) -> bool:
         """Is S_step protected? Every ``every``-th step from the run's first step or the last recovery's R: the
         same steps on every rank (a joiner learns ``every`` in the recovery, ``after_recovery``)."""
-        if self.base is None:
-            self.base = step
-        return step != self.protected_step and (step - self.base) % self.every == 0
+        rs = self.rs
+        if rs.base is None:
+            rs.base = step
+        return step != rs.protected_step and (step - rs.base) % rs.every == 0
 
     def cadence_bound(self) -> int:
         """The largest cadence any rank of this generation may have protected with (a recovery plan looks that far
@@ -255,11 +258,12 @@ class ProtectedTraining:
         """Step k's boundary, protected or not: its envelope (RNG, data position...) and buffers, what a rollback
         of the live state to k restores (the forward may have run: dropout draws, BatchNorm statistics)."""
         meta = state.capture_envelope(step, self.objs, {"shard": str(self.layout().shard_of(self.ctx.rank)), "rank": self.ctx.rank})
-        self.metas[step] = meta
-        for old in [s for s in self.metas if s < step - 2]:
-            del self.metas[old]
-        self.boundary_buffers = state.buffers_now(self.objs.module)
-        self.boundary_step = step
+        rs = self.rs
+        rs.metas[step] = meta
+        for old in [s for s in rs.metas if s < step - 2]:
+            del rs.metas[old]
+        rs.boundary_buffers = state.buffers_now(self.objs.module)
+        rs.boundary_step = step
         return meta
 
     def protect_now(self, step: int) -> None:
@@ -267,8 +271,8 @@ class ProtectedTraining:
         if self.protection is None:
             self.start_protection(self.ctx.gen)
         meta = self.capture_boundary(step)
-        self._persist(self.last_protected, step)
-        self.last_protected = step
+        self._persist(self.rs.last_protected, step)
+        self.rs.last_protected = step
         self.protection.protect(step, meta)
         self._report_protection(step)
 
@@ -291,8 +295,8 @@ class ProtectedTraining:
         optim, local, meta = persist.load(step_dir, self.ctx.rank)
         state.load_local(self.objs, optim, local, meta)
         state.restore_envelope(meta, self.objs)
-        self.metas[k] = meta
-        self.step_idx = self.first_step = k
+        self.rs.metas[k] = meta
+        self.rs.step = self.rs.first_step = k
         STATE.stepped(k)
         log.info(f"resumed from the persistent checkpoint of step {k} ({step_dir})")
 
@@ -301,7 +305,7 @@ class ProtectedTraining:
         first step) or the run is past its first step."""
         if self._reported_layouts == self.ctx.gen:
             return
-        if not state.optim_named(self.objs.optimizer) and step <= (self.first_step or 0):
+        if not state.optim_named(self.objs.optimizer) and step <= (self.rs.first_step or 0):
             return
         self._reported_layouts = self.ctx.gen
         size = lambda named: sum(t.numel() * t.element_size() for _, t in named)  # noqa: E731
@@ -316,7 +320,7 @@ class ProtectedTraining:
         self.ctx.report(protocol.Protection(**info))
 
     def held_replicas(self) -> dict:
-        return merge_replicas(self.retained, self.protection.replicas() if self.protection is not None else {})
+        return merge_replicas(self.rs.retained, self.protection.replicas() if self.protection is not None else {})
 
     def d2h_committed(self) -> dict:
         return self.d2h.committed() if self.d2h is not None else {}
@@ -342,37 +346,38 @@ class ProtectedTraining:
         """Before the first step: a joiner (or a rank whose first generation replaced the one it started in)
         recovers through the same entry point as the survivors; the others build DDP, and a failure while they
         do (a peer lost before the first step) is recovered from like any other."""
+        rs = self.rs
         if not self._pending:
             if not self._wrapped:
                 self._wrapped = True
-                if self.ctx.env.resume and self.protect_on and self.first_step is None:
+                if self.ctx.env.resume and self.protect_on and rs.first_step is None:
                     self.resume_from_checkpoint()
                 try:
                     self.wrap()
                 except Exception as e:  # noqa: BLE001
-                    if self.first_step is None:
-                        self.first_step = self.step_idx
+                    if rs.first_step is None:
+                        rs.first_step = rs.step
                     if not self.is_failure(e):
                         raise
                     self.recover(e)
             return
         self._pending = False
         self._wrapped = True
-        live = None if self.ctx.joining else (self.step_idx, True)
-        if live is not None and self.first_step is None:
-            self.first_step = self.step_idx
-        RecoverySession(self).run(self.ctx.gen, live, {"t0": time.time()}, formed=True)
+        live = None if self.ctx.joining else (rs.step, True)
+        if live is not None and rs.first_step is None:
+            rs.first_step = rs.step
+        RecoverySession(self.ctx, rs, self).run(self.ctx.gen, live, {"t0": time.time()}, formed=True)
 
     def recover(self, cause: BaseException) -> None:
         """The step guard caught a failure: quiesce, then recover in the next generation."""
         marks = {"t0": time.time()}
         ctx = self.ctx
         STATE.enter("recovering")
-        log.info(f"step {self.step_idx}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")
+        log.info(f"step {self.rs.step}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")
         ctx.abort_groups()  # pending transfers of the pipeline fail at once instead of timing out
         if not ctx.abandoned():  # the supervisor may not know yet (e.g. a transient link fault)
             ctx.report(protocol.RankError(gen=ctx.gen, error={"type": type(cause).__name__, "message": str(cause)[:2000]}))
-        live = (self.step_idx, not self.opt_started)
+        live = self.rs.live()
         self.teardown_protection()
         try:
             if self.d2h is not None:
@@ -380,10 +385,14 @@ class ProtectedTraining:
         except Exception:  # noqa: BLE001 -- a copy that failed: the previous snapshot stays committed
             pass
         self.objs.module.zero_grad(set_to_none=True)
-        self.model = self.objs.module  # drop DDP (it holds the old group) before the group is destroyed
+        self.unwrap()  # drop DDP (it holds the old group) before the group is destroyed
         marks["quiesced"] = time.time()
         log.info(f"quiesced in {marks['quiesced'] - marks['t0']:.3f}s")
-        RecoverySession(self).run(ctx.wait_new_gen(ctx.gen), live, marks, formed=False)
+        RecoverySession(ctx, self.rs, self).run(ctx.wait_new_gen(ctx.gen), live, marks, formed=False)
+
+    def unwrap(self) -> None:
+        """The bare module again: DDP holds the generation's process group."""
+        self.model = self.objs.module
 
     def restore_local(self, R: int, live: tuple[int, bool]) -> None:
         """A survivor rolls back to S_R: from its committed local snapshot of R when it has one (everything:
@@ -398,9 +407,9 @@ class ProtectedTraining:
         else:
             live_step, live_clean = live
             assert live_clean and live_step == R, f"no snapshot of step {R} and the live state is of step {live_step}"
-            meta = self.metas.get(R)
-            if self.boundary_step == R:
-                state.load_buffers(self.objs.module, self.boundary_buffers)
+            meta = self.rs.metas.get(R)
+            if self.rs.boundary_step == R:
+                state.load_buffers(self.objs.module, self.rs.boundary_buffers)
         if meta is not None:
             state.restore_envelope(meta, self.objs)
 
@@ -412,38 +421,11 @@ class ProtectedTraining:
             optim, _, meta = persist.load(self.ctx.env.resume, self.ctx.rank)
             return optim, meta
         shard = dict(self.shard_named(state.buffers_now(self.objs.module)))
-        return shard, self.metas.get(R) or state.capture_envelope(R, self.objs)
+        return shard, self.rs.metas.get(R) or state.capture_envelope(R, self.objs)
 
-    def after_recovery(self, R: int, first: int) -> None:
-        self.first_step = first if self.first_step is None else min(self.first_step, first)
-        self.protected_step = self.last_protected = R
-        # the cadence of this generation: the supervisor's (raised when the copy did not fit), else the setting
-        self.base, self.every = R, (protocol.read_protect_every(self.ctx.store) if self.ctx.managed else 0) or self.settings.protect_every
-        self.step_idx = R
-        self.opt_started = False
-        self.retained = {}  # every shard of S_R is in two places again: the old replicas are freed
+    def resumed(self, R: int, first: int) -> None:
+        """The recovery resumed at R: every shard of S_R is in two places again (the old replicas are freed) and
+        the cadence restarts there, the supervisor's (raised when the copy did not fit) or the setting."""
+        every = (protocol.read_protect_every(self.ctx.store) if self.ctx.managed else 0) or self.settings.protect_every
+        self.rs.resumed_at(R, first, every)
         STATE.stepped(R)
-
-    def give_up(self, reason: str, live) -> None:
-        """Recovery from memory is impossible: save what survives (DCP format) and stop with the reason."""
-        path = None
-        if live is not None:
-            try:
-                import torch.distributed.checkpoint as dcp
-
-                path = os.path.join(self.ctx.env.run_dir, "fallback", f"rank{self.ctx.rank}")
-                saved = {
-                    "model": dict(state.param_named(self.objs.module)),
-                    "optim": dict(state.optim_named(self.objs.optimizer)),
-                    "step": torch.tensor(live[0]),
-                }
-                dcp.save(saved, checkpoint_id=path, no_dist=True)
-                self.ctx.report(protocol.CheckpointSaved(path=path, step=live[0], rank_saved=self.ctx.rank))
-            except Exception as e:  # noqa: BLE001
-                path = f"failed: {e}"
-        self.ctx.report(protocol.Unrecoverable(reason=reason, checkpoint=path))
-        # the supervisor stops the job once every rank has saved what it holds; wait for it (bounded)
-        deadline = time.monotonic() + self.ctx.recovery_timeout
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-

@@ -52,3 +52,51 @@ def test_every_message_is_a_protocol_dataclass(tmp_path):
     (tmp_path / "phoenix_launch").mkdir()
     (tmp_path / "runtime" / "x.py").write_text('ctx.report({"type": "rank_error", "fatal": False})\nq.put(dict(type="stop"))\n')
     assert list(_calls_with_a_dict(tmp_path)) == ["runtime/x.py:1", "runtime/x.py:2"]
+
+
+def _reached(path: Path, cls: str, names: tuple[str, ...]) -> dict[str, set[str]]:
+    """name -> the attributes ``self.<name>.X`` (or a local bound to ``self.<name>``) the methods of ``cls`` reach."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    out: dict[str, set[str]] = {n: set() for n in names}
+    for fn in (n for n in node.body if isinstance(n, ast.FunctionDef)):
+        alias = {n: n for n in names}  # locals bound to self.<name> (``ops, rs = self.ops, self.rs``)
+        for a in ast.walk(fn):
+            if isinstance(a, ast.Assign):
+                targets = a.targets[0].elts if isinstance(a.targets[0], ast.Tuple) else [a.targets[0]]
+                values = a.value.elts if isinstance(a.value, ast.Tuple) else [a.value]
+                for t, v in zip(targets, values):
+                    if isinstance(t, ast.Name) and isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) \
+                            and v.value.id == "self" and v.attr in names:
+                        alias[t.id] = v.attr
+        for a in ast.walk(fn):
+            if not isinstance(a, ast.Attribute):
+                continue
+            base = a.value
+            if isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id == "self" and base.attr in names:
+                out[base.attr].add(a.attr)
+            elif isinstance(base, ast.Name) and base.id in alias:
+                out[alias[base.id]].add(a.attr)
+    return out
+
+
+def test_the_step_guard_and_the_recovery_reach_only_the_rank_state_and_the_training_ops():
+    """The step guard and the recovery session get the rank's state (``RankState``) and the training's operations
+    (``TrainingOps``) as parameters; every attribute they reach on either is declared there: nothing else of the
+    training object is reachable from them."""
+    import dataclasses
+    import typing
+
+    from phoenix_runtime.rank_state import RankState, TrainingOps
+
+    fields = {f.name for f in dataclasses.fields(RankState)} | {n for n in vars(RankState) if not n.startswith("__")}
+    ops = set(typing.get_type_hints(TrainingOps)) | {n for n in vars(TrainingOps) if not n.startswith("_")}
+    for path, cls in ((ROOT / "runtime" / "step_guard.py", "StepGuard"),
+                      (ROOT / "runtime" / "recover" / "recovery_session.py", "RecoverySession")):
+        reached = _reached(path, cls, ("rs", "ops"))
+        assert reached["rs"] and reached["ops"], (cls, reached)
+        assert reached["rs"] <= fields, (cls, reached["rs"] - fields)
+        assert reached["ops"] <= ops, (cls, reached["ops"] - ops)
+        assert not _reached(path, cls, ("t",))["t"], cls  # no training object held as ``self.t``

@@ -92,14 +92,16 @@ def test_k1_holder_and_replica_lost_stops_cleanly_with_a_checkpoint(tmp_path):
     assert "survives nowhere" in r.stderr
     end = of_type(events(run_dir), "job_end")[0]
     assert end["exit_code"] == 3
-    import torch
-    import torch.distributed.checkpoint as dcp
+    from phoenix_runtime.recover import persist
 
-    saved = sorted((run_dir / "fallback").iterdir())
-    assert saved, "the surviving state is saved"
-    st = {"step": torch.tensor(0)}
-    dcp.load(st, checkpoint_id=str(saved[0]), no_dist=True)
-    assert 5 <= int(st["step"]) <= 6
+    # what survives is saved as the persistent checkpoints are: node2's ranks' newest committed S_k, never
+    # COMPLETE (the lost ranks' state survives nowhere), each loadable as a rank's state at step k
+    saved = sorted((run_dir / "persist").glob("step_*/rank*"))
+    assert sorted(p.name for p in saved) == ["rank4", "rank5"], saved
+    assert not list((run_dir / "persist").glob("step_*/COMPLETE"))
+    for rank_dir in saved:
+        optim, local, meta = persist.load(str(rank_dir.parent), int(rank_dir.name[4:]))
+        assert 5 <= meta["step"] <= 6 and optim and local, (rank_dir, meta["step"])
     assert not job_processes(run_dir)
 
 

@@ -30,7 +30,6 @@ class MsgType(str, Enum):
     UNRECOVERABLE = "unrecoverable"
     PROTECTION = "protection"
     FAULT_FIRED = "fault_fired"
-    CHECKPOINT = "checkpoint"
     PERSISTED = "persisted"
     NODE_PROBE = "node_probe"
     REFUSED = "refused"  # values a reader refused (unsigned, forged, replayed): see ``auth``
@@ -206,14 +205,6 @@ class FaultFired(RankMessage):
 
 
 @dataclass(frozen=True)
-class CheckpointSaved(RankMessage):
-    TYPE: ClassVar[MsgType] = MsgType.CHECKPOINT
-    path: str = ""
-    step: int | None = None
-    rank_saved: int | None = None
-
-
-@dataclass(frozen=True)
 class Persisted(RankMessage):
     TYPE: ClassVar[MsgType] = MsgType.PERSISTED  # this rank's persistent checkpoint of ``step`` is written
     step: int = 0
@@ -291,7 +282,7 @@ class RankFault(Message):
 MESSAGE_CLASSES: dict[MsgType, type] = {
     cls.TYPE: cls
     for cls in (AgentUp, RankExit, RankHang, NodeProbe, RefusedReport, RankError, ReplicaFailed, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
-                FaultFired, CheckpointSaved, Persisted, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
+                FaultFired, Persisted, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
 }
 _FIELDS = {t: {f.name: f for f in fields(c)} for t, c in MESSAGE_CLASSES.items()}
 

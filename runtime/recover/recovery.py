@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
 
 from phoenix_runtime.plane.context import UnrecoverableError
 
@@ -60,12 +60,37 @@ class Plan:
     fresh: tuple[int, ...] = ()  # those joiners
 
 
-def plan_for_layout(descs: list[Descriptor], layout, world_size: int, *, replicated: bool, every: int = 1) -> Plan:
-    """``plan_recovery`` with the DP groups and shard ids of ``layout`` (``layout.Layout``): the one way both a
-    recovery and a salvage turn the generation's descriptors into a plan."""
+class Outcome(str, Enum):
+    RESUME = "resume"  # every joiner takes its state from the survivors: training goes on at R
+    SALVAGE = "salvage"  # no node to recover onto, but S_R survives complete in memory: written, then the job stops
+    GIVE_UP = "give_up"  # S_R survives nowhere complete: each rank saves what it holds, the supervisor falls back
+
+
+@dataclass(frozen=True)
+class Course:
+    """What a generation's descriptors allow: the outcome, its plan (resume, salvage) and why (give up)."""
+
+    outcome: Outcome
+    plan: Plan | None = None
+    reason: str = ""
+
+
+def plan_for_layout(descs: list[Descriptor], layout, world_size: int, *, replicated: bool, every: int = 1,
+                    lost: tuple[int, ...] = ()) -> Course:
+    """The one way a recovery turns its generation's descriptors into its course: ``plan_recovery`` with the DP
+    groups and shard ids of ``layout`` (``layout.Layout``). ``lost``: ranks given up for good (a salvage
+    generation): they are planned as joiners that never come, and their state is written instead of sent."""
     ranks = range(world_size)
-    return plan_recovery(descs, {r: layout.dp_group(r) for r in ranks}, {r: str(layout.shard_of(r)) for r in ranks},
-                         replicated=replicated, every=every)
+    try:
+        plan = plan_recovery(descs, {r: layout.dp_group(r) for r in ranks}, {r: str(layout.shard_of(r)) for r in ranks},
+                             replicated=replicated, every=every)
+    except UnrecoverableError as e:
+        return Course(Outcome.GIVE_UP, reason=str(e))
+    if not lost:
+        return Course(Outcome.RESUME, plan)
+    if plan.fresh:
+        return Course(Outcome.GIVE_UP, reason="nothing to save before the first step completed")
+    return Course(Outcome.SALVAGE, plan)
 
 
 def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shard_of: dict[int, str], replicated: bool,

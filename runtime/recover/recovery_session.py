@@ -1,12 +1,19 @@
 """The recovery session: Algorithm 2 on this rank, ONE entry point for survivors and joiners alike.
 
-    RecoverySession(training).run(gen, live, marks)
+    RecoverySession(ctx, rank_state, ops).run(gen, live, marks, formed)
 
 ``live`` is what this rank holds: ``(live_step, live_clean)`` for a survivor, ``None`` for a joiner (the one
 representation of "who is joining"). Each generation is tried with its own recovery deadline: form its
-groups, exchange descriptors, plan, roll back / transfer (through the ``Transport`` on the generation's
-gloo group, checksum-verified, resent on a mismatch), rebuild DDP/ZeRO, re-protect S_R, barrier. A failure in
-any phase abandons that generation: its protection session is torn down, and the next one starts clean.
+groups, exchange descriptors, and plan; the plan's outcome (``recovery.Outcome``) is one of
+
+- resume: roll back / transfer (through the ``Transport`` on the generation's gloo group, checksum-verified,
+  resent on a mismatch), rebuild DDP/ZeRO, re-protect S_R, barrier;
+- salvage (a generation with ranks lost for good, formed without a process group): write S_R of every rank
+  from memory (``salvage.write_from_memory``), then wait to be stopped;
+- give up (no complete S_R survives): write this rank's newest committed snapshot the same way, report, wait.
+
+A failure in any phase abandons that generation: its protection session is torn down, and the next one starts
+clean.
 Fault-injection points: ``recover_exchange``, ``recover_params``, ``recover_optim``,
 ``recover_reprotect``, ``recover_barrier``.
 """
@@ -22,23 +29,26 @@ from phoenix_runtime.plane import protocol
 from phoenix_runtime import state
 from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.control import STATE
-from phoenix_runtime.recover.recovery import Descriptor, Plan, plan_for_layout
+from phoenix_runtime.rank_state import RankState, TrainingOps
+from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, plan_for_layout
 from phoenix_runtime.protection.replication import recv_snapshot, send_snapshot
-from phoenix_runtime.recover.salvage import salvage
+from phoenix_runtime.recover.salvage import wait_to_be_stopped, write_from_memory
 from phoenix_runtime.protection.wire import recv_named, send_named
 
 log = logging.getLogger(__name__)
 
 
 class RecoverySession:
-    def __init__(self, training):
-        self.t = training  # the ProtectedTraining being recovered
-        self.ctx = training.ctx
+    """One recovery of this rank: ``ctx`` its control plane, ``rs`` its state (read and updated), ``ops`` the
+    operations on its model, optimizer and protection (``rank_state.TrainingOps``)."""
+
+    def __init__(self, ctx, rs: RankState, ops: TrainingOps):
+        self.ctx, self.rs, self.ops = ctx, rs, ops
 
     # --- the entry point -------------------------------------------------------------------------------
     def run(self, gen: int, live: tuple[int, bool] | None, marks: dict, formed: bool) -> None:
         """Recover in generation ``gen`` (formed already when ``formed``), or in the next ones if it fails."""
-        ctx = self.ctx
+        ctx, ops = self.ctx, self.ops
         STATE.enter("recovering")
         self.live = live  # updated as the state changes: a survivor rolled back, or a joiner that installed S_R
         first = [formed]  # only the first generation tried may be formed already
@@ -46,83 +56,130 @@ class RecoverySession:
         def attempt(g: int) -> None:
             deadline = time.monotonic() + ctx.recovery_timeout  # each generation gets its own
             formed_now, first[0] = first[0], False
+            lost: tuple[int, ...] = ()
             if not formed_now:
                 mem = protocol.read_members(ctx.store, g)
-                if mem.lost:  # no node to recover onto
-                    salvage(self.t, g, mem, self.live)
-                ctx.abort_groups()
-                ctx.destroy_groups()
-                ctx.form(g, deadline)
+                lost = tuple(mem.lost)
+                if lost:  # a salvage generation: no process group (the lost ranks never join one)
+                    if ctx.rank in lost:  # a rank of a node given up for lost that still runs: nothing to add
+                        raise UnrecoverableError(f"{ctx.node} is given up for lost")
+                    ctx.gen, ctx.members = g, mem
+                else:
+                    ctx.abort_groups()
+                    ctx.destroy_groups()
+                    ctx.form(g, deadline)
             marks["formed"] = time.time()
-            self._recover_in(g, marks, deadline)
+            course = self._course(g, lost, deadline)
+            if course.outcome is Outcome.RESUME:
+                self._resume(g, course.plan, marks, deadline)
+            elif course.outcome is Outcome.SALVAGE:
+                self._salvage(g, course.plan, deadline)
+            else:
+                self._give_up(g, course.reason, deadline, salvaging=bool(lost))
 
         def cleanup() -> None:
-            self.t.teardown_protection()
-            self.t.model = self.t.objs.module
+            ops.teardown_protection()
+            ops.unwrap()
 
         ctx.through_generations(gen, attempt, cleanup=cleanup, what="abandoned during its recovery",
-                                retry=lambda e: self.t.is_failure(e) or isinstance(e, (GenerationAbandoned, TimeoutError)))
+                                retry=lambda e: ops.is_failure(e) or isinstance(e, (GenerationAbandoned, TimeoutError)))
 
-    # --- one generation ---------------------------------------------------------------------------------
-    def _recover_in(self, gen: int, marks: dict, deadline: float) -> None:
-        ctx, t, live = self.ctx, self.t, self.live
-        t.faults.where(ctx.rank, gen)
-        t.faults.fire(live[0] if live is not None else None, "recover_exchange")  # a joiner's step: not known yet
-        t.reparallelize(gen)  # the mesh's groups: the first collective of the generation, on every rank
-        layout = t.layout()
-        raw = ctx.exchange(gen, self.descriptor(live).to_json(), deadline)
-        descs = [Descriptor.from_json(d) for d in raw]
-        try:
-            plan = plan_for_layout(descs, layout, ctx.world_size, replicated=t.replicated, every=t.cadence_bound())
-        except UnrecoverableError as e:
-            t.give_up(str(e), live)
-            raise
-        R = plan.step
-        if t.first_step is None:
-            t.first_step = plan.first_step  # a joiner learns where the run started
-        params = "parameter shards with the replicas" if t.params_sharded else f"params from {plan.param_src}"
-        log.info(f"generation {gen}: plan: resume at step {R}, joiners {list(plan.joiners)}, {params}, "
-                 f"replicas from {plan.optim_src}{', fresh ' + str(list(plan.fresh)) if plan.fresh else ''}")
-        marks["planned"] = time.time()
-        t.rebuild_optimizer()  # ZeRO on the new group, in place (the user's scheduler keeps acting on it)
-        if live is not None:
-            t.restore_local(R, live)
-            self.live = (R, True)  # if this generation is abandoned now, the live state is S_R
-        marks["local"] = time.time()
-        transport = ctx.new_transport(0)
-        t.faults.fire(R, "recover_params")
-        local = self._transfer_params(plan, transport, live)
-        marks["params"] = time.time()
-        t.faults.fire(R, "recover_optim")
-        self._transfer_replicas(plan, transport, local)
-        marks["optim"] = time.time()
-        t.wrap()  # DDP on the new group (its init broadcast is harmless: parameters agree now)
-        t.step_idx = R
-        t.faults.fire(R, "recover_reprotect")
-        t.start_protection(gen)
-        t.protect_now(R)
-        t.protection.wait(R, ctx.check_generation)
-        t.faults.fire(R, "recover_barrier")
-        dist.barrier()
-        self._finish(gen, plan, live, marks)
+    # --- the plan ---------------------------------------------------------------------------------------
+    def _course(self, gen: int, lost: tuple[int, ...], deadline: float) -> Course:
+        """Every rank's descriptor (the survivors' only, in a salvage generation) -> the plan's outcome."""
+        ctx, ops, live = self.ctx, self.ops, self.live
+        if not lost:
+            ops.faults.where(ctx.rank, gen)
+            ops.faults.fire(live[0] if live is not None else None, "recover_exchange")  # a joiner's step: not known yet
+            ops.reparallelize(gen)  # the mesh's groups: the first collective of the generation, on every rank
+        survivors = [r for r in range(ctx.world_size) if r not in lost] if lost else None
+        # a salvage writes committed local snapshots only: the live state may be mid-step
+        mine = self.descriptor(live, live_usable=not lost)
+        descs = [Descriptor.from_json(d) for d in ctx.exchange(gen, mine.to_json(), deadline, ranks=survivors)]
+        descs += [Descriptor(j, has_state=False) for j in lost]
+        return plan_for_layout(descs, ops.layout(), ctx.world_size, replicated=ops.replicated, every=ops.cadence_bound(),
+                               lost=lost)
 
-    def descriptor(self, live) -> Descriptor:
-        t = self.t
+    def descriptor(self, live, live_usable: bool = True) -> Descriptor:
         if live is None:
             return Descriptor(self.ctx.rank, has_state=False)
         reps: dict[str, list[int]] = {}
-        for shard, by_step in t.held_replicas().items():
+        for shard, by_step in self.ops.held_replicas().items():
             reps[str(shard)] = sorted(set(reps.get(str(shard), [])) | set(by_step))
-        return Descriptor(self.ctx.rank, True, live[0], live[1], tuple(sorted(t.d2h_committed())), reps, t.first_step)
+        return Descriptor(self.ctx.rank, True, live[0], live[1] and live_usable, tuple(sorted(self.ops.d2h_committed())),
+                          reps, self.rs.first_step or 0)
+
+    # --- the three outcomes -----------------------------------------------------------------------------
+    def _resume(self, gen: int, plan: Plan, marks: dict, deadline: float) -> None:
+        """Roll back / transfer S_R, rebuild, re-protect it, barrier: training goes on at R."""
+        ctx, ops, rs, live = self.ctx, self.ops, self.rs, self.live
+        R = plan.step
+        if rs.first_step is None:
+            rs.first_step = plan.first_step  # a joiner learns where the run started
+        params = "parameter shards with the replicas" if ops.params_sharded else f"params from {plan.param_src}"
+        log.info(f"generation {gen}: plan: resume at step {R}, joiners {list(plan.joiners)}, {params}, "
+                 f"replicas from {plan.optim_src}{', fresh ' + str(list(plan.fresh)) if plan.fresh else ''}")
+        marks["planned"] = time.time()
+        ops.rebuild_optimizer()  # ZeRO on the new group, in place (the user's scheduler keeps acting on it)
+        if live is not None:
+            ops.restore_local(R, live)
+            self.live = (R, True)  # if this generation is abandoned now, the live state is S_R
+        marks["local"] = time.time()
+        transport = ctx.new_transport(0)
+        ops.faults.fire(R, "recover_params")
+        local = self._transfer_params(plan, transport, live)
+        marks["params"] = time.time()
+        ops.faults.fire(R, "recover_optim")
+        self._transfer_replicas(plan, transport, local)
+        marks["optim"] = time.time()
+        ops.wrap()  # DDP on the new group (its init broadcast is harmless: parameters agree now)
+        rs.step = R
+        ops.faults.fire(R, "recover_reprotect")
+        ops.start_protection(gen)
+        ops.protect_now(R)
+        ops.protection.wait(R, ctx.check_generation)
+        ops.faults.fire(R, "recover_barrier")
+        dist.barrier()
+        self._finish(gen, plan, live, marks)
+
+    def _salvage(self, gen: int, plan: Plan, deadline: float) -> None:
+        """S_R of every rank, the lost ones' from the replicas held here, written; then the supervisor stops the job."""
+        ctx, ops, R = self.ctx, self.ops, plan.step
+        layout = ops.layout()
+        lost = {j: ops.replica_of(str(layout.shard_of(j)), R) for j in plan.joiners if plan.optim_src[j] == ctx.rank}
+        write_from_memory(ctx, ops.d2h_committed(), R, lost, replicated=ops.replicated, timeout=deadline - time.monotonic())
+        log.info(f"generation {gen}: salvage: S_{R} written for rank {ctx.rank}"
+                 f"{' and lost rank(s) ' + str(sorted(lost)) if lost else ''}")
+        wait_to_be_stopped(deadline)
+        raise UnrecoverableError(f"salvage of step {R} done; the job was not stopped within the recovery timeout")
+
+    def _give_up(self, gen: int, reason: str, deadline: float, salvaging: bool) -> None:
+        """No complete S_R survives: save this rank's newest committed snapshot (not in a salvage generation: the
+        supervisor stops that job at once), report, wait to be stopped."""
+        ctx = self.ctx
+        if salvaging:
+            ctx.report(protocol.Unrecoverable(reason=f"nothing saved from memory: {reason}"))
+            raise UnrecoverableError(reason)
+        path = None
+        if self.live is not None:
+            try:
+                path = write_from_memory(ctx, self.ops.d2h_committed(), None, replicated=self.ops.replicated,
+                                         timeout=deadline - time.monotonic())
+            except Exception as e:  # noqa: BLE001 -- reported: the supervisor's fallback does not need this write
+                path = f"failed: {e}"
+        log.info(f"generation {gen}: recovery from memory impossible: {reason}; saved: {path}")
+        ctx.report(protocol.Unrecoverable(reason=reason, checkpoint=path))
+        wait_to_be_stopped(deadline)
+        raise UnrecoverableError(reason)
 
     def _transfer_params(self, plan: Plan, transport, live) -> dict | None:
         """Joiners receive parameters and buffers (and a replicated optimizer's state) from a DP peer."""
-        t, me, R = self.t, self.ctx.rank, plan.step
+        ops, me, R = self.ops, self.ctx.rank, plan.step
         timeout = self.ctx.recovery_timeout
         local = None
         for j in plan.joiners:
             if me == plan.param_src[j]:
-                send_named(transport, j, dict(t.local_named()), {}, R, timeout,
+                send_named(transport, j, dict(ops.local_named()), {}, R, timeout,
                            resends=self.ctx.settings.resends)
             elif me == j:
                 local, _ = recv_named(transport, plan.param_src[j], R, timeout, resends=self.ctx.settings.resends)
@@ -131,26 +188,26 @@ class RecoverySession:
     def _transfer_replicas(self, plan: Plan, transport, local: dict | None) -> None:
         """Joiners receive their own replica of S_R (optimizer shard + envelope) from a holder, or keep their
         own fresh state at the first step; then a joiner installs everything."""
-        t, me, R = self.t, self.ctx.rank, plan.step
+        ops, me, R = self.ops, self.ctx.rank, plan.step
         timeout = self.ctx.recovery_timeout
         for j in plan.joiners:
             if me == plan.optim_src[j] and j not in plan.fresh:
-                send_snapshot(transport, j, t.replica_of(str(t.layout().shard_of(j)), R), timeout,
+                send_snapshot(transport, j, ops.replica_of(str(ops.layout().shard_of(j)), R), timeout,
                               resends=self.ctx.settings.resends)
             elif me == j:
                 if j in plan.fresh:
-                    shard, meta = t.fresh_state(R)
+                    shard, meta = ops.fresh_state(R)
                 else:
                     snap = recv_snapshot(transport, plan.optim_src[j], timeout, step=R, resends=self.ctx.settings.resends)
                     shard, meta = snap.views()[0], snap.meta  # its own buffer; load_local copies it in
-                state.load_local(t.objs, shard, local or {}, meta)
-                state.restore_envelope(meta, t.objs)
-                t.metas[R] = meta
+                state.load_local(ops.objs, shard, local or {}, meta)
+                state.restore_envelope(meta, ops.objs)
+                self.rs.metas[R] = meta
                 self.live = (R, True)  # it holds S_R now: if this generation is abandoned, it is a survivor
 
     def _finish(self, gen: int, plan: Plan, live, marks: dict) -> None:
-        ctx, t = self.ctx, self.t
-        t.after_recovery(plan.step, plan.first_step)
+        ctx = self.ctx
+        self.ops.resumed(plan.step, plan.first_step)
         ctx.joining = False
         ctx.delete_old_keys()
         t_end = time.time()
@@ -162,7 +219,7 @@ class RecoverySession:
             "optim_restore_s": round(marks["optim"] - marks["params"], 4),
             "resume_s": round(t_end - marks["optim"], 4),
         }
-        t.stats["recoveries"].append({"gen": gen, "step": plan.step, **breakdown})
+        self.rs.stats["recoveries"].append({"gen": gen, "step": plan.step, **breakdown})
         log.info(f"generation {gen}: resumed at step {plan.step} ({breakdown})")
         ctx.report(protocol.Recovered(gen=gen, step=plan.step, replayed=plan.replayed.get(ctx.rank, 0), joiner=live is None,
                                       breakdown=breakdown))

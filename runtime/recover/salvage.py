@@ -1,64 +1,53 @@
-"""The salvage: no node is left to hot-swap onto, but the survivors' memory may still hold a complete S_R.
+"""Saving what survives in memory: the one writer of a recovery that cannot resume.
 
-The supervisor publishes a salvage generation (``Membership.lost``: the ranks lost for good) instead of
-stopping at once. Every survivor, quiesced already, publishes its descriptor (committed local snapshots and
-the replicas it holds) through the store -- no process group: the lost ranks will never join one -- and
-computes the same plan as a recovery would (``plan_recovery``, the lost ranks as joiners). When every
-lost rank's state at R survives in a replica, each survivor writes its own S_R as a persistent checkpoint,
-and the holder of each lost rank's replica writes that rank's (its optimizer shard and envelope from the
-replica, its parameters and buffers from the holder's own S_R: a data-parallel peer's are the same). The
-supervisor marks the step complete as for any checkpoint, then stops the job, resumable from it with
-nothing lost: ``phoenix-run --resume RUN_DIR``, or a Slurm requeue.
+Two outcomes of a recovery's plan (``recovery.Outcome``) end the training in this process, and both save here,
+in the persistent checkpoints' format (``persist.Persister``: one DCP directory per rank under
+``<run_dir>/persist/step_<k>``, reported with ``Persisted``; the supervisor marks a step ``COMPLETE`` when every
+rank's is in, and only complete steps are ever resumed from):
+
+- **salvage**: no node is left to hot-swap onto (``Membership.lost``: the ranks lost for good), but S_R survives
+  complete in memory. Each survivor writes its own S_R, and the holder of each lost rank's replica writes that
+  rank's (its optimizer shard and envelope from the replica, its parameters and buffers from the holder's own
+  S_R: a data-parallel peer's are the same). Complete, the job stops resumable from it, nothing lost.
+- **give up**: S_R survives nowhere complete (a shard lost with every replica). Each survivor writes its newest
+  committed local snapshot: never complete (the lost ranks write nothing), kept for a reader who salvages by
+  hand, while the supervisor falls back to the newest complete checkpoint.
 """
 
 from __future__ import annotations
 
-import logging
+import os
 import time
 
 from phoenix_runtime.recover import persist
 from phoenix_runtime.plane import protocol
-from phoenix_runtime.plane.context import UnrecoverableError
-from phoenix_runtime.recover.recovery import Descriptor, plan_for_layout
-
-log = logging.getLogger(__name__)
 
 
-def salvage(t, gen: int, mem: protocol.Membership, live) -> None:
-    """Write S_R of every rank from this rank's memory where it is the one that holds it; then wait (bounded)
-    for the supervisor to stop the job. Raises ``UnrecoverableError`` at the end: this process trains no more."""
-    ctx = t.ctx
-    if ctx.rank in mem.lost:  # a rank of a node given up for lost that still runs: it has nothing to add
-        raise UnrecoverableError(f"{ctx.node} is given up for lost")
-    ctx.gen, ctx.members = gen, mem
-    deadline = time.monotonic() + ctx.recovery_timeout
-    survivors = [r for r in range(ctx.world_size) if r not in mem.lost]
-    reps = {str(s): sorted(by_step) for s, by_step in t.held_replicas().items()}
-    # committed local snapshots only: the live state is not written (it may be mid-step)
-    mine = Descriptor(ctx.rank, live is not None, live[0] if live else None, False, tuple(sorted(t.d2h_committed())), reps,
-                      t.first_step or 0)
-    descs = [Descriptor.from_json(d) for d in ctx.exchange(gen, mine.to_json(), deadline, ranks=survivors)]
-    descs += [Descriptor(j, has_state=False) for j in mem.lost]
-    layout = t.layout()
-    try:
-        plan = plan_for_layout(descs, layout, ctx.world_size, replicated=t.replicated, every=t.cadence_bound())
-        if plan.fresh:
-            raise UnrecoverableError("nothing to save before the first step completed")
-    except UnrecoverableError as e:
-        ctx.report(protocol.Unrecoverable(reason=f"nothing saved from memory: {e}"))
-        raise
-    R = plan.step
-    own = t.d2h_committed()[R]
+def write_from_memory(ctx, committed: dict, step: int | None, lost: dict | None = None, *, replicated: bool,
+                      timeout: float) -> str | None:
+    """Write this rank's committed local snapshot of ``step`` (the newest when None) and, for each lost rank
+    ``j`` of ``lost`` (j -> the replica of its S_step held here), rank j's; wait (bounded) for the writes.
+    Returns this rank's directory, or None when it holds no committed snapshot. A step already complete on
+    disk is not written again (the same state; a write interrupted there would spoil a checkpoint)."""
+    if step is None:
+        step = max(committed, default=None)
+    own = committed.get(step) if step is not None else None
+    if own is None:
+        return None
+    step_dir = protocol.persist_step_dir(ctx.env.run_dir, step)
+    path = protocol.persist_rank_dir(step_dir, ctx.rank)
+    if os.path.isfile(os.path.join(step_dir, protocol.PERSIST_COMPLETE)):
+        return path
     writer = persist.Persister(ctx.env.run_dir, ctx.rank, 0, ctx.report)
-    writer.save(R, own.optim_tensors(), own.param_tensors(), own.meta)
-    for j in plan.joiners:
-        if plan.optim_src[j] == ctx.rank:
-            rep = t.replica_of(str(layout.shard_of(j)), R)
-            optim = own.optim_tensors() if t.replicated else rep.optim_tensors()  # replicated: the same on every peer
-            writer.save(R, optim, own.param_tensors(), rep.meta, rank=j)
-    writer.close(timeout=max(1.0, deadline - time.monotonic()))
-    log.info(f"generation {gen}: salvage: S_{R} written for rank {ctx.rank}"
-             f"{' and lost rank(s) ' + str([j for j in plan.joiners if plan.optim_src[j] == ctx.rank]) if ctx.rank in plan.optim_src.values() else ''}")
-    while time.monotonic() < deadline:  # the supervisor stops the job once every rank's S_R is in
+    writer.save(step, own.optim_tensors(), own.param_tensors(), own.meta)
+    for j, rep in (lost or {}).items():
+        optim = own.optim_tensors() if replicated else rep.optim_tensors()  # replicated: the same on every peer
+        writer.save(step, optim, own.param_tensors(), rep.meta, rank=j)
+    writer.close(timeout=max(1.0, timeout))
+    return path
+
+
+def wait_to_be_stopped(deadline: float) -> None:
+    """This process trains no more: the supervisor stops the job once every rank has saved what it holds."""
+    while time.monotonic() < deadline:
         time.sleep(0.05)
-    raise UnrecoverableError(f"salvage of step {R} done; the job was not stopped within the recovery timeout")
