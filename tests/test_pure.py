@@ -122,6 +122,31 @@ def surv(rank, live, clean, local, reps, first=0):
     return Descriptor(rank, True, live, clean, tuple(local), reps, first)
 
 
+def test_the_plans_outcome_is_resume_salvage_or_give_up():
+    """``plan_for_layout`` turns a generation's descriptors into one of three outcomes, for a recovery and a
+    salvage alike: resume (every joiner's state is held), salvage (ranks lost for good, their S_R held),
+    give up (a lost shard survives nowhere; or a salvage before the first step, when nothing is to be saved)."""
+    from phoenix_runtime.layout import Layout
+    from phoenix_runtime.recover.recovery import Outcome, plan_for_layout
+
+    layout = Layout(4)
+    sh = {r: str(layout.shard_of(r)) for r in range(4)}
+    held = [surv(0, 8, True, [7, 8], {sh[1]: [7, 8]}), surv(2, 8, True, [7, 8], {sh[3]: [7, 8]}),
+            surv(3, 8, True, [7, 8], {sh[2]: [7, 8]})]
+    joiner = Descriptor(1, False)
+    resume = plan_for_layout(held + [joiner], layout, 4, replicated=False)
+    assert resume.outcome is Outcome.RESUME and resume.plan.step == 8 and resume.plan.optim_src == {1: 0}
+    salvage = plan_for_layout(held + [joiner], layout, 4, replicated=False, lost=(1,))
+    assert salvage.outcome is Outcome.SALVAGE and salvage.plan.step == 8
+    nowhere = [surv(0, 8, True, [7, 8], {}), *held[1:]]  # rank 1's replica was on rank 0 only, and lost
+    give_up = plan_for_layout(nowhere + [joiner], layout, 4, replicated=False)
+    assert give_up.outcome is Outcome.GIVE_UP and give_up.plan is None and "survives nowhere" in give_up.reason
+    first = [surv(r, 0, True, [], {}) for r in (0, 2, 3)]
+    assert plan_for_layout(first + [joiner], layout, 4, replicated=False).outcome is Outcome.RESUME  # fresh
+    early = plan_for_layout(first + [joiner], layout, 4, replicated=False, lost=(1,))
+    assert early.outcome is Outcome.GIVE_UP and "before the first step" in early.reason
+
+
 def test_plan_resumes_at_the_newest_step_every_shard_survives():
     descs = [
         surv(0, 8, True, [7, 8], {SH[3]: [6, 7]}),
