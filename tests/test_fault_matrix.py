@@ -294,7 +294,7 @@ def test_spare_dies_while_joining(tmp_path, failure_free, opt):
     assert [e["spare"] for e in of_type(job.evs, "hotswap")] == ["node2", "node3"]
 
 
-@pytest.mark.parametrize("opt", opts(full=()))
+@pytest.mark.parametrize("opt", opts(full=('adamw',)))  # the sharded layout: its replicas carry the optimizer shard
 def test_survivor_lost_during_the_recoverys_h2h(tmp_path, failure_free, opt):
     # 4 nodes of 1 rank, k=1 on a ring: node1's replica lives on node2, node3's on node0
     job = run_job(tmp_path, opt, 4, 1, 2, [crash("node1", 5), crash("node3", None, "recover_reprotect", gen=1)])

@@ -379,7 +379,9 @@ def submit_swap_job(cluster: SlurmCluster, tmp_path: Path) -> tuple[Path, Path, 
     return run_dir, dig, out, submit(cluster, batch_script(tmp_path / "job.sh", body, nodes=4), out)
 
 
-@pytest.mark.parametrize("how", ["netns-sigkill", "scontrol-down", "batch-host", "batch-host-partition"])
+# batch-host behind full: batch-host-partition takes the same takeover path (and the watchdog's cut before it)
+@pytest.mark.parametrize("how", ["netns-sigkill", "scontrol-down", pytest.param("batch-host", marks=pytest.mark.full),
+                                 "batch-host-partition"])
 def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, reference: Reference, tmp_path: Path,
                                             how: str) -> None:
     """An active node (not the BatchHost) is lost mid-run: every process of its namespace SIGKILLed (slurmd
