@@ -268,7 +268,9 @@ class Context:
             timeout=forming,
         )
         # CPU tensors (replicas, recovery transfers) travel on a gloo group of their own: never interleaved
-        # with training collectives, and an NCCL group cannot carry them
+        # with training collectives, and an NCCL group cannot carry them. Connected eagerly (every pair, while every
+        # rank is alive): with gloo's lazy connection a pair first used after its peer died can leave the lower
+        # rank waiting without a bound, on the listening side of the connect
         self.repl_group = dist.new_group(backend="gloo", timeout=forming) if self.settings.protect else None
         dist.distributed_c10d._set_pg_timeout(self.timeout)  # formed: the collectives' own timeout from now on
         if self.repl_group is not None:
