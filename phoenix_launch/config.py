@@ -87,6 +87,10 @@ class DetectConfig:
     node_timeout_s: float = 5.0  # agent heartbeat silent this long: the node is lost
     collective_timeout_s: float = RUNTIME_DEFAULTS.collective_timeout_s  # timeout given to the process groups
     settle_s: float = 0.3  # how long to gather related reports before classifying an incident
+    # ... but a lost node (its agent gone: hardware evidence, which outranks every report) settles this soon after
+    # the loss: the survivors wait for its decision. A node lost later is an incident of its own, whose
+    # generation replaces this one's
+    settle_lost_s: float = 0.1
     # one recovery generation; past it that generation is abandoned (its stragglers replaced)
     recovery_timeout_s: float = RUNTIME_DEFAULTS.recovery_timeout_s
     # a replicator broken on a healthy job (a late replica: gloo closed its pair) is repaired by re-forming the

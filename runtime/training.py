@@ -172,7 +172,10 @@ class ProtectedTraining:
         state.load_params(self.objs.module, params)
         state.load_optim(self.objs.optimizer, optim, scalars)
 
-    def wrap(self) -> None:
+    def wrap(self, synced: bool = False) -> None:
+        """DDP over this generation's group (``ddp=``). ``synced``: the parameters agree on every rank already (a
+        recovery restored S_R everywhere, each transfer checksummed), so DDP skips its broadcast of the whole model
+        from rank 0 (``init_sync=False``), a collective of the model's size per recovery."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if self.parallel is not None:  # parallelised by PHOENIX already (protect(), or reparallelize())
@@ -192,6 +195,8 @@ class ProtectedTraining:
                          "resumed run may differ from an uninterrupted one in the last bits")
             if self.ctx.backend == "nccl":
                 kw.setdefault("device_ids", [torch.cuda.current_device()])
+            if synced:
+                kw.setdefault("init_sync", False)
             self.model = DDP(self.objs.module, **kw)
         else:
             self.model = self.objs.module

@@ -294,6 +294,24 @@ def test_incident_settles_after_the_window_with_every_report():
     assert tr.current is None and tr.settle(200.0, FLEET) is None
 
 
+def test_a_lost_node_settles_its_incident_soon_after_the_loss_not_after_the_whole_window():
+    """A node's loss is decisive: the incident settles settle_lost_s (0.1) after it, with the link errors of the
+    survivors gathered so far; reports alone still wait the whole settle_s (0.3)."""
+    tr = IncidentTracker(DETECT)
+    tr.rank_failed(RankReport("n0", 0, None, None, {"type": "E", "message": "Connection closed by peer"}), 100.0, exited=False)
+    tr.node_lost("n1", 100.02)
+    assert tr.settle(100.1, FLEET) is None  # 0.08 s after the loss: still gathering
+    out = tr.settle(100.13, FLEET)
+    assert out is not None and out.signals.node_lost == ("n1",) and len(out.signals.reports) == 1
+    tr.node_lost("n1", 200.0)
+    tr.node_lost("n2", 200.05)  # a second loss inside the window joins the same incident
+    out = tr.settle(200.11, FLEET)
+    assert out is not None and out.signals.node_lost == ("n1", "n2")
+    tr.rank_failed(_exit(), 300.0, exited=True)
+    assert tr.settle(300.2, FLEET) is None  # no lost node: the whole settle_s
+    assert tr.settle(300.31, FLEET) is not None
+
+
 def test_incident_waits_for_a_node_not_reported_in_and_for_a_silent_node_but_bounded():
     tr = IncidentTracker(DETECT)
     tr.rank_failed(_exit(), 100.0, exited=True)

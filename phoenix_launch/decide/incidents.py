@@ -27,6 +27,7 @@ class Incident:
     injected: str | None = None  # the kill-node mode that opened it (events only: never the class)
     t_kill: float | None = None  # when a fault was injected (a kill-node, or a rank's configured fault)
     t_observed: float | None = None  # the first observed effect (an injection opens the incident earlier)
+    t_lost: float | None = None  # its first lost node
     wait_until: float | None = None  # its decision waits for a spare that is starting, at most until then
     next_try: float = 0.0  # while waiting: when to decide again
 
@@ -90,6 +91,7 @@ class IncidentTracker:
     def node_lost(self, node: str, now: float) -> None:
         inc = self.open(now)
         inc.t_observed = inc.t_observed or now
+        inc.t_lost = inc.t_lost or now
         if node not in inc.lost:
             inc.lost.append(node)
 
@@ -124,13 +126,16 @@ class IncidentTracker:
 
     def settle(self, now: float, fleet: FleetView) -> Settled | None:
         """The incident's outcome once it has settled, else None (keep gathering). The rules, in order:
-        nothing settles within ``settle_s``; an incident with nothing observed waits for the slowest
+        nothing settles within ``settle_s`` (``settle_lost_s`` after a node's loss); an incident with nothing observed waits for the slowest
         detector, then closes; while a node holding ranks has not reported in (its agent joins after its
         ranks) it may hold the cause (bounded by the node timeout); only link errors while a node has gone
         quiet wait for that node's heartbeat verdict (bounded the same way)."""
         inc = self.current
         d = self.detect
-        if inc is None or now - inc.t0 < d.settle_s or now < inc.next_try:
+        if inc is None or now < inc.next_try:
+            return None
+        gather = d.settle_s if inc.t_lost is None else min(d.settle_s, inc.t_lost - inc.t0 + d.settle_lost_s)
+        if now - inc.t0 < gather:
             return None
         if not inc.observed:
             bound = self.observe_bound_s()

@@ -132,7 +132,7 @@ class RecoverySession:
         ops.faults.fire(R, "recover_optim")
         self._transfer_replicas(plan, transport, local)
         marks["optim"] = time.time()
-        ops.wrap()  # DDP on the new group (its init broadcast is harmless: parameters agree now)
+        ops.wrap(synced=True)  # DDP on the new group; the parameters agree now: no broadcast of the model
         rs.step = R
         ops.faults.fire(R, "recover_reprotect")
         ops.start_protection(gen)
