@@ -185,7 +185,7 @@ class Context:
         pairs. Without protection the recovery transfers use the default group."""
         from phoenix_runtime.protection.transport import GlooTransport, MpiTransport, PairTransport
 
-        if not self.settings.protect:
+        if not (self.settings.protect and self.managed):  # torchrun's groups: no generations, no pairs
             return GlooTransport() if use == 0 else None
         if self.mpi_pairs is None:
             with self._lock:
@@ -205,12 +205,13 @@ class Context:
 
     def form_pairs(self, pairs, deadline: float | None = None) -> None:
         """Form this rank's gloo pair groups among ``pairs`` not formed yet in this generation (``pairs.py``): every
-        rank of the generation calls it with the same list at the same point. Nothing with the MPI transport or
-        without protection. While it forms them this rank does not leave their rendezvous for a newer generation
-        (the peer, which forms the same pair, could be left waiting in gloo's connect): each wait is bounded."""
+        rank of the generation calls it with the same list at the same point. Nothing with the MPI transport,
+        without protection or outside phoenix-run. While it forms them this rank does not leave their rendezvous
+        for a newer generation (the peer, which forms the same pair, could be left waiting in gloo's connect):
+        each wait is bounded, as in ``_form_groups``."""
         from phoenix_runtime.protection.pairs import form_pairs
 
-        if not self.settings.protect or self.mpi_pairs is not None or not dist.is_initialized():
+        if not (self.settings.protect and self.managed) or self.mpi_pairs is not None or not dist.is_initialized():
             return
         end = deadline if deadline is not None else time.monotonic() + self.recovery_timeout
         bound = min(self.timeout.total_seconds(), end - time.monotonic(), self.recovery_timeout / 2)
