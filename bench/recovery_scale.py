@@ -8,7 +8,7 @@ job trains (``--warm-steps`` past its first step), node1 is SIGKILLed (``phoenix
 agent and its rank), the bench waits for the ``recovery`` event and records its phases, then samples every rank:
 TCP sockets (ESTABLISHED, split by what the other end is: the control-plane store, another rank, a launcher
 process, other) and threads. Formation time per generation is read from the ranks' log lines ("every rank
-arrived" -> "process groups formed": the default gloo group and the replication group together; the runtime
+arrived" -> "process groups formed": the default gloo group and the steady-state pair groups together; the runtime
 logs no per-group time, and nothing is added to it here).
 
 Then a table per N (median over repeats), least-squares fits of recovery total and reconfigure against N and

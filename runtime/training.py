@@ -23,6 +23,7 @@ from phoenix_runtime.plane.context import Context, GenerationAbandoned, Unrecove
 from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.faults import FaultInjector
 from phoenix_runtime.parallel import reshard
+from phoenix_runtime.protection.pairs import steady_pairs
 from phoenix_runtime.protection.protection import ProtectionSession, merge_replicas
 from phoenix_runtime.quiet import quiet_unused_parameters_warning
 from phoenix_runtime.rank_state import RankState
@@ -225,18 +226,16 @@ class ProtectedTraining:
         self._hook_optimizer()
 
     def layout(self):
-        from phoenix_runtime.layout import Layout
-
-        m = self.ctx.members
-        nodes = tuple(m.slot_of(r).node for r in range(self.ctx.world_size)) if m else ()
-        doms = tuple(m.domains.get(n, "") for n in nodes) if m and m.domains else ()
-        tp = self.parallel.state_tp(self.ctx.world_size) if self.parallel is not None else self.ctx.tp
-        return Layout(self.ctx.world_size, tp_size=tp, pp_size=self.ctx.pp, nodes=nodes, domains=doms)
+        return self.ctx.layout(self.parallel.state_tp(self.ctx.world_size) if self.parallel is not None else None)
 
     # --- protection ------------------------------------------------------------------------------------------
     def start_protection(self, gen: int) -> None:
+        """This generation's protection session. Every rank starts it at the same point (a recovery's re-protection,
+        the first protected step): the pair groups it needs and the generation lacks are formed first."""
         self.teardown_protection()
-        self.protection = ProtectionSession(self.d2h, self.ctx.new_transport(1), self.layout(), self.ctx.rank, self.replicas,
+        layout = self.layout()
+        self.ctx.form_pairs(steady_pairs(layout, self.replicas))
+        self.protection = ProtectionSession(self.d2h, self.ctx.new_transport(1), layout, self.ctx.rank, self.replicas,
                                             self.settings, self.faults.copy_hook)
         self._reported_layouts = -1  # each generation reports its protection once (and after a layout change)
 

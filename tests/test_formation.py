@@ -8,12 +8,14 @@ waiting after 100 s, its 30 s timeout notwithstanding). Now both form it, then l
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 SCRIPT = Path(__file__).parent / "scripts" / "form_late_peer.py"
@@ -31,3 +33,41 @@ def test_a_rank_committed_to_a_generation_waits_for_a_late_peer_instead_of_stran
             p.kill()
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"rank {r}: formed" in out, (r, p.returncode, out, err[-2000:])
+
+
+PAIRS_SCRIPT = Path(__file__).parent / "scripts" / "form_pairs.py"
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_connects_only_the_pairs_it_uses_not_every_rank():
+    """PHOENIX's own traffic (replica ring, commit barrier, recovery transfers) goes over 2-rank gloo groups, one a
+    pair of ranks that exchange bytes (``pairs.py``): 8 real ranks form a protected generation (k=1) through
+    ``Context._form_groups``. Each holds the default group's N-1 sockets plus one a ring or tree partner (at most
+    2k + 3, here fewer than N-1: a world-sized group would double the N-1), the ring and the commit barrier run on
+    them, a peer without a pair is refused, a recovery's pairs are added for the ranks of its plan only, and an
+    abort fails the peer's pending receive at once."""
+    n, k = 8, 1
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=120))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, str(PAIRS_SCRIPT), str(r), str(n), str(k), str(store.port)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(n)]
+    try:
+        outs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    res = {}
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and out.strip(), (r, p.returncode, out, err[-3000:])
+        res[r] = json.loads(out.strip().splitlines()[-1])
+    for r, o in res.items():
+        assert o["steady_peers"] == o["expected_peers"] and 0 < len(o["steady_peers"]) <= 2 * k + 3, o
+        assert o["sockets"] == (n - 1) + len(o["steady_peers"]), o  # the default group's, and one a pair
+        assert o["from_pred"] == (r - 1) % n, o
+        added = {3: {5, 6}, 5: {3}, 6: {3}}.get(r, set())
+        assert set(o["peers"]) == set(o["steady_peers"]) | added, o
+        assert o["sockets_after_recovery_pairs"] == (n - 1) + len(o["peers"]), o
+    assert max(len(o["steady_peers"]) for o in res.values()) < n - 1
+    assert "formed no pair group with rank 4" in (res[0]["missing_pair"] or ""), res[0]
+    assert res[3]["from_5"] == 55
+    assert res[3]["abort_failed_after_s"] is not None and res[3]["abort_failed_after_s"] < 10, res[3]

@@ -65,7 +65,7 @@ class Context:
         self.joining = env.joining  # the one representation of "this rank replaces a lost one"
         self.gen = env.gen
         self.epoch = env.restart_count
-        self.repl_group = None  # a gloo group of each generation: replicas and recovery transfers
+        self.pairs: dict = {}  # this generation's gloo pair groups (pairs.py): peer -> the group of this rank and it
         self.mpi_pairs = None  # runtime.transport: mpi: (recovery, replication) maps peer -> MPI communicator
         self._transports: list = []  # this generation's transports (aborted with its groups)
         self.mesh_groups: list = []  # this generation's DeviceMesh groups (parallelize=), aborted with the others
@@ -157,15 +157,16 @@ class Context:
         world = dist.group.WORLD if dist.is_initialized() else None
         for t in self._transports:  # MPI: pending ops are cancelled (a peer is not notified; its wait is bounded)
             t.abort()
-        self._abort([self.repl_group, world, *self.mesh_groups])
+        self._abort([*self.pairs.values(), world, *self.mesh_groups])
 
     def _abort(self, groups) -> None:
         done: list = []
+        pair_groups = list(self.pairs.values())
         for g in groups:
             if g is None or any(g is d for d in done):
                 continue
             done.append(g)
-            gloo = g is self.repl_group or self.backend == "gloo"
+            gloo = any(g is p for p in pair_groups) or self.backend == "gloo"
             close_pairs(g, [p for p in range(g.size()) if p != g.rank()] if gloo else [])  # NCCL: ncclCommAbort only
 
     def add_groups(self, groups) -> None:
@@ -180,14 +181,56 @@ class Context:
 
     def new_transport(self, use: int):
         """A transport over this generation's ranks (``use``: 0 recovery transfers, 1 replication), or None
-        without protection: gloo on ``repl_group``, or MPI on the generation's pairs."""
-        from phoenix_runtime.protection.transport import GlooTransport, MpiTransport
+        without protection: gloo on the pair groups formed so far (``form_pairs``), or MPI on the generation's
+        pairs. Without protection the recovery transfers use the default group."""
+        from phoenix_runtime.protection.transport import GlooTransport, MpiTransport, PairTransport
 
-        if self.mpi_pairs is None:  # gloo; without protection the recovery transfers use the default group
-            return GlooTransport(self.repl_group) if self.repl_group is not None or use == 0 else None
+        if not (self.settings.protect and self.managed):  # torchrun's groups: no generations, no pairs
+            return GlooTransport() if use == 0 else None
+        if self.mpi_pairs is None:
+            with self._lock:
+                return PairTransport(self.pairs, self.rank, self.world_size)
         t = MpiTransport(pairs=self.mpi_pairs[use], rank=self.rank, size=self.world_size)
         self._transports.append(t)
         return t
+
+    def layout(self, tp: int | None = None):
+        """This generation's ``Layout``: its ranks' nodes and failure domains, TP ``tp`` (default: ``init``'s)."""
+        from phoenix_runtime.layout import Layout
+
+        m = self.members
+        nodes = tuple(m.slot_of(r).node for r in range(self.world_size)) if m else ()
+        doms = tuple(m.domains.get(n, "") for n in nodes) if m and m.domains else ()
+        return Layout(self.world_size, tp_size=self.tp if tp is None else tp, pp_size=self.pp, nodes=nodes, domains=doms)
+
+    def form_pairs(self, pairs, deadline: float | None = None) -> None:
+        """Form this rank's gloo pair groups among ``pairs`` not formed yet in this generation (``pairs.py``): every
+        rank of the generation calls it with the same list at the same point. Nothing with the MPI transport,
+        without protection or outside phoenix-run. While it forms them this rank does not leave their rendezvous
+        for a newer generation (the peer, which forms the same pair, could be left waiting in gloo's connect):
+        each wait is bounded, as in ``_form_groups``."""
+        from phoenix_runtime.protection.pairs import form_pairs
+
+        if not (self.settings.protect and self.managed) or self.mpi_pairs is not None or not dist.is_initialized():
+            return
+        end = deadline if deadline is not None else time.monotonic() + self.recovery_timeout
+        bound = min(self.timeout.total_seconds(), end - time.monotonic(), self.recovery_timeout / 2)
+        committed = self._committed
+        self._committed = (self.gen, self._incarnation())
+        try:
+            formed = form_pairs(pairs, self.rank, self.pairs, timedelta(seconds=max(5.0, bound)), self._add_pair)
+        finally:
+            self._committed = committed
+        if formed:
+            log.info(f"generation {self.gen}: pair groups with ranks {sorted(formed)} formed; pairs with {sorted(self.pairs)}")
+
+    def _add_pair(self, peer: int, group) -> None:
+        """A pair group just formed: the collectives' timeout on it, and aborted at once when this generation was."""
+        dist.distributed_c10d._set_pg_timeout(self.timeout, group)
+        with self._lock:
+            self.pairs[peer] = group
+            if self._aborted_gen >= self.gen:
+                self._abort([group])
 
     def destroy_groups(self) -> None:
         if dist.is_initialized():
@@ -195,7 +238,7 @@ class Context:
                 dist.destroy_process_group()
             except Exception:
                 pass
-        self.repl_group = None
+        self.pairs = {}
         self.mpi_pairs = None
         self._transports = []
         self.mesh_groups = []
@@ -267,21 +310,32 @@ class Context:
             world_size=self.world_size,
             timeout=forming,
         )
-        # CPU tensors (replicas, recovery transfers) travel on a gloo group of their own: never interleaved
-        # with training collectives, and an NCCL group cannot carry them. Connected eagerly (every pair, while every
-        # rank is alive): with gloo's lazy connection a pair first used after its peer died can leave the lower
-        # rank waiting without a bound, on the listening side of the connect
-        self.repl_group = dist.new_group(backend="gloo", timeout=forming) if self.settings.protect else None
         dist.distributed_c10d._set_pg_timeout(self.timeout)  # formed: the collectives' own timeout from now on
-        if self.repl_group is not None:
-            dist.distributed_c10d._set_pg_timeout(self.timeout, self.repl_group)
-        self.mpi_pairs = None
+        self.pairs, self.mpi_pairs = {}, None
         if self.settings.protect and self.settings.transport == "mpi":
             from phoenix_runtime.protection.mpi_pairs import connect_pairs
 
             self.mpi_pairs = connect_pairs(pg_store, "mpi", self.rank, self.world_size, deadline,
                                            abandoned=lambda: self._may_leave(gen))
             log.info(f"generation {gen}: MPI connected to {len(self.mpi_pairs[0])} peers")
+        elif self.settings.protect:
+            self._form_steady_pairs(deadline)
+
+    def _form_steady_pairs(self, deadline: float) -> None:
+        """The pair groups of the protection's steady state (replica ring, commit tree), for the layout every rank
+        of the generation knows alike (``init``'s TP, the configured replica count); a ``Training`` whose layout
+        differs forms what it lacks when it starts its protection. CPU tensors (replicas, recovery transfers)
+        travel on gloo groups of their own: never interleaved with training collectives, and an NCCL group cannot
+        carry them. Connected eagerly, while every rank is alive: with gloo's lazy connection a pair first used
+        after its peer died can leave the lower rank waiting without a bound, on the listening side of the connect."""
+        from phoenix_runtime.protection.pairs import steady_pairs
+
+        try:
+            pairs = steady_pairs(self.layout(), self.settings.replicas)
+        except ValueError as e:  # a layout init() cannot describe (the same on every rank)
+            log.info(f"generation {self.gen}: steady pairs left to the protection's start ({e})")
+            return
+        self.form_pairs(pairs, deadline)
 
     def through_generations(self, gen: int, attempt: Callable[[int], None], *, retry: Callable[[BaseException], bool],
                             cleanup: Callable[[], None], what: str) -> None:

@@ -2,7 +2,7 @@
 
 ``LocalSnapshots`` (one D2H engine for the life of the protected training: it does not depend on process
 groups, and its committed snapshots are what survivors roll back to) and ``ProtectionSession`` (per
-generation: a ``Replicator`` on that generation's gloo group and the pipeline thread that hands it each local
+generation: a ``Replicator`` on that generation's gloo pair groups and the pipeline thread that hands it each local
 snapshot as soon as its D2H copy is done). A recovery tears the session down (``close``) and, once it is
 done, builds the next generation's; an abandoned generation's session is torn down the same way.
 

@@ -2,15 +2,17 @@
 
 Every state transfer of the runtime goes through it: the replicas (``replication.Replicator``) and the
 recovery transfers (``wire.send_verified`` / ``recv_verified``). Buffers are contiguous ``uint8`` CPU
-tensors, so on NCCL jobs the transport runs on a gloo group of its own (a send of a CPU tensor on an
-NCCL group fails): ``Context.form`` builds one per generation (``Context.repl_group``).
+tensors, so on NCCL jobs the transport runs on gloo groups of their own (a send of a CPU tensor on an
+NCCL group fails): a 2-rank gloo group per pair of ranks that exchange bytes (``pairs.py``; ``Context.pairs``),
+driven by ``PairTransport``.
 
 ``GlooTransport``: in gloo (torch 2.13) a ``Work.wait(timeout)`` that times out closes the pair to that peer
 ("Application timeout caused pair closure") and the peer's pending ops on it fail at once;
 ``ProcessGroup.abort()``, ``shutdown()`` and ``destroy_process_group`` do *not* unblock a pending p2p wait.
 ``GlooTransport.abort()`` therefore closes every pair it used by posting a 1-byte recv with a reserved tag
 and waiting 1 ms on it (then calls the backend's ``abort()`` as well): pending ops fail at once on both
-sides. ``MpiTransport`` (mpi4py) polls requests and cancels them on abort.
+sides. ``PairTransport`` does the same over a map peer -> its pair group. ``MpiTransport`` (mpi4py) polls
+requests and cancels them on abort.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from phoenix_runtime.errors import CommunicationError
+from phoenix_runtime.errors import CommunicationError, ProtectionError
 
 TAG_ABORT = 32760  # a tag no other op uses (below MPI's guaranteed upper bound, 32767): a recv on it only closes a pair
 # MPI moves a large message only while a rank calls into it (Test): the poll pause bounds the throughput.
@@ -145,6 +147,55 @@ class GlooTransport(Transport):
             self._aborted = True
             peers = sorted(self._peers)
         close_pairs(self.group, peers)
+
+
+class MissingPairError(ProtectionError, LookupError):
+    """A transfer to or from a rank this rank formed no pair group with: the pairs formed for the generation
+    (``pairs.steady_pairs``, ``recovery_pairs``) do not cover what the replication or the recovery does (a bug)."""
+
+
+class PairTransport(Transport):
+    """Point-to-point over one 2-rank gloo group per peer (``pairs.py``): ``pairs`` maps a peer's logical rank to
+    the group of this rank and that peer (group ranks 0 and 1). A peer without a pair raises
+    ``MissingPairError``; ``abort()`` closes every pair held (``close_pairs``)."""
+
+    def __init__(self, pairs: dict, rank: int, size: int):
+        self.pairs = dict(pairs)
+        self.rank, self.size = rank, size
+        self._aborted = False
+        self._lock = threading.Lock()
+
+    def _route(self, peer: int):
+        """(the pair group with ``peer``, the peer's rank in it)."""
+        if self._aborted:
+            raise TransportError("transport was aborted")
+        group = self.pairs.get(peer)
+        if group is None:
+            raise MissingPairError(f"rank {self.rank} formed no pair group with rank {peer} (pairs with "
+                                   f"{sorted(self.pairs)}): the generation's pairs do not cover this transfer")
+        return group, 1 - group.rank()
+
+    def isend(self, dst: int, buf: torch.Tensor, tag: int) -> Work:
+        group, peer = self._route(dst)
+        what = f"send to rank {dst} (tag {tag}, {buf.numel()} B)"
+        try:
+            return _GlooWork(group.send([buf], peer, tag), what)
+        except Exception as e:
+            raise TransportError(f"{what}: {str(e).splitlines()[0][:300]}") from e
+
+    def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work:
+        group, peer = self._route(src)
+        what = f"recv from rank {src} (tag {tag}, {buf.numel()} B)"
+        try:
+            return _GlooWork(group.recv([buf], peer, tag), what)
+        except Exception as e:
+            raise TransportError(f"{what}: {str(e).splitlines()[0][:300]}") from e
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+        for group in self.pairs.values():
+            close_pairs(group, [1 - group.rank()])
 
 
 class _MpiWork(Work):

@@ -6,7 +6,7 @@
 representation of "who is joining"). Each generation is tried with its own recovery deadline: form its
 groups, exchange descriptors, and plan; the plan's outcome (``recovery.Outcome``) is one of
 
-- resume: roll back / transfer (through the ``Transport`` on the generation's gloo group, checksum-verified,
+- resume: roll back / transfer (through the ``Transport`` on pair groups formed for the plan, checksum-verified,
   resent on a mismatch), rebuild DDP/ZeRO, re-protect S_R, barrier;
 - salvage (a generation with ranks lost for good, formed without a process group): write S_R of every rank
   from memory (``salvage.write_from_memory``), then wait to be stopped;
@@ -31,6 +31,7 @@ from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableErro
 from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, plan_for_layout
+from phoenix_runtime.protection.pairs import recovery_pairs
 from phoenix_runtime.protection.replication import recv_snapshot, send_snapshot
 from phoenix_runtime.recover.salvage import wait_to_be_stopped, write_from_memory
 from phoenix_runtime.protection.wire import recv_named, send_named
@@ -125,6 +126,7 @@ class RecoverySession:
             ops.restore_local(R, live)
             self.live = (R, True)  # if this generation is abandoned now, the live state is S_R
         marks["local"] = time.time()
+        ctx.form_pairs(recovery_pairs(plan), deadline)  # every rank, the same list: each forms its own
         transport = ctx.new_transport(0)
         ops.faults.fire(R, "recover_params")
         local = self._transfer_params(plan, transport, live)
