@@ -218,15 +218,19 @@ class Context:
         committed = self._committed
         self._committed = (self.gen, self._incarnation())
         try:
-            formed = form_pairs(pairs, self.rank, self.pairs, timedelta(seconds=max(5.0, bound)), self._add_pair)
+            formed = form_pairs(pairs, self.rank, self.pairs, self._gen_store(), timedelta(seconds=max(5.0, bound)),
+                                self._add_pair)
         finally:
             self._committed = committed
         if formed:
             log.info(f"generation {self.gen}: pair groups with ranks {sorted(formed)} formed; pairs with {sorted(self.pairs)}")
 
+    def _gen_store(self) -> KeyRecorder:
+        """This generation's process-group store (its keys are deleted with the generation)."""
+        return next(rec for g, rec in reversed(self._pg_stores) if g == self.gen)
+
     def _add_pair(self, peer: int, group) -> None:
-        """A pair group just formed: the collectives' timeout on it, and aborted at once when this generation was."""
-        dist.distributed_c10d._set_pg_timeout(self.timeout, group)
+        """A pair group just formed (its ops wait with their own timeouts); aborted at once when this generation was."""
         with self._lock:
             self.pairs[peer] = group
             if self._aborted_gen >= self.gen:

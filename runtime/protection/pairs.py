@@ -12,24 +12,21 @@ global order means no cycle of waits: the smallest pair not yet formed has both 
 connected eagerly when it is made, while every rank is alive (a pair first connected after its peer died can
 leave the listening side waiting without a bound).
 
-Names: with ``use_local_synchronization`` torch 2.13 names a group ``sha1(ranks + the number of groups this
-process made before)``, and that number differs between the two members of a pair (each holds other pairs): their
-rendezvous would never meet. ``_pair_group`` names each pair ``phx_pair_<a>_<b>`` instead, the same on both
-sides; its keys live under the generation's store prefix (deleted with the generation), so one name a
-generation is unique.
+Each pair is a ``ProcessGroupGloo`` of its own, made on the generation's store under ``pair/<a>_<b>/`` (its keys
+are deleted with the generation) and not registered with torch.distributed: only the transport uses it, through
+the group object's ``send``/``recv``, so no collective of the world is needed to make it and no name has to agree
+between the two members (``new_group(use_local_synchronization=True)`` names a group after how many groups its
+process made before, which differs between the two). Its constructor honours ``GLOO_SOCKET_IFNAME`` as torch's
+own gloo groups do.
 """
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from phoenix_runtime.protection.commit import tree_partners
-
-_NAMING = threading.Lock()  # the group-name hook below is process-wide
-
 
 def pair(a: int, b: int) -> tuple[int, int]:
     return (a, b) if a < b else (b, a)
@@ -64,34 +61,23 @@ def own_pairs(pairs, rank: int) -> list[tuple[int, int]]:
     return [p for p in sorted(set(pairs)) if rank in p]
 
 
-def form_pairs(pairs, rank: int, have: dict, timeout: timedelta, on_formed=lambda peer, group: None) -> list[int]:
-    """Form ``rank``'s pairs among ``pairs`` that ``have`` (peer -> group) lacks, in the global order; each formed
-    group is handed to ``on_formed(peer, group)`` at once. Returns the peers formed. Blocks until each peer
-    forms its side (bounded by ``timeout``)."""
+def form_pairs(pairs, rank: int, have: dict, store, timeout: timedelta, on_formed=lambda peer, group: None) -> list[int]:
+    """Form ``rank``'s pairs among ``pairs`` that ``have`` (peer -> group) lacks, in the global order, on
+    ``store`` (the generation's); each formed group is handed to ``on_formed(peer, group)`` at once. Returns the
+    peers formed. Blocks until each peer forms its side (bounded by ``timeout``)."""
     formed = []
     for a, b in own_pairs(pairs, rank):
         peer = b if rank == a else a
         if peer in have or peer in formed:
             continue
-        on_formed(peer, _pair_group(a, b, timeout))
+        on_formed(peer, pair_group(store, a, b, rank, timeout))
         formed.append(peer)
     return formed
 
 
-def _pair_group(a: int, b: int, timeout: timedelta):
-    """The 2-rank gloo group of ranks ``a < b``, named the same on both (see the module docstring)."""
-    c10d = dist.distributed_c10d
-    name = f"phx_pair_{a}_{b}"
-    with _NAMING:
-        hashed = c10d._process_group_name
-        c10d._process_group_name = lambda ranks, use_hashed_name: c10d.GroupName(name)
-        try:
-            group = dist.new_group([a, b], backend="gloo", timeout=timeout, use_local_synchronization=True)
-        finally:
-            c10d._process_group_name = hashed
-    if group is None or group.size() != 2:
-        raise RuntimeError(f"pair group {name}: not formed (got {group!r})")
-    return group
+def pair_group(store, a: int, b: int, rank: int, timeout: timedelta):
+    """The 2-rank gloo group of ranks ``a < b`` (this rank is one of them), connected when it returns."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{a}_{b}/", store), 0 if rank == a else 1, 2, timeout)
 
 
-__all__ = ["pair", "steady_pairs", "recovery_pairs", "own_pairs", "form_pairs"]
+__all__ = ["pair", "pair_group", "steady_pairs", "recovery_pairs", "own_pairs", "form_pairs"]

@@ -35,6 +35,7 @@ ctx.settings = SimpleNamespace(protect=True, transport="gloo", replicas=k)
 ctx.members, ctx.tp, ctx.pp, ctx.mesh_groups, ctx._transports = None, 1, 1, [], []
 ctx._lock, ctx._aborted_gen, ctx.pairs, ctx.mpi_pairs = threading.Lock(), -1, {}, None
 pg = KeyRecorder(dist.PrefixStore("phx/gen/1/pg", store), stop=lambda: ctx._check_gen(1))
+ctx._pg_stores = [(1, pg)]
 
 
 def barrier(name: str) -> None:
