@@ -213,6 +213,19 @@ class ControlThread:
         self._watcher = NotifyWatcher(env, self._wake, self._stop)
         self._thread = threading.Thread(target=self._run, name="phoenix-control", daemon=True)
         self._thread.start()
+        if self.local is not None:  # local heartbeats from a thread of their own (see _beat_locally)
+            threading.Thread(target=self._beat_locally, name="phoenix-heartbeat", daemon=True).start()
+
+    def _beat_locally(self) -> None:
+        """Heartbeat into the agent's store every ``heartbeat_s``, apart from this thread's central store calls:
+        those stall while the leader is lost (until a takeover), and a rank must not look silent to its agent
+        meanwhile (its process is alive; a SIGSTOPped one stops beating, as every thread of it stops)."""
+        while not self._stop.is_set():
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 -- a state being written concurrently: the next beat follows
+                pass
+            self._stop.wait(self.heartbeat_s)
 
     def beat(self) -> None:
         if not self.state.formed:
@@ -290,7 +303,8 @@ class ControlThread:
             try:
                 now = time.monotonic()
                 if now >= next_hb:
-                    self.beat()
+                    if self.local is None:  # else beaten by _beat_locally
+                        self.beat()
                     self.report_refused()
                     next_hb = now + self.heartbeat_s
                 self._poll(full=now >= next_full)
