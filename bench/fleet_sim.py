@@ -6,7 +6,10 @@ Each simulated rank is the real rank's control thread (``phoenix_runtime.plane.c
 ``beat``, ``_poll``, ``_send_posted`` and ``report_refused``, unchanged) on a connection it shares; each simulated
 agent does what the real agent's loop does with the store (``detect/agent.py``): its heartbeat every
 ``heartbeat_s``, its command queue every pass (20 ms), its ranks' heartbeats every ``heartbeat_s`` judged by the
-real ``hang_check``, and its ``AgentUp`` first. Active ranks report ``RuntimeReady`` once, as the runtime does;
+real ``hang_check`` and published as one ``NodeDigest``, and its ``AgentUp`` first. A node's ranks heartbeat into
+a node-local store as real ones do (the real agent's is a TCPStore on 127.0.0.1): here an in-process dict per
+simulated node (``NodeLocal``, sealed values as in the real one), so its calls are not in the central store's
+counts, as a real node's local store calls are not. Active ranks report ``RuntimeReady`` once, as the runtime does;
 a spare's ranks look for their assignment once a second, as ``bootstrap.wait_for_assignment`` does.
 
 What differs from a real job: no processes are spawned; ``conns`` threads, each with one store connection of its
@@ -47,11 +50,38 @@ class SimWatcher:
     armed = False
 
 
+class NodeLocal:
+    """A simulated node's local store: an in-process dict (the node's agent and ranks share one lane, so one
+    thread). ``put`` is ``control.LocalStoreLink.put`` (the ranks' side), the rest the store calls the agent's
+    ``get_values`` makes."""
+
+    def __init__(self):
+        self.d: dict[str, bytes] = {}
+
+    def put(self, key: str, payload: str) -> bool:
+        protocol.put_value(self, key, payload)
+        return True
+
+    def set(self, key: str, value) -> None:
+        self.d[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.d[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.d for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.d[k] for k in keys]
+
+
 class SimRank(control.ControlThread):
     """The real control thread's methods, on a shared connection; its loop is ``step`` (one pass of ``_run``)."""
 
-    def __init__(self, node: str, slot: int, rank: int | None, store, watcher: SimWatcher, heartbeat_s: float, seen: dict):
+    def __init__(self, node: str, slot: int, rank: int | None, store, local: NodeLocal, watcher: SimWatcher,
+                 heartbeat_s: float, seen: dict):
         self.state = control.RankState()
+        self.local = local
         self.state.phase = "training" if rank is not None else "spare"
         self.node, self.slot, self.rank, self.heartbeat_s = node, slot, rank, heartbeat_s
         self.store = store
@@ -97,8 +127,8 @@ class SimRank(control.ControlThread):
 class SimAgent:
     """What the real agent's loop does with the store, pass by pass (``Agent.run``, ``Agent.check_hangs``)."""
 
-    def __init__(self, node: str, slots: int, store, spec_heartbeat_s: float, hang_timeout_s: float):
-        self.node, self.slots, self.store = node, slots, store
+    def __init__(self, node: str, slots: int, store, local: NodeLocal, spec_heartbeat_s: float, hang_timeout_s: float):
+        self.node, self.slots, self.store, self.local = node, slots, store, local
         self.heartbeat_s, self.hang_timeout_s = spec_heartbeat_s, hang_timeout_s
         self.q_sup = protocol.Queue(store, protocol.Q_SUPERVISOR)
         self.q_cmd = protocol.Queue(store, protocol.q_agent(node))
@@ -106,7 +136,6 @@ class SimAgent:
                                                                         protocol.MsgType.STOP, protocol.MsgType.INJECT)})
         self.started = time.time()
         self.next_hb = 0.0
-        self.next_hang = time.monotonic() + spec_heartbeat_s
         self.up = False
         self.dead = False
         self.stopped = False
@@ -120,22 +149,26 @@ class SimAgent:
             self.up = True
         if now >= self.next_hb:
             protocol.put_value(self.store, protocol.k_agent_hb(self.node), str(time.time()))
+            beats = self.read_beats()  # Agent.read_beats: one batch of the local store
+            self.check_hangs(beats)
+            digest = protocol.NodeDigest(self.node, time.time(), beats)  # Agent.publish_digest
+            protocol.put_value(self.store, protocol.k_node_digest(self.node), digest.to_json())
             self.next_hb = now + self.heartbeat_s
         for cmd in self.q_cmd.get_all():
             self.commands.dispatch(cmd)
-        if now >= self.next_hang:
-            self.check_hangs()
-            self.next_hang = now + self.heartbeat_s
         return time.monotonic() + AGENT_PASS_S
 
-    def check_hangs(self) -> None:
+    def read_beats(self) -> dict[int, protocol.RankHeartbeat]:
+        keys = {protocol.k_rank_hb(self.node, s): s for s in range(self.slots)}
+        return {keys[k]: protocol.RankHeartbeat.from_json(text)
+                for k, text in protocol.get_values(self.local, list(keys)).items() if text is not None}
+
+    def check_hangs(self, beats: dict[int, protocol.RankHeartbeat]) -> None:
         t = time.time()
         if t - self.started < self.hang_timeout_s:
             return  # the real agent judges a rank only once it has run for the hang timeout
-        keys = [protocol.k_rank_hb(self.node, s) for s in range(self.slots)]
-        for text in protocol.get_values(self.store, keys).values():
-            if text is not None:
-                hang_check(protocol.RankHeartbeat.from_json(text), t, self.hang_timeout_s, 600.0)
+        for hb in beats.values():
+            hang_check(hb, t, self.hang_timeout_s, 600.0)
 
 
 class Lane(threading.Thread):
@@ -206,8 +239,9 @@ def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, stop: thread
     for i in range(lo, hi):
         lane = lanes[i % a.conns]
         node = f"node{i}"
-        agent = SimAgent(node, a.nproc, lane.store, a.heartbeat_s, a.hang_timeout_s)
-        ranks = [SimRank(node, s, i * a.nproc + s if i < a.active else None, lane.store, watcher, a.heartbeat_s, seen)
+        local = NodeLocal()
+        agent = SimAgent(node, a.nproc, lane.store, local, a.heartbeat_s, a.hang_timeout_s)
+        ranks = [SimRank(node, s, i * a.nproc + s if i < a.active else None, lane.store, local, watcher, a.heartbeat_s, seen)
                  for s in range(a.nproc)]
         lane.clients += [agent, *ranks]
         by_node[node] = [agent, *ranks]

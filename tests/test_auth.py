@@ -355,8 +355,10 @@ def test_a_plain_store_client_without_the_secret_cannot_steer_the_job(tmp_path):
         genuine_gen = store.get(protocol.K_GEN)
         _forge_until_refused(store, run_dir, ("unsigned", protocol.K_GEN), lambda: store.set(protocol.K_GEN, "7"))
         store.set(protocol.K_GEN, genuine_gen)  # the genuine value back (the same sequence number: accepted)
-        hb = protocol.k_rank_hb("node0", 1)
-        _forge_until_refused(store, run_dir, ("unsigned", hb), lambda: store.set(hb, json.dumps({"t": 0, "phase": "training", "t_step": 0})))
+        # (the ranks' own heartbeats are in their agent's node-local store: tests/test_node_digest.py forges those)
+        hb = protocol.k_node_digest("node1")
+        _forge_until_refused(store, run_dir, ("unsigned", hb), lambda: store.set(hb, json.dumps(
+            {"node": "node1", "t": 0, "beats": {"0": {"t": 0, "step": 10**6, "phase": "training", "t_step": 0}}})))
         ahb = protocol.k_agent_hb("node1")
         _forge_until_refused(store, run_dir, ("unsigned", ahb), lambda: store.set(ahb, "0"))
         _forge_until_refused(store, run_dir, ("unsigned", protocol.Q_SUPERVISOR), lambda: enqueue(
@@ -366,9 +368,9 @@ def test_a_plain_store_client_without_the_secret_cannot_steer_the_job(tmp_path):
         _forge_until_refused(store, run_dir, ("unsigned", assign), lambda: store.set(assign, json.dumps(
             {"rank": 0, "gen": 1, "env": {"TORCHELASTIC_ERROR_FILE": str(tmp_path / "pwned")}})))
         store.delete_key(assign)
-        # replays: a rank's genuine heartbeat written back once it is stale; a genuine report into a new slot
-        old_hb = store.get(protocol.k_rank_hb("node0", 0))
-        old_step = json.loads(old_hb.decode().split(":", 3)[3])["step"]
+        # replays: a node's genuine digest written back once it is stale; a genuine report into a new slot
+        old_hb = store.get(protocol.k_node_digest("node0"))
+        old_step = max(hb.step for hb in protocol.NodeDigest.from_json(old_hb.decode().split(":", 3)[3]).beats.values())
 
         def supervisor_saw_newer() -> bool:  # it accepted a newer heartbeat of node0's ranks: the old one is a replay
             try:
@@ -377,7 +379,7 @@ def test_a_plain_store_client_without_the_secret_cannot_steer_the_job(tmp_path):
                 return False
             return any(n["name"] == "node0" and (n.get("step") or -1) > old_step for n in status["nodes"])
         wait_for(supervisor_saw_newer, 60, "the supervisor to read a newer heartbeat of rank 0", interval=0.1)
-        _forge_until_refused(store, run_dir, ("replayed", protocol.k_rank_hb("node0", 0)), lambda: store.set(protocol.k_rank_hb("node0", 0), old_hb))
+        _forge_until_refused(store, run_dir, ("replayed", protocol.k_node_digest("node0")), lambda: store.set(protocol.k_node_digest("node0"), old_hb))
         captured = _capture_queue_message(store, protocol.Q_SUPERVISOR)
         assert captured.startswith(b"phx1:")  # genuine messages are sealed
         _forge_until_refused(store, run_dir, ("replayed", protocol.Q_SUPERVISOR), lambda: enqueue(protocol.Q_SUPERVISOR, captured))
@@ -390,7 +392,7 @@ def test_a_plain_store_client_without_the_secret_cannot_steer_the_job(tmp_path):
     assert not of_type(evs, "recovery") and not of_type(evs, "failure") and not of_type(evs, "injected"), [e["type"] for e in evs]
     assert not (tmp_path / "pwned").exists()
     assert_same_digest(digest, expected)
-    forged_keys = {agent_q, rank_q, protocol.K_GEN, hb, ahb, protocol.Q_SUPERVISOR, assign, protocol.k_rank_hb("node0", 0)}
+    forged_keys = {agent_q, rank_q, protocol.K_GEN, hb, ahb, protocol.Q_SUPERVISOR, assign, protocol.k_node_digest("node0")}
     assert {k for _, k in _refused(run_dir)} <= forged_keys, sorted(_refused(run_dir))  # nothing genuine refused
     secret = (run_dir / "secret").read_text().strip()
     for p in [run_dir / "events.jsonl", run_dir / "status.json", *run_dir.glob("logs/*/*.log")]:

@@ -62,8 +62,11 @@ def test_status_reads_walk_the_membership_once_not_once_per_node():
     names = [f"node{i}" for i in range(nodes)]
     ranks = CountedRanks(protocol.RankSlot(i * nproc + s, n, s) for i, n in enumerate(names) for s in range(nproc))
     members = protocol.Membership(1, nodes * nproc, ranks)
-    hb = {protocol.k_rank_hb(r.node, r.slot): protocol.RankHeartbeat(t=1.0, step=r.rank).__dict__ for r in ranks}
-    store = Store({k: json.dumps(v).encode() for k, v in hb.items()})
+    digests = {n: protocol.NodeDigest(n, 1.0, {}) for n in names}
+    for r in ranks:
+        digests[r.node].beats[r.slot] = protocol.RankHeartbeat(t=1.0, step=r.rank)
+    CountedRanks.walks = 0
+    store = Store({protocol.k_node_digest(n): d.to_json().encode() for n, d in digests.items()})
     import phoenix_runtime.plane.channel as channel
     orig = channel._accept
     channel._accept = lambda k, raw: raw.decode()  # unsealed test values

@@ -616,18 +616,21 @@ def test_a_failure_while_a_restart_starts_up_still_starts_fresh():
 
     st = DictStore()
     members = protocol.Membership(2, 2, (protocol.RankSlot(0, "n0", 0), protocol.RankSlot(1, "n2", 0)))
+
+    def beat(node, **hb):  # what the node's agent publishes of its rank (slot 0): its digest
+        st.set(protocol.k_node_digest(node), protocol.NodeDigest(node, 1.0, {0: protocol.RankHeartbeat(t=1.0, step=0, **hb)}).to_json())
+
     for r in members.ranks:  # the restarted ranks: still importing, no step, not yet in phx.init()
-        st.set(protocol.k_rank_hb(r.node, r.slot), json.dumps({"t": 1.0, "step": 0, "runtime": False, "phase": "starting"}))
+        beat(r.node, runtime=False, phase="starting")
     assert nothing_done(AttemptProgress(runtime_seen=True), st, members, 2)
     assert nothing_done(AttemptProgress(), st, members, 2)  # still importing: no distributed step yet
     for r in members.ranks:  # a plain script's ranks formed their group: it may have trained
-        st.set(protocol.k_rank_hb(r.node, r.slot), json.dumps({"t": 1.0, "step": 0, "runtime": False, "phase": "starting",
-                                                               "formed": True}))
+        beat(r.node, runtime=False, phase="starting", formed=True)
     assert not nothing_done(AttemptProgress(), st, members, 2)
-    st.set(protocol.k_rank_hb("n2", 0), json.dumps({"t": 1.0, "step": 0, "runtime": False, "phase": "starting"}))
+    beat("n2", runtime=False, phase="starting")
     assert nothing_done(AttemptProgress(), st, members, 2)  # n2's rank died importing: its peer cannot have trained
     first = AttemptProgress()
-    st.set(protocol.k_rank_hb("n0", 0), json.dumps({"t": 1.0, "step": 0, "runtime": True, "phase": "starting"}))
+    beat("n0", runtime=True, phase="starting")
     assert nothing_done(first, st, members, 2) and first.runtime_seen  # seen once: kept for the next attempt
 
 

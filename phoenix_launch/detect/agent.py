@@ -8,6 +8,11 @@ kills a hung rank (no step completed, or its heartbeat silent, past the hang tim
 so that its peers' collectives fail at once, and carries out the supervisor's commands (restart the ranks
 for a new attempt, respawn dead ranks as joiners of a new generation, inject a fault, stop).
 
+Its ranks heartbeat into a node-local store this agent serves on 127.0.0.1 (``protocol.ENV_LOCAL_PORT``; its
+socket listens from before the first rank starts, the store serves once the agent has imported torch). Each
+heartbeat the agent reads them there in one batch, judges hangs from them, and publishes one
+``protocol.NodeDigest`` of them to the central store: what the supervisor's status reads, one key per node.
+
 If the control plane is unreachable for longer than the node timeout, the agent takes the supervisor for
 dead, ends its ranks and exits: no process outlives the job.
 """
@@ -96,6 +101,9 @@ class Agent:
         self.attempts: dict[int, int] = {}
         self.stopping = False
         self.store: Any = None
+        self.local: Any = None  # the node-local store (server) its ranks heartbeat into, once served (connect)
+        self.local_sock: Any = None  # its listening socket, reserved before the first rank starts (run)
+        self.local_port = 0  # its port (the socket itself is the store's once served: start_store detaches it)
         self.q_sup: protocol.Queue | None = None
         self.q_cmd: protocol.Queue | None = None
         self.last_store_ok = time.monotonic()
@@ -123,6 +131,7 @@ class Agent:
             {
                 protocol.ENV_STORE_HOST: s.store_host,
                 protocol.ENV_STORE_PORT: str(s.store_port),
+                protocol.ENV_LOCAL_PORT: str(self.local_port or ""),
                 protocol.ENV_NODE: self.node,
                 protocol.ENV_SLOT: str(slot),
                 protocol.ENV_RUN_DIR: str(self.run_dir),
@@ -261,7 +270,11 @@ class Agent:
     def connect(self) -> None:
         from phoenix_runtime.plane.failover import FailoverStore
 
+        from phoenix_launch.plane.control import start_store
+
         s = self.spec
+        if self.local_sock is not None and self.local is None:  # serve the ranks' heartbeats (they wait for it)
+            self.local, _ = start_store("127.0.0.1", sock=self.local_sock)
         # follows a takeover to the standby supervisor's store (bounded: takeover_timeout_s)
         self.store = FailoverStore((s.store_host, int(s.store_port)), self.run_dir, timeout_s=30.0, reconnect_s=s.takeover_timeout_s)
         self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
@@ -351,17 +364,35 @@ class Agent:
             elif mode == "hang":
                 _signal(r.proc, signal.SIGSTOP)
 
-    def check_hangs(self, hang_timeout: float) -> None:
+    def read_beats(self) -> dict[int, protocol.RankHeartbeat]:
+        """Slot -> its rank's latest heartbeat, from the node-local store in one batch (``get_values``: a check
+        and a multi_get when every slot has written one). A value refused (forged) is not returned: the last
+        genuine one read there is, if any; one of another format is left out."""
+        if self.local is None:
+            return {}
+        keys = {protocol.k_rank_hb(self.node, s): s for s in range(self.nproc)}
+        out = {}
+        for key, text in protocol.get_values(self.local, list(keys)).items():
+            try:
+                if text is not None:
+                    out[keys[key]] = protocol.RankHeartbeat.from_json(text)
+            except (ValueError, TypeError):
+                continue
+        return out
+
+    def publish_digest(self, beats: dict[int, protocol.RankHeartbeat]) -> None:
+        """This node's one write of its ranks' state to the central store, per heartbeat."""
+        digest = protocol.NodeDigest(self.node, time.time(), beats)
+        protocol.put_value(self.store, protocol.k_node_digest(self.node), digest.to_json())
+
+    def check_hangs(self, hang_timeout: float, beats: dict[int, protocol.RankHeartbeat]) -> None:
+        """Kill (and report) the ranks ``hang_check`` calls hung, judged from ``beats`` (``read_beats``)."""
         now = time.time()
         judged = [r for r in self.ranks.values() if r.proc.poll() is None and now - r.started >= hang_timeout]
-        beats = protocol.get_values(self.store, [protocol.k_rank_hb(self.node, r.slot) for r in judged])  # one batch
         for r in judged:
-            text = beats[protocol.k_rank_hb(self.node, r.slot)]
-            if text is None:
-                continue  # not started yet (still importing), or only forged ones so far
-            hb = protocol.RankHeartbeat.from_json(text)
-            if hb.pid != r.proc.pid:
-                continue
+            hb = beats.get(r.slot)
+            if hb is None or hb.pid != r.proc.pid:
+                continue  # not started yet (still importing), only forged ones so far, or an earlier attempt's
             hung = hang_check(hb, now, hang_timeout, float(self.spec.first_step_timeout_s))
             if hung is None:
                 continue
@@ -373,6 +404,10 @@ class Agent:
 
     # --- main loop ---------------------------------------------------------------------------------
     def run(self) -> int:
+        from phoenix_launch.plane.control import reserve_port
+
+        self.local_sock = reserve_port("127.0.0.1", 0)  # before the ranks: their env names its port
+        self.local_port = self.local_sock.getsockname()[1]
         self.spawn_all(self.spec.role)
         self.wait_warm(WARM_WAIT_S)
         if self._stop_signal is not None:
@@ -383,7 +418,6 @@ class Agent:
         hang_timeout = float(self.spec.hang_timeout_s)
         node_timeout = float(self.spec.node_timeout_s)
         next_hb = 0.0
-        next_hang = time.monotonic() + hb_every
         while True:
             if self._stop_signal is not None:
                 self.stopping = True
@@ -394,6 +428,9 @@ class Agent:
                     refused = auth.drain()  # what this agent refused to read since the last beat
                     if refused:
                         self.q_sup.put(protocol.RefusedReport(self.node, None, refused))  # type: ignore[union-attr]
+                    beats = self.read_beats()  # one local batch: the hang check and the digest
+                    self.check_hangs(hang_timeout, beats)
+                    self.publish_digest(beats)
                     next_hb = now + hb_every
                 for cmd in self.q_cmd.get_all():
                     self.handle(cmd)
@@ -407,9 +444,6 @@ class Agent:
                             t.join(timeout=1)
                         self.report_exit(r, r.proc.returncode)
                 self.send_probe()
-                if now >= next_hang:
-                    self.check_hangs(hang_timeout)
-                    next_hang = now + hb_every
                 self.last_store_ok = now
             except Exception as e:  # store unreachable: the supervisor is gone
                 if time.monotonic() - self.last_store_ok > node_timeout:

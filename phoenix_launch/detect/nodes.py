@@ -139,13 +139,14 @@ class NodeTable:
 
     def spares(self, store, nproc: int) -> tuple[str, ...]:
         """The spare nodes, in the order they are picked: warm ones first (agent up, or every rank joined to
-        the control plane -- an agent joins only after its ranks), then those still starting (an assignment
+        the control plane, in its agent's digest -- an agent joins only after its ranks), then those still starting (an assignment
         waits in the store for their ranks: a slow spare still beats stopping the job); in node order within
         each group."""
-        def warm(n: Node) -> bool:
+        def warm(n: Node) -> bool:  # its agent's digest has a heartbeat of every rank
             try:
-                return bool(store is not None and all(protocol.get_value(store, protocol.k_rank_hb(n.name, s)) for s in range(nproc)))
-            except Exception:  # noqa: BLE001 -- a store that does not answer: not known to be warm
+                text = protocol.get_value(store, protocol.k_node_digest(n.name)) if store is not None else None
+                return text is not None and all(s in protocol.NodeDigest.from_json(text).beats for s in range(nproc))
+            except Exception:  # noqa: BLE001 -- a store that does not answer, a digest of another format: not known warm
                 return False
         cands = self.spare_nodes()
         return tuple(n.name for n in sorted(cands, key=lambda n: not (n.state is NodeState.SPARE or warm(n))))

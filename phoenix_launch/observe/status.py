@@ -1,4 +1,6 @@
-"""The job's status (``status.json`` and the live view), read from the ranks' heartbeats."""
+"""The job's status (``status.json`` and the live view), read from the ranks' heartbeats: from the agents'
+digests of them (``protocol.NodeDigest``), one key per node in one batch; the ranks' own heartbeats stay in
+their node's local store."""
 
 from __future__ import annotations
 
@@ -15,28 +17,43 @@ def read_present(store: Any, keys: list[str]) -> dict[str, str | None]:
     """``protocol.get_values`` of the keys that exist (the others None): a batch with a key absent (a rank not
     started yet) is halved until each half is all present or small, so a few absent keys cost a few checks each
     instead of two round trips for every key of the batch (``get_values``' own fallback)."""
-    if len(keys) <= 8 or store.check(keys):
+    if len(keys) <= 8:
         return protocol.get_values(store, keys)
+    if store.check(keys):
+        return protocol.get_values(store, keys, present=True)
     half = len(keys) // 2
     return {**read_present(store, keys[:half]), **read_present(store, keys[half:])}
 
 
-def read_rank_heartbeats(store: Any, members: protocol.Membership) -> dict[tuple[str, int], protocol.RankHeartbeat]:
-    """(node, slot) -> the rank's latest heartbeat, for the ranks of ``members`` that have written one."""
-    out: dict[tuple[str, int], protocol.RankHeartbeat] = {}
-    if store is None:
+def read_digests(store: Any, nodes: list[str]) -> dict[str, protocol.NodeDigest]:
+    """Node -> its agent's latest digest, for the nodes that have published one (genuine, of this format)."""
+    out: dict[str, protocol.NodeDigest] = {}
+    if store is None or not nodes:
         return out
-    keys = {protocol.k_rank_hb(r.node, r.slot): (r.node, r.slot) for r in members.ranks}
+    keys = {protocol.k_node_digest(n): n for n in nodes}
     try:
         texts = read_present(store, list(keys))
-    except Exception:  # noqa: BLE001 -- a store that is going away: no heartbeats this time
+    except Exception:  # noqa: BLE001 -- a store that is going away: no digests this time
         return out
     for key, text in texts.items():
         try:
             if text is not None:
-                out[keys[key]] = protocol.RankHeartbeat.from_json(text)
-        except (ValueError, TypeError):  # a heartbeat of another format: that rank is not judged by it
+                out[keys[key]] = protocol.NodeDigest.from_json(text)
+        except (ValueError, TypeError, KeyError):  # a digest of another format: that node is not judged by it
             continue
+    return out
+
+
+def read_rank_heartbeats(store: Any, members: protocol.Membership) -> dict[tuple[str, int], protocol.RankHeartbeat]:
+    """(node, slot) -> the rank's latest heartbeat, for the ranks of ``members`` whose agent's digest has one."""
+    nodes = list(dict.fromkeys(r.node for r in members.ranks))  # in order, in one pass (not Membership.nodes' scans)
+    digests = read_digests(store, nodes)
+    out: dict[tuple[str, int], protocol.RankHeartbeat] = {}
+    for r in members.ranks:
+        d = digests.get(r.node)
+        hb = d.beats.get(r.slot) if d is not None else None
+        if hb is not None:
+            out[(r.node, r.slot)] = hb
     return out
 
 

@@ -139,8 +139,8 @@ class AttemptProgress:
 
 def node_keys(node: str, nproc: int) -> list[str]:
     """The keys a node's agent and ranks use (``protocol``): deleted once the node has left the job."""
-    keys = [protocol.k_agent_hb(node), f"{protocol.q_agent(node)}/n", f"{protocol.q_agent(node)}/read"]
-    for s in range(nproc):
+    keys = [protocol.k_agent_hb(node), protocol.k_node_digest(node), f"{protocol.q_agent(node)}/n", f"{protocol.q_agent(node)}/read"]
+    for s in range(nproc):  # (the ranks' heartbeats are in the node's local store, gone with its agent)
         q = protocol.q_rank(node, s)
-        keys += [protocol.k_rank_hb(node, s), protocol.k_assign(node, s), f"{q}/n", f"{q}/read"]
+        keys += [protocol.k_assign(node, s), f"{q}/n", f"{q}/read"]
     return keys

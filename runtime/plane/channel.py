@@ -55,10 +55,11 @@ def get_value(store: Any, key: str) -> str | None:
     return _accept(key, store.get(key))
 
 
-def get_values(store: Any, keys: list[str]) -> dict[str, str | None]:
+def get_values(store: Any, keys: list[str], present: bool = False) -> dict[str, str | None]:
     """``get_value`` of every key, in two round trips when all of them exist (``check``, then ``multi_get``):
-    the supervisor reads a heartbeat per node and per rank on each pass, and the store is one thread."""
-    if keys and hasattr(store, "multi_get") and store.check(keys):
+    the supervisor reads a heartbeat per node on each pass, and the store is one thread. ``present``: the
+    caller's own ``check`` just found every key there (one round trip fewer)."""
+    if keys and hasattr(store, "multi_get") and (present or store.check(keys)):
         return {k: _accept(k, raw) for k, raw in zip(keys, store.multi_get(keys))}
     return {k: get_value(store, k) for k in keys}  # some absent: multi_get would wait for them
 

@@ -4,7 +4,7 @@ It heartbeats, watches the job generation (a bump means the current process grou
 the registered abort callbacks so that collectives blocked on a lost peer fail at once instead of waiting out
 their timeout), and receives injected faults addressed to this rank.
 
-The heartbeat (JSON at ``protocol.k_rank_hb``): ``t`` (now), ``step`` (the next step to run), ``gen``,
+The heartbeat (JSON at ``protocol.k_rank_hb``, in the agent's node-local store: ``LocalStoreLink``): ``t`` (now), ``step`` (the next step to run), ``gen``,
 ``pid``, ``runtime`` (the script called phx.init()), ``phase`` -- ``starting`` (importing, forming, a spare's wait),
 ``training``, ``recovering``, ``done`` -- and ``t_step``: the unix time of the last completed step, or of
 entering the current phase. The agent calls a rank hung when ``phase == "training"`` and ``t_step`` is
@@ -143,6 +143,52 @@ class NotifyWatcher:
         self.stop.wait(1.0)
 
 
+class LocalStoreLink:
+    """The rank's client of its agent's node-local store (``protocol.ENV_LOCAL_PORT``), where its heartbeats go.
+    Connected in a thread of its own: the agent serves that store only once its ranks are warm (it defers its
+    torch import, ``agent.wait_warm``), while its socket listens from before the rank started, so the connect
+    waits there; the control thread meanwhile skips its heartbeats (nobody reads them before the agent serves).
+    A write that fails (the agent going away) drops the client and connects again."""
+
+    CONNECT_S = 30.0  # one try's bound; tries repeat until the control thread stops
+
+    def __init__(self, port: int, stop: threading.Event):
+        self.port, self.stop = port, stop
+        self.store: Any = None
+        self._connecting = False
+        self._reconnect()
+
+    def _reconnect(self) -> None:
+        if not self._connecting:
+            self._connecting = True
+            threading.Thread(target=self._connect, name="phoenix-local-store", daemon=True).start()
+
+    def _connect(self) -> None:
+        import torch.distributed as dist
+
+        while not self.stop.is_set():
+            try:
+                self.store = dist.TCPStore("127.0.0.1", self.port, is_master=False,
+                                           timeout=timedelta(seconds=self.CONNECT_S), use_libuv=True)
+                break
+            except Exception:  # noqa: BLE001 -- not served yet (or refused): try again
+                self.stop.wait(1.0)
+        self._connecting = False
+
+    def put(self, key: str, payload: str) -> bool:
+        """Write a sealed value; False when not connected (yet, or any more: a new connect is under way)."""
+        store = self.store
+        if store is None:
+            return False
+        try:
+            protocol.put_value(store, key, payload)
+            return True
+        except Exception:  # noqa: BLE001 -- the agent's store is gone: the agent decides about this rank
+            self.store = None
+            self._reconnect()
+            return False
+
+
 class ControlThread:
     def __init__(self, state: RankState, env: RankEnv):
         self.state = state
@@ -160,12 +206,26 @@ class ControlThread:
         self.on_fault: list[Callable[[dict[str, Any]], None]] = []
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by the watcher: the notify counter moved
+        self.local = LocalStoreLink(env.local_port, self._stop) if env.local_port else None  # None: beat centrally
         self.asleep_until = 0.0  # while it waits for the watcher or its next heartbeat: until when (monotonic)
         self._outbox: collections.deque = collections.deque(maxlen=16)  # reports posted by the training thread
         self._q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
         self._watcher = NotifyWatcher(env, self._wake, self._stop)
         self._thread = threading.Thread(target=self._run, name="phoenix-control", daemon=True)
         self._thread.start()
+        if self.local is not None:  # local heartbeats from a thread of their own (see _beat_locally)
+            threading.Thread(target=self._beat_locally, name="phoenix-heartbeat", daemon=True).start()
+
+    def _beat_locally(self) -> None:
+        """Heartbeat into the agent's store every ``heartbeat_s``, apart from this thread's central store calls:
+        those stall while the leader is lost (until a takeover), and a rank must not look silent to its agent
+        meanwhile (its process is alive; a SIGSTOPped one stops beating, as every thread of it stops)."""
+        while not self._stop.is_set():
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 -- a state being written concurrently: the next beat follows
+                pass
+            self._stop.wait(self.heartbeat_s)
 
     def beat(self) -> None:
         if not self.state.formed:
@@ -184,7 +244,11 @@ class ControlThread:
             "warm": self.state.warm,
             "formed": self.state.formed,
         }
-        protocol.put_value(self.store, protocol.k_rank_hb(self.node, self.slot), json.dumps(hb))
+        key = protocol.k_rank_hb(self.node, self.slot)
+        if self.local is not None:
+            self.local.put(key, json.dumps(hb))
+        else:  # no agent's store (a rank not started by an agent)
+            protocol.put_value(self.store, key, json.dumps(hb))
 
     def post(self, msg: protocol.Message) -> None:
         """A report the training thread must not wait for (its progress): this thread sends it. A store call can
@@ -239,7 +303,8 @@ class ControlThread:
             try:
                 now = time.monotonic()
                 if now >= next_hb:
-                    self.beat()
+                    if self.local is None:  # else beaten by _beat_locally
+                        self.beat()
                     self.report_refused()
                     next_hb = now + self.heartbeat_s
                 self._poll(full=now >= next_full)

@@ -11,7 +11,9 @@ Key space (all under ``phx/``)::
     phx/gen/<g>/pg/...            the process groups of generation g (a PrefixStore scope)
     phx/gen/<g>/arrived           ranks that reached generation g's rendezvous (counter)
     phx/assign/<node>/<slot>      logical-rank assignment of a warm spare rank (JSON)
-    phx/hb/rank/<node>/<slot>     rank heartbeat (JSON, ``RankHeartbeat``: t, step, gen, pid, runtime, phase, t_step)
+    phx/hb/rank/<node>/<slot>     rank heartbeat (JSON, ``RankHeartbeat``: t, step, gen, pid, runtime, phase, t_step),
+                                  in the node-local store of the rank's agent (``ENV_LOCAL_PORT``), not here
+    phx/hb/node/<node>            the agent's digest of its ranks' heartbeats (JSON, ``NodeDigest``), each beat
     phx/hb/agent/<node>           agent heartbeat (unix time as text)
     phx/q/sup/...                 queue: agents and ranks -> supervisor (reports)
     phx/q/agent/<node>/...        queue: supervisor -> one agent (commands)
@@ -23,6 +25,11 @@ Key space (all under ``phx/``)::
 
 Every value and message above (but the counters and torch's own ``pg`` keys) is sealed with the job's
 secret (``channel``, ``auth``): readers drop what is unsigned, forged or replayed, and report it.
+
+Heartbeats are node-local: each agent serves a TCPStore on 127.0.0.1 for its own ranks, which write their
+heartbeats there (sealed the same way); the agent reads them in one batch (its hang check) and publishes one
+``NodeDigest`` per heartbeat here. The central store's load thus grows with nodes, not ranks: one digest
+written per node per beat, and one key per node read by the supervisor's status pass.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ from phoenix_runtime.plane.messages import (  # noqa: F401  (re-exported: every 
 # --- environment variables the launcher gives every rank (besides torchrun's own) -------------------
 ENV_STORE_HOST = "PHOENIX_STORE_HOST"
 ENV_STORE_PORT = "PHOENIX_STORE_PORT"
+# The agent's node-local store (127.0.0.1:<port>): where its ranks write their heartbeats. Absent (a rank not
+# started by an agent): heartbeats go to the central store, which no reader reads them from.
+ENV_LOCAL_PORT = "PHOENIX_LOCAL_PORT"
 ENV_NODE = "PHOENIX_NODE"
 ENV_SLOT = "PHOENIX_SLOT"
 ENV_RUN_DIR = "PHOENIX_RUN_DIR"
@@ -120,6 +130,10 @@ def k_assign(node: str, slot: int) -> str:
 
 def k_rank_hb(node: str, slot: int) -> str:
     return f"phx/hb/rank/{node}/{slot}"
+
+
+def k_node_digest(node: str) -> str:
+    return f"phx/hb/node/{node}"
 
 
 def k_agent_hb(node: str) -> str:
@@ -244,6 +258,29 @@ class RankHeartbeat:
         d = json.loads(text)
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True)
+class NodeDigest:
+    """What an agent writes at ``k_node_digest`` each heartbeat: its ranks' latest heartbeats, read from its
+    node-local store (slot -> ``RankHeartbeat``; a slot that has not written one yet is absent). ``t``: when
+    the agent read them. ``blocked_in`` is left out: only the agent's own hang check reads it."""
+
+    node: str
+    t: float
+    beats: dict[int, RankHeartbeat] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        beats = {str(s): {k: v for k, v in asdict(hb).items() if v is not None and k != "blocked_in"}
+                 for s, hb in sorted(self.beats.items())}
+        return json.dumps({"node": self.node, "t": self.t, "beats": beats}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "NodeDigest":
+        d = json.loads(text)
+        known = {f.name for f in fields(RankHeartbeat)}
+        beats = {int(s): RankHeartbeat(**{k: v for k, v in hb.items() if k in known}) for s, hb in d.get("beats", {}).items()}
+        return cls(node=str(d["node"]), t=float(d["t"]), beats=beats)
 
 
 # --- environment given to one rank ---------------------------------------------------------------

@@ -21,6 +21,7 @@ class RankEnv:
     managed: bool  # started by phoenix-run (a control plane exists)
     store_host: str = ""
     store_port: int = 0
+    local_port: int = 0  # the agent's node-local store on 127.0.0.1 (heartbeats); 0: none
     node: str = ""
     slot: int = 0
     role: str = protocol.ROLE_ACTIVE
@@ -52,6 +53,7 @@ class RankEnv:
             managed=bool(env.get(protocol.ENV_STORE_HOST)),
             store_host=env.get(protocol.ENV_STORE_HOST, ""),
             store_port=num(protocol.ENV_STORE_PORT),
+            local_port=num(protocol.ENV_LOCAL_PORT),
             node=env.get(protocol.ENV_NODE, ""),
             slot=num(protocol.ENV_SLOT),
             role=env.get(protocol.ENV_ROLE, protocol.ROLE_ACTIVE),

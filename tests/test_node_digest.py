@@ -1,0 +1,144 @@
+"""Node-local heartbeats and one digest per node: the central store's load grows with nodes, not ranks.
+
+Real TCPStores (torch's, as in a job): the supervisor's status pass reads one key per node in one batch; a rank's
+heartbeat reaches its agent's local store even when that store is served only after the rank began connecting;
+a forged heartbeat (local) and a forged digest (central) are refused, counted, and never shown.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from phoenix_launch.detect.agent import Agent
+from phoenix_launch.observe import status
+from phoenix_runtime.plane import auth, channel, control, protocol
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Counting:
+    """A store whose calls (round trips) are counted, with the number of keys each one names."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+
+        def call(*a):
+            self.calls.append((name, len(a[0]) if a and isinstance(a[0], list) else 1))
+            return fn(*a)
+        return call
+
+
+@pytest.fixture
+def secret():
+    """The job's secret in this process (values sealed and checked), restored afterwards."""
+    saved = (auth._key, auth._loaded)
+    auth.set_key(b"k" * 32)
+    auth.drain()
+    yield
+    auth.drain()
+    auth._key, auth._loaded = saved
+    channel.forget("phx/")
+
+
+def _server():
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False, use_libuv=True)
+
+
+class Nodes(list):
+    def spare_nodes(self):
+        return []
+
+
+def test_a_status_pass_reads_one_key_per_node_in_one_batch(secret):
+    n_nodes, nproc = 64, 8
+    store = Counting(_server())
+    names = [f"node{i}" for i in range(n_nodes)]
+    members = protocol.Membership(1, n_nodes * nproc, tuple(
+        protocol.RankSlot(i * nproc + s, n, s) for i, n in enumerate(names) for s in range(nproc)))
+    for i, n in enumerate(names):
+        beats = {s: protocol.RankHeartbeat(t=time.time(), step=100 + i, gen=1, phase="training", sps=2.0) for s in range(nproc)}
+        protocol.put_value(store, protocol.k_node_digest(n), protocol.NodeDigest(n, time.time(), beats).to_json())
+    store.calls.clear()
+    nodes = Nodes(SimpleNamespace(name=n, state=SimpleNamespace(value="active"), failures=0) for n in names)
+    snap = status.job_status(run_id="r", run_dir=Path("."), state="running", gen=1, restarts=0, nproc=nproc, nodes=nodes,
+                             members=members, store=store, events=SimpleNamespace(recent=[]))
+    reads = [c for c in store.calls if c[0] != "num_keys"]
+    assert reads == [("check", n_nodes), ("multi_get", n_nodes)], reads  # O(nodes) keys, two round trips; not 8 x
+    assert snap["step"] == 100 and snap["nodes"][5]["step"] == 105 and snap["steps_per_s"] == 2.0
+    steps = status.read_rank_steps(store, members)
+    assert len(steps) == n_nodes * nproc and steps[8 * 7 + 3][0] == 107
+
+
+def test_a_rank_heartbeats_into_its_agents_local_store_served_late(secret):
+    """The agent reserves the socket before its ranks start and serves only once they are warm: the rank's
+    client waits in the listening socket's backlog, then its heartbeats arrive."""
+    from phoenix_launch.plane.control import reserve_port, start_store
+
+    sock = reserve_port("127.0.0.1", 0)
+    stop = threading.Event()
+    link = control.LocalStoreLink(sock.getsockname()[1], stop)
+    try:
+        time.sleep(1.5)  # the rank is connecting; nothing serves yet
+        assert link.store is None and not link.put("x", "y")
+        local, _ = start_store("127.0.0.1", sock=sock)
+        deadline = time.monotonic() + 20
+        while link.store is None:
+            assert time.monotonic() < deadline, "the rank never connected to its agent's store"
+            time.sleep(0.05)
+        key = protocol.k_rank_hb("n0", 0)
+        assert link.put(key, json.dumps({"t": 1.0, "step": 3, "pid": 11}))
+        agent = SimpleNamespace(local=local, node="n0", nproc=2)
+        beats = Agent.read_beats(agent)  # type: ignore[arg-type]
+        assert beats[0].step == 3 and 1 not in beats
+    finally:
+        stop.set()
+
+
+def test_forged_local_heartbeats_and_a_forged_digest_are_refused(secret):
+    local, central = _server(), _server()
+    agent = SimpleNamespace(local=local, node="n0", nproc=3, store=central)
+    k0, k1, k2 = (protocol.k_rank_hb("n0", s) for s in range(3))
+    protocol.put_value(local, k0, json.dumps({"t": time.time(), "step": 5, "pid": 1, "phase": "training"}))
+    protocol.put_value(local, k1, json.dumps({"t": time.time(), "step": 6, "pid": 2, "phase": "training"}))
+    beats = Agent.read_beats(agent)  # type: ignore[arg-type]
+    assert {s: hb.step for s, hb in beats.items()} == {0: 5, 1: 6}
+    local.set(k0, json.dumps({"t": 0, "step": 999, "pid": 1, "phase": "training", "t_step": 0}))  # unsigned
+    local.set(k1, "phx1:%d:%s:%s" % (time.time_ns(), "0" * 64, json.dumps({"t": 0, "step": 999})))  # made-up MAC
+    local.set(k2, auth.seal(k0, auth.next_seq(), json.dumps({"t": 0, "step": 999})))  # genuine, moved from another key
+    beats = Agent.read_beats(agent)  # type: ignore[arg-type]
+    assert {s: hb.step for s, hb in beats.items()} == {0: 5, 1: 6}  # the last genuine ones; slot 2 has none
+    assert {(d["kind"], d["key"]) for d in auth.drain()} >= {("unsigned", k0), ("forged", k1), ("forged", k2)}
+    Agent.publish_digest(agent, beats)  # type: ignore[arg-type]
+    members = protocol.Membership(1, 2, (protocol.RankSlot(0, "n0", 0), protocol.RankSlot(1, "n0", 1)))
+    assert {k: hb.step for k, hb in status.read_rank_heartbeats(central, members).items()} == {("n0", 0): 5, ("n0", 1): 6}
+    kd = protocol.k_node_digest("n0")
+    genuine = central.get(kd)
+    forged = protocol.NodeDigest("n0", time.time(), {0: protocol.RankHeartbeat(t=time.time(), step=10**6)}).to_json()
+    central.set(kd, forged)  # unsigned
+    assert status.read_rank_heartbeats(central, members)[("n0", 0)].step == 5
+    protocol.put_value(central, kd, protocol.NodeDigest("n0", time.time(), {0: protocol.RankHeartbeat(t=1.0, step=7)}).to_json())
+    assert status.read_rank_heartbeats(central, members)[("n0", 0)].step == 7
+    central.set(kd, genuine)  # a genuine, older digest written back: a replay
+    assert status.read_rank_heartbeats(central, members)[("n0", 0)].step == 7
+    assert {("unsigned", kd), ("replayed", kd)} <= {(d["kind"], d["key"]) for d in auth.drain()}
+
+
+def test_the_digest_round_trips_what_status_shows():
+    hb = protocol.RankHeartbeat(t=2.0, step=4, gen=3, pid=9, runtime=True, phase="training", t_step=1.5, blocked_in="code",
+                                sps=1.25, warm=True, formed=True)
+    d = protocol.NodeDigest.from_json(protocol.NodeDigest("n", 3.0, {2: hb}).to_json())
+    assert d.node == "n" and d.t == 3.0 and list(d.beats) == [2]
+    assert d.beats[2] == protocol.RankHeartbeat(**{**hb.__dict__, "blocked_in": None})  # the agent's only
