@@ -81,7 +81,7 @@ def wait_for_assignment(poll_s: float = 0.01, wake_s: float = 1.0) -> dict:
     a second (``wake_s``), not a hundred. This thread waits on an event, not in the store, so that SIGTERM's
     handler runs at once. Once a value was refused (a forged assignment, reported), or when the waiter has no
     store, it polls every ``poll_s`` until the supervisor's own is there."""
-    from phoenix_runtime.plane.control import connect_store
+    from phoenix_runtime.plane.control import connect_store, hand_over
 
     env = rank_env_module.rank_env()
     store = connect_store(env)
@@ -91,6 +91,7 @@ def wait_for_assignment(poll_s: float = 0.01, wake_s: float = 1.0) -> dict:
         while True:
             text = protocol.get_value(store, key)
             if text is not None:
+                hand_over(store)  # the joiner's Context uses this connection: no new one on the recovery's path
                 return json.loads(text)
             if waiter.done.is_set():  # the key is there but was refused, or the waiter has no store: poll
                 time.sleep(poll_s)

@@ -81,7 +81,7 @@ class Context:
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         if self.managed:
             self.ctl = start_control()
-            self.store = connect_store(env)
+            self.store = connect_store(env, handed=True)  # a joiner: the connection it waited on
             self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
             self.ctl.on_gen_change.append(self._on_gen_change)
 

@@ -87,9 +87,25 @@ class RankState:
         self.warm = True
 
 
-def connect_store(env: RankEnv | None = None, timeout_s: float = 30.0):
-    """A client of the control plane's store that follows a takeover to the standby supervisor (``failover``)."""
+_HANDED = None  # a spare's store client, connected while it waited, for its Context (``hand_over``)
+
+
+def hand_over(store) -> None:
+    """A spare's connection, made (and probed) while it waited for its assignment, is its Context's: a new
+    connection's probe of the leader waits ``failover.reachable``'s quiet window (0.5 s), on the recovery's path."""
+    global _HANDED
+    _HANDED = store
+
+
+def connect_store(env: RankEnv | None = None, timeout_s: float = 30.0, *, handed: bool = False):
+    """A client of the control plane's store that follows a takeover to the standby supervisor (``failover``);
+    ``handed``: the one ``hand_over`` gave, once, if any."""
+    global _HANDED
     from phoenix_runtime.plane.failover import FailoverStore
+
+    if handed and _HANDED is not None:
+        store, _HANDED = _HANDED, None
+        return store
 
     env = env or rank_env()
     return FailoverStore((env.store_host, env.store_port), env.run_dir, timeout_s=timeout_s, reconnect_s=env.settings.takeover_timeout_s)

@@ -68,8 +68,6 @@ def reachable(addr: tuple[str, int], timeout_s: float = 1.0, quiet_s: float = 0.
     return probe(addr, timeout_s, quiet_s) == "alive"
 
 
-#: How long a first connection's probe waits for a reset before it calls the leader alive (``_first``).
-FIRST_QUIET_S = 0.02
 #: A store call on the leader's connection running this long is checked: if the leader's port does not answer
 #: a connect either, the connection is cut here (:func:`guarded`).
 STALL_S = 2.0
@@ -182,9 +180,8 @@ class FailoverStore(dist.Store):
     def _first(self):
         """The store at ``addr``, or a newer leader's when that one is already gone (a process started after a
         takeover is told the first leader's address). A leader's port listens from before its agents start, so
-        a refused connect means that leader is lost. The probe's quiet window is short here: a joiner connects
-        on the recovery's path, and a listener being killed resets a new connection within milliseconds."""
-        if self.run_dir is not None and not reachable(self.addr, quiet_s=FIRST_QUIET_S):
+        a refused connect means that leader is lost."""
+        if self.run_dir is not None and not reachable(self.addr):
             self._move(None)
             return self._s
         return _tcp(self.addr, self.timeout_s)
