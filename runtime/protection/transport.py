@@ -96,6 +96,15 @@ class _GlooWork(Work):
             raise TransportError(f"{self._what}: wait returned False")
 
 
+def _post(op, buf: torch.Tensor, peer: int, tag: int, what: str) -> Work:
+    """A gloo group's ``send``/``recv`` (``op``) of ``buf`` with ``peer`` (its rank in that group); an error
+    raised while posting it becomes a ``TransportError`` that names ``what``."""
+    try:
+        return _GlooWork(op([buf], peer, tag), what)
+    except Exception as e:
+        raise TransportError(f"{what}: {str(e).splitlines()[0][:300]}") from e
+
+
 class GlooTransport(Transport):
     """Point-to-point over a dedicated gloo process group (group ranks = logical ranks).
 
@@ -129,18 +138,12 @@ class GlooTransport(Transport):
     def isend(self, dst: int, buf: torch.Tensor, tag: int) -> Work:
         self._check(dst)
         what = f"send to rank {dst} (tag {tag}, {buf.numel()} B)"
-        try:
-            return _GlooWork(self.group.send([buf], dst, tag), what)
-        except Exception as e:
-            raise TransportError(f"{what}: {str(e).splitlines()[0][:300]}") from e
+        return _post(self.group.send, buf, dst, tag, what)
 
     def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work:
         self._check(src)
         what = f"recv from rank {src} (tag {tag}, {buf.numel()} B)"
-        try:
-            return _GlooWork(self.group.recv([buf], src, tag), what)
-        except Exception as e:
-            raise TransportError(f"{what}: {str(e).splitlines()[0][:300]}") from e
+        return _post(self.group.recv, buf, src, tag, what)
 
     def abort(self) -> None:
         with self._lock:
@@ -178,18 +181,12 @@ class PairTransport(Transport):
     def isend(self, dst: int, buf: torch.Tensor, tag: int) -> Work:
         group, peer = self._route(dst)
         what = f"send to rank {dst} (tag {tag}, {buf.numel()} B)"
-        try:
-            return _GlooWork(group.send([buf], peer, tag), what)
-        except Exception as e:
-            raise TransportError(f"{what}: {str(e).splitlines()[0][:300]}") from e
+        return _post(group.send, buf, peer, tag, what)
 
     def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work:
         group, peer = self._route(src)
         what = f"recv from rank {src} (tag {tag}, {buf.numel()} B)"
-        try:
-            return _GlooWork(group.recv([buf], peer, tag), what)
-        except Exception as e:
-            raise TransportError(f"{what}: {str(e).splitlines()[0][:300]}") from e
+        return _post(group.recv, buf, peer, tag, what)
 
     def abort(self) -> None:
         with self._lock:
