@@ -333,7 +333,9 @@ class Supervisor(ReportHandlers):
     def _flush_recovery_event(self, final: bool = False) -> None:
         if not self.recovery.awaiting_first_step:
             return
-        ev = self.recovery.first_step(read_rank_steps(self.store, self._gens().members), final=final)
+        cur = self.recovery.current
+        resume = cur.resume_step if cur is not None and cur.resume_step is not None else 0
+        ev = self.recovery.first_step(read_rank_steps(self.store, self._gens().members, after=resume), final=final)
         if ev is not None:
             self.events.emit("recovery", **ev)
 

@@ -142,3 +142,26 @@ def test_the_digest_round_trips_what_status_shows():
     d = protocol.NodeDigest.from_json(protocol.NodeDigest("n", 3.0, {2: hb}).to_json())
     assert d.node == "n" and d.t == 3.0 and list(d.beats) == [2]
     assert d.beats[2] == protocol.RankHeartbeat(**{**hb.__dict__, "blocked_in": None})  # the agent's only
+
+
+def test_a_recoverys_first_step_is_read_as_the_first_of_its_phase_not_the_latest(secret):
+    """The recovery event's ``first_step_s`` takes the first step after the resume and its time: a heartbeat read
+    later carries newer steps as its latest (``step``/``t_step``), the first one of the phase beside them."""
+    st = control.RankState()
+    st.enter("recovering")
+    st.stepped(24)  # the resume point, restored during the recovery
+    st.enter("training")
+    assert st.first is None
+    st.stepped(25)
+    first = st.first
+    st.stepped(26)
+    st.stepped(27)
+    assert first is not None and st.first == first and first[0] == 25 and st.step == 27 and st.t_step >= first[1]
+    store = _server()
+    members = protocol.Membership(2, 1, (protocol.RankSlot(0, "n0", 0),))
+    hb = protocol.RankHeartbeat(t=time.time(), step=st.step, gen=2, phase="training", t_step=st.t_step,
+                                first_step=first[0], t_first_step=first[1])
+    protocol.put_value(store, protocol.k_node_digest("n0"), protocol.NodeDigest("n0", time.time(), {0: hb}).to_json())
+    assert status.read_rank_steps(store, members, after=24) == {0: first}
+    assert status.read_rank_steps(store, members) == {0: (27, st.t_step)}
+    assert status.read_rank_steps(store, members, after=25) == {0: (27, st.t_step)}  # its first step is not past 25

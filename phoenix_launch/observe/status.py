@@ -57,13 +57,19 @@ def read_rank_heartbeats(store: Any, members: protocol.Membership) -> dict[tuple
     return out
 
 
-def read_rank_steps(store: Any, members: protocol.Membership) -> dict[int, tuple[int, float]]:
-    """Logical rank -> (its latest step, when it completed it), from the ranks' heartbeats."""
+def read_rank_steps(store: Any, members: protocol.Membership, after: int | None = None) -> dict[int, tuple[int, float]]:
+    """Logical rank -> (its latest step, when it completed it), from the ranks' heartbeats. ``after``: a rank
+    whose first step of its current phase is past it gives that step and its time instead (a recovery's first
+    step after resuming at ``after``, exact: the latest step is up to a heartbeat's worth of steps later)."""
     out = {}
     at = {(r.node, r.slot): r.rank for r in members.ranks}  # one pass: Membership.rank_at is a scan of every rank
     for (node, slot), hb in read_rank_heartbeats(store, members).items():
         rank = at.get((node, slot))
-        if rank is not None:
+        if rank is None:
+            continue
+        if after is not None and hb.first_step is not None and hb.t_first_step is not None and hb.first_step > after:
+            out[rank] = (hb.first_step, hb.t_first_step)
+        else:
             out[rank] = (hb.step, hb.t_step if hb.t_step is not None else hb.t)
     return out
 

@@ -73,6 +73,10 @@ class RankState:
         self.steps_per_s: float = 0.0
         self.warm = False  # a step completed since ``enter``: the first one is judged by the longer bound
         self.formed = False  # torch.distributed's default group has existed in this process (sticky)
+        #: (step, unix time) of the first step completed in the current phase: a recovery's first step after the
+        #: resume, exact, where ``step``/``t_step`` are the latest when the heartbeat is written (up to one
+        #: heartbeat's worth of steps later)
+        self.first: tuple[int, float] | None = None
 
     def enter(self, phase: str) -> None:
         """A new phase; ``t_step`` restarts from now (progress is measured within a phase)."""
@@ -80,10 +84,14 @@ class RankState:
             self.phase = phase
             self.t_step = time.time()
             self.warm = False
+            self.first = None
 
     def stepped(self, step: int) -> None:
+        now = time.time()
+        if not self.warm:
+            self.first = (step, now)
         self.step = step
-        self.t_step = time.time()
+        self.t_step = now
         self.warm = True
 
 
@@ -260,6 +268,9 @@ class ControlThread:
             "warm": self.state.warm,
             "formed": self.state.formed,
         }
+        first = self.state.first  # one read: the training thread replaces the tuple whole
+        if first is not None:
+            hb["first_step"], hb["t_first_step"] = first
         key = protocol.k_rank_hb(self.node, self.slot)
         if self.local is not None:
             self.local.put(key, json.dumps(hb))

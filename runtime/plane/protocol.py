@@ -252,6 +252,9 @@ class RankHeartbeat:
     #: the process has formed torch.distributed's default group at least once: until every rank has, no
     #: distributed step can have been taken (a script of either kind is still importing or rendezvousing)
     formed: bool = False
+    #: the first step completed in the current phase and when (a recovery's first step after the resume)
+    first_step: int | None = None
+    t_first_step: float | None = None
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "RankHeartbeat":
