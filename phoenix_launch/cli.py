@@ -306,8 +306,9 @@ def status(run_dir: Optional[str] = typer.Argument(None, help="Run directory (de
 @app.command("kill-node")
 def kill_node(
     target: str = typer.Argument(..., help="A node name, or rank:R."),
-    mode: str = typer.Option("crash", "--mode", help="crash | rank | hang | comm | gpu-ecc | pcie"),
+    mode: str = typer.Option("crash", "--mode", help="crash | rank | hang | comm | gpu-ecc | pcie | late | slow"),
     at_step: Optional[int] = typer.Option(None, "--at-step", help="Arm the fault to fire when the ranks reach step N."),
+    factor: Optional[float] = typer.Option(None, "--factor", help="Mode slow: the rank's forward takes F times as long."),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default: the newest under .)."),
 ) -> None:
     """Inject a failure into a running job."""
@@ -319,7 +320,7 @@ def kill_node(
         raise fail(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     try:
         rdir = find_run_dir(run_dir)
-        reply = send_command(rdir, KillCommand(target=target, mode=mode, at_step=at_step))
+        reply = send_command(rdir, KillCommand(target=target, mode=mode, at_step=at_step, factor=factor))
     except (FileNotFoundError, InjectError) as e:
         raise fail(str(e), 1) from None
     if not reply.get("ok"):

@@ -103,8 +103,20 @@ class DetectConfig:
     # the leader supervisor's loop stuck this long (with a standby): it ends itself, its threads' stacks on its
     # stderr, and the standby takes the job over (its store server, a C++ thread, would otherwise serve on)
     leader_hang_s: float = 60.0
+    # a rank whose own compute time per step exceeds straggler_factor x its peers' median at straggler_checks
+    # consecutive checks (one a heartbeat, each at a new step) is a straggler: "report" (an event), "evict" (its
+    # node hot-swapped onto a warm spare: no work lost; with no spare it stays, reported) or "off"
+    straggler: str = "report"
+    straggler_factor: float = 2.0
+    straggler_checks: int = 5
 
     def validate(self) -> None:
+        if self.straggler not in ("off", "report", "evict"):
+            raise ConfigError(f"detect.straggler must be off, report or evict, got {self.straggler!r}")
+        if self.straggler_factor <= 1:
+            raise ConfigError(f"detect.straggler_factor must be > 1, got {self.straggler_factor}")
+        if self.straggler_checks < 1:
+            raise ConfigError(f"detect.straggler_checks must be >= 1, got {self.straggler_checks}")
         if self.leader_hang_s <= 0:
             raise ConfigError(f"detect.leader_hang_s must be > 0, got {self.leader_hang_s}")
         if self.takeover_timeout_s <= 0:
@@ -182,9 +194,12 @@ class InjectConfig:
         for f in self.faults:
             if not isinstance(f, Mapping):
                 raise ConfigError(f"inject.faults entries must be mappings, got {f!r}")
-            extra = set(f) - {"node", "rank", "step", "mode", "phase", "gen"}
+            extra = set(f) - {"node", "rank", "step", "mode", "phase", "gen", "factor"}
             if extra:
-                raise ConfigError(f"unknown key(s) {sorted(extra)} in inject.faults; valid: node, rank, step, mode, phase, gen")
+                raise ConfigError(f"unknown key(s) {sorted(extra)} in inject.faults; valid: node, rank, step, mode, phase, gen, factor")
+            if "factor" in f and (f.get("mode") != "slow" or isinstance(f["factor"], bool)
+                                  or not isinstance(f["factor"], (int, float)) or f["factor"] <= 1):
+                raise ConfigError(f"inject.faults factor is a number > 1, for mode slow only: {dict(f)}")
             if f.get("phase", "begin") not in PHASES:
                 raise ConfigError(f"inject phase {f.get('phase')!r} unknown; valid: {', '.join(PHASES)}")
             if ("node" in f) == ("rank" in f):

@@ -18,6 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="A node name, or rank:R.")
     p.add_argument("--mode", default="crash", help=" | ".join(FAULT_MODES))
     p.add_argument("--at-step", type=int, default=None, help="Arm the fault to fire when the ranks reach step N.")
+    p.add_argument("--factor", type=float, default=None, help="Mode slow: the rank's forward takes F times as long.")
     p.add_argument("--run-dir", default=None, help="Run directory (default: the newest under .).")
     return p
 
@@ -41,7 +42,7 @@ def main(args: list[str]) -> int:
 
     try:
         rdir = find_run_dir(a.run_dir)
-        reply = send_command(rdir, KillCommand(target=a.target, mode=a.mode, at_step=a.at_step))
+        reply = send_command(rdir, KillCommand(target=a.target, mode=a.mode, at_step=a.at_step, factor=a.factor))
     except (FileNotFoundError, PhoenixError) as e:
         return _fail(str(e), 1)
     except (OSError, ValueError, KeyError) as e:

@@ -29,6 +29,7 @@ from phoenix_launch.decide.incidents import Incident, IncidentTracker
 from phoenix_launch.plane.inject import SOCKET_PURPOSE, Chaos, JobTargets
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState
 from phoenix_launch.detect.nodes import Node, NodeTable
+from phoenix_launch.detect.straggler import StragglerWatch
 from phoenix_launch.observe.operator_io import OperatorIO
 from phoenix_launch.repair.recovery_watch import RecoveryWatch
 from phoenix_launch.repair.replenish import Replenisher
@@ -36,7 +37,7 @@ from phoenix_launch.reports import ReportHandlers
 from phoenix_launch.repair.reprotect import Reprotector
 from phoenix_launch.spec import AgentSpec
 from phoenix_launch.standby.mirror import AttemptRecord, NodeRecord, StandbyLink, SupervisorState
-from phoenix_launch.observe.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
+from phoenix_launch.observe.status import job_status, nothing_done, read_paces, read_rank_heartbeats, read_rank_steps
 from phoenix_launch.observe.refusals import RefusalLog
 from phoenix_runtime.plane import auth, protocol
 
@@ -64,6 +65,7 @@ class Supervisor(ReportHandlers):
                                          every_s=cfg.runtime.persist_every_s, lead_s=4 * cfg.detect.heartbeat_s)
         self.resume = launch.resume  # the persistent checkpoint this attempt started from
         self.chaos = Chaos(cfg.inject.chaos_mtbf_s, cfg.inject.seed, cfg.inject.chaos_ranks)
+        self.pace, self._pace_due = StragglerWatch(cfg.detect.straggler_factor, cfg.detect.straggler_checks), 0.0
         self.runtime_json = runtime_settings(cfg).to_json()
         self.epoch = 0
         self.restarts = 0
@@ -252,7 +254,7 @@ class Supervisor(ReportHandlers):
         run = {
             decisions.Kind.HOTSWAP: self.hotswap, decisions.Kind.LOCAL: self.local_recovery, decisions.Kind.RESTART: self.restart,
             decisions.Kind.FALLBACK: self.fallback_restart, decisions.Kind.SALVAGE: self.salvage, decisions.Kind.REFORM: self.reform,
-            decisions.Kind.HUNG: self.mark_hung, decisions.Kind.STOP: self.stop,
+            decisions.Kind.HUNG: self.mark_hung, decisions.Kind.STOP: self.stop, decisions.Kind.EVICT: self.evict,
             decisions.Kind.WAIT: lambda d, inc, now: None, decisions.Kind.IGNORE: lambda d, inc, now: None,
         }[d.kind]
         run(d, inc or Incident(now), now)
@@ -356,6 +358,23 @@ class Supervisor(ReportHandlers):
         self.recovery.current.t_gen = now  # type: ignore[union-attr]  (re-armed until the next generation)
         for name in d.lost:
             self.incidents.node_hung(name, now)
+
+    def check_stragglers(self, now: float) -> None:
+        """Once a heartbeat while the job runs undisturbed: the ranks' paces (one batched read of the digests)."""
+        det = self.cfg.detect
+        if det.straggler == "off" or now < self._pace_due or self.job.state is not JobState.RUNNING or self.incidents.current:
+            return
+        self._pace_due = now + det.heartbeat_s
+        for s in self.pace.observe(read_paces(self.store, self._gens().members), self.gen):
+            what = (f"rank {s.rank} on {s.node} is a straggler: {s.own_s:.3f} s of its own per step, {s.ratio:.1f}x its "
+                    f"peers' median {s.peers_s:.3f} s at {s.checks} checks")
+            d = decisions.straggler(det.straggler, s.node, what, self.spares())
+            if s.first or d.kind is decisions.Kind.EVICT:  # an unchanged verdict is not repeated
+                self.events.emit("straggler", **s.evidence(), policy=det.straggler, decision=d.kind.value, reason=d.reason)
+            self.execute(d, now)
+
+    def evict(self, d: decisions.Decision, inc: Incident, now: float) -> None:  # an incident replaces it (a hot-swap)
+        self.incidents.node_straggling(d.node, now)  # type: ignore[arg-type]  (EVICT always names it)
 
     def fallback_restart(self, d: decisions.Decision, inc: Incident, now: float) -> None:
         """Rung 3 of the fallback ladder: every worker restarts from ``d.resume``."""
@@ -472,6 +491,7 @@ class Supervisor(ReportHandlers):
             self.reprotect(now)
             self.ladder.schedule(self.store, now, self.attempt, running=self.job.state is JobState.RUNNING)
             self.run_chaos(now)
+            self.check_stragglers(now)
             self.check_recovery_deadline(now)
         if self.attempt.unrecoverable_t0 and now - self.attempt.unrecoverable_t0 > self.cfg.detect.recovery_timeout_s:
             self.execute(decisions.unrecoverable(next(iter(self.attempt.unrecoverable.values())).reason, None), now)

@@ -32,6 +32,7 @@ class FaultInjector:
         self.rank = -1
         self.gen = 0
         self.step = 0  # the step in progress (the D2H/H2H hooks run on other threads)
+        self.slow = 1.0  # a "slow" fault's factor on this rank's forward (pace.Pace), from its step on
 
     @property
     def active(self) -> bool:
@@ -68,7 +69,13 @@ class FaultInjector:
                 continue  # fire once per job, even if this step is replayed after a recovery
             mode = f.get("mode", "crash")
             self.report(protocol.FaultFired(mode=mode, step=step, phase=phase))
-            self.execute(mode)
+            if mode == "slow":  # not a failure: this process stays slower from now on
+                self.slow = float(f.get("factor", 3.0))
+            else:
+                self.execute(mode)
+
+    def slow_factor(self) -> float:
+        return self.slow
 
     def optimizer_hook(self, *args, **kwargs) -> None:
         """A post-hook of the local optimizer: "during the optimizer step"."""

@@ -54,6 +54,7 @@ class TrainingOps(Protocol):
     objs: Any  # state.LoopObjects
     faults: Any  # faults.FaultInjector
     protection: Any  # this generation's ProtectionSession, or None
+    pace: Any  # pace.Pace: this rank's own time per step
 
     # protection
     def protect_due(self, step: int) -> bool: ...

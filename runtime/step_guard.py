@@ -74,6 +74,7 @@ class StepGuard:
             ops.recover(e)
             return
         rs.step = step + 1
+        STATE.own_s = ops.pace.stepped()
         STATE.stepped(rs.step)
         self._progress()
 

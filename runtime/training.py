@@ -22,6 +22,7 @@ from phoenix_runtime import state
 from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.faults import FaultInjector
+from phoenix_runtime.pace import Pace
 from phoenix_runtime.parallel import reshard
 from phoenix_runtime.protection.pairs import steady_pairs
 from phoenix_runtime.protection.protection import ProtectionSession, merge_replicas
@@ -75,6 +76,8 @@ class ProtectedTraining:
         self.persister = persist.Persister(ctx.env.run_dir, ctx.rank, self.settings.persist_every, ctx.report) \
             if self.protect_on and (self.settings.persist_every > 0 or self.settings.persist_every_s > 0) else None
         self.model = objs.module
+        self.pace = Pace(self.faults.slow_factor)  # this rank's own time per step, in its heartbeat (stragglers)
+        self.pace.attach(objs.module)
         self.guard = StepGuard(ctx, self.rs, self)
         self._hook_optimizer()
         # the first step() / steps() recovers (a joiner, or a rank whose first generation replaced the one it
@@ -170,6 +173,7 @@ class ProtectedTraining:
         self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
         self.ctx.add_groups(self.parallel.groups())  # a newer generation aborts them too
         self.model = self.objs.module
+        self.pace.attach(self.objs.module)
         state.load_params(self.objs.module, params)
         state.load_optim(self.objs.optimizer, optim, scalars)
 
@@ -432,4 +436,5 @@ class ProtectedTraining:
         the cadence restarts there, the supervisor's (raised when the copy did not fit) or the setting."""
         every = (protocol.read_protect_every(self.ctx.store) if self.ctx.managed else 0) or self.settings.protect_every
         self.rs.resumed_at(R, first, every)
+        self.pace.reset()
         STATE.stepped(R)

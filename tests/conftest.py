@@ -175,7 +175,7 @@ def check_resume_steps(evs: list[dict], failed_at: int | None = None, lag: int =
     checked against the previous failed step. Returns (failed step, resume step) per recovery."""
     out, pending, last = [], [], failed_at
     for e in evs:
-        if (e["type"] == "injected" and e.get("step") is not None and e.get("source") != "chaos"
+        if (e["type"] == "injected" and e.get("step") is not None and e.get("source") != "chaos" and e.get("mode") != "slow"
                 and not str(e.get("phase") or "").startswith("recover")):  # a fault during a recovery fails no step
             pending.append(int(e["step"]))
         elif e["type"] == "recovery":

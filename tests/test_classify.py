@@ -262,7 +262,8 @@ def _one_rank(row: Row, exit_code: int | None = 1) -> Signals:
 
 def test_table_is_big_enough():
     assert len(TABLE) >= 30
-    assert {r.cls for r in TABLE.values()} == set(FailureClass) - {FailureClass.PROCESS_EXIT}  # no text says "exited"
+    # no text says "exited"; a straggler is found by its pace, not by a text (test_pure)
+    assert {r.cls for r in TABLE.values()} == set(FailureClass) - {FailureClass.PROCESS_EXIT, FailureClass.STRAGGLER}
 
 
 @pytest.mark.parametrize("key", list(TABLE))

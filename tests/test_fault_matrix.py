@@ -37,8 +37,11 @@ from conftest import (
     job_processes,
     load_digest,
     of_type,
+    phoenix_cmd,
     rank_log_tail,
     run_phoenix,
+    start_phoenix,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.timeout(420)]
@@ -495,3 +498,72 @@ def test_time_based_checkpoints_name_one_step_for_every_rank(tmp_path, failure_f
     complete = [e["step"] for e in of_type(job.evs, "checkpoint_complete")]
     assert scheduled and set(complete) <= set(scheduled) and complete, (scheduled, complete)
     assert_same_digest(job.digest_path, failure_free("zero", 2, 2))
+
+
+# --- a straggler: evicted by hot-swap onto the spare, or reported ------------------------------------------
+# the slow rank 10x, flagged beyond 5x: a loaded 2-core machine's noise made healthy ranks look up to 4x slow
+STRAGGLER = {"straggler_checks": 3, "straggler_factor": 5.0}
+
+
+def run_until(d: Path, nodes: int, spares: int, detect: dict, faults, until, what: str, steps: int, live=None) -> Job:
+    """A job whose steps are slowed (``--step-sleep`` while a file exists, outside the forward: every rank alike)
+    until ``until(events)`` holds, then at full speed to its end: it outlives what is checked, at any machine speed."""
+    d.mkdir(parents=True, exist_ok=True)
+    hold = d / "hold"
+    hold.touch()
+    cfg = {"detect": {**DETECT, **detect}, "inject": {"faults": list(faults)}, "runtime": {"replicas": 1}}
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    t0 = time.monotonic()
+    proc = start_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", str(nodes), "--nproc-per-node", "2", "--spares", str(spares),
+                          "--run-dir", str(d / "run"), GPT, "--steps", str(steps), *LAYOUTS["zero"], "--digest-file",
+                          str(d / "digest.json"), "--step-log", str(d / "steps.log"), "--step-sleep", "0.15",
+                          "--step-sleep-while", str(hold)], d)
+    try:
+        if live is not None:
+            live(d / "run")
+        wait_for(lambda: proc.poll() is not None or until(events(d / "run")), 200, what)
+    finally:
+        hold.unlink()
+        out, err = proc.communicate(timeout=JOB_TIMEOUT_S)
+    import subprocess
+
+    return Job(d, subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0)
+
+
+def test_a_straggler_is_evicted_by_a_hot_swap_and_the_run_stays_bit_identical(tmp_path, failure_free):
+    """Rank 1 made 10x slower (its forward) from step 4, ``detect.straggler: evict``, one spare: a ``straggler``
+    event names it with the evidence, its node is hot-swapped onto the spare, and the job ends with the
+    failure-free digest (nothing is lost: a hot-swap like any other)."""
+    steps = 40
+    slow = {"rank": 1, "step": 4, "mode": "slow", "factor": 10.0}
+    job = run_until(tmp_path, 2, 1, {**STRAGGLER, "straggler": "evict"}, [slow],
+                    lambda evs: of_type(evs, "recovery"), "the straggler's hot-swap", steps)
+    ev = of_type(job.evs, "straggler")
+    assert ev and (ev[0]["rank"], ev[0]["node"], ev[0]["decision"]) == (1, "node0", "evict"), ev
+    assert ev[0]["ratio"] > 5.0 and ev[0]["checks"] == 3 and ev[0]["own_s"] > 5.0 * ev[0]["peers_s"], ev
+    assert [(e["failed"], e["spare"]) for e in of_type(job.evs, "hotswap")] == [("node0", "node2")]
+    decided = of_type(job.evs, "decision")
+    assert decided and decided[0]["cls"] == "straggler" and decided[0]["decision"] == "hotswap", decided
+    t_swap = of_type(job.evs, "hotswap")[0]["t"]  # the step in flight then is the failed one (a slow rank fails no step)
+    done = [int(n) for kind, n, t in (ln.split() for ln in job.step_log.read_text().splitlines()) if kind == "step" and float(t) < t_swap]
+    assert_recovered(job, failure_free("zero", 2, 2, steps=steps), failed_at=max(done, default=-1) + 1)
+
+
+def test_a_straggler_with_the_report_policy_is_only_reported(tmp_path):
+    """``detect.straggler: report``, the slowness injected live (``kill-node rank:1 --mode slow --factor 10``): the
+    event, and nothing else changes (no decision, no generation, exit 0)."""
+    import subprocess
+
+    def inject(run_dir: Path) -> None:
+        wait_for(lambda: any(e["type"] == "progress" for e in events(run_dir)), 120, "the first steps")
+        r = subprocess.run(phoenix_cmd("kill-node", "rank:1", "--mode", "slow", "--factor", "10", "--run-dir", str(run_dir)),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "armed slow" in r.stdout, r.stdout + r.stderr
+
+    job = run_until(tmp_path, 1, 0, {**STRAGGLER, "straggler": "report"}, [],
+                    lambda evs: [e for e in of_type(evs, "straggler") if e["rank"] == 1],
+                    "the straggler event", 30, live=inject)
+    assert job.result.returncode == 0, job.explain()
+    ev = [e for e in of_type(job.evs, "straggler") if e["rank"] == 1]
+    assert ev and ev[0]["decision"] == "ignore" and "reported" in ev[0]["reason"], of_type(job.evs, "straggler")
+    assert not of_type(job.evs, "decision") and not of_type(job.evs, "hotswap") and not job.leftover

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from phoenix_launch.decide import decide as decisions
-from phoenix_launch.decide.classify import Action, FailureClass, Verdict
+from phoenix_launch.decide.classify import Action, FailureClass, Signals, Verdict, classify
 from phoenix_launch.config import ConfigError, build_config
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState, TransitionError
 from phoenix_runtime.plane import protocol
@@ -648,6 +648,7 @@ def test_decide_has_a_row_for_every_outcome():
         "reform": decisions.reprotect((True, "replicator broken on n1")),
         "hung": decisions.recovery_timed_out((3,), 4, ("n1",), 30.0),
         "ignore": decisions.reprotect((False, "re-forms used up")),
+        "evict": decisions.straggler("evict", "n1", "rank 1 on n1 is 3.0x slower", ("s1",)),
     }
     assert {d.kind for d in rows.values()} == set(K)
     d = rows["hotswap, both nodes of the incident"]
@@ -742,3 +743,38 @@ def test_the_commit_points_tree_spans_every_rank_with_at_most_three_partners():
             while parents[r] is not None and seen <= size:
                 r, seen = parents[r], seen + 1
             assert r == 0
+
+
+def test_a_straggler_is_a_rank_slower_than_its_peers_median_at_consecutive_new_steps():
+    from phoenix_launch.detect.straggler import Pace, StragglerWatch
+
+    w = StragglerWatch(factor=2.0, checks=3)
+
+    def check(step, slow=0.35, gen=1, node1_step=None):
+        paces = {r: Pace(f"n{r // 2}", step, 0.1 + 0.001 * r) for r in range(4)}
+        paces[1] = Pace("n0", step if node1_step is None else node1_step, slow)
+        return w.observe(paces, gen)
+
+    assert check(10) == [] and check(11) == []
+    assert check(11) == []  # no new step: the check does not count
+    found = check(12)
+    assert [(s.rank, s.node, s.checks, s.step, s.first) for s in found] == [(1, "n0", 3, 12, True)]
+    assert round(found[0].ratio, 1) == 3.4 and found[0].evidence()["peers_s"] == 0.102
+    assert check(13) == [] and check(14) == [] and [s.first for s in check(15)] == [False]  # found again after three more
+    assert check(16) == [] and check(17, slow=0.15) == [] and check(18) == [] and check(19) == []  # a fast check resets
+    assert check(20, gen=2) == [] and check(21, gen=2) == [] and len(check(22, gen=2)) == 1
+    assert w.observe({0: Pace("n0", 5, 0.9)}, 3) == []  # alone: no peers to compare with
+    assert w.observe({0: Pace("n0", 5, 0.9), 1: Pace("n1", 5, None)}, 3) == []  # a peer not measured yet
+
+
+def test_a_straggler_is_evicted_only_onto_a_ready_spare_and_never_stops_the_job():
+    K = decisions.Kind
+    assert decisions.straggler("evict", "n1", "slow", ("s1",)).kind is K.EVICT
+    d = decisions.straggler("evict", "n1", "slow", ())
+    assert d.kind is K.IGNORE and "no spare ready" in d.reason
+    assert decisions.straggler("report", "n1", "slow", ("s1",)).kind is K.IGNORE
+    v = classify(Signals(reports=(), stragglers=("n1",), world_ranks=4))
+    assert (v.cls, v.action, v.node) == (FailureClass.STRAGGLER, Action.REPLACE_NODE, "n1")
+    assert decisions.decide(view(spares=("s1",)), v).kind is K.HOTSWAP
+    d = decisions.decide(view(spares=(), may_salvage=True), v)  # the spare was taken meanwhile
+    assert d.kind is K.IGNORE and d.exit_code == 0

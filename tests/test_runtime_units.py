@@ -301,3 +301,34 @@ def test_a_generation_is_formed_by_every_rank_or_by_none():
     store.add("arrived2", 1)
     with pytest.raises(GenerationAbandoned):
         _forming(store, latest=2)._wait_all("arrived2", 2, far, pg2)
+
+
+def test_pace_times_the_forward_leaves_out_the_warm_up_and_waits_for_enough_steps():
+    """``pace.Pace``: the median of a rank's forward time per step, none before MIN_STEPS timed steps (the phase's
+    first step left out); an injected ``slow`` factor makes this rank's forward that many times as long."""
+    import torch
+
+    from phoenix_runtime.pace import MIN_STEPS, Pace
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+    x = torch.randn(64, 256)
+    fast, slow = Pace(), Pace(lambda: 4.0)
+    fast.attach(model)
+    slow_model = torch.nn.Sequential(*model)  # the same layers: the same work per forward
+    slow.attach(slow_model)
+    got = []
+    for _ in range(MIN_STEPS + 1):  # the first step is the warm-up
+        assert fast.stepped() is None or len(got) >= MIN_STEPS
+        for _ in range(3):  # several forwards in one step (micro-batches) add up
+            model(x)
+            slow_model(x)
+        got.append((fast.stepped(), slow.stepped()))
+    assert all(a is None and b is None for a, b in got[:-1]) and None not in got[-1], got
+    f, s = got[-1]
+    assert s > 2.5 * f, got
+    slow.reset()
+    slow_model(x)
+    assert slow.stepped() is None  # a new phase: counted again from its first step
+    fast.attach(slow_model)  # re-attached to a rebuilt model: the old one is no longer timed
+    model(x)
+    assert fast._cur == 0.0

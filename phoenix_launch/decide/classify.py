@@ -40,7 +40,8 @@ like any other: the injection itself never marks the class.
    error raised at import > an unexplained SIGKILL, taken as a host fault > unknown), and within
    it the earliest report is the root cause. A hardware text on every node (>= 2) is shared
    infrastructure, and SIGKILLs on every node an outside kill: neither blames one node.
-4. A node whose rank heartbeat stalled (``hung``) is replaced, unless every node stalled.
+4. A node whose rank heartbeat stalled (``hung``) is replaced, unless every node stalled; then a node evicted
+   for a straggling rank (``stragglers``: only asked for when a spare is ready) is replaced.
 5. Only comm errors: local recovery if every node involved passed its health probe; replace the
    node that failed its probe; unknown when no probe result exists.
 6. Nothing recognisable: UNKNOWN, with ``fallback`` as the action.
@@ -107,6 +108,7 @@ class Signals:
     reports: tuple[RankReport, ...]  # every rank failure seen in this incident (may be empty)
     node_lost: tuple[str, ...] = ()  # nodes whose agent heartbeat stopped / agent process vanished
     hung: tuple[str, ...] = ()  # nodes with a rank whose heartbeat or step progress stalled
+    stragglers: tuple[str, ...] = ()  # nodes to evict for a rank persistently slower than its peers
     healthy_nodes: frozenset[str] = frozenset()  # nodes whose health probe passed just now
     xid: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # per node, Xid codes seen
     ecc_uncorrected: Mapping[str, int] = field(default_factory=dict)  # per node
@@ -135,6 +137,7 @@ ACTION_FOR: dict[FailureClass, Action] = {
     FailureClass.GPU_MEMORY: Action.REPLACE_NODE,
     FailureClass.HOST: Action.REPLACE_NODE,
     FailureClass.NETWORK_STORAGE: Action.REPLACE_NODE,
+    FailureClass.STRAGGLER: Action.REPLACE_NODE,  # evicted by hot-swap (no work lost), only onto a ready spare
     FailureClass.SOFTWARE: Action.STOP,
     # UNKNOWN: the caller's fallback
 }
@@ -398,6 +401,14 @@ def _rule_reports(s: Signals, matches: dict[int, Match | None],
                     root, fallback)
 
 
+def _rule_straggler(s: Signals, fallback: Action) -> Verdict | None:
+    if not s.stragglers:
+        return None
+    node = s.stragglers[0]
+    return _verdict(FailureClass.STRAGGLER, node, f"a rank on {node} is persistently slower than its peers (a straggler): "
+                    f"evicting {node} onto a spare", None, fallback)
+
+
 def _rule_hung(s: Signals, fallback: Action) -> Verdict | None:
     if not s.hung:
         return None
@@ -470,6 +481,7 @@ def _classify_observed(s: Signals, fallback: Action) -> Verdict:
     for rule in (lambda: _rule_same_everywhere(s, matches, fallback),
                  lambda: _rule_reports(s, matches, fallback),
                  lambda: _rule_hung(s, fallback),
+                 lambda: _rule_straggler(s, fallback),
                  lambda: _rule_comm_only(s, matches, fallback)):
         v = rule()
         if v is not None:

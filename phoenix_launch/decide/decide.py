@@ -1,7 +1,7 @@
 """Pure decisions: the one place that chooses what the supervisor does. No I/O, no clock but the one passed in.
 
 ``decide(view, verdict, now)`` answers an incident; ``unrecoverable``, ``recovery_timed_out``, ``reprotect``,
-``reform``, ``signalled``, ``salvage_over``, ``finished`` answer the other moments a job's course can change.
+``reform``, ``straggler``, ``signalled``, ``salvage_over``, ``finished`` answer the other moments a job's course can change.
 Each returns a ``Decision`` (its ``reason`` is also the log line); the supervisor only executes it
 (``Supervisor.execute``, one method per ``Kind``).
 """
@@ -31,6 +31,7 @@ class Kind(str, Enum):
     HUNG = "hung"  # ranks that did not report in a recovery: their nodes are taken as hung (a new incident)
     STOP = "stop"
     WAIT = "wait"  # a node must be replaced, no spare is ready but one is starting: decide again (bounded)
+    EVICT = "evict"  # a straggler's node: an incident that replaces it onto a warm spare (then HOTSWAP)
     IGNORE = "ignore"  # nothing to change (the reason is recorded)
 
 
@@ -76,6 +77,8 @@ def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
     if action is Action.LOCAL_RECOVERY and untrusted:
         action = Action.REPLACE_NODE
         why = f"{why}; {node} failed twice and is not trusted again"
+    if verdict.cls is FailureClass.STRAGGLER and not view.spares:  # the spare was taken meanwhile: never a stop
+        return Decision(Kind.IGNORE, f"{why}; no spare ready any more: {node} stays", node)
     if verdict.cls is FailureClass.SOFTWARE:
         return Decision(Kind.STOP, f"{why}: a software error is not fixed by a restart", node, exit_code=EXIT_RANK_FAILED)
 
@@ -162,6 +165,17 @@ def reprotect(due: tuple[bool, str] | None) -> Decision:
         return Decision(Kind.IGNORE, "")
     ok, why = due
     return Decision(Kind.REFORM, why, path="reprotect") if ok else Decision(Kind.IGNORE, why)
+
+
+def straggler(policy: str, node: str, what: str, spares: tuple[str, ...]) -> Decision:
+    """A rank on ``node`` is a straggler (``what``: the evidence, one line). ``evict``: its node is replaced by a
+    warm spare through an incident of its own (a hot-swap: no work lost); with no spare ready, or ``report``, it
+    stays where it is and the event is all."""
+    if policy == "evict" and spares:
+        return Decision(Kind.EVICT, f"{what}: evicting {node} onto {spares[0]}", node)
+    if policy == "evict":
+        return Decision(Kind.IGNORE, f"{what}: no spare ready to evict it onto; {node} stays", node)
+    return Decision(Kind.IGNORE, f"{what}: reported (detect.straggler: {policy})", node)
 
 
 def reform(path: str, reason: str) -> Decision:

@@ -24,6 +24,7 @@ class FailureClass(str, Enum):
     HOST = "host"  # PCIe / host / kernel / reboot
     NETWORK_STORAGE = "network_storage"
     SOFTWARE = "software"
+    STRAGGLER = "straggler"  # healthy but persistently slower than its peers (detect.straggler: evict)
     UNKNOWN = "unknown"
 
 

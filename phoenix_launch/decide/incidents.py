@@ -24,6 +24,7 @@ class Incident:
     reports: list[RankReport] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)  # nodes whose agent is gone
     hung: list[str] = field(default_factory=list)  # nodes with a hung rank
+    stragglers: list[str] = field(default_factory=list)  # nodes evicted for a straggling rank (detect.straggler: evict)
     injected: str | None = None  # the kill-node mode that opened it (events only: never the class)
     t_kill: float | None = None  # when a fault was injected (a kill-node, or a rank's configured fault)
     t_observed: float | None = None  # the first observed effect (an injection opens the incident earlier)
@@ -33,7 +34,7 @@ class Incident:
 
     @property
     def observed(self) -> bool:
-        return bool(self.reports or self.lost or self.hung)
+        return bool(self.reports or self.lost or self.hung or self.stragglers)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,13 @@ class IncidentTracker:
         if node not in inc.hung:
             inc.hung.append(node)
 
+    def node_straggling(self, node: str, now: float) -> None:
+        """A node to evict for its straggling rank: an incident that replaces it like any failed node."""
+        inc = self.open(now)
+        inc.t_observed = inc.t_observed or now
+        if node not in inc.stragglers:
+            inc.stragglers.append(node)
+
     def defer(self, inc: Incident, now: float, bound_s: float, retry_s: float = 0.25) -> bool:
         """The decision about ``inc`` waits for a spare that is starting: it settles again every ``retry_s``
         until ``bound_s`` after the first deferral (then the decision must not wait). A failure reported
@@ -114,6 +122,7 @@ class IncidentTracker:
             inc.reports += cur.reports
             inc.lost += [n for n in cur.lost if n not in inc.lost]
             inc.hung += [n for n in cur.hung if n not in inc.hung]
+            inc.stragglers += [n for n in cur.stragglers if n not in inc.stragglers]
         self.current = inc
         return first
 
@@ -146,7 +155,7 @@ class IncidentTracker:
         young = now - inc.t0 < d.node_timeout_s
         if young and fleet.waiting:
             return None
-        only_links = inc.reports and not (inc.lost or inc.hung)
+        only_links = inc.reports and not (inc.lost or inc.hung or inc.stragglers)
         if young and only_links and fleet.silent and all(r.exit_code is None and r.signal is None for r in inc.reports):
             return None
         self.current = None
@@ -155,6 +164,7 @@ class IncidentTracker:
             reports=tuple(inc.reports),
             node_lost=tuple(inc.lost),
             hung=tuple(inc.hung),
+            stragglers=tuple(inc.stragglers),
             healthy_nodes=healthy,
             world_ranks=fleet.world_ranks,
         )

@@ -10,6 +10,7 @@ from typing import Any
 
 from phoenix_launch.observe.events import EventLog
 from phoenix_launch.detect.nodes import NodeTable
+from phoenix_launch.detect.straggler import Pace
 from phoenix_runtime.plane import protocol
 
 
@@ -72,6 +73,12 @@ def read_rank_steps(store: Any, members: protocol.Membership, after: int | None 
         else:
             out[rank] = (hb.step, hb.t_step if hb.t_step is not None else hb.t)
     return out
+
+
+def read_paces(store: Any, members: protocol.Membership) -> dict[int, Pace]:
+    """Logical rank -> its pace (``detect.straggler.Pace``: node, latest step, own time per step), from the digests."""
+    at = {(r.node, r.slot): r.rank for r in members.ranks}
+    return {at[k]: Pace(k[0], hb.step, hb.own_s) for k, hb in read_rank_heartbeats(store, members).items() if k in at}
 
 
 def nothing_done(attempt, store: Any, members: protocol.Membership, world_size: int) -> bool:

@@ -77,6 +77,7 @@ class RankState:
         #: resume, exact, where ``step``/``t_step`` are the latest when the heartbeat is written (up to one
         #: heartbeat's worth of steps later)
         self.first: tuple[int, float] | None = None
+        self.own_s: float | None = None  # its own compute time per step (``phoenix_runtime.pace``), for stragglers
 
     def enter(self, phase: str) -> None:
         """A new phase; ``t_step`` restarts from now (progress is measured within a phase)."""
@@ -271,6 +272,8 @@ class ControlThread:
         first = self.state.first  # one read: the training thread replaces the tuple whole
         if first is not None:
             hb["first_step"], hb["t_first_step"] = first
+        if self.state.own_s is not None:
+            hb["own_s"] = round(self.state.own_s, 5)
         key = protocol.k_rank_hb(self.node, self.slot)
         if self.local is not None:
             self.local.put(key, json.dumps(hb))

@@ -263,6 +263,7 @@ class KillCommand(Message):
     target: str = ""
     mode: str = "crash"
     at_step: int | None = None
+    factor: float | None = None  # mode slow: how many times as long the rank's forward takes
     token: str = ""
     id: str = "none"
     t: float | None = None
@@ -277,6 +278,7 @@ class RankFault(Message):
     at_step: int | None = None
     id: str | None = None
     t: float | None = None
+    factor: float | None = None  # mode slow
 
 
 MESSAGE_CLASSES: dict[MsgType, type] = {

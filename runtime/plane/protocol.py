@@ -255,6 +255,7 @@ class RankHeartbeat:
     #: the first step completed in the current phase and when (a recovery's first step after the resume)
     first_step: int | None = None
     t_first_step: float | None = None
+    own_s: float | None = None  # the rank's own compute time per step, the median of its last steps (pace.py)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "RankHeartbeat":

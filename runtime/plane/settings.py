@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 STEP_PHASES = ("begin", "forward", "optimizer", "d2h", "h2h")
 RECOVERY_PHASES = ("recover_exchange", "recover_params", "recover_optim", "recover_reprotect", "recover_barrier")
 FAULT_PHASES = STEP_PHASES + RECOVERY_PHASES
-FAULT_MODES = ("crash", "rank", "hang", "comm", "gpu-ecc", "pcie", "late")  # late: the next replica (phase h2h)
+# late: the next replica (phase h2h); slow: the rank's forward ``factor`` times as long from its step on
+FAULT_MODES = ("crash", "rank", "hang", "comm", "gpu-ecc", "pcie", "late", "slow")
 TRANSPORTS = ("gloo", "mpi")
 
 
