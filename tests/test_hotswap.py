@@ -105,6 +105,7 @@ def test_k1_holder_and_replica_lost_stops_cleanly_with_a_checkpoint(tmp_path):
     assert not job_processes(run_dir)
 
 
+@pytest.mark.full  # k = 2 is the k = 1 rows' path with a second holder; PHOENIX_FULL_MATRIX=1 runs it
 def test_k2_survives_the_same_losses(tmp_path, baseline):
     faults = [{"node": "node0", "step": 6, "mode": "crash"}, {"node": "node1", "step": 6, "mode": "crash"}]
     r, run_dir, dg = run_job(tmp_path, "job", 3, 2, 2, faults, replicas=2)

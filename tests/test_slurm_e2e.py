@@ -379,8 +379,10 @@ def submit_swap_job(cluster: SlurmCluster, tmp_path: Path) -> tuple[Path, Path, 
     return run_dir, dig, out, submit(cluster, batch_script(tmp_path / "job.sh", body, nodes=4), out)
 
 
-# batch-host behind full: batch-host-partition takes the same takeover path (and the watchdog's cut before it)
-@pytest.mark.parametrize("how", ["netns-sigkill", "scontrol-down", pytest.param("batch-host", marks=pytest.mark.full),
+# batch-host behind full: batch-host-partition takes the same takeover path (and the watchdog's cut before it);
+# scontrol-down behind full: Slurm ends the node's step instead of a kill; the hot-swap after it is netns-sigkill's
+@pytest.mark.parametrize("how", ["netns-sigkill", pytest.param("scontrol-down", marks=pytest.mark.full),
+                                 pytest.param("batch-host", marks=pytest.mark.full),
                                  "batch-host-partition"])
 def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, reference: Reference, tmp_path: Path,
                                             how: str) -> None:
