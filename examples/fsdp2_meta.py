@@ -127,7 +127,9 @@ class Transformer(nn.Module):
         h = self.drop(self.tok_embeddings(tokens) + self.pos_embeddings(self.positions[: tokens.size(1)]))
         for layer in self.layers:
             h = layer(h)
-        return self.output(self.norm(h)).float()
+        logits = self.output(self.norm(h))
+        self.compute_dtype = logits.dtype  # bfloat16 under --mixed-precision (the log says so)
+        return logits.float()
 
     def reset_parameters(self):
         with torch.no_grad():
@@ -201,7 +203,7 @@ def main(argv=None):
             loss.backward()
             training.optimizer_step()
         if rank == 0 and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
+            print(f"step {step} loss {loss.item():.4f} (forward in {training.module.compute_dtype})", flush=True)
     if training.step_idx != a.steps:  # never write a digest for a run that did not complete every step
         print(f"error: the loop ended at step {training.step_idx} of {a.steps}; no digest written", file=sys.stderr, flush=True)
         raise SystemExit(1)

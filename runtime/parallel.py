@@ -165,8 +165,7 @@ class Parallel:
         initialises the model itself draws from a forked RNG: the run's stream is the uninterrupted run's."""
         mesh = self.build_mesh(gen)
         model = copy.deepcopy(self.template)
-        devices = [self.device] if self.device.type != "cpu" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type != "cpu" else [], device_type=self.device.type):
             self.fn(model, mesh)
         materialise(model, self.device, init=False)
         by_fqn = dict(model.named_parameters())
