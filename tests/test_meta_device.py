@@ -61,22 +61,27 @@ def rows():
 @pytest.mark.parametrize("layout,step,extra", rows())
 def test_meta_model_is_hot_swapped_bit_identically(tmp_path, baseline, layout, step, extra):
     """node1 (ranks 2, 3) is SIGKILLed in the forward of ``step``; the spare's ranks parallelise the meta model
-    locally and take their state from the recovery (at step 0: their own fresh shards, the lost ones').
+    locally and take their state from the recovery (at step 0: their own fresh shards, the lost ones'; or
+    the supervisor starts every worker fresh with the spare, nothing being done yet).
     ``--init-weights``: parallelize only shards; PHOENIX materialises and calls the model's init_weights()."""
     r, run_dir, dg = run_job(tmp_path / "job", layout, 1, [{"node": "node1", "step": step, "mode": "crash", "phase": "forward"}], extra)
     assert r.returncode == 0, r.stderr[-3000:]
     evs = events(run_dir)
+    assert_same_digest(dg, baseline(layout))  # fails when the digest file is missing
+    assert not job_processes(run_dir)
+    log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
+    assert ("forward in torch.bfloat16" in log) == layout.endswith("-mp")  # the policy is in force
+    if step == 0 and not of_type(evs, "hotswap"):
+        # nothing completed yet: the supervisor may start every worker fresh with the spare instead of a
+        # hot-swap (decide._fresh_start, raced with the ranks' first heartbeats); the digest holds either way
+        assert [(d["decision"], d.get("spare")) for d in of_type(evs, "decision")][:1] == [("restart", "node2")], of_type(evs, "decision")
+        return
     assert of_type(evs, "recovery"), [e["type"] for e in evs]
     check_resume_steps(evs)
     swap = of_type(evs, "hotswap")[0]
     assert (swap["failed"], swap["spare"]) == ("node1", "node2")
-    assert_same_digest(dg, baseline(layout))  # fails when the digest file is missing
-    assert not job_processes(run_dir)
-    log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
     assert "generation 1: resumed at step" in log  # a survivor: kept its process
     assert ("fresh [2, 3]" in log) == (step == 0 and not layout.startswith("hsdp"))
-    assert ("forward in torch.bfloat16" in log) == layout.endswith("-mp")  # the policy is in force
-
 
 LOCAL_APPLY = r'''
 import json, torch, torch.nn as nn
