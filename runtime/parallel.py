@@ -133,14 +133,25 @@ class Parallel:
     def apply(self, model: torch.nn.Module, gen: int, local: bool = False) -> torch.nn.Module:
         """The user's model parallelised in place on this generation's mesh (the first time).
 
+        A model on the meta device (built under ``torch.device("meta")``: FSDP2's idiom for a model too large
+        for one rank) is parallelised on meta and materialised shard by shard: by ``fn`` itself (``to_empty``
+        and ``reset_parameters``), or else here (``to_empty``, then the model's ``init_weights()`` or
+        ``reset_parameters()``). No rank ever holds a full tensor of it, a joiner included.
+
         ``local``: without communication, for a rank whose first generation was formed after a failure (a
         joiner): its peers do not run ``parallelize`` with it (they rebuild on the meta device), so TP's
-        ``distribute_tensor`` would wait forever for a scatter from a peer of its TP group. The model is
-        parallelised on the meta device instead, materialised, and each local shard is cut from this rank's own
-        full tensor (``src_data_rank=None``): the same shard when the ranks initialise the model alike (the
-        recovery then restores the lost rank's state, or keeps this one at the run's first step)."""
+        ``distribute_tensor`` would wait forever for a scatter from a peer of its TP group. A meta model needs
+        nothing more (parallelising meta tensors does not communicate); a materialised one is parallelised on
+        the meta device instead, materialised, and each local shard is cut from this rank's own full tensor
+        (``src_data_rank=None``). Either way a joiner holds the lost rank's shards at the run's first step
+        when the ranks initialise the model alike (the recovery keeps them, or restores the lost rank's state)."""
         mesh = self.build_mesh(gen)
-        if local:
+        if on_meta(model):
+            if local:
+                _no_rng_sync(mesh)
+            self.fn(model, mesh)
+            materialise(model, self.device, init=True)
+        elif local:
             _apply_local(self.fn, model, mesh, self.device)
         else:
             self.fn(model, mesh)
@@ -150,11 +161,13 @@ class Parallel:
 
     def rebuild(self, gen: int, optimizer) -> torch.nn.Module:
         """A fresh parallelised model on generation ``gen``'s mesh (uninitialised: the recovery restores the
-        state), and ``optimizer`` re-bound to its parameters in place (its state cleared)."""
+        state), and ``optimizer`` re-bound to its parameters in place (its state cleared). A ``fn`` that
+        initialises the model itself draws from a forked RNG: the run's stream is the uninterrupted run's."""
         mesh = self.build_mesh(gen)
         model = copy.deepcopy(self.template)
-        self.fn(model, mesh)
-        model.to_empty(device=self.device)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type != "cpu" else [], device_type=self.device.type):
+            self.fn(model, mesh)
+        materialise(model, self.device, init=False)
         by_fqn = dict(model.named_parameters())
         opt = optimizer
         for g in opt.param_groups:
@@ -177,6 +190,41 @@ class Parallel:
         return key
 
 
+def on_meta(model: torch.nn.Module) -> bool:
+    """Some parameter or buffer of ``model`` has no storage yet (the meta device; a DTensor's local shard)."""
+    return any(local_of(t).is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+@torch.no_grad()
+def materialise(model: torch.nn.Module, device, init: bool) -> None:
+    """``model`` on ``device`` if ``fn`` left it on meta (each rank allocates its local shards only); ``init``:
+    initialised by the model's own ``init_weights()`` (torchtitan) or ``reset_parameters()`` (pytorch/examples)."""
+    if not on_meta(model):
+        return
+    model.to_empty(device=device)
+    if not init:
+        return
+    init_fn = getattr(model, "init_weights", None) or getattr(model, "reset_parameters", None)
+    if not callable(init_fn):
+        raise UsageError(
+            f"phx.protect(parallelize=...): the {type(model).__name__} is on the meta device after parallelize and has "
+            "no init_weights() or reset_parameters(); materialise it in parallelize (model.to_empty(device=...), then "
+            "initialise it) or give the model one of them")
+    init_fn()
+
+
+def _no_rng_sync(mesh) -> None:
+    """DTensor's RNG tracker (accelerators only) broadcasts rank 0's seed at the first random op, which a joiner's
+    peers would never join: a joiner's tracker starts from its own RNG state, the same as its peers' when every
+    rank seeds alike (the condition for the joiner's fresh shards to be the lost rank's anyway)."""
+    if mesh.device_type == "cpu":
+        return  # DTensor's random ops run on each local shard with the process's generator
+    from torch.distributed.tensor import _random
+
+    if _random._rng_tracker is None and _random.is_rng_supported_mesh(mesh):
+        _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
+
+
 @torch.no_grad()
 def _apply_local(fn, model: torch.nn.Module, mesh, device) -> None:
     from torch.distributed.tensor import distribute_tensor
@@ -185,7 +233,7 @@ def _apply_local(fn, model: torch.nn.Module, mesh, device) -> None:
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     model.to("meta")
     fn(model, mesh)
-    model.to_empty(device=device)
+    materialise(model, device, init=False)  # the shards are copied in below
     for n, p in model.named_parameters():
         t = full[n].to(device)
         if is_dtensor(p):
