@@ -80,6 +80,7 @@ class StepGuard:
     def optimizer_step(self) -> None:
         rs, ops = self.rs, self.ops
         step = rs.step
+        ops.reduce_grads()  # pipeline: the gradients averaged across the stage's DP peers (a collective)
         if ops.protect_on and ops.protection is not None and rs.last_protected == step:
             self.wait_replicated(step)  # S_k committed locally and at its replicas before the optimizer mutates it
         rs.opt_started = True

@@ -96,6 +96,18 @@ class ProtectedTraining:
         return self.objs.module
 
     @property
+    def schedule(self):
+        """The pipeline schedule of this rank's stages (``pipeline=``), rebuilt after a recovery: what the loop steps."""
+        if getattr(self.parallel, "schedule", None) is None:
+            raise AttributeError("training.schedule: only with phx.protect(pipeline=...)")
+        return self.parallel.schedule
+
+    @property
+    def stages(self) -> list:
+        """This rank's PipelineStage objects (``pipeline=``), of the live generation."""
+        return list(getattr(self.parallel, "stages", ()))
+
+    @property
     def step_idx(self) -> int:
         """The next step to run (the loop's step while it runs); a script resuming on its own sets it."""
         return self.rs.step
@@ -201,6 +213,12 @@ class ProtectedTraining:
             self.model = DDP(self.objs.module, **kw)
         else:
             self.model = self.objs.module
+
+    def reduce_grads(self) -> None:
+        """Before the optimizer step: a pipeline's gradients averaged across ``dp`` (``Pipeline.reduce_grads``)."""
+        reduce = getattr(self.parallel, "reduce_grads", None)
+        if reduce is not None:
+            reduce(self.objs.module)
 
     def _hook_optimizer(self) -> None:
         """Fault point "optimizer": after the local update, before ZeRO's broadcast."""
