@@ -38,9 +38,9 @@ def check_pipeline_mesh(mesh: dict[str, int], world: int) -> tuple[tuple[str, in
     if tuple(n for n, _ in dims) not in PIPELINE_MESHES:
         raise UnsupportedLayout(f"phx.protect(pipeline=..., mesh={dict(mesh)}): unsupported mesh; supported: {PIPELINE_TEXT}")
     if any(s < 1 for _, s in dims) or dims[0][1] * dims[1][1] != world:
-        raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): the sizes must multiply to the world size {world}")
+        raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): the sizes must multiply to the world size {world}; supported: {PIPELINE_TEXT}")
     if dims[0][1] < 2:
-        raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): a stage's state needs a DP peer to be recovered from: 'dp' >= 2")
+        raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): a stage's state needs a DP peer to be recovered from: 'dp' >= 2; supported: {PIPELINE_TEXT}")
     return dims
 
 

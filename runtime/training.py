@@ -76,6 +76,7 @@ class ProtectedTraining:
             if self.protect_on and (self.settings.persist_every > 0 or self.settings.persist_every_s > 0) else None
         self.model = objs.module
         self.guard = StepGuard(ctx, self.rs, self)
+        self._hook_stages()
         self._hook_optimizer()
         # the first step() / steps() recovers (a joiner, or a rank whose first generation replaced the one it
         # started in) or builds DDP: both are collectives, so a peer lost meanwhile is a failure recovered from
@@ -182,6 +183,7 @@ class ProtectedTraining:
         self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
         self.ctx.add_groups(self.parallel.groups())  # a newer generation aborts them too
         self.model = self.objs.module
+        self._hook_stages()
         state.load_params(self.objs.module, params)
         state.load_optim(self.objs.optimizer, optim, scalars)
 
@@ -219,6 +221,11 @@ class ProtectedTraining:
         reduce = getattr(self.parallel, "reduce_grads", None)
         if reduce is not None:
             reduce(self.objs.module)
+
+    def _hook_stages(self) -> None:
+        """Fault points "pp_forward" / "pp_backward" inside a pipeline schedule (on this generation's stages)."""
+        if self.ctx.managed and getattr(self.parallel, "stages", None):
+            self.faults.hook_stages(self.parallel.stages)
 
     def _hook_optimizer(self) -> None:
         """Fault point "optimizer": after the local update, before ZeRO's broadcast."""
