@@ -98,12 +98,13 @@ def test_last_stage_rank_lost_inside_the_1f1b_schedule(tmp_path, baseline):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_peer_stage_hung_in_the_backward_releases_the_blocked_receive(tmp_path, baseline):
-    """GPipe, 4 nodes of 1 rank + 1 spare: the pipeline of dp 0 spans node0 (stage 0) and node1 (stage 1). node1 is
-    stopped (SIGSTOP: its sockets stay open) when its first backward microbatch of step 5 starts, so rank 0 waits
-    for gradients from it that never come; once node1 is called hung, the generation is abandoned, rank 0's
-    receive is released, and the spare takes stage 1 from rank 3 (pp 1 of dp 1)."""
-    r, run_dir, dg = run_job(tmp_path, "job", "gpipe", 4, 1, 1, [{"node": "node1", "step": 5, "mode": "hang", "phase": "pp_backward"}])
-    evs = assert_recovered(r, run_dir, dg, baseline("gpipe"))
+    """Interleaved 1F1B (two stages per rank: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3), 4 nodes of 1 rank
+    + 1 spare: the pipeline of dp 0 spans node0 and node1. node1 is stopped (SIGSTOP: its sockets stay open) when
+    the gradient of its first microbatch's output is computed in step 5, so rank 0 waits for gradients from it
+    that never come; once node1 is called hung, the generation is abandoned, rank 0's receive is released, and
+    the spare takes both of node1's stages from rank 3 (pp 1 of dp 1)."""
+    r, run_dir, dg = run_job(tmp_path, "job", "interleaved", 4, 1, 1, [{"node": "node1", "step": 5, "mode": "hang", "phase": "pp_backward"}])
+    evs = assert_recovered(r, run_dir, dg, baseline("interleaved"))
     assert of_type(evs, "injected")[0]["phase"] == "pp_backward"
     assert [(e["failed"], e["spare"]) for e in of_type(evs, "hotswap")] == [("node1", "node4")]
     log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
