@@ -53,6 +53,7 @@ def parse_args(argv=None):
     g.add_argument("--pp", type=int, default=0, metavar="STAGES", help="pipeline parallel of STAGES ranks, DP over the rest")
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe", help="the pipeline schedule (with --pp)")
     p.add_argument("--microbatches", type=int, default=2, help="microbatches per step (with --pp)")
+    p.add_argument("--pp-shard", action="store_true", help="with --pp: FSDP2 within each stage ('shard') instead of DP")
     p.add_argument("--optimizer", choices=["adamw", "zero"], default="adamw",
                    help="without a sharding flag: a replicated AdamW, or ZeRO-sharded AdamW (DDP+ZeRO)")
     p.add_argument("--digest-file", default=None)
@@ -183,7 +184,7 @@ def layout_of(a, world: int):
         if world % a.pp or world // a.pp < 2 or a.layers < a.pp * SCHEDULES[a.schedule][1] or a.batch % a.microbatches:
             raise SystemExit(f"error: --pp {a.pp} must divide the world size {world} with at least 2 pipelines, "
                              f"--layers must give every stage a block, and --microbatches must divide --batch")
-        return "pipeline", {"dp": world // a.pp, "pp": a.pp}
+        return "pipeline", {("shard" if a.pp_shard else "dp"): world // a.pp, "pp": a.pp}
     if a.tp:
         if world % a.tp or a.heads % a.tp or a.kv_heads % a.tp:
             raise SystemExit(f"error: --tp {a.tp} must divide the world size {world}, --heads and --kv-heads")
@@ -227,8 +228,13 @@ def pipeline_of(a, device):
     def build(model, mesh):
         n, rank = a.pp * virtual, mesh.get_local_rank("pp")
         cut = [round(i * a.layers / n) for i in range(n + 1)]
-        stages = [pp.PipelineStage(LlamaStage(model, range(cut[s], cut[s + 1]), s == 0, s == n - 1), s, n, device,
-                                   group=mesh.get_group("pp")) for s in range(rank, n, a.pp)]
+        mods = [LlamaStage(model, range(cut[s], cut[s + 1]), s == 0, s == n - 1) for s in range(rank, n, a.pp)]
+        if a.pp_shard:  # FSDP2 within the stage: every block, then the stage's module
+            for m in mods:
+                for blk in m.blocks.values():
+                    fully_shard(blk, mesh=mesh["shard"])
+                fully_shard(m, mesh=mesh["shard"])
+        stages = [pp.PipelineStage(m, s, n, device, group=mesh.get_group("pp")) for m, s in zip(mods, range(rank, n, a.pp))]
         schedule = getattr(pp, name)(stages if virtual > 1 else stages[0], n_microbatches=a.microbatches, loss_fn=lm_loss)
         return stages, schedule
 

@@ -22,9 +22,10 @@ import torch
 
 from phoenix_runtime.parallel import Parallel, UnsupportedLayout, check_bare, is_dtensor
 
-PIPELINE_MESHES = (("dp", "pp"),)
-PIPELINE_TEXT = ("pipeline=fn(model, mesh) -> (stages, schedule) with mesh={'dp': D, 'pp': P}, PipelineStage stages "
-                 "of plain modules and ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B")
+PIPELINE_MESHES = (("dp", "pp"), ("shard", "pp"))
+PIPELINE_TEXT = ("pipeline=fn(model, mesh) -> (stages, schedule) with mesh={'dp': D, 'pp': P} (PipelineStage stages of "
+                 "plain modules) or {'shard': N, 'pp': P} (stages fully_shard-ed on mesh['shard']), and ScheduleGPipe, "
+                 "Schedule1F1B or ScheduleInterleaved1F1B")
 
 
 def supported_schedules() -> tuple[type, ...]:
@@ -39,12 +40,12 @@ def check_pipeline_mesh(mesh: dict[str, int], world: int) -> tuple[tuple[str, in
         raise UnsupportedLayout(f"phx.protect(pipeline=..., mesh={dict(mesh)}): unsupported mesh; supported: {PIPELINE_TEXT}")
     if any(s < 1 for _, s in dims) or dims[0][1] * dims[1][1] != world:
         raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): the sizes must multiply to the world size {world}; supported: {PIPELINE_TEXT}")
-    if dims[0][1] < 2:
+    if dims[0][0] == "dp" and dims[0][1] < 2:
         raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): a stage's state needs a DP peer to be recovered from: 'dp' >= 2; supported: {PIPELINE_TEXT}")
     return dims
 
 
-def check_built(stages, schedule) -> list:
+def check_built(stages, schedule, sharded: bool = False) -> list:
     """The stages and schedule ``pipeline`` returned, as a list of stages; what PHOENIX cannot protect is refused
     with one line naming what it supports."""
     from torch.distributed.pipelining.stage import _PipelineStageBase
@@ -57,13 +58,23 @@ def check_built(stages, schedule) -> list:
         if not isinstance(st, _PipelineStageBase):
             raise UnsupportedLayout(f"phx.protect(pipeline=...): a stage is a {type(st).__name__}, not a PipelineStage; supported: {PIPELINE_TEXT}")
         sub = st.submod
-        if isinstance(sub, DDP) or any(is_dtensor(p) for p in sub.parameters()) or "fsdp" in type(sub).__module__.lower():
+        fsdp = "fsdp" in type(sub).__module__.lower() or any(is_dtensor(p) for p in sub.parameters())
+        if sharded and not _is_fsdp(sub):
+            raise UnsupportedLayout(f"phx.protect(pipeline=..., mesh={{'shard': N, 'pp': P}}): stage {st.stage_index}'s "
+                                    f"module is not fully_shard-ed on mesh['shard']; supported: {PIPELINE_TEXT}")
+        if isinstance(sub, DDP) or (fsdp and not sharded):
             raise UnsupportedLayout(
                 f"phx.protect(pipeline=...): stage {st.stage_index}'s module is wrapped or sharded ({type(sub).__name__}): "
                 f"PHOENIX reduces the gradients across 'dp' itself; supported: {PIPELINE_TEXT}")
     if not stages:
         raise UnsupportedLayout(f"phx.protect(pipeline=...): no stage for this rank; supported: {PIPELINE_TEXT}")
     return stages
+
+
+def _is_fsdp(module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 class Pipeline(Parallel):
@@ -82,15 +93,16 @@ class Pipeline(Parallel):
 
     @property
     def replicas(self) -> int:
-        return dict(self.dims)["dp"]
+        return dict(self.dims).get("dp", 1)
 
     def state_tp(self, world: int) -> int:
-        """Ranks with the same pp coordinate (rank modulo P, dp outermost) hold the same state."""
-        return dict(self.dims)["pp"]
+        """With ``dp``: ranks with the same pp coordinate (rank modulo P, dp outermost) hold the same state. With
+        ``shard`` (FSDP2 within each stage) no rank holds another's shard (1: the replicas go around every rank)."""
+        return dict(self.dims)["pp"] if "dp" in dict(self.dims) else 1
 
     def _build(self, model: torch.nn.Module, mesh) -> torch.nn.Module:
         stages, schedule = self.fn(model, mesh)
-        self.stages = check_built(stages, schedule)
+        self.stages = check_built(stages, schedule, sharded="shard" in dict(self.dims))
         self.schedule = schedule
         module = torch.nn.ModuleDict({f"pp{st.stage_index}": st.submod for st in self.stages})
         self.fqn_of = {id(p): n for n, p in module.named_parameters()}
@@ -123,7 +135,7 @@ class Pipeline(Parallel):
         import torch.distributed as dist
 
         dp = self.replicas
-        if dp == 1:
+        if dp == 1:  # FSDP2 stages ({"shard": N, "pp": P}) reduce-scatter their gradients in the schedule's backward
             return
         params = [p for p in module.parameters() if p.requires_grad]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])

@@ -25,7 +25,7 @@ DETECT = {"heartbeat_s": 0.25, "hang_timeout_s": 6.0, "node_timeout_s": 4.0, "co
           "settle_s": 0.3, "recovery_timeout_s": 60.0}
 
 
-def run_job(tmp_path: Path, name: str, schedule: str, nodes: int, nproc: int, spares: int, faults=()):
+def run_job(tmp_path: Path, name: str, schedule: str, nodes: int, nproc: int, spares: int, faults=(), extra=()):
     d = tmp_path / name
     d.mkdir()
     cfg = {"inject": {"faults": list(faults)}, "runtime": {"replicas": 1}, "detect": DETECT}
@@ -34,7 +34,7 @@ def run_job(tmp_path: Path, name: str, schedule: str, nodes: int, nproc: int, sp
     r = run_phoenix(
         ["--config", str(d / "cfg.yaml"), "--nodes", str(nodes), "--nproc-per-node", str(nproc), "--spares", str(spares),
          "--run-dir", str(d / "run"), LLAMA, "--steps", str(STEPS), "--digest-file", str(digest), "--pp", "2",
-         "--layers", "4", "--schedule", schedule],
+         "--layers", "4", "--schedule", schedule, *extra],
         d, timeout=360,
     )
     return r, d / "run", digest
@@ -44,12 +44,13 @@ def run_job(tmp_path: Path, name: str, schedule: str, nodes: int, nproc: int, sp
 def baseline(tmp_path_factory):
     cache = {}
 
-    def get(schedule):
-        if schedule not in cache:
-            r, _, dg = run_job(tmp_path_factory.mktemp("base"), "base", schedule, 2, 2, 0)
+    def get(schedule, extra=()):
+        key = (schedule, *extra)
+        if key not in cache:
+            r, _, dg = run_job(tmp_path_factory.mktemp("base"), "base", schedule, 2, 2, 0, extra=extra)
             assert r.returncode == 0, r.stderr[-3000:]
-            cache[schedule] = load_digest(dg, f"failure-free {schedule} run")  # fails when missing
-        return cache[schedule]
+            cache[key] = load_digest(dg, f"failure-free {' '.join(key)} run")  # fails when missing
+        return cache[key]
 
     return get
 
@@ -112,6 +113,39 @@ def test_peer_stage_hung_in_the_backward_releases_the_blocked_receive(tmp_path, 
     assert "params from {1: 3}" in log, [ln for ln in log.splitlines() if "plan:" in ln]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp_fsdp_node_lost_inside_the_schedule(tmp_path, baseline):
+    """PP x FSDP2, mesh {"shard": 2, "pp": 2} (each stage fully_shard-ed over the two nodes), 1F1B, 2 x 2 + 1 spare:
+    node1 is SIGKILLed at a second forward microbatch of step 5. The survivors fail inside the stage's FSDP
+    all-gather, which the schedule re-raises as its own RuntimeError (the gloo error as its cause); no peer holds
+    a lost rank's shard, so the spare's parameter shards come with the replicas (on node0)."""
+    extra = ("--pp-shard",)
+    r, run_dir, dg = run_job(tmp_path, "job", "1f1b", 2, 2, 1, [{"node": "node1", "step": 5, "mode": "crash", "phase": "pp_forward"}],
+                             extra=extra)
+    evs = assert_recovered(r, run_dir, dg, baseline("1f1b", extra))
+    assert [e["failed"] for e in of_type(evs, "hotswap")] == ["node1"]
+    log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
+    assert "parameter shards with the replicas, replicas from {2: 1, 3: 0}" in log, [ln for ln in log.splitlines() if "plan:" in ln]
+
+
+def test_a_schedules_re_raised_comm_error_is_a_failure():
+    """Pure: torch's pipeline schedule raises ``RuntimeError(its own text) from`` the collective's error; the cause
+    chain is evidence of a communication failure, a plain bug with no such cause is not."""
+    from phoenix_runtime.step_guard import looks_like_comm_failure
+
+    def chained(cause):
+        try:
+            raise RuntimeError("stage 0 failed in forward_one_chunk") from cause
+        except RuntimeError as e:
+            return e
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:45981: Connection reset by peer")
+    assert looks_like_comm_failure(chained(gloo))
+    assert not looks_like_comm_failure(chained(ValueError("shape mismatch")))
+    assert not looks_like_comm_failure(RuntimeError("stage 0 failed in forward_one_chunk"))
+
+
 REFUSE = r'''
 import os, sys, tempfile, torch, torch.nn as nn, torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
@@ -131,6 +165,7 @@ refused("OK", lambda: check_built([stage], ScheduleGPipe(stage, 2, loss_fn=loss)
 refused("SCHEDULE", lambda: check_built([stage], ScheduleLoopedBFS([stage], 2, loss_fn=loss)))
 wrapped = PipelineStage(DDP(nn.Linear(4, 4)), 0, 1, torch.device("cpu"))
 refused("DDP", lambda: check_built([wrapped], ScheduleGPipe(wrapped, 2, loss_fn=loss)))
+refused("UNSHARDED", lambda: check_built([stage], ScheduleGPipe(stage, 2, loss_fn=loss), sharded=True))
 refused("ORDER", lambda: check_pipeline_mesh({"pp": 2, "dp": 2}, 4))
 refused("NODP", lambda: check_pipeline_mesh({"dp": 1, "pp": 4}, 4))
 refused("BARE", lambda: check_bare(stage))
@@ -148,9 +183,10 @@ def test_unsupported_pipelines_are_refused_in_one_line(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
     assert out["OK"] == "accepted"
-    for what in ("SCHEDULE", "DDP", "ORDER", "NODP", "BARE"):
+    for what in ("SCHEDULE", "DDP", "UNSHARDED", "ORDER", "NODP", "BARE"):
         msg = out[what]
         assert "\\n" not in msg and "pipeline=fn(model, mesh)" in msg, (what, msg)
     assert "ScheduleLoopedBFS is not supported" in out["SCHEDULE"] and "Schedule1F1B" in out["SCHEDULE"]
     assert "wrapped or sharded (DistributedDataParallel)" in out["DDP"]
+    assert "not fully_shard-ed on mesh['shard']" in out["UNSHARDED"]
     assert "unsupported mesh" in out["ORDER"] and "'dp' >= 2" in out["NODP"]
