@@ -8,6 +8,10 @@ several stages per rank). PHOENIX owns the mesh ``{"dp": D, "pp": P}`` (dp outer
 data-parallel gradient reduction across ``dp``, and the rebuild: after a recovery every rank calls ``pipeline``
 again on a fresh copy of the bare model and the new generation's mesh (the old stages hold the old groups).
 
+PP x FSDP2: ``{"shard": N, "pp": P}`` instead, each stage's module ``fully_shard``-ed on ``mesh["shard"]`` by
+``pipeline``: FSDP reduces the gradients itself, and no rank holds another's shard, so the parameter shard is
+replicated with the optimizer shard (as under FSDP2 alone).
+
 The protected module is ``ModuleDict({"pp<stage index>": submodule})``: parameters and optimizer state are named
 ``pp<s>.<fqn within the stage>``, so the DP peer of the same stage (same pp coordinate) holds a tensor of the
 same name. The ranks with the same pp coordinate hold the same state: they are the layout's DP groups (the
