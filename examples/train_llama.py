@@ -4,11 +4,14 @@ trained with AdamW, protected by PHOENIX, under DDP (default), FSDP2, HSDP or TP
     phoenix-run --nodes 2 --nproc-per-node 2 --spares 1 examples/train_llama.py --steps 20 --fsdp
     phoenix-run --nodes 2 --nproc-per-node 2 --spares 1 examples/train_llama.py --steps 20 --hsdp 2
     phoenix-run --nodes 2 --nproc-per-node 2 --spares 1 examples/train_llama.py --steps 20 --tp 2
+    phoenix-run --nodes 2 --nproc-per-node 2 --spares 1 examples/train_llama.py --steps 20 --pp 2 --schedule 1f1b
 
 ``--fsdp``: ``fully_shard`` over every rank (one mesh dimension "shard"). ``--hsdp R``: a 2-D mesh
 ("replicate" R x "shard" world/R). ``--tp T``: ``parallelize_module`` (attention and MLP column/row-wise) on
 the "tp" dimension, then ``fully_shard`` on "shard" (world/T). PHOENIX builds the DeviceMesh from the
 generation's process group and applies ``parallelize`` to the bare model (and again after a recovery).
+``--pp P``: the model split into P stages (``LlamaStage``, our own split), ``PipelineStage`` + the ``--schedule``
+on the "pp" dimension, data parallel on "dp" (world/P, outermost: a node of P ranks holds one whole pipeline).
 Deterministic algorithms are on: two runs give the same SHA-256 digest (``--digest-file``), failures or not;
 it covers every rank's parameter shards and optimizer state, the param groups and the RNG states. Only a run
 that completed every step writes it.
@@ -47,6 +50,10 @@ def parse_args(argv=None):
     g.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) over every rank")
     g.add_argument("--hsdp", type=int, default=0, metavar="REPLICAS", help="HSDP: REPLICAS groups, sharded within")
     g.add_argument("--tp", type=int, default=0, metavar="DEGREE", help="tensor parallel of DEGREE, with FSDP over the rest")
+    g.add_argument("--pp", type=int, default=0, metavar="STAGES", help="pipeline parallel of STAGES ranks, DP over the rest")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe", help="the pipeline schedule (with --pp)")
+    p.add_argument("--microbatches", type=int, default=2, help="microbatches per step (with --pp)")
+    p.add_argument("--pp-shard", action="store_true", help="with --pp: FSDP2 within each stage ('shard') instead of DP")
     p.add_argument("--optimizer", choices=["adamw", "zero"], default="adamw",
                    help="without a sharding flag: a replicated AdamW, or ZeRO-sharded AdamW (DDP+ZeRO)")
     p.add_argument("--digest-file", default=None)
@@ -173,11 +180,75 @@ def layout_of(a, world: int):
         if world % a.hsdp:
             raise SystemExit(f"error: --hsdp {a.hsdp} does not divide the world size {world}")
         return apply_fsdp, {"replicate": a.hsdp, "shard": world // a.hsdp}
+    if a.pp:
+        if world % a.pp or world // a.pp < 2 or a.layers < a.pp * SCHEDULES[a.schedule][1] or a.batch % a.microbatches:
+            raise SystemExit(f"error: --pp {a.pp} must divide the world size {world} with at least 2 pipelines, "
+                             f"--layers must give every stage a block, and --microbatches must divide --batch")
+        return "pipeline", {("shard" if a.pp_shard else "dp"): world // a.pp, "pp": a.pp}
     if a.tp:
         if world % a.tp or a.heads % a.tp or a.kv_heads % a.tp:
             raise SystemExit(f"error: --tp {a.tp} must divide the world size {world}, --heads and --kv-heads")
         return apply_tp_fsdp, {"shard": world // a.tp, "tp": a.tp}
     return None, None
+
+
+# --- pipeline parallelism (PHOENIX builds the mesh and calls this again after a recovery) ------------------
+class LlamaStage(nn.Module):
+    """Layers ``blocks`` of the Llama (its embedding first on the first stage, its norm and head last on the
+    last): the stage's parameters keep the model's names (``blocks.3.attn.wq.weight``)."""
+
+    def __init__(self, model: Llama, blocks: range, first: bool, last: bool):
+        super().__init__()
+        self.emb = model.emb if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        self.norm, self.head = (model.norm, model.head) if last else (None, None)
+
+    def forward(self, x):
+        if self.emb is not None:
+            x = self.emb(x)
+        for blk in self.blocks.values():
+            x = blk(x)
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1), "interleaved": ("ScheduleInterleaved1F1B", 2)}
+
+
+def pipeline_of(a, device):
+    """``fn(model, mesh) -> (stages, schedule)``: this rank's stages of ``--pp`` (two per rank, round-robin, for the
+    interleaved schedule), the layers split evenly, and the schedule over them."""
+    import torch.distributed.pipelining as pp
+
+    name, virtual = SCHEDULES[a.schedule]
+
+    def build(model, mesh):
+        n, rank = a.pp * virtual, mesh.get_local_rank("pp")
+        cut = [round(i * a.layers / n) for i in range(n + 1)]
+        mods = [LlamaStage(model, range(cut[s], cut[s + 1]), s == 0, s == n - 1) for s in range(rank, n, a.pp)]
+        if a.pp_shard:  # FSDP2 within the stage: every block, then the stage's module
+            for m in mods:
+                for blk in m.blocks.values():
+                    fully_shard(blk, mesh=mesh["shard"])
+                fully_shard(m, mesh=mesh["shard"])
+        stages = [pp.PipelineStage(m, s, n, device, group=mesh.get_group("pp")) for m, s in zip(mods, range(rank, n, a.pp))]
+        schedule = getattr(pp, name)(stages if virtual > 1 else stages[0], n_microbatches=a.microbatches, loss_fn=lm_loss)
+        return stages, schedule
+
+    return build
+
+
+def pipeline_step(training, x, y):
+    """One step of this rank's stages: the first stage is fed the inputs, the last the targets. The mean loss of
+    the microbatches on the last stage's rank, else None."""
+    first = any(st.is_first for st in training.stages)
+    last = any(st.is_last for st in training.stages)
+    losses = [] if last else None
+    training.schedule.step(*((x,) if first else ()), **(dict(target=y, losses=losses) if last else {}))
+    return torch.stack(losses).mean() if last else None
 
 
 def batch(a, step, rank, dp_rank):
@@ -246,20 +317,26 @@ def main(argv=None):
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1)
         training = phx.protect(model, opt)
+    elif parallelize == "pipeline":
+        training = phx.protect(model, lambda params: torch.optim.AdamW(params, lr=a.lr, weight_decay=0.1),
+                               pipeline=pipeline_of(a, torch.device("cpu")), mesh=mesh)
     else:
         # the optimizer is built by PHOENIX on the parallelised parameters (again after a recovery: in place)
         training = phx.protect(model, lambda params: torch.optim.AdamW(params, lr=a.lr, weight_decay=0.1),
                                parallelize=parallelize, mesh=mesh)
-    dp_rank = rank // a.tp if a.tp else rank
+    dp_rank = rank // a.tp if a.tp else rank // a.pp if a.pp else rank
     loss = None
     step_times, t_prev = [], time.perf_counter()
     for step in training.steps(a.steps):
         with training.step():
             x, y = batch(a, step, rank, dp_rank)
-            loss = training.model(x, y)
-            loss.backward()
+            if a.pp:
+                loss = pipeline_step(training, x, y)
+            else:
+                loss = training.model(x, y)
+                loss.backward()
             training.optimizer_step()
-        if rank == 0 and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):
+        if rank == (a.pp - 1 if a.pp else 0) and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):
             print(f"step {step} loss {loss.item():.4f}", flush=True)
         now = time.perf_counter()
         step_times.append(now - t_prev)

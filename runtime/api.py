@@ -24,6 +24,7 @@ import torch
 
 from phoenix_runtime.plane.context import Context, init  # noqa: F401  (the public init)
 from phoenix_runtime.parallel import Parallel, check_bare, make_optimizer
+from phoenix_runtime.pipeline import Pipeline
 from phoenix_runtime.state import LoopObjects, name_by_shard
 from phoenix_runtime.training import ProtectedTraining  # noqa: F401
 
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None, schedulers=(), scaler=None,
             stateful: dict | None = None, data_state=None, replicas: int | None = None, parallelize=None,
-            mesh: dict | None = None) -> ProtectedTraining:
+            mesh: dict | None = None, pipeline=None) -> ProtectedTraining:
     """Register what must survive a failure, and return the protected training.
 
     ``model``: the bare module, wrapped in DDP here (``ddp``: its keyword arguments; ``False``: not wrapped,
@@ -51,6 +52,12 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
     groups after a recovery. ``optimizer`` is then a factory ``params -> optimizer``: the optimizer is built on
     the parallelised parameters (``training.optimizer``), and ``training.model`` / ``training.module`` is the
     parallelised model (a new object after a recovery). A model with DTensor parameters is refused without it.
+
+    ``pipeline``: ``fn(model, mesh) -> (stages, schedule)`` building this rank's ``PipelineStage`` (s) of the bare
+    model (``group=mesh.get_group("pp")``) and a GPipe / 1F1B / interleaved 1F1B schedule on them, on the mesh
+    ``{"dp": D, "pp": P}`` (see ``pipeline.py``); rebuilt on the new groups after a recovery. ``optimizer`` is
+    a factory, built on the stages' parameters; the loop steps ``training.schedule`` and PHOENIX averages the
+    gradients across ``dp`` in ``optimizer_step()``.
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -71,12 +78,17 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
             raise TypeError(f"phx.protect(stateful={{{name!r}: ...}}): a {type(obj).__name__} has no state_dict()/load_state_dict()")
     ctx = init()
     par = None
-    if parallelize is None:
+    if parallelize is not None and pipeline is not None:
+        raise TypeError("phx.protect(): pass parallelize= or pipeline=, not both")
+    if parallelize is None and pipeline is None:
         check_bare(model)
     else:
         if not mesh:
-            raise TypeError("phx.protect(parallelize=...) needs mesh={name: size}, e.g. {'shard': world_size}")
-        par = Parallel.create(parallelize, mesh, model, ctx.world_size, ctx.device)
+            raise TypeError("phx.protect(parallelize=/pipeline=...) needs mesh={name: size}, e.g. {'shard': world_size} or {'dp': 2, 'pp': 2}")
+        if pipeline is not None:
+            par = Pipeline.create(pipeline, mesh, model, ctx.world_size, ctx.device)
+        else:
+            par = Parallel.create(parallelize, mesh, model, ctx.world_size, ctx.device)
         build_mesh(ctx, par)
         model = par.apply(model, ctx.gen, local=ctx.formed_after_a_failure)
         ctx.add_groups(par.groups())  # a newer generation aborts them too

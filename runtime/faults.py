@@ -1,7 +1,8 @@
 """Fault injection, a plug-in outside the step path: the step guard and the recovery session call
 ``fire(step, phase)`` at named points; nothing else of the runtime knows about faults.
 
-Points: the step phases ``settings.STEP_PHASES`` (``begin``, ``forward``, ``optimizer`` -- after the local
+Points: the step phases ``settings.STEP_PHASES`` (``begin``, ``forward``, ``pp_forward`` / ``pp_backward`` -- inside a
+pipeline schedule, ``hook_stages`` --, ``optimizer`` -- after the local
 update, before ZeRO's broadcast --, ``d2h`` -- inside the local snapshot copy --, ``h2h`` -- inside the replica
 transfer) and the recovery phases ``settings.RECOVERY_PHASES`` (``recover_exchange``, ``recover_params``,
 ``recover_optim``, ``recover_reprotect``, ``recover_barrier``). A fault fires once per job (a store counter), even when its step is replayed.
@@ -80,6 +81,34 @@ class FaultInjector:
     def optimizer_hook(self, *args, **kwargs) -> None:
         """A post-hook of the local optimizer: "during the optimizer step"."""
         self.fire(self.step, "optimizer")
+
+    def hook_stages(self, stages) -> None:
+        """Fault points inside a pipeline schedule, on each stage's module, when a fault names them: "pp_forward"
+        at the stage's second forward microbatch of the step (its first has crossed the pipeline's P2P already),
+        "pp_backward" when the gradient of its first microbatch's output is computed (after every forward under
+        GPipe, between forwards under 1F1B). A tensor hook on the output: no module backward hook (which warns)."""
+        if not any(str(f.get("phase", "")).startswith("pp_") for f in self.pending):
+            return
+        counts: dict[tuple, int] = {}
+
+        def count(module, phase: str) -> int:
+            key = (id(module), phase, self.step)
+            counts[key] = counts.get(key, 0) + 1
+            for old in [k for k in counts if k[2] < self.step - 1]:
+                del counts[old]
+            return counts[key]
+
+        def before_forward(module, args):
+            if count(module, "pp_forward") == 2:
+                self.fire(self.step, "pp_forward")
+
+        def after_forward(module, args, out):
+            if getattr(out, "requires_grad", False) and count(module, "pp_out") == 1:  # a tensor (torch-free here)
+                out.register_hook(lambda grad: self.fire(self.step, "pp_backward"))
+
+        for st in stages:
+            st.submod.register_forward_pre_hook(before_forward)
+            st.submod.register_forward_hook(after_forward)
 
     def copy_hook(self, point: str, index: int, data):
         """The D2H engine's and the replicator's fault hook: before the second tensor of the local copy,

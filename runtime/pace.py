@@ -37,11 +37,12 @@ class Pace:
         self._times: deque[float] = deque(maxlen=WINDOW)
         self._skip = 1  # the phase's first step is not timed: it warms up (allocations, a fresh DDP's first forward)
 
-    def attach(self, module: torch.nn.Module) -> None:
-        """Time ``module``'s forward (the model of this generation: a recovery may rebuild it)."""
+    def attach(self, *modules: torch.nn.Module) -> None:
+        """Time these modules' forwards (the model of this generation, a recovery may rebuild it; a pipeline's
+        stages: each microbatch's forward adds to the step)."""
         for h in self._handles:
             h.remove()
-        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+        self._handles = [h for m in modules for h in (m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post))]
 
     def _pre(self, module, args) -> None:
         self._t0 = time.perf_counter()

@@ -31,6 +31,8 @@ import torch
 from phoenix_runtime.errors import UsageError
 
 SUPPORTED = ("shard",), ("replicate", "shard"), ("shard", "tp"), ("replicate", "shard", "tp")
+PIPELINE_HINT = ("pipeline parallelism is protected with pipeline=fn(model, mesh) -> (stages, schedule) on "
+                 "mesh={'dp': D, 'pp': P}, not as a bare stage or with parallelize=")
 SUPPORTED_TEXT = "FSDP2 {'shard': N}, HSDP {'replicate': R, 'shard': N}, TP+FSDP {'shard': N, 'tp': T} (optionally with 'replicate' first), or DDP (no parallelize=)"
 
 
@@ -59,7 +61,7 @@ def check_bare(model: torch.nn.Module) -> None:
     """Refuse what ``protect()`` without ``parallelize=`` would protect wrongly: an already sharded model
     (DTensor parameters: FSDP2 or TP applied by the user) or a pipeline stage."""
     if _is_pipeline(model):
-        raise UnsupportedLayout(f"phx.protect(): pipeline parallelism is not supported; supported layouts: {SUPPORTED_TEXT}")
+        raise UnsupportedLayout(f"phx.protect(): {PIPELINE_HINT}; other supported layouts: {SUPPORTED_TEXT}")
     if any(is_dtensor(p) for p in model.parameters()):
         raise UnsupportedLayout(
             "phx.protect(): the model already has DTensor parameters (FSDP2 / TP applied to it); pass the bare model "
@@ -76,7 +78,7 @@ def check_mesh(mesh: dict[str, int], world: int) -> tuple[tuple[str, int], ...]:
     dims = tuple((str(k), int(v)) for k, v in dict(mesh).items())
     names = tuple(n for n, _ in dims)
     if any(n in ("pp", "pipeline") for n in names):
-        raise UnsupportedLayout(f"phx.protect(): pipeline parallelism is not supported; supported layouts: {SUPPORTED_TEXT}")
+        raise UnsupportedLayout(f"phx.protect(parallelize=...): {PIPELINE_HINT}; other supported layouts: {SUPPORTED_TEXT}")
     if names not in SUPPORTED:
         raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): unsupported mesh; supported layouts: {SUPPORTED_TEXT}")
     if any(s < 1 for _, s in dims) or math.prod(s for _, s in dims) != world:

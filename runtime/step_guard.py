@@ -29,10 +29,18 @@ log = logging.getLogger(__name__)
 
 def looks_like_comm_failure(e: BaseException) -> bool:
     """A communication failure (a peer died, a link dropped), as opposed to a bug in the training code: a
-    transfer's or torch.distributed's error, or a RuntimeError whose text is evidence of one (``COMM_EVIDENCE``)."""
-    if isinstance(e, (ReplicationError, TransportError, dist.DistError)):
-        return True
-    return isinstance(e, RuntimeError) and comm_evidence(str(e)) is not None
+    transfer's or torch.distributed's error, or a RuntimeError whose text is evidence of one (``COMM_EVIDENCE``),
+    itself or as the cause it was raised from (a pipeline schedule re-raises a stage's error as a RuntimeError
+    of its own, ``from`` the collective's)."""
+    for _ in range(8):  # the chain of causes, bounded
+        if isinstance(e, (ReplicationError, TransportError, dist.DistError)):
+            return True
+        if isinstance(e, RuntimeError) and comm_evidence(str(e)) is not None:
+            return True
+        e = e.__cause__
+        if e is None:
+            return False
+    return False
 
 
 class StepGuard:
@@ -81,6 +89,7 @@ class StepGuard:
     def optimizer_step(self) -> None:
         rs, ops = self.rs, self.ops
         step = rs.step
+        ops.reduce_grads()  # pipeline: the gradients averaged across the stage's DP peers (a collective)
         if ops.protect_on and ops.protection is not None and rs.last_protected == step:
             self.wait_replicated(step)  # S_k committed locally and at its replicas before the optimizer mutates it
         rs.opt_started = True

@@ -77,8 +77,9 @@ class ProtectedTraining:
             if self.protect_on and (self.settings.persist_every > 0 or self.settings.persist_every_s > 0) else None
         self.model = objs.module
         self.pace = Pace(self.faults.slow_factor)  # this rank's own time per step, in its heartbeat (stragglers)
-        self.pace.attach(objs.module)
+        self.pace.attach(*self.timed_modules())
         self.guard = StepGuard(ctx, self.rs, self)
+        self._hook_stages()
         self._hook_optimizer()
         # the first step() / steps() recovers (a joiner, or a rank whose first generation replaced the one it
         # started in) or builds DDP: both are collectives, so a peer lost meanwhile is a failure recovered from
@@ -97,6 +98,25 @@ class ProtectedTraining:
     @property
     def module(self) -> torch.nn.Module:
         return self.objs.module
+
+    @property
+    def schedule(self):
+        """The pipeline schedule of this rank's stages (``pipeline=``), rebuilt after a recovery: what the loop steps."""
+        if getattr(self.parallel, "schedule", None) is None:
+            raise AttributeError("training.schedule: only with phx.protect(pipeline=...)")
+        return self.parallel.schedule
+
+    def timed_modules(self) -> list:
+        """Whose forward is this rank's own compute (``pace.Pace``): the bare model, or a pipeline's stage modules
+        (the schedule's receives come before their forwards)."""
+        if getattr(self.parallel, "stages", None):
+            return list(self.objs.module.values())
+        return [self.objs.module]
+
+    @property
+    def stages(self) -> list:
+        """This rank's PipelineStage objects (``pipeline=``), of the live generation."""
+        return list(getattr(self.parallel, "stages", ()))
 
     @property
     def step_idx(self) -> int:
@@ -173,7 +193,8 @@ class ProtectedTraining:
         self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
         self.ctx.add_groups(self.parallel.groups())  # a newer generation aborts them too
         self.model = self.objs.module
-        self.pace.attach(self.objs.module)
+        self.pace.attach(*self.timed_modules())
+        self._hook_stages()
         state.load_params(self.objs.module, params)
         state.load_optim(self.objs.optimizer, optim, scalars)
 
@@ -205,6 +226,17 @@ class ProtectedTraining:
             self.model = DDP(self.objs.module, **kw)
         else:
             self.model = self.objs.module
+
+    def reduce_grads(self) -> None:
+        """Before the optimizer step: a pipeline's gradients averaged across ``dp`` (``Pipeline.reduce_grads``)."""
+        reduce = getattr(self.parallel, "reduce_grads", None)
+        if reduce is not None:
+            reduce(self.objs.module)
+
+    def _hook_stages(self) -> None:
+        """Fault points "pp_forward" / "pp_backward" inside a pipeline schedule (on this generation's stages)."""
+        if self.ctx.managed and getattr(self.parallel, "stages", None):
+            self.faults.hook_stages(self.parallel.stages)
 
     def _hook_optimizer(self) -> None:
         """Fault point "optimizer": after the local update, before ZeRO's broadcast."""

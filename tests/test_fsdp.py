@@ -176,7 +176,7 @@ def test_sharded_model_without_parallelize_and_pipeline_are_refused(tmp_path):
                        capture_output=True, text=True, timeout=100)
     assert r.returncode == 0, r.stderr[-3000:]
     pp = next(line for line in r.stdout.splitlines() if line.startswith("PP:"))
-    assert "pipeline parallelism is not supported" in pp and "HSDP" in pp and "TP+FSDP" in pp
+    assert "pipeline parallelism is protected with pipeline=" in pp and "HSDP" in pp and "TP+FSDP" in pp
     dt = next(line for line in r.stdout.splitlines() if line.startswith("DTENSOR:"))
     assert "DTensor parameters" in dt and "parallelize=" in dt
 

@@ -11,7 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 
 # Where in a step (or a recovery) an injected fault fires.
-STEP_PHASES = ("begin", "forward", "optimizer", "d2h", "h2h")
+# pp_forward / pp_backward: inside a pipeline schedule (the second forward microbatch of a stage, its first backward one)
+STEP_PHASES = ("begin", "forward", "pp_forward", "pp_backward", "optimizer", "d2h", "h2h")
 RECOVERY_PHASES = ("recover_exchange", "recover_params", "recover_optim", "recover_reprotect", "recover_barrier")
 FAULT_PHASES = STEP_PHASES + RECOVERY_PHASES
 # late: the next replica (phase h2h); slow: the rank's forward ``factor`` times as long from its step on

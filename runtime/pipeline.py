@@ -1,0 +1,152 @@
+"""Pipeline parallelism PHOENIX owns: ``torch.distributed.pipelining`` stages and schedules on a mesh it builds.
+
+The user gives ``pipeline(model, mesh) -> (stages, schedule)``: their own split of the bare model,
+``PipelineStage(submodule, stage_index, num_stages, device, group=mesh.get_group("pp"))`` for each stage of this
+rank, and the schedule built on them (``ScheduleGPipe``, ``Schedule1F1B``, or ``ScheduleInterleaved1F1B`` with
+several stages per rank). PHOENIX owns the mesh ``{"dp": D, "pp": P}`` (dp outermost: with node-major ranks the
+``P`` consecutive ranks of a node hold one whole pipeline, and the DP peers of a stage are on other nodes), the
+data-parallel gradient reduction across ``dp``, and the rebuild: after a recovery every rank calls ``pipeline``
+again on a fresh copy of the bare model and the new generation's mesh (the old stages hold the old groups).
+
+PP x FSDP2: ``{"shard": N, "pp": P}`` instead, each stage's module ``fully_shard``-ed on ``mesh["shard"]`` by
+``pipeline``: FSDP reduces the gradients itself, and no rank holds another's shard, so the parameter shard is
+replicated with the optimizer shard (as under FSDP2 alone).
+
+The protected module is ``ModuleDict({"pp<stage index>": submodule})``: parameters and optimizer state are named
+``pp<s>.<fqn within the stage>``, so the DP peer of the same stage (same pp coordinate) holds a tensor of the
+same name. The ranks with the same pp coordinate hold the same state: they are the layout's DP groups (the
+replicas go around that ring, on other nodes).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from phoenix_runtime.parallel import Parallel, UnsupportedLayout, check_bare, is_dtensor
+
+PIPELINE_MESHES = (("dp", "pp"), ("shard", "pp"))
+PIPELINE_TEXT = ("pipeline=fn(model, mesh) -> (stages, schedule) with mesh={'dp': D, 'pp': P} (PipelineStage stages of "
+                 "plain modules) or {'shard': N, 'pp': P} (stages fully_shard-ed on mesh['shard']), and ScheduleGPipe, "
+                 "Schedule1F1B or ScheduleInterleaved1F1B")
+
+
+def supported_schedules() -> tuple[type, ...]:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    return ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
+
+
+def check_pipeline_mesh(mesh: dict[str, int], world: int) -> tuple[tuple[str, int], ...]:
+    dims = tuple((str(k), int(v)) for k, v in dict(mesh).items())
+    if tuple(n for n, _ in dims) not in PIPELINE_MESHES:
+        raise UnsupportedLayout(f"phx.protect(pipeline=..., mesh={dict(mesh)}): unsupported mesh; supported: {PIPELINE_TEXT}")
+    if any(s < 1 for _, s in dims) or dims[0][1] * dims[1][1] != world:
+        raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): the sizes must multiply to the world size {world}; supported: {PIPELINE_TEXT}")
+    if dims[0][0] == "dp" and dims[0][1] < 2:
+        raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): a stage's state needs a DP peer to be recovered from: 'dp' >= 2; supported: {PIPELINE_TEXT}")
+    return dims
+
+
+def check_built(stages, schedule, sharded: bool = False) -> list:
+    """The stages and schedule ``pipeline`` returned, as a list of stages; what PHOENIX cannot protect is refused
+    with one line naming what it supports."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+    if type(schedule) not in supported_schedules():
+        raise UnsupportedLayout(f"phx.protect(pipeline=...): schedule {type(schedule).__name__} is not supported; supported: {PIPELINE_TEXT}")
+    for st in stages:
+        if not isinstance(st, _PipelineStageBase):
+            raise UnsupportedLayout(f"phx.protect(pipeline=...): a stage is a {type(st).__name__}, not a PipelineStage; supported: {PIPELINE_TEXT}")
+        sub = st.submod
+        fsdp = "fsdp" in type(sub).__module__.lower() or any(is_dtensor(p) for p in sub.parameters())
+        if sharded and not _is_fsdp(sub):
+            raise UnsupportedLayout(f"phx.protect(pipeline=..., mesh={{'shard': N, 'pp': P}}): stage {st.stage_index}'s "
+                                    f"module is not fully_shard-ed on mesh['shard']; supported: {PIPELINE_TEXT}")
+        if isinstance(sub, DDP) or (fsdp and not sharded):
+            raise UnsupportedLayout(
+                f"phx.protect(pipeline=...): stage {st.stage_index}'s module is wrapped or sharded ({type(sub).__name__}): "
+                f"PHOENIX reduces the gradients across 'dp' itself; supported: {PIPELINE_TEXT}")
+    if not stages:
+        raise UnsupportedLayout(f"phx.protect(pipeline=...): no stage for this rank; supported: {PIPELINE_TEXT}")
+    return stages
+
+
+def _is_fsdp(module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+class Pipeline(Parallel):
+    """The user's pipeline split and schedule, and what PHOENIX needs to build them again (``Parallel``'s mesh,
+    optimizer re-binding and shard naming, with the stages in place of a parallelised model)."""
+
+    stages: tuple = ()  # this rank's PipelineStage objects, of the live generation
+    schedule = None  # the schedule built on them: what the training loop steps
+
+    @classmethod
+    def create(cls, fn, mesh: dict[str, int], model: torch.nn.Module, world: int, device) -> "Pipeline":
+        if any(is_dtensor(p) for p in model.parameters()):
+            check_bare(model)
+        dims = check_pipeline_mesh(mesh, world)
+        return cls(fn, dims, copy.deepcopy(model).to("meta"), torch.device(device))
+
+    @property
+    def replicas(self) -> int:
+        return dict(self.dims).get("dp", 1)
+
+    def state_tp(self, world: int) -> int:
+        """With ``dp``: ranks with the same pp coordinate (rank modulo P, dp outermost) hold the same state. With
+        ``shard`` (FSDP2 within each stage) no rank holds another's shard (1: the replicas go around every rank)."""
+        return dict(self.dims)["pp"] if "dp" in dict(self.dims) else 1
+
+    def _build(self, model: torch.nn.Module, mesh) -> torch.nn.Module:
+        stages, schedule = self.fn(model, mesh)
+        self.stages = check_built(stages, schedule, sharded="shard" in dict(self.dims))
+        self.schedule = schedule
+        module = torch.nn.ModuleDict({f"pp{st.stage_index}": st.submod for st in self.stages})
+        self.fqn_of = {id(p): n for n, p in module.named_parameters()}
+        self.keys = {}
+        return module
+
+    def apply(self, model: torch.nn.Module, gen: int, local: bool = False) -> torch.nn.Module:
+        """This rank's stages of the user's model on generation ``gen``'s mesh; building them communicates
+        nothing (a stage infers its shapes at the first step), so a joiner builds them like everybody."""
+        return self._build(model, self.build_mesh(gen))
+
+    def rebuild(self, gen: int, optimizer) -> torch.nn.Module:
+        """Fresh stages and schedule on generation ``gen``'s mesh (uninitialised: the recovery restores the state),
+        ``optimizer`` re-bound to their parameters in place (its state cleared)."""
+        mesh = self.build_mesh(gen)
+        model = copy.deepcopy(self.template).to_empty(device=self.device)
+        old = dict(self.fqn_of or {})
+        module = self._build(model, mesh)
+        by_fqn = dict(module.named_parameters())
+        for g in optimizer.param_groups:
+            g["params"] = [by_fqn[old[id(p)]] for p in g["params"]]
+        optimizer.state.clear()
+        return module
+
+    @torch.no_grad()
+    def reduce_grads(self, module: torch.nn.Module) -> None:
+        """Average the gradients across ``dp`` (the DP peers of this rank's stages): one all-reduce of the
+        gradients flattened in parameter order, the same order on every peer (bit-identical on a replay). A
+        parameter without a gradient counts as a zero gradient."""
+        import torch.distributed as dist
+
+        dp = self.replicas
+        if dp == 1:  # FSDP2 stages ({"shard": N, "pp": P}) reduce-scatter their gradients in the schedule's backward
+            return
+        params = [p for p in module.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.mesh.get_group("dp"))
+        flat.div_(dp)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n

@@ -1,0 +1,192 @@
+"""Issue 29: hot-swap under pipeline parallelism (``protect(pipeline=..., mesh={"dp": 2, "pp": 2})``).
+
+Real processes, real gloo P2P between the stages, real SIGKILL / SIGSTOP of a node or a rank (injected at
+(node or rank, step, phase) through the configuration file, phases ``pp_forward`` / ``pp_backward`` inside the
+schedule). Every run must end with the failure-free run's digest (every rank's stage parameters and optimizer
+state, param groups, RNG); a missing digest fails the test. The 2 x 2 and 4 x 1 jobs place the same ranks on
+the same mesh, so they share a failure-free digest.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import EXAMPLES, ROOT, assert_same_digest, check_resume_steps, events, job_env, job_processes, load_digest, of_type, run_phoenix
+
+STEPS = 8
+LLAMA = str(EXAMPLES / "train_llama.py")
+# short timeouts: a hung rank (SIGSTOP) is called hung after 6 s without a completed step
+DETECT = {"heartbeat_s": 0.25, "hang_timeout_s": 6.0, "node_timeout_s": 4.0, "collective_timeout_s": 25.0,
+          "settle_s": 0.3, "recovery_timeout_s": 60.0}
+
+
+def run_job(tmp_path: Path, name: str, schedule: str, nodes: int, nproc: int, spares: int, faults=(), extra=()):
+    d = tmp_path / name
+    d.mkdir()
+    cfg = {"inject": {"faults": list(faults)}, "runtime": {"replicas": 1}, "detect": DETECT}
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    digest = d / "digest.json"
+    r = run_phoenix(
+        ["--config", str(d / "cfg.yaml"), "--nodes", str(nodes), "--nproc-per-node", str(nproc), "--spares", str(spares),
+         "--run-dir", str(d / "run"), LLAMA, "--steps", str(STEPS), "--digest-file", str(digest), "--pp", "2",
+         "--layers", "4", "--schedule", schedule, *extra],
+        d, timeout=360,
+    )
+    return r, d / "run", digest
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    cache = {}
+
+    def get(schedule, extra=()):
+        key = (schedule, *extra)
+        if key not in cache:
+            r, _, dg = run_job(tmp_path_factory.mktemp("base"), "base", schedule, 2, 2, 0, extra=extra)
+            assert r.returncode == 0, r.stderr[-3000:]
+            cache[key] = load_digest(dg, f"failure-free {' '.join(key)} run")  # fails when missing
+        return cache[key]
+
+    return get
+
+
+def assert_recovered(r, run_dir, digest, expected):
+    assert r.returncode == 0, r.stderr[-3000:]
+    evs = events(run_dir)
+    assert len(of_type(evs, "recovery")) == 1, [e["type"] for e in evs]
+    check_resume_steps(evs)  # the failed step or the one before it: one step replayed at most
+    assert_same_digest(digest, expected)  # fails when the digest file is missing
+    assert not job_processes(run_dir)
+    return evs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_node_lost_in_the_forward_is_hot_swapped(tmp_path, baseline):
+    """GPipe, 2 nodes x 2 ranks (one whole pipeline per node) + 1 spare; node1 (dp 1: stages 0 and 1) is SIGKILLed at
+    step 5 before its forward: the survivors fail in the gradients' all-reduce across dp, keep their processes, and
+    the spare takes both stages from the survivors of the same pp coordinate."""
+    r, run_dir, dg = run_job(tmp_path, "job", "gpipe", 2, 2, 1, [{"node": "node1", "step": 5, "mode": "crash", "phase": "forward"}])
+    evs = assert_recovered(r, run_dir, dg, baseline("gpipe"))
+    swap = of_type(evs, "hotswap")[0]
+    assert (swap["failed"], swap["spare"], swap["joiners"]) == ("node1", "node2", [2, 3])
+    assert sorted(p.name for p in (run_dir / "logs" / "node0").glob("*.log") if p.name != "agent.log") == ["0.0.log", "1.0.log"]
+    log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
+    assert "generation 1: resumed at step" in log
+    # the joiners' stages come from the DP peers of their pp coordinate: rank 2 from rank 0, rank 3 from rank 1
+    assert "params from {2: 0, 3: 1}" in log, [ln for ln in log.splitlines() if "plan:" in ln]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_last_stage_rank_lost_inside_the_1f1b_schedule(tmp_path, baseline):
+    """1F1B, 2 x 2 + 1 spare: rank 3 (the last stage of dp 1) is SIGKILLed at its second forward microbatch of
+    step 5, inside the schedule: rank 2 (stage 0, same node) is blocked in the P2P with it, ranks 0 and 1 in the
+    all-reduce; node1 is replaced and every stage resumes at the same step."""
+    r, run_dir, dg = run_job(tmp_path, "job", "1f1b", 2, 2, 1, [{"rank": 3, "step": 5, "mode": "rank", "phase": "pp_forward"}])
+    evs = assert_recovered(r, run_dir, dg, baseline("1f1b"))
+    fired = of_type(evs, "injected")
+    assert [(e["rank"], e["phase"]) for e in fired] == [(3, "pp_forward")], fired
+    assert [e["failed"] for e in of_type(evs, "hotswap")] == ["node1"]
+    assert len({e["resume_step"] for e in of_type(evs, "recovery")}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_peer_stage_hung_in_the_backward_releases_the_blocked_receive(tmp_path, baseline):
+    """Interleaved 1F1B (two stages per rank: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3), 4 nodes of 1 rank
+    + 1 spare: the pipeline of dp 0 spans node0 and node1. node1 is stopped (SIGSTOP: its sockets stay open) when
+    the gradient of its first microbatch's output is computed in step 5, so rank 0 waits for gradients from it
+    that never come; once node1 is called hung, the generation is abandoned, rank 0's receive is released, and
+    the spare takes both of node1's stages from rank 3 (pp 1 of dp 1)."""
+    r, run_dir, dg = run_job(tmp_path, "job", "interleaved", 4, 1, 1, [{"node": "node1", "step": 5, "mode": "hang", "phase": "pp_backward"}])
+    evs = assert_recovered(r, run_dir, dg, baseline("interleaved"))
+    assert of_type(evs, "injected")[0]["phase"] == "pp_backward"
+    assert [(e["failed"], e["spare"]) for e in of_type(evs, "hotswap")] == [("node1", "node4")]
+    log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
+    assert "step 5: failure caught at the step boundary" in log
+    assert "params from {1: 3}" in log, [ln for ln in log.splitlines() if "plan:" in ln]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp_fsdp_node_lost_inside_the_schedule(tmp_path, baseline):
+    """PP x FSDP2, mesh {"shard": 2, "pp": 2} (each stage fully_shard-ed over the two nodes), 1F1B, 2 x 2 + 1 spare:
+    node1 is SIGKILLed at a second forward microbatch of step 5. The survivors fail inside the stage's FSDP
+    all-gather, which the schedule re-raises as its own RuntimeError (the gloo error as its cause); no peer holds
+    a lost rank's shard, so the spare's parameter shards come with the replicas (on node0)."""
+    extra = ("--pp-shard",)
+    r, run_dir, dg = run_job(tmp_path, "job", "1f1b", 2, 2, 1, [{"node": "node1", "step": 5, "mode": "crash", "phase": "pp_forward"}],
+                             extra=extra)
+    evs = assert_recovered(r, run_dir, dg, baseline("1f1b", extra))
+    assert [e["failed"] for e in of_type(evs, "hotswap")] == ["node1"]
+    log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
+    assert "parameter shards with the replicas, replicas from {2: 1, 3: 0}" in log, [ln for ln in log.splitlines() if "plan:" in ln]
+
+
+def test_a_schedules_re_raised_comm_error_is_a_failure():
+    """Pure: torch's pipeline schedule raises ``RuntimeError(its own text) from`` the collective's error; the cause
+    chain is evidence of a communication failure, a plain bug with no such cause is not."""
+    from phoenix_runtime.step_guard import looks_like_comm_failure
+
+    def chained(cause):
+        try:
+            raise RuntimeError("stage 0 failed in forward_one_chunk") from cause
+        except RuntimeError as e:
+            return e
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:45981: Connection reset by peer")
+    assert looks_like_comm_failure(chained(gloo))
+    assert not looks_like_comm_failure(chained(ValueError("shape mismatch")))
+    assert not looks_like_comm_failure(RuntimeError("stage 0 failed in forward_one_chunk"))
+
+
+REFUSE = r'''
+import os, sys, tempfile, torch, torch.nn as nn, torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
+from torch.nn.parallel import DistributedDataParallel as DDP
+from phoenix_runtime.parallel import UnsupportedLayout, check_bare
+from phoenix_runtime.pipeline import check_built, check_pipeline_mesh
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+loss = lambda out, y: out.sum()
+def refused(what, fn):
+    try:
+        fn()
+        print(what + ": accepted")
+    except UnsupportedLayout as e:
+        print(what + ":", repr(str(e)))
+stage = PipelineStage(nn.Linear(4, 4), 0, 1, torch.device("cpu"))
+refused("OK", lambda: check_built([stage], ScheduleGPipe(stage, 2, loss_fn=loss)))
+refused("SCHEDULE", lambda: check_built([stage], ScheduleLoopedBFS([stage], 2, loss_fn=loss)))
+wrapped = PipelineStage(DDP(nn.Linear(4, 4)), 0, 1, torch.device("cpu"))
+refused("DDP", lambda: check_built([wrapped], ScheduleGPipe(wrapped, 2, loss_fn=loss)))
+refused("UNSHARDED", lambda: check_built([stage], ScheduleGPipe(stage, 2, loss_fn=loss), sharded=True))
+refused("ORDER", lambda: check_pipeline_mesh({"pp": 2, "dp": 2}, 4))
+refused("NODP", lambda: check_pipeline_mesh({"dp": 1, "pp": 4}, 4))
+refused("BARE", lambda: check_bare(stage))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_unsupported_pipelines_are_refused_in_one_line(tmp_path):
+    """One process (world 1): a schedule PHOENIX does not know, a stage whose module is already wrapped (DDP), a mesh
+    in another order or without a DP peer, and a bare stage given to protect() without pipeline= are refused, each
+    with one line naming what is supported; a supported stage and schedule pass."""
+    r = subprocess.run([sys.executable, "-c", REFUSE], cwd=tmp_path, env=job_env(PYTHONPATH=str(ROOT / ".pp")),
+                       capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+    assert out["OK"] == "accepted"
+    for what in ("SCHEDULE", "DDP", "UNSHARDED", "ORDER", "NODP", "BARE"):
+        msg = out[what]
+        assert "\\n" not in msg and "pipeline=fn(model, mesh)" in msg, (what, msg)
+    assert "ScheduleLoopedBFS is not supported" in out["SCHEDULE"] and "Schedule1F1B" in out["SCHEDULE"]
+    assert "wrapped or sharded (DistributedDataParallel)" in out["DDP"]
+    assert "not fully_shard-ed on mesh['shard']" in out["UNSHARDED"]
+    assert "unsupported mesh" in out["ORDER"] and "'dp' >= 2" in out["NODP"]
