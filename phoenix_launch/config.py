@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from phoenix_runtime.errors import UsageError
-from phoenix_runtime.plane.settings import FAULT_MODES, FAULT_PHASES, TRANSPORTS, RuntimeSettings
+from phoenix_runtime.plane.settings import FAULT_MODES, FAULT_PHASES, SDC_TARGETS, TRANSPORTS, RuntimeSettings
 
 #: The runtime's defaults, owned by ``phoenix_runtime.plane.settings`` (the rank reads the same schema).
 RUNTIME_DEFAULTS = RuntimeSettings()
@@ -103,8 +103,13 @@ class DetectConfig:
     # the leader supervisor's loop stuck this long (with a standby): it ends itself, its threads' stacks on its
     # stderr, and the standby takes the job over (its store server, a C++ thread, would otherwise serve on)
     leader_hang_s: float = 60.0
+    # a node whose copy is found corrupt (silent data corruption) again within this many steps is drained and
+    # hot-swapped; once, it is re-synced from a peer in place
+    sdc_window_steps: int = 1000
 
     def validate(self) -> None:
+        if self.sdc_window_steps < 0:
+            raise ConfigError(f"detect.sdc_window_steps must be >= 0, got {self.sdc_window_steps}")
         if self.leader_hang_s <= 0:
             raise ConfigError(f"detect.leader_hang_s must be > 0, got {self.leader_hang_s}")
         if self.takeover_timeout_s <= 0:
@@ -164,6 +169,15 @@ class RuntimeConfig:
 PHASES = FAULT_PHASES
 
 
+def sdc_target_error(tensor, bit) -> str:
+    """Why an ``sdc`` fault's ``tensor`` / ``bit`` are not valid ("" when they are, or absent)."""
+    if tensor is not None and (not isinstance(tensor, str) or tensor.split(":", 1)[0] not in SDC_TARGETS):
+        return f"tensor must be KIND or KIND:NAME with KIND one of {', '.join(SDC_TARGETS)}, got {tensor!r}"
+    if bit is not None and (isinstance(bit, bool) or not isinstance(bit, int) or bit < 0):
+        return f"bit must be an integer >= 0, got {bit!r}"
+    return ""
+
+
 @dataclass(frozen=True)
 class InjectConfig:
     # [{node: node1 | rank: 3, step: 20, mode: crash, phase: begin, gen: 0}]: phase is where in the step (or
@@ -182,9 +196,13 @@ class InjectConfig:
         for f in self.faults:
             if not isinstance(f, Mapping):
                 raise ConfigError(f"inject.faults entries must be mappings, got {f!r}")
-            extra = set(f) - {"node", "rank", "step", "mode", "phase", "gen"}
+            extra = set(f) - {"node", "rank", "step", "mode", "phase", "gen", "tensor", "bit"}
             if extra:
-                raise ConfigError(f"unknown key(s) {sorted(extra)} in inject.faults; valid: node, rank, step, mode, phase, gen")
+                raise ConfigError(f"unknown key(s) {sorted(extra)} in inject.faults; valid: node, rank, step, mode, phase, gen, "
+                                  "tensor, bit")
+            why = sdc_target_error(f.get("tensor"), f.get("bit"))
+            if why:
+                raise ConfigError(f"inject.faults: {why}: {dict(f)}")
             if f.get("phase", "begin") not in PHASES:
                 raise ConfigError(f"inject phase {f.get('phase')!r} unknown; valid: {', '.join(PHASES)}")
             if ("node" in f) == ("rank" in f):

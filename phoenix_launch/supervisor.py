@@ -34,6 +34,7 @@ from phoenix_launch.repair.recovery_watch import RecoveryWatch
 from phoenix_launch.repair.replenish import Replenisher
 from phoenix_launch.reports import ReportHandlers
 from phoenix_launch.repair.reprotect import Reprotector
+from phoenix_launch.repair.sdc_repair import SdcRepair
 from phoenix_launch.spec import AgentSpec
 from phoenix_launch.standby.mirror import AttemptRecord, NodeRecord, StandbyLink, SupervisorState
 from phoenix_launch.observe.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
@@ -42,7 +43,7 @@ from phoenix_runtime.plane import auth, protocol
 
 
 
-class Supervisor(ReportHandlers):
+class Supervisor(ReportHandlers, SdcRepair):
     def __init__(self, cfg: Config, argv: list[str], run_dir: Path, backend: Backend, ui=None, *, takeover: bool = False):
         launch = cfg.launch
         self.cfg, self.argv, self.run_dir, self.backend, self.ui = cfg, argv, run_dir, backend, ui
@@ -58,6 +59,7 @@ class Supervisor(ReportHandlers):
         self.recovery = RecoveryWatch(self.world_size, cfg.detect.recovery_timeout_s)
         self.replenisher = Replenisher(backend, self.events, target=launch.spares, enabled=launch.replenish or cfg.slurm.replenish,
                                        spec_for=lambda join: self.agent_spec(Node.new(f"replenish-{join}"), join=join))
+        self.init_sdc()
         self.reprotector = Reprotector(cfg.detect.reprotect_max, grace_s=max(cfg.detect.settle_s, 2 * cfg.detect.heartbeat_s),
                                        every=cfg.runtime.protect_every, adapt=cfg.runtime.protect_adapt)
         self.ladder = checkpoints.Ladder(run_dir, self.world_size, launch.persist_keep, self.events,
@@ -95,6 +97,7 @@ class Supervisor(ReportHandlers):
             protocol.MsgType.FAULT_FIRED: self.on_fault_fired,
             protocol.MsgType.PERSISTED: lambda m, now: self.ladder.persisted(m),
             protocol.MsgType.NODE_PROBE: self.on_node_probe,
+            protocol.MsgType.SDC_SUSPECT: self.on_sdc_suspect,
             protocol.MsgType.REFUSED: self.refusals.report,
         })
 
@@ -252,7 +255,7 @@ class Supervisor(ReportHandlers):
         run = {
             decisions.Kind.HOTSWAP: self.hotswap, decisions.Kind.LOCAL: self.local_recovery, decisions.Kind.RESTART: self.restart,
             decisions.Kind.FALLBACK: self.fallback_restart, decisions.Kind.SALVAGE: self.salvage, decisions.Kind.REFORM: self.reform,
-            decisions.Kind.HUNG: self.mark_hung, decisions.Kind.STOP: self.stop,
+            decisions.Kind.HUNG: self.mark_hung, decisions.Kind.STOP: self.stop, decisions.Kind.RESYNC: self.resync,
             decisions.Kind.WAIT: lambda d, inc, now: None, decisions.Kind.IGNORE: lambda d, inc, now: None,
         }[d.kind]
         run(d, inc or Incident(now), now)
@@ -329,6 +332,7 @@ class Supervisor(ReportHandlers):
         cur = self.recovery.current
         step = cur.resume_step if cur else None
         self.job.transition(JobState.RUNNING, f"generation {self.gen} resumed at step {step}")
+        self.sdc_recovered(step)
 
     def _flush_recovery_event(self, final: bool = False) -> None:
         if not self.recovery.awaiting_first_step:

@@ -76,9 +76,9 @@ def execute_injection(job: JobTargets, c: protocol.KillCommand) -> tuple[bool, s
     t = time.time()
     info = {"mode": mode, "node": node, "slot": slot, "at_step": at_step, "t": t, "immediate": at_step is None}
     slots = [slot] if slot is not None else list(range(job.nproc))
-    if at_step is not None or mode in ("comm", "gpu-ecc", "pcie", "late"):
+    if at_step is not None or mode in ("comm", "gpu-ecc", "pcie", "late", "sdc"):
         for s in slots:
-            protocol.Queue(job.store, protocol.q_rank(node, s)).put(protocol.RankFault(mode, at_step, c.id))
+            protocol.Queue(job.store, protocol.q_rank(node, s)).put(protocol.RankFault(mode, at_step, c.id, c.tensor, c.bit))
         protocol.notify_ranks(job.store)
         when = f"at step {at_step}" if at_step is not None else "now"
         info["immediate"] = at_step is None and mode == "comm"

@@ -76,14 +76,14 @@ class Course:
 
 
 def plan_for_layout(descs: list[Descriptor], layout, world_size: int, *, replicated: bool, every: int = 1,
-                    lost: tuple[int, ...] = ()) -> Course:
+                    lost: tuple[int, ...] = (), at_most: int | None = None) -> Course:
     """The one way a recovery turns its generation's descriptors into its course: ``plan_recovery`` with the DP
     groups and shard ids of ``layout`` (``layout.Layout``). ``lost``: ranks given up for good (a salvage
     generation): they are planned as joiners that never come, and their state is written instead of sent."""
     ranks = range(world_size)
     try:
         plan = plan_recovery(descs, {r: layout.dp_group(r) for r in ranks}, {r: str(layout.shard_of(r)) for r in ranks},
-                             replicated=replicated, every=every)
+                             replicated=replicated, every=every, at_most=at_most)
     except UnrecoverableError as e:
         return Course(Outcome.GIVE_UP, reason=str(e))
     if not lost:
@@ -94,9 +94,10 @@ def plan_for_layout(descs: list[Descriptor], layout, world_size: int, *, replica
 
 
 def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shard_of: dict[int, str], replicated: bool,
-                  every: int = 1) -> Plan:
+                  every: int = 1, at_most: int | None = None) -> Plan:
     """Pure: the resume step and the transfers. ``dp_groups[r]``: ranks with r's TP/PP coordinate;
-    ``shard_of[r]``: the logical id of r's optimizer shard; ``every``: protection every m-th step."""
+    ``shard_of[r]``: the logical id of r's optimizer shard; ``every``: protection every m-th step; ``at_most``:
+    no later step (a repair of silent data corruption: the last step whose fingerprints agreed)."""
     by_rank = {d.rank: d for d in descs}
     survivors = [d for d in descs if d.has_state]
     joiners = tuple(sorted(d.rank for d in descs if not d.has_state))
@@ -109,7 +110,10 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
     # optimizer a rank may lag its peers by one step (its optimizer step has no collective), so a lost rank's
     # envelope of the step before the newest may not be committed yet: then two steps are replayed.
     newest = max((d.live_step for d in survivors if d.live_step is not None), default=None)
-    if newest is not None:
+    if at_most is not None:  # the steps after it hold a corrupt copy's influence: not a resume point
+        candidates = [c for c in candidates if c <= at_most]
+        why = f"no step up to {at_most} (the last one whose fingerprints agreed) is held by every survivor"
+    elif newest is not None:
         candidates = [c for c in candidates if c >= newest - 1 - 2 * every]  # S_p's replicas may still travel: S_{p-m}
     for step in candidates:
         if not all(d.can_provide(step) for d in survivors):

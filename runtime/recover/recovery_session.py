@@ -70,6 +70,8 @@ class RecoverySession:
                     ctx.destroy_groups()
                     ctx.form(g, deadline)
             marks["formed"] = time.time()
+            if ctx.members is not None and ctx.rank in ctx.members.resync:
+                self.live = None  # a repair of silent data corruption: this rank's copy is corrupt, a peer sends S_R
             course = self._course(g, lost, deadline)
             if course.outcome is Outcome.RESUME:
                 self._resume(g, course.plan, marks, deadline)
@@ -98,8 +100,9 @@ class RecoverySession:
         mine = self.descriptor(live, live_usable=not lost)
         descs = [Descriptor.from_json(d) for d in ctx.exchange(gen, mine.to_json(), deadline, ranks=survivors)]
         descs += [Descriptor(j, has_state=False) for j in lost]
+        at_most = ctx.members.rollback_to if ctx.members is not None else None
         return plan_for_layout(descs, ops.layout(), ctx.world_size, replicated=ops.replicated, every=ops.cadence_bound(),
-                               lost=lost)
+                               lost=lost, at_most=at_most)
 
     def descriptor(self, live, live_usable: bool = True) -> Descriptor:
         if live is None:

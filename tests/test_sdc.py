@@ -1,0 +1,82 @@
+"""Issue 30: silent data corruption detected at the next protected step and repaired without a restart.
+
+Pure rows: the culprit finder (majority / two copies / undecidable) and ``decide.sdc``. Real rows: phoenix-run
+runs examples/train_gpt.py (2 nodes x 2 ranks) with an ``sdc`` fault that flips one bit of rank 1's parameter at
+the beginning of a step; the commit point of that step finds the fingerprints disagreeing, the supervisor
+re-syncs rank 1 from a peer (its process kept) and every rank resumes at the last agreed step; the final digest
+equals the failure-free run's (shared with the fault matrix's helper: one baseline per layout in a session).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_same_digest, of_type
+from phoenix_launch.decide import decide as decisions
+from phoenix_launch.decide.sdc import Copy, Suspects, find_corrupt
+from test_fault_matrix import failure_free, run_job  # noqa: F401  (the session's failure-free baselines)
+
+FLIP_STEP = 5
+
+
+# --- pure -----------------------------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+def test_culprit_finder_majority_two_copies_undecidable():
+    t = {"p.w": 1, "p.b": 2}
+    maj = find_corrupt([Copy(0, 7, tensors=t), Copy(1, 9, tensors={"p.w": 5, "p.b": 2}), Copy(2, 7, tensors=t), Copy(3, 7, tensors=t)])
+    assert (maj.corrupt, maj.decided, maj.tensors) == ((1,), True, ("p.w",))
+    assert not find_corrupt([Copy(0, 7), Copy(1, 9), Copy(2, 7), Copy(3, 9)]).decided  # 2 against 2: no majority
+    two = find_corrupt([Copy(0, 7), Copy(1, 9, agreed_ok=False)])
+    assert (two.corrupt, two.decided) == ((1,), True) and "changed at rest" in two.reason
+    both_intact = find_corrupt([Copy(0, 7), Copy(1, 9)])
+    assert (both_intact.corrupt, both_intact.decided) == ((), False) and "cannot be told" in both_intact.reason
+    assert not find_corrupt([Copy(0, 7, agreed_ok=False), Copy(1, 9, agreed_ok=False)]).decided
+    sus = Suspects(0, 5)
+    sus.add(0, Copy(0, 7), 4)
+    assert not sus.complete(2)
+    sus.add(1, Copy(1, 9), 3)
+    assert sus.complete(2) and sus.last_agreed == 3  # the oldest last agreed step any rank names
+
+
+@pytest.mark.timeout(10)
+def test_decide_sdc_resync_rollback_drain_and_nothing_agreed():
+    K, nodes = decisions.Kind, {0: "n0", 1: "n0", 2: "n1", 3: "n1"}
+    found = find_corrupt([Copy(0, 7), Copy(1, 9), Copy(2, 7), Copy(3, 7)])
+    d = decisions.sdc(found, 5, 4, nodes, {"n0": 1}, ("s1",))
+    assert (d.kind, d.resync, d.rollback_to, d.node) == (K.RESYNC, (1,), 4, "n0") and "re-synced" in d.reason
+    d = decisions.sdc(found, 9, 8, nodes, {"n0": 2}, ("s1",))  # twice within the window: drained
+    assert (d.kind, d.swap, d.rollback_to, d.exclude) == (K.HOTSWAP, (("n0", "s1"),), 8, True)
+    assert decisions.sdc(found, 9, 8, nodes, {"n0": 2}, ()).kind is K.RESYNC  # no spare: re-synced in place again
+    d = decisions.sdc(find_corrupt([Copy(0, 7), Copy(1, 9)]), 5, 4, nodes, {}, ())
+    assert (d.kind, d.resync, d.rollback_to) == (K.RESYNC, (), 4)  # undecidable: every rank rolls back
+    assert decisions.sdc(found, 0, None, nodes, {}, ()).kind is K.IGNORE
+
+
+# --- real jobs ------------------------------------------------------------------------------------------
+def sdc_fault(rank: int, step: int, tensor: str = "param", bit: int = 22, phase: str = "begin") -> dict:
+    return {"rank": rank, "step": step, "mode": "sdc", "phase": phase, "tensor": tensor, "bit": bit}
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("opt", ["zero", "adamw"])
+def test_a_flipped_parameter_bit_is_detected_and_repaired_in_place(tmp_path, failure_free, opt):  # noqa: F811
+    """Bit 22 of rank 1's first parameter flipped at the beginning of step 5 (before its snapshot): the commit
+    point of step 5 disagrees, rank 1 is named (3 of 4 copies agree) with the tensor, the job rolls back to
+    step 4 with rank 1 re-synced from a peer, no process restarted, and ends with the failure-free digest."""
+    expected = failure_free(opt, 2, 2)
+    job = run_job(tmp_path, opt, 2, 2, 0, [sdc_fault(1, FLIP_STEP)])
+    assert job.result.returncode == 0, job.explain()
+    fired = of_type(job.evs, "injected")
+    assert [(e["mode"], e["rank"], e["step"]) for e in fired] == [("sdc", 1, FLIP_STEP)], fired
+    det = of_type(job.evs, "sdc_detected")
+    assert len(det) == 1, det
+    assert (det[0]["step"], det[0]["ranks"], det[0]["decided"], det[0]["last_agreed"]) == (FLIP_STEP, [1], True, FLIP_STEP - 1), det
+    assert det[0]["tensors"] == [fired[0]["tensor"].replace("param:", "p.")], (det, fired)
+    rep = of_type(job.evs, "sdc_repaired")
+    assert len(rep) == 1 and rep[0]["resumed_at"] == FLIP_STEP - 1 and rep[0]["ranks"] == [1], rep
+    recs = of_type(job.evs, "recovery")
+    assert [r.get("resume_step") for r in recs] == [FLIP_STEP - 1], recs
+    assert not of_type(job.evs, "hotswap") and not of_type(job.evs, "local_recovery")  # nobody restarted
+    assert not of_type(job.evs, "restart"), of_type(job.evs, "restart")
+    assert_same_digest(job.digest_path, expected)
+    assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
