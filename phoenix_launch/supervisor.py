@@ -273,7 +273,9 @@ class Supervisor(ReportHandlers, SdcRepair):
         gens = self._gens()
         ranks = [protocol.RankSlot(r.rank, swap.get(r.node, r.node), r.slot) for r in gens.members.ranks]
         respawn = tuple(r for r in d.respawn if gens.members.slot_of(r).node not in swap)  # dead ranks on kept nodes
-        mem = gens.publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), respawned=respawn)
+        # swap_in stopped the failed nodes; rollback_to: a node drained for corrupting data, every rank back to the last agreed step
+        mem = gens.publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), respawned=respawn,
+                           rollback_to=d.rollback_to)
         self._respawn(mem, respawn)
         self._begin_recovery("hotswap", d, inc, now)
         for f, sp in swap.items():

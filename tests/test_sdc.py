@@ -80,3 +80,22 @@ def test_a_flipped_parameter_bit_is_detected_and_repaired_in_place(tmp_path, fai
     assert not of_type(job.evs, "restart"), of_type(job.evs, "restart")
     assert_same_digest(job.digest_path, expected)
     assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
+
+
+@pytest.mark.timeout(420)
+def test_a_node_that_corrupts_twice_is_drained_and_hot_swapped(tmp_path, failure_free):  # noqa: F811
+    """Rank 1 (node0) corrupts at step 3, then again at step 8 (within detect.sdc_window_steps): the first is
+    re-synced in place, the second drains node0 and hot-swaps node2 in, back to the last agreed step (7);
+    the final digest is the failure-free one."""
+    expected = failure_free("zero", 2, 2)
+    job = run_job(tmp_path, "zero", 2, 2, 1, [sdc_fault(1, 3), sdc_fault(1, 8, bit=5)])
+    assert job.result.returncode == 0, job.explain()
+    det = of_type(job.evs, "sdc_detected")
+    assert [(e["step"], e["ranks"], e["last_agreed"]) for e in det] == [(3, [1], 2), (8, [1], 7)], det
+    decided = [e["decision"] for e in of_type(job.evs, "decision") if e.get("cls") == "sdc"]
+    assert decided == ["resync", "hotswap"], decided
+    assert [(e["failed"], e["spare"]) for e in of_type(job.evs, "hotswap")] == [("node0", "node2")]
+    rep = of_type(job.evs, "sdc_repaired")
+    assert [(e["decision"], e["resumed_at"]) for e in rep] == [("resync", 2), ("hotswap", 7)], rep
+    assert_same_digest(job.digest_path, expected)
+    assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
