@@ -144,6 +144,7 @@ class RuntimeConfig:
     protect_every: int = RUNTIME_DEFAULTS.protect_every  # protect every m-th step (1: every step)
     protect_adapt: bool = RUNTIME_DEFAULTS.protect_adapt  # raise m when the copy does not fit in a step
     verify: bool = RUNTIME_DEFAULTS.verify
+    fingerprint: bool = RUNTIME_DEFAULTS.fingerprint  # compare the DP peers' parameters every protected step (SDC)
     transport: str = RUNTIME_DEFAULTS.transport  # gloo | mpi
     persist_every: int = RUNTIME_DEFAULTS.persist_every  # persistent checkpoints every N steps (0: off)
     persist_every_s: float = RUNTIME_DEFAULTS.persist_every_s  # ... and/or every T seconds (0: off)

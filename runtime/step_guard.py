@@ -47,6 +47,7 @@ class StepGuard:
         self._last_progress = 0.0
         self._waited = 0.0  # replica waits in the step in progress
         self._step_waits: list[float] = []
+        self._sdc_waited_gen = -1  # the generation whose silent data corruption was waited for (once)
 
     @contextlib.contextmanager
     def step(self):
@@ -122,7 +123,11 @@ class StepGuard:
     def _await_sdc_repair(self, step: int) -> None:
         """The ranks' fingerprints disagreed (``sdc.py``): before the optimizer mutates the state any further,
         wait (bounded) for the supervisor's repair generation; ``check_generation`` raises when it comes, and
-        the step guard recovers in it. Past the recovery timeout: trained on, unrepaired (logged)."""
+        the step guard recovers in it. Past the recovery timeout: trained on, unrepaired (logged), and not waited
+        for again in this generation (every later snapshot of it is refused)."""
+        if self._sdc_waited_gen == self.ctx.gen:
+            return
+        self._sdc_waited_gen = self.ctx.gen
         deadline = time.monotonic() + self.ctx.recovery_timeout
         while time.monotonic() < deadline:
             self.ctx.check_generation()

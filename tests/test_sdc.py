@@ -9,11 +9,15 @@ equals the failure-free run's (shared with the fault matrix's helper: one baseli
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
-from conftest import assert_same_digest, of_type
+from conftest import assert_same_digest, of_type, phoenix_cmd
+from phoenix_launch.config import ConfigError, build_config
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch.decide.sdc import Copy, Suspects, find_corrupt
+from phoenix_runtime.recover.recovery import Descriptor, plan_recovery
 from test_fault_matrix import failure_free, run_job  # noqa: F401  (the session's failure-free baselines)
 
 FLIP_STEP = 5
@@ -50,6 +54,46 @@ def test_decide_sdc_resync_rollback_drain_and_nothing_agreed():
     d = decisions.sdc(find_corrupt([Copy(0, 7), Copy(1, 9)]), 5, 4, nodes, {}, ())
     assert (d.kind, d.resync, d.rollback_to) == (K.RESYNC, (), 4)  # undecidable: every rank rolls back
     assert decisions.sdc(found, 0, None, nodes, {}, ()).kind is K.IGNORE
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,msg", [
+    (("--mode", "sdc", "--tensor", "weights"), "tensor must be KIND or KIND:NAME"),
+    (("--mode", "sdc", "--bit", "-1"), "bit must be an integer >= 0"),
+    (("--mode", "crash", "--bit", "3"), "--tensor and --bit go with --mode sdc"),
+])
+def test_kill_node_sdc_bad_input_is_one_clear_line(tmp_path, args, msg):
+    r = subprocess.run(phoenix_cmd("kill-node", "rank:1", *args, "--run-dir", str(tmp_path)), capture_output=True, text=True,
+                       timeout=50, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [f"phoenix-run: error: {r.stderr.split('error: ', 1)[1].strip()}"] and msg in r.stderr
+
+
+@pytest.mark.timeout(10)
+def test_sdc_fault_entries_are_validated():
+    ok = build_config(yaml_data={"inject": {"faults": [{"rank": 1, "step": 2, "mode": "sdc", "tensor": "optim:x", "bit": 9}]}})
+    assert ok.inject.faults[0]["tensor"] == "optim:x"
+    with pytest.raises(ConfigError, match="tensor must be KIND"):
+        build_config(yaml_data={"inject": {"faults": [{"rank": 1, "mode": "sdc", "tensor": "gpu"}]}})
+    with pytest.raises(ConfigError, match="sdc_window_steps must be >= 0"):
+        build_config(yaml_data={"detect": {"sdc_window_steps": -1}})
+
+
+@pytest.mark.timeout(10)
+def test_plan_resyncs_a_survivor_whose_snapshot_changed_at_rest():
+    """Rank 0's snapshot of step 5 failed its verification before use: at step 5 it joins (parameters from a peer
+    that is not joining, its replica from its holder); rank 1 is re-synced by the supervisor (no state)."""
+    groups, shards = {r: [0, 1, 2, 3] for r in range(4)}, {r: f"s{r}" for r in range(4)}
+    held = {0: "s3", 1: "s2", 2: "s0", 3: "s1"}  # rank r holds the replica of shard held[r]
+    def desc(r, local=(5, 6), corrupt=()):
+        return Descriptor(r, True, 7, False, local, {held[r]: [5, 6]}, 0, corrupt)
+    descs = [desc(0, (6,), (5,)), Descriptor(1, False), desc(2), desc(3)]
+    plan = plan_recovery(descs, groups, shards, replicated=False, at_most=5)
+    assert (plan.step, plan.joiners) == (5, (0, 1))
+    assert plan.param_src[0] in (2, 3) and plan.param_src[1] in (2, 3) and (plan.optim_src[0], plan.optim_src[1]) == (2, 3)
+    assert 0 not in plan.replayed
+    plain = plan_recovery([desc(0), Descriptor(1, False), desc(2), desc(3)], groups, shards, replicated=False, at_most=5)
+    assert plain.joiners == (1,)  # nothing corrupt: only the supervisor's resync
 
 
 # --- real jobs ------------------------------------------------------------------------------------------
@@ -97,5 +141,23 @@ def test_a_node_that_corrupts_twice_is_drained_and_hot_swapped(tmp_path, failure
     assert [(e["failed"], e["spare"]) for e in of_type(job.evs, "hotswap")] == [("node0", "node2")]
     rep = of_type(job.evs, "sdc_repaired")
     assert [(e["decision"], e["resumed_at"]) for e in rep] == [("resync", 2), ("hotswap", 7)], rep
+    assert_same_digest(job.digest_path, expected)
+    assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
+
+
+@pytest.mark.timeout(420)
+def test_a_local_snapshot_flipped_at_rest_is_caught_before_the_rollback_uses_it(tmp_path, failure_free):  # noqa: F811
+    """At the beginning of step 6 rank 1's parameter and rank 0's newest local snapshot (S_5, already hashed) get a
+    flipped bit each. The commit point of step 6 names rank 1; the repair rolls back to step 5, where rank 0's
+    snapshot fails its verification before use: rank 0 takes its state from its peers too. Failure-free digest."""
+    expected = failure_free("zero", 2, 2)
+    job = run_job(tmp_path, "zero", 2, 2, 0, [sdc_fault(1, 6), sdc_fault(0, 6, tensor="snapshot", bit=3)])
+    assert job.result.returncode == 0, job.explain()
+    assert sorted(e["tensor"].split(":")[0] for e in of_type(job.evs, "injected")) == ["param", "snapshot"]
+    det = of_type(job.evs, "sdc_detected")
+    assert [(e["step"], e["ranks"], e["last_agreed"]) for e in det] == [(6, [1], 5)], det
+    assert [r.get("resume_step") for r in of_type(job.evs, "recovery")] == [5]
+    logs = "\n".join(p.read_text() for p in (job.run_dir / "logs").rglob("*.log"))
+    assert "local snapshot(s) of step(s) [5] changed at rest" in logs and "joiners [0, 1]" in logs
     assert_same_digest(job.digest_path, expected)
     assert not job.leftover, f"processes of the job outlived it: {job.leftover}"

@@ -47,7 +47,7 @@ class SdcRepair:
                     "tensors": list(finding.tensors), "decided": finding.decided, "last_agreed": sus.last_agreed}
         self.events.emit("sdc_detected", gen=m.gen, reason=finding.reason, **evidence)
         d = decisions.sdc(finding, m.step, sus.last_agreed, node_of, repeats, self.spares())
-        self.events.emit("decision", cls="sdc", action="resync", decision=d.kind.value, node=d.node, spare=d.spare,
+        self.events.emit("decision", cls="sdc", action="repair", decision=d.kind.value, node=d.node, spare=d.spare,
                          reason=d.reason, injected=None)
         self.sdc_repairing = {**evidence, "decision": d.kind.value, "rollback_to": d.rollback_to}
         self.execute(d, now)

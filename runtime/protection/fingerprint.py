@@ -40,4 +40,10 @@ def snapshot_fingerprint(snap) -> tuple[int, dict[str, int]]:
     return fingerprint(snap.param_bytes(), snap.param_index)
 
 
-__all__ = ["fingerprint", "snapshot_fingerprint", "PER_RANK_PREFIXES"]
+def intact(snap) -> bool:
+    """A committed local snapshot's bytes as they were taken: its checksum (optimizer region and envelope) and,
+    when it has one, its fingerprint (the parameters) recomputed. Before a rollback uses it."""
+    return snap.verify() and (not snap.fingerprint or snapshot_fingerprint(snap)[0] == snap.fingerprint)
+
+
+__all__ = ["fingerprint", "snapshot_fingerprint", "intact", "PER_RANK_PREFIXES"]

@@ -31,6 +31,7 @@ from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableErro
 from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, plan_for_layout
+from phoenix_runtime.protection.fingerprint import intact
 from phoenix_runtime.protection.pairs import recovery_pairs
 from phoenix_runtime.protection.replication import recv_snapshot, send_snapshot
 from phoenix_runtime.recover.salvage import wait_to_be_stopped, write_from_memory
@@ -110,8 +111,13 @@ class RecoverySession:
         reps: dict[str, list[int]] = {}
         for shard, by_step in self.ops.held_replicas().items():
             reps[str(shard)] = sorted(set(reps.get(str(shard), [])) | set(by_step))
-        return Descriptor(self.ctx.rank, True, live[0], live[1] and live_usable, tuple(sorted(self.ops.d2h_committed())),
-                          reps, self.rs.first_step or 0)
+        committed = self.ops.d2h_committed()
+        corrupt = tuple(sorted(s for s, snap in committed.items() if not intact(snap)))
+        if corrupt:
+            log.warning(f"local snapshot(s) of step(s) {list(corrupt)} changed at rest (checksum or fingerprint): "
+                        "at such a step this rank takes its state from its peers")
+        return Descriptor(self.ctx.rank, True, live[0], live[1] and live_usable,
+                          tuple(s for s in sorted(committed) if s not in corrupt), reps, self.rs.first_step or 0, corrupt)
 
     # --- the three outcomes -----------------------------------------------------------------------------
     def _resume(self, gen: int, plan: Plan, marks: dict, deadline: float) -> None:
@@ -124,6 +130,8 @@ class RecoverySession:
         log.info(f"generation {gen}: plan: resume at step {R}, joiners {list(plan.joiners)}, {params}, "
                  f"replicas from {plan.optim_src}{', fresh ' + str(list(plan.fresh)) if plan.fresh else ''}")
         marks["planned"] = time.time()
+        if live is not None and ctx.rank in plan.joiners:  # its snapshot of R is corrupt (``descriptor``)
+            live = self.live = None
         ops.rebuild_optimizer()  # ZeRO on the new group, in place (the user's scheduler keeps acting on it)
         if live is not None:
             ops.restore_local(R, live)
