@@ -40,6 +40,13 @@ adds, within each pair, the protection's parts one at a time: local snapshots on
 D2H, no H2H), then replicas without the receivers' checksum (``runtime.verify: false``), then everything; each
 against off. What each part costs on this machine.
 
+    python bench/overhead.py --fingerprint [--pairs 2]
+
+adds, within each pair, protection on without the fingerprints of silent data corruption (``runtime.fingerprint:
+false``): on/that is what fingerprinting the parameter region every protected step costs (new work: the D2H
+worker hashes the packed parameters, XXH3 per tensor, which the snapshot's own checksum does not cover); the D2H
+thread's last fingerprint time on rank 0 is printed next to its copy and checksum times.
+
     python bench/overhead.py --layouts ddp-zero,fsdp,hsdp,tp-fsdp [--pairs 1] [--steps 60] [--d-model 256]
 
 instead: the same measure per parallel layout, the same Llama-style model (examples/train_llama.py) for
@@ -77,6 +84,7 @@ def main():
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: the ranks train on the GPU(s) (NCCL with one GPU per rank, else gloo on CUDA tensors)")
     ap.add_argument("--ablate", action="store_true", help="also local snapshots only, and replicas without the checksum")
+    ap.add_argument("--fingerprint", action="store_true", help="also protection on without the fingerprints (runtime.fingerprint: false)")
     ap.add_argument("--bare", action="store_true", help="also the copy work alone, without PHOENIX (bench/bare_copy.py)")
     ap.add_argument("--layouts", default="", help=f"comma-separated, of: {', '.join(layouts.LAYOUTS)}: the overhead per "
                     "parallel layout against DDP+ZeRO's (examples/train_llama.py)")
@@ -101,6 +109,8 @@ def main():
         modes = {"d2h only": {"replicas": 0}, "no verify": {"verify": False}, **modes}
     if a.bare:
         modes = {"bare copy": BARE, **modes}
+    if a.fingerprint:
+        modes = {"no fingerprint": {"fingerprint": False}, **modes}
     out = {m: [] for m in modes}
     cpu = {m: [] for m in modes}  # the job's whole CPU time (every process of it) per step: less noisy than wall time
     stats, bare_stats = {}, {}
@@ -149,6 +159,11 @@ def main():
         print(f"CPU per step of rank 0's copy threads, in the last runs (gloo's own I/O threads not counted in either): "
               f"PHOENIX's D2H + H2H {phx:.2f} ms, the bare copy's one thread {own:.2f} ms; the difference, on 4 ranks and "
               f"{cores} busy cores, is {4 * (phx - own) / (cores * 1000 * off):+.3f} of ratio")
+    if "no fingerprint" in mean:
+        print(f"fingerprints: on/no-fingerprint = {on / mean['no fingerprint']:.3f}, the pairs: "
+              f"{spread(out['on'], out['no fingerprint'])}; rank 0's D2H thread, last snapshot: copy "
+              f"{ms_per(stats.get('d2h_last_copy_s'), 1):.2f} ms, checksum {ms_per(stats.get('d2h_last_checksum_s'), 1):.2f} ms, "
+              f"fingerprint {ms_per(stats.get('d2h_last_fingerprint_s'), 1):.2f} ms")
     print(f"payload per rank: optimizer shard {stats.get('optim_bytes', 0) / 1e6:.2f} MB (sent to the replica), "
           f"parameters {stats.get('param_bytes', 0) / 1e6:.2f} MB (local snapshot only)")
     print(f"last step: D2H {stats.get('d2h_s')} s, H2H {stats.get('h2h_h2h_s')} s, "

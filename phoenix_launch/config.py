@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from phoenix_runtime.errors import UsageError
-from phoenix_runtime.plane.settings import FAULT_MODES, FAULT_PHASES, TRANSPORTS, RuntimeSettings
+from phoenix_runtime.plane.settings import FAULT_MODES, FAULT_PHASES, SDC_TARGETS, TRANSPORTS, RuntimeSettings
 
 #: The runtime's defaults, owned by ``phoenix_runtime.plane.settings`` (the rank reads the same schema).
 RUNTIME_DEFAULTS = RuntimeSettings()
@@ -110,7 +110,13 @@ class DetectConfig:
     straggler_factor: float = 2.0
     straggler_checks: int = 5
 
+    # a node whose copy is found corrupt (silent data corruption) again within this many steps is drained and
+    # hot-swapped; once, it is re-synced from a peer in place
+    sdc_window_steps: int = 1000
+
     def validate(self) -> None:
+        if self.sdc_window_steps < 0:
+            raise ConfigError(f"detect.sdc_window_steps must be >= 0, got {self.sdc_window_steps}")
         if self.straggler not in ("off", "report", "evict"):
             raise ConfigError(f"detect.straggler must be off, report or evict, got {self.straggler!r}")
         if self.straggler_factor <= 1:
@@ -151,6 +157,7 @@ class RuntimeConfig:
     protect_every: int = RUNTIME_DEFAULTS.protect_every  # protect every m-th step (1: every step)
     protect_adapt: bool = RUNTIME_DEFAULTS.protect_adapt  # raise m when the copy does not fit in a step
     verify: bool = RUNTIME_DEFAULTS.verify
+    fingerprint: bool = RUNTIME_DEFAULTS.fingerprint  # compare the DP peers' parameters every protected step (SDC)
     transport: str = RUNTIME_DEFAULTS.transport  # gloo | mpi
     persist_every: int = RUNTIME_DEFAULTS.persist_every  # persistent checkpoints every N steps (0: off)
     persist_every_s: float = RUNTIME_DEFAULTS.persist_every_s  # ... and/or every T seconds (0: off)
@@ -176,6 +183,15 @@ class RuntimeConfig:
 PHASES = FAULT_PHASES
 
 
+def sdc_target_error(tensor, bit) -> str:
+    """Why an ``sdc`` fault's ``tensor`` / ``bit`` are not valid ("" when they are, or absent)."""
+    if tensor is not None and (not isinstance(tensor, str) or tensor.split(":", 1)[0] not in SDC_TARGETS):
+        return f"tensor must be KIND or KIND:NAME with KIND one of {', '.join(SDC_TARGETS)}, got {tensor!r}"
+    if bit is not None and (isinstance(bit, bool) or not isinstance(bit, int) or bit < 0):
+        return f"bit must be an integer >= 0, got {bit!r}"
+    return ""
+
+
 @dataclass(frozen=True)
 class InjectConfig:
     # [{node: node1 | rank: 3, step: 20, mode: crash, phase: begin, gen: 0}]: phase is where in the step (or
@@ -194,12 +210,16 @@ class InjectConfig:
         for f in self.faults:
             if not isinstance(f, Mapping):
                 raise ConfigError(f"inject.faults entries must be mappings, got {f!r}")
-            extra = set(f) - {"node", "rank", "step", "mode", "phase", "gen", "factor"}
+            extra = set(f) - {"node", "rank", "step", "mode", "phase", "gen", "factor", "tensor", "bit"}
             if extra:
-                raise ConfigError(f"unknown key(s) {sorted(extra)} in inject.faults; valid: node, rank, step, mode, phase, gen, factor")
+                raise ConfigError(f"unknown key(s) {sorted(extra)} in inject.faults; valid: node, rank, step, mode, phase, gen, "
+                                  "factor, tensor, bit")
             if "factor" in f and (f.get("mode") != "slow" or isinstance(f["factor"], bool)
                                   or not isinstance(f["factor"], (int, float)) or f["factor"] <= 1):
                 raise ConfigError(f"inject.faults factor is a number > 1, for mode slow only: {dict(f)}")
+            why = sdc_target_error(f.get("tensor"), f.get("bit"))
+            if why:
+                raise ConfigError(f"inject.faults: {why}: {dict(f)}")
             if f.get("phase", "begin") not in PHASES:
                 raise ConfigError(f"inject phase {f.get('phase')!r} unknown; valid: {', '.join(PHASES)}")
             if ("node" in f) == ("rank" in f):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from phoenix_runtime.plane.settings import FAULT_MODES
+from phoenix_runtime.plane.settings import FAULT_MODES, SDC_TARGETS
 
 EXIT_USAGE = 2
 
@@ -19,6 +19,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="crash", help=" | ".join(FAULT_MODES))
     p.add_argument("--at-step", type=int, default=None, help="Arm the fault to fire when the ranks reach step N.")
     p.add_argument("--factor", type=float, default=None, help="Mode slow: the rank's forward takes F times as long.")
+    p.add_argument("--tensor", default=None, help="mode sdc: KIND[:NAME], KIND one of " + " | ".join(SDC_TARGETS))
+    p.add_argument("--bit", type=int, default=None, help="mode sdc: the bit of the tensor's bytes to flip (default 0)")
     p.add_argument("--run-dir", default=None, help="Run directory (default: the newest under .).")
     return p
 
@@ -35,6 +37,13 @@ def main(args: list[str]) -> int:
         return int(e.code or 0) and EXIT_USAGE
     if a.mode not in FAULT_MODES:
         return _fail(f"unknown mode {a.mode!r}; valid: {', '.join(FAULT_MODES)}", EXIT_USAGE)
+    from phoenix_launch.config import sdc_target_error
+
+    if (a.tensor is not None or a.bit is not None) and a.mode != "sdc":
+        return _fail("--tensor and --bit go with --mode sdc", EXIT_USAGE)
+    why = sdc_target_error(a.tensor, a.bit)
+    if why:
+        return _fail(why, EXIT_USAGE)
     from phoenix_launch.observe.events import find_run_dir
     from phoenix_launch.plane.inject import send_command
     from phoenix_runtime.errors import PhoenixError
@@ -42,7 +51,8 @@ def main(args: list[str]) -> int:
 
     try:
         rdir = find_run_dir(a.run_dir)
-        reply = send_command(rdir, KillCommand(target=a.target, mode=a.mode, at_step=a.at_step, factor=a.factor))
+        reply = send_command(rdir, KillCommand(target=a.target, mode=a.mode, at_step=a.at_step, factor=a.factor,
+                                               tensor=a.tensor, bit=a.bit))
     except (FileNotFoundError, PhoenixError) as e:
         return _fail(str(e), 1)
     except (OSError, ValueError, KeyError) as e:

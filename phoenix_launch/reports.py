@@ -119,8 +119,10 @@ class ReportHandlers:
     def on_fault_fired(self, m: protocol.FaultFired, now: float) -> None:
         """A deterministic fault fired inside a rank (config or --at-step)."""
         t = m.t or now
-        self.events.emit("injected", mode=m.mode, node=m.node, rank=m.rank, step=m.step, phase=m.phase, t_fired=t)
-        self.incidents.fault_fired(t)
+        self.events.emit("injected", mode=m.mode, node=m.node, rank=m.rank, step=m.step, phase=m.phase, t_fired=t,
+                         **({"tensor": m.tensor} if m.tensor else {}))
+        if m.mode != "sdc":  # a flipped bit fails nothing: no incident follows it (the commit point detects it)
+            self.incidents.fault_fired(t)
 
     def on_node_probe(self, m: protocol.NodeProbe, now: float) -> None:
         """The GPU reading that follows a rank exit: the incident's evidence (Xid, ECC, a lost GPU)."""

@@ -29,21 +29,22 @@ from phoenix_launch.decide.incidents import Incident, IncidentTracker
 from phoenix_launch.plane.inject import SOCKET_PURPOSE, Chaos, JobTargets
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState
 from phoenix_launch.detect.nodes import Node, NodeTable
-from phoenix_launch.detect.straggler import StragglerWatch
 from phoenix_launch.observe.operator_io import OperatorIO
 from phoenix_launch.repair.recovery_watch import RecoveryWatch
 from phoenix_launch.repair.replenish import Replenisher
 from phoenix_launch.reports import ReportHandlers
 from phoenix_launch.repair.reprotect import Reprotector
+from phoenix_launch.repair.sdc_repair import SdcRepair
+from phoenix_launch.repair.stragglers import StragglerChecks
 from phoenix_launch.spec import AgentSpec
 from phoenix_launch.standby.mirror import AttemptRecord, NodeRecord, StandbyLink, SupervisorState
-from phoenix_launch.observe.status import job_status, nothing_done, read_paces, read_rank_heartbeats, read_rank_steps
+from phoenix_launch.observe.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
 from phoenix_launch.observe.refusals import RefusalLog
 from phoenix_runtime.plane import auth, protocol
 
 
 
-class Supervisor(ReportHandlers):
+class Supervisor(ReportHandlers, SdcRepair, StragglerChecks):
     def __init__(self, cfg: Config, argv: list[str], run_dir: Path, backend: Backend, ui=None, *, takeover: bool = False):
         launch = cfg.launch
         self.cfg, self.argv, self.run_dir, self.backend, self.ui = cfg, argv, run_dir, backend, ui
@@ -59,13 +60,14 @@ class Supervisor(ReportHandlers):
         self.recovery = RecoveryWatch(self.world_size, cfg.detect.recovery_timeout_s)
         self.replenisher = Replenisher(backend, self.events, target=launch.spares, enabled=launch.replenish or cfg.slurm.replenish,
                                        spec_for=lambda join: self.agent_spec(Node.new(f"replenish-{join}"), join=join))
+        self.init_sdc()
         self.reprotector = Reprotector(cfg.detect.reprotect_max, grace_s=max(cfg.detect.settle_s, 2 * cfg.detect.heartbeat_s),
                                        every=cfg.runtime.protect_every, adapt=cfg.runtime.protect_adapt)
         self.ladder = checkpoints.Ladder(run_dir, self.world_size, launch.persist_keep, self.events,
                                          every_s=cfg.runtime.persist_every_s, lead_s=4 * cfg.detect.heartbeat_s)
         self.resume = launch.resume  # the persistent checkpoint this attempt started from
         self.chaos = Chaos(cfg.inject.chaos_mtbf_s, cfg.inject.seed, cfg.inject.chaos_ranks)
-        self.pace, self._pace_due = StragglerWatch(cfg.detect.straggler_factor, cfg.detect.straggler_checks), 0.0
+        self.init_stragglers()
         self.runtime_json = runtime_settings(cfg).to_json()
         self.epoch = 0
         self.restarts = 0
@@ -97,6 +99,7 @@ class Supervisor(ReportHandlers):
             protocol.MsgType.FAULT_FIRED: self.on_fault_fired,
             protocol.MsgType.PERSISTED: lambda m, now: self.ladder.persisted(m),
             protocol.MsgType.NODE_PROBE: self.on_node_probe,
+            protocol.MsgType.SDC_SUSPECT: self.on_sdc_suspect,
             protocol.MsgType.REFUSED: self.refusals.report,
         })
 
@@ -255,6 +258,7 @@ class Supervisor(ReportHandlers):
             decisions.Kind.HOTSWAP: self.hotswap, decisions.Kind.LOCAL: self.local_recovery, decisions.Kind.RESTART: self.restart,
             decisions.Kind.FALLBACK: self.fallback_restart, decisions.Kind.SALVAGE: self.salvage, decisions.Kind.REFORM: self.reform,
             decisions.Kind.HUNG: self.mark_hung, decisions.Kind.STOP: self.stop, decisions.Kind.EVICT: self.evict,
+            decisions.Kind.RESYNC: self.resync,
             decisions.Kind.WAIT: lambda d, inc, now: None, decisions.Kind.IGNORE: lambda d, inc, now: None,
         }[d.kind]
         run(d, inc or Incident(now), now)
@@ -272,7 +276,9 @@ class Supervisor(ReportHandlers):
         gens = self._gens()
         ranks = [protocol.RankSlot(r.rank, swap.get(r.node, r.node), r.slot) for r in gens.members.ranks]
         respawn = tuple(r for r in d.respawn if gens.members.slot_of(r).node not in swap)  # dead ranks on kept nodes
-        mem = gens.publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), respawned=respawn)
+        # swap_in stopped the failed nodes; rollback_to: a node drained for corrupting data, every rank back to the last agreed step
+        mem = gens.publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), respawned=respawn,
+                           rollback_to=d.rollback_to)
         self._respawn(mem, respawn)
         self._begin_recovery("hotswap", d, inc, now)
         for f, sp in swap.items():
@@ -331,6 +337,7 @@ class Supervisor(ReportHandlers):
         cur = self.recovery.current
         step = cur.resume_step if cur else None
         self.job.transition(JobState.RUNNING, f"generation {self.gen} resumed at step {step}")
+        self.sdc_recovered(step)
 
     def _flush_recovery_event(self, final: bool = False) -> None:
         if not self.recovery.awaiting_first_step:
@@ -358,23 +365,6 @@ class Supervisor(ReportHandlers):
         self.recovery.current.t_gen = now  # type: ignore[union-attr]  (re-armed until the next generation)
         for name in d.lost:
             self.incidents.node_hung(name, now)
-
-    def check_stragglers(self, now: float) -> None:
-        """Once a heartbeat while the job runs undisturbed: the ranks' paces (one batched read of the digests)."""
-        det = self.cfg.detect
-        if det.straggler == "off" or now < self._pace_due or self.job.state is not JobState.RUNNING or self.incidents.current:
-            return
-        self._pace_due = now + det.heartbeat_s
-        for s in self.pace.observe(read_paces(self.store, self._gens().members), self.gen):
-            what = (f"rank {s.rank} on {s.node} is a straggler: {s.own_s:.3f} s of its own per step, {s.ratio:.1f}x its "
-                    f"peers' median {s.peers_s:.3f} s at {s.checks} checks")
-            d = decisions.straggler(det.straggler, s.node, what, self.spares())
-            if s.first or d.kind is decisions.Kind.EVICT:  # an unchanged verdict is not repeated
-                self.events.emit("straggler", **s.evidence(), policy=det.straggler, decision=d.kind.value, reason=d.reason)
-            self.execute(d, now)
-
-    def evict(self, d: decisions.Decision, inc: Incident, now: float) -> None:  # an incident replaces it (a hot-swap)
-        self.incidents.node_straggling(d.node, now)  # type: ignore[arg-type]  (EVICT always names it)
 
     def fallback_restart(self, d: decisions.Decision, inc: Incident, now: float) -> None:
         """Rung 3 of the fallback ladder: every worker restarts from ``d.resume``."""

@@ -6,6 +6,11 @@ pipeline schedule, ``hook_stages`` --, ``optimizer`` -- after the local
 update, before ZeRO's broadcast --, ``d2h`` -- inside the local snapshot copy --, ``h2h`` -- inside the replica
 transfer) and the recovery phases ``settings.RECOVERY_PHASES`` (``recover_exchange``, ``recover_params``,
 ``recover_optim``, ``recover_reprotect``, ``recover_barrier``). A fault fires once per job (a store counter), even when its step is replayed.
+
+Mode ``sdc`` (silent data corruption) flips one bit of one tensor of this rank, deterministically: ``tensor`` is
+``KIND[:NAME]`` with KIND one of ``settings.SDC_TARGETS`` (``param:fc.weight``, ``optim:fc.weight.exp_avg``; no
+NAME: the first one), ``bit`` the bit of the tensor's bytes (little-endian: bit ``b`` is bit ``b % 8`` of byte
+``b // 8``). The training resolves the tensor (``ProtectedTraining.flip_bit``); ``flip_bit`` here flips it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,17 @@ import signal
 import time
 from typing import Any, Callable
 
+import torch
+
 from phoenix_runtime.plane import protocol
+
+
+def flip_bit(t: torch.Tensor, bit: int) -> None:
+    """Flip bit ``bit`` of ``t``'s bytes in place (a contiguous tensor, any dtype)."""
+    raw = t.detach().reshape(-1).view(torch.uint8)
+    if not 0 <= bit < 8 * raw.numel():
+        raise ValueError(f"bit {bit} is out of range for a tensor of {raw.numel()} bytes")
+    raw[bit // 8] ^= 1 << (bit % 8)
 
 
 class FaultInjector:
@@ -34,6 +49,8 @@ class FaultInjector:
         self.gen = 0
         self.step = 0  # the step in progress (the D2H/H2H hooks run on other threads)
         self.slow = 1.0  # a "slow" fault's factor on this rank's forward (pace.Pace), from its step on
+        #: mode sdc: ``flip(tensor, bit)`` flips that bit and returns the tensor's full name (set by the training)
+        self.flip: Callable[[str | None, int], str] | None = None
 
     @property
     def active(self) -> bool:
@@ -69,6 +86,10 @@ class FaultInjector:
             if self.store is not None and self.store.add(f"phx/fault/{f.get('id')}", 1) != 1:
                 continue  # fire once per job, even if this step is replayed after a recovery
             mode = f.get("mode", "crash")
+            if mode == "sdc":  # reported with the tensor it corrupted: the evidence the detection is checked against
+                name = self.flip(f.get("tensor"), int(f.get("bit") or 0)) if self.flip is not None else None
+                self.report(protocol.FaultFired(mode=mode, step=step, phase=phase, tensor=name))
+                continue
             self.report(protocol.FaultFired(mode=mode, step=step, phase=phase))
             if mode == "slow":  # not a failure: this process stays slower from now on
                 self.slow = float(f.get("factor", 3.0))

@@ -21,6 +21,7 @@ from phoenix_runtime.errors import comm_evidence
 from phoenix_runtime.plane import protocol
 from phoenix_runtime.plane.context import GenerationAbandoned
 from phoenix_runtime.plane.control import STATE
+from phoenix_runtime.protection.commit import FINGERPRINT_MISMATCH
 from phoenix_runtime.protection.transport import TransportError
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.protection.wire import ReplicationError
@@ -54,6 +55,7 @@ class StepGuard:
         self._last_progress = 0.0
         self._waited = 0.0  # replica waits in the step in progress
         self._step_waits: list[float] = []
+        self._sdc_waited_gen = -1  # the generation whose silent data corruption was waited for (once)
 
     @contextlib.contextmanager
     def step(self):
@@ -110,6 +112,9 @@ class StepGuard:
         """A replica that failed (after its bounded resends) never stops a healthy job: report it and go on.
         A peer that died is a failure of the generation, though: give the supervisor a moment to say so."""
         ctx, rs = self.ctx, self.rs
+        if e.cause == FINGERPRINT_MISMATCH:
+            self._await_sdc_repair(step)
+            return
         if rs.replication_failed_gen == ctx.gen:
             return  # reported once per generation (a broken replicator fails every later step at once)
         rs.replication_failed_gen = ctx.gen
@@ -124,6 +129,20 @@ class StepGuard:
         rep = self.ops.replicator
         broken = rep is not None and rep.broken is not None
         ctx.report(protocol.ReplicaFailed(gen=ctx.gen, step=step, peer=e.peer, broken=broken, message=str(e)[:2000]))
+
+    def _await_sdc_repair(self, step: int) -> None:
+        """The ranks' fingerprints disagreed (``sdc.py``): before the optimizer mutates the state any further,
+        wait (bounded) for the supervisor's repair generation; ``check_generation`` raises when it comes, and
+        the step guard recovers in it. Past the recovery timeout: trained on, unrepaired (logged), and not waited
+        for again in this generation (every later snapshot of it is refused)."""
+        if self._sdc_waited_gen == self.ctx.gen:
+            return
+        self._sdc_waited_gen = self.ctx.gen
+        deadline = time.monotonic() + self.ctx.recovery_timeout
+        while time.monotonic() < deadline:
+            self.ctx.check_generation()
+            time.sleep(0.02)
+        log.warning(f"step {step}: silent data corruption reported, no repair within {self.ctx.recovery_timeout:g} s: training on")
 
     def _progress(self) -> None:
         ctx = self.ctx

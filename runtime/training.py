@@ -28,6 +28,7 @@ from phoenix_runtime.protection.pairs import steady_pairs
 from phoenix_runtime.protection.protection import ProtectionSession, merge_replicas
 from phoenix_runtime.quiet import quiet_unused_parameters_warning
 from phoenix_runtime.rank_state import RankState
+from phoenix_runtime.sdc import SdcMonitor
 from phoenix_runtime.recover.recovery_session import RecoverySession
 from phoenix_runtime.protection.snapshot import D2H
 from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
@@ -72,7 +73,11 @@ class ProtectedTraining:
             # the boundary's buffers, captured just before (an empty dict when the model has none: not walked again)
             self.d2h = D2H(ctx.device, lambda: self.shard_named(self.rs.boundary_buffers if self.rs.boundary_step >= 0 else state.buffers_now(self.objs.module)),
                            lambda: self.local_named(self.rs.boundary_buffers),
-                           fault=self.faults.copy_hook)
+                           fault=self.faults.copy_hook,
+                           # the DP peers' parameters are identical only without a parallelism that shards them
+                           fingerprint=self.settings.fingerprint and parallel is None)
+        self.sdc = SdcMonitor(self)
+        self.faults.flip = self.sdc.flip
         self.persister = persist.Persister(ctx.env.run_dir, ctx.rank, self.settings.persist_every, ctx.report) \
             if self.protect_on and (self.settings.persist_every > 0 or self.settings.persist_every_s > 0) else None
         self.model = objs.module
@@ -273,6 +278,8 @@ class ProtectedTraining:
         self.ctx.form_pairs(steady_pairs(layout, self.replicas))
         self.protection = ProtectionSession(self.d2h, self.ctx.new_transport(1), layout, self.ctx.rank, self.replicas,
                                             self.settings, self.faults.copy_hook)
+        if self.protection.replicator is not None:
+            self.protection.replicator.on_mismatch = self.sdc.on_mismatch
         self._reported_layouts = -1  # each generation reports its protection once (and after a layout change)
 
     def teardown_protection(self) -> None:

@@ -7,6 +7,7 @@ import pytest
 
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch.decide.classify import Action, FailureClass, Signals, Verdict, classify
+from phoenix_launch.decide.sdc import Copy, find_corrupt
 from phoenix_launch.config import ConfigError, build_config
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState, TransitionError
 from phoenix_runtime.plane import protocol
@@ -649,6 +650,7 @@ def test_decide_has_a_row_for_every_outcome():
         "hung": decisions.recovery_timed_out((3,), 4, ("n1",), 30.0),
         "ignore": decisions.reprotect((False, "re-forms used up")),
         "evict": decisions.straggler("evict", "n1", "rank 1 on n1 is 3.0x slower", ("s1",)),
+        "resync": decisions.sdc(find_corrupt([Copy(0, 7), Copy(1, 9), Copy(2, 7)]), 5, 4, {0: "n0", 1: "n0", 2: "n1"}, {}, ()),
     }
     assert {d.kind for d in rows.values()} == set(K)
     d = rows["hotswap, both nodes of the incident"]
@@ -662,6 +664,7 @@ def test_decide_has_a_row_for_every_outcome():
     assert (d.resume, d.fresh) == ("/r/persist/step_8", True) and "restarts from step 8" in d.reason
     assert decisions.unrecoverable("shard lost", None).kind is K.STOP
     assert rows["hung"].lost == ("n1",)
+    assert (rows["resync"].resync, rows["resync"].rollback_to) == ((1,), 4)  # more rows: tests/test_sdc.py
     assert decisions.recovery_timed_out((0, 1, 2, 3), 4, ("n0", "n1"), 30.0).kind is K.STOP  # every rank late
     assert decisions.reprotect(None) == decisions.Decision(K.IGNORE, "")
     assert decisions.signalled("SIGTERM", False).exit_code == decisions.EXIT_SIGTERM
@@ -679,7 +682,7 @@ def test_only_decide_chooses_and_the_supervisor_executes():
     import phoenix_launch
 
     root = Path(phoenix_launch.__file__).parent
-    executors = {"hotswap", "local_recovery", "restart", "fallback_restart", "salvage", "reform", "mark_hung", "stop"}
+    executors = {"hotswap", "local_recovery", "restart", "fallback_restart", "salvage", "reform", "mark_hung", "stop", "resync"}
     built, called = [], []
     for f in sorted(root.rglob("*.py")):
         tree = ast.parse(f.read_text())

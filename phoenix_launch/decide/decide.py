@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from phoenix_launch.decide.classify import Action, FailureClass, Verdict
+from phoenix_launch.decide.sdc import Finding
 
 EXIT_OK = 0
 EXIT_RANK_FAILED = 1  # a rank failed and no recovery was possible or allowed (root cause printed)
@@ -28,6 +29,7 @@ class Kind(str, Enum):
     FALLBACK = "fallback"  # recovery from memory impossible: every worker restarts from a persistent checkpoint
     SALVAGE = "salvage"  # no node to recover onto: the survivors save what their memory holds, then the job stops
     REFORM = "reform"  # the same members form a new generation (a broken replicator, a new cadence, a takeover)
+    RESYNC = "resync"  # silent data corruption: every rank back to the last agreed step, corrupt ones re-synced from a peer
     HUNG = "hung"  # ranks that did not report in a recovery: their nodes are taken as hung (a new incident)
     STOP = "stop"
     WAIT = "wait"  # a node must be replaced, no spare is ready but one is starting: decide again (bounded)
@@ -67,6 +69,8 @@ class Decision:
     exclude: bool = False  # the ``lost`` nodes are marked failed first (more lost than spares to replace them)
     resume: str | None = None  # FALLBACK: the complete persistent checkpoint every worker restarts from
     path: str = ""  # REFORM: why the generation is re-formed ("reprotect", "takeover")
+    resync: tuple[int, ...] = ()  # RESYNC: the ranks whose state is corrupt (they take a peer's, processes kept)
+    rollback_to: int | None = None  # RESYNC, and a HOTSWAP that drains a corrupting node: the last agreed step
 
 
 def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
@@ -181,6 +185,30 @@ def straggler(policy: str, node: str, what: str, spares: tuple[str, ...]) -> Dec
 def reform(path: str, reason: str) -> Decision:
     """The same members form a new generation (``path``: what asks for it, e.g. a takeover mid-recovery)."""
     return Decision(Kind.REFORM, reason, path=path)
+
+
+def sdc(finding: Finding, step: int, last_agreed: int | None, node_of: dict[int, str], repeats: dict[str, int],
+        spares: tuple[str, ...]) -> Decision:
+    """The ranks' fingerprints of ``step`` disagreed (``sdc.find_corrupt``'s ``finding``). Every rank goes back to
+    ``last_agreed``; the corrupt ranks take their state from a peer, their processes kept (RESYNC). A node that
+    corrupted again within the window (``repeats[node]``: its detections in it, this one included) is drained and
+    hot-swapped when a spare is ready. Nothing agreed yet: nothing to roll back to, recorded (IGNORE)."""
+    where = f"silent data corruption at step {step}"
+    if last_agreed is None:
+        return Decision(Kind.IGNORE, f"{where}: no step's fingerprints agreed yet, nothing to roll back to")
+    if not finding.decided:
+        return Decision(Kind.RESYNC, f"{where}: {finding.reason}; every rank rolls back to step {last_agreed}",
+                        rollback_to=last_agreed)
+    bad_nodes = tuple(dict.fromkeys(node_of[r] for r in finding.corrupt))
+    again = [n for n in bad_nodes if repeats.get(n, 0) >= 2]
+    if again and len(spares) >= len(again):
+        return Decision(Kind.HOTSWAP, f"{where}: {again[0]} corrupted twice within the window: drained, hot-swap "
+                        f"{again[0]} -> {spares[0]}", again[0], spares[0], swap=tuple(zip(again, spares)),
+                        exclude=True, rollback_to=last_agreed)
+    what = f" ({', '.join(finding.tensors)})" if finding.tensors else ""
+    return Decision(Kind.RESYNC, f"{where}: {finding.reason}{what}: rank(s) {list(finding.corrupt)} re-synced from a "
+                    f"peer, every rank back to step {last_agreed}", bad_nodes[0], resync=finding.corrupt,
+                    rollback_to=last_agreed)
 
 
 def signalled(name: str, sigint: bool) -> Decision:

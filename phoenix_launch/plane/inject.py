@@ -78,9 +78,10 @@ def execute_injection(job: JobTargets, c: protocol.KillCommand) -> tuple[bool, s
     slots = [slot] if slot is not None else list(range(job.nproc))
     if mode == "slow" and not (c.factor and c.factor > 1):
         return False, f"mode slow needs --factor F > 1, got {c.factor}", {}
-    if at_step is not None or mode in ("comm", "gpu-ecc", "pcie", "late", "slow"):
+    if at_step is not None or mode in ("comm", "gpu-ecc", "pcie", "late", "slow", "sdc"):
         for s in slots:
-            protocol.Queue(job.store, protocol.q_rank(node, s)).put(protocol.RankFault(mode, at_step, c.id, factor=c.factor))
+            protocol.Queue(job.store, protocol.q_rank(node, s)).put(
+                protocol.RankFault(mode, at_step, c.id, tensor=c.tensor, bit=c.bit, factor=c.factor))
         protocol.notify_ranks(job.store)
         when = f"at step {at_step}" if at_step is not None else "now"
         info["immediate"] = at_step is None and mode == "comm"

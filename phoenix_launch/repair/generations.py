@@ -59,8 +59,10 @@ class GenerationPublisher:
         protocol.notify_ranks(self.store)
 
     def publish(self, ranks: Iterable[protocol.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
-                *, respawned: Iterable[int] = (), fresh: bool = False, lost: tuple[int, ...] = ()) -> protocol.Membership:
-        """A new generation: membership first, then the joiners' assignments, then the bump."""
+                *, respawned: Iterable[int] = (), fresh: bool = False, lost: tuple[int, ...] = (),
+                resync: tuple[int, ...] = (), rollback_to: int | None = None) -> protocol.Membership:
+        """A new generation: membership first, then the joiners' assignments, then the bump. ``resync`` /
+        ``rollback_to``: a repair of silent data corruption (``protocol.Membership``)."""
         ranks = tuple(sorted(ranks, key=lambda r: r.rank))
         self.gen += 1
         if fresh or lost:  # a salvage generation starts nobody
@@ -69,7 +71,8 @@ class GenerationPublisher:
             before = {r.rank: (r.node, r.slot) for r in self.stable.ranks}
             again = set(respawned)
             joiners = tuple(r.rank for r in ranks if before.get(r.rank) != (r.node, r.slot) or r.rank in again)
-        mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains(), lost)
+        mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains(), lost,
+                                  tuple(resync), rollback_to)
         self._seen |= {r.node for r in self.members.ranks}
         protocol.put_value(self.store, protocol.k_members(self.gen), mem.to_json())
         for r in ranks:

@@ -32,6 +32,7 @@ class MsgType(str, Enum):
     FAULT_FIRED = "fault_fired"
     PERSISTED = "persisted"
     NODE_PROBE = "node_probe"
+    SDC_SUSPECT = "sdc_suspect"
     REFUSED = "refused"  # values a reader refused (unsigned, forged, replayed): see ``auth``
     # supervisor -> one agent (q_agent)
     RESTART = "restart"
@@ -202,6 +203,22 @@ class FaultFired(RankMessage):
     mode: str = "crash"
     step: int | None = None
     phase: str | None = None
+    tensor: str | None = None  # mode sdc: the tensor whose bit was flipped
+
+
+@dataclass(frozen=True)
+class SdcSuspect(RankMessage):
+    """The commit point of ``step`` found the ranks' fingerprints disagreeing (silent data corruption): this
+    rank's evidence, for the supervisor to find the corrupt copy (``phoenix_launch/decide/sdc.py``)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SDC_SUSPECT
+    gen: int = 0
+    step: int = 0
+    fingerprint: int = 0  # what this rank's S_step carried to the commit point
+    tensors: dict = field(default_factory=dict)  # its per-tensor fingerprints (name -> int)
+    at_rest_ok: bool = True  # S_step's bytes, hashed again now, still give ``fingerprint``
+    agreed_ok: bool = True  # its snapshot of ``last_agreed``, hashed again now, still gives that step's fingerprint
+    last_agreed: int | None = None  # the newest step whose fingerprints agreed (None: none yet)
 
 
 @dataclass(frozen=True)
@@ -266,6 +283,8 @@ class KillCommand(Message):
     factor: float | None = None  # mode slow: how many times as long the rank's forward takes
     token: str = ""
     id: str = "none"
+    tensor: str | None = None  # mode sdc: the tensor whose bit is flipped ("param:NAME", "optim:NAME"...)
+    bit: int | None = None  # mode sdc: the bit (of the tensor's bytes, little-endian) that is flipped
     t: float | None = None
 
 
@@ -277,6 +296,8 @@ class RankFault(Message):
     mode: str
     at_step: int | None = None
     id: str | None = None
+    tensor: str | None = None  # mode sdc (KillCommand)
+    bit: int | None = None
     t: float | None = None
     factor: float | None = None  # mode slow
 
@@ -284,7 +305,7 @@ class RankFault(Message):
 MESSAGE_CLASSES: dict[MsgType, type] = {
     cls.TYPE: cls
     for cls in (AgentUp, RankExit, RankHang, NodeProbe, RefusedReport, RankError, ReplicaFailed, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
-                FaultFired, Persisted, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
+                FaultFired, SdcSuspect, Persisted, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
 }
 _FIELDS = {t: {f.name: f for f in fields(c)} for t, c in MESSAGE_CLASSES.items()}
 

@@ -44,7 +44,7 @@ from phoenix_runtime.plane.channel import (  # noqa: F401  (re-exported)
 from phoenix_runtime.plane.messages import (  # noqa: F401  (re-exported: every message type)
     AgentInject, AgentRespawn, AgentRestart, AgentStop, AgentUp, decode, DecodeError, Dispatcher, FaultFired,
     KillCommand, Message, MESSAGE_CLASSES, MsgType, NodeProbe, Persisted, Progress, Protection, RankError, RankExit,
-    RankFault, RankHang, RankMessage, Recovered, RefusedReport, ReplicaFailed, RuntimeReady, Unrecoverable,
+    RankFault, RankHang, RankMessage, Recovered, RefusedReport, ReplicaFailed, RuntimeReady, SdcSuspect, Unrecoverable,
 )
 
 # --- environment variables the launcher gives every rank (besides torchrun's own) -------------------
@@ -190,6 +190,10 @@ class Membership:
     epoch: int = 0  # restart count (torchrun's TORCHELASTIC_RESTART_COUNT)
     domains: dict[str, str] = field(default_factory=dict)  # node -> failure domain (switch), when known
     lost: tuple[int, ...] = ()  # a salvage generation: these ranks are lost for good, the others save S_R
+    #: a repair of silent data corruption: these ranks discard their state and take it from a peer (as joiners,
+    #: their processes kept), and every rank resumes at ``rollback_to`` at the latest (the last agreed step)
+    resync: tuple[int, ...] = ()
+    rollback_to: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -199,6 +203,7 @@ class Membership:
         d = json.loads(text)
         d["ranks"] = tuple(RankSlot(**r) for r in d["ranks"])
         d["joiners"], d["lost"] = tuple(d.get("joiners", ())), tuple(d.get("lost", ()))
+        d["resync"] = tuple(d.get("resync", ()))
         return cls(**d)
 
     def slot_of(self, rank: int) -> RankSlot:

@@ -15,8 +15,11 @@ from dataclasses import asdict, dataclass, field, fields
 STEP_PHASES = ("begin", "forward", "pp_forward", "pp_backward", "optimizer", "d2h", "h2h")
 RECOVERY_PHASES = ("recover_exchange", "recover_params", "recover_optim", "recover_reprotect", "recover_barrier")
 FAULT_PHASES = STEP_PHASES + RECOVERY_PHASES
-# late: the next replica (phase h2h); slow: the rank's forward ``factor`` times as long from its step on
-FAULT_MODES = ("crash", "rank", "hang", "comm", "gpu-ecc", "pcie", "late", "slow")
+# late: the next replica (phase h2h); slow: the rank's forward ``factor`` times as long from its step on; sdc: one
+# bit of a tensor flipped (``tensor``, ``bit``: runtime/faults.py)
+FAULT_MODES = ("crash", "rank", "hang", "comm", "gpu-ecc", "pcie", "late", "slow", "sdc")
+#: what an ``sdc`` fault may flip: a parameter (the default), an optimizer state, a held replica, a local snapshot
+SDC_TARGETS = ("param", "optim", "replica", "snapshot")
 TRANSPORTS = ("gloo", "mpi")
 
 
@@ -35,6 +38,8 @@ class RuntimeSettings:
     protect_every: int = 1
     protect_adapt: bool = True
     verify: bool = True  # checksum every replica and every recovery transfer
+    # compare a fingerprint of the DP-replicated state among the ranks at every protected step's commit point
+    fingerprint: bool = True
     resends: int = 2  # a transfer that fails its checksum at the receiver is sent again at most this often
     transport: str = "gloo"  # the H2H / recovery transport
     heartbeat_s: float = 0.5

@@ -72,6 +72,7 @@ from typing import Callable, Optional
 import torch
 
 from phoenix_runtime.protection import commit
+from phoenix_runtime.protection.commit import FINGERPRINT_MISMATCH
 from phoenix_runtime.protection.hostmem import GiB, HostMemoryError, check_host_memory, host_bytes_required  # noqa: F401
 from phoenix_runtime.layout import Layout, ShardId
 from phoenix_runtime.protection.snapshot import D2H, PingPong, Snapshot, decode_envelope
@@ -163,6 +164,9 @@ class Replicator:
         self.resends = max(0, int(resends))
         self.commit = bool(commit) and getattr(transport, "size", 1) > 1  # the global commit point (commit.py)
         self._global: dict[int, Optional[str]] = {}  # step -> None (committed everywhere) or why not
+        #: called on this thread when the commit point of a step found the ranks' fingerprints disagreeing
+        self.on_mismatch: Optional[Callable[[int, Optional[Snapshot]], None]] = None
+        self.last_agreed: Optional[int] = None  # the newest step whose fingerprints agreed
         self._recv: dict[int, PingPong] = {}  # source rank -> its replica buffers
         self._cond = threading.Condition()
         self._steps: dict[int, _StepState] = {}
@@ -268,19 +272,27 @@ class Replicator:
                 self._cond.wait(min(left, 0.2))
             why = self._global[step]
         if why is not None:
-            raise ReplicationError(f"step {step} is not committed on every rank: {why}", step=step, cause="not committed everywhere")
+            cause = why if why == FINGERPRINT_MISMATCH else "not committed everywhere"
+            raise ReplicationError(f"step {step} is not committed on every rank: {why}", step=step, cause=cause)
 
-    def _commit_point(self, step: int) -> None:
-        """Join the barrier of ``step`` (every rank's exchange of S_step is done) and record its outcome."""
+    def _commit_point(self, step: int, snap: Optional[Snapshot] = None) -> None:
+        """Join the barrier of ``step`` (every rank's exchange of S_step is done) and record its outcome; the
+        barrier compares the ranks' fingerprints of S_step (``fingerprint.py``) on the way."""
         if not self.commit or self._broken is not None or self._stopping:
             return
         self._phase = "transfer"  # blocked on peers: stop() aborts
         why = None
         try:
-            commit.barrier(self.transport, self.rank, self.transport.size, step, self.timeout)
+            fp = snap.fingerprint if snap is not None else 0
+            if not commit.barrier(self.transport, self.rank, self.transport.size, step, self.timeout, fp):
+                why = FINGERPRINT_MISMATCH
+            elif fp:
+                self.last_agreed = step
         except Exception as e:  # noqa: BLE001 - a peer lost or out of lockstep: no later step is protected here
             why = str(e).splitlines()[0][:300] if str(e) else repr(e)
             self._break(ReplicationError(f"commit point of step {step} failed on rank {self.rank}: {why}", step=step, cause=why))
+        if why == FINGERPRINT_MISMATCH and self.on_mismatch is not None:
+            self.on_mismatch(step, snap)  # reported before the next D2H is refused (wait_global)
         with self._cond:
             self._global[step] = why
             for old in [s for s in self._global if s < step - self._keep]:
@@ -412,7 +424,7 @@ class Replicator:
         else:
             self._call_fault("h2h_step", step, None)
             self._transfer(step, snap if local_err is None else None)
-        self._commit_point(step)
+        self._commit_point(step, snap if local_err is None else None)
 
     def _transfer(self, step: int, snap: Optional[Snapshot]) -> None:
         """One step's exchange with every target and source, then bounded resend rounds for replicas

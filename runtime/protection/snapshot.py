@@ -54,6 +54,7 @@ from typing import Callable, Optional
 
 import torch
 
+from phoenix_runtime.protection.fingerprint import fingerprint as fingerprint_of
 from phoenix_runtime.protection.codec import (  # noqa: F401  (re-exported: the snapshot's codec)
     ALIGN,
     FaultHook,
@@ -103,6 +104,10 @@ class Snapshot:
     _slot: int = field(default=-1, repr=False, compare=False)
     _gen: int = field(default=-1, repr=False, compare=False)
     _envelope: Optional[bytes] = field(default=None, repr=False, compare=False)  # the bytes ``checksum`` covers
+    #: the DP-replicated state's fingerprint when the D2H engine takes one (``fingerprint.py``; 0: none) and
+    #: per tensor: compared among the ranks at the commit point, re-checked over these bytes before a rollback
+    fingerprint: int = 0
+    tensor_fps: dict = field(default_factory=dict, repr=False, compare=False)
 
     def optim_bytes(self) -> torch.Tensor:
         return self.buffer[: self.optim_nbytes]
@@ -299,6 +304,7 @@ class D2H:
         *,
         pin: Optional[bool] = None,
         checksum_params: bool = False,
+        fingerprint: bool = False,
         fault: FaultHook | None = None,
         keep_jobs: int = 8,
     ):
@@ -312,6 +318,7 @@ class D2H:
         self._optim_fn = optim_named_fn
         self._param_fn = param_named_fn
         self._checksum_params = checksum_params
+        self.fingerprint = fingerprint  # fingerprint the parameter region (fingerprint.py); the training may turn it off
         self._fault = fault
         self._keep = max(2, keep_jobs)
         self._optim_packer: Optional[Packer] = None
@@ -325,7 +332,8 @@ class D2H:
         self._closed = False
         self.last_d2h_s: float = 0.0
         self.layout_changes = 0
-        self.stats: dict = {"last_d2h_s": 0.0, "last_copy_s": 0.0, "last_checksum_s": 0.0, "snapshots": 0, "cpu_s": 0.0}
+        self.stats: dict = {"last_d2h_s": 0.0, "last_copy_s": 0.0, "last_checksum_s": 0.0, "last_fingerprint_s": 0.0,
+                              "snapshots": 0, "cpu_s": 0.0}
         self._thread.start()
 
     # -- sizes --------------------------------------------------------------------------------
@@ -488,6 +496,8 @@ class D2H:
             crc = checksum(o_out, job.envelope)
             pcrc = checksum(p_out) if self._checksum_params else None
             t2 = time.perf_counter()
+            fp, per = fingerprint_of(p_out, pp.index) if self.fingerprint else (0, {})
+            t3 = time.perf_counter()
         except BaseException:
             self._pp.abandon(job.step)
             raise
@@ -501,11 +511,13 @@ class D2H:
             param_checksum=pcrc,
             envelope=job.envelope,
         )
+        snap.fingerprint, snap.tensor_fps = fp, per
         self.last_d2h_s = time.perf_counter() - job.t_start
         self.stats.update(
             last_d2h_s=self.last_d2h_s,
             last_copy_s=t1 - t0,
             last_checksum_s=t2 - t1,
+            last_fingerprint_s=t3 - t2,
             snapshots=self.stats["snapshots"] + 1,
             last_step=job.step,
         )

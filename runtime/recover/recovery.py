@@ -34,14 +34,18 @@ class Descriptor:
     local_steps: tuple[int, ...] = ()  # committed local snapshots
     replicas: dict[str, list[int]] = field(default_factory=dict)  # str(ShardId) -> committed steps held here
     first_step: int = 0  # the step this rank's run started at: its optimizer state there is the fresh one
+    #: committed local snapshots that failed their verification before use (silent data corruption at rest): at
+    #: such a step this rank is planned as a joiner, its state taken from its peers and its replica
+    corrupt_steps: tuple[int, ...] = ()
 
     def to_json(self) -> str:
-        return json.dumps({**self.__dict__, "local_steps": list(self.local_steps)})
+        return json.dumps({**self.__dict__, "local_steps": list(self.local_steps), "corrupt_steps": list(self.corrupt_steps)})
 
     @classmethod
     def from_json(cls, s: str | bytes) -> "Descriptor":
         d = json.loads(s)
         d["local_steps"] = tuple(d["local_steps"])
+        d["corrupt_steps"] = tuple(d.get("corrupt_steps", ()))
         return cls(**d)
 
     def can_provide(self, step: int) -> bool:
@@ -76,14 +80,14 @@ class Course:
 
 
 def plan_for_layout(descs: list[Descriptor], layout, world_size: int, *, replicated: bool, every: int = 1,
-                    lost: tuple[int, ...] = ()) -> Course:
+                    lost: tuple[int, ...] = (), at_most: int | None = None) -> Course:
     """The one way a recovery turns its generation's descriptors into its course: ``plan_recovery`` with the DP
     groups and shard ids of ``layout`` (``layout.Layout``). ``lost``: ranks given up for good (a salvage
     generation): they are planned as joiners that never come, and their state is written instead of sent."""
     ranks = range(world_size)
     try:
         plan = plan_recovery(descs, {r: layout.dp_group(r) for r in ranks}, {r: str(layout.shard_of(r)) for r in ranks},
-                             replicated=replicated, every=every)
+                             replicated=replicated, every=every, at_most=at_most)
     except UnrecoverableError as e:
         return Course(Outcome.GIVE_UP, reason=str(e))
     if not lost:
@@ -94,32 +98,40 @@ def plan_for_layout(descs: list[Descriptor], layout, world_size: int, *, replica
 
 
 def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shard_of: dict[int, str], replicated: bool,
-                  every: int = 1) -> Plan:
+                  every: int = 1, at_most: int | None = None) -> Plan:
     """Pure: the resume step and the transfers. ``dp_groups[r]``: ranks with r's TP/PP coordinate;
-    ``shard_of[r]``: the logical id of r's optimizer shard; ``every``: protection every m-th step."""
+    ``shard_of[r]``: the logical id of r's optimizer shard; ``every``: protection every m-th step; ``at_most``:
+    no later step (a repair of silent data corruption: the last step whose fingerprints agreed)."""
     by_rank = {d.rank: d for d in descs}
     survivors = [d for d in descs if d.has_state]
     joiners = tuple(sorted(d.rank for d in descs if not d.has_state))
     if not survivors:
         raise UnrecoverableError("no rank holds any state")
-    candidates = sorted({s for d in survivors for s in d.local_steps} | {d.live_step for d in survivors if d.live_clean and d.live_step is not None}, reverse=True)
+    candidates = sorted({s for d in survivors for s in (*d.local_steps, *d.corrupt_steps)} | {d.live_step for d in survivors if d.live_clean and d.live_step is not None}, reverse=True)
     why = "no step is held by every survivor"
     first = max(d.first_step for d in survivors)
     # the newest step first: the last completed step, or the one before it (one step replayed). With a replicated
     # optimizer a rank may lag its peers by one step (its optimizer step has no collective), so a lost rank's
     # envelope of the step before the newest may not be committed yet: then two steps are replayed.
     newest = max((d.live_step for d in survivors if d.live_step is not None), default=None)
-    if newest is not None:
+    if at_most is not None:  # the steps after it hold a corrupt copy's influence: not a resume point
+        candidates = [c for c in candidates if c <= at_most]
+        why = f"no step up to {at_most} (the last one whose fingerprints agreed) is held by every survivor"
+    elif newest is not None:
         candidates = [c for c in candidates if c >= newest - 1 - 2 * every]  # S_p's replicas may still travel: S_{p-m}
+    all_joiners = joiners
     for step in candidates:
-        if not all(d.can_provide(step) for d in survivors):
+        # a survivor whose snapshot of ``step`` is corrupt joins at it: its state comes from its peers
+        resync = {d.rank for d in survivors if step in d.corrupt_steps and not d.can_provide(step)}
+        if not all(d.can_provide(step) for d in survivors if d.rank not in resync):
             continue
+        joiners = tuple(sorted(set(all_joiners) | resync))
         param_src: dict[int, int] = {}
         optim_src: dict[int, int] = {}
         fresh: list[int] = []
         ok = True
         for j in joiners:
-            peers = [r for r in dp_groups[j] if r != j and by_rank[r].has_state]
+            peers = [r for r in dp_groups[j] if r != j and by_rank[r].has_state and r not in joiners]
             if not peers:
                 ok, why = False, f"rank {j} has no data-parallel peer left to take parameters from"
                 break
@@ -135,7 +147,8 @@ def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shar
                 ok, why = False, f"the {what} of {shard_of[j]} at step {step} survives nowhere (its holder and every replica were lost)"
                 break
         if ok:
-            replayed = {d.rank: max(0, (d.live_step if d.live_step is not None else step) - step) for d in survivors}
+            replayed = {d.rank: max(0, (d.live_step if d.live_step is not None else step) - step) for d in survivors
+                        if d.rank not in joiners}
             return Plan(step, joiners, param_src, optim_src, replayed, first, bool(fresh), tuple(fresh))
     raise UnrecoverableError(why)
 

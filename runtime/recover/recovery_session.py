@@ -31,6 +31,7 @@ from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableErro
 from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, plan_for_layout
+from phoenix_runtime.protection.fingerprint import intact
 from phoenix_runtime.protection.pairs import recovery_pairs
 from phoenix_runtime.protection.replication import recv_snapshot, send_snapshot
 from phoenix_runtime.recover.salvage import wait_to_be_stopped, write_from_memory
@@ -70,6 +71,8 @@ class RecoverySession:
                     ctx.destroy_groups()
                     ctx.form(g, deadline)
             marks["formed"] = time.time()
+            if ctx.members is not None and ctx.rank in ctx.members.resync:
+                self.live = None  # a repair of silent data corruption: this rank's copy is corrupt, a peer sends S_R
             course = self._course(g, lost, deadline)
             if course.outcome is Outcome.RESUME:
                 self._resume(g, course.plan, marks, deadline)
@@ -98,8 +101,9 @@ class RecoverySession:
         mine = self.descriptor(live, live_usable=not lost)
         descs = [Descriptor.from_json(d) for d in ctx.exchange(gen, mine.to_json(), deadline, ranks=survivors)]
         descs += [Descriptor(j, has_state=False) for j in lost]
+        at_most = ctx.members.rollback_to if ctx.members is not None else None
         return plan_for_layout(descs, ops.layout(), ctx.world_size, replicated=ops.replicated, every=ops.cadence_bound(),
-                               lost=lost)
+                               lost=lost, at_most=at_most)
 
     def descriptor(self, live, live_usable: bool = True) -> Descriptor:
         if live is None:
@@ -107,8 +111,13 @@ class RecoverySession:
         reps: dict[str, list[int]] = {}
         for shard, by_step in self.ops.held_replicas().items():
             reps[str(shard)] = sorted(set(reps.get(str(shard), [])) | set(by_step))
-        return Descriptor(self.ctx.rank, True, live[0], live[1] and live_usable, tuple(sorted(self.ops.d2h_committed())),
-                          reps, self.rs.first_step or 0)
+        committed = self.ops.d2h_committed()
+        corrupt = tuple(sorted(s for s, snap in committed.items() if not intact(snap)))
+        if corrupt:
+            log.warning(f"local snapshot(s) of step(s) {list(corrupt)} changed at rest (checksum or fingerprint): "
+                        "at such a step this rank takes its state from its peers")
+        return Descriptor(self.ctx.rank, True, live[0], live[1] and live_usable,
+                          tuple(s for s in sorted(committed) if s not in corrupt), reps, self.rs.first_step or 0, corrupt)
 
     # --- the three outcomes -----------------------------------------------------------------------------
     def _resume(self, gen: int, plan: Plan, marks: dict, deadline: float) -> None:
@@ -121,6 +130,8 @@ class RecoverySession:
         log.info(f"generation {gen}: plan: resume at step {R}, joiners {list(plan.joiners)}, {params}, "
                  f"replicas from {plan.optim_src}{', fresh ' + str(list(plan.fresh)) if plan.fresh else ''}")
         marks["planned"] = time.time()
+        if live is not None and ctx.rank in plan.joiners:  # its snapshot of R is corrupt (``descriptor``)
+            live = self.live = None
         ops.rebuild_optimizer()  # ZeRO on the new group, in place (the user's scheduler keeps acting on it)
         if live is not None:
             ops.restore_local(R, live)

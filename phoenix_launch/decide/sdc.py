@@ -1,0 +1,85 @@
+"""Pure: which copy is corrupt when the ranks' fingerprints of a step disagree (silent data corruption).
+
+Every rank that must hold the same state (DDP, ZeRO: all of them) reports its fingerprint of the step whose
+commit point disagreed (``protocol.SdcSuspect``). ``find_corrupt`` names the corrupt copies:
+
+- three copies or more: the majority's fingerprint is the good one, every other copy is corrupt (no strict
+  majority: undecidable);
+- two copies: each re-hashed its committed snapshot of the last agreed step; one whose bytes no longer give
+  the fingerprint they were taken with sits on corrupting memory: that copy is the corrupt one;
+- otherwise undecidable: every rank rolls back to the last agreed step (its own snapshot of it verified), and
+  nobody is re-synced.
+
+``Suspects`` gathers one step's reports until every rank's is in. No I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Copy:
+    rank: int
+    fingerprint: int
+    agreed_ok: bool = True  # its snapshot of the last agreed step still gives that step's fingerprint
+    tensors: dict = field(default_factory=dict)  # name -> fingerprint
+
+
+@dataclass(frozen=True)
+class Finding:
+    corrupt: tuple[int, ...]  # the ranks whose copy is corrupt (empty when undecided)
+    decided: bool
+    reason: str
+    tensors: tuple[str, ...] = ()  # the tensors where a corrupt copy differs from the good one (when known)
+
+
+def find_corrupt(copies: list[Copy]) -> Finding:
+    """The corrupt copies among ``copies`` (one per rank of a class that must agree)."""
+    if len(copies) >= 3:
+        counts = Counter(c.fingerprint for c in copies)
+        (good, n), *rest = counts.most_common()
+        if n * 2 > len(copies):
+            bad = tuple(sorted(c.rank for c in copies if c.fingerprint != good))
+            ref = next(c for c in copies if c.fingerprint == good)
+            return Finding(bad, True, f"{n} of {len(copies)} copies agree; rank(s) {list(bad)} differ",
+                           _differing(ref, [c for c in copies if c.rank in bad]))
+        return Finding((), False, f"no majority among {len(copies)} copies ({len(counts)} different fingerprints)")
+    if len(copies) == 2:
+        a, b = copies
+        if a.fingerprint == b.fingerprint:
+            return Finding((), False, "the two copies agree")  # not a disagreement of this class
+        broken = [c for c in copies if not c.agreed_ok]
+        if len(broken) == 1:
+            good = a if broken[0] is b else b
+            return Finding((broken[0].rank,), True, f"two copies; rank {broken[0].rank}'s snapshot of the last agreed "
+                           "step changed at rest", _differing(good, broken))
+        return Finding((), False, "two copies and their snapshots of the last agreed step "
+                       + ("both changed" if broken else "both intact") + ": which one is corrupt cannot be told")
+    return Finding((), False, f"{len(copies)} copy: nothing to compare")
+
+
+def _differing(good: Copy, bad: list[Copy]) -> tuple[str, ...]:
+    return tuple(sorted({n for c in bad for n, v in c.tensors.items() if good.tensors.get(n) != v}))
+
+
+@dataclass
+class Suspects:
+    """One step's reports (rank -> Copy), and the last agreed step they name, until every rank's is in."""
+
+    gen: int
+    step: int
+    copies: dict[int, Copy] = field(default_factory=dict)
+    last_agreed: int | None = None
+
+    def add(self, rank: int, copy: Copy, last_agreed: int | None) -> None:
+        self.copies[rank] = copy
+        if last_agreed is not None:  # every rank saw the same commit points: the oldest is the safe one
+            self.last_agreed = last_agreed if self.last_agreed is None else min(self.last_agreed, last_agreed)
+
+    def complete(self, world_size: int) -> bool:
+        return len(self.copies) >= world_size
+
+
+__all__ = ["Copy", "Finding", "Suspects", "find_corrupt"]

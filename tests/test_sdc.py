@@ -1,0 +1,163 @@
+"""Issue 30: silent data corruption detected at the next protected step and repaired without a restart.
+
+Pure rows: the culprit finder (majority / two copies / undecidable) and ``decide.sdc``. Real rows: phoenix-run
+runs examples/train_gpt.py (2 nodes x 2 ranks) with an ``sdc`` fault that flips one bit of rank 1's parameter at
+the beginning of a step; the commit point of that step finds the fingerprints disagreeing, the supervisor
+re-syncs rank 1 from a peer (its process kept) and every rank resumes at the last agreed step; the final digest
+equals the failure-free run's (shared with the fault matrix's helper: one baseline per layout in a session).
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from conftest import assert_same_digest, of_type, phoenix_cmd
+from phoenix_launch.config import ConfigError, build_config
+from phoenix_launch.decide import decide as decisions
+from phoenix_launch.decide.sdc import Copy, Suspects, find_corrupt
+from phoenix_runtime.recover.recovery import Descriptor, plan_recovery
+from test_fault_matrix import failure_free, run_job  # noqa: F401  (the session's failure-free baselines)
+
+FLIP_STEP = 5
+
+
+# --- pure -----------------------------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+def test_culprit_finder_majority_two_copies_undecidable():
+    t = {"p.w": 1, "p.b": 2}
+    maj = find_corrupt([Copy(0, 7, tensors=t), Copy(1, 9, tensors={"p.w": 5, "p.b": 2}), Copy(2, 7, tensors=t), Copy(3, 7, tensors=t)])
+    assert (maj.corrupt, maj.decided, maj.tensors) == ((1,), True, ("p.w",))
+    assert not find_corrupt([Copy(0, 7), Copy(1, 9), Copy(2, 7), Copy(3, 9)]).decided  # 2 against 2: no majority
+    two = find_corrupt([Copy(0, 7), Copy(1, 9, agreed_ok=False)])
+    assert (two.corrupt, two.decided) == ((1,), True) and "changed at rest" in two.reason
+    both_intact = find_corrupt([Copy(0, 7), Copy(1, 9)])
+    assert (both_intact.corrupt, both_intact.decided) == ((), False) and "cannot be told" in both_intact.reason
+    assert not find_corrupt([Copy(0, 7, agreed_ok=False), Copy(1, 9, agreed_ok=False)]).decided
+    sus = Suspects(0, 5)
+    sus.add(0, Copy(0, 7), 4)
+    assert not sus.complete(2)
+    sus.add(1, Copy(1, 9), 3)
+    assert sus.complete(2) and sus.last_agreed == 3  # the oldest last agreed step any rank names
+
+
+@pytest.mark.timeout(10)
+def test_decide_sdc_resync_rollback_drain_and_nothing_agreed():
+    K, nodes = decisions.Kind, {0: "n0", 1: "n0", 2: "n1", 3: "n1"}
+    found = find_corrupt([Copy(0, 7), Copy(1, 9), Copy(2, 7), Copy(3, 7)])
+    d = decisions.sdc(found, 5, 4, nodes, {"n0": 1}, ("s1",))
+    assert (d.kind, d.resync, d.rollback_to, d.node) == (K.RESYNC, (1,), 4, "n0") and "re-synced" in d.reason
+    d = decisions.sdc(found, 9, 8, nodes, {"n0": 2}, ("s1",))  # twice within the window: drained
+    assert (d.kind, d.swap, d.rollback_to, d.exclude) == (K.HOTSWAP, (("n0", "s1"),), 8, True)
+    assert decisions.sdc(found, 9, 8, nodes, {"n0": 2}, ()).kind is K.RESYNC  # no spare: re-synced in place again
+    d = decisions.sdc(find_corrupt([Copy(0, 7), Copy(1, 9)]), 5, 4, nodes, {}, ())
+    assert (d.kind, d.resync, d.rollback_to) == (K.RESYNC, (), 4)  # undecidable: every rank rolls back
+    assert decisions.sdc(found, 0, None, nodes, {}, ()).kind is K.IGNORE
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,msg", [
+    (("--mode", "sdc", "--tensor", "weights"), "tensor must be KIND or KIND:NAME"),
+    (("--mode", "sdc", "--bit", "-1"), "bit must be an integer >= 0"),
+    (("--mode", "crash", "--bit", "3"), "--tensor and --bit go with --mode sdc"),
+])
+def test_kill_node_sdc_bad_input_is_one_clear_line(tmp_path, args, msg):
+    r = subprocess.run(phoenix_cmd("kill-node", "rank:1", *args, "--run-dir", str(tmp_path)), capture_output=True, text=True,
+                       timeout=50, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [f"phoenix-run: error: {r.stderr.split('error: ', 1)[1].strip()}"] and msg in r.stderr
+
+
+@pytest.mark.timeout(10)
+def test_sdc_fault_entries_are_validated():
+    ok = build_config(yaml_data={"inject": {"faults": [{"rank": 1, "step": 2, "mode": "sdc", "tensor": "optim:x", "bit": 9}]}})
+    assert ok.inject.faults[0]["tensor"] == "optim:x"
+    with pytest.raises(ConfigError, match="tensor must be KIND"):
+        build_config(yaml_data={"inject": {"faults": [{"rank": 1, "mode": "sdc", "tensor": "gpu"}]}})
+    with pytest.raises(ConfigError, match="sdc_window_steps must be >= 0"):
+        build_config(yaml_data={"detect": {"sdc_window_steps": -1}})
+
+
+@pytest.mark.timeout(10)
+def test_plan_resyncs_a_survivor_whose_snapshot_changed_at_rest():
+    """Rank 0's snapshot of step 5 failed its verification before use: at step 5 it joins (parameters from a peer
+    that is not joining, its replica from its holder); rank 1 is re-synced by the supervisor (no state)."""
+    groups, shards = {r: [0, 1, 2, 3] for r in range(4)}, {r: f"s{r}" for r in range(4)}
+    held = {0: "s3", 1: "s2", 2: "s0", 3: "s1"}  # rank r holds the replica of shard held[r]
+    def desc(r, local=(5, 6), corrupt=()):
+        return Descriptor(r, True, 7, False, local, {held[r]: [5, 6]}, 0, corrupt)
+    descs = [desc(0, (6,), (5,)), Descriptor(1, False), desc(2), desc(3)]
+    plan = plan_recovery(descs, groups, shards, replicated=False, at_most=5)
+    assert (plan.step, plan.joiners) == (5, (0, 1))
+    assert plan.param_src[0] in (2, 3) and plan.param_src[1] in (2, 3) and (plan.optim_src[0], plan.optim_src[1]) == (2, 3)
+    assert 0 not in plan.replayed
+    plain = plan_recovery([desc(0), Descriptor(1, False), desc(2), desc(3)], groups, shards, replicated=False, at_most=5)
+    assert plain.joiners == (1,)  # nothing corrupt: only the supervisor's resync
+
+
+# --- real jobs ------------------------------------------------------------------------------------------
+def sdc_fault(rank: int, step: int, tensor: str = "param", bit: int = 22, phase: str = "begin") -> dict:
+    return {"rank": rank, "step": step, "mode": "sdc", "phase": phase, "tensor": tensor, "bit": bit}
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("opt", ["zero", "adamw"])
+def test_a_flipped_parameter_bit_is_detected_and_repaired_in_place(tmp_path, failure_free, opt):  # noqa: F811
+    """Bit 22 of rank 1's first parameter flipped at the beginning of step 5 (before its snapshot): the commit
+    point of step 5 disagrees, rank 1 is named (3 of 4 copies agree) with the tensor, the job rolls back to
+    step 4 with rank 1 re-synced from a peer, no process restarted, and ends with the failure-free digest."""
+    expected = failure_free(opt, 2, 2)
+    job = run_job(tmp_path, opt, 2, 2, 0, [sdc_fault(1, FLIP_STEP)])
+    assert job.result.returncode == 0, job.explain()
+    fired = of_type(job.evs, "injected")
+    assert [(e["mode"], e["rank"], e["step"]) for e in fired] == [("sdc", 1, FLIP_STEP)], fired
+    det = of_type(job.evs, "sdc_detected")
+    assert len(det) == 1, det
+    assert (det[0]["step"], det[0]["ranks"], det[0]["decided"], det[0]["last_agreed"]) == (FLIP_STEP, [1], True, FLIP_STEP - 1), det
+    assert det[0]["tensors"] == [fired[0]["tensor"].replace("param:", "p.")], (det, fired)
+    rep = of_type(job.evs, "sdc_repaired")
+    assert len(rep) == 1 and rep[0]["resumed_at"] == FLIP_STEP - 1 and rep[0]["ranks"] == [1], rep
+    recs = of_type(job.evs, "recovery")
+    assert [r.get("resume_step") for r in recs] == [FLIP_STEP - 1], recs
+    assert not of_type(job.evs, "hotswap") and not of_type(job.evs, "local_recovery")  # nobody restarted
+    assert not of_type(job.evs, "restart"), of_type(job.evs, "restart")
+    assert_same_digest(job.digest_path, expected)
+    assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
+
+
+@pytest.mark.timeout(420)
+def test_a_node_that_corrupts_twice_is_drained_and_hot_swapped(tmp_path, failure_free):  # noqa: F811
+    """Rank 1 (node0) corrupts at step 3, then again at step 8 (within detect.sdc_window_steps): the first is
+    re-synced in place, the second drains node0 and hot-swaps node2 in, back to the last agreed step (7);
+    the final digest is the failure-free one."""
+    expected = failure_free("zero", 2, 2)
+    job = run_job(tmp_path, "zero", 2, 2, 1, [sdc_fault(1, 3), sdc_fault(1, 8, bit=5)])
+    assert job.result.returncode == 0, job.explain()
+    det = of_type(job.evs, "sdc_detected")
+    assert [(e["step"], e["ranks"], e["last_agreed"]) for e in det] == [(3, [1], 2), (8, [1], 7)], det
+    decided = [e["decision"] for e in of_type(job.evs, "decision") if e.get("cls") == "sdc"]
+    assert decided == ["resync", "hotswap"], decided
+    assert [(e["failed"], e["spare"]) for e in of_type(job.evs, "hotswap")] == [("node0", "node2")]
+    rep = of_type(job.evs, "sdc_repaired")
+    assert [(e["decision"], e["resumed_at"]) for e in rep] == [("resync", 2), ("hotswap", 7)], rep
+    assert_same_digest(job.digest_path, expected)
+    assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
+
+
+@pytest.mark.timeout(420)
+def test_a_local_snapshot_flipped_at_rest_is_caught_before_the_rollback_uses_it(tmp_path, failure_free):  # noqa: F811
+    """At the beginning of step 6 rank 1's parameter and rank 0's newest local snapshot (S_5, already hashed) get a
+    flipped bit each. The commit point of step 6 names rank 1; the repair rolls back to step 5, where rank 0's
+    snapshot fails its verification before use: rank 0 takes its state from its peers too. Failure-free digest."""
+    expected = failure_free("zero", 2, 2)
+    job = run_job(tmp_path, "zero", 2, 2, 0, [sdc_fault(1, 6), sdc_fault(0, 6, tensor="snapshot", bit=3)])
+    assert job.result.returncode == 0, job.explain()
+    assert sorted(e["tensor"].split(":")[0] for e in of_type(job.evs, "injected")) == ["param", "snapshot"]
+    det = of_type(job.evs, "sdc_detected")
+    assert [(e["step"], e["ranks"], e["last_agreed"]) for e in det] == [(6, [1], 5)], det
+    assert [r.get("resume_step") for r in of_type(job.evs, "recovery")] == [5]
+    logs = "\n".join(p.read_text() for p in (job.run_dir / "logs").rglob("*.log"))
+    assert "local snapshot(s) of step(s) [5] changed at rest" in logs and "joiners [0, 1]" in logs
+    assert_same_digest(job.digest_path, expected)
+    assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
