@@ -6,11 +6,10 @@ children) and, in a recovery, the joiners it sends to or the sources it receives
 and ``optim_src``). A world-sized gloo group connects every pair eagerly (N-1 sockets and their buffers a rank);
 one 2-rank group per pair used keeps a rank's sockets bounded by a constant (``2k + 3`` in the steady state).
 
-Formation (``form_pairs``): every rank of the generation iterates the same sorted list of pairs, each forming
-only its own (``dist.new_group([a, b], use_local_synchronization=True)``: only the two members take part). One
-global order means no cycle of waits: the smallest pair not yet formed has both members at it. Each group is
-connected eagerly when it is made, while every rank is alive (a pair first connected after its peer died can
-leave the listening side waiting without a bound).
+Formation (``form_pairs``): every rank of the generation takes the same list of pairs and forms only its own, all
+of them at once (one thread a pair; only the two members take part in each), so no pair waits for another and
+the time does not grow with the number of ranks. Each group is connected eagerly when it is made, while every
+rank is alive (a pair first connected after its peer died can leave the listening side waiting without a bound).
 
 Each pair is a ``ProcessGroupGloo`` of its own, made on the generation's store under ``pair/<a>_<b>/`` (its keys
 are deleted with the generation) and not registered with torch.distributed: only the transport uses it, through
@@ -22,6 +21,7 @@ own gloo groups do.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -62,16 +62,33 @@ def own_pairs(pairs, rank: int) -> list[tuple[int, int]]:
 
 
 def form_pairs(pairs, rank: int, have: dict, store, timeout: timedelta, on_formed=lambda peer, group: None) -> list[int]:
-    """Form ``rank``'s pairs among ``pairs`` that ``have`` (peer -> group) lacks, in the global order, on
-    ``store`` (the generation's); each formed group is handed to ``on_formed(peer, group)`` at once. Returns the
-    peers formed. Blocks until each peer forms its side (bounded by ``timeout``)."""
-    formed = []
+    """Form ``rank``'s pairs among ``pairs`` that ``have`` (peer -> group) lacks, on ``store`` (the generation's), all
+    at once: one thread a pair (gloo's constructor releases the GIL while it connects). Formed one after the other,
+    the ring's pairs were a chain across the job, (0,1) before (1,2) before (2,3)...: a formation time that grew
+    with N. Each formed group is handed to ``on_formed(peer, group)`` in the global order. Returns the peers
+    formed. Blocks until each peer forms its side (bounded by ``timeout``); the first failure is raised once every
+    attempt has ended (nothing is left connecting behind it)."""
+    todo = []
     for a, b in own_pairs(pairs, rank):
         peer = b if rank == a else a
-        if peer in have or peer in formed:
-            continue
+        if peer not in have and peer not in [p for p, _ in todo]:
+            todo.append((peer, (a, b)))
+    if not todo:
+        return []
+    if len(todo) == 1:
+        (peer, (a, b)), = todo
         on_formed(peer, pair_group(store, a, b, rank, timeout))
-        formed.append(peer)
+        return [peer]
+    with ThreadPoolExecutor(len(todo), thread_name_prefix="phoenix-pair") as pool:
+        futures = [(peer, pool.submit(pair_group, store, a, b, rank, timeout)) for peer, (a, b) in todo]
+    errors = [f.exception() for _, f in futures if f.exception() is not None]
+    formed = []
+    for peer, f in futures:
+        if f.exception() is None:
+            on_formed(peer, f.result())
+            formed.append(peer)
+    if errors:
+        raise errors[0]
     return formed
 
 
