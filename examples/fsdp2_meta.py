@@ -17,8 +17,6 @@ calls its ``init_weights()`` (torchtitan's convention). Deterministic: two runs 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -31,7 +29,7 @@ import torch.nn.functional as F
 import phoenix_runtime as phx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_llama import rank_components  # noqa: E402  (the same digest as the other examples)
+from train_llama import write_digest  # noqa: E402  (the same digest as the other examples)
 
 
 def parse_args(argv=None):
@@ -204,19 +202,7 @@ def main(argv=None):
             training.optimizer_step()
         if rank == 0 and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):
             print(f"step {step} loss {loss.item():.4f} (forward in {training.module.compute_dtype})", flush=True)
-    if training.step_idx != a.steps:  # never write a digest for a run that did not complete every step
-        print(f"error: the loop ended at step {training.step_idx} of {a.steps}; no digest written", file=sys.stderr, flush=True)
-        raise SystemExit(1)
-    every = [None] * world
-    dist.all_gather_object(every, rank_components(training.module, training.optimizer))
-    digest = hashlib.sha256(json.dumps(every, sort_keys=True).encode()).hexdigest()
-    if rank == 0:
-        print(f"digest {digest}", flush=True)
-        if a.digest_file:
-            tmp = a.digest_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"digest": digest, "components": every, "steps": a.steps, "world_size": world}, f)
-            os.replace(tmp, a.digest_file)  # whole or absent
+    write_digest(training, a.steps, a.digest_file, world, rank)
 
 
 if __name__ == "__main__":

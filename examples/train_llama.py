@@ -289,6 +289,24 @@ def rank_components(model, opt) -> dict[str, str]:
             "rng_torch": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()}
 
 
+def write_digest(training, steps: int, path: str | None, world: int, rank: int) -> None:
+    """Every rank's state digest (``rank_components``), gathered; rank 0 prints it and writes it to ``path``. A run
+    that did not complete every step writes none (exit 1)."""
+    if training.step_idx != steps:
+        print(f"error: the loop ended at step {training.step_idx} of {steps}; no digest written", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    every = [None] * world
+    dist.all_gather_object(every, rank_components(training.module, training.optimizer))
+    digest = hashlib.sha256(json.dumps(every, sort_keys=True).encode()).hexdigest()
+    if rank == 0:
+        print(f"digest {digest}", flush=True)
+        if path:
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"digest": digest, "components": every, "steps": steps, "world_size": world}, f)
+            os.replace(tmp, path)  # whole or absent
+
+
 def write_times(path: str, step_times: list, training) -> None:
     from phoenix_runtime import state as phx_state
 
@@ -343,19 +361,7 @@ def main(argv=None):
         t_prev = now
     if rank == 0 and a.times_file:
         write_times(a.times_file, step_times, training)
-    if training.step_idx != a.steps:  # never write a digest for a run that did not complete every step
-        print(f"error: the loop ended at step {training.step_idx} of {a.steps}; no digest written", file=sys.stderr, flush=True)
-        raise SystemExit(1)
-    every = [None] * world
-    dist.all_gather_object(every, rank_components(training.module, training.optimizer))
-    digest = hashlib.sha256(json.dumps(every, sort_keys=True).encode()).hexdigest()
-    if rank == 0:
-        print(f"digest {digest}", flush=True)
-        if a.digest_file:
-            tmp = a.digest_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"digest": digest, "components": every, "steps": a.steps, "world_size": world}, f)
-            os.replace(tmp, a.digest_file)  # whole or absent
+    write_digest(training, a.steps, a.digest_file, world, rank)
 
 
 if __name__ == "__main__":
