@@ -5,7 +5,8 @@
 Each simulated rank is the real rank's control thread (``phoenix_runtime.plane.control.ControlThread``: its
 ``beat``, ``_poll``, ``_send_posted`` and ``report_refused``, unchanged) on a connection it shares; each simulated
 agent does what the real agent's loop does with the store (``detect/agent.py``): its heartbeat every
-``heartbeat_s``, its command queue every pass (20 ms), its ranks' heartbeats every ``heartbeat_s`` judged by the
+``heartbeat_s``, its command queue when the notify counter moves and at each heartbeat (every pass, 20 ms, while
+no watcher is armed), its ranks' heartbeats every ``heartbeat_s`` judged by the
 real ``hang_check`` and published as one ``NodeDigest``, and its ``AgentUp`` first. A node's ranks heartbeat into
 a node-local store as real ones do (the real agent's is a TCPStore on 127.0.0.1): here an in-process dict per
 simulated node (``NodeLocal``, sealed values as in the real one), so its calls are not in the central store's
@@ -100,20 +101,24 @@ class SimRank(control.ControlThread):
         self._watcher = watcher
         self.next_hb = self.next_full = self.next_assign = 0.0
         self.dead = False
+        self.woken = False  # the process's notify watcher saw the counter move
         if rank is not None:
             self.post(protocol.RuntimeReady(node=node, slot=slot, rank=rank, protect=True, epoch=0))
 
     def step(self, now: float) -> float:
         """One pass of ``ControlThread._run``; returns when the next is due (monotonic)."""
+        woken, self.woken = self.woken, False
         if now >= self.next_hb:
             self.state.stepped(self.state.step + 1)  # training progresses (the agent's hang check reads t_step)
             self.beat()
             self.report_refused()
             self.next_hb = now + self.heartbeat_s
-        self._poll(full=now >= self.next_full)
+        full = now >= self.next_full
+        if full or woken or self._dirty or not self._watcher.armed:
+            self._poll(full=full)
         self._send_posted()
-        if now >= self.next_full:
-            self.next_full = now + self.heartbeat_s
+        if full:
+            self.next_full = now + max(self.heartbeat_s, control.FULL_READ_S)
         due = now + control.POLL_S
         if self._watcher.armed and not self._dirty:
             due = min(self.next_hb, self.next_full)
@@ -127,7 +132,8 @@ class SimRank(control.ControlThread):
 class SimAgent:
     """What the real agent's loop does with the store, pass by pass (``Agent.run``, ``Agent.check_hangs``)."""
 
-    def __init__(self, node: str, slots: int, store, local: NodeLocal, spec_heartbeat_s: float, hang_timeout_s: float):
+    def __init__(self, node: str, slots: int, store, local: NodeLocal, watcher: SimWatcher, spec_heartbeat_s: float,
+                 hang_timeout_s: float):
         self.node, self.slots, self.store, self.local = node, slots, store, local
         self.heartbeat_s, self.hang_timeout_s = spec_heartbeat_s, hang_timeout_s
         self.q_sup = protocol.Queue(store, protocol.Q_SUPERVISOR)
@@ -139,6 +145,8 @@ class SimAgent:
         self.up = False
         self.dead = False
         self.stopped = False
+        self.woken = False  # the process's notify watcher saw the counter move
+        self.watcher = watcher
 
     def _command(self, cmd, now=None) -> None:
         self.stopped = self.stopped or isinstance(cmd, protocol.AgentStop)
@@ -147,15 +155,20 @@ class SimAgent:
         if not self.up:
             self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, None))
             self.up = True
-        if now >= self.next_hb:
+        woken, self.woken = self.woken, False
+        beat = now >= self.next_hb
+        if beat:
             protocol.put_value(self.store, protocol.k_agent_hb(self.node), str(time.time()))
             beats = self.read_beats()  # Agent.read_beats: one batch of the local store
             self.check_hangs(beats)
             digest = protocol.NodeDigest(self.node, time.time(), beats)  # Agent.publish_digest
             protocol.put_value(self.store, protocol.k_node_digest(self.node), digest.to_json())
             self.next_hb = now + self.heartbeat_s
-        for cmd in self.q_cmd.get_all():
-            self.commands.dispatch(cmd)
+        if woken or beat or self.q_cmd.pending or not self.watcher.armed:  # Agent._commands_due
+            for cmd in self.q_cmd.get_all():
+                self.commands.dispatch(cmd)
+        if self.watcher.armed and not self.q_cmd.pending:  # the real loop's other passes make no store call
+            return self.next_hb
         return time.monotonic() + AGENT_PASS_S
 
     def read_beats(self) -> dict[int, protocol.RankHeartbeat]:
@@ -188,10 +201,12 @@ class Lane(threading.Thread):
         heap = [(time.monotonic() + i * 1e-5, i) for i in range(len(self.clients))]
         heapq.heapify(heap)
         while not self.stop.is_set() and heap:
-            if self.woken.is_set():  # the notify counter moved: every rank polls now, as a real watcher wakes its own
+            if self.woken.is_set():  # the notify counter moved: every client reads now, as a real watcher wakes its own
                 self.woken.clear()
                 now = time.monotonic()
-                heap = [(min(due, now) if isinstance(self.clients[i], SimRank) else due, i) for due, i in heap]
+                for c in self.clients:
+                    c.woken = True
+                heap = [(min(due, now), i) for due, i in heap]
                 heapq.heapify(heap)
             due, i = heap[0]
             now = time.monotonic()
@@ -240,7 +255,7 @@ def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, stop: thread
         lane = lanes[i % a.conns]
         node = f"node{i}"
         local = NodeLocal()
-        agent = SimAgent(node, a.nproc, lane.store, local, a.heartbeat_s, a.hang_timeout_s)
+        agent = SimAgent(node, a.nproc, lane.store, local, watcher, a.heartbeat_s, a.hang_timeout_s)
         ranks = [SimRank(node, s, i * a.nproc + s if i < a.active else None, lane.store, local, watcher, a.heartbeat_s, seen)
                  for s in range(a.nproc)]
         lane.clients += [agent, *ranks]

@@ -319,7 +319,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks):
             slot = mem.slot_of(rank)
             by_node.setdefault(slot.node, []).append(slot.slot)
         for name, slots in by_node.items():
-            protocol.Queue(self.store, protocol.q_agent(name)).put(protocol.AgentRespawn(tuple(slots), mem.gen))
+            protocol.tell_agent(self.store, name, protocol.AgentRespawn(tuple(slots), mem.gen))
 
     def _begin_recovery(self, path: str, d: decisions.Decision, inc: Incident, now: float) -> None:
         self._flush_recovery_event(final=True)
@@ -387,8 +387,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks):
         mem = self._gens().publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), fresh=True)
         for n in self.nodes:
             if n.group_rank is not None:
-                protocol.Queue(self.store, protocol.q_agent(n.name)).put(
-                    protocol.AgentRestart(self.epoch, rdzv_port, n.group_rank, self.world_size, mem.gen, protocol.ROLE_ACTIVE, self.resume))
+                protocol.tell_agent(self.store, n.name, protocol.AgentRestart(self.epoch, rdzv_port, n.group_rank, self.world_size, mem.gen, protocol.ROLE_ACTIVE, self.resume))
                 if n.state is NodeState.JOINING:
                     self.nodes.transition(n, NodeState.ACTIVE, "restarted as active")
         self.events.emit("restart", attempt=self.restarts, max_restarts=self.cfg.launch.max_restarts, reason=d.reason, fresh=d.fresh)
@@ -564,7 +563,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks):
         self.standby.stop()  # first: a job ending on purpose is not a lost leader
         try:
             for n in self.nodes:
-                protocol.Queue(self.store, protocol.q_agent(n.name)).put(protocol.AgentStop())
+                protocol.tell_agent(self.store, n.name, protocol.AgentStop())
         except Exception:
             pass
         self.backend.stop_all(self.cfg.launch.stop_grace_s)

@@ -38,6 +38,7 @@ from phoenix_launch.detect.procs import die_with_parent
 from phoenix_launch.detect.procs import send_signal as _signal
 from phoenix_launch.spec import AgentSpec, SpecError
 from phoenix_runtime.plane import auth, protocol
+from phoenix_runtime.plane.watch import NotifyWatcher
 from phoenix_runtime import logs
 
 log = logging.getLogger("phoenix_launch.detect.agent")  # by name: this module runs as __main__
@@ -112,6 +113,9 @@ class Agent:
         self._stop_signal: int | None = None
         self._gpu_probe: threading.Thread | None = None  # a GPU probe after a rank exit (see probe)
         self._gpu_reading: dict | None = None
+        self._watch_stop = threading.Event()  # ends the command watcher (a daemon blocked in the store)
+        self.cmd_wake = threading.Event()
+        self.cmd_watcher: NotifyWatcher | None = None
         self.commands = protocol.Dispatcher({
             protocol.MsgType.RESTART: self._restart,
             protocol.MsgType.RESPAWN: self._respawn,
@@ -268,20 +272,35 @@ class Agent:
 
     # --- control plane -----------------------------------------------------------------------------
     def connect(self) -> None:
-        from phoenix_runtime.plane.failover import FailoverStore
-
         from phoenix_launch.plane.control import start_store
 
         s = self.spec
         if self.local_sock is not None and self.local is None:  # serve the ranks' heartbeats (they wait for it)
             self.local, _ = start_store("127.0.0.1", sock=self.local_sock)
-        # follows a takeover to the standby supervisor's store (bounded: takeover_timeout_s)
-        self.store = FailoverStore((s.store_host, int(s.store_port)), self.run_dir, timeout_s=30.0, reconnect_s=s.takeover_timeout_s)
+        self.store = self._connect_central()
         self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
         self.q_cmd = protocol.Queue(self.store, protocol.q_agent(self.node))
+        # the command queue is read when the notify counter moves (``protocol.tell_agent`` bumps it), not every
+        # pass: 50 round trips a second per node were the central store's largest load at 1,000 nodes
+        self.cmd_watcher = NotifyWatcher(self._connect_central, self.cmd_wake, self._watch_stop)
         # a node joining a running job (replenishment) is accepted because its agent_up is sealed with the
         # job's secret (run_dir/secret, 0600, on the shared filesystem), as every message is
         self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, s.join))
+
+    def _connect_central(self):
+        """A client of the control plane's store; it follows a takeover to the standby supervisor's store
+        (bounded: takeover_timeout_s)."""
+        from phoenix_runtime.plane.failover import FailoverStore
+
+        s = self.spec
+        return FailoverStore((s.store_host, int(s.store_port)), self.run_dir, timeout_s=30.0, reconnect_s=s.takeover_timeout_s)
+
+    def _commands_due(self, beat: bool) -> bool:
+        """Read the command queue now: woken by the counter, at a heartbeat (the safety read for a wake-up lost),
+        a message half written, or no watcher armed (then every pass)."""
+        woken = self.cmd_wake.is_set()
+        self.cmd_wake.clear()
+        return woken or beat or self.q_cmd.pending or self.cmd_watcher is None or not self.cmd_watcher.armed
 
     def report_exit(self, r: RankProc, code: int) -> None:
         error = None
@@ -423,7 +442,8 @@ class Agent:
                 self.stopping = True
             now = time.monotonic()
             try:
-                if now >= next_hb:
+                beat = now >= next_hb
+                if beat:
                     protocol.put_value(self.store, protocol.k_agent_hb(self.node), str(time.time()))
                     refused = auth.drain()  # what this agent refused to read since the last beat
                     if refused:
@@ -432,8 +452,9 @@ class Agent:
                     self.check_hangs(hang_timeout, beats)
                     self.publish_digest(beats)
                     next_hb = now + hb_every
-                for cmd in self.q_cmd.get_all():
-                    self.handle(cmd)
+                if self._commands_due(beat):
+                    for cmd in self.q_cmd.get_all():
+                        self.handle(cmd)
                 if protocol.incarnation_of(self.store) != self.incarnation:  # a standby took over: say so to the new leader
                     self.incarnation = protocol.incarnation_of(self.store)
                     self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, self.spec.join))  # type: ignore[union-attr]

@@ -91,7 +91,7 @@ def execute_injection(job: JobTargets, c: protocol.KillCommand) -> tuple[bool, s
         if not job.holds_ranks(node):
             info["immediate"] = False  # a spare holds no rank: its loss is a spare_lost, not an incident to classify
         return True, f"SIGKILLed node {node} (its agent and {job.nproc} rank(s))", info
-    protocol.Queue(job.store, protocol.q_agent(node)).put(protocol.AgentInject("rank" if mode == "crash" else mode, slot))
+    protocol.tell_agent(job.store, node, protocol.AgentInject("rank" if mode == "crash" else mode, slot))
     what = {"crash": "SIGKILL", "rank": "SIGKILL", "hang": "SIGSTOP"}[mode]
     return True, f"{what} sent to {node} {'every rank' if slot is None else f'slot {slot}'}", info
 

@@ -17,6 +17,10 @@ is a second thread with a client of its own (``NotifyWatcher``): it waits in the
 ``protocol.notify_ranks`` writes with the counter's next value and wakes this thread, which otherwise sleeps
 until its next heartbeat. A quiet control plane thus costs two wake-ups a second instead of fifty round trips
 (the 20 ms poll, kept while the watcher is not armed or a message is half written), and a bump is seen at once.
+While the watcher is armed a quiet rank makes no central round trip at all: it reads the counter only when woken,
+and everything (the safety read for a wake-up lost) every ``FULL_READ_S``, so the central store's steady load
+grows with the nodes (their agents' heartbeats and digests), not with the ranks. The agent's command queue is
+read the same way (``phoenix_launch.detect.agent``, on a ``NotifyWatcher`` of its own).
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ from typing import Any, Callable
 from phoenix_runtime.plane import auth, protocol
 from phoenix_runtime.plane.channel import incarnation_of
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
+from phoenix_runtime.plane.watch import POLL_S, NotifyWatcher  # noqa: F401  (POLL_S: the fleet bench's too)
 
 PHASES = ("starting", "training", "recovering", "done")
-POLL_S = 0.02  # the poll interval while the notify watcher is not armed (or a message is half written)
+# A full read with the watcher armed (every writer bumps the counter, so this only bounds how late a wake-up
+# lost in the store is noticed): at 80,000 ranks one every heartbeat was ~6 round trips x 160,000 a second
+FULL_READ_S = 5.0
 
 # Where a rank's main thread is blocked, seen from its control thread: inside these (torch's collectives,
 # autograd's backward where DDP's all-reduce waits, DDP itself, or the runtime's own bounded waits) it waits
@@ -120,54 +127,6 @@ def connect_store(env: RankEnv | None = None, timeout_s: float = 30.0, *, handed
     return FailoverStore((env.store_host, env.store_port), env.run_dir, timeout_s=timeout_s, reconnect_s=env.settings.takeover_timeout_s)
 
 
-class NotifyWatcher:
-    """Wakes the control thread when ``protocol.K_NOTIFY`` moves: blocked in the store, on a client of its own,
-    on the key ``notify_ranks`` writes when the counter reaches the next value. ``armed`` while it is blocked
-    there; else (connecting, a store it cannot read the counter from) the control thread polls every 20 ms."""
-
-    # A wait that times out is harmless (read the counter, wait again) but torch logs two warning lines each time;
-    # nothing needs it sooner (a takeover ends the wait, and the control thread reads everything every heartbeat)
-    WAIT_S = 3600.0
-
-    def __init__(self, env: RankEnv, wake: threading.Event, stop: threading.Event):
-        self.env, self.wake, self.stop = env, wake, stop
-        self.armed = False
-        self.thread = threading.Thread(target=self._run, name="phoenix-notify", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        import torch.distributed as dist
-
-        try:
-            store = connect_store(self.env)  # here, not in the constructor: the connection takes a while
-        except Exception:
-            return  # the control thread polls
-        last, woke = None, False
-        while not self.stop.is_set():
-            try:
-                n = protocol.read_notify(store)
-                self.armed = True
-                if n != last:
-                    last = n
-                    self.wake.set()  # the control thread reads the counter (and what it announces) now
-                elif woke:  # the next value's key is there, the counter is not (a forged key): poll, not spin
-                    self.stop.wait(POLL_S)
-                woke = store.wait_or_move([protocol.k_notify(n + 1)], timedelta(seconds=self.WAIT_S))
-                last = last if woke else None  # moved to a new leader's store: wake the control thread there too
-            except dist.DistStoreError as e:
-                if "timeout" not in str(e).lower():
-                    self._disarm()
-            except Exception:  # the store lost (the control thread decides nothing here), a counter not a number
-                self._disarm()
-        self.armed = False
-
-    def _disarm(self) -> None:
-        """The control thread polls (woken now to see it), until the next try here in a second."""
-        self.armed = False
-        self.wake.set()
-        self.stop.wait(1.0)
-
-
 class LocalStoreLink:
     """The rank's client of its agent's node-local store (``protocol.ENV_LOCAL_PORT``), where its heartbeats go.
     Connected in a thread of its own: the agent serves that store only once its ranks are warm (it defers its
@@ -235,7 +194,7 @@ class ControlThread:
         self.asleep_until = 0.0  # while it waits for the watcher or its next heartbeat: until when (monotonic)
         self._outbox: collections.deque = collections.deque(maxlen=16)  # reports posted by the training thread
         self._q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
-        self._watcher = NotifyWatcher(env, self._wake, self._stop)
+        self._watcher = NotifyWatcher(lambda: connect_store(env), self._wake, self._stop)
         self._thread = threading.Thread(target=self._run, name="phoenix-control", daemon=True)
         self._thread.start()
         if self.local is not None:  # local heartbeats from a thread of their own (see _beat_locally)
@@ -328,6 +287,7 @@ class ControlThread:
     def _run(self) -> None:
         next_hb = next_full = 0.0
         while not self._stop.is_set():
+            woken = self._wake.is_set()
             self._wake.clear()  # before the counter is read: a bump after this read ends the wait below at once
             delay = POLL_S
             try:
@@ -337,10 +297,12 @@ class ControlThread:
                         self.beat()
                     self.report_refused()
                     next_hb = now + self.heartbeat_s
-                self._poll(full=now >= next_full)
+                full = now >= next_full
+                if full or woken or self._dirty or not self._watcher.armed:  # else nothing moved: no round trip
+                    self._poll(full=full)
                 self._send_posted()
-                if now >= next_full:  # a writer that did not bump the counter is noticed within a heartbeat
-                    next_full = now + self.heartbeat_s
+                if full:
+                    next_full = now + max(self.heartbeat_s, FULL_READ_S)
                 if self._watcher.armed and not self._dirty:  # until the watcher's wake-up or the next heartbeat
                     delay = max(0.0, min(next_hb, next_full) - time.monotonic())
             except Exception:

@@ -20,7 +20,7 @@ Key space (all under ``phx/``)::
     phx/q/rank/<node>/<slot>/...  queue: supervisor -> one rank (injected faults)
     phx/q/cmd/...                 queue: ``phoenix-run kill-node`` -> supervisor
     phx/persist/at                the step every rank writes a persistent checkpoint of (time-based cadence)
-    phx/notify                    counter: bumped after each write above that ranks poll for (``notify_ranks``)
+    phx/notify                    counter: bumped after each write above that ranks and agents read (``notify_ranks``)
     phx/notify/<n>                written when the counter reaches n (the newest NOTIFY_KEEP kept): ranks block on it
 
 Every value and message above (but the counters and torch's own ``pg`` keys) is sealed with the job's
@@ -29,7 +29,9 @@ secret (``channel``, ``auth``): readers drop what is unsigned, forged or replaye
 Heartbeats are node-local: each agent serves a TCPStore on 127.0.0.1 for its own ranks, which write their
 heartbeats there (sealed the same way); the agent reads them in one batch (its hang check) and publishes one
 ``NodeDigest`` per heartbeat here. The central store's load thus grows with nodes, not ranks: one digest
-written per node per beat, and one key per node read by the supervisor's status pass.
+written per node per beat, and one key per node read by the supervisor's status pass. Ranks and agents read
+their queues and the generation when the counter moves (a watcher blocked on ``phx/notify/<n+1>`` wakes them),
+not on a timer: a quiet job's ranks make no central round trip between their safety reads.
 """
 
 from __future__ import annotations
@@ -106,6 +108,13 @@ def notify_ranks(store: Store) -> None:
     store.set(k_notify(n), "1")
     if n > NOTIFY_KEEP and hasattr(store, "delete_key"):
         store.delete_key(k_notify(n - NOTIFY_KEEP))
+
+
+def tell_agent(store: Store, node: str, msg: Message) -> None:
+    """A command into ``node``'s agent queue, then the counter bump that wakes its agent (which reads its queue
+    only when woken, and every heartbeat in case a wake-up was lost)."""
+    Queue(store, q_agent(node)).put(msg)
+    notify_ranks(store)
 
 
 def read_notify(store: Store) -> int:

@@ -1,0 +1,63 @@
+"""The watch on the control plane's notify counter (``protocol.K_NOTIFY``), run by both sides: a rank's control
+thread and a node's agent read what the supervisor wrote for them (the generation, the persist step, their queue)
+when the counter moves, instead of polling the central store on a timer. Torch is imported only by the thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+from phoenix_runtime.plane import protocol
+
+POLL_S = 0.02  # the poll interval of a reader whose watcher is not armed (or whose message is half written)
+
+
+class NotifyWatcher:
+    """Sets ``wake`` when ``protocol.K_NOTIFY`` moves: blocked in the store, on a client of its own, on the key
+    ``notify_ranks`` writes when the counter reaches the next value. ``armed`` while it is blocked there; else
+    (connecting, a store it cannot read the counter from) its reader polls every 20 ms. ``connect`` makes that
+    client (a rank's ``control.connect_store``; an agent's own ``FailoverStore``)."""
+
+    # A wait that times out is harmless (read the counter, wait again) but torch logs two warning lines each time;
+    # nothing needs it sooner (a takeover ends the wait, and the reader reads everything on a cadence of its own)
+    WAIT_S = 3600.0
+
+    def __init__(self, connect: Callable[[], Any], wake: threading.Event, stop: threading.Event):
+        self.connect, self.wake, self.stop = connect, wake, stop
+        self.armed = False
+        self.thread = threading.Thread(target=self._run, name="phoenix-notify", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            store = self.connect()  # here, not in the constructor: the connection takes a while
+        except Exception:
+            return  # the reader polls
+        last, woke = None, False
+        while not self.stop.is_set():
+            try:
+                n = protocol.read_notify(store)
+                self.armed = True
+                if n != last:
+                    last = n
+                    self.wake.set()  # the reader reads the counter (and what it announces) now
+                elif woke:  # the next value's key is there, the counter is not (a forged key): poll, not spin
+                    self.stop.wait(POLL_S)
+                woke = store.wait_or_move([protocol.k_notify(n + 1)], timedelta(seconds=self.WAIT_S))
+                last = last if woke else None  # moved to a new leader's store: wake the reader there too
+            except dist.DistStoreError as e:
+                if "timeout" not in str(e).lower():
+                    self._disarm()
+            except Exception:  # the store lost (the reader decides nothing here), a counter not a number
+                self._disarm()
+        self.armed = False
+
+    def _disarm(self) -> None:
+        """The reader polls (woken now to see it), until the next try here in a second."""
+        self.armed = False
+        self.wake.set()
+        self.stop.wait(1.0)
