@@ -5,7 +5,7 @@
 Per N: one supervisor process (``fleet_sup.py``: phoenix_launch's ``Supervisor``, its loop and its TCPStore, the
 store a thread of that process as in a real job) and ``--workers`` processes of simulated agents and ranks
 (``fleet_sim.py``: the real control thread's methods and the real agent loop's store calls, ``--conns``
-connections each plus one notify watcher). Once every node is up and every rank has reported ``RuntimeReady``:
+connections each plus two notify watchers, the ranks' and the agents'). Once every node is up and every rank has reported ``RuntimeReady``:
 a steady window (``--window-s``), then one node is lost (its agent and ranks stop at once), the supervisor's
 ``failure`` event and its ``decision`` (a hot-swap onto the one spare) are timed from the loss, and the
 generation it publishes is timed until every live simulated rank has seen it.
@@ -17,6 +17,7 @@ target breaks. Every row is measured on this machine; a crossing beyond the larg
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -206,10 +207,13 @@ def incident(job: Job, a) -> dict:
 
 
 def run_one(a, n: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"fleet{n}-") as td:
+    keep = contextlib.nullcontext(tempfile.mkdtemp(prefix=f"fleet{n}-")) if a.keep else None
+    with keep or tempfile.TemporaryDirectory(prefix=f"fleet{n}-") as td:
         run_dir = Path(td)
         job = Job(a, n, run_dir)
         row: dict = {"n": n, "ranks": n * a.ranks_per_node, "started": False}
+        if a.keep:
+            print(f"N={n}: run directory {run_dir}", flush=True)
         try:
             world = n * a.ranks_per_node
             t0 = time.monotonic()
@@ -276,7 +280,7 @@ def main() -> int:
     ap.add_argument("--nodes", default=None, help="comma-separated node counts (default 10,100,1000,10000; --quick: 4,12)")
     ap.add_argument("--ranks-per-node", type=int, default=8)
     ap.add_argument("--workers", type=int, default=2, help="simulation processes")
-    ap.add_argument("--conns", type=int, default=4, help="store connections per simulation process (+1 notify watcher)")
+    ap.add_argument("--conns", type=int, default=4, help="store connections per simulation process (+2 notify watchers)")
     ap.add_argument("--window-s", type=float, default=5.0, help="the steady window")
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--node-timeout-s", type=float, default=5.0)
@@ -284,16 +288,17 @@ def main() -> int:
     ap.add_argument("--incident-timeout-s", type=float, default=30.0)
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--quick", action="store_true", help="a smoke run: N=4,12, short windows")
+    ap.add_argument("--keep", action="store_true", help="keep each N's run directory (its events, logs) and print it")
     a = ap.parse_args()
     if a.quick:
         a.nodes = a.nodes or "4,12"
         a.window_s, a.node_timeout_s, a.startup_timeout_s, a.incident_timeout_s = 2.0, 2.0, 30.0, 15.0
     sizes = [int(x) for x in (a.nodes or "10,100,1000,10000").split(",") if x]
-    print(f"fleet: the real supervisor + store vs {a.workers} simulation processes x {a.conns} connections (+1 watcher each); "
+    print(f"fleet: the real supervisor + store vs {a.workers} simulation processes x {a.conns} connections (+2 watchers each); "
           f"{a.ranks_per_node} ranks/node, 1 spare, heartbeat {a.heartbeat_s:g} s, node timeout {a.node_timeout_s:g} s; "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} at start", flush=True)
-    print("A real job holds 1 + 2 x ranks connections per node to the store (agent; each rank's control thread and notify "
-          f"watcher): {1 + 2 * a.ranks_per_node} per node; this simulation holds {a.workers * (a.conns + 1)} in all, plus the "
+    print("A real job holds 2 + 2 x ranks connections per node to the store (the agent's and its watcher's; each rank's control "
+          f"thread and notify watcher): {2 + 2 * a.ranks_per_node} per node; this simulation holds {a.workers * (a.conns + 2)} in all, plus the "
           "supervisor's own. The store is a thread of the supervisor process: its CPU and RSS are in the supervisor's.", flush=True)
     print(HEADER, flush=True)
     rows = []

@@ -15,7 +15,8 @@ a spare's ranks look for their assignment once a second, as ``bootstrap.wait_for
 
 What differs from a real job: no processes are spawned; ``conns`` threads, each with one store connection of its
 own, run every client's due work in turn (a real node holds 1 + 2 x nproc connections); and one notify watcher per
-process, blocked in the store, wakes every simulated rank of the process, where each real rank has its own.
+process and counter (the ranks', the agents'), blocked in the store, wakes every simulated rank (agent) of the
+process, where each real rank and agent has its own.
 
 stdin: ``kill NODE`` stops that node's agent and ranks (they never touch the store again); end of input ends
 the process. ``DIR/bench_sim<first>.json`` says, once a second: round trips made, how late the due work ran
@@ -46,7 +47,7 @@ ASSIGN_POLL_S = 1.0  # a spare rank's assignment poll (bootstrap.wait_for_assign
 
 
 class SimWatcher:
-    """``control.NotifyWatcher``'s part in ``ControlThread``: only ``armed`` is read (one watcher per process)."""
+    """``watch.NotifyWatcher``'s part in its reader: only ``armed`` is read (one watcher per process and counter)."""
 
     armed = False
 
@@ -80,11 +81,12 @@ class SimRank(control.ControlThread):
     """The real control thread's methods, on a shared connection; its loop is ``step`` (one pass of ``_run``)."""
 
     def __init__(self, node: str, slot: int, rank: int | None, store, local: NodeLocal, watcher: SimWatcher,
-                 heartbeat_s: float, seen: dict):
+                 heartbeat_s: float, seen: dict, world_size: int):
         self.state = control.RankState()
         self.local = local
         self.state.phase = "training" if rank is not None else "spare"
         self.node, self.slot, self.rank, self.heartbeat_s = node, slot, rank, heartbeat_s
+        self.full_read_s = control.full_read_every(heartbeat_s, world_size)
         self.store = store
         self.q_rank = protocol.Queue(store, protocol.q_rank(node, slot))
         self.latest_gen = 0
@@ -118,7 +120,7 @@ class SimRank(control.ControlThread):
             self._poll(full=full)
         self._send_posted()
         if full:
-            self.next_full = now + max(self.heartbeat_s, control.FULL_READ_S)
+            self.next_full = now + self.full_read_s
         due = now + control.POLL_S
         if self._watcher.armed and not self._dirty:
             due = min(self.next_hb, self.next_full)
@@ -195,18 +197,20 @@ class Lane(threading.Thread):
         self.clients = clients
         self.stop, self.woken = stop, threading.Event()
         self.lags: collections.deque = collections.deque(maxlen=20000)  # seconds late, per run of a client
+        self.wake_kinds: dict[type, bool] = {}  # whose counter moved (SimRank: the ranks', SimAgent: the agents')
         self.errors = 0
 
     def run(self) -> None:
         heap = [(time.monotonic() + i * 1e-5, i) for i in range(len(self.clients))]
         heapq.heapify(heap)
         while not self.stop.is_set() and heap:
-            if self.woken.is_set():  # the notify counter moved: every client reads now, as a real watcher wakes its own
+            if self.woken.is_set():  # a counter moved: its clients read now, as a real watcher wakes its own
                 self.woken.clear()
                 now = time.monotonic()
+                kinds = tuple(k for k in (SimRank, SimAgent) if self.wake_kinds.pop(k, False))
+                heap = [(min(due, now) if isinstance(self.clients[i], kinds) else due, i) for due, i in heap]
                 for c in self.clients:
-                    c.woken = True
-                heap = [(min(due, now), i) for due, i in heap]
+                    c.woken = c.woken or isinstance(c, kinds)
                 heapq.heapify(heap)
             due, i = heap[0]
             now = time.monotonic()
@@ -226,26 +230,29 @@ class Lane(threading.Thread):
             heapq.heappush(heap, (nxt, i))
 
 
-def watch_notify(host: str, port: int, lanes: list[Lane], watcher: SimWatcher, stop: threading.Event) -> None:
-    """``NotifyWatcher._run`` for every rank of this process: block on the counter's next key, wake every lane."""
+def watch_notify(host: str, port: int, lanes: list[Lane], watcher: SimWatcher, stop: threading.Event, counter: str,
+                 kind: type) -> None:
+    """``NotifyWatcher._run`` for every rank (``counter`` the ranks') or every agent (the agents') of this process:
+    block on the counter's next key, wake those clients of every lane."""
     from phoenix_launch.plane.control import connect
 
     store = connect(host, port, timeout_s=60.0)
     last = None
     while not stop.is_set():
         try:
-            n = protocol.read_notify(store)
+            n = protocol.read_notify(store, counter)
             watcher.armed = True
             if n != last:
                 last = n
                 for lane in lanes:
+                    lane.wake_kinds[kind] = True
                     lane.woken.set()
-            store.wait([protocol.k_notify(n + 1)], timedelta(seconds=2.0))
+            store.wait([protocol.k_notify(n + 1, counter)], timedelta(seconds=2.0))
         except Exception:  # noqa: BLE001 -- the wait timed out (nothing moved), or the store is going away
             time.sleep(0.01)
 
 
-def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, stop: threading.Event):
+def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, agent_watcher: SimWatcher, stop: threading.Event):
     """The lanes (connections) and their clients: node i's agent and ranks on lane i % conns."""
     lo, hi = (int(x) for x in a.nodes.split(":"))
     per_lane: list[list] = [[] for _ in range(a.conns)]
@@ -255,9 +262,9 @@ def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, stop: thread
         lane = lanes[i % a.conns]
         node = f"node{i}"
         local = NodeLocal()
-        agent = SimAgent(node, a.nproc, lane.store, local, watcher, a.heartbeat_s, a.hang_timeout_s)
-        ranks = [SimRank(node, s, i * a.nproc + s if i < a.active else None, lane.store, local, watcher, a.heartbeat_s, seen)
-                 for s in range(a.nproc)]
+        agent = SimAgent(node, a.nproc, lane.store, local, agent_watcher, a.heartbeat_s, a.hang_timeout_s)
+        ranks = [SimRank(node, s, i * a.nproc + s if i < a.active else None, lane.store, local, watcher, a.heartbeat_s, seen,
+                         a.active * a.nproc) for s in range(a.nproc)]
         lane.clients += [agent, *ranks]
         by_node[node] = [agent, *ranks]
     return lanes, by_node
@@ -288,10 +295,12 @@ def main() -> int:
     auth.set_key(auth.read_secret(run_dir))
     host = "127.0.0.1"
     seen: dict[int, list[float]] = {}
-    watcher, stop = SimWatcher(), threading.Event()
-    lanes, by_node = build(a, host, a.port, seen, watcher, stop)
+    watcher, agent_watcher, stop = SimWatcher(), SimWatcher(), threading.Event()
+    lanes, by_node = build(a, host, a.port, seen, watcher, agent_watcher, stop)
     killed: dict[str, float] = {}
-    threading.Thread(target=watch_notify, args=(host, a.port, lanes, watcher, stop), daemon=True).start()
+    threading.Thread(target=watch_notify, args=(host, a.port, lanes, watcher, stop, protocol.K_NOTIFY, SimRank), daemon=True).start()
+    threading.Thread(target=watch_notify, args=(host, a.port, lanes, agent_watcher, stop, protocol.K_NOTIFY_AGENTS, SimAgent),
+                     daemon=True).start()
     for lane in lanes:
         lane.start()
     path = run_dir / f"bench_sim{a.nodes.split(':')[0]}.json"

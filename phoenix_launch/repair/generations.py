@@ -45,6 +45,7 @@ class GenerationPublisher:
         """Generation 0, as the agents start it."""
         self.members = self.stable = protocol.Membership(0, self.world_size, tuple(ranks), domains=self.domains())
         protocol.put_value(self.store, protocol.k_members(0), self.members.to_json())
+        protocol.put_value(self.store, protocol.K_PERSIST_AT, "0")  # none asked yet; present, a rank reads both in one batch
         protocol.put_value(self.store, protocol.K_GEN, "0")
         protocol.notify_ranks(self.store)
         return self.members

@@ -18,7 +18,7 @@ is a second thread with a client of its own (``NotifyWatcher``): it waits in the
 until its next heartbeat. A quiet control plane thus costs two wake-ups a second instead of fifty round trips
 (the 20 ms poll, kept while the watcher is not armed or a message is half written), and a bump is seen at once.
 While the watcher is armed a quiet rank makes no central round trip at all: it reads the counter only when woken,
-and everything (the safety read for a wake-up lost) every ``FULL_READ_S``, so the central store's steady load
+and everything (the safety read for a wake-up lost) every ``full_read_every``, so the central store's steady load
 grows with the nodes (their agents' heartbeats and digests), not with the ranks. The agent's command queue is
 read the same way (``phoenix_launch.detect.agent``, on a ``NotifyWatcher`` of its own).
 """
@@ -41,8 +41,14 @@ from phoenix_runtime.plane.watch import POLL_S, NotifyWatcher  # noqa: F401  (PO
 
 PHASES = ("starting", "training", "recovering", "done")
 # A full read with the watcher armed (every writer bumps the counter, so this only bounds how late a wake-up
-# lost in the store is noticed): at 80,000 ranks one every heartbeat was ~6 round trips x 160,000 a second
+# lost in the store is noticed): at 80,000 ranks one every heartbeat was ~6 round trips x 160,000 a second.
+# Every FULL_READ_S, and no more often than the whole job makes ~1,000 of them a second (80,000 ranks: 80 s).
 FULL_READ_S = 5.0
+FULL_READS_PER_S = 1000.0
+
+
+def full_read_every(heartbeat_s: float, world_size: int) -> float:
+    return max(heartbeat_s, FULL_READ_S, world_size / FULL_READS_PER_S)
 
 # Where a rank's main thread is blocked, seen from its control thread: inside these (torch's collectives,
 # autograd's backward where DDP's all-reduce waits, DDP itself, or the runtime's own bounded waits) it waits
@@ -179,6 +185,7 @@ class ControlThread:
         self.node = env.node
         self.slot = env.slot
         self.heartbeat_s = env.settings.heartbeat_s
+        self.full_read_s = full_read_every(self.heartbeat_s, env.world_size)
         self.store = connect_store(env)
         self.q_rank = protocol.Queue(self.store, protocol.q_rank(self.node, self.slot))
         self.latest_gen = protocol.read_gen(self.store)
@@ -272,8 +279,10 @@ class ControlThread:
         if not (full or self._dirty or seen is None or seen != self._notified):
             return
         self._dirty = True
-        self.persist_at = int(protocol.get_value(self.store, protocol.K_PERSIST_AT) or 0)
-        g = protocol.read_gen(self.store)
+        # one batch (check + multi_get) for both keys where both exist: a generation's bump is read by every rank
+        both = protocol.get_values(self.store, [protocol.K_PERSIST_AT, protocol.K_GEN])
+        self.persist_at = int(both[protocol.K_PERSIST_AT] or 0)
+        g = int(both[protocol.K_GEN] or 0)
         if g > self.latest_gen:
             self.latest_gen = g
             for cb in list(self.on_gen_change):
@@ -302,7 +311,7 @@ class ControlThread:
                     self._poll(full=full)
                 self._send_posted()
                 if full:
-                    next_full = now + max(self.heartbeat_s, FULL_READ_S)
+                    next_full = now + self.full_read_s
                 if self._watcher.armed and not self._dirty:  # until the watcher's wake-up or the next heartbeat
                     delay = max(0.0, min(next_hb, next_full) - time.monotonic())
             except Exception:

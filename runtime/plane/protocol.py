@@ -20,8 +20,10 @@ Key space (all under ``phx/``)::
     phx/q/rank/<node>/<slot>/...  queue: supervisor -> one rank (injected faults)
     phx/q/cmd/...                 queue: ``phoenix-run kill-node`` -> supervisor
     phx/persist/at                the step every rank writes a persistent checkpoint of (time-based cadence)
-    phx/notify                    counter: bumped after each write above that ranks and agents read (``notify_ranks``)
+    phx/notify                    counter: bumped after each write above that ranks read (``notify_ranks``)
+    phx/notify-agents             counter: bumped after each command into an agent's queue (``tell_agent``)
     phx/notify/<n>                written when the counter reaches n (the newest NOTIFY_KEEP kept): ranks block on it
+    phx/notify-agents/<n>         the same for the agents' counter
 
 Every value and message above (but the counters and torch's own ``pg`` keys) is sealed with the job's
 secret (``channel``, ``auth``): readers drop what is unsigned, forged or replayed, and report it.
@@ -94,31 +96,37 @@ K_PROTECT_EVERY = "phx/protect/every"  # protect every m-th step from the next g
 # anyway. Like the other counters it is not sealed: a forged bump costs a rank one full read, and a forged
 # decrease delays a genuine write by one heartbeat at most (the periodic full read), never hides it.
 K_NOTIFY = "phx/notify"
+K_NOTIFY_AGENTS = "phx/notify-agents"  # the agents' own counter (``tell_agent``), apart from the ranks'
 NOTIFY_KEEP = 8  # the newest k_notify keys kept (a rank blocks on the one after the counter it read)
 
 
-def k_notify(n: int) -> str:
-    return f"{K_NOTIFY}/{n}"
+def k_notify(n: int, counter: str = K_NOTIFY) -> str:
+    return f"{counter}/{n}"
+
+
+def notify(store: Store, counter: str) -> None:
+    """Bump ``counter``, then write its value's key, which wakes the readers blocked on it (``watch.NotifyWatcher``)."""
+    n = int(store.add(counter, 1))
+    store.set(k_notify(n, counter), "1")
+    if n > NOTIFY_KEEP and hasattr(store, "delete_key"):
+        store.delete_key(k_notify(n - NOTIFY_KEEP, counter))
 
 
 def notify_ranks(store: Store) -> None:
-    """Tell every rank's control thread to read K_GEN, K_PERSIST_AT and its queue now (after writing them): the
-    counter, then its value's key, which wakes the ranks blocked on it (``control.NotifyWatcher``)."""
-    n = int(store.add(K_NOTIFY, 1))
-    store.set(k_notify(n), "1")
-    if n > NOTIFY_KEEP and hasattr(store, "delete_key"):
-        store.delete_key(k_notify(n - NOTIFY_KEEP))
+    """Tell every rank's control thread to read K_GEN, K_PERSIST_AT and its queue now (after writing them)."""
+    notify(store, K_NOTIFY)
 
 
 def tell_agent(store: Store, node: str, msg: Message) -> None:
-    """A command into ``node``'s agent queue, then the counter bump that wakes its agent (which reads its queue
-    only when woken, and every heartbeat in case a wake-up was lost)."""
+    """A command into ``node``'s agent queue, then the bump of the agents' own counter that wakes the agents
+    (they read their queues only when woken, and every heartbeat in case a wake-up was lost). The ranks' counter
+    is not bumped: at 80,000 ranks one command would cost every rank a full read."""
     Queue(store, q_agent(node)).put(msg)
-    notify_ranks(store)
+    notify(store, K_NOTIFY_AGENTS)
 
 
-def read_notify(store: Store) -> int:
-    return int(store.add(K_NOTIFY, 0))
+def read_notify(store: Store, counter: str = K_NOTIFY) -> int:
+    return int(store.add(counter, 0))
 
 
 def k_members(gen: int) -> str:

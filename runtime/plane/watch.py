@@ -15,8 +15,9 @@ POLL_S = 0.02  # the poll interval of a reader whose watcher is not armed (or wh
 
 
 class NotifyWatcher:
-    """Sets ``wake`` when ``protocol.K_NOTIFY`` moves: blocked in the store, on a client of its own, on the key
-    ``notify_ranks`` writes when the counter reaches the next value. ``armed`` while it is blocked there; else
+    """Sets ``wake`` when ``counter`` (the ranks' ``protocol.K_NOTIFY``, or the agents' ``K_NOTIFY_AGENTS``) moves:
+    blocked in the store, on a client of its own, on the key ``protocol.notify`` writes when the counter reaches
+    the next value. ``armed`` while it is blocked there; else
     (connecting, a store it cannot read the counter from) its reader polls every 20 ms. ``connect`` makes that
     client (a rank's ``control.connect_store``; an agent's own ``FailoverStore``)."""
 
@@ -24,8 +25,9 @@ class NotifyWatcher:
     # nothing needs it sooner (a takeover ends the wait, and the reader reads everything on a cadence of its own)
     WAIT_S = 3600.0
 
-    def __init__(self, connect: Callable[[], Any], wake: threading.Event, stop: threading.Event):
-        self.connect, self.wake, self.stop = connect, wake, stop
+    def __init__(self, connect: Callable[[], Any], wake: threading.Event, stop: threading.Event,
+                 counter: str = protocol.K_NOTIFY):
+        self.connect, self.wake, self.stop, self.counter = connect, wake, stop, counter
         self.armed = False
         self.thread = threading.Thread(target=self._run, name="phoenix-notify", daemon=True)
         self.thread.start()
@@ -40,14 +42,14 @@ class NotifyWatcher:
         last, woke = None, False
         while not self.stop.is_set():
             try:
-                n = protocol.read_notify(store)
+                n = protocol.read_notify(store, self.counter)
                 self.armed = True
                 if n != last:
                     last = n
                     self.wake.set()  # the reader reads the counter (and what it announces) now
                 elif woke:  # the next value's key is there, the counter is not (a forged key): poll, not spin
                     self.stop.wait(POLL_S)
-                woke = store.wait_or_move([protocol.k_notify(n + 1)], timedelta(seconds=self.WAIT_S))
+                woke = store.wait_or_move([protocol.k_notify(n + 1, self.counter)], timedelta(seconds=self.WAIT_S))
                 last = last if woke else None  # moved to a new leader's store: wake the reader there too
             except dist.DistStoreError as e:
                 if "timeout" not in str(e).lower():
