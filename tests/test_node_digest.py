@@ -165,3 +165,77 @@ def test_a_recoverys_first_step_is_read_as_the_first_of_its_phase_not_the_latest
     assert status.read_rank_steps(store, members, after=24) == {0: first}
     assert status.read_rank_steps(store, members) == {0: (27, st.t_step)}
     assert status.read_rank_steps(store, members, after=25) == {0: (27, st.t_step)}  # its first step is not past 25
+
+
+def _client(port: int):
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5), use_libuv=True)
+
+
+def test_an_agent_command_wakes_the_agents_watcher_and_not_the_ranks(secret):
+    """``tell_agent`` bumps the agents' counter only: at 80,000 ranks a command to one agent must not cost every
+    rank a full read; ``notify_ranks`` wakes the ranks' watcher. Real watchers blocked in a real store."""
+    from phoenix_runtime.plane.failover import FailoverStore
+    from phoenix_runtime.plane.watch import NotifyWatcher
+
+    server = _server()
+    stop = threading.Event()
+    wake_agents, wake_ranks = threading.Event(), threading.Event()
+
+    def connect():  # the client the agent and the ranks give their watchers
+        return FailoverStore(("127.0.0.1", server.port), None, timeout_s=5.0, reconnect_s=5.0)
+    agents = NotifyWatcher(connect, wake_agents, stop, protocol.K_NOTIFY_AGENTS)
+    ranks = NotifyWatcher(connect, wake_ranks, stop)
+    try:
+        # each watcher wakes its reader once at its first read of the counter: wait for both, then start clean
+        assert wake_agents.wait(10) and wake_ranks.wait(10), "the watchers never read their counters"
+        wake_agents.clear(), wake_ranks.clear()
+        protocol.tell_agent(server, "node3", protocol.AgentStop())
+        assert wake_agents.wait(5), "the agents' watcher was not woken by a command"
+        assert not wake_ranks.wait(0.3), "a command to one agent woke the ranks"
+        q = protocol.Queue(server, protocol.q_agent("node3"))
+        assert [m["type"] for m in q.get_all()] == ["stop"]
+        wake_agents.clear()
+        protocol.notify_ranks(server)
+        assert wake_ranks.wait(5), "the ranks' watcher was not woken by notify_ranks"
+        assert not wake_agents.wait(0.3), "notify_ranks woke the agents"
+    finally:
+        stop.set()
+        protocol.notify_ranks(server)  # releases the blocked waits (their threads are daemons)
+        protocol.notify(server, protocol.K_NOTIFY_AGENTS)
+
+
+def test_a_quiet_rank_makes_no_central_round_trip_between_its_safety_reads(secret):
+    """A rank whose watcher is armed reads the store only when woken (bench/fleet_sim's SimRank is the control
+    thread's own methods, stepped here by hand): over ten heartbeats of quiet, no round trip; a bump is read at
+    the next wake-up in one pass."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from fleet_sim import NodeLocal, SimRank, SimWatcher
+
+    server = _server()
+    protocol.put_value(server, protocol.K_PERSIST_AT, "0")
+    protocol.put_value(server, protocol.K_GEN, "0")
+    store = Counting(_client(server.port))
+    watcher = SimWatcher()
+    watcher.armed = True
+    seen: dict = {}
+    r = SimRank("node0", 0, 0, store, NodeLocal(), watcher, 0.5, seen, 8)
+    now = 1000.0
+    r.step(now)  # the first pass: a full read
+    store.calls.clear()
+    for i in range(1, 10):  # nine heartbeats of quiet (the safety read is due after 5 s), nobody writes
+        r.step(now + 0.5 * i)
+    assert store.calls == [], "a quiet rank read the central store"
+    protocol.put_value(server, protocol.K_GEN, "1")
+    protocol.notify_ranks(server)
+    r.woken = True
+    r.step(now + 4.8)
+    assert 1 in seen, "the bump was not read at the wake-up"
+    # the counter, the generation and the persist step in one batch (check + multi_get), the queue's counter
+    assert [c[0] for c in store.calls] == ["add", "check", "multi_get", "add"], store.calls
+    store.calls.clear()
+    r.step(now + 5.1)  # the safety read: everything, whether or not the counter moved
+    assert [c[0] for c in store.calls] == ["add", "check", "multi_get", "add"], store.calls
