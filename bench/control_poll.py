@@ -6,7 +6,7 @@ sees a generation bump written the way the supervisor writes it (the 20 ms poll 
 
 Linux only (/proc/self/task). Issue 15: the poll read the sealed generation and the rank's queue every 20 ms
 (three store round trips and an HMAC); then it read one counter (protocol.K_NOTIFY) every 20 ms unless it moved;
-now a second thread (control.NotifyWatcher) blocks in the store until the counter moves and the control thread
+now a second thread (watch.NotifyWatcher) blocks in the store until the counter moves and the control thread
 sleeps until then or its next heartbeat. The CPU reported is both threads'.
 """
 import os
