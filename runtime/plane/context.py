@@ -115,6 +115,11 @@ class Context:
 
     # --- generations ---------------------------------------------------------------------------------
     def latest_gen(self) -> int:
+        """The newest generation published: the control thread's view while its notify watcher is armed (a bump
+        wakes it at once), so the recovery's poll loops, which every rank runs every few ms, make no round trip
+        for it; else the store's."""
+        if self.managed and self.ctl.watching:
+            return self.ctl.latest_gen
         return protocol.read_gen(self.store)
 
     def abandoned(self) -> bool:

@@ -207,6 +207,11 @@ class ControlThread:
         if self.local is not None:  # local heartbeats from a thread of their own (see _beat_locally)
             threading.Thread(target=self._beat_locally, name="phoenix-heartbeat", daemon=True).start()
 
+    @property
+    def watching(self) -> bool:
+        """``latest_gen`` follows the store at once: the watcher is armed and no read is half done."""
+        return self._watcher.armed and not self._dirty
+
     def _beat_locally(self) -> None:
         """Heartbeat into the agent's store every ``heartbeat_s``, apart from this thread's central store calls:
         those stall while the leader is lost (until a takeover), and a rank must not look silent to its agent
