@@ -74,8 +74,10 @@ class ProtectedTraining:
             self.d2h = D2H(ctx.device, lambda: self.shard_named(self.rs.boundary_buffers if self.rs.boundary_step >= 0 else state.buffers_now(self.objs.module)),
                            lambda: self.local_named(self.rs.boundary_buffers),
                            fault=self.faults.copy_hook,
-                           # the DP peers' parameters are identical only without a parallelism that shards them
-                           fingerprint=self.settings.fingerprint and parallel is None)
+                           # compared among the ranks that hold the same parameters (commit.py's classes): DDP and
+                           # ZeRO, HSDP across its replica groups; FSDP and TP without a replicate dimension hold
+                           # no second copy, and a pipeline's DP peers are not compared (not covered yet)
+                           fingerprint=self.settings.fingerprint and (parallel is None or parallel.fingerprinted))
         self.sdc = SdcMonitor(self)
         self.faults.flip = self.sdc.flip
         self.persister = persist.Persister(ctx.env.run_dir, ctx.rank, self.settings.persist_every, ctx.report) \

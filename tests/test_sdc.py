@@ -9,14 +9,18 @@ equals the failure-free run's (shared with the fault matrix's helper: one baseli
 
 from __future__ import annotations
 
+import collections
+import queue
 import subprocess
+import threading
 
 import pytest
 
-from conftest import assert_same_digest, of_type, phoenix_cmd
+from conftest import assert_same_digest, events, job_processes, load_digest, of_type, phoenix_cmd
 from phoenix_launch.config import ConfigError, build_config
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch.decide.sdc import Copy, Suspects, find_corrupt
+from phoenix_runtime.protection.commit import barrier
 from phoenix_runtime.recover.recovery import Descriptor, plan_recovery
 from test_fault_matrix import failure_free, run_job  # noqa: F401  (the session's failure-free baselines)
 
@@ -40,6 +44,94 @@ def test_culprit_finder_majority_two_copies_undecidable():
     assert not sus.complete(2)
     sus.add(1, Copy(1, 9), 3)
     assert sus.complete(2) and sus.last_agreed == 3  # the oldest last agreed step any rank names
+
+
+@pytest.mark.timeout(10)
+def test_culprit_finder_judges_each_class_alone():
+    """HSDP: ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1 (class = shard index). Different fingerprints of
+    different classes are no disagreement; a class of two copies follows the two-copy rule, of three the majority."""
+    hsdp = [Copy(0, 7, group=0), Copy(1, 8, group=1), Copy(2, 7, group=0), Copy(3, 9, group=1)]
+    f = find_corrupt(hsdp)
+    assert (f.corrupt, f.decided) == ((), False) and f.reason.startswith("class 1: two copies") and "class 0" not in f.reason
+    f = find_corrupt(hsdp[:3] + [Copy(3, 9, agreed_ok=False, group=1)])
+    assert (f.corrupt, f.decided) == ((3,), True)
+    three = [Copy(r, 7 if r % 2 == 0 else 8, group=r % 2) for r in range(6)]
+    three[3] = Copy(3, 9, group=1, tensors={"p.w": 1})
+    three[1] = Copy(1, 8, group=1, tensors={"p.w": 2})
+    f = find_corrupt(three)
+    assert (f.corrupt, f.decided, f.tensors) == ((3,), True, ("p.w",))
+    agree = find_corrupt([Copy(r, 7 + r % 2, group=r % 2) for r in range(4)])
+    assert (agree.corrupt, agree.decided) == ((), False)
+    mixed = find_corrupt(three[:2] + [Copy(2, 5, group=0), three[3], Copy(4, 6, group=0), three[5]])  # class 0: no majority
+    assert (mixed.corrupt, mixed.decided) == ((3,), False)
+    d = decisions.sdc(mixed, 5, 4, {r: f"n{r // 2}" for r in range(6)}, {}, ())
+    assert (d.kind, d.resync, d.rollback_to) == (decisions.Kind.RESYNC, (3,), 4)  # re-synced, every rank rolled back
+
+
+class _Done:
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def wait(self, timeout: float) -> None:
+        if not self.event.wait(timeout):
+            raise TimeoutError("in-process transport: timed out")
+
+
+class _Mesh:
+    """An in-process transport of ``size`` ranks (one end per rank): a send completes when its receive copied it."""
+
+    def __init__(self, size: int):
+        self.size, self.boxes = size, collections.defaultdict(queue.Queue)
+
+    def end(self, rank: int):
+        mesh = self
+
+        class End:
+            size = mesh.size
+
+            def isend(self, dst, buf, tag):
+                done = threading.Event()
+                mesh.boxes[(rank, dst, tag)].put((buf.clone(), done))
+                return _Done(done)
+
+            def irecv(self, src, buf, tag):
+                done = threading.Event()
+
+                def run():
+                    data, sent = mesh.boxes[(src, rank, tag)].get(timeout=20)
+                    buf.copy_(data)
+                    sent.set()
+                    done.set()
+
+                threading.Thread(target=run, daemon=True).start()
+                return _Done(done)
+
+        return End()
+
+
+def _barrier_outcomes(fps: list[int], classes: int) -> list[bool]:
+    mesh, out = _Mesh(len(fps)), [None] * len(fps)
+
+    def run(r):
+        out[r] = barrier(mesh.end(r), r, len(fps), 3, 20.0, fps[r], classes, r % classes)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(fps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_commit_barrier_compares_fingerprints_within_each_class():
+    """The commit barrier's slots: HSDP's classes (rank % 2 here) are compared apart, every rank learns the outcome."""
+    assert _barrier_outcomes([11, 22, 11, 22, 11, 22], 2) == [True] * 6
+    assert _barrier_outcomes([11, 22, 11, 22, 11, 23], 2) == [False] * 6  # rank 5 differs from its class
+    assert _barrier_outcomes([11, 22, 11, 22], 1) == [False] * 4  # one class (DDP): every rank compared
+    assert _barrier_outcomes([11, 0, 11, 0, 11], 1) == [True] * 5  # a rank without a fingerprint is not compared
+    with pytest.raises(ValueError, match="class 2 out of range"):
+        barrier(_Mesh(2).end(0), 0, 2, 3, 1.0, 5, 2, 2)
 
 
 @pytest.mark.timeout(10)
@@ -161,3 +253,59 @@ def test_a_local_snapshot_flipped_at_rest_is_caught_before_the_rollback_uses_it(
     assert "local snapshot(s) of step(s) [5] changed at rest" in logs and "joiners [0, 1]" in logs
     assert_same_digest(job.digest_path, expected)
     assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
+
+
+# --- HSDP: compared within each shard index, across the replica groups -----------------------------------
+@pytest.fixture(scope="module")
+def hsdp_baseline(tmp_path_factory):
+    from test_fsdp import run_job as run_fsdp
+
+    r, _, dg = run_fsdp(tmp_path_factory.mktemp("base"), "base", "hsdp", 2, 2, 0)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return load_digest(dg, "failure-free hsdp run")
+
+
+def run_hsdp(tmp_path, faults):
+    from test_fsdp import run_job as run_fsdp
+
+    r, run_dir, dg = run_fsdp(tmp_path, "job", "hsdp", 2, 2, 0, faults)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return events(run_dir), run_dir, dg
+
+
+@pytest.mark.timeout(600)
+def test_hsdp_a_flipped_shard_is_re_synced_from_its_peer_in_the_other_replica_group(tmp_path, hsdp_baseline):
+    """train_llama.py --hsdp 2 on 2 x 2 ranks: ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1. At the beginning
+    of step 5 rank 1's parameter shard and its snapshot of step 4 get a flipped bit each. Only class 1 disagrees
+    (rank 1 against rank 3: two copies); rank 1's snapshot of the last agreed step changed at rest, so rank 1 is
+    the corrupt one and is re-synced from rank 3 (the other replica group), its process kept; every rank resumes
+    at step 4 and the job ends with the failure-free digest."""
+    evs, run_dir, dg = run_hsdp(tmp_path, [sdc_fault(1, FLIP_STEP), sdc_fault(1, FLIP_STEP, tensor="snapshot", bit=3)])
+    det = of_type(evs, "sdc_detected")
+    assert [(e["step"], e["ranks"], e["decided"], e["last_agreed"]) for e in det] == [(FLIP_STEP, [1], True, FLIP_STEP - 1)], det
+    assert det[0]["reason"].startswith("class 1: two copies") and "changed at rest" in det[0]["reason"], det
+    assert [(e["ranks"], e["rollback_to"]) for e in of_type(evs, "sdc_resync")] == [([1], FLIP_STEP - 1)]
+    assert [r.get("resume_step") for r in of_type(evs, "recovery")] == [FLIP_STEP - 1]
+    assert [e["resumed_at"] for e in of_type(evs, "sdc_repaired")] == [FLIP_STEP - 1]
+    assert not of_type(evs, "hotswap") and not of_type(evs, "restart")  # nobody restarted
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").rglob("*.log"))
+    assert "joiners [1]" in logs, "rank 1 takes its state from a peer"
+    assert_same_digest(dg, hsdp_baseline)
+    assert not job_processes(run_dir)
+
+
+@pytest.mark.full
+@pytest.mark.timeout(600)
+def test_hsdp_two_copies_that_cannot_tell_roll_every_rank_back(tmp_path, hsdp_baseline):
+    """Only rank 1's parameter shard flipped (HSDP, two copies a shard): neither copy's snapshot of step 4 changed,
+    which one is corrupt cannot be told; every rank rolls back to its own verified snapshot of step 4, nobody is
+    re-synced, and the job ends with the failure-free digest."""
+    evs, run_dir, dg = run_hsdp(tmp_path, [sdc_fault(1, FLIP_STEP)])
+    det = of_type(evs, "sdc_detected")
+    assert [(e["step"], e["ranks"], e["decided"], e["last_agreed"]) for e in det] == [(FLIP_STEP, [], False, FLIP_STEP - 1)], det
+    assert "cannot be told" in det[0]["reason"], det
+    assert [(e["ranks"], e["rollback_to"]) for e in of_type(evs, "sdc_resync")] == [([], FLIP_STEP - 1)]
+    assert [r.get("resume_step") for r in of_type(evs, "recovery")] == [FLIP_STEP - 1]
+    assert not of_type(evs, "hotswap") and not of_type(evs, "restart")
+    assert_same_digest(dg, hsdp_baseline)
+    assert not job_processes(run_dir)

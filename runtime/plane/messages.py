@@ -219,6 +219,7 @@ class SdcSuspect(RankMessage):
     at_rest_ok: bool = True  # S_step's bytes, hashed again now, still give ``fingerprint``
     agreed_ok: bool = True  # its snapshot of ``last_agreed``, hashed again now, still gives that step's fingerprint
     last_agreed: int | None = None  # the newest step whose fingerprints agreed (None: none yet)
+    group: int = 0  # its fingerprint class (``fingerprint_class``): the ranks whose copies must agree with it
 
 
 @dataclass(frozen=True)
