@@ -64,6 +64,20 @@ class SdcMonitor:
             return list(snap.views()[0].items())
         raise ValueError(f"sdc fault: unknown tensor kind {kind!r}")
 
+    # --- copies at rest (protection/at_rest.py) -----------------------------------------------------------
+    def copies_at_rest(self) -> list:
+        """Every committed host copy this rank holds: the replicas (by their source's shard id), its local snapshots."""
+        ops = self.ops
+        held = ops.held_replicas(at_rest_bad=True)
+        out = [("replica", str(sid), s, snap) for sid, by_step in held.items() for s, snap in by_step.items()]
+        return out + [("snapshot", f"rank {ops.ctx.rank}", s, snap) for s, snap in ops.d2h_committed().items()]
+
+    def at_rest_bad(self, kind: str, owner: str, step: int) -> None:
+        """The verifier's thread: a copy changed at rest. Reported: a replica is re-made from its owner (the
+        supervisor re-protects), a local snapshot is recorded (a recovery's verification keeps it out anyway)."""
+        ops = self.ops
+        ops.ctx.report(protocol.CopyCorrupt(gen=ops.ctx.gen, kind=kind, owner=owner, step=step))
+
     # --- the detection -----------------------------------------------------------------------------------
     def on_mismatch(self, step: int, snap) -> None:
         """The replicator's thread: the commit point of ``step`` found the fingerprints disagreeing."""

@@ -13,13 +13,14 @@ import collections
 import queue
 import subprocess
 import threading
+import time
 
 import pytest
 
 from conftest import assert_same_digest, events, job_processes, load_digest, of_type, phoenix_cmd
 from phoenix_launch.config import ConfigError, build_config
 from phoenix_launch.decide import decide as decisions
-from phoenix_launch.decide.sdc import Copy, Suspects, find_corrupt
+from phoenix_launch.decide.sdc import Copy, Suspects, copy_corrupt, find_corrupt
 from phoenix_runtime.protection.commit import barrier
 from phoenix_runtime.recover.recovery import Descriptor, plan_recovery
 from test_fault_matrix import failure_free, run_job  # noqa: F401  (the session's failure-free baselines)
@@ -188,6 +189,57 @@ def test_plan_resyncs_a_survivor_whose_snapshot_changed_at_rest():
     assert plain.joiners == (1,)  # nothing corrupt: only the supervisor's resync
 
 
+def _replica(pp, step: int, fill: int):
+    from phoenix_runtime.protection.codec import checksum
+    from phoenix_runtime.protection.snapshot import encode_envelope
+
+    buf = pp.stage(step)
+    buf.fill_(fill)
+    return pp.commit(step, {}, checksum=checksum(buf, encode_envelope(step, {}, [])))
+
+
+@pytest.mark.timeout(30)
+def test_at_rest_verifier_finds_a_flipped_copy_once_and_ignores_a_restaged_one():
+    """A ping-pong of replicas (real buffers, real XXH3): a bit flipped in the committed S_8 is found by the next
+    sweep, reported once and kept out (``is_bad``); S_0 stays good; a buffer staged again while hashed is no
+    finding. The verifier's own thread finds a flip within its cadence."""
+    from phoenix_runtime.faults import flip_bit
+    from phoenix_runtime.protection.at_rest import AtRestVerifier
+    from phoenix_runtime.protection.snapshot import PingPong
+
+    pp = PingPong(4096)
+    s0, s8 = _replica(pp, 0, 1), _replica(pp, 8, 2)
+    reported = []
+    v = AtRestVerifier(0, lambda: [("replica", "dp3", s, snap) for s, snap in pp.committed().items()],
+                       lambda *a: reported.append(a))
+    assert v.sweep() == [] and v.stats["bytes"] == 2 * 4096
+    flip_bit(s8.buffer, 77)
+    assert v.sweep() == [("replica", "dp3", 8)] and v.is_bad(s8) and not v.is_bad(s0)
+    assert v.sweep() == [] and reported == [("replica", "dp3", 8)]  # reported once
+    pp.stage(16)[0] ^= 1  # S_0's buffer staged again and written: no longer a copy, not a finding
+    assert v.sweep() == [] and not s0.valid
+    s16 = pp.commit(16, {}, checksum=0)
+    assert not v.is_bad(s16)
+    s24 = _replica(pp, 24, 3)
+    live = AtRestVerifier(0.05, lambda: [("replica", "dp3", 24, s24)], lambda *a: reported.append(a)).start()
+    flip_bit(s24.buffer, 5)
+    deadline = time.monotonic() + 20
+    while len(reported) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    live.stop()
+    assert reported[-1] == ("replica", "dp3", 24) and live.stats["cpu_s"] > 0
+
+
+@pytest.mark.timeout(10)
+def test_a_corrupt_replica_is_re_made_a_local_snapshot_recorded():
+    assert copy_corrupt("replica", "optim/dp3of4/tp0/pp0", 8)[0]
+    remake, why = copy_corrupt("snapshot", "rank 1", 8)
+    assert not remake and "next protected step" in why
+    assert build_config(yaml_data={"runtime": {"verify_at_rest_s": 0}}).runtime.verify_at_rest_s == 0
+    with pytest.raises(ConfigError, match="verify_at_rest_s must be >= 0"):
+        build_config(yaml_data={"runtime": {"verify_at_rest_s": -1}})
+
+
 # --- real jobs ------------------------------------------------------------------------------------------
 def sdc_fault(rank: int, step: int, tensor: str = "param", bit: int = 22, phase: str = "begin") -> dict:
     return {"rank": rank, "step": step, "mode": "sdc", "phase": phase, "tensor": tensor, "bit": bit}
@@ -309,3 +361,31 @@ def test_hsdp_two_copies_that_cannot_tell_roll_every_rank_back(tmp_path, hsdp_ba
     assert not of_type(evs, "hotswap") and not of_type(evs, "restart")
     assert_same_digest(dg, hsdp_baseline)
     assert not job_processes(run_dir)
+
+
+# --- copies verified at rest -----------------------------------------------------------------------------
+AT_REST = {"protect_every": 8, "protect_adapt": False, "verify_at_rest_s": 0.2}
+
+
+@pytest.mark.timeout(600)
+def test_a_replica_flipped_at_rest_is_re_made_and_the_hot_swap_uses_the_good_copy(tmp_path, failure_free):  # noqa: F811
+    """ZeRO on 2 x 2 ranks and a spare, every 8th step protected (a replica waits 8 steps at rest). At the
+    beginning of step 9 a bit of the replica rank 0 holds (S_8 of a rank on node1) flips. The at-rest verifier
+    (every 0.2 s) finds it; the supervisor re-protects (generation 1: every owner sends its committed snapshot
+    again). In generation 1 node1 dies at step 12: the hot-swap resumes at the step the re-made replicas hold,
+    and the job ends with the failure-free digest."""
+    expected = failure_free("zero", 2, 2, steps=20)
+    job = run_job(tmp_path, "zero", 2, 2, 1, [sdc_fault(0, 9, tensor="replica", bit=3), {"node": "node1", "step": 12, "gen": 1}],
+                  extra=("--step-sleep", "0.6"), steps=20, runtime=AT_REST)
+    assert job.result.returncode == 0, job.explain()
+    fired = [(e["mode"], e["step"]) for e in of_type(job.evs, "injected")]
+    assert fired[0] == ("sdc", 9), fired
+    bad = of_type(job.evs, "copy_corrupt")
+    assert [(e["kind"], e["rank"], e["step"], e["remake"]) for e in bad] == [("replica", 0, 8, True)], bad
+    assert [e["gen"] for e in of_type(job.evs, "reprotect")] == [1], of_type(job.evs, "reprotect")
+    recs = of_type(job.evs, "recovery")
+    assert len(recs) == 2 and recs[1]["resume_step"] == recs[0]["resume_step"] >= 8, recs  # the re-made copies' step
+    assert [(e["failed"], e["spare"]) for e in of_type(job.evs, "hotswap")] == [("node1", "node2")]
+    assert not of_type(job.evs, "sdc_detected")  # found at rest, not at a commit point
+    assert_same_digest(job.digest_path, expected)
+    assert not job.leftover, f"processes of the job outlived it: {job.leftover}"

@@ -101,4 +101,14 @@ class Suspects:
         return len(self.copies) >= world_size
 
 
-__all__ = ["Copy", "Finding", "Suspects", "find_corrupt"]
+def copy_corrupt(kind: str, owner: str, step: int) -> tuple[bool, str]:
+    """A held copy changed at rest (``runtime/protection/at_rest.py``): ``(re-make it, why)``. A replica is re-made
+    from its owner (the generation re-protected: every owner sends its committed snapshot again); a local
+    snapshot cannot be (its step is past): the next protected step takes a new one, and until then a recovery's
+    verification keeps it out (that rank takes its state from its peers at that step)."""
+    if kind == "replica":
+        return True, f"the replica of {owner} at step {step} changed at rest: re-made from its owner"
+    return False, f"the local snapshot of {owner} at step {step} changed at rest: replaced at the next protected step"
+
+
+__all__ = ["Copy", "Finding", "Suspects", "copy_corrupt", "find_corrupt"]

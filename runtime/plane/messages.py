@@ -33,6 +33,7 @@ class MsgType(str, Enum):
     PERSISTED = "persisted"
     NODE_PROBE = "node_probe"
     SDC_SUSPECT = "sdc_suspect"
+    COPY_CORRUPT = "copy_corrupt"
     REFUSED = "refused"  # values a reader refused (unsigned, forged, replayed): see ``auth``
     # supervisor -> one agent (q_agent)
     RESTART = "restart"
@@ -223,6 +224,18 @@ class SdcSuspect(RankMessage):
 
 
 @dataclass(frozen=True)
+class CopyCorrupt(RankMessage):
+    """A committed host copy this rank holds changed while it waited (``protection/at_rest.py``): a replica of
+    ``owner``'s shard (re-made from its owner) or this rank's own local snapshot (recorded)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.COPY_CORRUPT
+    gen: int = 0
+    kind: str = "replica"  # replica | snapshot
+    owner: str = ""  # a replica: its source's shard id; a snapshot: this rank
+    step: int = 0
+
+
+@dataclass(frozen=True)
 class Persisted(RankMessage):
     TYPE: ClassVar[MsgType] = MsgType.PERSISTED  # this rank's persistent checkpoint of ``step`` is written
     step: int = 0
@@ -306,7 +319,7 @@ class RankFault(Message):
 MESSAGE_CLASSES: dict[MsgType, type] = {
     cls.TYPE: cls
     for cls in (AgentUp, RankExit, RankHang, NodeProbe, RefusedReport, RankError, ReplicaFailed, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
-                FaultFired, SdcSuspect, Persisted, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
+                FaultFired, SdcSuspect, CopyCorrupt, Persisted, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
 }
 _FIELDS = {t: {f.name: f for f in fields(c)} for t, c in MESSAGE_CLASSES.items()}
 
