@@ -389,3 +389,24 @@ def test_a_replica_flipped_at_rest_is_re_made_and_the_hot_swap_uses_the_good_cop
     assert not of_type(job.evs, "sdc_detected")  # found at rest, not at a commit point
     assert_same_digest(job.digest_path, expected)
     assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
+
+
+@pytest.mark.full
+@pytest.mark.timeout(420)
+def test_a_flipped_optimizer_state_bit_is_detected_and_repaired_in_place(tmp_path, failure_free):  # noqa: F811
+    """Replicated AdamW: bit 22 of rank 1's first optimizer state (its exp_avg) flipped at the beginning of step 5;
+    the replicated optimizer's state is in the fingerprinted region (``o.*``), so the commit point of step 5 names
+    rank 1 and that tensor (3 of 4 copies agree); rank 1 is re-synced from a peer, every rank resumes at step 4,
+    failure-free digest. (A ZeRO shard of the optimizer state has no second live copy: not compared.)"""
+    expected = failure_free("adamw", 2, 2)
+    job = run_job(tmp_path, "adamw", 2, 2, 0, [sdc_fault(1, FLIP_STEP, tensor="optim")])
+    assert job.result.returncode == 0, job.explain()
+    fired = of_type(job.evs, "injected")
+    assert [(e["mode"], e["rank"], e["step"]) for e in fired] == [("sdc", 1, FLIP_STEP)] and fired[0]["tensor"].startswith("optim:")
+    det = of_type(job.evs, "sdc_detected")
+    assert [(e["step"], e["ranks"], e["decided"], e["last_agreed"]) for e in det] == [(FLIP_STEP, [1], True, FLIP_STEP - 1)], det
+    assert det[0]["tensors"] == ["o." + fired[0]["tensor"].split(":", 1)[1]], (det, fired)
+    assert [e["resumed_at"] for e in of_type(job.evs, "sdc_repaired")] == [FLIP_STEP - 1]
+    assert not of_type(job.evs, "hotswap") and not of_type(job.evs, "restart")
+    assert_same_digest(job.digest_path, expected)
+    assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
