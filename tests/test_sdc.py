@@ -240,6 +240,19 @@ def test_a_corrupt_replica_is_re_made_a_local_snapshot_recorded():
         build_config(yaml_data={"runtime": {"verify_at_rest_s": -1}})
 
 
+@pytest.mark.timeout(10)
+def test_a_metric_counts_the_corruptions_found():
+    from test_operator_io import fed, parse_prometheus, snapshot, value
+
+    from phoenix_launch.observe.metrics import render_metrics
+
+    evs = [{"type": "sdc_detected", "step": 5}, {"type": "copy_corrupt", "kind": "replica"},
+           {"type": "copy_corrupt", "kind": "replica"}, {"type": "copy_corrupt", "kind": "snapshot"}]
+    samples = parse_prometheus(render_metrics(snapshot(), fed(*evs)))
+    got = {w: value(samples, "phoenix_silent_corruption_total", where=w) for w in ("commit_point", "replica", "snapshot")}
+    assert got == {"commit_point": 1, "replica": 2, "snapshot": 1}
+
+
 # --- real jobs ------------------------------------------------------------------------------------------
 def sdc_fault(rank: int, step: int, tensor: str = "param", bit: int = 22, phase: str = "begin") -> dict:
     return {"rank": rank, "step": step, "mode": "sdc", "phase": phase, "tensor": tensor, "bit": bit}
