@@ -253,6 +253,24 @@ def test_a_metric_counts_the_corruptions_found():
     assert got == {"commit_point": 1, "replica": 2, "snapshot": 1}
 
 
+@pytest.mark.timeout(10)
+def test_the_report_page_shows_the_corruptions_with_their_evidence():
+    from phoenix_launch.report.page import render_page
+    from phoenix_launch.report.timeline import build_timeline
+
+    evs = [{"type": "job_start", "t": 0.0},
+           {"type": "sdc_detected", "t": 2.0, "step": 5, "ranks": [1], "nodes": ["node0"], "tensors": ["p.fc.weight"],
+            "decided": True, "last_agreed": 4, "reason": "3 of 4 copies agree; rank(s) [1] differ"},
+           {"type": "sdc_repaired", "t": 3.0, "decision": "resync", "ranks": [1], "nodes": ["node0"], "resumed_at": 4},
+           {"type": "copy_corrupt", "t": 4.0, "kind": "replica", "rank": 0, "node": "node0", "owner": "optim/dp3of4/tp0/pp0",
+            "step": 8, "reason": "re-made from its owner"}]
+    page = render_page(build_timeline(evs), {}, None)
+    assert "fingerprints disagree at step 5: rank(s) [1] on node0, tensors p.fc.weight; last agreed step 4" in page
+    assert "repaired (resync): rank(s) [1] on node0, resumed at step 4" in page
+    assert "replica held by rank 0 on node0 changed at rest (optim/dp3of4/tp0/pp0, step 8)" in page
+    assert "None found" in render_page(build_timeline(evs[:1]), {}, None)
+
+
 # --- real jobs ------------------------------------------------------------------------------------------
 def sdc_fault(rank: int, step: int, tensor: str = "param", bit: int = 22, phase: str = "begin") -> dict:
     return {"rank": rank, "step": step, "mode": "sdc", "phase": phase, "tensor": tensor, "bit": bit}
@@ -400,6 +418,10 @@ def test_a_replica_flipped_at_rest_is_re_made_and_the_hot_swap_uses_the_good_cop
     assert len(recs) == 2 and recs[1]["resume_step"] == recs[0]["resume_step"] >= 8, recs  # the re-made copies' step
     assert [(e["failed"], e["spare"]) for e in of_type(job.evs, "hotswap")] == [("node1", "node2")]
     assert not of_type(job.evs, "sdc_detected")  # found at rest, not at a commit point
+    from phoenix_launch.report.page import render_page
+    from phoenix_launch.report.timeline import build_timeline
+
+    assert "replica held by rank 0 on node0 changed at rest" in render_page(build_timeline(job.evs), {}, None)
     assert_same_digest(job.digest_path, expected)
     assert not job.leftover, f"processes of the job outlived it: {job.leftover}"
 
