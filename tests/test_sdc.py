@@ -394,6 +394,40 @@ def test_hsdp_two_copies_that_cannot_tell_roll_every_rank_back(tmp_path, hsdp_ba
     assert not job_processes(run_dir)
 
 
+def run_llama(d, nodes: int, hsdp: int, faults=()):
+    import yaml
+
+    from conftest import run_phoenix
+    from test_fsdp import LLAMA, STEPS
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "cfg.yaml").write_text(yaml.safe_dump({"inject": {"faults": list(faults)}, "runtime": {"replicas": 1},
+                                                "detect": {"recovery_timeout_s": 90}}))
+    r = run_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", str(nodes), "--nproc-per-node", "2", "--spares", "0",
+                     "--run-dir", str(d / "run"), LLAMA, "--steps", str(STEPS), "--digest-file", str(d / "digest.json"),
+                     "--hsdp", str(hsdp)], d, timeout=480)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return events(d / "run"), d / "run", d / "digest.json"
+
+
+@pytest.mark.full
+@pytest.mark.timeout(900)
+def test_hsdp_three_replica_groups_re_sync_the_outvoted_shard(tmp_path):
+    """--hsdp 3 on 3 x 2 ranks: shard 0 on ranks 0, 2, 4, shard 1 on ranks 1, 3, 5. Rank 3's parameter shard flipped
+    at the beginning of step 5: class 1 has three copies, two agree, rank 3 is named with the tensor and re-synced
+    from its peer in another replica group; every rank resumes at step 4; the failure-free digest."""
+    _, _, base = run_llama(tmp_path / "base", 3, 3)
+    evs, run_dir, dg = run_llama(tmp_path / "job", 3, 3, [sdc_fault(3, FLIP_STEP)])
+    det = of_type(evs, "sdc_detected")
+    assert [(e["step"], e["ranks"], e["decided"], e["last_agreed"]) for e in det] == [(FLIP_STEP, [3], True, FLIP_STEP - 1)], det
+    assert det[0]["reason"].startswith("class 1: 2 of 3 copies agree") and len(det[0]["tensors"]) == 1, det
+    assert [(e["ranks"], e["rollback_to"]) for e in of_type(evs, "sdc_resync")] == [([3], FLIP_STEP - 1)]
+    assert [r.get("resume_step") for r in of_type(evs, "recovery")] == [FLIP_STEP - 1]
+    assert not of_type(evs, "hotswap") and not of_type(evs, "restart")
+    assert_same_digest(dg, load_digest(base, "failure-free hsdp 3 run"))
+    assert not job_processes(run_dir)
+
+
 # --- copies verified at rest -----------------------------------------------------------------------------
 AT_REST = {"protect_every": 8, "protect_adapt": False, "verify_at_rest_s": 0.2}
 
