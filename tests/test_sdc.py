@@ -5,6 +5,9 @@ runs examples/train_gpt.py (2 nodes x 2 ranks) with an ``sdc`` fault that flips 
 the beginning of a step; the commit point of that step finds the fingerprints disagreeing, the supervisor
 re-syncs rank 1 from a peer (its process kept) and every rank resumes at the last agreed step; the final digest
 equals the failure-free run's (shared with the fault matrix's helper: one baseline per layout in a session).
+HSDP rows (examples/train_llama.py --hsdp): fingerprints compared within each shard index across the replica
+groups (two copies: the two-copy rule; three: the majority). A replica flipped at rest: found by the at-rest
+verifier, re-made from its owner, and used by a hot-swap that follows.
 """
 
 from __future__ import annotations

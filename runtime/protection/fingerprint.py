@@ -2,16 +2,18 @@
 the commit point of every protected step.
 
 In DDP and ZeRO the parameters are bit-identical on every rank after each step, and under HSDP on the ranks
-with the same shard index across the replica groups: a rank whose copy differs from its class's holds a
-corrupted one (a bit flipped in memory, in a transfer). The local
-snapshot's D2H copy reads those bytes anyway; its worker hashes the packed parameter region (XXH3, per tensor,
-off the training thread) and the commit barrier's messages carry the result (``commit.py``), so the comparison
-costs no extra message. Buffers (``b.*``: BatchNorm's running statistics) are left out: each rank's own.
+with the same shard index across the replica groups (a *class*, ``fingerprint_class``): a rank whose copy
+differs from its class's holds a corrupted one (a bit flipped in memory, in a transfer). The local snapshot's
+D2H copy reads those bytes anyway; its worker hashes the packed local region (XXH3, per tensor, off the
+training thread: the parameters or their local shards, and a replicated optimizer's ``o.*`` state) and the
+commit barrier's messages carry the result (``commit.py``), so the comparison costs no extra message. Buffers
+(``b.*``: BatchNorm's running statistics) are left out: each rank's own.
 
-What is covered: the stored state (parameters, a replicated optimizer's state) between two snapshots, and what
-the snapshot itself copied. What is not: a wrong computation before the all-reduce (its result spreads to every
-replica identically), and state no peer holds the same (a ZeRO shard, buffers, the envelope: those are covered
-by the replicas' checksums in transit only).
+What is covered: the stored state of a class (parameters, a replicated optimizer's state) between two snapshots,
+and what the snapshot itself copied. What is not: a wrong computation before the all-reduce (its result spreads
+to every replica identically), and state no peer holds the same (a ZeRO optimizer shard, FSDP/TP shards without
+a replicate dimension, buffers, the envelope: their host copies are checksummed in transit and at rest only,
+``at_rest.py``).
 """
 
 from __future__ import annotations
