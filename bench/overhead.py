@@ -45,7 +45,9 @@ against off. What each part costs on this machine.
 adds, within each pair, protection on without the fingerprints of silent data corruption (``runtime.fingerprint:
 false``): on/that is what fingerprinting the parameter region every protected step costs (new work: the D2H
 worker hashes the packed parameters, XXH3 per tensor, which the snapshot's own checksum does not cover); the D2H
-thread's last fingerprint time on rank 0 is printed next to its copy and checksum times.
+thread's last fingerprint time on rank 0 is printed next to its copy and checksum times. Every run prints rank 0's
+CPU per step of the protection's threads, the fingerprints' part of it, and the at-rest verification's thread
+(``--at-rest T``: ``runtime.verify_at_rest_s`` of the protected runs; default the runtime's).
 
     python bench/overhead.py --layouts ddp-zero,fsdp,hsdp,tp-fsdp [--pairs 1] [--steps 60] [--d-model 256]
 
@@ -85,6 +87,8 @@ def main():
                     help="cuda: the ranks train on the GPU(s) (NCCL with one GPU per rank, else gloo on CUDA tensors)")
     ap.add_argument("--ablate", action="store_true", help="also local snapshots only, and replicas without the checksum")
     ap.add_argument("--fingerprint", action="store_true", help="also protection on without the fingerprints (runtime.fingerprint: false)")
+    ap.add_argument("--at-rest", type=float, default=None, metavar="T",
+                    help="runtime.verify_at_rest_s of the protected runs (default: the runtime's)")
     ap.add_argument("--bare", action="store_true", help="also the copy work alone, without PHOENIX (bench/bare_copy.py)")
     ap.add_argument("--layouts", default="", help=f"comma-separated, of: {', '.join(layouts.LAYOUTS)}: the overhead per "
                     "parallel layout against DDP+ZeRO's (examples/train_llama.py)")
@@ -111,6 +115,10 @@ def main():
         modes = {"bare copy": BARE, **modes}
     if a.fingerprint:
         modes = {"no fingerprint": {"fingerprint": False}, **modes}
+    if a.at_rest is not None:
+        if a.at_rest < 0:
+            raise SystemExit("overhead.py: --at-rest must be >= 0")
+        modes = {m: (r if r is None or r is BARE else {**r, "verify_at_rest_s": a.at_rest}) for m, r in modes.items()}
     out = {m: [] for m in modes}
     cpu = {m: [] for m in modes}  # the job's whole CPU time (every process of it) per step: less noisy than wall time
     stats, bare_stats = {}, {}
@@ -164,12 +172,24 @@ def main():
               f"{spread(out['on'], out['no fingerprint'])}; rank 0's D2H thread, last snapshot: copy "
               f"{ms_per(stats.get('d2h_last_copy_s'), 1):.2f} ms, checksum {ms_per(stats.get('d2h_last_checksum_s'), 1):.2f} ms, "
               f"fingerprint {ms_per(stats.get('d2h_last_fingerprint_s'), 1):.2f} ms")
+    print_sdc_cpu(stats)
     print(f"payload per rank: optimizer shard {stats.get('optim_bytes', 0) / 1e6:.2f} MB (sent to the replica), "
           f"parameters {stats.get('param_bytes', 0) / 1e6:.2f} MB (local snapshot only)")
     print(f"last step: D2H {stats.get('d2h_s')} s, H2H {stats.get('h2h_h2h_s')} s, "
           f"optimizer_step wait {stats.get('last_wait_s')} s")
     if a.device == "cpu" and stats.get("optim_bytes"):
         print_floor(copy_floor(stats["optim_bytes"], stats["optim_bytes"] + stats.get("param_bytes", 0)), on / off, off, stats)
+
+
+def print_sdc_cpu(stats: dict) -> None:
+    """Rank 0's CPU per step, last "on" run: protection's threads (D2H + H2H), the fingerprints' part of the D2H
+    thread, and the at-rest verification's own thread (per step of the run, at its cadence)."""
+    prot = ms_per(stats.get("d2h_cpu_s"), stats.get("d2h_snapshots")) + ms_per(stats.get("h2h_cpu_s"), stats.get("h2h_steps"))
+    fp = ms_per(stats.get("d2h_fingerprint_cpu_s"), stats.get("d2h_snapshots"))
+    rest = ms_per(stats.get("at_rest_cpu_s"), stats.get("d2h_snapshots"))
+    print(f"CPU per step, rank 0 (last on run): protection (D2H + H2H threads) {prot:.2f} ms, of which the fingerprints "
+          f"{fp:.2f} ms; at-rest verification {rest:.2f} ms ({stats.get('at_rest_sweeps')} sweep(s) of every held copy, "
+          f"every {stats.get('at_rest_every_s')} s)")
 
 
 def ms_per(cpu_s, n) -> float:

@@ -383,7 +383,9 @@ def main(argv=None):
         if trainer.d2h is not None:
             st["d2h_s"] = getattr(trainer.d2h, "last_d2h_s", None)
             st.update({f"d2h_{k}": trainer.d2h.stats.get(k) for k in ("cpu_s", "snapshots", "last_copy_s", "last_checksum_s",
-                                                                     "last_fingerprint_s")})
+                                                                     "last_fingerprint_s", "fingerprint_cpu_s")})
+        if getattr(trainer, "at_rest", None) is not None:  # the copies re-verified at rest (its own thread)
+            st.update({f"at_rest_{k}": v for k, v in trainer.at_rest.stats.items()}, at_rest_every_s=trainer.at_rest.every_s)
         if replicator is not None:
             st.update({f"h2h_{k}": v for k, v in replicator.stats.items()})
         st["optim_bytes"] = sum(t.numel() * t.element_size() for _, t in phx_state.optim_named(trainer.optimizer))

@@ -158,6 +158,7 @@ class RuntimeConfig:
     protect_adapt: bool = RUNTIME_DEFAULTS.protect_adapt  # raise m when the copy does not fit in a step
     verify: bool = RUNTIME_DEFAULTS.verify
     fingerprint: bool = RUNTIME_DEFAULTS.fingerprint  # compare the DP peers' parameters every protected step (SDC)
+    verify_at_rest_s: float = RUNTIME_DEFAULTS.verify_at_rest_s  # re-verify held copies every T seconds (0: off)
     transport: str = RUNTIME_DEFAULTS.transport  # gloo | mpi
     persist_every: int = RUNTIME_DEFAULTS.persist_every  # persistent checkpoints every N steps (0: off)
     persist_every_s: float = RUNTIME_DEFAULTS.persist_every_s  # ... and/or every T seconds (0: off)
@@ -169,6 +170,8 @@ class RuntimeConfig:
             raise ConfigError(f"runtime.persist_every_s must be >= 0, got {self.persist_every_s}")
         if self.persist_every < 0:
             raise ConfigError(f"runtime.persist_every must be >= 0, got {self.persist_every}")
+        if self.verify_at_rest_s < 0:
+            raise ConfigError(f"runtime.verify_at_rest_s must be >= 0, got {self.verify_at_rest_s}")
         if self.protect_every < 1:
             raise ConfigError(f"runtime.protect_every must be >= 1, got {self.protect_every}")
         if self.chunk_mb <= 0:

@@ -100,6 +100,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks):
             protocol.MsgType.PERSISTED: lambda m, now: self.ladder.persisted(m),
             protocol.MsgType.NODE_PROBE: self.on_node_probe,
             protocol.MsgType.SDC_SUSPECT: self.on_sdc_suspect,
+            protocol.MsgType.COPY_CORRUPT: self.on_copy_corrupt,
             protocol.MsgType.REFUSED: self.refusals.report,
         })
 

@@ -114,6 +114,11 @@ class Parallel:
         """The parameters and optimizer state of a rank are held by a peer (HSDP's replicate dimension)."""
         return self.replicas > 1
 
+    @property
+    def fingerprinted(self) -> bool:
+        """Silent data corruption is looked for (``protection/fingerprint.py``): a peer holds the same parameters."""
+        return self.replicated
+
     def state_tp(self, world: int) -> int:
         """The layout's "tp" size: ranks that share a coordinate modulo it hold the same state (see module doc)."""
         return world // self.replicas if self.replicated else 1

@@ -99,6 +99,11 @@ class Pipeline(Parallel):
     def replicas(self) -> int:
         return dict(self.dims).get("dp", 1)
 
+    @property
+    def fingerprinted(self) -> bool:
+        """A pipeline's DP peers hold the same stage, but their fingerprints are not compared (not covered yet)."""
+        return False
+
     def state_tp(self, world: int) -> int:
         """With ``dp``: ranks with the same pp coordinate (rank modulo P, dp outermost) hold the same state. With
         ``shard`` (FSDP2 within each stage) no rank holds another's shard (1: the replicas go around every rank)."""

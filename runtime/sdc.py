@@ -16,8 +16,9 @@ import torch
 
 from phoenix_runtime import state
 from phoenix_runtime.faults import flip_bit
+from phoenix_runtime.parallel import local_of
 from phoenix_runtime.plane import protocol
-from phoenix_runtime.protection.fingerprint import snapshot_fingerprint
+from phoenix_runtime.protection.fingerprint import fingerprint_class, snapshot_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ class SdcMonitor:
     def _candidates(self, kind: str) -> list[tuple[str, torch.Tensor]]:
         ops = self.ops
         if kind == "param":
-            return [(n, p.data) for n, p in ops.objs.module.named_parameters()]
+            # a DTensor's local shard: flipping the DTensor itself would run a collective on this rank alone
+            return [(n, local_of(p.data)) for n, p in ops.objs.module.named_parameters()]
         if kind == "optim":
             return state.optim_named(ops.objs.optimizer)
         if kind == "snapshot":  # the newest committed local snapshot's parameter region, after it was hashed
@@ -61,6 +63,20 @@ class SdcMonitor:
             snap = max(held, key=lambda x: x[0])[1]
             return list(snap.views()[0].items())
         raise ValueError(f"sdc fault: unknown tensor kind {kind!r}")
+
+    # --- copies at rest (protection/at_rest.py) -----------------------------------------------------------
+    def copies_at_rest(self) -> list:
+        """Every committed host copy this rank holds: the replicas (by their source's shard id), its local snapshots."""
+        ops = self.ops
+        held = ops.held_replicas(at_rest_bad=True)
+        out = [("replica", str(sid), s, snap) for sid, by_step in held.items() for s, snap in by_step.items()]
+        return out + [("snapshot", f"rank {ops.ctx.rank}", s, snap) for s, snap in ops.d2h_committed().items()]
+
+    def at_rest_bad(self, kind: str, owner: str, step: int) -> None:
+        """The verifier's thread: a copy changed at rest. Reported: a replica is re-made from its owner (the
+        supervisor re-protects), a local snapshot is recorded (a recovery's verification keeps it out anyway)."""
+        ops = self.ops
+        ops.ctx.report(protocol.CopyCorrupt(gen=ops.ctx.gen, kind=kind, owner=owner, step=step))
 
     # --- the detection -----------------------------------------------------------------------------------
     def on_mismatch(self, step: int, snap) -> None:
@@ -76,7 +92,8 @@ class SdcMonitor:
         log.info(f"step {step}: the ranks' fingerprints disagree (this rank's {fp:#x}); reported, waiting for the repair")
         ops.ctx.report(protocol.SdcSuspect(gen=ops.ctx.gen, step=step, fingerprint=fp,
                                            tensors=dict(snap.tensor_fps) if snap is not None else {},
-                                           at_rest_ok=at_rest, agreed_ok=agreed_ok, last_agreed=last))
+                                           at_rest_ok=at_rest, agreed_ok=agreed_ok, last_agreed=last,
+                                           group=fingerprint_class(rep.layout, ops.ctx.rank)[1] if rep is not None else 0))
 
 
 __all__ = ["SdcMonitor"]

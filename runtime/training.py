@@ -28,6 +28,7 @@ from phoenix_runtime.protection.pairs import steady_pairs
 from phoenix_runtime.protection.protection import ProtectionSession, merge_replicas
 from phoenix_runtime.quiet import quiet_unused_parameters_warning
 from phoenix_runtime.rank_state import RankState
+from phoenix_runtime.protection.at_rest import AtRestVerifier
 from phoenix_runtime.sdc import SdcMonitor
 from phoenix_runtime.recover.recovery_session import RecoverySession
 from phoenix_runtime.protection.snapshot import D2H
@@ -74,10 +75,15 @@ class ProtectedTraining:
             self.d2h = D2H(ctx.device, lambda: self.shard_named(self.rs.boundary_buffers if self.rs.boundary_step >= 0 else state.buffers_now(self.objs.module)),
                            lambda: self.local_named(self.rs.boundary_buffers),
                            fault=self.faults.copy_hook,
-                           # the DP peers' parameters are identical only without a parallelism that shards them
-                           fingerprint=self.settings.fingerprint and parallel is None)
+                           # compared among the ranks that hold the same parameters (commit.py's classes): DDP and
+                           # ZeRO, HSDP across its replica groups; FSDP and TP without a replicate dimension hold
+                           # no second copy, and a pipeline's DP peers are not compared (not covered yet)
+                           fingerprint=self.settings.fingerprint and (parallel is None or parallel.fingerprinted))
         self.sdc = SdcMonitor(self)
         self.faults.flip = self.sdc.flip
+        # the held replicas and local snapshots re-verified while they wait (silent data corruption in host memory)
+        self.at_rest = AtRestVerifier(self.settings.verify_at_rest_s, self.sdc.copies_at_rest, self.sdc.at_rest_bad,
+                                      name=f"phoenix-at-rest-r{ctx.rank}").start() if self.protect_on else None
         self.persister = persist.Persister(ctx.env.run_dir, ctx.rank, self.settings.persist_every, ctx.report) \
             if self.protect_on and (self.settings.persist_every > 0 or self.settings.persist_every_s > 0) else None
         self.model = objs.module
@@ -165,6 +171,8 @@ class ProtectedTraining:
     def close(self) -> None:
         if self.persister is not None:
             self.persister.close()
+        if self.at_rest is not None:
+            self.at_rest.stop()
         self.teardown_protection()
         self.rs.retained = {}
         if self.d2h is not None:
@@ -366,8 +374,13 @@ class ProtectedTraining:
                  f"{', each with the parameter shard (%.1f MiB)' % (info['replica_param_bytes'] / 2**20) if self.params_sharded else ''})")
         self.ctx.report(protocol.Protection(**info))
 
-    def held_replicas(self) -> dict:
-        return merge_replicas(self.rs.retained, self.protection.replicas() if self.protection is not None else {})
+    def held_replicas(self, at_rest_bad: bool = False) -> dict:
+        """The replicas this rank holds (shard id -> step -> snapshot); those found corrupt at rest left out
+        unless ``at_rest_bad``."""
+        held = merge_replicas(self.rs.retained, self.protection.replicas() if self.protection is not None else {})
+        if at_rest_bad or self.at_rest is None:
+            return held
+        return {sid: {s: r for s, r in by.items() if not self.at_rest.is_bad(r)} for sid, by in held.items()}
 
     def d2h_committed(self) -> dict:
         return self.d2h.committed() if self.d2h is not None else {}

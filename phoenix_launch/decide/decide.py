@@ -196,9 +196,9 @@ def sdc(finding: Finding, step: int, last_agreed: int | None, node_of: dict[int,
     where = f"silent data corruption at step {step}"
     if last_agreed is None:
         return Decision(Kind.IGNORE, f"{where}: no step's fingerprints agreed yet, nothing to roll back to")
-    if not finding.decided:
+    if not finding.decided:  # the corrupt copies of the classes that could tell are re-synced all the same
         return Decision(Kind.RESYNC, f"{where}: {finding.reason}; every rank rolls back to step {last_agreed}",
-                        rollback_to=last_agreed)
+                        resync=finding.corrupt, rollback_to=last_agreed)
     bad_nodes = tuple(dict.fromkeys(node_of[r] for r in finding.corrupt))
     again = [n for n in bad_nodes if repeats.get(n, 0) >= 2]
     if again and len(spares) >= len(again):

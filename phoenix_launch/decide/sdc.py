@@ -1,7 +1,8 @@
 """Pure: which copy is corrupt when the ranks' fingerprints of a step disagree (silent data corruption).
 
-Every rank that must hold the same state (DDP, ZeRO: all of them) reports its fingerprint of the step whose
-commit point disagreed (``protocol.SdcSuspect``). ``find_corrupt`` names the corrupt copies:
+Every rank reports its fingerprint of the step whose commit point disagreed (``protocol.SdcSuspect``), with its
+class: the ranks that must hold the same state (DDP, ZeRO: all of them; HSDP: one class a shard index, across
+the replica groups). ``find_corrupt`` names the corrupt copies of each class whose copies disagree:
 
 - three copies or more: the majority's fingerprint is the good one, every other copy is corrupt (no strict
   majority: undecidable);
@@ -25,6 +26,7 @@ class Copy:
     fingerprint: int
     agreed_ok: bool = True  # its snapshot of the last agreed step still gives that step's fingerprint
     tensors: dict = field(default_factory=dict)  # name -> fingerprint
+    group: int = 0  # its fingerprint class: only copies of one class are compared
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,23 @@ class Finding:
 
 
 def find_corrupt(copies: list[Copy]) -> Finding:
+    """The corrupt copies among ``copies`` (one per rank), each class judged alone (``_find_in_class``); the
+    classes whose copies agree are left out. Decided when every disagreeing class is (an undecided one still
+    rolls every rank back; the decided classes' corrupt ranks are re-synced)."""
+    groups: dict[int, list[Copy]] = {}
+    for c in copies:
+        groups.setdefault(c.group, []).append(c)
+    if len(groups) == 1:
+        return _find_in_class(copies)
+    found = [(g, _find_in_class(cs)) for g, cs in sorted(groups.items()) if len({c.fingerprint for c in cs}) > 1]
+    if not found:
+        return Finding((), False, f"the copies of each of {len(groups)} classes agree")
+    return Finding(tuple(sorted(r for _, f in found for r in f.corrupt)), all(f.decided for _, f in found),
+                   "; ".join(f"class {g}: {f.reason}" for g, f in found),
+                   tuple(sorted({t for _, f in found for t in f.tensors})))
+
+
+def _find_in_class(copies: list[Copy]) -> Finding:
     """The corrupt copies among ``copies`` (one per rank of a class that must agree)."""
     if len(copies) >= 3:
         counts = Counter(c.fingerprint for c in copies)
@@ -82,4 +101,14 @@ class Suspects:
         return len(self.copies) >= world_size
 
 
-__all__ = ["Copy", "Finding", "Suspects", "find_corrupt"]
+def copy_corrupt(kind: str, owner: str, step: int) -> tuple[bool, str]:
+    """A held copy changed at rest (``runtime/protection/at_rest.py``): ``(re-make it, why)``. A replica is re-made
+    from its owner (the generation re-protected: every owner sends its committed snapshot again); a local
+    snapshot cannot be (its step is past): the next protected step takes a new one, and until then a recovery's
+    verification keeps it out (that rank takes its state from its peers at that step)."""
+    if kind == "replica":
+        return True, f"the replica of {owner} at step {step} changed at rest: re-made from its owner"
+    return False, f"the local snapshot of {owner} at step {step} changed at rest: replaced at the next protected step"
+
+
+__all__ = ["Copy", "Finding", "Suspects", "copy_corrupt", "find_corrupt"]

@@ -93,6 +93,10 @@ def render_metrics(snap: dict[str, Any], counters: Any) -> str:
     fam = family("incidents_total", "counter", "Incidents classified, by class and decision.")
     for (cls, decision), n in sorted(counters.incidents.items()):
         fam.sample(n, **{"class": cls, "decision": decision})
+    fam = family("silent_corruption_total", "counter", "Silent data corruption found, by where: a commit point's "
+                 "fingerprints (commit_point), a held replica or a local snapshot at rest (replica, snapshot).")
+    for where, n in sorted(counters.corruptions.items()):
+        fam.sample(n, where=where)
     fam = family("recoveries_total", "counter", "Recoveries completed, by failure class and path (hotswap, local).")
     for (cls, path), n in sorted(counters.recoveries.items()):
         fam.sample(n, **{"class": cls, "path": path})

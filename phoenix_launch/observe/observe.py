@@ -34,6 +34,7 @@ class JobCounters:
         self.failures: dict[str, int] = {}
         self.incidents: dict[tuple[str, str], int] = {}  # (class, decision) -> count
         self.recoveries: dict[tuple[str, str], int] = {}  # (class, path) -> count
+        self.corruptions: dict[str, int] = {}  # silent data corruption found: "commit_point" | "replica" | "snapshot"
         self.durations = {"detect_s": Summary(), "recovered_s": Summary(), "total_s": Summary()}
         self.last_incident: dict[str, Any] | None = None
         self._cls = "unknown"  # the class of the incident whose recovery comes next
@@ -58,6 +59,9 @@ class JobCounters:
                 summary.add(ev.get(name))
             if self.last_incident is not None:
                 self.last_incident.update(recovered_s=ev.get("recovered_s"), resume_step=ev.get("resume_step"))
+        elif kind in ("sdc_detected", "copy_corrupt"):
+            where = "commit_point" if kind == "sdc_detected" else str(ev.get("kind"))
+            self.corruptions[where] = self.corruptions.get(where, 0) + 1
         elif kind == "incident_closed":
             self.last_incident = {"t": ev.get("t"), "cls": "none", "decision": "closed", "reason": ev.get("why")}
 

@@ -58,10 +58,11 @@ class Reprotector:
             self.cadence_to = min(self.cadence_max, max(self.every + 1, math.ceil(1.1 * self.every / max(1e-3, 1 - wait_frac))))
             self.over = 0
 
-    def broken(self, gen: int, node: str, rank: int | None, message: str, now: float) -> None:
+    def broken(self, gen: int, node: str, rank: int | None, message: str, now: float, what: str = "replication broken") -> None:
+        """Generation ``gen`` must be re-protected (``what``: a broken replicator, a held replica corrupt at rest)."""
         if self.pending_gen != gen:
             self.pending_gen, self.since = gen, now
-            self.why = f"rank {rank} on {node}: replication broken ({message.splitlines()[0][:200] if message else 'no message'})"
+            self.why = f"rank {rank} on {node}: {what} ({message.splitlines()[0][:200] if message else 'no message'})"
 
     def due(self, now: float, gen: int, quiet: bool) -> tuple[bool, str] | None:
         """``(True, reason)``: re-form generation ``gen`` now; ``(False, reason)``: the limit is reached, train on

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from phoenix_launch.decide import decide as decisions
-from phoenix_launch.decide.sdc import Copy, Suspects, find_corrupt
+from phoenix_launch.decide.sdc import Copy, Suspects, copy_corrupt, find_corrupt
 from phoenix_launch.lifecycle import JobState
 from phoenix_runtime.plane import protocol
 
@@ -23,6 +23,8 @@ class SdcRepair:
     events: Any
     cfg: Any
     world_size: int
+    nodes: Any
+    reprotector: Any
 
     def init_sdc(self) -> None:
         self.sdc_suspects: dict[tuple[int, int], Suspects] = {}
@@ -33,7 +35,7 @@ class SdcRepair:
         if m.rank is None or m.gen != self.gen or self.job.state is not JobState.RUNNING:
             return  # a recovery under way re-forms the generation anyway
         sus = self.sdc_suspects.setdefault((m.gen, m.step), Suspects(m.gen, m.step))
-        sus.add(int(m.rank), Copy(int(m.rank), m.fingerprint, m.agreed_ok, dict(m.tensors)), m.last_agreed)
+        sus.add(int(m.rank), Copy(int(m.rank), m.fingerprint, m.agreed_ok, dict(m.tensors), int(m.group)), m.last_agreed)
         if not sus.complete(self.world_size):
             return
         self.sdc_suspects = {k: v for k, v in self.sdc_suspects.items() if k[0] > m.gen}
@@ -51,6 +53,18 @@ class SdcRepair:
                          reason=d.reason, injected=None)
         self.sdc_repairing = {**evidence, "decision": d.kind.value, "rollback_to": d.rollback_to}
         self.execute(d, now)
+
+    def on_copy_corrupt(self, m: protocol.CopyCorrupt, now: float) -> None:
+        """A copy a rank holds changed at rest: ``copy_corrupt`` with the evidence; a replica is re-made from its
+        owner by re-protecting the generation (``reprotect.py``: re-formed on fresh pairs, every snapshot sent again)."""
+        node = self.nodes.get(m.node)
+        if node is None or m.gen != self.gen or self.job.state is not JobState.RUNNING:
+            return  # a recovery under way re-protects anyway
+        remake, why = copy_corrupt(m.kind, m.owner, m.step)
+        self.events.emit("copy_corrupt", gen=m.gen, node=node.name, rank=m.rank, kind=m.kind, owner=m.owner, step=m.step,
+                         remake=remake, reason=why)
+        if remake:
+            self.reprotector.broken(m.gen, node.name, m.rank, why, now, what="a held copy corrupt at rest")
 
     def resync(self, d: decisions.Decision, inc, now: float) -> None:
         """The same members form a new generation: ``d.resync`` take their state from a peer (their processes kept),

@@ -195,6 +195,30 @@ def _cost(cmp: CostComparison | None, chart: str | None) -> str:
     )
 
 
+def describe_corruption(ev: dict[str, Any]) -> str:
+    """One line for an ``sdc_detected``, ``sdc_repaired`` or ``copy_corrupt`` event (silent data corruption)."""
+    kind = ev.get("type")
+    if kind == "copy_corrupt":
+        return (f"{ev.get('kind', '?')} held by rank {ev.get('rank', '?')} on {ev.get('node', '?')} changed at rest "
+                f"({ev.get('owner', '?')}, step {ev.get('step', '?')}): {ev.get('reason', '')}")
+    ranks = ev.get("ranks") or []
+    who = f"rank(s) {ranks} on {', '.join(ev.get('nodes') or []) or '?'}" if ranks else "undecided"
+    what = f", tensors {', '.join(ev.get('tensors') or [])}" if ev.get("tensors") else ""
+    if kind == "sdc_repaired":
+        return f"repaired ({ev.get('decision', '?')}): {who}, resumed at step {ev.get('resumed_at', '?')}"
+    return (f"fingerprints disagree at step {ev.get('step', '?')}: {who}{what}; last agreed step "
+            f"{ev.get('last_agreed', '?')} ({ev.get('reason', '')})")
+
+
+def _corruption(tl: Timeline) -> str:
+    if not tl.corruption:
+        return ("<p>None found: no commit point's fingerprints disagreed and no held copy changed at rest (what is "
+                "covered: docs/runtime.md).</p>")
+    rows = "".join(f"<li>{max(0.0, float(e.get('t', tl.t0)) - tl.t0):.1f} s: {escape(describe_corruption(e))}</li>"
+                   for e in tl.corruption)
+    return f"<ul>{rows}</ul>"
+
+
 def render_page(tl: Timeline, charts: dict[str, str | None], cmp: CostComparison | None,
                 baseline_step_s: float | None = None) -> str:
     job = tl.job
@@ -212,6 +236,7 @@ def render_page(tl: Timeline, charts: dict[str, str | None], cmp: CostComparison
 {_tiles(tl)}
 <h2>Step time and throughput</h2>{_img(charts.get('progress'), 'step time and throughput')}
 <h2>Incidents ({len(tl.incidents)})</h2>{_img(charts.get('phases'), 'recovery phases')}{incidents}
+<h2>Silent data corruption</h2>{_corruption(tl)}
 <h2>Node states</h2>{_img(charts.get('nodes'), 'node states')}
 <h2>Spares and protection</h2>{_img(charts.get('resources'), 'spares and host memory')}{_resources(tl, baseline_step_s)}
 <h2>Work lost against checkpoint-restart</h2>{_cost(cmp, charts.get('cost'))}

@@ -122,6 +122,7 @@ class Timeline:
     replenish: list[dict[str, Any]] = field(default_factory=list)  # replenish*, node_joined events
     spares_lost: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    corruption: list[dict[str, Any]] = field(default_factory=list)  # sdc_detected, sdc_repaired, copy_corrupt events
     counts: dict[str, int] = field(default_factory=dict)
     skipped_lines: int = 0
 
@@ -287,6 +288,8 @@ def build_timeline(events: list[dict[str, Any]], skipped: int = 0) -> Timeline:
             tl.replenish.append(ev)
         elif kind == "fallback_checkpoint":
             tl.checkpoints.append(ev)
+        elif kind in ("sdc_detected", "sdc_repaired", "copy_corrupt"):
+            tl.corruption.append(ev)
         elif kind == "node_state" and ev.get("old") in ("starting", "spare") and ev.get("new") == "joining":
             tl.spares_taken += 1
         elif kind == "failure" and ev.get("kind") == "spare_lost":

@@ -33,6 +33,7 @@ class MsgType(str, Enum):
     PERSISTED = "persisted"
     NODE_PROBE = "node_probe"
     SDC_SUSPECT = "sdc_suspect"
+    COPY_CORRUPT = "copy_corrupt"
     REFUSED = "refused"  # values a reader refused (unsigned, forged, replayed): see ``auth``
     # supervisor -> one agent (q_agent)
     RESTART = "restart"
@@ -219,6 +220,19 @@ class SdcSuspect(RankMessage):
     at_rest_ok: bool = True  # S_step's bytes, hashed again now, still give ``fingerprint``
     agreed_ok: bool = True  # its snapshot of ``last_agreed``, hashed again now, still gives that step's fingerprint
     last_agreed: int | None = None  # the newest step whose fingerprints agreed (None: none yet)
+    group: int = 0  # its fingerprint class (``fingerprint_class``): the ranks whose copies must agree with it
+
+
+@dataclass(frozen=True)
+class CopyCorrupt(RankMessage):
+    """A committed host copy this rank holds changed while it waited (``protection/at_rest.py``): a replica of
+    ``owner``'s shard (re-made from its owner) or this rank's own local snapshot (recorded)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.COPY_CORRUPT
+    gen: int = 0
+    kind: str = "replica"  # replica | snapshot
+    owner: str = ""  # a replica: its source's shard id; a snapshot: this rank
+    step: int = 0
 
 
 @dataclass(frozen=True)
@@ -305,7 +319,7 @@ class RankFault(Message):
 MESSAGE_CLASSES: dict[MsgType, type] = {
     cls.TYPE: cls
     for cls in (AgentUp, RankExit, RankHang, NodeProbe, RefusedReport, RankError, ReplicaFailed, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
-                FaultFired, SdcSuspect, Persisted, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
+                FaultFired, SdcSuspect, CopyCorrupt, Persisted, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
 }
 _FIELDS = {t: {f.name: f for f in fields(c)} for t, c in MESSAGE_CLASSES.items()}
 

@@ -46,7 +46,7 @@ from phoenix_runtime.plane.channel import (  # noqa: F401  (re-exported)
     SCHEMA_VERSION, Incarnated, Queue, get_value, get_values, incarnation_of, put_value, read_json_object,
 )
 from phoenix_runtime.plane.messages import (  # noqa: F401  (re-exported: every message type)
-    AgentInject, AgentRespawn, AgentRestart, AgentStop, AgentUp, decode, DecodeError, Dispatcher, FaultFired,
+    AgentInject, AgentRespawn, AgentRestart, AgentStop, AgentUp, CopyCorrupt, decode, DecodeError, Dispatcher, FaultFired,
     KillCommand, Message, MESSAGE_CLASSES, MsgType, NodeProbe, Persisted, Progress, Protection, RankError, RankExit,
     RankFault, RankHang, RankMessage, Recovered, RefusedReport, ReplicaFailed, RuntimeReady, SdcSuspect, Unrecoverable,
 )

@@ -40,6 +40,9 @@ class RuntimeSettings:
     verify: bool = True  # checksum every replica and every recovery transfer
     # compare a fingerprint of the DP-replicated state among the ranks at every protected step's commit point
     fingerprint: bool = True
+    # re-verify the held replicas and local snapshots (their XXH3 checksums) every this many seconds while they
+    # wait, on a background thread (protection/at_rest.py); 0: off (a recovery still verifies what it uses)
+    verify_at_rest_s: float = 30.0
     resends: int = 2  # a transfer that fails its checksum at the receiver is sent again at most this often
     transport: str = "gloo"  # the H2H / recovery transport
     heartbeat_s: float = 0.5

@@ -9,7 +9,7 @@ nothing is left to resume from (seen in an HSDP hot-swap: "the envelope of ... a
 
 So a buffer that holds ``S_{k-1}`` is reused only once ``S_k`` is committed everywhere: after its own step-k
 exchange, each replicator joins a barrier over the same transport (a binary tree: arrivals up to rank 0, the
-release down, one 32-byte message a hop, on the background thread); the D2H engine stages ``S_{k+1}`` only once that barrier of
+release down, one message of ``3 + C`` int64 a hop (``C``: the fingerprint classes below), on the background thread); the D2H engine stages ``S_{k+1}`` only once that barrier of
 ``S_k`` completed (``Replicator.wait_global``). A source's replica buffers are staged for ``S_{k+1}`` only after
 that source's D2H of ``S_{k+1}``, so the same holds for replicas: at any time the newest globally committed
 step is held by every live rank, locally and at the replicas, and a recovery can resume there.
@@ -22,6 +22,12 @@ re-formed anyway.
 The same messages compare the ranks' fingerprints of the state they must hold identically (silent data
 corruption, ``fingerprint.py``): a disagreement is returned to every rank, which refuses the next D2H as for a
 failed barrier (both committed snapshots stay: the last agreed one is a resume point) and reports it.
+
+Which ranks must agree: those of one fingerprint *class*, the layout's DP group (the same (pp, tp) coordinate).
+DDP and ZeRO have one class (every rank); HSDP has one a shard index (the ranks with that shard index across the
+replica groups). A message carries one slot a class: a rank puts its fingerprint in its class's slot, merges its
+children's slots (a slot's first non-zero value is kept, another non-zero value flags a disagreement), so the
+comparison stays within each class and the barrier still spans every rank (every rank learns the outcome).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from phoenix_runtime.protection.transport import Transport
 TAG_COMMIT = 4  # (header 1, envelope 2, ack 3, chunks 16+: wire.py)
 MAGIC_COMMIT = 0x434D4954  # "CMIT"
 FINGERPRINT_MISMATCH = "fingerprint mismatch"  # a ReplicationError's cause: the ranks' fingerprints disagreed
-WORDS = 4  # a message: magic, step, fingerprint, disagreement flag (int64 each: 32 bytes a hop)
+HEAD = 3  # a message: magic, step, disagreement flag, then one fingerprint slot a class (int64 each)
 
 
 def tree_partners(rank: int, size: int) -> tuple[int | None, list[int]]:
@@ -46,38 +52,47 @@ def tree_partners(rank: int, size: int) -> tuple[int | None, list[int]]:
     return parent, [c for c in (2 * rank + 1, 2 * rank + 2) if c < size]
 
 
-def barrier(transport: Transport, rank: int, size: int, step: int, timeout: float, fingerprint: int = 0) -> bool:
+def barrier(transport: Transport, rank: int, size: int, step: int, timeout: float, fingerprint: int = 0,
+            classes: int = 1, cls: int = 0) -> bool:
     """Return once every rank of ``size`` reached this call for ``step``: each rank waits for its children's arrival,
     tells its parent, then waits for the release from its parent and passes it on (``2 ceil(log2 N)`` hops).
 
-    The messages carry this step's fingerprint (``fingerprint.py``; 0: none, not compared): a rank compares its
-    children's with its own and sends its parent its own with a flag, set when any rank of its subtree disagreed;
-    the root's flag travels down with the release. Returns True when every fingerprint agreed, False when some
-    did not (every rank learns it at the same commit point; which rank is corrupt is the supervisor's to find).
+    The messages carry this step's fingerprint (``fingerprint.py``; 0: none, not compared) in the slot of this rank's
+    class ``cls`` of ``classes`` (the same on every rank): a rank merges its children's slots with its own, sets the
+    flag when two non-zero values of one slot differ (or a child's flag is set) and sends the merge up; the root's
+    flag travels down with the release. Returns True when every class's fingerprints agreed, False when some did
+    not (every rank learns it at the same commit point; which rank is corrupt is the supervisor's to find).
 
     ``TransportError`` on a failure or after ``timeout`` seconds; ``RuntimeError`` naming the peer when a peer
     is at another step (out of lockstep)."""
+    if not 0 <= cls < classes:
+        raise ValueError(f"commit barrier: class {cls} out of range for {classes} classes")
     deadline = time.monotonic() + timeout
     left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
     parent, children = tree_partners(rank, size)
-    got = [torch.zeros(WORDS, dtype=torch.int64) for _ in children]
+    words = HEAD + classes
+    got = [torch.zeros(words, dtype=torch.int64) for _ in children]
     for w in [transport.irecv(c, g.view(torch.uint8), TAG_COMMIT) for c, g in zip(children, got)]:
         w.wait(left())
+    slots = torch.zeros(classes, dtype=torch.int64)
+    slots[cls] = fingerprint
     flag = 0
     for c, g in zip(children, got):
         _check(g, c, step)
-        fp, bad = int(g[2]), int(g[3])
-        flag |= bad | int(bool(fp and fingerprint and fp != fingerprint))
-    fingerprint = fingerprint or next((int(g[2]) for g in got if int(g[2])), 0)  # a rank without one passes a child's
+        theirs = g[HEAD:]
+        both = (slots != 0) & (theirs != 0)
+        flag |= int(g[2]) | int(bool((both & (slots != theirs)).any()))
+        slots = torch.where(slots != 0, slots, theirs)  # a slot's first value is what the rest of it is compared with
     if parent is not None:
-        up = torch.tensor([MAGIC_COMMIT, step, fingerprint, flag], dtype=torch.int64)
+        up = torch.cat([torch.tensor([MAGIC_COMMIT, step, flag], dtype=torch.int64), slots])
         transport.isend(parent, up.view(torch.uint8), TAG_COMMIT).wait(left())
-        down = torch.zeros(WORDS, dtype=torch.int64)
+        down = torch.zeros(words, dtype=torch.int64)
         transport.irecv(parent, down.view(torch.uint8), TAG_COMMIT).wait(left())
         _check(down, parent, step)
-        flag = int(down[3])
-    out = torch.tensor([MAGIC_COMMIT, step, 0, flag], dtype=torch.int64).view(torch.uint8)  # the release
-    for w in [transport.isend(c, out, TAG_COMMIT) for c in children]:
+        flag = int(down[2])
+    out = torch.zeros(words, dtype=torch.int64)  # the release
+    out[:HEAD] = torch.tensor([MAGIC_COMMIT, step, flag])
+    for w in [transport.isend(c, out.view(torch.uint8), TAG_COMMIT) for c in children]:
         w.wait(left())
     return not flag
 

@@ -1,16 +1,19 @@
 """Fingerprints of the state every data-parallel peer holds identically: silent data corruption, detected at
 the commit point of every protected step.
 
-In DDP and ZeRO the parameters (and a replicated optimizer's state) are bit-identical on every rank after each
-step: a rank whose copy differs holds a corrupted one (a bit flipped in memory, in a transfer). The local
-snapshot's D2H copy reads those bytes anyway; its worker hashes the packed parameter region (XXH3, per tensor,
-off the training thread) and the commit barrier's messages carry the result (``commit.py``), so the comparison
-costs no extra message. Buffers (``b.*``: BatchNorm's running statistics) are left out: each rank's own.
+In DDP and ZeRO the parameters are bit-identical on every rank after each step, and under HSDP on the ranks
+with the same shard index across the replica groups (a *class*, ``fingerprint_class``): a rank whose copy
+differs from its class's holds a corrupted one (a bit flipped in memory, in a transfer). The local snapshot's
+D2H copy reads those bytes anyway; its worker hashes the packed local region (XXH3, per tensor, off the
+training thread: the parameters or their local shards, and a replicated optimizer's ``o.*`` state) and the
+commit barrier's messages carry the result (``commit.py``), so the comparison costs no extra message. Buffers
+(``b.*``: BatchNorm's running statistics) are left out: each rank's own.
 
-What is covered: the stored state (parameters, a replicated optimizer's state) between two snapshots, and what
-the snapshot itself copied. What is not: a wrong computation before the all-reduce (its result spreads to every
-replica identically), and state no peer holds the same (a ZeRO shard, buffers, the envelope: those are covered
-by the replicas' checksums in transit only).
+What is covered: the stored state of a class (parameters, a replicated optimizer's state) between two snapshots,
+and what the snapshot itself copied. What is not: a wrong computation before the all-reduce (its result spreads
+to every replica identically), and state no peer holds the same (a ZeRO optimizer shard, FSDP/TP shards without
+a replicate dimension, buffers, the envelope: their host copies are checksummed in transit and at rest only,
+``at_rest.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,13 @@ def fingerprint(region: torch.Tensor, index: list[dict]) -> tuple[int, dict[str,
     return (combined or 1) if per else 0, per
 
 
+def fingerprint_class(layout, rank: int) -> tuple[int, int]:
+    """``(classes, class of rank)``: the ranks of one class must hold the same parameters, the layout's DP group
+    (the same (pp, tp) coordinate). DDP and ZeRO: one class; HSDP: one a shard index (``commit.barrier``)."""
+    pp, _, tp = layout.coord(rank)
+    return layout.tp_size * layout.pp_size, pp * layout.tp_size + tp
+
+
 def snapshot_fingerprint(snap) -> tuple[int, dict[str, int]]:
     """The fingerprint of a committed local snapshot's parameter region, recomputed over its bytes now."""
     return fingerprint(snap.param_bytes(), snap.param_index)
@@ -46,4 +56,4 @@ def intact(snap) -> bool:
     return snap.verify() and (not snap.fingerprint or snapshot_fingerprint(snap)[0] == snap.fingerprint)
 
 
-__all__ = ["fingerprint", "snapshot_fingerprint", "intact", "PER_RANK_PREFIXES"]
+__all__ = ["fingerprint", "fingerprint_class", "snapshot_fingerprint", "intact", "PER_RANK_PREFIXES"]

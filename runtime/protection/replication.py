@@ -73,6 +73,7 @@ import torch
 
 from phoenix_runtime.protection import commit
 from phoenix_runtime.protection.commit import FINGERPRINT_MISMATCH
+from phoenix_runtime.protection.fingerprint import fingerprint_class
 from phoenix_runtime.protection.hostmem import GiB, HostMemoryError, check_host_memory, host_bytes_required  # noqa: F401
 from phoenix_runtime.layout import Layout, ShardId
 from phoenix_runtime.protection.snapshot import D2H, PingPong, Snapshot, decode_envelope
@@ -284,7 +285,8 @@ class Replicator:
         why = None
         try:
             fp = snap.fingerprint if snap is not None else 0
-            if not commit.barrier(self.transport, self.rank, self.transport.size, step, self.timeout, fp):
+            if not commit.barrier(self.transport, self.rank, self.transport.size, step, self.timeout, fp,
+                                  *fingerprint_class(self.layout, self.rank)):
                 why = FINGERPRINT_MISMATCH
             elif fp:
                 self.last_agreed = step

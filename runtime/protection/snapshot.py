@@ -333,7 +333,7 @@ class D2H:
         self.last_d2h_s: float = 0.0
         self.layout_changes = 0
         self.stats: dict = {"last_d2h_s": 0.0, "last_copy_s": 0.0, "last_checksum_s": 0.0, "last_fingerprint_s": 0.0,
-                              "snapshots": 0, "cpu_s": 0.0}
+                              "snapshots": 0, "cpu_s": 0.0, "fingerprint_cpu_s": 0.0}
         self._thread.start()
 
     # -- sizes --------------------------------------------------------------------------------
@@ -496,7 +496,9 @@ class D2H:
             crc = checksum(o_out, job.envelope)
             pcrc = checksum(p_out) if self._checksum_params else None
             t2 = time.perf_counter()
+            c2 = time.thread_time()
             fp, per = fingerprint_of(p_out, pp.index) if self.fingerprint else (0, {})
+            self.stats["fingerprint_cpu_s"] += time.thread_time() - c2  # of cpu_s: what the fingerprints cost (bench)
             t3 = time.perf_counter()
         except BaseException:
             self._pp.abandon(job.step)
