@@ -303,14 +303,37 @@ def test_a_generation_is_formed_by_every_rank_or_by_none():
         _forming(store, latest=2)._wait_all("arrived2", 2, far, pg2)
 
 
-def test_pace_times_the_forward_leaves_out_the_warm_up_and_waits_for_enough_steps():
+class _Clock:
+    """``pace``'s clock, made deterministic: a forward of ``_Work`` takes 10 ms of it, ``sleep`` advances it (so the
+    test does not depend on this machine's speed or load)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def perf_counter(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+def test_pace_times_the_forward_leaves_out_the_warm_up_and_waits_for_enough_steps(monkeypatch):
     """``pace.Pace``: the median of a rank's forward time per step, none before MIN_STEPS timed steps (the phase's
     first step left out); an injected ``slow`` factor makes this rank's forward that many times as long."""
     import torch
 
+    from phoenix_runtime import pace
     from phoenix_runtime.pace import MIN_STEPS, Pace
 
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+    clock = _Clock()
+    monkeypatch.setattr(pace, "time", clock)
+
+    class _Work(torch.nn.Module):
+        def forward(self, x):
+            clock.t += 0.010
+            return x
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), _Work())
     x = torch.randn(64, 256)
     fast, slow = Pace(), Pace(lambda: 4.0)
     fast.attach(model)
@@ -325,7 +348,7 @@ def test_pace_times_the_forward_leaves_out_the_warm_up_and_waits_for_enough_step
         got.append((fast.stepped(), slow.stepped()))
     assert all(a is None and b is None for a, b in got[:-1]) and None not in got[-1], got
     f, s = got[-1]
-    assert s > 2.5 * f, got
+    assert f == pytest.approx(0.030) and s == pytest.approx(0.120), got
     slow.reset()
     slow_model(x)
     assert slow.stepped() is None  # a new phase: counted again from its first step
