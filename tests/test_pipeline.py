@@ -55,10 +55,10 @@ def baseline(tmp_path_factory):
     return get
 
 
-def assert_recovered(r, run_dir, digest, expected):
+def assert_recovered(r, run_dir, digest, expected, n_recoveries: int = 1):
     assert r.returncode == 0, r.stderr[-3000:]
     evs = events(run_dir)
-    assert len(of_type(evs, "recovery")) == 1, [e["type"] for e in evs]
+    assert len(of_type(evs, "recovery")) == n_recoveries, [e["type"] for e in evs]
     check_resume_steps(evs)  # the failed step or the one before it: one step replayed at most
     assert_same_digest(digest, expected)  # fails when the digest file is missing
     assert not job_processes(run_dir)
@@ -127,6 +127,61 @@ def test_pp_fsdp_node_lost_inside_the_schedule(tmp_path, baseline):
     assert [e["failed"] for e in of_type(evs, "hotswap")] == ["node1"]
     log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
     assert "parameter shards with the replicas, replicas from {2: 1, 3: 0}" in log, [ln for ln in log.splitlines() if "plan:" in ln]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_first_stage_node_lost_in_a_backward_microbatch(tmp_path, baseline):
+    """1F1B, 4 nodes of 1 rank + 1 spare (the 2 x 2 mesh: node2 holds stage 0 of dp 1, node3 its stage 1): node2 is
+    SIGKILLed when the gradient of its first microbatch's output reaches it in step 5, inside the schedule. Rank 3
+    (its last stage) is past its backward send or blocked on the next forward receive from it, ranks 0 and 1 in
+    the dp all-reduce; the spare takes stage 0 from rank 0 (the DP peer with the same pp coordinate)."""
+    r, run_dir, dg = run_job(tmp_path, "job", "1f1b", 4, 1, 1, [{"node": "node2", "step": 5, "mode": "crash", "phase": "pp_backward"}])
+    evs = assert_recovered(r, run_dir, dg, baseline("1f1b"))
+    assert [(e["node"], e["phase"]) for e in of_type(evs, "injected")] == [("node2", "pp_backward")], of_type(evs, "injected")
+    assert [(e["failed"], e["spare"]) for e in of_type(evs, "hotswap")] == [("node2", "node4")]
+    log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
+    assert "params from {2: 0}" in log, [ln for ln in log.splitlines() if "plan:" in ln]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_node_lost_during_the_optimizer_step(tmp_path, baseline):
+    """Interleaved 1F1B, 2 x 2 + 1 spare: node1 is SIGKILLed after its local optimizer update of step 5 (the
+    gradients were all-reduced across dp, so node0's ranks have updated too or are updating): the step's update is
+    dropped everywhere, the job resumes at step 5 or 4 and replays it, ending with the failure-free digest."""
+    r, run_dir, dg = run_job(tmp_path, "job", "interleaved", 2, 2, 1, [{"node": "node1", "step": 5, "mode": "crash", "phase": "optimizer"}])
+    evs = assert_recovered(r, run_dir, dg, baseline("interleaved"))
+    assert [e["phase"] for e in of_type(evs, "injected")] == ["optimizer"], of_type(evs, "injected")
+    assert [(e["failed"], e["spare"]) for e in of_type(evs, "hotswap")] == [("node1", "node2")]
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(600)
+def test_spare_lost_while_joining_a_pipeline(tmp_path, baseline):
+    """1F1B, 2 x 2 + 2 spares: node1 lost at step 5; node2, the spare taking its two stages, is SIGKILLed while the
+    recovery exchanges its plan (generation 1); the recovery is abandoned and node3 takes both stages."""
+    faults = [{"node": "node1", "step": 5, "mode": "crash", "phase": "pp_forward"},
+              {"node": "node2", "step": None, "mode": "crash", "phase": "recover_exchange", "gen": 1}]
+    r, run_dir, dg = run_job(tmp_path, "job", "1f1b", 2, 2, 2, faults)
+    evs = assert_recovered(r, run_dir, dg, baseline("1f1b"))
+    assert of_type(evs, "recovery_abandoned"), [e["type"] for e in evs]
+    assert [e["spare"] for e in of_type(evs, "hotswap")] == ["node2", "node3"]
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(600)
+def test_two_pipeline_failures_in_a_row(tmp_path, baseline):
+    """GPipe, 2 x 2 + 2 spares: node1 lost in a backward microbatch of step 4; in generation 1 node0 (the survivor
+    that was the source of both joiners' stages) is lost at step 4 again, in a forward microbatch: the second spare
+    takes node0's stages from the first joiner, and the run ends with the failure-free digest."""
+    faults = [{"node": "node1", "step": 4, "mode": "crash", "phase": "pp_backward"},
+              {"node": "node0", "step": 4, "mode": "crash", "phase": "pp_forward", "gen": 1}]
+    r, run_dir, dg = run_job(tmp_path, "job", "gpipe", 2, 2, 2, faults)
+    evs = assert_recovered(r, run_dir, dg, baseline("gpipe"), n_recoveries=2)
+    assert [(e["failed"], e["spare"]) for e in of_type(evs, "hotswap")] == [("node1", "node2"), ("node0", "node3")]
 
 
 def test_a_schedules_re_raised_comm_error_is_a_failure():
