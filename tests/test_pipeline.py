@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (EXAMPLES, ROOT, assert_same_digest, check_resume_steps, events, job_env, job_processes, kill_job, load_digest,
+from conftest import (EXAMPLES, assert_same_digest, check_resume_steps, events, job_env, job_processes, kill_job, load_digest,
                       of_type, phoenix_cmd, run_phoenix, start_phoenix, wait_for)
 
 STEPS = 8
@@ -260,6 +260,9 @@ refused("DDP", lambda: check_built([wrapped], ScheduleGPipe(wrapped, 2, loss_fn=
 refused("UNSHARDED", lambda: check_built([stage], ScheduleGPipe(stage, 2, loss_fn=loss), sharded=True))
 refused("ORDER", lambda: check_pipeline_mesh({"pp": 2, "dp": 2}, 4))
 refused("NODP", lambda: check_pipeline_mesh({"dp": 1, "pp": 4}, 4))
+refused("TPOK", lambda: check_pipeline_mesh({"dp": 2, "pp": 2, "tp": 2}, 8))
+refused("TPORDER", lambda: check_pipeline_mesh({"dp": 2, "tp": 2, "pp": 2}, 8))
+refused("TPSIZE", lambda: check_pipeline_mesh({"dp": 2, "pp": 2, "tp": 2}, 4))
 refused("BARE", lambda: check_bare(stage))
 dist.destroy_process_group()
 '''
@@ -268,20 +271,22 @@ dist.destroy_process_group()
 @pytest.mark.timeout(120)
 def test_unsupported_pipelines_are_refused_in_one_line(tmp_path):
     """One process (world 1): a schedule PHOENIX does not know, a stage whose module is already wrapped (DDP), a mesh
-    in another order or without a DP peer, and a bare stage given to protect() without pipeline= are refused, each
+    in another order (tp not innermost) or of another size or without a DP peer, and a bare stage given to protect() without pipeline= are refused, each
     with one line naming what is supported; a supported stage and schedule pass."""
-    r = subprocess.run([sys.executable, "-c", REFUSE], cwd=tmp_path, env=job_env(PYTHONPATH=str(ROOT / ".pp")),
+    r = subprocess.run([sys.executable, "-c", REFUSE], cwd=tmp_path, env=job_env(),
                        capture_output=True, text=True, timeout=100)
     assert r.returncode == 0, r.stderr[-3000:]
     out = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
-    assert out["OK"] == "accepted"
-    for what in ("SCHEDULE", "DDP", "UNSHARDED", "ORDER", "NODP", "BARE"):
+    assert out["OK"] == out["TPOK"] == "accepted"
+    for what in ("SCHEDULE", "DDP", "UNSHARDED", "ORDER", "NODP", "BARE", "TPORDER", "TPSIZE"):
         msg = out[what]
         assert "\\n" not in msg and "pipeline=fn(model, mesh)" in msg, (what, msg)
     assert "ScheduleLoopedBFS is not supported" in out["SCHEDULE"] and "Schedule1F1B" in out["SCHEDULE"]
     assert "wrapped or sharded (DistributedDataParallel)" in out["DDP"]
     assert "not fully_shard-ed on mesh['shard']" in out["UNSHARDED"]
     assert "unsupported mesh" in out["ORDER"] and "'dp' >= 2" in out["NODP"]
+    assert "unsupported mesh" in out["TPORDER"] and "{'dp': D, 'pp': P, 'tp': T}" in out["TPORDER"]
+    assert "multiply to the world size 4" in out["TPSIZE"]
 
 
 ARMED = r'''
