@@ -47,7 +47,7 @@ false``): on/that is what fingerprinting the parameter region every protected st
 worker hashes the packed parameters, XXH3 per tensor, which the snapshot's own checksum does not cover); the D2H
 thread's last fingerprint time on rank 0 is printed next to its copy and checksum times.
 
-    python bench/overhead.py --layouts ddp-zero,fsdp,hsdp,tp-fsdp [--pairs 1] [--steps 60] [--d-model 256]
+    python bench/overhead.py --layouts ddp-zero,fsdp,hsdp,tp-fsdp,pp-dp,pp-fsdp [--pairs 1] [--steps 60] [--d-model 256]
 
 instead: the same measure per parallel layout, the same Llama-style model (examples/train_llama.py) for
 each, 2 nodes x 2 ranks, the layouts interleaved within each pair of runs (side by side in this one
