@@ -1,7 +1,8 @@
-"""Recovery time and protection overhead per parallel layout: DDP+ZeRO, FSDP2, HSDP 2x2, TP=2 x FSDP=2, the
-same Llama-style model (examples/train_llama.py), 2 nodes x 2 ranks, measured side by side in one run.
+"""Recovery time and protection overhead per parallel layout: DDP+ZeRO, FSDP2, HSDP 2x2, TP=2 x FSDP=2, PP=2 x DP=2
+and PP=2 x FSDP=2, the same Llama-style model (examples/train_llama.py), 2 nodes x 2 ranks, measured side by side
+in one run.
 
-    python bench/layouts.py [--layouts ddp-zero,fsdp,hsdp,tp-fsdp] [--steps 40] [--kill-at 25] [--d-model 128]
+    python bench/layouts.py [--layouts ddp-zero,fsdp,hsdp,tp-fsdp,pp-dp,pp-fsdp] [--steps 40] [--kill-at 25] [--d-model 128]
                             [--layers 4] [--pairs 1]
 
 The shared code of ``bench/recovery.py --layouts`` (recovery time only) and ``bench/overhead.py --layouts``
@@ -31,6 +32,10 @@ LAYOUTS = {
     "fsdp": ("FSDP2 x4", ["--fsdp"]),
     "hsdp": ("HSDP 2x2", ["--hsdp", "2"]),
     "tp-fsdp": ("TP2 x FSDP2", ["--tp", "2"]),
+    # pipelines (1F1B, 2 microbatches): a node holds one whole pipeline (dp outermost), or each stage is
+    # fully_shard-ed over the two nodes (--pp-shard)
+    "pp-dp": ("PP2 x DP2", ["--pp", "2", "--schedule", "1f1b"]),
+    "pp-fsdp": ("PP2 x FSDP2", ["--pp", "2", "--pp-shard", "--schedule", "1f1b"]),
 }
 _OLD_NAMES = {"ddp+zero": "ddp-zero", "hsdp 2x2": "hsdp", "tp2 x fsdp2": "tp-fsdp"}  # layouts.py --only before
 PARTS = ("detect_s", "quiesce_s", "reconfigure_s", "param_restore_s", "optim_restore_s", "resume_s")

@@ -49,7 +49,7 @@ thread's last fingerprint time on rank 0 is printed next to its copy and checksu
 CPU per step of the protection's threads, the fingerprints' part of it, and the at-rest verification's thread
 (``--at-rest T``: ``runtime.verify_at_rest_s`` of the protected runs; default the runtime's).
 
-    python bench/overhead.py --layouts ddp-zero,fsdp,hsdp,tp-fsdp [--pairs 1] [--steps 60] [--d-model 256]
+    python bench/overhead.py --layouts ddp-zero,fsdp,hsdp,tp-fsdp,pp-dp,pp-fsdp [--pairs 1] [--steps 60] [--d-model 256]
 
 instead: the same measure per parallel layout, the same Llama-style model (examples/train_llama.py) for
 each, 2 nodes x 2 ranks, the layouts interleaved within each pair of runs (side by side in this one

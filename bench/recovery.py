@@ -11,7 +11,7 @@ Prints for each: time from the kill until training passes the step it had reache
 step after recovery, steps replayed, and the ratio. Then PHOENIX's recovery time across model sizes and
 rank counts (from events.jsonl).
 
-    python bench/recovery.py --layouts ddp-zero,fsdp,hsdp,tp-fsdp [--steps 40] [--kill-at 30] [--d-model 64]
+    python bench/recovery.py --layouts ddp-zero,fsdp,hsdp,tp-fsdp,pp-dp,pp-fsdp [--steps 40] [--kill-at 30] [--d-model 64]
 
 instead: PHOENIX's recovery time (events.jsonl ``total_s`` and its breakdown) per parallel layout, the same
 Llama-style model (examples/train_llama.py, --d-model/--layers/--seq/--batch) for each, 2 nodes x 2 ranks

@@ -5,13 +5,16 @@ trained with AdamW, protected by PHOENIX, under DDP (default), FSDP2, HSDP or TP
     phoenix-run --nodes 2 --nproc-per-node 2 --spares 1 examples/train_llama.py --steps 20 --hsdp 2
     phoenix-run --nodes 2 --nproc-per-node 2 --spares 1 examples/train_llama.py --steps 20 --tp 2
     phoenix-run --nodes 2 --nproc-per-node 2 --spares 1 examples/train_llama.py --steps 20 --pp 2 --schedule 1f1b
+    phoenix-run --nodes 2 --nproc-per-node 4 --spares 1 examples/train_llama.py --steps 20 --pp 2 --tp 2
 
 ``--fsdp``: ``fully_shard`` over every rank (one mesh dimension "shard"). ``--hsdp R``: a 2-D mesh
 ("replicate" R x "shard" world/R). ``--tp T``: ``parallelize_module`` (attention and MLP column/row-wise) on
 the "tp" dimension, then ``fully_shard`` on "shard" (world/T). PHOENIX builds the DeviceMesh from the
 generation's process group and applies ``parallelize`` to the bare model (and again after a recovery).
 ``--pp P``: the model split into P stages (``LlamaStage``, our own split), ``PipelineStage`` + the ``--schedule``
-on the "pp" dimension, data parallel on "dp" (world/P, outermost: a node of P ranks holds one whole pipeline).
+on the "pp" dimension, data parallel on "dp" (world/P, outermost: a node of P ranks holds one whole pipeline);
+with ``--tp T`` the mesh is {"dp", "pp", "tp"} (tp innermost) and each stage's blocks are ``parallelize_module``-d
+on "tp"; with ``--pp-shard`` each stage is ``fully_shard``-ed on "shard" instead of data parallel.
 Deterministic algorithms are on: two runs give the same SHA-256 digest (``--digest-file``), failures or not;
 it covers every rank's parameter shards and optimizer state, the param groups and the RNG states. Only a run
 that completed every step writes it.
@@ -50,10 +53,14 @@ def parse_args(argv=None):
     g.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) over every rank")
     g.add_argument("--hsdp", type=int, default=0, metavar="REPLICAS", help="HSDP: REPLICAS groups, sharded within")
     g.add_argument("--tp", type=int, default=0, metavar="DEGREE", help="tensor parallel of DEGREE, with FSDP over the rest")
-    g.add_argument("--pp", type=int, default=0, metavar="STAGES", help="pipeline parallel of STAGES ranks, DP over the rest")
+    p.add_argument("--pp", type=int, default=0, metavar="STAGES",
+                   help="pipeline parallel of STAGES ranks, DP over the rest (with --tp T: TP inside each stage, tp innermost)")
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe", help="the pipeline schedule (with --pp)")
     p.add_argument("--microbatches", type=int, default=2, help="microbatches per step (with --pp)")
     p.add_argument("--pp-shard", action="store_true", help="with --pp: FSDP2 within each stage ('shard') instead of DP")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulates a bigger model)")
+    p.add_argument("--step-sleep-while", default=None, metavar="PATH",
+                   help="--step-sleep only while PATH exists (tests: the job outlives what a test does to it, then ends at full speed)")
     p.add_argument("--optimizer", choices=["adamw", "zero"], default="adamw",
                    help="without a sharding flag: a replicated AdamW, or ZeRO-sharded AdamW (DDP+ZeRO)")
     p.add_argument("--digest-file", default=None)
@@ -156,14 +163,21 @@ def apply_fsdp(model, mesh):
 
 def apply_tp_fsdp(model, mesh):
     """TP on mesh["tp"] (attention heads and the MLP's hidden dimension), then FSDP2 on mesh["shard"]."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+    for blk in model.blocks:
+        parallelize_module(blk, mesh["tp"], tp_plan())
+    apply_fsdp(model, mesh["shard"])
+
+
+def tp_plan() -> dict:
+    """A block's tensor-parallel plan: attention heads and the MLP's hidden dimension column-wise, their outputs
+    row-wise (a block's input and output are whole tensors on every rank of the TP group)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(), "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
             "mlp.w2": RowwiseParallel()}
-    for blk in model.blocks:
-        parallelize_module(blk, mesh["tp"], plan)
-    apply_fsdp(model, mesh["shard"])
 
 
 def fully_shard(module, mesh):
@@ -174,17 +188,24 @@ def fully_shard(module, mesh):
 
 def layout_of(a, world: int):
     """(parallelize, mesh) for the flags; (None, None) for DDP."""
+    if a.pp:
+        tp = max(a.tp, 1)
+        if a.fsdp or a.hsdp or (a.tp and a.pp_shard):
+            raise SystemExit("error: --pp goes with --tp (TP inside each stage) or --pp-shard, not with --fsdp, --hsdp or both")
+        if world % (a.pp * tp) or world // (a.pp * tp) < 2 or a.layers < a.pp * SCHEDULES[a.schedule][1] or a.batch % a.microbatches:
+            raise SystemExit(f"error: --pp {a.pp} (x --tp) must divide the world size {world} with at least 2 pipelines, "
+                             f"--layers must give every stage a block, and --microbatches must divide --batch")
+        if a.tp and (a.heads % a.tp or a.kv_heads % a.tp):
+            raise SystemExit(f"error: --tp {a.tp} must divide --heads and --kv-heads")
+        if a.tp:
+            return "pipeline", {"dp": world // (a.pp * a.tp), "pp": a.pp, "tp": a.tp}
+        return "pipeline", {("shard" if a.pp_shard else "dp"): world // a.pp, "pp": a.pp}
     if a.fsdp:
         return apply_fsdp, {"shard": world}
     if a.hsdp:
         if world % a.hsdp:
             raise SystemExit(f"error: --hsdp {a.hsdp} does not divide the world size {world}")
         return apply_fsdp, {"replicate": a.hsdp, "shard": world // a.hsdp}
-    if a.pp:
-        if world % a.pp or world // a.pp < 2 or a.layers < a.pp * SCHEDULES[a.schedule][1] or a.batch % a.microbatches:
-            raise SystemExit(f"error: --pp {a.pp} must divide the world size {world} with at least 2 pipelines, "
-                             f"--layers must give every stage a block, and --microbatches must divide --batch")
-        return "pipeline", {("shard" if a.pp_shard else "dp"): world // a.pp, "pp": a.pp}
     if a.tp:
         if world % a.tp or a.heads % a.tp or a.kv_heads % a.tp:
             raise SystemExit(f"error: --tp {a.tp} must divide the world size {world}, --heads and --kv-heads")
@@ -229,6 +250,12 @@ def pipeline_of(a, device):
         n, rank = a.pp * virtual, mesh.get_local_rank("pp")
         cut = [round(i * a.layers / n) for i in range(n + 1)]
         mods = [LlamaStage(model, range(cut[s], cut[s + 1]), s == 0, s == n - 1) for s in range(rank, n, a.pp)]
+        if a.tp:  # TP within the stage; each rank cuts its own shards from its full copy (no communication)
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            for m in mods:
+                for blk in m.blocks.values():
+                    parallelize_module(blk, mesh["tp"], tp_plan(), src_data_rank=None)
         if a.pp_shard:  # FSDP2 within the stage: every block, then the stage's module
             for m in mods:
                 for blk in m.blocks.values():
@@ -342,7 +369,7 @@ def main(argv=None):
         # the optimizer is built by PHOENIX on the parallelised parameters (again after a recovery: in place)
         training = phx.protect(model, lambda params: torch.optim.AdamW(params, lr=a.lr, weight_decay=0.1),
                                parallelize=parallelize, mesh=mesh)
-    dp_rank = rank // a.tp if a.tp else rank // a.pp if a.pp else rank
+    dp_rank = rank // (max(a.tp, 1) * a.pp) if a.pp else rank // a.tp if a.tp else rank
     loss = None
     step_times, t_prev = [], time.perf_counter()
     for step in training.steps(a.steps):
@@ -354,7 +381,9 @@ def main(argv=None):
                 loss = training.model(x, y)
                 loss.backward()
             training.optimizer_step()
-        if rank == (a.pp - 1 if a.pp else 0) and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):
+        if a.step_sleep and (a.step_sleep_while is None or os.path.exists(a.step_sleep_while)):
+            time.sleep(a.step_sleep)
+        if rank == ((a.pp - 1) * max(a.tp, 1) if a.pp else 0) and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):
             print(f"step {step} loss {loss.item():.4f}", flush=True)
         now = time.perf_counter()
         step_times.append(now - t_prev)

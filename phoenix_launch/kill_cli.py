@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from phoenix_runtime.plane.settings import FAULT_MODES, SDC_TARGETS
+from phoenix_runtime.plane.settings import FAULT_MODES, FAULT_PHASES, SDC_TARGETS
 
 EXIT_USAGE = 2
 
@@ -18,6 +18,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="A node name, or rank:R.")
     p.add_argument("--mode", default="crash", help=" | ".join(FAULT_MODES))
     p.add_argument("--at-step", type=int, default=None, help="Arm the fault to fire when the ranks reach step N.")
+    p.add_argument("--phase", default=None, help="Where in the step (or the recovery) it fires: " + " | ".join(FAULT_PHASES)
+                   + " (pp_forward / pp_backward: inside a pipeline schedule). Without --at-step: the next time a rank gets there.")
     p.add_argument("--factor", type=float, default=None, help="Mode slow: the rank's forward takes F times as long.")
     p.add_argument("--tensor", default=None, help="mode sdc: KIND[:NAME], KIND one of " + " | ".join(SDC_TARGETS))
     p.add_argument("--bit", type=int, default=None, help="mode sdc: the bit of the tensor's bytes to flip (default 0)")
@@ -37,6 +39,10 @@ def main(args: list[str]) -> int:
         return int(e.code or 0) and EXIT_USAGE
     if a.mode not in FAULT_MODES:
         return _fail(f"unknown mode {a.mode!r}; valid: {', '.join(FAULT_MODES)}", EXIT_USAGE)
+    if a.phase is not None and a.phase not in FAULT_PHASES:
+        return _fail(f"unknown phase {a.phase!r}; valid: {', '.join(FAULT_PHASES)}", EXIT_USAGE)
+    if a.phase is not None and a.mode in ("late", "slow"):
+        return _fail(f"--phase does not go with --mode {a.mode} (a late replica fires in h2h, a slow rank from its step on)", EXIT_USAGE)
     from phoenix_launch.config import sdc_target_error
 
     if (a.tensor is not None or a.bit is not None) and a.mode != "sdc":
@@ -52,7 +58,7 @@ def main(args: list[str]) -> int:
     try:
         rdir = find_run_dir(a.run_dir)
         reply = send_command(rdir, KillCommand(target=a.target, mode=a.mode, at_step=a.at_step, factor=a.factor,
-                                               tensor=a.tensor, bit=a.bit))
+                                               tensor=a.tensor, bit=a.bit, phase=a.phase))
     except (FileNotFoundError, PhoenixError) as e:
         return _fail(str(e), 1)
     except (OSError, ValueError, KeyError) as e:

@@ -61,7 +61,7 @@ class FaultInjector:
 
     def on_message(self, msg: dict) -> None:
         """Control thread: a fault sent to this rank (at once, or at a later step)."""
-        if msg.get("at_step") is None and msg["mode"] in ("crash", "rank", "hang", "comm"):
+        if msg.get("at_step") is None and msg.get("phase") is None and msg["mode"] in ("crash", "rank", "hang", "comm"):
             self.execute(msg["mode"])
         else:
             self.pending.append(dict(msg, step=msg.get("at_step")))
@@ -72,7 +72,7 @@ class FaultInjector:
         if f.get("gen") is not None and self.gen < f["gen"]:
             return False
         default = "h2h" if f.get("mode") == "late" else "begin"  # a late replica: its phase is the transfer
-        if f.get("phase", default) != phase:
+        if (f.get("phase") or default) != phase:
             return False
         if "node" in f and f["node"] != self.node:
             return False
@@ -107,10 +107,13 @@ class FaultInjector:
         """Fault points inside a pipeline schedule, on each stage's module, when a fault names them: "pp_forward"
         at the stage's second forward microbatch of the step (its first has crossed the pipeline's P2P already),
         "pp_backward" when the gradient of its first microbatch's output is computed (after every forward under
-        GPipe, between forwards under 1F1B). A tensor hook on the output: no module backward hook (which warns)."""
-        if not any(str(f.get("phase", "")).startswith("pp_") for f in self.pending):
-            return
+        GPipe, between forwards under 1F1B). A tensor hook on the output: no module backward hook (which warns).
+        Installed on every managed pipeline (``kill-node --phase pp_*`` may arm one later); while no fault names
+        a pipeline phase, a hook costs one scan of the (usually empty) pending list per microbatch."""
         counts: dict[tuple, int] = {}
+
+        def armed() -> bool:
+            return any(str(f.get("phase") or "").startswith("pp_") for f in list(self.pending))
 
         def count(module, phase: str) -> int:
             key = (id(module), phase, self.step)
@@ -120,11 +123,11 @@ class FaultInjector:
             return counts[key]
 
         def before_forward(module, args):
-            if count(module, "pp_forward") == 2:
+            if armed() and count(module, "pp_forward") == 2:
                 self.fire(self.step, "pp_forward")
 
         def after_forward(module, args, out):
-            if getattr(out, "requires_grad", False) and count(module, "pp_out") == 1:  # a tensor (torch-free here)
+            if armed() and getattr(out, "requires_grad", False) and count(module, "pp_out") == 1:  # a tensor (torch-free here)
                 out.register_hook(lambda grad: self.fire(self.step, "pp_backward"))
 
         for st in stages:

@@ -8,6 +8,11 @@ several stages per rank). PHOENIX owns the mesh ``{"dp": D, "pp": P}`` (dp outer
 data-parallel gradient reduction across ``dp``, and the rebuild: after a recovery every rank calls ``pipeline``
 again on a fresh copy of the bare model and the new generation's mesh (the old stages hold the old groups).
 
+PP x DP x TP: ``{"dp": D, "pp": P, "tp": T}`` (tp innermost: a TP group is T consecutive ranks, on one node),
+``pipeline`` applying ``parallelize_module`` on ``mesh["tp"]`` inside each stage: a stage's parameters are DTensors
+sharded over tp, named by their TP coordinate (``Parallel.key_of``), and the ranks with the same (pp, tp)
+coordinate hold the same shards (the DP peers a joiner takes its state from).
+
 PP x FSDP2: ``{"shard": N, "pp": P}`` instead, each stage's module ``fully_shard``-ed on ``mesh["shard"]`` by
 ``pipeline``: FSDP reduces the gradients itself, and no rank holds another's shard, so the parameter shard is
 replicated with the optimizer shard (as under FSDP2 alone).
@@ -21,14 +26,16 @@ replicas go around that ring, on other nodes).
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
-from phoenix_runtime.parallel import Parallel, UnsupportedLayout, check_bare, is_dtensor
+from phoenix_runtime.parallel import Parallel, UnsupportedLayout, check_bare, is_dtensor, like, local_of
 
-PIPELINE_MESHES = (("dp", "pp"), ("shard", "pp"))
+PIPELINE_MESHES = (("dp", "pp"), ("dp", "pp", "tp"), ("shard", "pp"))
 PIPELINE_TEXT = ("pipeline=fn(model, mesh) -> (stages, schedule) with mesh={'dp': D, 'pp': P} (PipelineStage stages of "
-                 "plain modules) or {'shard': N, 'pp': P} (stages fully_shard-ed on mesh['shard']), and ScheduleGPipe, "
+                 "plain modules), {'dp': D, 'pp': P, 'tp': T} (stages parallelize_module-d on mesh['tp']) or "
+                 "{'shard': N, 'pp': P} (stages fully_shard-ed on mesh['shard']), and ScheduleGPipe, "
                  "Schedule1F1B or ScheduleInterleaved1F1B")
 
 
@@ -42,16 +49,16 @@ def check_pipeline_mesh(mesh: dict[str, int], world: int) -> tuple[tuple[str, in
     dims = tuple((str(k), int(v)) for k, v in dict(mesh).items())
     if tuple(n for n, _ in dims) not in PIPELINE_MESHES:
         raise UnsupportedLayout(f"phx.protect(pipeline=..., mesh={dict(mesh)}): unsupported mesh; supported: {PIPELINE_TEXT}")
-    if any(s < 1 for _, s in dims) or dims[0][1] * dims[1][1] != world:
+    if any(s < 1 for _, s in dims) or math.prod(s for _, s in dims) != world:
         raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): the sizes must multiply to the world size {world}; supported: {PIPELINE_TEXT}")
     if dims[0][0] == "dp" and dims[0][1] < 2:
         raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): a stage's state needs a DP peer to be recovered from: 'dp' >= 2; supported: {PIPELINE_TEXT}")
     return dims
 
 
-def check_built(stages, schedule, sharded: bool = False) -> list:
+def check_built(stages, schedule, sharded: bool = False, tp: bool = False) -> list:
     """The stages and schedule ``pipeline`` returned, as a list of stages; what PHOENIX cannot protect is refused
-    with one line naming what it supports."""
+    with one line naming what it supports. ``tp``: DTensor parameters on mesh['tp'] (tensor parallel) are expected."""
     from torch.distributed.pipelining.stage import _PipelineStageBase
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -62,7 +69,7 @@ def check_built(stages, schedule, sharded: bool = False) -> list:
         if not isinstance(st, _PipelineStageBase):
             raise UnsupportedLayout(f"phx.protect(pipeline=...): a stage is a {type(st).__name__}, not a PipelineStage; supported: {PIPELINE_TEXT}")
         sub = st.submod
-        fsdp = "fsdp" in type(sub).__module__.lower() or any(is_dtensor(p) for p in sub.parameters())
+        fsdp = "fsdp" in type(sub).__module__.lower() or _is_fsdp(sub) or (not tp and any(is_dtensor(p) for p in sub.parameters()))
         if sharded and not _is_fsdp(sub):
             raise UnsupportedLayout(f"phx.protect(pipeline=..., mesh={{'shard': N, 'pp': P}}): stage {st.stage_index}'s "
                                     f"module is not fully_shard-ed on mesh['shard']; supported: {PIPELINE_TEXT}")
@@ -105,13 +112,15 @@ class Pipeline(Parallel):
         return False
 
     def state_tp(self, world: int) -> int:
-        """With ``dp``: ranks with the same pp coordinate (rank modulo P, dp outermost) hold the same state. With
-        ``shard`` (FSDP2 within each stage) no rank holds another's shard (1: the replicas go around every rank)."""
-        return dict(self.dims)["pp"] if "dp" in dict(self.dims) else 1
+        """With ``dp``: ranks with the same (pp, tp) coordinate (rank modulo P x T, dp outermost) hold the same
+        state. With ``shard`` (FSDP2 within each stage) no rank holds another's shard (1: the replicas go around
+        every rank)."""
+        dims = dict(self.dims)
+        return world // dims["dp"] if "dp" in dims else 1
 
     def _build(self, model: torch.nn.Module, mesh) -> torch.nn.Module:
         stages, schedule = self.fn(model, mesh)
-        self.stages = check_built(stages, schedule, sharded="shard" in dict(self.dims))
+        self.stages = check_built(stages, schedule, sharded="shard" in dict(self.dims), tp="tp" in dict(self.dims))
         self.schedule = schedule
         module = torch.nn.ModuleDict({f"pp{st.stage_index}": st.submod for st in self.stages})
         self.fqn_of = {id(p): n for n, p in module.named_parameters()}
@@ -140,18 +149,33 @@ class Pipeline(Parallel):
     def reduce_grads(self, module: torch.nn.Module) -> None:
         """Average the gradients across ``dp`` (the DP peers of this rank's stages): one all-reduce of the
         gradients flattened in parameter order, the same order on every peer (bit-identical on a replay). A
-        parameter without a gradient counts as a zero gradient."""
+        parameter without a gradient counts as a zero gradient. A TP parameter's gradient is its local shard
+        (in the parameter's own placements: the DP peers hold the same shard)."""
         import torch.distributed as dist
 
         dp = self.replicas
         if dp == 1:  # FSDP2 stages ({"shard": N, "pp": P}) reduce-scatter their gradients in the schedule's backward
             return
         params = [p for p in module.parameters() if p.requires_grad]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        grads = [_local_grad(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.mesh.get_group("dp"))
         flat.div_(dp)
         offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = like(p, flat[offset:offset + n].view_as(g).clone())
             offset += n
+
+
+def _local_grad(p) -> torch.Tensor:
+    """``p``'s gradient as a local tensor shaped like ``p``'s local shard (zeros for a parameter without one); a
+    DTensor gradient in another placement than ``p``'s (a pending sum over tp) is redistributed to ``p``'s first."""
+    g = p.grad
+    if g is None:
+        return torch.zeros_like(local_of(p))
+    if is_dtensor(g):
+        if tuple(g.placements) != tuple(p.placements):
+            g = g.redistribute(p.device_mesh, p.placements)
+        return g.to_local()
+    return g

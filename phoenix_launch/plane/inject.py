@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 from phoenix_launch.plane import command_socket
 from phoenix_runtime.plane import protocol
 from phoenix_runtime.errors import UsageError
-from phoenix_runtime.plane.settings import FAULT_MODES
+from phoenix_runtime.plane.settings import FAULT_MODES, FAULT_PHASES
 
 MODES = FAULT_MODES
 SOCKET_PURPOSE = "phoenix command socket"  # the command socket's token is derived from the secret for it
@@ -74,17 +74,21 @@ def execute_injection(job: JobTargets, c: protocol.KillCommand) -> tuple[bool, s
         return False, str(e), {}
     at_step = c.at_step
     t = time.time()
-    info = {"mode": mode, "node": node, "slot": slot, "at_step": at_step, "t": t, "immediate": at_step is None}
+    info = {"mode": mode, "node": node, "slot": slot, "at_step": at_step, "t": t, "immediate": at_step is None and c.phase is None}
     slots = [slot] if slot is not None else list(range(job.nproc))
     if mode == "slow" and not (c.factor and c.factor > 1):
         return False, f"mode slow needs --factor F > 1, got {c.factor}", {}
-    if at_step is not None or mode in ("comm", "gpu-ecc", "pcie", "late", "slow", "sdc"):
+    if c.phase is not None and c.phase not in FAULT_PHASES:
+        return False, f"unknown phase {c.phase!r}; valid: {', '.join(FAULT_PHASES)}", {}
+    if at_step is not None or c.phase is not None or mode in ("comm", "gpu-ecc", "pcie", "late", "slow", "sdc"):
         for s in slots:
             protocol.Queue(job.store, protocol.q_rank(node, s)).put(
-                protocol.RankFault(mode, at_step, c.id, tensor=c.tensor, bit=c.bit, factor=c.factor))
+                protocol.RankFault(mode, at_step, c.id, tensor=c.tensor, bit=c.bit, factor=c.factor, phase=c.phase))
         protocol.notify_ranks(job.store)
-        when = f"at step {at_step}" if at_step is not None else "now"
-        info["immediate"] = at_step is None and mode == "comm"
+        info["phase"] = c.phase
+        info["immediate"] = at_step is None and c.phase is None and mode == "comm"
+        when = (f"at step {at_step}" if at_step is not None else "now" if c.phase is None else "at the next step")
+        when += f" in phase {c.phase}" if c.phase is not None else ""
         return True, f"armed {mode} on {node}{'' if slot is None else f' slot {slot}'} {when}", info
     if mode == "crash" and slot is None:
         job.kill_node(node)

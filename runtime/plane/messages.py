@@ -287,7 +287,7 @@ class AgentInject(Message):
 
 @dataclass(frozen=True)
 class KillCommand(Message):
-    """``phoenix-run kill-node TARGET --mode M [--at-step N]``: sealed with the job's secret (store), or with
+    """``phoenix-run kill-node TARGET --mode M [--at-step N] [--phase P]``: sealed with the job's secret (store), or with
     ``token`` derived from it (the run directory's unix socket)."""
 
     TYPE: ClassVar[MsgType] = MsgType.KILL
@@ -300,6 +300,7 @@ class KillCommand(Message):
     tensor: str | None = None  # mode sdc: the tensor whose bit is flipped ("param:NAME", "optim:NAME"...)
     bit: int | None = None  # mode sdc: the bit (of the tensor's bytes, little-endian) that is flipped
     t: float | None = None
+    phase: str | None = None  # where in the step (or the recovery) it fires: settings.FAULT_PHASES (None: now / "begin")
 
 
 @dataclass(frozen=True)
@@ -314,6 +315,7 @@ class RankFault(Message):
     bit: int | None = None
     t: float | None = None
     factor: float | None = None  # mode slow
+    phase: str | None = None  # settings.FAULT_PHASES (None: at once, or "begin" of ``at_step``)
 
 
 MESSAGE_CLASSES: dict[MsgType, type] = {
