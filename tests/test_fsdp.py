@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EXAMPLES, ROOT, assert_same_digest, check_resume_steps, events, job_env, job_processes, load_digest, of_type, run_phoenix
+from conftest import EXAMPLES, assert_same_digest, check_resume_steps, events, job_env, job_processes, load_digest, of_type, run_phoenix
 
 STEPS = 10
 LLAMA = str(EXAMPLES / "train_llama.py")
@@ -172,7 +172,7 @@ except UnsupportedLayout as e:
 
 @pytest.mark.timeout(120)
 def test_sharded_model_without_parallelize_and_pipeline_are_refused(tmp_path):
-    r = subprocess.run([sys.executable, "-c", REFUSE], cwd=tmp_path, env=job_env(PYTHONPATH=str(ROOT / ".pp")),
+    r = subprocess.run([sys.executable, "-c", REFUSE], cwd=tmp_path, env=job_env(),
                        capture_output=True, text=True, timeout=100)
     assert r.returncode == 0, r.stderr[-3000:]
     pp = next(line for line in r.stdout.splitlines() if line.startswith("PP:"))
@@ -223,7 +223,7 @@ def test_optimizer_state_is_named_by_shard_id(tmp_path, layout):
     the parameter shards' ids, not positions; loading it into an optimizer with its param groups in another order
     puts every tensor on its own parameter; a name that matches no shard of this rank is an error naming it."""
     r = subprocess.run([sys.executable, "-c", NAMES, str(EXAMPLES), layout], cwd=tmp_path,
-                       env=job_env(PYTHONPATH=str(ROOT / ".pp")), capture_output=True, text=True, timeout=100)
+                       env=job_env(), capture_output=True, text=True, timeout=100)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("NAMES:"))[len("NAMES:"):])
     ids = {s[2:] for s in out["shards"]}

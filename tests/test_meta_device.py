@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EXAMPLES, ROOT, assert_same_digest, check_resume_steps, events, job_env, job_processes, load_digest, of_type, run_phoenix
+from conftest import EXAMPLES, assert_same_digest, check_resume_steps, events, job_env, job_processes, load_digest, of_type, run_phoenix
 
 STEPS = 10
 SCRIPT = str(EXAMPLES / "fsdp2_meta.py")
@@ -144,7 +144,7 @@ def test_a_joiners_local_apply_of_a_meta_model_allocates_only_its_shards(tmp_pat
     materialised and initialised by its reset_parameters(), and no tensor larger than a local shard is ever
     made; the same apply on a materialised model cuts its shards from the full tensors (the measure sees them).
     A meta model left on meta by parallelize without init_weights()/reset_parameters() is refused, saying how."""
-    r = subprocess.run([sys.executable, "-c", LOCAL_APPLY], cwd=tmp_path, env=job_env(PYTHONPATH=str(ROOT / ".pp")),
+    r = subprocess.run([sys.executable, "-c", LOCAL_APPLY], cwd=tmp_path, env=job_env(),
                        capture_output=True, text=True, timeout=100)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("OUT:"))[len("OUT:"):])
