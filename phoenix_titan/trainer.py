@@ -45,6 +45,10 @@ import phoenix_runtime as phx
 from phoenix_runtime.errors import UsageError
 from phoenix_titan import compat
 
+class TitanUsageError(UsageError, ValueError):
+    """A torchtitan config PHOENIX cannot protect (a ValueError: torchtitan's CLI shows it as one message)."""
+
+
 # torchtitan's mesh dimension -> PHOENIX's (parallel.SUPPORTED)
 MESH_NAMES = (("dp_replicate", "replicate"), ("fsdp", "shard"), ("tp", "tp"))
 
@@ -61,9 +65,12 @@ class PhoenixTrainer(Trainer):
     class Config(Trainer.Config):
         phoenix: PhoenixConfig = field(default_factory=PhoenixConfig)
 
+        def __post_init__(self):
+            Trainer.Config.__post_init__(self)  # (a slots dataclass: no zero-argument super())
+            check_layout(self)
+
     @record
     def __init__(self, config: Config):
-        check_layout(config)
         self._dims: ParallelDims | None = None
         self._dims_gen = -1
         self._bare: torch.nn.Module | None = None
@@ -256,16 +263,16 @@ def check_layout(config) -> None:
                    p.context_parallel_degree, "expert_parallel_degree": p.expert_parallel_degree}
     bad = {k: v for k, v in unsupported.items() if v != 1}
     if bad:
-        raise UsageError(f"phoenix_titan: {', '.join(f'--parallelism.{k} {v}' for k, v in bad.items())} is not "
+        raise TitanUsageError(f"phoenix_titan: {', '.join(f'--parallelism.{k} {v}' for k, v in bad.items())} is not "
                          "supported yet; FSDP2, HSDP and TP (data_parallel_shard/replicate, tensor_parallel) are")
     if config.debug.seed is None:
-        raise UsageError("phoenix_titan: set --debug.seed: every rank, a replacement too, must seed alike "
+        raise TitanUsageError("phoenix_titan: set --debug.seed: every rank, a replacement too, must seed alike "
                          "(without it torchtitan's ranks agree on rank 0's seed through a collective)")
 
 
 def phoenix_config(config: Trainer.Config) -> PhoenixTrainer.Config:
     """``config`` (a torchtitan Trainer.Config) for PhoenixTrainer, adapted to this torch (``compat``), seeded."""
-    out = PhoenixTrainer.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Trainer.Config)})
-    if out.debug.seed is None:
-        out.debug.seed = 0
-    return compat.adapt(out)
+    if config.debug.seed is None:
+        config.debug.seed = 0
+    compat.adapt(config)
+    return PhoenixTrainer.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Trainer.Config)})

@@ -103,3 +103,42 @@ def test_torchtitan_node_lost_is_hot_swapped_bit_identically(tmp_path, assets, b
     log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
     assert "generation 1: resumed at step" in log  # a survivor: kept its process
     assert not job_processes(run_dir)
+
+
+@pytest.mark.timeout(180)
+def test_an_unsupported_layout_is_refused_in_one_message(tmp_path):
+    """Pipeline parallelism (not protected through phoenix_titan yet) stops torchtitan's CLI at the config, with
+    one message naming what is supported, before any process group or model exists."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "torchtitan.train", "--module", "phoenix_titan.llama3", "--config",
+                        "llama3_debugmodel", "--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs"],
+                       cwd=tmp_path, env=job_env(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
+                       capture_output=True, text=True, timeout=150)
+    assert r.returncode != 0
+    text = " ".join(r.stderr.replace("│", " ").split())  # tyro's box, unwrapped
+    assert "phoenix_titan: --parallelism.pipeline_parallel_degree 2 is not supported" in text, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_joined_state_is_one_optimizer_state_over_several():
+    """PHOENIX sees torchtitan's OptimizersContainer (one inner optimizer per PP part and optimizer kind) as one
+    optimizer: its ``state`` reads and writes the inner optimizers' own state dicts."""
+    import torch
+
+    from phoenix_titan.trainer import JoinedState
+
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    oa, ob = torch.optim.AdamW([a]), torch.optim.SGD([b], momentum=0.9)
+    state = JoinedState([oa, ob])
+    assert state.get(a) is None and len(state) == 0
+    state.setdefault(b, {})["momentum_buffer"] = torch.zeros(3)
+    assert set(ob.state) == {b} and not oa.state and len(state) == 1 and list(state) == [b]
+    a.grad = torch.ones(2)
+    oa.step()
+    assert state[a] is oa.state[a] and len(state) == 2
+    with pytest.raises(KeyError):
+        state[torch.nn.Parameter(torch.ones(1))] = {}
+    state.clear()
+    assert not oa.state and not ob.state
