@@ -26,15 +26,18 @@ STEPS = 8
 FAULT_STEP = 4  # PHOENIX's step index (0-based): torchtitan's step 5
 
 
-def titan_args(assets: Path, loss_file: Path) -> list[str]:
+LAYOUTS = {"fsdp-tp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+           "hsdp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]}
+
+
+def titan_args(assets: Path, loss_file: Path, layout: str) -> list[str]:
     return ["-m", "torchtitan.train", "--module", "phoenix_titan.llama3", "--config", "llama3_debugmodel",
             "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "corpus"),
             "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", str(STEPS),
-            "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-            "--checkpoint.no-enable", "--validator.no-enable", "--dump_folder", "out", "--phoenix.loss_file", str(loss_file)]
+            *LAYOUTS[layout], "--checkpoint.no-enable", "--validator.no-enable", "--dump_folder", "out", "--phoenix.loss_file", str(loss_file)]
 
 
-def run_job(d: Path, assets: Path, faults=()):
+def run_job(d: Path, assets: Path, layout: str, faults=()):
     d.mkdir()
     cfg = {"inject": {"faults": list(faults)}, "runtime": {"replicas": 1}, "detect": {"recovery_timeout_s": 120}}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
@@ -42,7 +45,7 @@ def run_job(d: Path, assets: Path, faults=()):
     env = job_env(PYTHONPATH=path,
                   PHOENIX_TITAN_CPU_SHIMS="1", HF_HOME=str(d / "hf"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     r = run_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "2", "--spares", "1",
-                     "--run-dir", str(d / "run"), *titan_args(assets, d / "loss.jsonl")], d, timeout=540, env=env)
+                     "--run-dir", str(d / "run"), *titan_args(assets, d / "loss.jsonl", layout)], d, timeout=540, env=env)
     return r, d / "run", d / "loss.jsonl"
 
 
@@ -66,15 +69,22 @@ def assets(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, assets):
-    r, run_dir, losses = run_job(tmp_path_factory.mktemp("titan") / "base", assets)
-    return r, run_dir, losses
+    """layout -> the failure-free job (run once per layout, when a test first needs it)."""
+    cache = {}
+
+    def get(layout):
+        if layout not in cache:
+            cache[layout] = run_job(tmp_path_factory.mktemp("titan") / f"base-{layout}", assets, layout)
+        return cache[layout]
+
+    return get
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_torchtitan_trains_under_phoenix_run(baseline):
-    """The failure-free job completes every step, each logged once, and the model learns."""
-    r, run_dir, losses = baseline
+    """The failure-free job (FSDP 2 x TP 2) completes every step, each logged once, and the model learns."""
+    r, run_dir, losses = baseline("fsdp-tp")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in losses.read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, STEPS + 1))
@@ -85,15 +95,18 @@ def test_torchtitan_trains_under_phoenix_run(baseline):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_torchtitan_node_lost_is_hot_swapped_bit_identically(tmp_path, assets, baseline):
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("layout", ["fsdp-tp", pytest.param("hsdp", marks=pytest.mark.full)])
+def test_torchtitan_node_lost_is_hot_swapped_bit_identically(tmp_path, assets, baseline, layout):
     """node1 (ranks 2, 3) is SIGKILLed in the forward of step 4; the spare's ranks build torchtitan's trainer,
     parallelise its meta model on the new generation's ParallelDims, take the lost ranks' state, and the run
-    ends with the failure-free loss trajectory, bit for bit; the survivors keep their processes."""
-    _, _, base_losses = baseline
+    ends with the failure-free loss trajectory, bit for bit; the survivors keep their processes.
+    CI: FSDP 2 x TP 2; ``full``: HSDP (replicate 2 x shard 2)."""
+    r0, _, base_losses = baseline(layout)
+    assert r0.returncode == 0, r0.stderr[-3000:]
     expected = trajectory(base_losses)
     assert sorted(expected) == list(range(1, STEPS + 1))
-    r, run_dir, losses = run_job(tmp_path / "job", assets, [{"node": "node1", "step": FAULT_STEP, "mode": "crash", "phase": "forward"}])
+    r, run_dir, losses = run_job(tmp_path / "job", assets, layout, [{"node": "node1", "step": FAULT_STEP, "mode": "crash", "phase": "forward"}])
     assert r.returncode == 0, r.stderr[-3000:]
     assert trajectory(losses) == expected
     evs = events(run_dir)
