@@ -17,8 +17,10 @@ loader); its end hands the bare model to ``phx.protect`` with
 ``train`` is torchtitan's loop on ``training.steps()``, each ``train_step`` inside the step guard, its
 ``optimizers.step()`` being PHOENIX's ``optimizer_step()``; after a recovery the loop follows the rebuilt model
 (model parts, the loss's ``lm_head``, the generation's ``ParallelDims``) and a new iterator of the restored loader.
-torchtitan's model is built twice at the start (by ``__init__``, freed, then by PHOENIX); torchtitan's own
-checkpointing stays what the config says. Pipeline, context and expert parallelism are refused (one line).
+torchtitan's model is built twice at the start (by ``__init__``, freed, then by PHOENIX). torchtitan's checkpoints
+are written as its config says (inside the step guard: a replayed step writes its checkpoint again), but a run does
+not load one at its start (PHOENIX's own persistent checkpoints and ``--resume`` are the way back). Pipeline,
+context and expert parallelism are refused (one line).
 """
 
 from __future__ import annotations
@@ -190,8 +192,11 @@ class PhoenixTrainer(Trainer):
                     data = self.batch_generator(self.dataloader)
                 self.step = step + 1  # torchtitan counts from 1
                 self.gc_handler.run(self.step)
-                with training.step():
+                with training.step():  # a failure anywhere in it (torchtitan's checkpoint and validation included) is recovered
                     self.train_step(data)
+                    self.checkpointer.save(self.step, last_step=self.step == total)
+                    if self.config.validator.enable and self.validator.should_validate(self.step):
+                        self.validator.validate(self.model_parts, self.step)
         except DataloaderExhaustedError:
             logger.warning("Ran out of data; last step was canceled.")
         logger.info("Training completed")
