@@ -85,6 +85,8 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
     par = None
     if parallelize is not None and pipeline is not None:
         raise TypeError("phx.protect(): pass parallelize= or pipeline=, not both")
+    if mesh_builder is not None and parallelize is None:
+        raise TypeError("phx.protect(mesh_builder=...) goes with parallelize= (FSDP2 / HSDP / TP+FSDP), not pipeline= or DDP")
     if parallelize is None and pipeline is None:
         check_bare(model)
     else:
