@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None, schedulers=(), scaler=None,
             stateful: dict | None = None, data_state=None, replicas: int | None = None, parallelize=None,
-            mesh: dict | None = None, pipeline=None) -> ProtectedTraining:
+            mesh: dict | None = None, pipeline=None, mesh_builder=None) -> ProtectedTraining:
     """Register what must survive a failure, and return the protected training.
 
     ``model``: the bare module, wrapped in DDP here (``ddp``: its keyword arguments; ``False``: not wrapped,
@@ -52,6 +52,11 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
     groups after a recovery. ``optimizer`` is then a factory ``params -> optimizer``: the optimizer is built on
     the parallelised parameters (``training.optimizer``), and ``training.model`` / ``training.module`` is the
     parallelised model (a new object after a recovery). A model with DTensor parameters is refused without it.
+
+    ``mesh_builder``: ``gen -> (DeviceMesh, groups)``, for a framework that builds its own process groups (torchtitan's
+    ``ParallelDims``): called once per generation instead of ``init_device_mesh``, it returns a mesh with the
+    dimensions of ``mesh`` made of its groups (``DeviceMesh.from_group``) and its other groups (aborted with the
+    generation's). ``parallelize`` then uses the framework's meshes of the same generation.
 
     ``pipeline``: ``fn(model, mesh) -> (stages, schedule)`` building this rank's ``PipelineStage`` (s) of the bare
     model (``group=mesh.get_group("pp")``) and a GPipe / 1F1B / interleaved 1F1B schedule on them, on the mesh
@@ -80,6 +85,8 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
     par = None
     if parallelize is not None and pipeline is not None:
         raise TypeError("phx.protect(): pass parallelize= or pipeline=, not both")
+    if mesh_builder is not None and parallelize is None:
+        raise TypeError("phx.protect(mesh_builder=...) goes with parallelize= (FSDP2 / HSDP / TP+FSDP), not pipeline= or DDP")
     if parallelize is None and pipeline is None:
         check_bare(model)
     else:
@@ -88,7 +95,7 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
         if pipeline is not None:
             par = Pipeline.create(pipeline, mesh, model, ctx.world_size, ctx.device)
         else:
-            par = Parallel.create(parallelize, mesh, model, ctx.world_size, ctx.device)
+            par = Parallel.create(parallelize, mesh, model, ctx.world_size, ctx.device, builder=mesh_builder)
         build_mesh(ctx, par)
         model = par.apply(model, ctx.gen, local=ctx.formed_after_a_failure)
         ctx.add_groups(par.groups())  # a newer generation aborts them too

@@ -98,12 +98,14 @@ class Parallel:
     gen: int = -1
     fqn_of: dict[int, str] | None = None  # id(parameter) -> FQN, of the live module
     keys: dict[int, str] = field(default_factory=dict)  # id(parameter) -> key_of(parameter), of the live module
+    builder: Callable[[int], tuple[Any, list]] | None = None  # gen -> (DeviceMesh, its other groups); see build_mesh
+    extra_groups: list = field(default_factory=list)
 
     @classmethod
-    def create(cls, fn, mesh: dict[str, int], model: torch.nn.Module, world: int, device) -> "Parallel":
+    def create(cls, fn, mesh: dict[str, int], model: torch.nn.Module, world: int, device, builder=None) -> "Parallel":
         check_bare(model)
         dims = check_mesh(mesh, world)
-        return cls(fn, dims, copy.deepcopy(model).to("meta"), torch.device(device))
+        return cls(fn, dims, copy.deepcopy(model).to("meta"), torch.device(device), builder=builder)
 
     @property
     def replicas(self) -> int:
@@ -124,18 +126,30 @@ class Parallel:
         return world // self.replicas if self.replicated else 1
 
     def build_mesh(self, gen: int):
-        """The DeviceMesh of generation ``gen`` (its default process group); collective: every rank, once."""
+        """The DeviceMesh of generation ``gen`` (its default process group); collective: every rank, once.
+
+        ``builder`` (``protect(mesh_builder=...)``): a framework that builds its own meshes on the generation's
+        group (torchtitan's ``ParallelDims``) gives PHOENIX a mesh with the dimensions of ``mesh=`` made of those
+        groups, and the other groups it built (aborted with the generation's); called here, once per generation,
+        where PHOENIX would build its own, so every rank builds the same groups in the same order."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.gen != gen:
-            names = tuple(n for n, _ in self.dims)
-            self.mesh = init_device_mesh(self.device.type, tuple(s for _, s in self.dims), mesh_dim_names=names)
+            names, sizes = tuple(n for n, _ in self.dims), tuple(s for _, s in self.dims)
+            if self.builder is None:
+                self.mesh = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
+            else:
+                self.mesh, self.extra_groups = self.builder(gen)
+                got = (tuple(self.mesh.mesh_dim_names or ()), tuple(self.mesh.shape))
+                if got != (names, sizes):
+                    raise UnsupportedLayout(f"phx.protect(mesh_builder=...): the mesh has dimensions {got}, "
+                                            f"mesh= says {(names, sizes)}")
             self.gen = gen
         return self.mesh
 
     def groups(self) -> list:
-        """The process groups of this generation's mesh, one per dimension."""
-        return [self.mesh.get_group(n) for n, _ in self.dims] if self.mesh is not None else []
+        """The process groups of this generation's mesh, one per dimension (and a builder's other groups)."""
+        return [self.mesh.get_group(n) for n, _ in self.dims] + list(self.extra_groups) if self.mesh is not None else []
 
     def apply(self, model: torch.nn.Module, gen: int, local: bool = False) -> torch.nn.Module:
         """The user's model parallelised in place on this generation's mesh (the first time).

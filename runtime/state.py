@@ -174,7 +174,7 @@ def param_named(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     its local shard, named by FQN, placement and shard coordinate."""
     params, bufs = named_members(module)
     named = [(shard_key(n, p), local_of(p.data)) for n, p in params]
-    named += [(f"b.{n}", b) for n, b in bufs]
+    named += [(f"b.{n}", local_of(b)) for n, b in bufs]  # a DTensor buffer (torchtitan's RoPE cache under TP): its local part
     return named
 
 
@@ -184,7 +184,7 @@ def load_params(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
         local_of(p.data).copy_(tensors[shard_key(n, p)])
     for n, b in module.named_buffers():
         if f"b.{n}" in tensors:
-            b.copy_(tensors[f"b.{n}"])
+            local_of(b).copy_(tensors[f"b.{n}"])
 
 
 # --- the two regions of a local snapshot ---------------------------------------------------------------
@@ -219,12 +219,12 @@ def local_named(module: torch.nn.Module, optimizer, replicated: bool, buffers: d
 def load_buffers(module: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
     for n, b in module.named_buffers():
         if f"b.{n}" in buffers:
-            b.copy_(buffers[f"b.{n}"])
+            local_of(b).copy_(buffers[f"b.{n}"])
 
 
 def buffers_now(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the module's buffers (small): the step boundary's, see ``local_named``."""
-    return {f"b.{n}": b.detach().clone() for n, b in named_members(module)[1]}
+    return {f"b.{n}": local_of(b).detach().clone() for n, b in named_members(module)[1]}
 
 
 def load_local(objs: LoopObjects, shard: dict[str, torch.Tensor], local: dict[str, torch.Tensor], meta: dict) -> None:
