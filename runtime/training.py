@@ -93,12 +93,45 @@ class ProtectedTraining:
         self._warned_layout = False
         STATE.runtime = True
         STATE.enter("training")
-        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch))
+        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=self.shrinkable_dp()))
 
     # --- the public API ------------------------------------------------------------------------------------
     @property
     def optimizer(self):
         return self.objs.optimizer
+
+    def data_ranks(self) -> tuple[int, ...]:
+        """The logical data ranks this rank processes in this step: its own, and after a shrink that keeps the
+        global batch (``launch.elastic_batch: keep``) a lost rank's too. The loop draws one micro-batch per data
+        rank, each under ``accumulating`` and its loss times ``loss_scale()``, so that the gradient is the mean
+        over every logical data rank, as in the job's original size."""
+        m = self.ctx.members
+        return m.data_ranks(self.ctx.rank) if m is not None else (self.ctx.rank,)
+
+    def data_world(self) -> int:
+        """How many logical data ranks the job processes in a step (the original DP size unless the batch shrank)."""
+        m = self.ctx.members
+        return sum(len(m.data_ranks(r)) for r in range(self.ctx.world_size)) if m is not None else self.ctx.world_size
+
+    def loss_scale(self) -> float:
+        """The factor of each micro-batch's loss: DDP averages over the ranks, the gradient must average over the
+        data ranks. Exactly 1.0 when every rank has one data rank (the run stays bit-identical)."""
+        return self.ctx.world_size / self.data_world()
+
+    def accumulating(self, last: bool):
+        """The context of one micro-batch's backward: DDP's ``no_sync`` but for the ``last`` (one all-reduce a step
+        on every rank, whatever its number of data ranks)."""
+        import contextlib
+
+        no_sync = getattr(self.model, "no_sync", None)
+        return contextlib.nullcontext() if last or no_sync is None else no_sync()
+
+    def shrinkable_dp(self) -> int:
+        """The data-parallel size a shrink can reduce (``launch.on_no_spare: shrink``), 0 where it cannot: every
+        rank a DP replica (no TP/PP/FSDP) holding the whole optimizer state (replicated)."""
+        if self.parallel is not None or self.ctx.tp > 1 or self.ctx.pp > 1 or self.kind != "replicated":
+            return 0
+        return self.ctx.world_size
 
     @property
     def module(self) -> torch.nn.Module:

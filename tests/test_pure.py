@@ -516,6 +516,33 @@ def test_no_spare_ready_but_one_starting_waits_then_stops():
     assert decisions.decide(view(runtime_ready=False, spares=("s1",), nothing_done=True, lost_nodes=("n1",)), host).kind is decisions.Kind.RESTART
 
 
+def test_no_spare_shrinks_by_policy_down_to_min_dp_then_the_ladder():
+    """``launch.on_no_spare``: shrink goes on without the lost node's DP replicas (with its reason), before
+    waiting for a starting spare (it grows back when that one comes); below ``min_dp``, or where the layout
+    cannot shrink (``dp`` 0: TP/PP/FSDP, or a DP size of 1), the old ladder applies (wait, salvage, stop);
+    ``stop`` saves what memory holds and stops without waiting; a ready spare is always hot-swapped onto."""
+    K, host = decisions.Kind, V(FailureClass.HOST, Action.REPLACE_NODE)
+    no = dict(spares=(), on_no_spare="shrink", dp=3, dp_lost=1, may_salvage=True)
+    d = decisions.decide(view(**no), host)
+    assert (d.kind, d.lost, d.exclude, d.exit_code) == (K.SHRINK, ("n1",), True, 0), d
+    assert "no spare ready for n1: shrink, data-parallel size 3 -> 2" in d.reason
+    d = decisions.decide(view(**{**no, "spares_coming": 1, "may_wait": True}), host)
+    assert d.kind is K.SHRINK  # a starting spare is not waited for: it is the grow-back
+    d = decisions.decide(view(**{**no, "also_lost": ("n2",), "dp_lost": 2}), host)
+    assert (d.kind, d.lost) == (K.SHRINK, ("n1", "n2")) and "3 -> 1" in d.reason
+    assert decisions.decide(view(**{**no, "min_dp": 3}), host).kind is K.SALVAGE  # 2 < min_dp: the ladder
+    assert decisions.decide(view(**{**no, "min_dp": 3, "spares_coming": 1, "may_wait": True}), host).kind is K.WAIT
+    assert decisions.decide(view(**{**no, "min_dp": 2}), host).kind is K.SHRINK  # 2 >= min_dp
+    assert decisions.decide(view(**{**no, "dp": 0}), host).kind is K.SALVAGE  # the layout cannot shrink
+    assert decisions.decide(view(**{**no, "dp": 1}), host).kind is K.SALVAGE
+    assert decisions.decide(view(**{**no, "on_no_spare": "wait", "spares_coming": 1, "may_wait": True}), host).kind is K.WAIT
+    d = decisions.decide(view(**{**no, "on_no_spare": "stop", "spares_coming": 1, "may_wait": True}), host)
+    assert (d.kind, d.exit_code) == (K.SALVAGE, decisions.EXIT_UNRECOVERABLE) and "on_no_spare: stop" in d.reason
+    assert decisions.decide(view(**{**no, "spares": ("s1",)}), host).kind is K.HOTSWAP
+    # a rank that exited on a healthy node rejoins: nothing to shrink
+    assert decisions.decide(view(**no), V(FailureClass.TRANSIENT_COMM, Action.LOCAL_RECOVERY)).kind is K.LOCAL
+
+
 def test_a_deferred_incident_settles_again_and_gathers_new_reports():
     tr = IncidentTracker(DETECT)
     tr.node_lost("n1", 100.0)
@@ -650,6 +677,7 @@ def test_decide_has_a_row_for_every_outcome():
         "hung": decisions.recovery_timed_out((3,), 4, ("n1",), 30.0),
         "ignore": decisions.reprotect((False, "re-forms used up")),
         "evict": decisions.straggler("evict", "n1", "rank 1 on n1 is 3.0x slower", ("s1",)),
+        "shrink": decisions.decide(view(spares=(), on_no_spare="shrink", dp=3, dp_lost=1), host, 5.0),
         "resync": decisions.sdc(find_corrupt([Copy(0, 7), Copy(1, 9), Copy(2, 7)]), 5, 4, {0: "n0", 1: "n0", 2: "n1"}, {}, ()),
     }
     assert {d.kind for d in rows.values()} == set(K)
@@ -682,7 +710,7 @@ def test_only_decide_chooses_and_the_supervisor_executes():
     import phoenix_launch
 
     root = Path(phoenix_launch.__file__).parent
-    executors = {"hotswap", "local_recovery", "restart", "fallback_restart", "salvage", "reform", "mark_hung", "stop", "resync"}
+    executors = {"hotswap", "shrink", "local_recovery", "restart", "fallback_restart", "salvage", "reform", "mark_hung", "stop", "resync"}
     built, called = [], []
     for f in sorted(root.rglob("*.py")):
         tree = ast.parse(f.read_text())
