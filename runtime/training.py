@@ -15,6 +15,7 @@ import time
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from phoenix_runtime.recover import persist
 from phoenix_runtime.plane import protocol
@@ -129,7 +130,7 @@ class ProtectedTraining:
     def shrinkable_dp(self) -> int:
         """The data-parallel size a shrink can reduce (``launch.on_no_spare: shrink``), 0 where it cannot: every
         rank a DP replica (no TP/PP/FSDP) holding the whole optimizer state (replicated)."""
-        if self.parallel is not None or self.ctx.tp > 1 or self.ctx.pp > 1 or self.kind != "replicated":
+        if self.parallel is not None or self.ctx.tp > 1 or self.ctx.pp > 1 or self.kind not in ("replicated", "zero"):
             return 0
         return self.ctx.world_size
 
@@ -297,6 +298,36 @@ class ProtectedTraining:
         ZeroRedundancyOptimizer.__init__(zero, groups, optimizer_class=zero._optim_constructor,
                                          parameters_as_bucket_view=zero.parameters_as_bucket_view, **zero._optim_defaults)
         state.load_optim(zero, named, scalars)
+        self._hook_optimizer()
+
+    def shrink_optimizer(self, lost: dict[int, tuple[dict, dict]]) -> None:
+        """ZeRO after a shrink, every survivor at S_R in the old partition (``restore_local``): the whole optimizer
+        state is gathered (each survivor's own shard, and the lost ranks' from the replicas held here: ``lost``,
+        old rank -> (its shard's named tensors, its envelope)), ZeRO is re-initialised in place on the new, smaller
+        group (a new partition) and each rank keeps the state of the parameters it owns now."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        zero = self.objs.optimizer
+        old = zero._partition_parameters()  # the old world's partition: a lost rank's names are positions in it
+        index = {p: i for i, p in enumerate(zero._all_params)}
+        cpu = lambda v: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+        held = {index[p]: {k: cpu(v) for k, v in st.items()} for p, st in zero.optim.state.items()}
+        for j, (named, meta) in sorted(lost.items()):
+            for name, v in {**named, **state.scalars_of(meta)}.items():
+                if not name.startswith(("b.", "p.")):
+                    gi, pi, key = name.split(".", 2)
+                    held.setdefault(index[old[j][int(gi)]["params"][int(pi)]], {})[key] = cpu(v)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, held)
+        merged = {i: st for part in every for i, st in part.items()}
+        groups = [dict(g) for g in zero.param_groups]
+        ZeroRedundancyOptimizer.__init__(zero, groups, optimizer_class=zero._optim_constructor,
+                                         parameters_as_bucket_view=zero.parameters_as_bucket_view, **zero._optim_defaults)
+        local = zero.optim
+        for g in local.param_groups:
+            for p in g["params"]:
+                local.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() else v
+                                  for k, v in merged.get(index[p], {}).items()}  # absent: fresh (the first step)
         self._hook_optimizer()
 
     def layout(self):

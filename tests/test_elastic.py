@@ -158,7 +158,7 @@ def assert_close_to(job: Run, base: Run, at: int) -> None:
     assert worst[0] <= PARAM_ATOL, f"parameter {worst[1]} differs by {worst[0]:.3g} > {PARAM_ATOL:.3g}"
 
 
-@pytest.mark.parametrize("opt", [pytest.param("adamw", marks=pytest.mark.full, id="ddp")])
+@pytest.mark.parametrize("opt", [pytest.param("zero", id="zero"), pytest.param("adamw", marks=pytest.mark.full, id="ddp")])
 def test_a_node_lost_without_a_spare_shrinks_and_keeps_the_global_batch(tmp_path, failure_free, opt):
     """3 nodes x 1 rank, no spare, node1 lost at step 10: the job goes on at DP=2 within seconds, in memory, with
     the same global batch; every sample of the failure-free run is seen exactly once and the result equals the

@@ -75,7 +75,8 @@ class GenerationPublisher:
             again = set(respawned)
             joiners = tuple(r.rank for r in ranks if before.get(r.rank) != (r.node, r.slot) or r.rank in again)
         mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains(), lost,
-                                  tuple(resync), rollback_to, tuple(data), tuple(prev))
+                                  tuple(resync), rollback_to, tuple(data), tuple(prev),
+                                  self.members.world_size if prev else 0)
         self._seen |= {r.node for r in self.members.ranks}
         protocol.put_value(self.store, protocol.k_members(self.gen), mem.to_json())
         for r in ranks:

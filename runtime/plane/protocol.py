@@ -198,6 +198,7 @@ class Membership:
     #: empty means one per rank, its own; ``prev``: each rank's rank in the generation before a shrink (-1: none)
     data: tuple[tuple[int, ...], ...] = ()
     prev: tuple[int, ...] = ()
+    prev_world: int = 0  # the world size before the shrink
 
     def data_ranks(self, rank: int) -> tuple[int, ...]:
         return tuple(self.data[rank]) if self.data else (rank,)

@@ -20,6 +20,7 @@ Fault-injection points: ``recover_exchange``, ``recover_params``, ``recover_opti
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -29,6 +30,7 @@ from phoenix_runtime.plane import protocol
 from phoenix_runtime import state
 from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.control import STATE
+from phoenix_runtime.layout import Layout
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, plan_for_layout
 from phoenix_runtime.protection.fingerprint import intact
@@ -102,6 +104,11 @@ class RecoverySession:
         descs = [Descriptor.from_json(d) for d in ctx.exchange(gen, mine.to_json(), deadline, ranks=survivors)]
         descs += [Descriptor(j, has_state=False) for j in lost]
         at_most = ctx.members.rollback_to if ctx.members is not None else None
+        if self._shrunk_zero():  # planned in the old world: the lost ranks' shards come from their replicas
+            m = ctx.members
+            old = [dataclasses.replace(d, rank=m.prev[d.rank]) for d in descs]
+            old += [Descriptor(j, has_state=False) for j in range(m.prev_world) if j not in m.prev]
+            return plan_for_layout(old, Layout(m.prev_world), m.prev_world, replicated=False, every=ops.cadence_bound())
         return plan_for_layout(descs, ops.layout(), ctx.world_size, replicated=ops.replicated, every=ops.cadence_bound(),
                                lost=lost, at_most=at_most)
 
@@ -119,11 +126,34 @@ class RecoverySession:
         return Descriptor(self.ctx.rank, True, live[0], live[1] and live_usable,
                           tuple(s for s in sorted(committed) if s not in corrupt), reps, self.rs.first_step or 0, corrupt)
 
+    def _shrunk_zero(self) -> bool:
+        """This generation shrank the world (the lost ranks' data-parallel replicas left) under ZeRO."""
+        m = self.ctx.members
+        return m is not None and bool(m.prev) and self.ops.kind == "zero"
+
+    def _shrink_zero(self, plan: Plan, live) -> None:
+        """ZeRO after a shrink (``plan`` in the old world's ranks, its joiners the lost ones): every survivor rolls
+        back to S_R in the old partition, then the state is re-partitioned over the survivors, the lost shards'
+        from the replicas held here."""
+        ops, R, me = self.ops, plan.step, self.ctx.members.prev[self.ctx.rank]
+        ops.restore_local(R, live)
+        old = Layout(self.ctx.members.prev_world)
+        lost = {}
+        for j in plan.joiners:
+            if plan.optim_src[j] == me and j not in plan.fresh:
+                snap = ops.replica_of(str(old.shard_of(j)), R)
+                lost[j] = (snap.views()[0], snap.meta)
+        ops.shrink_optimizer(lost)
+        self.live = (R, True)
+
     # --- the three outcomes -----------------------------------------------------------------------------
     def _resume(self, gen: int, plan: Plan, marks: dict, deadline: float) -> None:
         """Roll back / transfer S_R, rebuild, re-protect it, barrier: training goes on at R."""
         ctx, ops, rs, live = self.ctx, self.ops, self.rs, self.live
         R = plan.step
+        if self._shrunk_zero():
+            self._resume_shrunk(gen, plan, marks)
+            return
         if rs.first_step is None:
             rs.first_step = plan.first_step  # a joiner learns where the run started
         params = "parameter shards with the replicas" if ops.params_sharded else f"params from {plan.param_src}"
@@ -154,6 +184,28 @@ class RecoverySession:
         ops.faults.fire(R, "recover_barrier")
         dist.barrier()
         self._finish(gen, plan, live, marks)
+
+    def _resume_shrunk(self, gen: int, plan: Plan, marks: dict) -> None:
+        """A shrink under ZeRO: no joiner, no transfer but the lost shards' state (an all-gather); then as a
+        resume: DDP on the new group, re-protection on the new ring, barrier."""
+        ops, R = self.ops, plan.step
+        if self.rs.first_step is None:
+            self.rs.first_step = plan.first_step
+        log.info(f"generation {gen}: shrink: resume at step {R}, the lost rank(s) {list(plan.joiners)}' optimizer "
+                 f"shards from their replicas at {plan.optim_src}")
+        marks["planned"] = marks["params"] = time.time()
+        ops.faults.fire(R, "recover_optim")
+        self._shrink_zero(plan, self.live)
+        marks["optim"] = time.time()
+        ops.wrap(synced=True)
+        self.rs.step = R
+        ops.faults.fire(R, "recover_reprotect")
+        ops.start_protection(gen)
+        ops.protect_now(R)
+        ops.protection.wait(R, self.ctx.check_generation)
+        ops.faults.fire(R, "recover_barrier")
+        dist.barrier()
+        self._finish(gen, dataclasses.replace(plan, replayed={}), self.live, marks)
 
     def _salvage(self, gen: int, plan: Plan, deadline: float) -> None:
         """S_R of every rank, the lost ones' from the replicas held here, written; then the supervisor stops the job."""
