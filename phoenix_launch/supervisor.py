@@ -261,6 +261,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
             decisions.Kind.FALLBACK: self.fallback_restart, decisions.Kind.SALVAGE: self.salvage, decisions.Kind.REFORM: self.reform,
             decisions.Kind.HUNG: self.mark_hung, decisions.Kind.STOP: self.stop, decisions.Kind.EVICT: self.evict,
             decisions.Kind.RESYNC: self.resync, decisions.Kind.SHRINK: self.shrink,
+            decisions.Kind.GROW: self.grow_back,
             decisions.Kind.WAIT: lambda d, inc, now: None, decisions.Kind.IGNORE: lambda d, inc, now: None,
         }[d.kind]
         run(d, inc or Incident(now), now)
@@ -427,7 +428,8 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
     # --- the spare pool ------------------------------------------------------------------------------
     def replenish(self, now: float) -> None:
         if self.job.state in (JobState.RUNNING, JobState.RECOVERING):
-            self.replenisher.tick(now, self.nodes.coming_spares(), len(self.nodes.spare_nodes()))
+            # the target is the job's own size plus its spares: a shrunk job's missing nodes are asked for too
+            self.replenisher.tick(now, self.nodes.coming_spares() - self.missing_nodes(), len(self.nodes.spare_nodes()))
 
     def adopt(self, m: protocol.AgentUp, now: float) -> None:
         """An agent this job did not start says it is up (sealed with the job's secret): it joins as a new spare."""
@@ -484,6 +486,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
             self.ladder.schedule(self.store, now, self.attempt, running=self.job.state is JobState.RUNNING)
             self.run_chaos(now)
             self.check_stragglers(now)
+            self.check_grow(now)
             self.check_recovery_deadline(now)
         if self.attempt.unrecoverable_t0 and now - self.attempt.unrecoverable_t0 > self.cfg.detect.recovery_timeout_s:
             self.execute(decisions.unrecoverable(next(iter(self.attempt.unrecoverable.values())).reason, None), now)
@@ -552,7 +555,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
         return job_status(run_id=self.cfg.launch.run_id, run_dir=self.run_dir, state=self.job.state.value, gen=self.gen,
                           restarts=self.restarts, nproc=self.nproc, nodes=self.nodes, store=self.store, events=self.events,
                           members=self.publisher.members if self.publisher else protocol.Membership(0, self.world_size, ()),
-                          protect_every=self.reprotector.every)
+                          protect_every=self.reprotector.every, dp=(self.dp_size(), self.full_world()) if self.dp_size() else None)
 
     def _write_status(self) -> dict[str, Any]:
         snap = self.operator_io.observe(self.status())

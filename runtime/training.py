@@ -300,11 +300,12 @@ class ProtectedTraining:
         state.load_optim(zero, named, scalars)
         self._hook_optimizer()
 
-    def shrink_optimizer(self, lost: dict[int, tuple[dict, dict]]) -> None:
-        """ZeRO after a shrink, every survivor at S_R in the old partition (``restore_local``): the whole optimizer
-        state is gathered (each survivor's own shard, and the lost ranks' from the replicas held here: ``lost``,
-        old rank -> (its shard's named tensors, its envelope)), ZeRO is re-initialised in place on the new, smaller
-        group (a new partition) and each rank keeps the state of the parameters it owns now."""
+    def repartition_optimizer(self, lost: dict[int, tuple[dict, dict]]) -> None:
+        """ZeRO after a shrink or a grow, every survivor at S_R in the old partition (``restore_local``): the whole
+        optimizer state is gathered (each survivor's own shard, and a shrink's lost ranks' from the replicas held
+        here: ``lost``, old rank -> (its shard's named tensors, its envelope); a joiner holds none), ZeRO is
+        re-initialised in place on the new group (a new partition) and each rank keeps the state of the
+        parameters it owns now."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         zero = self.objs.optimizer
@@ -329,6 +330,11 @@ class ProtectedTraining:
                 local.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() else v
                                   for k, v in merged.get(index[p], {}).items()}  # absent: fresh (the first step)
         self._hook_optimizer()
+
+    def envelope_of(self, R: int) -> dict:
+        """This rank's envelope of S_R (after ``restore_local``): what a grow's joiner takes from it."""
+        snap = self.d2h.committed().get(R) if self.d2h is not None else None
+        return snap.meta if snap is not None else (self.rs.metas.get(R) or state.capture_envelope(R, self.objs))
 
     def layout(self):
         return self.ctx.layout(self.parallel.state_tp(self.ctx.world_size) if self.parallel is not None else None)

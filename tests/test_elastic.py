@@ -1,9 +1,12 @@
-"""Issue 31: no spare left, the job shrinks and keeps training (``launch.on_no_spare: shrink``).
+"""Issue 31: no spare left, the job shrinks and keeps training (``launch.on_no_spare: shrink``), and grows back.
 
 Real processes, real gloo, a real SIGKILL of a node: 3 nodes x 1 rank, no spare, node1 lost at step 10. The
 survivors form a generation without it (ranks renumbered, processes kept) and go on in memory at DP=2; with
 ``--elastic-batch keep`` (the default) the global batch stays the same: the lost rank's logical data rank is
 processed by a survivor as a second micro-batch (gradient accumulation, the loss scaled by world/data ranks).
+With ``launch.replenish`` the replenisher asks for node1's replacement; it joins as a hot-swap joiner at a step
+boundary and DP returns to 3 (the steps are slowed by a file that is removed once the grow completed, so the
+job outlives it at any machine speed).
 
 What is compared with the failure-free run (same arguments, no fault):
 - the data log (``--data-log``: step, generation, rank, logical data rank, loss per micro-batch of each completed
@@ -23,13 +26,14 @@ their update may differ by up to lr per step in the worst case; measured 1.2e-5 
 steps, the bound 0.2 x lr leaves a margin of 16x and still fails a lost or doubled micro-batch (whose effect is
 of the order of lr on every element: measured with ``--elastic-batch shrink``, see its row).
 
-Cost: each row is two real jobs of 3 ranks (~40 s each on the shared 2-core machine); the failure-free run is
-computed once per optimizer layout in a session. CI runs the ZeRO row; the replicated (DDP) row and the
-``--elastic-batch shrink`` row are ``full``.
+Cost: each row is two real jobs of 3 ranks (the failure-free run ~40 s, computed once per optimizer layout in a
+session; the shrink and grow ~90 s, slowed until the grow) on the shared 2-core machine. CI runs the ZeRO row (136
+s); the replicated (DDP) row and the ``--elastic-batch shrink`` row are ``full``.
 """
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
@@ -37,12 +41,12 @@ import pytest
 import torch
 import yaml
 
-from conftest import EXAMPLES, events, job_processes, of_type, rank_log_tail, run_phoenix
+from conftest import EXAMPLES, events, job_processes, of_type, rank_log_tail, run_phoenix, start_phoenix, wait_for
 
 pytestmark = [pytest.mark.timeout(600)]
 
 GPT = str(EXAMPLES / "train_gpt.py")
-STEPS = 20
+STEPS = 40
 LOST_AT = 10
 NODES = 3
 DETECT = {"heartbeat_s": 0.25, "hang_timeout_s": 6.0, "node_timeout_s": 4.0, "collective_timeout_s": 25.0,
@@ -89,20 +93,44 @@ class Run:
                 last[(int(step), int(d))] = (int(gen), float(loss))
         return {k: v for k, (_, v) in sorted(last.items())}
 
+    def ranks(self) -> dict[tuple[int, int], int]:
+        """(step, data rank) -> the rank that processed it in the step's last execution."""
+        samples = self.samples()
+        rows = [ln.split() for ln in (self.dir / "data.log").read_text().splitlines()]
+        out = {}
+        for step, gen, rank, d, _loss in rows:
+            if int(d) in samples[int(step)]:
+                out[(int(step), int(d))] = (int(gen), int(rank))
+        return {k: r for k, (_, r) in out.items()}
+
     def params(self) -> dict[str, torch.Tensor]:
         return torch.load(self.dir / "params.pt")
 
 
-def run(d: Path, opt: str, faults=(), launch: dict | None = None, flags=()) -> Run:
+def run(d: Path, opt: str, faults=(), launch: dict | None = None, flags=(), hold_until=None) -> Run:
+    """One job. ``hold_until(events)``: its steps are slowed (``--step-sleep`` while a file exists) until it holds,
+    then run at full speed to the end: the job outlives what is waited for, at any machine speed."""
     d.mkdir(parents=True, exist_ok=True)
     cfg = {"detect": DETECT, "runtime": {"replicas": 1}, "launch": dict(launch or {}),
            "inject": {"faults": [dict(f) for f in faults]}}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    hold = d / "hold"
+    slow = ("--step-sleep", "2.0", "--step-sleep-while", str(hold)) if hold_until is not None else ()
+    args = ["--config", str(d / "cfg.yaml"), "--nodes", str(NODES), "--nproc-per-node", "1", "--spares", "0",
+            "--run-dir", str(d / "run"), *flags, GPT, *TRAIN, "--optimizer", opt, "--data-log", str(d / "data.log"),
+            "--params-file", str(d / "params.pt"), *slow]
     t0 = time.monotonic()
-    r = run_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", str(NODES), "--nproc-per-node", "1", "--spares", "0",
-                     "--run-dir", str(d / "run"), *flags, GPT, *TRAIN, "--optimizer", opt, "--data-log", str(d / "data.log"),
-                     "--params-file", str(d / "params.pt")], d, timeout=400)
-    return Run(d, r, time.monotonic() - t0)
+    if hold_until is None:
+        return Run(d, run_phoenix(args, d, timeout=400), time.monotonic() - t0)
+    hold.touch()
+    proc = start_phoenix(args, d)
+    try:
+        wait_for(lambda: proc.poll() is not None or ((d / "run" / "events.jsonl").exists() and hold_until(events(d / "run"))),
+                 240, "the job's grow back")
+    finally:
+        hold.unlink()
+        out, err = proc.communicate(timeout=400)
+    return Run(d, subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0)
 
 
 @pytest.fixture(scope="session")
@@ -133,10 +161,10 @@ def shrunk_at(job: Run) -> int:
     return step
 
 
-def assert_shrunk(job: Run) -> None:
+def assert_shrunk(job: Run, grew: bool = False) -> None:
     assert job.result.returncode == 0, job.explain()
     decided = of_type(job.evs, "decision")
-    assert [d["decision"] for d in decided] == ["shrink"], decided
+    assert [d["decision"] for d in decided] == ["shrink", "grow"][:1 + grew], decided
     assert "data-parallel size 3 -> 2" in decided[0]["reason"], decided
     ev = of_type(job.evs, "shrink")
     assert ev and (ev[0]["lost"], ev[0]["dp_from"], ev[0]["dp_to"]) == (["node1"], 3, 2), ev
@@ -158,16 +186,28 @@ def assert_close_to(job: Run, base: Run, at: int) -> None:
     assert worst[0] <= PARAM_ATOL, f"parameter {worst[1]} differs by {worst[0]:.3g} > {PARAM_ATOL:.3g}"
 
 
+def grown(evs) -> bool:
+    return any(e.get("path") == "grow" for e in of_type(evs, "recovery"))
+
+
 @pytest.mark.parametrize("opt", [pytest.param("zero", id="zero"), pytest.param("adamw", marks=pytest.mark.full, id="ddp")])
-def test_a_node_lost_without_a_spare_shrinks_and_keeps_the_global_batch(tmp_path, failure_free, opt):
-    """3 nodes x 1 rank, no spare, node1 lost at step 10: the job goes on at DP=2 within seconds, in memory, with
-    the same global batch; every sample of the failure-free run is seen exactly once and the result equals the
-    failure-free run's within the stated tolerance; exit 0."""
-    job = run(tmp_path / "shrink", opt, [lost_node()])
-    assert_shrunk(job)
+def test_a_node_lost_without_a_spare_shrinks_keeps_the_batch_and_grows_back(tmp_path, failure_free, opt):
+    """3 nodes x 1 rank, no spare, ``launch.replenish``, node1 lost at step 10: the job goes on at DP=2 within
+    seconds, in memory, with the same global batch; the replenisher asks for node1's replacement, which joins at a
+    step boundary as a hot-swap joiner (DP back to 3, one data rank per rank again); exit 0. Every sample of the
+    failure-free run is seen exactly once and the result equals the failure-free run's within the stated tolerance."""
+    job = run(tmp_path / "shrink", opt, [lost_node()], launch={"replenish": True}, hold_until=grown)
+    assert_shrunk(job, grew=True)
     at = shrunk_at(job)
-    assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
     assert of_type(job.evs, "shrink")[0]["data"] == [[0, 1], [2]]
+    grow = of_type(job.evs, "grow")
+    assert len(grow) == 1 and (grow[0]["dp_from"], grow[0]["dp_to"], grow[0]["joiners"], grow[0]["data"]) == (2, 3, [1], []), grow
+    back = [e for e in of_type(job.evs, "recovery") if e["path"] == "grow"][0]["resume_step"]
+    samples = job.samples()
+    assert samples == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
+    ranks = job.ranks()  # after the grow each rank processes its own data rank again (the joiner: rank 1)
+    assert all(ranks[(s, d)] == d for s in range(back, STEPS) for d in range(NODES)), "data ranks not back to one per rank"
+    assert all(ranks[(s, 1)] == 0 for s in range(at, back)), "the lost data rank not taken by rank 0 while shrunk"
     assert_close_to(job, failure_free(opt), at)
 
 

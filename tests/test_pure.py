@@ -539,6 +539,11 @@ def test_no_spare_shrinks_by_policy_down_to_min_dp_then_the_ladder():
     d = decisions.decide(view(**{**no, "on_no_spare": "stop", "spares_coming": 1, "may_wait": True}), host)
     assert (d.kind, d.exit_code) == (K.SALVAGE, decisions.EXIT_UNRECOVERABLE) and "on_no_spare: stop" in d.reason
     assert decisions.decide(view(**{**no, "spares": ("s1",)}), host).kind is K.HOTSWAP
+    # grow back: as many spares join as nodes are missing
+    d = decisions.grow(1, ("s1", "s2"), 2, 1)
+    assert (d.kind, d.grow) == (K.GROW, ("s1",)) and "data-parallel size 2 -> 3" in d.reason
+    assert decisions.grow(2, ("s1",), 4, 2).grow == ("s1",) and "4 -> 6" in decisions.grow(2, ("s1",), 4, 2).reason
+    assert decisions.grow(0, ("s1",), 3, 1).kind is K.IGNORE and decisions.grow(1, (), 2, 1).kind is K.IGNORE
     # a rank that exited on a healthy node rejoins: nothing to shrink
     assert decisions.decide(view(**no), V(FailureClass.TRANSIENT_COMM, Action.LOCAL_RECOVERY)).kind is K.LOCAL
 
@@ -678,6 +683,7 @@ def test_decide_has_a_row_for_every_outcome():
         "ignore": decisions.reprotect((False, "re-forms used up")),
         "evict": decisions.straggler("evict", "n1", "rank 1 on n1 is 3.0x slower", ("s1",)),
         "shrink": decisions.decide(view(spares=(), on_no_spare="shrink", dp=3, dp_lost=1), host, 5.0),
+        "grow": decisions.grow(1, ("s1", "s2"), 2, 1),
         "resync": decisions.sdc(find_corrupt([Copy(0, 7), Copy(1, 9), Copy(2, 7)]), 5, 4, {0: "n0", 1: "n0", 2: "n1"}, {}, ()),
     }
     assert {d.kind for d in rows.values()} == set(K)
@@ -710,7 +716,7 @@ def test_only_decide_chooses_and_the_supervisor_executes():
     import phoenix_launch
 
     root = Path(phoenix_launch.__file__).parent
-    executors = {"hotswap", "shrink", "local_recovery", "restart", "fallback_restart", "salvage", "reform", "mark_hung", "stop", "resync"}
+    executors = {"hotswap", "shrink", "grow_back", "local_recovery", "restart", "fallback_restart", "salvage", "reform", "mark_hung", "stop", "resync"}
     built, called = [], []
     for f in sorted(root.rglob("*.py")):
         tree = ast.parse(f.read_text())
@@ -809,3 +815,53 @@ def test_a_straggler_is_evicted_only_onto_a_ready_spare_and_never_stops_the_job(
     assert decisions.decide(view(spares=("s1",)), v).kind is K.HOTSWAP
     d = decisions.decide(view(spares=(), may_salvage=True), v)  # the spare was taken meanwhile
     assert d.kind is K.IGNORE and d.exit_code == 0
+
+
+def test_shrink_and_grow_memberships_renumber_densely_and_move_the_data_ranks():
+    """``elastic.shrunk_ranks``: the survivors renumbered in their old order, each keeping its data rank, the lost
+    ones spread (keep) or dropped (shrink); ``grown_ranks``: a joiner in the lost node's place (its original rank),
+    one data rank per rank again once none is missing; ``prev`` maps each rank to its rank before (-1: joiner)."""
+    from phoenix_launch.repair.elastic import grown_ranks, shrunk_ranks
+    from phoenix_runtime.plane.protocol import Membership, RankSlot
+
+    full = Membership(0, 4, tuple(RankSlot(r, f"n{r // 2}", r % 2) for r in range(4)))  # 2 nodes x 2
+    ranks, data, prev = shrunk_ranks(full, {"n0"}, keep_batch=True)
+    assert [(r.rank, r.node, r.slot) for r in ranks] == [(0, "n1", 0), (1, "n1", 1)] and prev == (2, 3)
+    assert data == ((0, 2), (1, 3))
+    assert shrunk_ranks(full, {"n0"}, keep_batch=False)[1] == ((2,), (3,))
+    three = Membership(0, 3, tuple(RankSlot(r, f"n{r}", 0) for r in range(3)))
+    ranks, data, prev = shrunk_ranks(three, {"n1"}, keep_batch=True)
+    assert data == ((0, 1), (2,)) and prev == (0, 2)
+    shrunk = Membership(1, 2, tuple(ranks), data=data, prev=prev, prev_world=3)
+    assert [shrunk.data_ranks(r) for r in range(2)] == [(0, 1), (2,)] and three.data_ranks(2) == (2,)
+    original = {("n0", 0): 0, ("s1", 0): 1, ("n2", 0): 2}
+    ranks, data, prev = grown_ranks(shrunk, [RankSlot(-1, "s1", 0)], original, 3)
+    assert [(r.rank, r.node) for r in ranks] == [(0, "n0"), (1, "s1"), (2, "n2")] and prev == (0, -1, 1) and data == ()
+    # a partial grow (one of two lost nodes back): the still missing data rank stays with a rank (keep)
+    ranks, data, prev = shrunk_ranks(full, {"n1"}, keep_batch=True)
+    part = Membership(1, 2, tuple(ranks), data=data, prev=prev)
+    ranks, data, prev = grown_ranks(part, [RankSlot(-1, "s", 0)], {("n0", 0): 0, ("n0", 1): 1, ("s", 0): 2}, 4)
+    assert prev == (0, 1, -1) and sorted(x for d in data for x in d) == [0, 1, 2, 3] and data[2] == (2,)
+    # the membership's fields survive the store's JSON
+    assert Membership.from_json(shrunk.to_json()) == shrunk
+
+
+def test_a_grow_plans_over_the_survivors_and_the_joiners_take_everything_from_one():
+    from phoenix_runtime.recover.recovery import Outcome, plan_grow
+
+    descs = [surv(0, 12, True, [11], {}), Descriptor(1, has_state=False), surv(2, 12, True, [11], {})]
+    course = plan_grow(descs)
+    assert course.outcome is Outcome.RESUME and course.plan.step == 12 and course.plan.joiners == (1,)
+    assert course.plan.param_src == course.plan.optim_src == {1: 2}
+    assert plan_grow([Descriptor(0, has_state=False)]).outcome is Outcome.GIVE_UP  # no survivor
+
+
+def test_status_shows_the_data_parallel_size_while_shrunk():
+    import io
+
+    from phoenix_launch.observe.ui import print_status
+
+    out = io.StringIO()
+    print_status({"run_id": "r", "state": "running", "gen": 1, "step": 12, "steps_per_s": 1.0, "spares_left": 0,
+                  "restarts": 0, "dp": 2, "dp_full": 3, "nodes": [], "events": []}, out)
+    assert "dp=2/3" in out.getvalue()

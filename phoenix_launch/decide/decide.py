@@ -34,6 +34,7 @@ class Kind(str, Enum):
     STOP = "stop"
     WAIT = "wait"  # a node must be replaced, no spare is ready but one is starting: decide again (bounded)
     SHRINK = "shrink"  # no spare for the lost node(s): the survivors go on without their DP replicas, in memory
+    GROW = "grow"  # a shrunk job: a spare is ready, it joins as a hot-swap joiner and the DP size grows back
     EVICT = "evict"  # a straggler's node: an incident that replaces it onto a warm spare (then HOTSWAP)
     IGNORE = "ignore"  # nothing to change (the reason is recorded)
 
@@ -77,6 +78,7 @@ class Decision:
     path: str = ""  # REFORM: why the generation is re-formed ("reprotect", "takeover")
     resync: tuple[int, ...] = ()  # RESYNC: the ranks whose state is corrupt (they take a peer's, processes kept)
     rollback_to: int | None = None  # RESYNC, and a HOTSWAP that drains a corrupting node: the last agreed step
+    grow: tuple[str, ...] = ()  # GROW: the spares that join, each in a lost node's place
 
 
 def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
@@ -204,6 +206,16 @@ def straggler(policy: str, node: str, what: str, spares: tuple[str, ...]) -> Dec
     if policy == "evict":
         return Decision(Kind.IGNORE, f"{what}: no spare ready to evict it onto; {node} stays", node)
     return Decision(Kind.IGNORE, f"{what}: reported (detect.straggler: {policy})", node)
+
+
+def grow(missing: int, spares: tuple[str, ...], dp: int, nproc: int) -> Decision:
+    """A shrunk job (``missing`` nodes short of its size, data-parallel size ``dp``) with ``spares`` ready: as many
+    join as are missing, each in a lost node's place (hot-swap joiners); none ready or none missing: nothing."""
+    if not missing or not spares:
+        return Decision(Kind.IGNORE, "")
+    join = spares[:missing]
+    return Decision(Kind.GROW, f"{', '.join(join)} ready: grow back, data-parallel size {dp} -> {dp + len(join) * nproc}",
+                    grow=join)
 
 
 def reform(path: str, reason: str) -> Decision:

@@ -68,8 +68,10 @@ class GenerationPublisher:
         ranks = tuple(sorted(ranks, key=lambda r: r.rank))
         self.gen += 1
         data = self.members.data if data is None else data
-        if fresh or lost or prev:  # a salvage generation starts nobody; a shrink's ranks are all survivors
-            joiners: tuple[int, ...] = ()
+        if prev:  # a resize (shrink, grow): the joiners are the ranks without a rank before
+            joiners: tuple[int, ...] = tuple(r for r, p in enumerate(prev) if p < 0)
+        elif fresh or lost:  # a salvage generation starts nobody
+            joiners = ()
         else:
             before = {r.rank: (r.node, r.slot) for r in self.stable.ranks}
             again = set(respawned)
