@@ -224,3 +224,21 @@ def test_elastic_batch_shrink_drops_only_the_lost_replicas_share(tmp_path, failu
     assert job.samples() == want
     p, q = job.params(), failure_free("adamw").params()
     assert max(float((p[n] - q[n]).abs().max()) for n in q) > PARAM_ATOL  # the tolerance tells the two apart
+
+
+@pytest.mark.full
+def test_a_second_failure_while_shrunk_shrinks_again_and_below_min_dp_the_ladder_applies(tmp_path, failure_free):
+    """ZeRO, no spare: node1 lost at step 10 (DP 3 -> 2), node2 at step 20 while shrunk (DP 2 -> 1): every sample
+    still seen once and the result within the tolerance. The same job with ``launch.min_dp: 2``: the second loss
+    would leave DP 1 < 2, so the old ladder applies: the survivors save S_R from memory and the job stops (exit 3)."""
+    second = {"node": "node2", "step": 20, "mode": "crash", "phase": "begin"}
+    job = run(tmp_path / "twice", "zero", [lost_node(), second])
+    assert job.result.returncode == 0, job.explain()
+    ev = of_type(job.evs, "shrink")
+    assert [(e["dp_from"], e["dp_to"], e["data"]) for e in ev] == [(3, 2, [[0, 1], [2]]), (2, 1, [[0, 1, 2]])], ev
+    assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
+    assert_close_to(job, failure_free("zero"), shrunk_at(job))
+    floor = run(tmp_path / "floor", "zero", [lost_node(), second], launch={"min_dp": 2})
+    assert floor.result.returncode == 3, floor.explain()
+    assert [d["decision"] for d in of_type(floor.evs, "decision")] == ["shrink", "salvage"], of_type(floor.evs, "decision")
+    assert of_type(floor.evs, "salvaged") and not floor.leftover

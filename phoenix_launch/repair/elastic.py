@@ -108,6 +108,7 @@ class ElasticJob:
         self.world_size = world_size
         self.recovery.world_size = world_size
         self._gens().world_size = world_size  # type: ignore[attr-defined]
+        self.ladder.catalog.world_size = world_size  # type: ignore[attr-defined]  # a checkpoint is complete with every rank of now
         att, new_of = self.attempt, {old: new for new, old in enumerate(prev) if old >= 0}
         att.runtime_ready = {new_of[r] for r in att.runtime_ready if r in new_of}
         att.done_ranks = {new_of[r] for r in att.done_ranks if r in new_of}
