@@ -472,14 +472,14 @@ def test_resume_without_a_complete_checkpoint_is_one_line(tmp_path):
 
 
 def test_no_spare_free_waits_for_a_replenished_one_then_hot_swaps(tmp_path, failure_free):
-    """Rung 2: one spare, replenished; the second failure comes before the replenished spare is up, so the
-    survivors keep their state and wait for it (bounded by detect.spare_wait_s), then it is hot-swapped in.
+    """Rung 2 (``launch.on_no_spare: wait``; a shrink is tests/test_elastic.py's): one spare, replenished; the second
+    failure comes before the replenished spare is up, so the survivors keep their state and wait for it (bounded by detect.spare_wait_s), then it is hot-swapped in.
     Steps of 0.3 s (the digest does not depend on it): the replenishment is asked for within the supervisor's
     next pass after the first hot-swap, well before step 5 (before, it could wait up to a second, and a fast
     recovery met the second failure with nothing asked for: "no spare left", exit 3)."""
     d = tmp_path / "wait"
     d.mkdir(parents=True)
-    cfg = {"detect": {**DETECT, "spare_wait_s": 120.0}, "launch": {"replenish": True}, "runtime": {"replicas": 1},
+    cfg = {"detect": {**DETECT, "spare_wait_s": 120.0}, "launch": {"replenish": True, "on_no_spare": "wait"}, "runtime": {"replicas": 1},
            "inject": {"faults": [crash("node1", 3), crash("node0", 5)]}}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     r = run_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "2", "--spares", "1",
