@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=0, help="torch.distributed.checkpoint save every K steps")
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulates a bigger model)")
+    p.add_argument("--sample-sleep", type=float, default=0.0,
+                   help="extra seconds per micro-batch (a shrunk rank with two data ranks takes twice: bench/elastic.py)")
     p.add_argument("--step-sleep-while", default=None, metavar="PATH",
                    help="--step-sleep only while PATH exists (tests: the job outlives what a test does to it, then ends at full speed)")
     p.add_argument("--log-every", type=int, default=10)
@@ -383,6 +385,8 @@ def main(argv=None):
                     if step == a.bug_at_step:
                         raise ValueError(f"loss went NaN at step {step} (injected bug)")
                     (loss * scale if scale != 1.0 else loss).backward()
+                    if a.sample_sleep:
+                        time.sleep(a.sample_sleep)
                     seen.append((d, loss.item() if a.data_log else 0.0))
             if a.step_sleep and (a.step_sleep_while is None or os.path.exists(a.step_sleep_while)):
                 time.sleep(a.step_sleep)

@@ -429,7 +429,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
     def replenish(self, now: float) -> None:
         if self.job.state in (JobState.RUNNING, JobState.RECOVERING):
             # the target is the job's own size plus its spares: a shrunk job's missing nodes are asked for too
-            self.replenisher.tick(now, self.nodes.coming_spares() - self.missing_nodes(), len(self.nodes.spare_nodes()))
+            self.replenisher.tick(now, self.nodes.coming_spares() - self.nodes_short(), len(self.nodes.spare_nodes()))
 
     def adopt(self, m: protocol.AgentUp, now: float) -> None:
         """An agent this job did not start says it is up (sealed with the job's secret): it joins as a new spare."""

@@ -73,8 +73,15 @@ class ElasticJob:
         return self.cfg.launch.nodes * self.nproc
 
     def missing_nodes(self) -> int:
-        """Nodes the job is short of its own size (a shrink): the replenisher asks for them too."""
+        """Nodes the job's world is short of its own size (a shrink): what a grow brings back."""
         return (self.full_world() - self.world_size) // self.nproc
+
+    def nodes_short(self) -> int:
+        """Active places without a live node (lost, or left by a shrink): the replenisher asks for them on top of the
+        spares (its target is the job's own size plus its spares), so a lost node's replacement is asked for at once."""
+        held = sum(1 for n in self.nodes if n.group_rank is not None and not n.lost
+                   and n.state in (NodeState.STARTING, NodeState.ACTIVE, NodeState.JOINING))
+        return max(0, self.cfg.launch.nodes - held)
 
     def original_ranks(self) -> dict[tuple[str, int], int]:
         """(node, slot) -> the rank it held at the start: its node's group rank (a spare takes a lost node's)."""
