@@ -242,3 +242,21 @@ def test_a_second_failure_while_shrunk_shrinks_again_and_below_min_dp_the_ladder
     assert floor.result.returncode == 3, floor.explain()
     assert [d["decision"] for d in of_type(floor.evs, "decision")] == ["shrink", "salvage"], of_type(floor.evs, "decision")
     assert of_type(floor.evs, "salvaged") and not floor.leftover
+
+
+@pytest.mark.full
+def test_a_joiner_lost_during_the_grow_shrinks_again_and_the_next_replacement_grows_it_back(tmp_path, failure_free):
+    """ZeRO, ``launch.replenish``: node1 lost at step 10 (shrink); its replacement ``replenish-r1`` crashes while it
+    joins (its recovery's ``recover_optim`` phase): the grow's generation is abandoned and the survivors shrink again
+    from the last generation every rank reached (DP 2, in memory); the next replacement grows the job back to DP 3.
+    Every sample once, the result within the tolerance, exit 0."""
+    joiner_lost = {"node": "replenish-r1", "mode": "crash", "phase": "recover_optim"}
+    job = run(tmp_path / "grow-fails", "zero", [lost_node(), joiner_lost], launch={"replenish": True},
+              hold_until=lambda evs: any(e["path"] == "grow" and e["gen"] > 2 for e in of_type(evs, "recovery")))
+    assert job.result.returncode == 0, job.explain()
+    assert [d["decision"] for d in of_type(job.evs, "decision")] == ["shrink", "grow", "shrink", "grow"], of_type(job.evs, "decision")
+    assert [(e["dp_from"], e["dp_to"]) for e in of_type(job.evs, "shrink")] == [(3, 2), (3, 2)]
+    assert [e["joined"] for e in of_type(job.evs, "grow")] == [["replenish-r1"], ["replenish-r2"]]
+    assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
+    assert_close_to(job, failure_free("zero"), shrunk_at(job))
+    assert not job.leftover, job.leftover

@@ -109,26 +109,35 @@ class ElasticJob:
         members = self._gens().members  # type: ignore[attr-defined]
         return sum(1 for r in members.ranks if r.node in failed)
 
-    def resize(self, world_size: int, prev: tuple[int, ...]) -> None:
-        """The job's world is ``world_size`` ranks from now on; ``prev[new] = old``: what the ranks reported
-        before is carried over under their new numbers."""
+    def resize(self, ranks: list[protocol.RankSlot]) -> None:
+        """The job's world is ``ranks`` from now on (numbered anew): what the ranks reported is carried over by their
+        (node, slot); a grow's joiners run the same script as their peers: counted as ready with its DP size (they
+        report it once started), so a failure during the grow is decided like one in a job of the new size."""
+        world_size = len(ranks)
         self.world_size = world_size
         self.recovery.world_size = world_size
         self._gens().world_size = world_size  # type: ignore[attr-defined]
         self.ladder.catalog.world_size = world_size  # type: ignore[attr-defined]  # a checkpoint is complete with every rank of now
-        att, new_of = self.attempt, {old: new for new, old in enumerate(prev) if old >= 0}
-        att.runtime_ready = {new_of[r] for r in att.runtime_ready if r in new_of}
+        att, old = self.attempt, {(r.node, r.slot): r.rank for r in self._gens().members.ranks}  # type: ignore[attr-defined]
+        new_of = {old[(r.node, r.slot)]: r.rank for r in ranks if (r.node, r.slot) in old}
+        joiners = {r.rank for r in ranks if (r.node, r.slot) not in old}
+        att.runtime_ready = {new_of[r] for r in att.runtime_ready if r in new_of} | joiners
         att.done_ranks = {new_of[r] for r in att.done_ranks if r in new_of}
-        att.dp_sizes = {new_of[r]: world_size for r in att.dp_sizes if r in new_of and r >= 0}
+        att.dp_sizes = {r: world_size for r in {new_of[r] for r in att.dp_sizes if r in new_of} | joiners}
 
     def shrink(self, d: decisions.Decision, inc: Any, now: float) -> None:
         """No spare for ``d.lost``: the survivors form a generation without their ranks and go on in memory."""
         self._exclude(d)  # type: ignore[attr-defined]
         gens = self._gens()  # type: ignore[attr-defined]
         before = gens.members.world_size
-        ranks, data, prev = shrunk_ranks(gens.members, set(d.lost), self.cfg.launch.elastic_batch == "keep")
-        self.resize(len(ranks), prev)
-        mem = gens.publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), data=data, prev=prev)  # type: ignore[attr-defined]
+        # the state lives in the last generation every rank reached: a failure during a recovery (a grow's joiner
+        # lost, a second loss during a shrink) shrinks from it, without every node that is gone since
+        base = gens.stable if self.recovery.active else gens.members
+        gone = set(d.lost) | {n.name for n in self.nodes if n.lost or n.state not in (NodeState.ACTIVE, NodeState.JOINING)}
+        ranks, data, prev = shrunk_ranks(base, gone, self.cfg.launch.elastic_batch == "keep")
+        self.resize(ranks)
+        mem = gens.publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), data=data, prev=prev,  # type: ignore[attr-defined]
+                           prev_world=base.world_size)
         self._begin_recovery("shrink", d, inc, now)  # type: ignore[attr-defined]
         self.events.emit("shrink", gen=mem.gen, lost=list(d.lost), dp_from=before, dp_to=len(ranks),
                          elastic_batch=self.cfg.launch.elastic_batch, data=[list(x) for x in data])
@@ -149,7 +158,7 @@ class ElasticJob:
         joining = [protocol.RankSlot(-1, name, s) for name in d.grow for s in range(self.nproc)]
         before = gens.members.world_size
         ranks, data, prev = grown_ranks(gens.members, joining, self.original_ranks(), self.full_world())
-        self.resize(len(ranks), prev)
+        self.resize(ranks)
         mem = gens.publish(ranks, d.reason, self._attempt(), self.nodes.group_ranks(), data=data, prev=prev)  # type: ignore[attr-defined]
         self._begin_recovery("grow", d, Incident(t0=now), now)  # no failure: its times start now  # type: ignore[attr-defined]
         self.events.emit("grow", gen=mem.gen, joined=list(d.grow), dp_from=before, dp_to=len(ranks),

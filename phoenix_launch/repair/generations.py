@@ -61,10 +61,12 @@ class GenerationPublisher:
     def publish(self, ranks: Iterable[protocol.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
                 *, respawned: Iterable[int] = (), fresh: bool = False, lost: tuple[int, ...] = (),
                 resync: tuple[int, ...] = (), rollback_to: int | None = None,
-                data: tuple[tuple[int, ...], ...] | None = None, prev: tuple[int, ...] = ()) -> protocol.Membership:
+                data: tuple[tuple[int, ...], ...] | None = None, prev: tuple[int, ...] = (),
+                prev_world: int | None = None) -> protocol.Membership:
         """A new generation: membership first, then the joiners' assignments, then the bump. ``resync`` /
-        ``rollback_to``: a repair of silent data corruption; ``data`` / ``prev``: a shrink (the ranks renumbered,
-        ``world_size`` set before; ``protocol.Membership``). The data ranks carry over otherwise."""
+        ``rollback_to``: a repair of silent data corruption; ``data`` / ``prev`` / ``prev_world``: a resize (the ranks
+        renumbered, ``world_size`` set before; ``prev`` relative to the generation of ``prev_world`` ranks, by default
+        the current one; ``protocol.Membership``). The data ranks carry over otherwise."""
         ranks = tuple(sorted(ranks, key=lambda r: r.rank))
         self.gen += 1
         data = self.members.data if data is None else data
@@ -78,7 +80,7 @@ class GenerationPublisher:
             joiners = tuple(r.rank for r in ranks if before.get(r.rank) != (r.node, r.slot) or r.rank in again)
         mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains(), lost,
                                   tuple(resync), rollback_to, tuple(data), tuple(prev),
-                                  self.members.world_size if prev else 0)
+                                  (self.members.world_size if prev_world is None else prev_world) if prev else 0)
         self._seen |= {r.node for r in self.members.ranks}
         protocol.put_value(self.store, protocol.k_members(self.gen), mem.to_json())
         for r in ranks:
