@@ -170,6 +170,7 @@ def assert_shrunk(job: Run, grew: bool = False) -> None:
     assert ev and (ev[0]["lost"], ev[0]["dp_from"], ev[0]["dp_to"]) == (["node1"], 3, 2), ev
     rec = of_type(job.evs, "recovery")[0]
     assert rec["total_s"] is not None and rec["total_s"] < 10.0, rec  # training again within seconds
+    assert rec["first_step_s"] is not None and rec["first_step_s"] >= 0, rec  # its cost runs to a step after it
     assert not of_type(job.evs, "hotswap") and not of_type(job.evs, "restart")
     assert not job.leftover, job.leftover
 

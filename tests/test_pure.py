@@ -383,6 +383,7 @@ def test_recovery_event_covers_the_time_to_the_first_step_after_it():
     assert not w.recovered(_recovered(1, 0, 100.6), 100.6)  # an older generation's report
     assert w.recovered(_recovered(1, 1, 100.7, replayed=1), 100.7) and w.awaiting_first_step
     assert w.first_step({0: (6, 101.0), 1: (5, 100.0)}) is None  # rank 1 has not completed a step after it
+    assert w.first_step({0: (6, 101.0), 1: (6, 100.4)}) is None  # rank 1's step 6 is from before the failure (stale)
     ev = w.first_step({0: (6, 101.0), 1: (6, 160.7)})  # e.g. a hidden 60 s wait before the first step
     assert ev["total_s"] == 60.7 and ev["recovered_s"] == 0.7 and ev["first_step_s"] == 60.0
     assert (ev["resume_step"], ev["steps_replayed"], ev["quiesce_s"], ev["detect_s"]) == (5, 1, 0.1, 0.05)

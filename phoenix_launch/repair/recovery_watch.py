@@ -93,7 +93,9 @@ class RecoveryWatch:
         if cur is None or cur.t_recovered is None:
             return None
         resume = cur.resume_step if cur.resume_step is not None else 0
-        after = [t for step, t in steps.values() if step > resume]
+        # a step after the resume completes after the recovery: a survivor's stale report of a step it completed
+        # before the failure (to be replayed, e.g. in a shrink, which has no joiner to wait for) is not one
+        after = [t for step, t in steps.values() if step > resume and t >= cur.t_recovered]
         if not final and len(after) < self.world_size:
             return None
         t_first = max(after) if len(after) == self.world_size else None
