@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=0, help="torch.distributed.checkpoint save every K steps")
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulates a bigger model)")
+    p.add_argument("--sample-sleep", type=float, default=0.0,
+                   help="extra seconds per micro-batch (a shrunk rank with two data ranks takes twice: bench/elastic.py)")
     p.add_argument("--step-sleep-while", default=None, metavar="PATH",
                    help="--step-sleep only while PATH exists (tests: the job outlives what a test does to it, then ends at full speed)")
     p.add_argument("--log-every", type=int, default=10)
@@ -77,7 +79,25 @@ def parse_args(argv=None):
     p.add_argument("--reset-at-step", type=int, default=-1,
                    help="--reset-rank raises 'Connection reset by peer' outside the step guard and exits, once per job (tests)")
     p.add_argument("--reset-rank", type=int, default=-1)
+    p.add_argument("--data-log", default=None, metavar="PATH",
+                   help="every rank appends 'step gen rank data_rank loss' per data rank of each completed step (tests: "
+                        "after a shrink every sample is seen once)")
+    p.add_argument("--params-file", default=None, help="rank 0 saves the final parameters here (torch.save)")
     return p.parse_args(argv)
+
+
+def data_shares(trainer, rank: int) -> tuple[tuple[int, ...], float]:
+    """The logical data ranks this rank processes in this step and each micro-batch's loss factor: its own rank
+    and 1.0, unless PHOENIX shrank the job (``launch.on_no_spare: shrink``; older runtimes: always)."""
+    if not hasattr(trainer, "data_ranks"):
+        return (rank,), 1.0
+    return trainer.data_ranks(), trainer.loss_scale()
+
+
+def accumulate(trainer, last: bool):
+    import contextlib
+
+    return trainer.accumulating(last) if hasattr(trainer, "accumulating") else contextlib.nullcontext()
 
 
 class Block(nn.Module):
@@ -356,11 +376,18 @@ def main(argv=None):
         with trainer.step():
             if step == a.stall_at_step and rank == a.stall_rank and _once("stall"):
                 stall_forever(step)
-            x, y = batch(a, step, rank, ctx.device, sampler)
-            loss = trainer.model(x, y)
-            if step == a.bug_at_step:
-                raise ValueError(f"loss went NaN at step {step} (injected bug)")
-            loss.backward()
+            shares, scale = data_shares(trainer, rank)
+            seen = []
+            for i, d in enumerate(shares):  # one micro-batch per logical data rank, one all-reduce (the last)
+                with accumulate(trainer, i == len(shares) - 1):
+                    x, y = batch(a, step, d, ctx.device, sampler)
+                    loss = trainer.model(x, y)
+                    if step == a.bug_at_step:
+                        raise ValueError(f"loss went NaN at step {step} (injected bug)")
+                    (loss * scale if scale != 1.0 else loss).backward()
+                    if a.sample_sleep:
+                        time.sleep(a.sample_sleep)
+                    seen.append((d, loss.item() if a.data_log else 0.0))
             if a.step_sleep and (a.step_sleep_while is None or os.path.exists(a.step_sleep_while)):
                 time.sleep(a.step_sleep)
             trainer.optimizer_step()
@@ -374,6 +401,9 @@ def main(argv=None):
             with open(a.step_log, "a") as f:
                 f.write(f"step {trainer.step_idx - 1} {time.time()}\n")
         completed = trainer.step_idx == step + 1  # not interrupted by a recovery (which may come before the loss)
+        if a.data_log and completed:
+            with open(a.data_log, "a") as f:  # one write per step (O_APPEND: the ranks' lines do not interleave)
+                f.write("".join(f"{step} {ctx.gen} {dist.get_rank()} {d} {v!r}\n" for d, v in seen))
         if rank == 0 and completed and (step % a.log_every == 0 or step == a.steps - 1):
             print(f"step {step} loss {loss.item():.4f} t={time.time() - t_start:.2f}s", flush=True)
         if a.ckpt_every and a.ckpt_dir and trainer.step_idx % a.ckpt_every == 0 and trainer.step_idx > start:
@@ -398,7 +428,9 @@ def main(argv=None):
     live = getattr(trainer, "module", model)
     full = full_digest(live, trainer.optimizer, schedulers, sampler)
     v1 = digest(model, trainer.optimizer)
-    if rank == 0:
+    if dist.get_rank() == 0 and a.params_file:
+        torch.save({n: p.detach().cpu() for n, p in model.named_parameters()}, a.params_file)
+    if dist.get_rank() == 0:
         print(f"digest {full['digest']}", flush=True)
         if a.digest_file:
             tmp = a.digest_file + ".tmp"

@@ -50,8 +50,22 @@ class LaunchConfig:
     # (auto: on where the job has two or more nodes of a scheduler (Slurm), where it runs on a node other than
     # the leader's; off on the local backend, whose "nodes" share this machine; see docs/operations.md)
     standby: str = "auto"
+    # no spare ready for a lost node: "shrink" (the survivors go on without its data-parallel replicas, in memory,
+    # where the layout has a DP dimension of at least 2 and at least min_dp replicas survive; else the ladder),
+    # "wait" (today's ladder: wait detect.spare_wait_s for a starting spare, then restart / salvage / stop), "stop"
+    on_no_spare: str = "shrink"
+    min_dp: int = 1  # the smallest data-parallel size a shrink may leave
+    # shrunk: "keep" the global batch (the survivors process the lost replicas' data ranks too, with gradient
+    # accumulation), or "shrink" it (the lost replicas' share of each step is dropped: torchft's semantics)
+    elastic_batch: str = "keep"
 
     def validate(self) -> None:
+        if self.on_no_spare not in ("shrink", "wait", "stop"):
+            raise ConfigError(f"launch.on_no_spare must be shrink, wait or stop, got {self.on_no_spare!r}")
+        if self.elastic_batch not in ("keep", "shrink"):
+            raise ConfigError(f"launch.elastic_batch must be keep or shrink, got {self.elastic_batch!r}")
+        if self.min_dp < 1:
+            raise ConfigError(f"launch.min_dp must be >= 1, got {self.min_dp}")
         if self.standby not in ("auto", "off", "on"):
             raise ConfigError(f"launch.standby must be auto, on or off, got {self.standby!r}")
         if self.nodes < 1:

@@ -89,6 +89,7 @@ class ReportHandlers:
         self.attempt.protect_on = bool(m.protect)
         if m.epoch == self.epoch and m.protect and m.rank is not None:
             self.attempt.runtime_ready.add(int(m.rank))
+            self.attempt.dp_sizes[int(m.rank)] = int(m.dp)
 
     def on_recovered(self, m: protocol.Recovered, now: float) -> None:
         if self.job.state is JobState.RECOVERING and self.recovery.recovered(m, now):

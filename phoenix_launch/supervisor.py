@@ -36,6 +36,7 @@ from phoenix_launch.reports import ReportHandlers
 from phoenix_launch.repair.reprotect import Reprotector
 from phoenix_launch.repair.sdc_repair import SdcRepair
 from phoenix_launch.repair.stragglers import StragglerChecks
+from phoenix_launch.repair.elastic import ElasticJob
 from phoenix_launch.spec import AgentSpec
 from phoenix_launch.standby.mirror import AttemptRecord, NodeRecord, StandbyLink, SupervisorState
 from phoenix_launch.observe.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
@@ -44,7 +45,7 @@ from phoenix_runtime.plane import auth, protocol
 
 
 
-class Supervisor(ReportHandlers, SdcRepair, StragglerChecks):
+class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
     def __init__(self, cfg: Config, argv: list[str], run_dir: Path, backend: Backend, ui=None, *, takeover: bool = False):
         launch = cfg.launch
         self.cfg, self.argv, self.run_dir, self.backend, self.ui = cfg, argv, run_dir, backend, ui
@@ -226,6 +227,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks):
         if verdict.node and verdict.node in self.nodes and inc.wait_until is None:  # once per incident
             self.nodes[verdict.node].failures += 1
         spares = self.spares()  # reads the spares' heartbeats: once
+        lost = tuple(dict.fromkeys(n for n in (verdict.node, *inc.lost) if n in self.nodes and not self.nodes[n].is_spare))
         view = decisions.JobView(
             runtime_ready=self.attempt.protect_on and len(self.attempt.runtime_ready) == self.world_size,
             spares=spares,
@@ -237,8 +239,8 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks):
             spares_coming=self.nodes.coming_spares() - len(spares) + len(self.replenisher.joins),
             may_wait=inc.wait_until is None or now < inc.wait_until,
             also_lost=tuple(n for n in inc.lost if n in self.nodes and not self.nodes[n].is_spare),
-            may_salvage=self._may_salvage(),
-        )
+            may_salvage=self._may_salvage(), on_no_spare=self.cfg.launch.on_no_spare, dp=self.dp_size(),
+            dp_lost=self.dp_lost(lost), min_dp=self.cfg.launch.min_dp)
         d = decisions.decide(view, verdict, now)
         if d.kind is decisions.Kind.WAIT and not self.incidents.defer(inc, now, self.cfg.detect.spare_wait_s):
             return  # still waiting for a spare: the decision event was emitted once
@@ -259,7 +261,8 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks):
             decisions.Kind.HOTSWAP: self.hotswap, decisions.Kind.LOCAL: self.local_recovery, decisions.Kind.RESTART: self.restart,
             decisions.Kind.FALLBACK: self.fallback_restart, decisions.Kind.SALVAGE: self.salvage, decisions.Kind.REFORM: self.reform,
             decisions.Kind.HUNG: self.mark_hung, decisions.Kind.STOP: self.stop, decisions.Kind.EVICT: self.evict,
-            decisions.Kind.RESYNC: self.resync,
+            decisions.Kind.RESYNC: self.resync, decisions.Kind.SHRINK: self.shrink,
+            decisions.Kind.GROW: self.grow_back,
             decisions.Kind.WAIT: lambda d, inc, now: None, decisions.Kind.IGNORE: lambda d, inc, now: None,
         }[d.kind]
         run(d, inc or Incident(now), now)
@@ -425,7 +428,8 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks):
     # --- the spare pool ------------------------------------------------------------------------------
     def replenish(self, now: float) -> None:
         if self.job.state in (JobState.RUNNING, JobState.RECOVERING):
-            self.replenisher.tick(now, self.nodes.coming_spares(), len(self.nodes.spare_nodes()))
+            # the target is the job's own size plus its spares: a shrunk job's missing nodes are asked for too
+            self.replenisher.tick(now, self.nodes.coming_spares() - self.nodes_short(), len(self.nodes.spare_nodes()))
 
     def adopt(self, m: protocol.AgentUp, now: float) -> None:
         """An agent this job did not start says it is up (sealed with the job's secret): it joins as a new spare."""
@@ -482,6 +486,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks):
             self.ladder.schedule(self.store, now, self.attempt, running=self.job.state is JobState.RUNNING)
             self.run_chaos(now)
             self.check_stragglers(now)
+            self.check_grow(now)
             self.check_recovery_deadline(now)
         if self.attempt.unrecoverable_t0 and now - self.attempt.unrecoverable_t0 > self.cfg.detect.recovery_timeout_s:
             self.execute(decisions.unrecoverable(next(iter(self.attempt.unrecoverable.values())).reason, None), now)
@@ -550,7 +555,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks):
         return job_status(run_id=self.cfg.launch.run_id, run_dir=self.run_dir, state=self.job.state.value, gen=self.gen,
                           restarts=self.restarts, nproc=self.nproc, nodes=self.nodes, store=self.store, events=self.events,
                           members=self.publisher.members if self.publisher else protocol.Membership(0, self.world_size, ()),
-                          protect_every=self.reprotector.every)
+                          protect_every=self.reprotector.every, dp=(self.dp_size(), self.full_world()) if self.dp_size() else None)
 
     def _write_status(self) -> dict[str, Any]:
         snap = self.operator_io.observe(self.status())

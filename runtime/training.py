@@ -15,6 +15,7 @@ import time
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from phoenix_runtime.recover import persist
 from phoenix_runtime.plane import protocol
@@ -99,12 +100,45 @@ class ProtectedTraining:
         self._warned_layout = False
         STATE.runtime = True
         STATE.enter("training")
-        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch))
+        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=self.shrinkable_dp()))
 
     # --- the public API ------------------------------------------------------------------------------------
     @property
     def optimizer(self):
         return self.objs.optimizer
+
+    def data_ranks(self) -> tuple[int, ...]:
+        """The logical data ranks this rank processes in this step: its own, and after a shrink that keeps the
+        global batch (``launch.elastic_batch: keep``) a lost rank's too. The loop draws one micro-batch per data
+        rank, each under ``accumulating`` and its loss times ``loss_scale()``, so that the gradient is the mean
+        over every logical data rank, as in the job's original size."""
+        m = self.ctx.members
+        return m.data_ranks(self.ctx.rank) if m is not None else (self.ctx.rank,)
+
+    def data_world(self) -> int:
+        """How many logical data ranks the job processes in a step (the original DP size unless the batch shrank)."""
+        m = self.ctx.members
+        return sum(len(m.data_ranks(r)) for r in range(self.ctx.world_size)) if m is not None else self.ctx.world_size
+
+    def loss_scale(self) -> float:
+        """The factor of each micro-batch's loss: DDP averages over the ranks, the gradient must average over the
+        data ranks. Exactly 1.0 when every rank has one data rank (the run stays bit-identical)."""
+        return self.ctx.world_size / self.data_world()
+
+    def accumulating(self, last: bool):
+        """The context of one micro-batch's backward: DDP's ``no_sync`` but for the ``last`` (one all-reduce a step
+        on every rank, whatever its number of data ranks)."""
+        import contextlib
+
+        no_sync = getattr(self.model, "no_sync", None)
+        return contextlib.nullcontext() if last or no_sync is None else no_sync()
+
+    def shrinkable_dp(self) -> int:
+        """The data-parallel size a shrink can reduce (``launch.on_no_spare: shrink``), 0 where it cannot: every
+        rank a DP replica (no TP/PP/FSDP) holding the whole optimizer state (replicated)."""
+        if self.parallel is not None or self.ctx.tp > 1 or self.ctx.pp > 1 or self.kind not in ("replicated", "zero"):
+            return 0
+        return self.ctx.world_size
 
     @property
     def module(self) -> torch.nn.Module:
@@ -273,6 +307,42 @@ class ProtectedTraining:
                                          parameters_as_bucket_view=zero.parameters_as_bucket_view, **zero._optim_defaults)
         state.load_optim(zero, named, scalars)
         self._hook_optimizer()
+
+    def repartition_optimizer(self, lost: dict[int, tuple[dict, dict]]) -> None:
+        """ZeRO after a shrink or a grow, every survivor at S_R in the old partition (``restore_local``): the whole
+        optimizer state is gathered (each survivor's own shard, and a shrink's lost ranks' from the replicas held
+        here: ``lost``, old rank -> (its shard's named tensors, its envelope); a joiner holds none), ZeRO is
+        re-initialised in place on the new group (a new partition) and each rank keeps the state of the
+        parameters it owns now."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        zero = self.objs.optimizer
+        old = zero._partition_parameters()  # the old world's partition: a lost rank's names are positions in it
+        index = {p: i for i, p in enumerate(zero._all_params)}
+        cpu = lambda v: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+        held = {index[p]: {k: cpu(v) for k, v in st.items()} for p, st in zero.optim.state.items()}
+        for j, (named, meta) in sorted(lost.items()):
+            for name, v in {**named, **state.scalars_of(meta)}.items():
+                if not name.startswith(("b.", "p.")):
+                    gi, pi, key = name.split(".", 2)
+                    held.setdefault(index[old[j][int(gi)]["params"][int(pi)]], {})[key] = cpu(v)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, held)
+        merged = {i: st for part in every for i, st in part.items()}
+        groups = [dict(g) for g in zero.param_groups]
+        ZeroRedundancyOptimizer.__init__(zero, groups, optimizer_class=zero._optim_constructor,
+                                         parameters_as_bucket_view=zero.parameters_as_bucket_view, **zero._optim_defaults)
+        local = zero.optim
+        for g in local.param_groups:
+            for p in g["params"]:
+                local.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() else v
+                                  for k, v in merged.get(index[p], {}).items()}  # absent: fresh (the first step)
+        self._hook_optimizer()
+
+    def envelope_of(self, R: int) -> dict:
+        """This rank's envelope of S_R (after ``restore_local``): what a grow's joiner takes from it."""
+        snap = self.d2h.committed().get(R) if self.d2h is not None else None
+        return snap.meta if snap is not None else (self.rs.metas.get(R) or state.capture_envelope(R, self.objs))
 
     def layout(self):
         return self.ctx.layout(self.parallel.state_tp(self.ctx.world_size) if self.parallel is not None else None)

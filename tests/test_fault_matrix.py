@@ -94,9 +94,10 @@ class Job:
 
 
 def run_job(d: Path, layout: str, nodes: int, nproc: int, spares: int, faults=(), extra=(), steps: int = STEPS,
-            runtime: dict | None = None) -> Job:
+            runtime: dict | None = None, launch: dict | None = None) -> Job:
     d.mkdir(parents=True, exist_ok=True)
-    cfg = {"detect": DETECT, "inject": {"faults": [dict(f) for f in faults]}, "runtime": {"replicas": 1, **(runtime or {})}}
+    cfg = {"detect": DETECT, "inject": {"faults": [dict(f) for f in faults]}, "runtime": {"replicas": 1, **(runtime or {})},
+           "launch": dict(launch or {})}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     t0 = time.monotonic()
     r = run_phoenix(
@@ -415,11 +416,12 @@ def test_shard_lost_everywhere_restarts_from_the_persistent_checkpoint(tmp_path,
 
 @pytest.mark.parametrize("opt", opts(full=()))
 def test_no_spare_left_saves_the_state_in_memory_and_resume_loses_nothing(tmp_path, failure_free, opt):
-    """No spare and no persistent checkpoint cadence: node1 is lost at step 7 and nothing can be hot-swapped
-    onto. Every shard of S_R still survives in memory (node1's replicas are on node0), so before the job
+    """No spare and no persistent checkpoint cadence (``launch.on_no_spare: wait``, the ladder; a shrink is
+    tests/test_elastic.py's): node1 is lost at step 7 and nothing can be hot-swapped onto. Every shard of S_R still survives in memory (node1's replicas are on node0), so before the job
     stops (exit 3, resumable) the survivors write S_R as a persistent checkpoint, node1's ranks' from their
     replicas; ``phoenix-run --resume`` completes with the failure-free digest, from step R (6 or 7)."""
-    job = run_job(tmp_path, opt, 2, 2, 0, [crash("node1", MID + 1)], runtime={"persist_every": 0, "persist_every_s": 0})
+    job = run_job(tmp_path, opt, 2, 2, 0, [crash("node1", MID + 1)], runtime={"persist_every": 0, "persist_every_s": 0},
+                  launch={"on_no_spare": "wait"})
     assert job.result.returncode == 3, job.explain()
     assert not job.digest_path.exists()
     saved = of_type(job.evs, "salvaged")
@@ -470,14 +472,14 @@ def test_resume_without_a_complete_checkpoint_is_one_line(tmp_path):
 
 
 def test_no_spare_free_waits_for_a_replenished_one_then_hot_swaps(tmp_path, failure_free):
-    """Rung 2: one spare, replenished; the second failure comes before the replenished spare is up, so the
-    survivors keep their state and wait for it (bounded by detect.spare_wait_s), then it is hot-swapped in.
+    """Rung 2 (``launch.on_no_spare: wait``; a shrink is tests/test_elastic.py's): one spare, replenished; the second
+    failure comes before the replenished spare is up, so the survivors keep their state and wait for it (bounded by detect.spare_wait_s), then it is hot-swapped in.
     Steps of 0.3 s (the digest does not depend on it): the replenishment is asked for within the supervisor's
     next pass after the first hot-swap, well before step 5 (before, it could wait up to a second, and a fast
     recovery met the second failure with nothing asked for: "no spare left", exit 3)."""
     d = tmp_path / "wait"
     d.mkdir(parents=True)
-    cfg = {"detect": {**DETECT, "spare_wait_s": 120.0}, "launch": {"replenish": True}, "runtime": {"replicas": 1},
+    cfg = {"detect": {**DETECT, "spare_wait_s": 120.0}, "launch": {"replenish": True, "on_no_spare": "wait"}, "runtime": {"replicas": 1},
            "inject": {"faults": [crash("node1", 3), crash("node0", 5)]}}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     r = run_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "2", "--spares", "1",

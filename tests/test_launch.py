@@ -199,6 +199,15 @@ def test_bad_negative_spares(tmp_path):
     _bad(tmp_path, ["--spares", "-1", str(SCRIPTS / "envdump.py")], "--spares must be >= 0")
 
 
+def test_bad_no_spare_policy_values_are_one_line(tmp_path):
+    script = str(SCRIPTS / "envdump.py")
+    _bad(tmp_path, ["--on-no-spare", "grow", script], "launch.on_no_spare must be shrink, wait or stop, got 'grow'")
+    _bad(tmp_path, ["--elastic-batch", "half", script], "launch.elastic_batch must be keep or shrink, got 'half'")
+    _bad(tmp_path, ["--min-dp", "0", script], "launch.min_dp must be >= 1, got 0")
+    (tmp_path / "c.yaml").write_text("launch:\n  on_no_spare: later\n")
+    _bad(tmp_path, ["--config", str(tmp_path / "c.yaml"), script], "launch.on_no_spare must be shrink, wait or stop")
+
+
 def test_bad_nproc_zero(tmp_path):
     _bad(tmp_path, ["--nproc-per-node", "0", str(SCRIPTS / "envdump.py")], "--nproc-per-node must be >= 1")
 

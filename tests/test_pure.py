@@ -383,6 +383,7 @@ def test_recovery_event_covers_the_time_to_the_first_step_after_it():
     assert not w.recovered(_recovered(1, 0, 100.6), 100.6)  # an older generation's report
     assert w.recovered(_recovered(1, 1, 100.7, replayed=1), 100.7) and w.awaiting_first_step
     assert w.first_step({0: (6, 101.0), 1: (5, 100.0)}) is None  # rank 1 has not completed a step after it
+    assert w.first_step({0: (6, 101.0), 1: (6, 100.4)}) is None  # rank 1's step 6 is from before the failure (stale)
     ev = w.first_step({0: (6, 101.0), 1: (6, 160.7)})  # e.g. a hidden 60 s wait before the first step
     assert ev["total_s"] == 60.7 and ev["recovered_s"] == 0.7 and ev["first_step_s"] == 60.0
     assert (ev["resume_step"], ev["steps_replayed"], ev["quiesce_s"], ev["detect_s"]) == (5, 1, 0.1, 0.05)
@@ -514,6 +515,38 @@ def test_no_spare_ready_but_one_starting_waits_then_stops():
     early = view(runtime_ready=False, spares=(), spares_coming=2, may_wait=True, nothing_done=True, lost_nodes=("n1",))
     assert decisions.decide(early, host).kind is decisions.Kind.WAIT
     assert decisions.decide(view(runtime_ready=False, spares=("s1",), nothing_done=True, lost_nodes=("n1",)), host).kind is decisions.Kind.RESTART
+
+
+def test_no_spare_shrinks_by_policy_down_to_min_dp_then_the_ladder():
+    """``launch.on_no_spare``: shrink goes on without the lost node's DP replicas (with its reason), before
+    waiting for a starting spare (it grows back when that one comes); below ``min_dp``, or where the layout
+    cannot shrink (``dp`` 0: TP/PP/FSDP, or a DP size of 1), the old ladder applies (wait, salvage, stop);
+    ``stop`` saves what memory holds and stops without waiting; a ready spare is always hot-swapped onto."""
+    K, host = decisions.Kind, V(FailureClass.HOST, Action.REPLACE_NODE)
+    no = dict(spares=(), on_no_spare="shrink", dp=3, dp_lost=1, may_salvage=True)
+    d = decisions.decide(view(**no), host)
+    assert (d.kind, d.lost, d.exclude, d.exit_code) == (K.SHRINK, ("n1",), True, 0), d
+    assert "no spare ready for n1: shrink, data-parallel size 3 -> 2" in d.reason
+    d = decisions.decide(view(**{**no, "spares_coming": 1, "may_wait": True}), host)
+    assert d.kind is K.SHRINK  # a starting spare is not waited for: it is the grow-back
+    d = decisions.decide(view(**{**no, "also_lost": ("n2",), "dp_lost": 2}), host)
+    assert (d.kind, d.lost) == (K.SHRINK, ("n1", "n2")) and "3 -> 1" in d.reason
+    assert decisions.decide(view(**{**no, "min_dp": 3}), host).kind is K.SALVAGE  # 2 < min_dp: the ladder
+    assert decisions.decide(view(**{**no, "min_dp": 3, "spares_coming": 1, "may_wait": True}), host).kind is K.WAIT
+    assert decisions.decide(view(**{**no, "min_dp": 2}), host).kind is K.SHRINK  # 2 >= min_dp
+    assert decisions.decide(view(**{**no, "dp": 0}), host).kind is K.SALVAGE  # the layout cannot shrink
+    assert decisions.decide(view(**{**no, "dp": 1}), host).kind is K.SALVAGE
+    assert decisions.decide(view(**{**no, "on_no_spare": "wait", "spares_coming": 1, "may_wait": True}), host).kind is K.WAIT
+    d = decisions.decide(view(**{**no, "on_no_spare": "stop", "spares_coming": 1, "may_wait": True}), host)
+    assert (d.kind, d.exit_code) == (K.SALVAGE, decisions.EXIT_UNRECOVERABLE) and "on_no_spare: stop" in d.reason
+    assert decisions.decide(view(**{**no, "spares": ("s1",)}), host).kind is K.HOTSWAP
+    # grow back: as many spares join as nodes are missing
+    d = decisions.grow(1, ("s1", "s2"), 2, 1)
+    assert (d.kind, d.grow) == (K.GROW, ("s1",)) and "data-parallel size 2 -> 3" in d.reason
+    assert decisions.grow(2, ("s1",), 4, 2).grow == ("s1",) and "4 -> 6" in decisions.grow(2, ("s1",), 4, 2).reason
+    assert decisions.grow(0, ("s1",), 3, 1).kind is K.IGNORE and decisions.grow(1, (), 2, 1).kind is K.IGNORE
+    # a rank that exited on a healthy node rejoins: nothing to shrink
+    assert decisions.decide(view(**no), V(FailureClass.TRANSIENT_COMM, Action.LOCAL_RECOVERY)).kind is K.LOCAL
 
 
 def test_a_deferred_incident_settles_again_and_gathers_new_reports():
@@ -650,6 +683,8 @@ def test_decide_has_a_row_for_every_outcome():
         "hung": decisions.recovery_timed_out((3,), 4, ("n1",), 30.0),
         "ignore": decisions.reprotect((False, "re-forms used up")),
         "evict": decisions.straggler("evict", "n1", "rank 1 on n1 is 3.0x slower", ("s1",)),
+        "shrink": decisions.decide(view(spares=(), on_no_spare="shrink", dp=3, dp_lost=1), host, 5.0),
+        "grow": decisions.grow(1, ("s1", "s2"), 2, 1),
         "resync": decisions.sdc(find_corrupt([Copy(0, 7), Copy(1, 9), Copy(2, 7)]), 5, 4, {0: "n0", 1: "n0", 2: "n1"}, {}, ()),
     }
     assert {d.kind for d in rows.values()} == set(K)
@@ -682,7 +717,7 @@ def test_only_decide_chooses_and_the_supervisor_executes():
     import phoenix_launch
 
     root = Path(phoenix_launch.__file__).parent
-    executors = {"hotswap", "local_recovery", "restart", "fallback_restart", "salvage", "reform", "mark_hung", "stop", "resync"}
+    executors = {"hotswap", "shrink", "grow_back", "local_recovery", "restart", "fallback_restart", "salvage", "reform", "mark_hung", "stop", "resync"}
     built, called = [], []
     for f in sorted(root.rglob("*.py")):
         tree = ast.parse(f.read_text())
@@ -781,3 +816,53 @@ def test_a_straggler_is_evicted_only_onto_a_ready_spare_and_never_stops_the_job(
     assert decisions.decide(view(spares=("s1",)), v).kind is K.HOTSWAP
     d = decisions.decide(view(spares=(), may_salvage=True), v)  # the spare was taken meanwhile
     assert d.kind is K.IGNORE and d.exit_code == 0
+
+
+def test_shrink_and_grow_memberships_renumber_densely_and_move_the_data_ranks():
+    """``elastic.shrunk_ranks``: the survivors renumbered in their old order, each keeping its data rank, the lost
+    ones spread (keep) or dropped (shrink); ``grown_ranks``: a joiner in the lost node's place (its original rank),
+    one data rank per rank again once none is missing; ``prev`` maps each rank to its rank before (-1: joiner)."""
+    from phoenix_launch.repair.elastic import grown_ranks, shrunk_ranks
+    from phoenix_runtime.plane.protocol import Membership, RankSlot
+
+    full = Membership(0, 4, tuple(RankSlot(r, f"n{r // 2}", r % 2) for r in range(4)))  # 2 nodes x 2
+    ranks, data, prev = shrunk_ranks(full, {"n0"}, keep_batch=True)
+    assert [(r.rank, r.node, r.slot) for r in ranks] == [(0, "n1", 0), (1, "n1", 1)] and prev == (2, 3)
+    assert data == ((0, 2), (1, 3))
+    assert shrunk_ranks(full, {"n0"}, keep_batch=False)[1] == ((2,), (3,))
+    three = Membership(0, 3, tuple(RankSlot(r, f"n{r}", 0) for r in range(3)))
+    ranks, data, prev = shrunk_ranks(three, {"n1"}, keep_batch=True)
+    assert data == ((0, 1), (2,)) and prev == (0, 2)
+    shrunk = Membership(1, 2, tuple(ranks), data=data, prev=prev, prev_world=3)
+    assert [shrunk.data_ranks(r) for r in range(2)] == [(0, 1), (2,)] and three.data_ranks(2) == (2,)
+    original = {("n0", 0): 0, ("s1", 0): 1, ("n2", 0): 2}
+    ranks, data, prev = grown_ranks(shrunk, [RankSlot(-1, "s1", 0)], original, 3)
+    assert [(r.rank, r.node) for r in ranks] == [(0, "n0"), (1, "s1"), (2, "n2")] and prev == (0, -1, 1) and data == ()
+    # a partial grow (one of two lost nodes back): the still missing data rank stays with a rank (keep)
+    ranks, data, prev = shrunk_ranks(full, {"n1"}, keep_batch=True)
+    part = Membership(1, 2, tuple(ranks), data=data, prev=prev)
+    ranks, data, prev = grown_ranks(part, [RankSlot(-1, "s", 0)], {("n0", 0): 0, ("n0", 1): 1, ("s", 0): 2}, 4)
+    assert prev == (0, 1, -1) and sorted(x for d in data for x in d) == [0, 1, 2, 3] and data[2] == (2,)
+    # the membership's fields survive the store's JSON
+    assert Membership.from_json(shrunk.to_json()) == shrunk
+
+
+def test_a_grow_plans_over_the_survivors_and_the_joiners_take_everything_from_one():
+    from phoenix_runtime.recover.recovery import Outcome, plan_grow
+
+    descs = [surv(0, 12, True, [11], {}), Descriptor(1, has_state=False), surv(2, 12, True, [11], {})]
+    course = plan_grow(descs)
+    assert course.outcome is Outcome.RESUME and course.plan.step == 12 and course.plan.joiners == (1,)
+    assert course.plan.param_src == course.plan.optim_src == {1: 2}
+    assert plan_grow([Descriptor(0, has_state=False)]).outcome is Outcome.GIVE_UP  # no survivor
+
+
+def test_status_shows_the_data_parallel_size_while_shrunk():
+    import io
+
+    from phoenix_launch.observe.ui import print_status
+
+    out = io.StringIO()
+    print_status({"run_id": "r", "state": "running", "gen": 1, "step": 12, "steps_per_s": 1.0, "spares_left": 0,
+                  "restarts": 0, "dp": 2, "dp_full": 3, "nodes": [], "events": []}, out)
+    assert "dp=2/3" in out.getvalue()

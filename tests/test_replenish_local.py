@@ -20,7 +20,8 @@ SLEEP = ["--step-sleep", "0.4"]  # the job outlasts a replenishment (the digest 
 def job(tmp_path, name, spares, faults=(), replenish=False, sleep=SLEEP):
     d = tmp_path / name
     d.mkdir()
-    cfg = {"launch": {"replenish": replenish}, "inject": {"faults": list(faults)},
+    # on_no_spare: wait: the spare pool is what is tested here (a shrink is tests/test_elastic.py's)
+    cfg = {"launch": {"replenish": replenish, "on_no_spare": "wait"}, "inject": {"faults": list(faults)},
            "detect": {"heartbeat_s": 0.25, "node_timeout_s": 3.0, "hang_timeout_s": 6.0, "recovery_timeout_s": 60}}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     r = run_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "1", "--spares", str(spares),

@@ -33,6 +33,8 @@ class Kind(str, Enum):
     HUNG = "hung"  # ranks that did not report in a recovery: their nodes are taken as hung (a new incident)
     STOP = "stop"
     WAIT = "wait"  # a node must be replaced, no spare is ready but one is starting: decide again (bounded)
+    SHRINK = "shrink"  # no spare for the lost node(s): the survivors go on without their DP replicas, in memory
+    GROW = "grow"  # a shrunk job: a spare is ready, it joins as a hot-swap joiner and the DP size grows back
     EVICT = "evict"  # a straggler's node: an incident that replaces it onto a warm spare (then HOTSWAP)
     IGNORE = "ignore"  # nothing to change (the reason is recorded)
 
@@ -52,6 +54,11 @@ class JobView:
     may_wait: bool = False  # the incident may still wait for one of them (its wait has not run out)
     also_lost: tuple[str, ...] = ()  # other active nodes lost in the same incident: replaced with the failed one
     may_salvage: bool = False  # protection on in every rank and no salvage begun: survivors can save from memory
+    on_no_spare: str = "wait"  # launch.on_no_spare: shrink | wait | stop
+    #: the data-parallel size every rank reported, 0 where the layout cannot shrink (TP/PP/FSDP, or unknown)
+    dp: int = 0
+    dp_lost: int = 0  # the DP replicas on the nodes this incident lost
+    min_dp: int = 1
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,7 @@ class Decision:
     path: str = ""  # REFORM: why the generation is re-formed ("reprotect", "takeover")
     resync: tuple[int, ...] = ()  # RESYNC: the ranks whose state is corrupt (they take a peer's, processes kept)
     rollback_to: int | None = None  # RESYNC, and a HOTSWAP that drains a corrupting node: the last agreed step
+    grow: tuple[str, ...] = ()  # GROW: the spares that join, each in a lost node's place
 
 
 def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
@@ -95,6 +103,9 @@ def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
             if view.spares and len(view.spares) >= len(failed):
                 return Decision(Kind.HOTSWAP, f"{why}: hot-swap {node} -> {view.spares[0]}", node, view.spares[0],
                                 respawn=verdict.exited, swap=tuple(zip(failed, view.spares)))
+            shrink = _no_spare(view, node, failed, why)
+            if shrink is not None:
+                return shrink
             if view.spares_coming and view.may_wait:
                 return _wait(view, node, why)
             if view.spares:  # some, not enough: the lost nodes are not trusted again
@@ -130,6 +141,21 @@ def _fresh_start(view: JobView, action: Action, node: str | None, why: str) -> D
         return Decision(Kind.RESTART, f"{why}: no step completed yet: {node} replaced by {view.spares[0]}, every "
                         "worker starts fresh", node, view.spares[0], fresh=True)
     return Decision(Kind.RESTART, f"{why}: no step completed yet: every worker starts fresh", node, fresh=True)
+
+
+def _no_spare(view: JobView, node: str | None, failed: tuple[str, ...], why: str) -> Decision | None:
+    """Too few spares ready for the lost nodes, by ``launch.on_no_spare``: ``shrink`` goes on without their DP
+    replicas when the layout has a DP dimension of 2 or more and at least ``min_dp`` replicas survive; ``stop``
+    saves what memory holds and stops; ``wait`` (and a shrink not allowed) is None: the ladder decides."""
+    if view.on_no_spare == "stop":
+        return _unrecoverable(view, f"{why}: no spare ready for {', '.join(failed)} (launch.on_no_spare: stop)", node, failed)
+    if view.on_no_spare != "shrink" or view.dp < 2 or not view.dp_lost:
+        return None
+    left = view.dp - view.dp_lost
+    if left < view.min_dp:
+        return None
+    return Decision(Kind.SHRINK, f"{why}: no spare ready for {', '.join(failed)}: shrink, data-parallel size "
+                    f"{view.dp} -> {left}", node, lost=failed, exclude=True)
 
 
 def _wait(view: JobView, node: str | None, why: str) -> Decision:
@@ -180,6 +206,16 @@ def straggler(policy: str, node: str, what: str, spares: tuple[str, ...]) -> Dec
     if policy == "evict":
         return Decision(Kind.IGNORE, f"{what}: no spare ready to evict it onto; {node} stays", node)
     return Decision(Kind.IGNORE, f"{what}: reported (detect.straggler: {policy})", node)
+
+
+def grow(missing: int, spares: tuple[str, ...], dp: int, nproc: int) -> Decision:
+    """A shrunk job (``missing`` nodes short of its size, data-parallel size ``dp``) with ``spares`` ready: as many
+    join as are missing, each in a lost node's place (hot-swap joiners); none ready or none missing: nothing."""
+    if not missing or not spares:
+        return Decision(Kind.IGNORE, "")
+    join = spares[:missing]
+    return Decision(Kind.GROW, f"{', '.join(join)} ready: grow back, data-parallel size {dp} -> {dp + len(join) * nproc}",
+                    grow=join)
 
 
 def reform(path: str, reason: str) -> Decision:

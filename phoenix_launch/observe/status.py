@@ -97,7 +97,9 @@ def nothing_done(attempt, store: Any, members: protocol.Membership, world_size: 
 
 
 def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: int, nproc: int, nodes: NodeTable,
-               members: protocol.Membership, store: Any, events: EventLog, protect_every: int = 1) -> dict[str, Any]:
+               members: protocol.Membership, store: Any, events: EventLog, protect_every: int = 1,
+               dp: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``dp``: (the data-parallel size now, the job's own) where the layout can shrink (``launch.on_no_spare``)."""
     hbs = read_rank_heartbeats(store, members)
     rows = []
     by_node: dict[str, list[int]] = {}  # the ranks of each node, in one pass (not one scan of every rank per node)
@@ -116,6 +118,8 @@ def job_status(*, run_id: str, run_dir: Path, state: str, gen: int, restarts: in
         "gen": gen,
         "restarts": restarts,
         "world_size": members.world_size,
+        "dp": dp[0] if dp else None,  # smaller than dp_full while the job is shrunk
+        "dp_full": dp[1] if dp else None,
         "step": min(steps) if steps else -1,
         "steps_per_s": round(min(sps), 3) if sps else 0.0,
         "spares_left": len(nodes.spare_nodes()),

@@ -25,7 +25,7 @@ def render(snap: dict[str, Any]):
     head = Text(
         f"PHOENIX {snap.get('run_id', '')}  state={snap.get('state')}  gen={snap.get('gen')}  "
         f"step={snap.get('step')}  {snap.get('steps_per_s', 0):.2f} steps/s  spares left={snap.get('spares_left')}  "
-        f"restarts={snap.get('restarts')}",
+        f"restarts={snap.get('restarts')}" + (f"  dp={snap['dp']}/{snap.get('dp_full')}" if snap.get("dp") else ""),
         style="bold",
     )
     colors = {"active": "green", "spare": "cyan", "joining": "yellow", "failed": "red", "drained": "red", "stopped": "dim"}

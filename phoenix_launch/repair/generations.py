@@ -61,19 +61,27 @@ class GenerationPublisher:
 
     def publish(self, ranks: Iterable[protocol.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
                 *, respawned: Iterable[int] = (), fresh: bool = False, lost: tuple[int, ...] = (),
-                resync: tuple[int, ...] = (), rollback_to: int | None = None) -> protocol.Membership:
+                resync: tuple[int, ...] = (), rollback_to: int | None = None,
+                data: tuple[tuple[int, ...], ...] | None = None, prev: tuple[int, ...] = (),
+                prev_world: int | None = None) -> protocol.Membership:
         """A new generation: membership first, then the joiners' assignments, then the bump. ``resync`` /
-        ``rollback_to``: a repair of silent data corruption (``protocol.Membership``)."""
+        ``rollback_to``: a repair of silent data corruption; ``data`` / ``prev`` / ``prev_world``: a resize (the ranks
+        renumbered, ``world_size`` set before; ``prev`` relative to the generation of ``prev_world`` ranks, by default
+        the current one; ``protocol.Membership``). The data ranks carry over otherwise."""
         ranks = tuple(sorted(ranks, key=lambda r: r.rank))
         self.gen += 1
-        if fresh or lost:  # a salvage generation starts nobody
-            joiners: tuple[int, ...] = ()
+        data = self.members.data if data is None else data
+        if prev:  # a resize (shrink, grow): the joiners are the ranks without a rank before
+            joiners: tuple[int, ...] = tuple(r for r, p in enumerate(prev) if p < 0)
+        elif fresh or lost:  # a salvage generation starts nobody
+            joiners = ()
         else:
             before = {r.rank: (r.node, r.slot) for r in self.stable.ranks}
             again = set(respawned)
             joiners = tuple(r.rank for r in ranks if before.get(r.rank) != (r.node, r.slot) or r.rank in again)
         mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains(), lost,
-                                  tuple(resync), rollback_to)
+                                  tuple(resync), rollback_to, tuple(data), tuple(prev),
+                                  (self.members.world_size if prev_world is None else prev_world) if prev else 0)
         self._seen |= {r.node for r in self.members.ranks}
         protocol.put_value(self.store, protocol.k_members(self.gen), mem.to_json())
         for r in ranks:
@@ -138,6 +146,7 @@ class AttemptProgress:
     step_time_s: float = 0.0
     unrecoverable: dict[int, protocol.Unrecoverable] = field(default_factory=dict)  # ranks that cannot recover
     unrecoverable_t0: float | None = None
+    dp_sizes: dict[int, int] = field(default_factory=dict)  # rank -> the DP size it reported (0: cannot shrink)
     runtime_seen: bool = False  # a rank of this job (this attempt or one before) runs the PHOENIX runtime
 
 

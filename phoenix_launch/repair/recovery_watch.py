@@ -93,7 +93,11 @@ class RecoveryWatch:
         if cur is None or cur.t_recovered is None:
             return None
         resume = cur.resume_step if cur.resume_step is not None else 0
-        after = [t for step, t in steps.values() if step > resume]
+        # a step after the resume completes after the recovery: a survivor's stale report of a step it completed
+        # before the failure (to be replayed, e.g. in a shrink, which has no joiner to wait for) is not one
+        # (each rank's against its own ``recovered``: one clock, whatever the skew between hosts)
+        mine = {r: (m.t or 0.0) for r, m in cur.recovered.items()}
+        after = [t for r, (step, t) in steps.items() if step > resume and t >= mine.get(r, 0.0)]
         if not final and len(after) < self.world_size:
             return None
         t_first = max(after) if len(after) == self.world_size else None

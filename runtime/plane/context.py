@@ -289,6 +289,7 @@ class Context:
         if me is None:
             raise UnrecoverableError(f"{self.node}/{self.slot} is not a member of generation {gen}")
         self.rank = me
+        self.world_size = self.members.world_size  # smaller after a shrink (``launch.on_no_spare``)
         STATE.gen = gen
         pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store), stop=lambda: self._check_gen(gen))
         self._pg_stores.append((gen, pg_store))  # its keys (the fate's too) are deleted with the generation

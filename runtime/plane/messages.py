@@ -157,6 +157,7 @@ class RuntimeReady(RankMessage):
     TYPE: ClassVar[MsgType] = MsgType.RUNTIME_READY
     protect: bool = True
     epoch: int = 0
+    dp: int = 0  # the data-parallel size when the layout can shrink (launch.on_no_spare), else 0
 
 
 @dataclass(frozen=True)

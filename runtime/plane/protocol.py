@@ -211,6 +211,14 @@ class Membership:
     #: their processes kept), and every rank resumes at ``rollback_to`` at the latest (the last agreed step)
     resync: tuple[int, ...] = ()
     rollback_to: int | None = None
+    #: the logical data ranks each rank processes per step (index: the rank), set once a shrink changed them:
+    #: empty means one per rank, its own; ``prev``: each rank's rank in the generation before a shrink (-1: none)
+    data: tuple[tuple[int, ...], ...] = ()
+    prev: tuple[int, ...] = ()
+    prev_world: int = 0  # the world size before the shrink
+
+    def data_ranks(self, rank: int) -> tuple[int, ...]:
+        return tuple(self.data[rank]) if self.data else (rank,)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -221,6 +229,8 @@ class Membership:
         d["ranks"] = tuple(RankSlot(**r) for r in d["ranks"])
         d["joiners"], d["lost"] = tuple(d.get("joiners", ())), tuple(d.get("lost", ()))
         d["resync"] = tuple(d.get("resync", ()))
+        d["data"] = tuple(tuple(x) for x in d.get("data", ()))
+        d["prev"] = tuple(d.get("prev", ()))
         return cls(**d)
 
     def slot_of(self, rank: int) -> RankSlot:

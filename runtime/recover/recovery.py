@@ -18,6 +18,8 @@ anything was protected restarts from the first step, nothing lost.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from dataclasses import dataclass, field
 from enum import Enum
@@ -95,6 +97,21 @@ def plan_for_layout(descs: list[Descriptor], layout, world_size: int, *, replica
     if plan.fresh:
         return Course(Outcome.GIVE_UP, reason="nothing to save before the first step completed")
     return Course(Outcome.SALVAGE, plan)
+
+
+def plan_grow(descs: list[Descriptor], every: int = 1) -> Course:
+    """A grow (a shrunk job's new nodes join): the resume step is planned over the survivors alone, and each
+    joiner takes everything from a survivor (parameters, a replicated optimizer's state, the envelope: its lost
+    rank's own RNG and data position went with it); a ZeRO state is re-partitioned by the all-gather after."""
+    survivors = sorted(d.rank for d in descs if d.has_state)
+    joiners = tuple(sorted(d.rank for d in descs if not d.has_state))
+    try:
+        base = plan_recovery([d for d in descs if d.has_state], {r: survivors for r in survivors}, {}, replicated=True,
+                             every=every)
+    except UnrecoverableError as e:
+        return Course(Outcome.GIVE_UP, reason=str(e))
+    src = {j: survivors[j % len(survivors)] for j in joiners}
+    return Course(Outcome.RESUME, dataclasses.replace(base, joiners=joiners, param_src=src, optim_src=dict(src)))
 
 
 def plan_recovery(descs: list[Descriptor], dp_groups: dict[int, list[int]], shard_of: dict[int, str], replicated: bool,

@@ -20,6 +20,7 @@ Fault-injection points: ``recover_exchange``, ``recover_params``, ``recover_opti
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -29,8 +30,9 @@ from phoenix_runtime.plane import protocol
 from phoenix_runtime import state
 from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.control import STATE
+from phoenix_runtime.layout import Layout
 from phoenix_runtime.rank_state import RankState, TrainingOps
-from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, plan_for_layout
+from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, plan_for_layout, plan_grow
 from phoenix_runtime.protection.fingerprint import intact
 from phoenix_runtime.protection.pairs import recovery_pairs
 from phoenix_runtime.protection.replication import recv_snapshot, send_snapshot
@@ -102,6 +104,13 @@ class RecoverySession:
         descs = [Descriptor.from_json(d) for d in ctx.exchange(gen, mine.to_json(), deadline, ranks=survivors)]
         descs += [Descriptor(j, has_state=False) for j in lost]
         at_most = ctx.members.rollback_to if ctx.members is not None else None
+        if self._resized() == "grow":
+            return plan_grow(descs, every=ops.cadence_bound())
+        if self._shrunk_zero():  # planned in the old world: the lost ranks' shards come from their replicas
+            m = ctx.members
+            old = [dataclasses.replace(d, rank=m.prev[d.rank]) for d in descs]
+            old += [Descriptor(j, has_state=False) for j in range(m.prev_world) if j not in m.prev]
+            return plan_for_layout(old, Layout(m.prev_world), m.prev_world, replicated=False, every=ops.cadence_bound())
         return plan_for_layout(descs, ops.layout(), ctx.world_size, replicated=ops.replicated, every=ops.cadence_bound(),
                                lost=lost, at_most=at_most)
 
@@ -119,11 +128,86 @@ class RecoverySession:
         return Descriptor(self.ctx.rank, True, live[0], live[1] and live_usable,
                           tuple(s for s in sorted(committed) if s not in corrupt), reps, self.rs.first_step or 0, corrupt)
 
+    def _resized(self) -> str:
+        """"shrink" / "grow" when this generation changed the world's size (``Membership.prev``), else ""."""
+        m = self.ctx.members
+        if m is None or not m.prev:
+            return ""
+        return "grow" if min(m.prev) < 0 else "shrink"
+
+    def _shrunk_zero(self) -> bool:
+        return self._resized() == "shrink" and self.ops.kind == "zero"
+
+    def _lost_shards(self, plan: Plan) -> dict:
+        """A shrink under ZeRO (``plan`` in the old world's ranks, its joiners the lost ones): the lost shards'
+        state at R from the replicas held here, old rank -> (named tensors, envelope)."""
+        ops, R, me = self.ops, plan.step, self.ctx.members.prev[self.ctx.rank]
+        old = Layout(self.ctx.members.prev_world)
+        lost = {}
+        for j in plan.joiners:
+            if plan.optim_src[j] == me and j not in plan.fresh:
+                snap = ops.replica_of(str(old.shard_of(j)), R)
+                lost[j] = (snap.views()[0], snap.meta)
+        return lost
+
+    def _resume_resized(self, gen: int, plan: Plan, marks: dict, deadline: float) -> None:
+        """A shrink under ZeRO, or a grow: the survivors roll back to S_R; a grow's joiners take everything from a
+        survivor (``recovery.plan_grow``); ZeRO's state is re-partitioned over the new world (a shrink's lost shards
+        from their replicas); then as a resume: DDP on the new group, re-protection on the new ring, barrier."""
+        ctx, ops, R = self.ctx, self.ops, plan.step
+        if self.rs.first_step is None:
+            self.rs.first_step = plan.first_step
+        log.info(f"generation {gen}: {self._resized()}: resume at step {R}, "
+                 + (f"lost rank(s) {list(plan.joiners)}' optimizer shards from {plan.optim_src}" if self._shrunk_zero()
+                    else f"joiner(s) {list(plan.joiners)} from {plan.param_src}"))
+        marks["planned"] = time.time()
+        if self.live is not None:
+            ops.restore_local(R, self.live)
+            self.live = (R, True)
+        lost = self._lost_shards(plan) if self._shrunk_zero() else {}
+        if not self._shrunk_zero() and plan.joiners:
+            self._give_joiners(plan, deadline)
+        marks["params"] = time.time()
+        ops.faults.fire(R, "recover_optim")
+        if ops.kind == "zero":
+            ops.repartition_optimizer(lost)
+        marks["optim"] = time.time()
+        ops.wrap(synced=True)
+        self.rs.step = R
+        ops.faults.fire(R, "recover_reprotect")
+        ops.start_protection(gen)
+        ops.protect_now(R)
+        ops.protection.wait(R, ctx.check_generation)
+        ops.faults.fire(R, "recover_barrier")
+        dist.barrier()
+        live = self.live
+        self._finish(gen, dataclasses.replace(plan, replayed={}), live if ctx.rank not in plan.joiners or
+                     self._shrunk_zero() else None, marks)
+
+    def _give_joiners(self, plan: Plan, deadline: float) -> None:
+        """A grow: each joiner receives a survivor's parameters, buffers, replicated optimizer state and envelope."""
+        ctx, ops, R, me = self.ctx, self.ops, plan.step, self.ctx.rank
+        ctx.form_pairs(recovery_pairs(plan), deadline)
+        transport = ctx.new_transport(0)
+        for j in plan.joiners:
+            if me == plan.param_src[j]:
+                send_named(transport, j, dict(ops.local_named()), ops.envelope_of(R), R, ctx.recovery_timeout,
+                           resends=ctx.settings.resends)
+            elif me == j:
+                local, meta = recv_named(transport, plan.param_src[j], R, ctx.recovery_timeout, resends=ctx.settings.resends)
+                state.load_local(ops.objs, {}, local, meta)
+                state.restore_envelope(meta, ops.objs)
+                self.rs.metas[R] = meta
+                self.live = (R, True)
+
     # --- the three outcomes -----------------------------------------------------------------------------
     def _resume(self, gen: int, plan: Plan, marks: dict, deadline: float) -> None:
         """Roll back / transfer S_R, rebuild, re-protect it, barrier: training goes on at R."""
         ctx, ops, rs, live = self.ctx, self.ops, self.rs, self.live
         R = plan.step
+        if self._shrunk_zero() or self._resized() == "grow":
+            self._resume_resized(gen, plan, marks, deadline)
+            return
         if rs.first_step is None:
             rs.first_step = plan.first_step  # a joiner learns where the run started
         params = "parameter shards with the replicas" if ops.params_sharded else f"params from {plan.param_src}"
