@@ -308,6 +308,7 @@ def runtime_settings(cfg: Config) -> RuntimeSettings:
         collective_timeout_s=detect.collective_timeout_s,
         recovery_timeout_s=detect.recovery_timeout_s,
         takeover_timeout_s=detect.takeover_timeout_s,
+        spare_wait_s=detect.spare_wait_s,
         faults=tuple(dict(f) for f in cfg.inject.faults),
     )
 

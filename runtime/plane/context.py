@@ -374,7 +374,11 @@ class Context:
                                  cleanup=self.destroy_groups, what="not formed")
 
     def wait_new_gen(self, after: int) -> int:
-        deadline = time.monotonic() + self.recovery_timeout
+        """The next generation's number, once published. Bounded by the recovery timeout plus the supervisor's wait
+        for a starting spare (``spare_wait_s``): while it waits (no spare ready), the survivors keep their state
+        and must still be there when the spare is (seen: a replenished node up 30 s after the loss, the ranks'
+        30 s bound gone, their state lost with them)."""
+        deadline = time.monotonic() + self.recovery_timeout + self.settings.spare_wait_s
         while time.monotonic() < deadline:
             g = self.latest_gen()
             if g > after:

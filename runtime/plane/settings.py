@@ -50,6 +50,8 @@ class RuntimeSettings:
     collective_timeout_s: float = 120.0
     recovery_timeout_s: float = 60.0
     takeover_timeout_s: float = 30.0  # the control plane's store lost: wait this long for a standby's (failover.py)
+    # the supervisor may wait this long for a starting spare before it publishes the next generation (detect.spare_wait_s)
+    spare_wait_s: float = 30.0
     faults: tuple = field(default_factory=tuple)  # deterministic injected faults (see FAULT_PHASES)
     # persistent checkpoints (the fallback ladder's floor, runtime/recover/persist.py): every N steps (0: off)
     persist_every: int = 0
