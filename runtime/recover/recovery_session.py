@@ -172,14 +172,7 @@ class RecoverySession:
         if ops.kind == "zero":
             ops.repartition_optimizer(lost)
         marks["optim"] = time.time()
-        ops.wrap(synced=True)
-        self.rs.step = R
-        ops.faults.fire(R, "recover_reprotect")
-        ops.start_protection(gen)
-        ops.protect_now(R)
-        ops.protection.wait(R, ctx.check_generation)
-        ops.faults.fire(R, "recover_barrier")
-        dist.barrier()
+        self._protect_and_meet(gen, R)
         live = self.live
         self._finish(gen, dataclasses.replace(plan, replayed={}), live if ctx.rank not in plan.joiners or
                      self._shrunk_zero() else None, marks)
@@ -229,15 +222,21 @@ class RecoverySession:
         ops.faults.fire(R, "recover_optim")
         self._transfer_replicas(plan, transport, local)
         marks["optim"] = time.time()
-        ops.wrap(synced=True)  # DDP on the new group; the parameters agree now: no broadcast of the model
-        rs.step = R
+        self._protect_and_meet(gen, R)
+        self._finish(gen, plan, live, marks)
+
+    def _protect_and_meet(self, gen: int, R: int) -> None:
+        """The resume's common tail: DDP on the new group (the parameters agree now: no broadcast of the model),
+        protection re-armed and the snapshot of step ``R`` committed on every rank, then every rank at a barrier."""
+        ops = self.ops
+        ops.wrap(synced=True)
+        self.rs.step = R
         ops.faults.fire(R, "recover_reprotect")
         ops.start_protection(gen)
         ops.protect_now(R)
-        ops.protection.wait(R, ctx.check_generation)
+        ops.protection.wait(R, self.ctx.check_generation)
         ops.faults.fire(R, "recover_barrier")
         dist.barrier()
-        self._finish(gen, plan, live, marks)
 
     def _salvage(self, gen: int, plan: Plan, deadline: float) -> None:
         """S_R of every rank, the lost ones' from the replicas held here, written; then the supervisor stops the job."""
