@@ -281,7 +281,7 @@ class Agent:
         self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
         self.q_cmd = protocol.Queue(self.store, protocol.q_agent(self.node))
         # the command queue is read when the agents' counter moves (``protocol.tell_agent`` bumps it), not every
-        # pass: 50 round trips a second per node were the central store's largest load at 1,000 nodes
+        # pass: that would be 50 round trips a second per node on the one central store
         self.cmd_watcher = NotifyWatcher(self._connect_central, self.cmd_wake, self._watch_stop, protocol.K_NOTIFY_AGENTS)
         # a node joining a running job (replenishment) is accepted because its agent_up is sealed with the
         # job's secret (run_dir/secret, 0600, on the shared filesystem), as every message is

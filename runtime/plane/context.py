@@ -376,8 +376,8 @@ class Context:
     def wait_new_gen(self, after: int) -> int:
         """The next generation's number, once published. Bounded by the recovery timeout plus the supervisor's wait
         for a starting spare (``spare_wait_s``): while it waits (no spare ready), the survivors keep their state
-        and must still be there when the spare is (seen: a replenished node up 30 s after the loss, the ranks'
-        30 s bound gone, their state lost with them)."""
+        and must still be there when the spare is; a spare slower than the recovery timeout would otherwise find
+        them gone, and their state with them."""
         deadline = time.monotonic() + self.recovery_timeout + self.settings.spare_wait_s
         while time.monotonic() < deadline:
             g = self.latest_gen()
