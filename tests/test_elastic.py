@@ -83,25 +83,24 @@ class Run:
                 out.setdefault(int(step), []).append(int(d))
         return {s: sorted(v) for s, v in sorted(out.items())}
 
+    def _of_last_execution(self, column: int, kind) -> dict[tuple[int, int], object]:
+        """(step, data rank) -> ``kind`` of the data log's ``column`` (step, gen, rank, data rank, loss), in the
+        step's last execution."""
+        samples = self.samples()
+        out = {}
+        for row in (ln.split() for ln in (self.dir / "data.log").read_text().splitlines()):
+            step, d = int(row[0]), int(row[3])
+            if d in samples[step]:
+                out[(step, d)] = kind(row[column])
+        return dict(sorted(out.items()))
+
     def losses(self) -> dict[tuple[int, int], float]:
         """(step, data rank) -> the micro-batch's loss, of the step's last execution."""
-        samples = self.samples()
-        rows = [ln.split() for ln in (self.dir / "data.log").read_text().splitlines()]
-        last = {}
-        for step, gen, _rank, d, loss in rows:
-            if int(d) in samples[int(step)]:
-                last[(int(step), int(d))] = (int(gen), float(loss))
-        return {k: v for k, (_, v) in sorted(last.items())}
+        return self._of_last_execution(4, float)
 
     def ranks(self) -> dict[tuple[int, int], int]:
         """(step, data rank) -> the rank that processed it in the step's last execution."""
-        samples = self.samples()
-        rows = [ln.split() for ln in (self.dir / "data.log").read_text().splitlines()]
-        out = {}
-        for step, gen, rank, d, _loss in rows:
-            if int(d) in samples[int(step)]:
-                out[(int(step), int(d))] = (int(gen), int(rank))
-        return {k: r for k, (_, r) in out.items()}
+        return self._of_last_execution(2, int)
 
     def params(self) -> dict[str, torch.Tensor]:
         return torch.load(self.dir / "params.pt")
