@@ -7,9 +7,12 @@ warm spare, a job far longer than the measurement (stopped once it is taken). On
 job trains (``--warm-steps`` past its first step), node1 is SIGKILLed (``phoenix-run kill-node node1``: its
 agent and its rank), the bench waits for the ``recovery`` event and records its phases, then samples every rank:
 TCP sockets (ESTABLISHED, split by what the other end is: the control-plane store, another rank, a launcher
-process, other) and threads. Formation time per generation is read from the ranks' log lines ("every rank
-arrived" -> "process groups formed": the default gloo group and the steady-state pair groups together; the runtime
-logs no per-group time, and nothing is added to it here).
+process, other) and threads, and the CPU seconds the ranks, agents and supervisor used from the kill until the
+recovery event was read. Formation time per generation is read from the ranks' log lines ("every rank arrived" ->
+"process groups formed"; in brackets, of it "-> default group formed": torch's world-sized gloo group, the rest is
+PHOENIX's pair groups). ``--step-sleep S`` idles each rank S seconds a step: N ranks share this machine's few
+cores, and their training would otherwise take the CPU from the recovery, which a rank with cores of its own
+never sees.
 
 Then a table per N (median over repeats), least-squares fits of recovery total and reconfigure against N and
 against log2 N with R^2, a projection to 1K / 10K / 100K ranks next to the paper's figures, and the ratio
@@ -52,7 +55,7 @@ class Job:
     def __init__(self, d: Path, n: int, a):
         self.d, self.n, self.run_dir, self.log = d, n, d / "run", d / "steps.log"
         cmd = phoenix("--nodes", n, "--nproc-per-node", 1, "--spares", 1, "--run-dir", self.run_dir,
-                      GPT, "--steps", 10_000_000, "--step-log", self.log, *TINY)
+                      GPT, "--steps", 10_000_000, "--step-log", self.log, *TINY, "--step-sleep", a.step_sleep)
         self.out = open(d / "phoenix.out", "w")
         self.proc = subprocess.Popen(cmd, cwd=d, env=env(), stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -146,13 +149,39 @@ def sample(job: Job, store_port: int) -> dict[str, dict]:
     return out
 
 
+def cpu_seconds(job: Job) -> dict[int, tuple[str, float]]:
+    """pid -> (role, user + system CPU seconds so far) of every live process of the job: "rank", "agent" (a
+    node's launcher process) or "supervisor" (phoenix-run itself)."""
+    out = {}
+    for p in job.tree():
+        try:
+            cmd = " ".join(p.cmdline())
+            t = p.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        role = "rank" if "phoenix_runtime.plane.bootstrap" in cmd else "supervisor" if p.pid == job.proc.pid else "agent"
+        out[p.pid] = (role, t.user + t.system)
+    return out
+
+
+def cpu_used(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds each role used between two ``cpu_seconds`` samples (the processes alive at both)."""
+    used: dict[str, float] = {}
+    for pid, (role, t) in after.items():
+        if pid in before:
+            used[role] = used.get(role, 0.0) + t - before[pid][1]
+    return used
+
+
 # ------------------------------------------------------------------------------------------ formation times
 
-LINE = re.compile(r"^\[phoenix (\d\d:\d\d:\d\d\.\d{3}) rank (\d+)\] generation (\d+): (every rank arrived|process groups formed)")
+LINE = re.compile(r"^\[phoenix (\d\d:\d\d:\d\d\.\d{3}) rank (\d+)\] generation (\d+): "
+                  r"(every rank arrived|default group formed|process groups formed)")
 
 
-def formation(run_dir: Path) -> dict[int, list[float]]:
-    """Generation -> every rank's "every rank arrived" -> "process groups formed" seconds (its log lines)."""
+def formation(run_dir: Path) -> dict[int, list[tuple[float, float]]]:
+    """Generation -> every rank's (whole formation, of it the default group) seconds, from its log lines: "every
+    rank arrived" -> "process groups formed", and -> "default group formed" (the pair groups are the rest)."""
     per: dict[tuple[int, Path], dict[str, float]] = {}
     for f in sorted((run_dir / "logs").glob("*/*.log")):
         if f.name == "agent.log":
@@ -162,10 +191,11 @@ def formation(run_dir: Path) -> dict[int, list[float]]:
             if m:
                 t = datetime.strptime(m[1], "%H:%M:%S.%f")
                 per.setdefault((int(m[3]), f), {})[m[4]] = t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6
-    out: dict[int, list[float]] = {}
+    out: dict[int, list[tuple[float, float]]] = {}
     for (gen, _), ts in per.items():
-        if len(ts) == 2:
-            out.setdefault(gen, []).append((ts["process groups formed"] - ts["every rank arrived"]) % 86400)
+        if len(ts) == 3:
+            t0 = ts["every rank arrived"]
+            out.setdefault(gen, []).append(((ts["process groups formed"] - t0) % 86400, (ts["default group formed"] - t0) % 86400))
     return out
 
 
@@ -184,17 +214,20 @@ def measure(td: Path, n: int, rep: int, a) -> dict:
         before = sample(job, store_port)
         spare = before.pop(f"node{n}", None)  # the warm spare (the last node) holds no rank yet
         step_at_kill, uptime = job.steps(), os.getloadavg()
+        cpu0, t0 = cpu_seconds(job), time.monotonic()
         r = subprocess.run(phoenix("kill-node", "node1", "--run-dir", job.run_dir), cwd=d, env=env(),
                            capture_output=True, text=True, timeout=60)
         if r.returncode != 0:
             raise RuntimeError(f"N={n}: kill-node failed: {r.stderr[-500:]}")
         rec = wait(lambda: job.alive() or next((e for e in events(job.run_dir) if e["type"] == "recovery"), None),
                    a.recovery_wait_s, f"N={n}: no recovery event within {a.recovery_wait_s} s of the kill")
+        cpu = cpu_used(cpu0, cpu_seconds(job))  # the kill, the recovery and the first steps after it
+        cpu["window_s"] = time.monotonic() - t0
         after_step = job.steps()
         wait(lambda: job.alive() or job.steps() >= after_step + a.warm_steps, 300, f"N={n}: no training after recovery in 300 s")
         after = sample(job, store_port)
         return {"n": n, "rec": rec, "before": before, "after": after, "forms": formation(job.run_dir), "spare": spare,
-                "step_at_kill": step_at_kill, "load": uptime}
+                "step_at_kill": step_at_kill, "load": uptime, "cpu": cpu}
     finally:
         job.stop()
 
@@ -214,15 +247,16 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
 
 def print_table(res: list[dict]) -> None:
     print(f"\n{'N':>4s} " + " ".join(f"{p[:-2] if p.endswith('_s') else p:>10s}" for p in PHASES)
-          + f" {'form g0 med/max':>16s} {'form g1 med/max':>16s} {'load1':>6s} {'runs':>5s}")
+          + f" {'form g0 med/max(dflt)':>20s} {'form g1 med/max(dflt)':>20s} {'load1':>6s} {'runs':>5s}")
     for n in sorted({r["n"] for r in res}):
         rs = [r for r in res if r["n"] == n]
         cols = " ".join(f"{med([r['rec'][p] for r in rs]):10.3f}" for p in PHASES)
         forms = []
         for g in (0, 1):
             xs = [x for r in rs for x in r["forms"].get(g, [])]
-            forms.append(f"{med(xs):7.3f}/{max(xs, default=float('nan')):<7.3f}" if xs else f"{'-':>16s}")
-        print(f"{n:4d} {cols} {forms[0]:>16s} {forms[1]:>16s} {med([r['load'][0] for r in rs]):6.2f} {len(rs):5d}")
+            forms.append(f"{med([a for a, _ in xs]):6.3f}/{max((a for a, _ in xs), default=float('nan')):<6.3f}"
+                         f"({med([b for _, b in xs]):.3f})" if xs else f"{'-':>20s}")
+        print(f"{n:4d} {cols} {forms[0]:>20s} {forms[1]:>20s} {med([r['load'][0] for r in rs]):6.2f} {len(rs):5d}")
 
 
 def print_sockets(res: list[dict]) -> None:
@@ -309,6 +343,9 @@ def main():
     ap.add_argument("--warm-steps", type=int, default=20, help="steps past the first before the kill, and after recovery")
     ap.add_argument("--start-s-per-rank", type=float, default=8.0, help="the deadline for the first step: this x N + 60 s")
     ap.add_argument("--recovery-wait-s", type=float, default=240.0)
+    ap.add_argument("--step-sleep", type=float, default=0.0,
+                    help="seconds each rank sleeps per step: with N ranks on a few cores, the ranks' training otherwise "
+                         "contends for the CPU with the recovery, which ranks on their own GPUs and cores never do")
     ap.add_argument("--json-out", type=Path, help="also write the per-N medians as JSON (for simulate --scale-from)")
     a = ap.parse_args()
     ns = [4, 8] if a.quick else [int(x) for x in a.ranks.split(",")]
@@ -328,7 +365,9 @@ def main():
                     continue
                 res.append(r)
                 print(f"N={n} repeat {rep}: total {r['rec']['total_s']} s, reconfigure {r['rec']['reconfigure_s']} s, "
-                      f"killed at step {r['step_at_kill']}, load {r['load'][0]:.2f} ({time.monotonic() - t0:.0f} s)", flush=True)
+                      f"killed at step {r['step_at_kill']}, load {r['load'][0]:.2f} ({time.monotonic() - t0:.0f} s); "
+                      "CPU s from the kill to the recovery event seen: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu"].items()),
+                      flush=True)
     if res:
         print_table(res)
         print_sockets(res)

@@ -25,6 +25,20 @@ from phoenix_runtime.plane.rank_env import RankEnv, rank_env
 from phoenix_runtime.plane.store_keys import KeyRecorder
 from phoenix_runtime.protection.transport import close_pairs
 
+# The recovery's waits for its peers (every rank arrived, their descriptors) poll the store: a blocking wait
+# cannot also watch for a newer generation, and each one that times out makes torch log two warning lines.
+# The pause doubles from 1 ms to POLL_MAX_S: the peers usually arrive within milliseconds of each other, and a
+# rank that waits longer (for a starting joiner) makes ~60 round trips a second, not ~300 at a steady 3 ms.
+POLL_MAX_S = 0.016
+
+
+def backoff(pause: float) -> float:
+    """Sleep the next pause of a store poll (1 ms, then doubled up to ``POLL_MAX_S``); returns it."""
+    pause = min(max(2 * pause, 0.001), POLL_MAX_S)
+    time.sleep(pause)
+    return pause
+
+
 FATE_KEY = "fate"  # under a generation's process-group prefix: "go" (every rank forms it) or "cancel" (none does)
 
 
@@ -72,6 +86,7 @@ class Context:
         self.members: protocol.Membership | None = None
         self._aborted_gen = -1
         self._lock = threading.Lock()
+        self._gen_seen = threading.Event()  # set by the control thread when it sees a newer generation
         self._own_keys: list[tuple[int, str]] = []
         self._pg_stores: list[tuple[int, KeyRecorder]] = []  # each generation's process-group rendezvous keys
         self._committed: tuple[int, int] | None = None  # (generation, store incarnation) this rank forms, committed
@@ -147,6 +162,7 @@ class Context:
 
     def _on_gen_change(self, new_gen: int) -> None:
         """Control thread: a newer generation abandons ours; make blocked collectives fail at once."""
+        self._gen_seen.set()
         with self._lock:
             if new_gen > self.gen and self._aborted_gen < self.gen:
                 self._aborted_gen = self.gen
@@ -258,6 +274,7 @@ class Context:
         it: one ``compare_set``, so every rank follows the same fate, and a rank that gives up after the commit
         forms the generation anyway (then leaves it for the newer one). A rank that left alone would strand
         the peers that wait in gloo's connect for it."""
+        pause = 0.0
         while True:
             if int(self.store.add(key, 0)) >= self.world_size:
                 if self._commit(pg_store, gen, "go"):
@@ -270,7 +287,7 @@ class Context:
                 if late:
                     raise TimeoutError(f"generation {gen}: not every rank arrived within the recovery timeout")
                 raise GenerationAbandoned(f"generation {gen} abandoned")
-            time.sleep(0.005)
+            pause = backoff(pause)
 
     def _commit(self, pg_store: KeyRecorder, gen: int, want: str) -> bool:
         """The generation's fate, decided once in the store (the first ``compare_set`` wins): True to form it.
@@ -321,6 +338,7 @@ class Context:
             timeout=forming,
         )
         dist.distributed_c10d._set_pg_timeout(self.timeout)  # formed: the collectives' own timeout from now on
+        log.info(f"generation {gen}: default group formed")  # the pair groups follow (bench/recovery_scale.py reads both)
         self.pairs, self.mpi_pairs = {}, None
         if self.settings.protect and self.settings.transport == "mpi":
             from phoenix_runtime.protection.mpi_pairs import connect_pairs
@@ -380,10 +398,12 @@ class Context:
         them gone, and their state with them."""
         deadline = time.monotonic() + self.recovery_timeout + self.settings.spare_wait_s
         while time.monotonic() < deadline:
+            self._gen_seen.clear()
             g = self.latest_gen()
             if g > after:
                 return g
-            time.sleep(0.005)
+            # woken by the control thread's bump (``_on_gen_change``) while its watcher is armed; else a poll
+            self._gen_seen.wait(0.05 if self.managed and self.ctl.watching else 0.005)
         raise TimeoutError(f"no new generation after {after} within {self.recovery_timeout:g} s")
 
     def exchange(self, gen: int, desc_json: str, deadline: float, ranks: list[int] | None = None) -> list[str]:
@@ -395,16 +415,18 @@ class Context:
         keys = [desc_key(gen, r) for r in (range(self.world_size) if ranks is None else ranks)]
         self._own_keys += [(gen, k) for k in keys if k != key]  # a dead rank's too: deleted with the generation
         got: dict[str, str] = {}
+        pause = 0.0
         while True:
-            if self.store.check([k for k in keys if k not in got]):
-                got.update({k: v for k in keys if k not in got and (v := protocol.get_value(self.store, k)) is not None})
+            missing = [k for k in keys if k not in got]
+            if self.store.check(missing):  # all there: one batch for all of them, not a round trip each
+                got.update({k: v for k, v in protocol.get_values(self.store, missing, present=True).items() if v is not None})
                 if len(got) == len(keys):
                     return [got[k] for k in keys]
             if self.latest_gen() > gen:
                 raise GenerationAbandoned(f"generation {gen} abandoned")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"generation {gen}: descriptors missing after the recovery timeout")
-            time.sleep(0.003)
+            pause = backoff(pause)
 
     def delete_old_keys(self) -> None:
         """Delete the store keys this rank wrote for generations before the current one: its descriptors, and
