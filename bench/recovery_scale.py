@@ -302,6 +302,9 @@ def print_fits(res: list[dict]) -> None:
         t_lo = med([r["rec"][key] for r in res if r["n"] == lo])
         t_hi = med([r["rec"][key] for r in res if r["n"] == hi])
         print(f"ratio {key}(N={hi}) / {key}(N={lo}) in this run ({what}): {t_hi / t_lo:.2f}x (target <= 2x)")
+    own = {n: med([r["rec"]["recovered_s"] - med([b for _, b in r["forms"].get(1, [])]) for r in res if r["n"] == n]) for n in (lo, hi)}
+    print(f"ratio without torch's default group (recovered_s less the median rank's default-group formation in generation 1): "
+          f"{own[hi]:.3f} / {own[lo]:.3f} s = {own[hi] / own[lo]:.2f}x")
 
 
 def git_commit() -> str:
