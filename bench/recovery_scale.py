@@ -271,8 +271,10 @@ def print_sockets(res: list[dict]) -> None:
                 continue
             m = {k: med([p[k] for p in per]) for k in (*SOCK_KINDS, "total", "threads")}
             tot = [p["total"] for p in per]
+            own = [p["ranks"] - (n - 1) for p in per]  # torch's default group connects every rank to every other
             print(f"  N={n:3d} {when:6s}: " + " / ".join(f"{m[k]:g}" for k in SOCK_KINDS)
-                  + f" = {m['total']:g} [{min(tot)}-{max(tot)}], threads {m['threads']:g} ({len(per)} ranks)")
+                  + f" = {m['total']:g} [{min(tot)}-{max(tot)}], threads {m['threads']:g} ({len(per)} ranks); to other ranks "
+                  f"besides torch's default group (N - 1 each): {med(own):g} [{min(own)}-{max(own)}]")
         if r["spare"]:
             sp = r["spare"]
             print(f"  N={n:3d} warm spare before its assignment: " + " / ".join(str(sp[k]) for k in SOCK_KINDS)
