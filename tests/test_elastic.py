@@ -42,6 +42,8 @@ import torch
 import yaml
 
 from conftest import EXAMPLES, events, job_processes, of_type, rank_log_tail, run_phoenix, start_phoenix, wait_for
+from phoenix_launch.report import build_timeline, compare
+from phoenix_launch.report.page import render_page
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -209,6 +211,11 @@ def test_a_node_lost_without_a_spare_shrinks_keeps_the_batch_and_grows_back(tmp_
     assert all(ranks[(s, d)] == d for s in range(back, STEPS) for d in range(NODES)), "data ranks not back to one per rank"
     assert all(ranks[(s, 1)] == 0 for s in range(at, back)), "the lost data rank not taken by rank 0 while shrunk"
     assert_close_to(job, failure_free(opt), at)
+    tl = build_timeline(sorted(job.evs, key=lambda e: e["t"]))  # the report's DP over time, from this job's events
+    assert [n for _, n in tl.dp_over_time()] == [3, 2, 3, 3] and tl.dp_full == 3, tl.resizes
+    assert all(e["cost_s"] is not None for e in tl.resizes), tl.resizes  # each with its recovery's cost
+    page = render_page(tl, {}, compare(tl))
+    assert "shrink without node1: DP 3 → 2" in page and "3 / 3 (min 2)" in page
 
 
 @pytest.mark.full
