@@ -33,6 +33,8 @@ s); the replicated (DDP) row and the ``--elastic-batch shrink`` row are ``full``
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -267,3 +269,40 @@ def test_a_joiner_lost_during_the_grow_shrinks_again_and_the_next_replacement_gr
     assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
     assert_close_to(job, failure_free("zero"), shrunk_at(job))
     assert not job.leftover, job.leftover
+
+
+def test_the_standby_takes_over_a_shrunk_job_and_keeps_it_shrunk(tmp_path):
+    """ZeRO, no spare, ``launch.standby: on``: node1 lost at step 10 (DP 3 -> 2), then the leader SIGKILLed. The new
+    leader's world is the shrunk membership's, not the job's own size (the mirror carries the ranks' DP sizes): its
+    status says dp 2 of 3, the job ends with exit 0 (its ranks' completion counted against 2 ranks), every sample
+    seen once. (Before, a takeover while shrunk assumed 3 ranks and waited for the lost one.)"""
+    d = tmp_path / "takeover"
+    d.mkdir()
+    cfg = {"detect": {**DETECT, "recovery_timeout_s": 90.0}, "runtime": {"replicas": 1}, "launch": {"standby": "on"},
+           "inject": {"faults": [lost_node()]}}
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    hold, run_dir = d / "hold", d / "run"
+    hold.touch()
+    proc = start_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", str(NODES), "--nproc-per-node", "1", "--spares", "0",
+                          "--run-dir", str(run_dir), GPT, *TRAIN, "--optimizer", "zero", "--data-log", str(d / "data.log"),
+                          "--step-sleep", "1.0", "--step-sleep-while", str(hold)], d)
+    try:
+        wait_for(lambda: any(e.get("path") == "shrink" for e in of_type(events(run_dir), "recovery"))
+                 and of_type(events(run_dir), "standby_ready"), 240, "the shrink and a ready standby")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        took = wait_for(lambda: of_type(events(run_dir), "takeover"), 90, "the standby's takeover")[0]
+        status = lambda: json.loads((run_dir / "status.json").read_text())  # noqa: E731
+        wait_for(lambda: json.loads((run_dir / "control.json").read_text())["pid"] == took["pid"]
+                 and status().get("dp") == 2, 60, "the new leader's status: dp 2")
+        assert (status()["dp"], status()["dp_full"], status()["world_size"]) == (2, 3, 2), status()
+        hold.unlink()
+        end = wait_for(lambda: of_type(events(run_dir), "job_end"), 240, "the job's end after the takeover")[-1]
+    finally:
+        hold.unlink(missing_ok=True)
+        for q in job_processes(run_dir):
+            q.kill()
+    job = Run(d, subprocess.CompletedProcess(proc.args, end["exit_code"], "", ""), 0.0)
+    assert end["exit_code"] == 0, (end, [e["type"] for e in job.evs][-30:])
+    assert [(e["dp_from"], e["dp_to"]) for e in of_type(job.evs, "shrink")] == [(3, 2)]
+    assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
