@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from phoenix_launch.simulate import Dist, resolve_inputs
 from phoenix_launch.simulate.command import simulate as simulate_cmd
-from phoenix_launch.simulate.elastic import (ELASTIC_BENCH_FILE, Cost, NoSpare, balanced_speed, bench_shrink_cost,
-                                             best_policy, breakeven_delay, event_costs, keep_batch_speed)
+from phoenix_launch.simulate.elastic import (ELASTIC_BENCH_FILE, ELASTIC_GROW_FILE, Cost, NoSpare, balanced_speed,
+                                             bench_grow_cost, bench_shrink_cost, best_policy, breakeven_delay,
+                                             event_costs, keep_batch_speed)
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -64,7 +65,10 @@ def test_costs_are_labelled_measured_assumed_or_given(tmp_path):
     bench = bench_shrink_cost()
     if ELASTIC_BENCH_FILE.is_file():  # a source checkout: the bench's shrink row is the measurement
         assert bench is not None and ns.shrink == bench and ns.shrink.label.startswith("measured (bench/elastic.py")
-    assert ns.grow.label.startswith("assumed = the hot-swap time") and ns.grow.seconds == 30.0
+    if ELASTIC_GROW_FILE.is_file():  # bench/elastic.py's grow row measured it
+        assert ns.grow == bench_grow_cost() and ns.grow.label.startswith("measured (bench/elastic.py grow row")
+    else:
+        assert ns.grow.label.startswith("assumed = the hot-swap time") and ns.grow.seconds == 30.0
     assert ns.replace_delay.mean == 600.0 and "--cold-spare" in ns.delay_label
     assert ns.restart.seconds == pytest.approx(600 + 20 * 99 / 2 + 10)  # eq. (2) + the interrupted step
     assert (ns.dp, ns.lost) == (512, 1)
@@ -99,7 +103,7 @@ def test_cli_no_spare_section_text_and_json():
     assert res.exit_code == 0, res.output
     for needle in ("No spare left (launch.on_no_spare)", "DP 256 → 248", "shrink, keep batch", "ckpt-restart",
                    "measured (bench/elastic.py" if ELASTIC_BENCH_FILE.is_file() else "assumed",
-                   "assumed = the hot-swap time", "Shrinking beats waiting"):
+                   "assumed (--hotswap: default)", "than waiting"):
         assert needle in res.stdout, needle
     res = CliRunner().invoke(_app(), args + ["--json"])
     assert res.exit_code == 0, res.output
@@ -109,6 +113,8 @@ def test_cli_no_spare_section_text_and_json():
     assert keep == pytest.approx(ns["costs"]["shrink"]["s"] + ns["costs"]["grow"]["s"] + 4 * 3600 * 0.5)
     assert ns["per_event"]["wait"]["goodput_lost_s"] == pytest.approx(4 * 3600 + 30.0)
     assert ns["best"] == "shrink_drop" and ns["events_per_run"] is not None
+    assert ns["breakeven_delay_s"] == pytest.approx(max(0.0, (ns["costs"]["shrink"]["s"] + ns["costs"]["grow"]["s"]
+                                                              - ns["costs"]["join"]["s"]) / 0.5))
     assert [s["delay_s"] for s in ns["sweep"]] == [600.0, 3600.0, 4 * 3600.0, 24 * 3600.0]
 
 

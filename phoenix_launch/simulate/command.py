@@ -107,8 +107,8 @@ _SHRINK_COST_OPTION = _opt(
     "--shrink-cost", "DURATION", "Time a shrink costs (fault to the first step at DP-1) \\[default: measured, "
     "--from-run's shrinks, else bench/data/elastic.json].", _NOSPARE)
 _GROW_COST_OPTION = _opt(
-    "--grow-cost", "DURATION", "Time a grow costs (the replacement's hot-swap join) \\[default: --from-run's grows, "
-    "else the hot-swap time].", _NOSPARE)
+    "--grow-cost", "DURATION", "Time a grow costs (the replacement's hot-swap join) \\[default: measured, --from-run's grows, "
+    "else bench/data/elastic_grow.json; else the hot-swap time].", _NOSPARE)
 _TRIALS_OPTION = _opt("--trials", "N", "Monte Carlo trials \\[default: 1000].", _RUN)
 _SEED_OPTION = _opt("--seed", "N", "\\[default: 0]", _RUN)
 _SCALE_POINT_OPTION = typer.Option(

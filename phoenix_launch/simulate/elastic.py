@@ -31,8 +31,10 @@ from pathlib import Path
 
 from .quantities import Dist, SimulateInputError
 
-# bench/elastic.py --json-out, committed with a source checkout: the shrink row's recovery is the shrink's cost
+# bench/elastic.py --json-out, committed with a source checkout: the shrink row's recovery is the shrink's cost, the
+# grow row's (``--modes none,grow``, a file of its own) the grow's
 ELASTIC_BENCH_FILE = Path(__file__).resolve().parents[2] / "bench" / "data" / "elastic.json"
+ELASTIC_GROW_FILE = ELASTIC_BENCH_FILE.with_name("elastic_grow.json")
 
 POLICIES = ("shrink_keep", "shrink_drop", "wait", "restart")
 POLICY_LABELS = {
@@ -170,6 +172,18 @@ def bench_shrink_cost(path: Path = ELASTIC_BENCH_FILE) -> Cost | None:
         return None
     return Cost(float(x), f"measured (bench/elastic.py shrink row, 3 ranks, {doc.get('machine') or 'bench machine'}, "
                           f"{doc.get('date') or 'date unknown'})")
+
+
+def bench_grow_cost(path: Path = ELASTIC_GROW_FILE) -> Cost | None:
+    """The grow's cost measured by bench/elastic.py's grow row: its ``grow`` recovery (decision to the first step at
+    the full size), the median when the row has several."""
+    doc = load_elastic_bench(path)
+    row = (doc or {}).get("rows", {}).get("grow") or {}
+    xs = sorted(float(t) for p, t in row.get("recoveries") or () if p == "grow" and isinstance(t, (int, float)) and t >= 0)
+    if not xs:
+        return None
+    return Cost(xs[len(xs) // 2], f"measured (bench/elastic.py grow row, 3 ranks, {doc.get('machine') or 'bench machine'}, "
+                                  f"{doc.get('date') or 'date unknown'})")
 
 
 def bench_rows(path: Path = ELASTIC_BENCH_FILE) -> list[dict] | None:

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .closed_forms import amortised_ckpt_overhead, cost_ckpt, per_step_probability
-from .elastic import Cost, NoSpare, bench_shrink_cost
+from .elastic import Cost, NoSpare, bench_grow_cost, bench_shrink_cost
 from .measurements import load_scale_file, load_trace, read_run_events, trace_gaps
 from .montecarlo import SimConfig
 from .presets import PAPER_RECOVERY_POINTS, PRESETS
@@ -316,7 +316,7 @@ def _no_spare(values: _Values, fields: dict[str, Any], run_info: dict | None) ->
     kind = "measured" if measured else "assumed"
     shrink = _measured_cost(values, "shrink_cost", run_info, "shrink_s") or bench_shrink_cost() \
         or Cost(hot, f"{kind} = the hot-swap time, no shrink measured ({hot_src})")
-    grow = _measured_cost(values, "grow_cost", run_info, "grow_s") \
+    grow = _measured_cost(values, "grow_cost", run_info, "grow_s") or bench_grow_cost() \
         or Cost(hot, f"{kind} = the hot-swap time, a grow being a hot-swap join ({hot_src})")
     ck = cost_ckpt(fields["step_time"], fields["ckpt_every"], fields["restart"].mean)
     restart = Cost(ck.recovery + ck.replay + ck.partial_not_in_eq,

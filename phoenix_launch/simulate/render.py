@@ -332,6 +332,9 @@ def _render_no_spare(console, Table, ns: dict) -> None:
             ("restart", _dur(costs["restart"]["s"]), costs["restart"]["label"])]
     for name, value, label in rows:
         console.print(f"  {name:>20}: {value:>9}  {label}", markup=False)
+    if any(costs[k]["label"].startswith("measured (bench/") for k in ("shrink", "grow")):
+        console.print("  The bench's costs are a 3-rank job's: at scale a grow restores its joiner as a hot-swap does; "
+                      "--grow-cost and --shrink-cost set a cluster's.")
     bench = ns.get("measured_on_bench")
     if bench:
         console.print("  On bench/elastic.py's job (a node arrives in seconds there), time lost: "
