@@ -1,6 +1,6 @@
 """No spare left: the time a node loss costs the same job when it shrinks, waits for a spare, or restarts.
 
-    python bench/elastic.py [--steps 40] [--sample-sleep 0.1] [--json-out PATH]
+    python bench/elastic.py [--steps 40] [--sample-sleep 0.1] [--modes none,shrink,wait,restart,grow] [--json-out PATH]
 
 One job, 3 nodes x 1 rank (gloo on CPU, examples/train_gpt.py, ZeRO), each micro-batch padded by ``--sample-sleep``
 seconds (a model's compute: a shrunk rank with two data ranks takes twice as long per step), node1 lost at step 10:
@@ -13,6 +13,9 @@ seconds (a model's compute: a shrunk rank with two data ranks takes twice as lon
 - ``restart``: torchrun's behaviour, with a spare ready (the most favourable case): ``--no-protect``, the example's
   own checkpoint every 5 steps (torch.distributed.checkpoint), ``--max-restarts 1``: every worker restarts onto the
   spare and reloads the last checkpoint, the steps since it are redone;
+- ``grow``: ``shrink`` with ``launch.replenish``: the job shrinks, then grows back to DP=3 when the replenished node
+  has started (seconds here; give enough ``--steps`` for it to arrive): the grow's cost is its recovery's ``total_s``
+  (``recoveries``, by path), which ``phoenix-run simulate`` reads from ``bench/data/elastic_grow.json``;
 - ``none``: the failure-free run.
 
 The time lost is (the time from step 0's end to the last step's end, rank 0's step log) minus the failure-free
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +47,7 @@ MODES = {
     "shrink": ({"on_no_spare": "shrink"}, (), 0, ()),
     "wait": ({"on_no_spare": "wait", "replenish": True}, (), 0, ()),
     "restart": ({"on_no_spare": "wait", "max_restarts": 1}, ("--no-protect",), 1, ("--ckpt-every", "5")),
+    "grow": ({"on_no_spare": "shrink", "replenish": True}, (), 0, ()),
 }
 
 
@@ -63,7 +69,8 @@ def one(d: Path, mode: str, steps: int, sample_sleep: float) -> dict:
     rec = [e for e in evs if e["type"] == "recovery"]
     return {"mode": mode, "exit": code, "span_s": round(t[steps - 1] - t[0], 2) if 0 in t and steps - 1 in t else None,
             "decisions": [e["decision"] for e in evs if e["type"] == "decision"],
-            "recovery_total_s": rec[0]["total_s"] if rec else None}
+            "recovery_total_s": rec[0]["total_s"] if rec else None,
+            "recoveries": [[e.get("path"), e.get("total_s")] for e in rec]}
 
 
 def main() -> None:
@@ -71,10 +78,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--sample-sleep", type=float, default=0.1)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, 'none' first (the time lost is against it)")
     a = p.parse_args()
-    rows = []
+    modes = a.modes.split(",")
+    if modes[0] != "none" or not set(modes) <= set(MODES):
+        p.error(f"--modes: 'none' first, then any of {', '.join(MODES)}")
+    rows, load1 = [], os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in MODES:
+        for mode in modes:
             rows.append(one(Path(tmp) / mode, mode, a.steps, a.sample_sleep))
             print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["span_s"]
@@ -84,8 +95,11 @@ def main() -> None:
         r["lost_s"] = lost
         print(f"{r['mode']:8} {r['exit']:>4} {r['span_s']!s:>12} {lost!s:>7} {r['recovery_total_s']!s:>10}  {r['decisions']}")
     if a.json_out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         Path(a.json_out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "steps": a.steps,
-                                                "sample_sleep": a.sample_sleep, "rows": rows}, indent=1) + "\n")
+                                                "sample_sleep": a.sample_sleep, "rows": rows, "commit": commit or None,
+                                                "machine": f"{os.cpu_count()} cores, load {load1:.1f} at the start"},
+                                               indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -532,7 +532,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
             epoch=self.epoch, restarts=self.restarts, resume=self.resume, protect_every=self.reprotector.every,
             nodes=tuple(NodeRecord(n.name, n.state.value, n.group_rank, n.failures, n.lost) for n in self.nodes),
             attempt=AttemptRecord(tuple(sorted(att.done_ranks)), tuple(sorted(att.runtime_ready)), att.protect_on, att.step,
-                                  att.step_time_s, att.runtime_seen),
+                                  att.step_time_s, att.runtime_seen, tuple(sorted(att.dp_sizes.items()))),
             final=self.exit_code is not None)
 
     def apply_mirror_state(self, state: SupervisorState) -> None:
@@ -543,13 +543,15 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
         for n in state.nodes:
             self.nodes.add(Node(n.name, Lifecycle(NodeState(n.state), NODE_TRANSITIONS), n.group_rank, n.failures, n.lost,
                                 up=n.state != NodeState.STARTING.value))
-        a = state.attempt
-        self.attempt = AttemptProgress(done_ranks=set(a.done), runtime_ready=set(a.ready), protect_on=a.protect_on, step=a.step,
-                                       step_time_s=a.step_time_s, runtime_seen=a.runtime_seen)
         self.store.set(protocol.K_RUN_ID, self.cfg.launch.run_id)
         protocol.put_value(self.store, protocol.K_PROTECT_EVERY, str(self.reprotector.every))
         self.publisher = self.new_publisher()
         self.publisher.restore(state.gen, state.members, state.stable, state.swept)
+        if state.members.world_size != self.world_size:  # taken over while shrunk: the world is the membership's
+            self.resize(list(state.members.ranks))
+        a = state.attempt  # after the resize (it remaps an attempt by rank): the leader's reports as they are
+        self.attempt = AttemptProgress(done_ranks=set(a.done), runtime_ready=set(a.ready), protect_on=a.protect_on, step=a.step,
+                                       step_time_s=a.step_time_s, runtime_seen=a.runtime_seen, dp_sizes=dict(a.dp))
 
     def status(self) -> dict[str, Any]:
         return job_status(run_id=self.cfg.launch.run_id, run_dir=self.run_dir, state=self.job.state.value, gen=self.gen,

@@ -33,6 +33,8 @@ s); the replicated (DDP) row and the ``--elastic-batch shrink`` row are ``full``
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -42,6 +44,8 @@ import torch
 import yaml
 
 from conftest import EXAMPLES, events, job_processes, of_type, rank_log_tail, run_phoenix, start_phoenix, wait_for
+from phoenix_launch.report import build_timeline, compare
+from phoenix_launch.report.page import render_page
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -209,6 +213,11 @@ def test_a_node_lost_without_a_spare_shrinks_keeps_the_batch_and_grows_back(tmp_
     assert all(ranks[(s, d)] == d for s in range(back, STEPS) for d in range(NODES)), "data ranks not back to one per rank"
     assert all(ranks[(s, 1)] == 0 for s in range(at, back)), "the lost data rank not taken by rank 0 while shrunk"
     assert_close_to(job, failure_free(opt), at)
+    tl = build_timeline(sorted(job.evs, key=lambda e: e["t"]))  # the report's DP over time, from this job's events
+    assert [n for _, n in tl.dp_over_time()] == [3, 2, 3, 3] and tl.dp_full == 3, tl.resizes
+    assert all(e["cost_s"] is not None for e in tl.resizes), tl.resizes  # each with its recovery's cost
+    page = render_page(tl, {}, compare(tl))
+    assert "shrink without node1: DP 3 → 2" in page and "3 / 3 (min 2)" in page
 
 
 @pytest.mark.full
@@ -260,3 +269,40 @@ def test_a_joiner_lost_during_the_grow_shrinks_again_and_the_next_replacement_gr
     assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
     assert_close_to(job, failure_free("zero"), shrunk_at(job))
     assert not job.leftover, job.leftover
+
+
+def test_the_standby_takes_over_a_shrunk_job_and_keeps_it_shrunk(tmp_path):
+    """ZeRO, no spare, ``launch.standby: on``: node1 lost at step 10 (DP 3 -> 2), then the leader SIGKILLed. The new
+    leader's world is the shrunk membership's, not the job's own size (the mirror carries the ranks' DP sizes): its
+    status says dp 2 of 3, the job ends with exit 0 (its ranks' completion counted against 2 ranks), every sample
+    seen once. (Before, a takeover while shrunk assumed 3 ranks and waited for the lost one.)"""
+    d = tmp_path / "takeover"
+    d.mkdir()
+    cfg = {"detect": {**DETECT, "recovery_timeout_s": 90.0}, "runtime": {"replicas": 1}, "launch": {"standby": "on"},
+           "inject": {"faults": [lost_node()]}}
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    hold, run_dir = d / "hold", d / "run"
+    hold.touch()
+    proc = start_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", str(NODES), "--nproc-per-node", "1", "--spares", "0",
+                          "--run-dir", str(run_dir), GPT, *TRAIN, "--optimizer", "zero", "--data-log", str(d / "data.log"),
+                          "--step-sleep", "1.0", "--step-sleep-while", str(hold)], d)
+    try:
+        wait_for(lambda: any(e.get("path") == "shrink" for e in of_type(events(run_dir), "recovery"))
+                 and of_type(events(run_dir), "standby_ready"), 240, "the shrink and a ready standby")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        took = wait_for(lambda: of_type(events(run_dir), "takeover"), 90, "the standby's takeover")[0]
+        status = lambda: json.loads((run_dir / "status.json").read_text())  # noqa: E731
+        wait_for(lambda: json.loads((run_dir / "control.json").read_text())["pid"] == took["pid"]
+                 and status().get("dp") == 2, 60, "the new leader's status: dp 2")
+        assert (status()["dp"], status()["dp_full"], status()["world_size"]) == (2, 3, 2), status()
+        hold.unlink()
+        end = wait_for(lambda: of_type(events(run_dir), "job_end"), 240, "the job's end after the takeover")[-1]
+    finally:
+        hold.unlink(missing_ok=True)
+        for q in job_processes(run_dir):
+            q.kill()
+    job = Run(d, subprocess.CompletedProcess(proc.args, end["exit_code"], "", ""), 0.0)
+    assert end["exit_code"] == 0, (end, [e["type"] for e in job.evs][-30:])
+    assert [(e["dp_from"], e["dp_to"]) for e in of_type(job.evs, "shrink")] == [(3, 2)]
+    assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"

@@ -76,6 +76,7 @@ def test_the_supervisor_state_goes_through_the_mirror_and_back(tmp_path):
     leader.attempt.done_ranks.add(1)
     leader.attempt.runtime_ready.update({0, 1})
     leader.attempt.step, leader.attempt.step_time_s, leader.attempt.runtime_seen = 12, 0.25, True
+    leader.attempt.dp_sizes.update({0: 2, 1: 2})  # each rank's DP size: a new leader may shrink the job too
     state = leader.mirror_state()
     assert isinstance(state, mirror.SupervisorState) and state.gen == 0 and not state.final
 
@@ -96,6 +97,28 @@ def test_the_supervisor_state_goes_through_the_mirror_and_back(tmp_path):
     assert [(n.name, n.up) for n in standby.nodes] == [("n0", False), ("n1", False), ("n2", True)]
     assert protocol.get_value(standby.store, protocol.K_GEN) == "0"
     assert standby.store.get(protocol.K_RUN_ID).decode() == standby.cfg.launch.run_id
+    assert standby.dp_size() == 2 and standby.world_size == 2
+    for s in (leader, standby):
+        s.events.close()
+
+
+def test_a_takeover_while_shrunk_goes_on_at_the_shrunk_size(tmp_path):
+    """The leader's job had shrunk (n1 lost, no spare: DP 2 -> 1): the new leader's world is the membership's, not
+    the job's own size, so it sees the job shrunk (dp 1 of 2), grows it back when a node comes, and can shrink it
+    again (the ranks' DP sizes are mirrored)."""
+    leader = _supervisor(tmp_path, _Backend(standby=True))
+    leader.publisher = leader.new_publisher()
+    leader.publisher.first(leader.nodes.populate(["n0", "n1", "n2"], 2, 1))
+    leader.job.transition(JobState.RUNNING, "test")
+    state = leader.mirror_state()
+    shrunk = replace(state, gen=1, members=protocol.Membership(1, 1, (protocol.RankSlot(0, "n0", 0),), reason="shrink"),
+                     attempt=replace(state.attempt, ready=(0,), dp=((0, 1),)))
+    pub = mirror.Published.from_dict(mirror.Published(shrunk, {}, None, 1).state.to_dict({}) | {"agents": {}, "t_ns": 1})
+    standby = _supervisor(tmp_path, _Backend(standby=True), takeover=True)
+    standby.apply_mirror_state(pub.state)
+    assert (standby.world_size, standby.full_world(), standby.missing_nodes()) == (1, 2, 1)
+    assert (standby.dp_size(), standby.ladder.catalog.world_size, standby.recovery.world_size) == (1, 1, 1)
+    assert (standby.status()["dp"], standby.status()["dp_full"]) == (1, 2)
     for s in (leader, standby):
         s.events.close()
 

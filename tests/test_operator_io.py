@@ -128,6 +128,10 @@ def test_metrics_text_is_valid_exposition_with_escaped_labels():
     empty = parse_prometheus(render_metrics(snapshot(step=-1), JobCounters()))
     assert "phoenix_last_detection_seconds" not in empty and "phoenix_planned_steps" not in empty
     assert value(empty, "phoenix_recovery_seconds_count") == 0
+    # a shrinkable layout: the DP size now and the job's own (issue 31: dp 2 of 3 while shrunk); else neither
+    shrunk = parse_prometheus(render_metrics(snapshot(dp=2, dp_full=3), JobCounters()))
+    assert value(shrunk, "phoenix_dp_size") == 2 and value(shrunk, "phoenix_dp_full") == 3
+    assert "phoenix_dp_size" not in empty
 
 
 def test_progress_bar_eta_and_last_incident_in_the_live_view():

@@ -139,6 +139,50 @@ def test_old_and_odd_event_files_are_read(tmp_path):
     assert "Incident 1" in html and "4 unreadable line(s) skipped" in html
 
 
+def shrunk_run() -> list[dict]:
+    """3 nodes x 1 rank, no spare: node1 lost at 5 s, the job shrinks to DP 2, its replacement grows it back at 12 s."""
+    evs = [_ev(0, "job_start", run_id="shrunk-1", nodes=3, nproc_per_node=1, spares=0, world_size=3, backend="local")]
+    evs += [_ev(1 + s * 0.4, "progress", step=s, step_time_s=0.4, sps=2.5) for s in range(10)]
+    evs += [_ev(5.0, "injected", mode="crash", node="node1", step=10, phase="begin", t_fired=T0 + 5.0),
+            _ev(5.1, "failure", kind="node_lost", node="node1", agent_exit="killed by SIGKILL"),
+            _ev(5.2, "decision", cls="host", action="replace_node", decision="shrink", node="node1",
+                reason="node node1 lost, no spare ready: data-parallel size 3 -> 2"),
+            _ev(5.25, "shrink", gen=1, lost=["node1"], dp_from=3, dp_to=2, elastic_batch="keep", data=[[0, 1], [2]]),
+            _ev(5.6, "recovery", path="shrink", gen=1, total_s=0.6, resume_step=9, steps_replayed=0),
+            _ev(12.0, "decision", cls="grow", action="grow", decision="grow", node=None, spare="replenish-r1",
+                reason="a spare is ready: data-parallel size 2 -> 3"),
+            _ev(12.05, "grow", gen=2, joined=["replenish-r1"], dp_from=2, dp_to=3, joiners=[1], data=[]),
+            _ev(15.0, "recovery", path="grow", gen=2, total_s=3.0, resume_step=20, steps_replayed=0),
+            _ev(20.0, "job_end", state="succeeded", exit_code=0, reason="all ranks finished")]
+    return evs
+
+
+def test_dp_size_over_time_from_shrink_and_grow_events():
+    tl = build_timeline(shrunk_run())
+    assert tl.dp_full == 3
+    assert [(round(t - T0, 2), n) for t, n in tl.dp_over_time()] == [(0, 3), (5.25, 2), (12.05, 3), (20, 3)]
+    assert [(e["type"], e["cost_s"], e["resume_step"]) for e in tl.resizes] == [("shrink", 0.6, 9), ("grow", 3.0, 20)]
+    assert [i.outcome for i in tl.incidents] == ["recovered", "recovered"]
+    text = _text(render_page(tl, {}, compare(tl)))
+    for needle in ("Data-parallel size", "shrink without node1: DP 3 → 2 (generation 1, batch keep)",
+                   "Incident 2: grow back (a spare became ready) at 12.0 s", "grow back with replenish-r1: DP 2 → 3",
+                   "5.2 shrink 3 → 2 node1 1 9 0.6 s", "12.0 grow 2 → 3 replenish-r1 2 20 3 s",
+                   "3 / 3 (min 2) DP at the end / full", "shrunk for 6.8 s of the run"):
+        assert needle in text, needle
+    plain = build_timeline(synthetic_run())  # a job that never resized: no DP series, the section says so
+    assert plain.dp_over_time() == [] and "Unchanged: the job never shrank" in render_page(plain, {}, None)
+
+
+def test_dp_chart_is_drawn_only_for_a_resized_job():
+    pytest.importorskip("matplotlib", reason="the report's charts need matplotlib: pip install 'phoenix-run[plot]'")
+    from phoenix_launch.report.charts import dp_chart, require_matplotlib
+
+    Figure = require_matplotlib()
+    png = base64.b64decode(dp_chart(Figure, build_timeline(shrunk_run())))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
+    assert dp_chart(Figure, build_timeline(synthetic_run())) is None
+
+
 # --- the cost comparison ----------------------------------------------------------------------------------
 
 def test_cost_against_checkpoint_restart_uses_the_failure_steps_and_eq2():

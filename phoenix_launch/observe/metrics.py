@@ -79,6 +79,9 @@ def render_metrics(snap: dict[str, Any], counters: Any) -> str:
     for ns in NodeState:
         fam.sample(by_state.get(ns.value, 0), state=ns.value)
     family("spares_left", "gauge", "Warm spare nodes ready to replace a failed one.").sample(snap.get("spares_left", 0))
+    if snap.get("dp"):  # a layout that can shrink (launch.on_no_spare): below dp_full while shrunk
+        family("dp_size", "gauge", "Data-parallel size now (smaller than phoenix_dp_full while shrunk).").sample(snap["dp"])
+        family("dp_full", "gauge", "The job's own data-parallel size.").sample(snap.get("dp_full"))
     step = snap.get("step", -1)
     family("step", "gauge", "Steps completed by every rank (the slowest rank's count; -1 before the first).").sample(step)
     prog = counters.progress

@@ -169,6 +169,28 @@ def resources_chart(Figure: Any, tl: Timeline) -> str:
     return _png(fig)
 
 
+def dp_chart(Figure: Any, tl: Timeline) -> str | None:
+    """The data-parallel size over time (a step line), each shrink and grow marked; None when it never changed."""
+    series = tl.dp_over_time()
+    if not series:
+        return None
+    fig = Figure(figsize=(10, 2.4))
+    ax = fig.subplots()
+    ax.step([t - tl.t0 for t, _ in series], [n for _, n in series], where="post", color="#3182bd")
+    for ev in tl.resizes:
+        ax.axvline(float(ev["t"]) - tl.t0, color=INCIDENT_COLOUR if ev.get("type") == "shrink" else "#31a354",
+                   ls="--", lw=1)
+    ax.axhline(tl.dp_full, color="#5b6474", lw=0.8, ls=":")
+    ax.set_ylim(0, (tl.dp_full or 1) + 1)
+    ax.set_xlim(0, max(tl.duration_s, 1e-3))
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylabel("DP size")
+    ax.set_xlabel("wall time since the job started (s); red: shrink, green: grow, dotted: the job's own size")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
 def cost_chart(Figure: Any, cmp: CostComparison) -> str:
     """Time lost per incident: PHOENIX as measured, checkpoint-restart as modelled."""
     fig = Figure(figsize=(10, 3.2))
@@ -193,6 +215,7 @@ def draw_all(tl: Timeline, cmp: CostComparison | None) -> dict[str, str | None]:
         "progress": progress_chart(Figure, tl),
         "phases": phases_chart(Figure, tl),
         "nodes": nodes_chart(Figure, tl),
+        "dp": dp_chart(Figure, tl),
         "resources": resources_chart(Figure, tl),
         "cost": cost_chart(Figure, cmp) if cmp is not None else None,
     }

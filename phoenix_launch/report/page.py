@@ -93,6 +93,12 @@ def _action_line(inc: Incident) -> str:
             parts.append(f"local recovery of {a.get('node', '?')} (generation {a.get('gen', '?')})")
         elif a.get("type") == "restart":
             parts.append(f"restart {a.get('attempt', '?')} of {a.get('max_restarts', '?')}")
+        elif a.get("type") == "shrink":
+            parts.append(f"shrink without {', '.join(a.get('lost') or []) or '?'}: DP {a.get('dp_from', '?')} → "
+                         f"{a.get('dp_to', '?')} (generation {a.get('gen', '?')}, batch {a.get('elastic_batch', '?')})")
+        elif a.get("type") == "grow":
+            parts.append(f"grow back with {', '.join(a.get('joined') or []) or '?'}: DP {a.get('dp_from', '?')} → "
+                         f"{a.get('dp_to', '?')} (generation {a.get('gen', '?')})")
         elif a.get("type") == "incident_closed":
             parts.append(str(a.get("why", "closed")))
     return escape("; ".join(parts) or "none")
@@ -103,8 +109,10 @@ def _incident_card(inc: Incident, tl: Timeline) -> str:
     rec = inc.recovery
     at = inc.t_start - tl.t0
     step = inc.failure_step
-    title = (f"Incident {inc.number}: {escape(inc.failure_class)} failure on {escape(', '.join(inc.nodes) or '?')} "
-             f"at {at:.1f} s{f' (step {step})' if step is not None else ''}: {OUTCOME_WORDS.get(inc.outcome, inc.outcome)}")
+    what = ("grow back (a spare became ready)" if dec.get("decision") == "grow" else
+            f"{escape(inc.failure_class)} failure on {escape(', '.join(inc.nodes) or '?')}")
+    title = (f"Incident {inc.number}: {what} at {at:.1f} s{f' (step {step})' if step is not None else ''}: "
+             f"{OUTCOME_WORDS.get(inc.outcome, inc.outcome)}")
     rows = [
         "<li>" + escape(describe_evidence(e)) + "</li>" for e in inc.evidence
     ] or ["<li class='muted'>no failure event recorded</li>"]
@@ -141,6 +149,9 @@ def _tiles(tl: Timeline) -> str:
         (f"{tl.spares_used} / {tl.job.get('spares', '?')}", "spares used / at start"),
         (_fmt_s(tl.median_step_time()), "median step time"),
     ]
+    dp = tl.dp_over_time()
+    if dp:
+        items.append((f"{dp[-1][1]} / {tl.dp_full} (min {min(n for _, n in dp)})", "DP at the end / full"))
     return '<div class="tiles">' + "".join(f"<div class='tile'><b>{escape(v)}</b><span>{escape(k)}</span></div>" for v, k in items) + "</div>"
 
 
@@ -195,6 +206,25 @@ def _cost(cmp: CostComparison | None, chart: str | None) -> str:
     )
 
 
+def _dp_section(tl: Timeline, chart: str | None) -> str:
+    """The data-parallel size over time (shrinks and grows, ``launch.on_no_spare``): a chart and a table."""
+    if not tl.resizes:
+        return "<p>Unchanged: the job never shrank (no <code>shrink</code> or <code>grow</code> event).</p>"
+    rows = "".join(
+        f"<tr><td class='n'>{max(0.0, float(e['t']) - tl.t0):.1f}</td><td>{escape(str(e.get('type')))}</td>"
+        f"<td class='n'>{escape(str(e.get('dp_from', '?')))} → {escape(str(e.get('dp_to', '?')))}</td>"
+        f"<td>{escape(', '.join(e.get('lost') or e.get('joined') or []) or '?')}</td>"
+        f"<td class='n'>{escape(str(e.get('gen', '?')))}</td><td class='n'>{escape(str(e.get('resume_step', '?')))}</td>"
+        f"<td class='n'>{_fmt_s(e.get('cost_s')) if e.get('cost_s') is not None else 'none recorded'}</td></tr>"
+        for e in tl.resizes)
+    shrunk = sum(b[0] - a[0] for a, b in zip(tl.dp_over_time(), tl.dp_over_time()[1:]) if a[1] < (tl.dp_full or 0))
+    return (_img(chart, "data-parallel size") +
+            "<table><tr><th>at (s)</th><th>event</th><th>DP</th><th>nodes lost / joined</th><th>generation</th>"
+            "<th>resumed at step</th><th>cost</th></tr>" + rows + "</table>"
+            f"<p class='muted'>Full DP {tl.dp_full}; shrunk for {_fmt_s(shrunk)} of the run. Cost: the recovery's "
+            "total, from the fault (a shrink) or the decision (a grow) to the first step after it.</p>")
+
+
 def describe_corruption(ev: dict[str, Any]) -> str:
     """One line for an ``sdc_detected``, ``sdc_repaired`` or ``copy_corrupt`` event (silent data corruption)."""
     kind = ev.get("type")
@@ -237,6 +267,7 @@ def render_page(tl: Timeline, charts: dict[str, str | None], cmp: CostComparison
 <h2>Step time and throughput</h2>{_img(charts.get('progress'), 'step time and throughput')}
 <h2>Incidents ({len(tl.incidents)})</h2>{_img(charts.get('phases'), 'recovery phases')}{incidents}
 <h2>Silent data corruption</h2>{_corruption(tl)}
+<h2>Data-parallel size</h2>{_dp_section(tl, charts.get('dp'))}
 <h2>Node states</h2>{_img(charts.get('nodes'), 'node states')}
 <h2>Spares and protection</h2>{_img(charts.get('resources'), 'spares and host memory')}{_resources(tl, baseline_step_s)}
 <h2>Work lost against checkpoint-restart</h2>{_cost(cmp, charts.get('cost'))}

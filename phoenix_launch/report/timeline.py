@@ -123,6 +123,7 @@ class Timeline:
     spares_lost: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     corruption: list[dict[str, Any]] = field(default_factory=list)  # sdc_detected, sdc_repaired, copy_corrupt events
+    resizes: list[dict[str, Any]] = field(default_factory=list)  # shrink and grow events, each with its recovery's cost
     counts: dict[str, int] = field(default_factory=dict)
     skipped_lines: int = 0
 
@@ -134,6 +135,24 @@ class Timeline:
     def last_step(self) -> int | None:
         steps = [p.step for p in self.progress if p.step is not None]
         return max(steps) if steps else None
+
+    @property
+    def dp_full(self) -> int | None:
+        """The job's own data-parallel size: where the first resize started from (None: the job never resized)."""
+        first = number(self.resizes[0].get("dp_from")) if self.resizes else None
+        return int(first) if first is not None else None
+
+    def dp_over_time(self) -> list[tuple[float, int]]:
+        """The data-parallel size from the job's start to its end, one point per shrink or grow (empty when the job
+        never resized: its DP stayed whatever the layout made it)."""
+        if self.dp_full is None:
+            return []
+        series = [(self.t0, self.dp_full)]
+        for ev in self.resizes:
+            dp = number(ev.get("dp_to"))
+            if dp is not None:
+                series.append((float(ev["t"]), int(dp)))
+        return series + [(self.t_end, series[-1][1])]
 
     def median_step_time(self) -> float | None:
         xs = sorted(p.step_time_s for p in self.progress if p.step_time_s and p.step_time_s > 0)
@@ -194,7 +213,7 @@ class _IncidentBuilder:
             if ev.get("decision") in ("stop", "salvage"):
                 inc.outcome = "stopped"
             self.incidents.append(inc)
-        elif kind in ("hotswap", "local_recovery", "restart"):
+        elif kind in ("hotswap", "local_recovery", "restart", "shrink", "grow"):
             inc = self._awaiting() or (self.incidents[-1] if self.incidents else None)
             if inc is not None:
                 inc.actions.append(ev)
@@ -264,6 +283,16 @@ def _spares_over_time(events: list[dict[str, Any]], job: dict[str, Any], t0: flo
     return series
 
 
+def _cost_of_resize(resizes: list[dict[str, Any]], rec: dict[str, Any]) -> None:
+    """A shrink's or grow's recovery event gives its cost (fault, or decision, to the first step after): it belongs to
+    the latest resize of its path that has none yet (a resize superseded by the next failure keeps none)."""
+    for ev in reversed(resizes):
+        if ev.get("type") == rec.get("path"):
+            if "cost_s" not in ev:
+                ev["cost_s"], ev["resume_step"] = number(rec.get("total_s")), rec.get("resume_step")
+            return
+
+
 def build_timeline(events: list[dict[str, Any]], skipped: int = 0) -> Timeline:
     """One pass over the (time-ordered) events."""
     tl = Timeline(skipped_lines=skipped)
@@ -290,6 +319,10 @@ def build_timeline(events: list[dict[str, Any]], skipped: int = 0) -> Timeline:
             tl.checkpoints.append(ev)
         elif kind in ("sdc_detected", "sdc_repaired", "copy_corrupt"):
             tl.corruption.append(ev)
+        elif kind in ("shrink", "grow"):
+            tl.resizes.append(dict(ev))
+        elif kind == "recovery" and ev.get("path") in ("shrink", "grow"):
+            _cost_of_resize(tl.resizes, ev)
         elif kind == "node_state" and ev.get("old") in ("starting", "spare") and ev.get("new") == "joining":
             tl.spares_taken += 1
         elif kind == "failure" and ev.get("kind") == "spare_lost":

@@ -24,6 +24,7 @@ _CLUSTER = "Cluster and failures"
 _TRAIN = "Training and checkpoints"
 _RECOV = "Recovery"
 _PROT = "Spares and replicas"
+_NOSPARE = "No spare left (launch.on_no_spare)"
 _RUN = "Simulation"
 _OUT = "Output"
 
@@ -96,6 +97,18 @@ _Q_DOMAIN_OPTION = _opt(
     "--mttf-domain, else 100 x p].", _PROT)
 _RISK_TARGET_OPTION = _opt(
     "--risk-target", "P", "Per-run risk used to recommend spares \\[default: 0.01].", _PROT)
+_DP_OPTION = _opt("--dp", "N", "Data-parallel size; a lost node takes DP/nodes replicas \\[default: --shards].",
+                  _NOSPARE)
+_MIN_DP_OPTION = _opt("--min-dp", "N", "launch.min_dp: no shrink below this DP size \\[default: 1].", _NOSPARE)
+_REPLACE_DELAY_OPTION = _opt(
+    "--replace-delay", "DIST", "When no spare is ready, the delay until a replacement node arrives (the scheduler), "
+    "same forms as --restart \\[default: --cold-spare, else --replenish].", _NOSPARE)
+_SHRINK_COST_OPTION = _opt(
+    "--shrink-cost", "DURATION", "Time a shrink costs (fault to the first step at DP-1) \\[default: measured, "
+    "--from-run's shrinks, else bench/data/elastic.json].", _NOSPARE)
+_GROW_COST_OPTION = _opt(
+    "--grow-cost", "DURATION", "Time a grow costs (the replacement's hot-swap join) \\[default: measured, --from-run's grows, "
+    "else bench/data/elastic_grow.json; else the hot-swap time].", _NOSPARE)
 _TRIALS_OPTION = _opt("--trials", "N", "Monte Carlo trials \\[default: 1000].", _RUN)
 _SEED_OPTION = _opt("--seed", "N", "\\[default: 0]", _RUN)
 _SCALE_POINT_OPTION = typer.Option(
@@ -143,6 +156,11 @@ def simulate(
     p_node: Optional[str] = _P_NODE_OPTION,
     q_domain: Optional[str] = _Q_DOMAIN_OPTION,
     risk_target: Optional[str] = _RISK_TARGET_OPTION,
+    dp: Optional[str] = _DP_OPTION,
+    min_dp: Optional[str] = _MIN_DP_OPTION,
+    replace_delay: Optional[str] = _REPLACE_DELAY_OPTION,
+    shrink_cost: Optional[str] = _SHRINK_COST_OPTION,
+    grow_cost: Optional[str] = _GROW_COST_OPTION,
     trials: Optional[str] = _TRIALS_OPTION,
     seed: Optional[str] = _SEED_OPTION,
     scale_point: Optional[List[str]] = _SCALE_POINT_OPTION,
@@ -160,7 +178,8 @@ def simulate(
         "transient_frac": transient_frac, "unhandled_frac": unhandled_frac, "spares": spares,
         "replenish": replenish, "cold_spare": cold_spare, "replicas": replicas, "shards": shards, "p_node": p_node,
         "q_domain": q_domain,
-        "risk_target": risk_target, "trials": trials, "seed": seed, "project_to": project_to,
+        "risk_target": risk_target, "dp": dp, "min_dp": min_dp, "replace_delay": replace_delay,
+        "shrink_cost": shrink_cost, "grow_cost": grow_cost, "trials": trials, "seed": seed, "project_to": project_to,
     }
     try:
         if plot is not None and importlib.util.find_spec("matplotlib") is None:

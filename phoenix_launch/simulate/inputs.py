@@ -11,7 +11,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .closed_forms import amortised_ckpt_overhead, per_step_probability
+from .closed_forms import amortised_ckpt_overhead, cost_ckpt, per_step_probability
+from .elastic import Cost, NoSpare, bench_grow_cost, bench_shrink_cost
 from .measurements import load_scale_file, load_trace, read_run_events, trace_gaps
 from .montecarlo import SimConfig
 from .presets import PAPER_RECOVERY_POINTS, PRESETS
@@ -22,7 +23,7 @@ DEFAULTS: dict[str, Any] = {
     "gpus": "4096", "gpus_per_node": "8", "mttf_node": "2y", "step_time": "20s", "ckpt_every": "100",
     "restart": "600s", "hotswap": "30s", "spares": "2", "replicas": "1", "steps": "100000", "trials": "1000",
     "seed": "0", "replenish": "4h", "cold_spare": "restart", "domain_size": "8", "transient_frac": "0",
-    "unhandled_frac": "0", "protect_every": "1",
+    "unhandled_frac": "0", "protect_every": "1", "min_dp": "1",
     "project_to": "100000", "risk_target": "0.01",
 }
 
@@ -73,6 +74,7 @@ class Inputs:
     preset: str | None = None
     from_run: dict | None = None
     sources: dict[str, str] = field(default_factory=dict)
+    no_spare: NoSpare | None = None   # launch.on_no_spare's policies compared (see .elastic)
 
     @property
     def domains(self) -> int:
@@ -113,6 +115,7 @@ def resolve_inputs(explicit: dict[str, Any] | None = None, preset: str | None = 
     fields.update(_checkpoint_costs(values, fields["ckpt_every"], fields["step_time"], fields["mttf_sys"]))
     fields.update(_loss_probabilities(values, fields))
     fields.update(_scale_points(scale_points, scale_from))
+    fields["no_spare"] = _no_spare(values, fields, run_info)
     return Inputs(**fields)
 
 
@@ -156,9 +159,9 @@ def _merge_values(explicit: dict[str, Any], preset: str | None,
     run_info = None
     if from_run is not None:
         run_info = read_run_events(from_run)
-        values["step_time"] = run_info["step_time_s"]
-        values["hotswap"] = Dist("empirical", tuple(run_info["recovery_s"]))
-        sources["step_time"] = sources["hotswap"] = "--from-run"
+        values["step_time"], sources["step_time"] = run_info["step_time_s"], "--from-run"
+        if run_info["recovery_s"]:  # a run that only shrank and grew has no hot-swap to measure
+            values["hotswap"], sources["hotswap"] = Dist("empirical", tuple(run_info["recovery_s"])), "--from-run"
         for key, name in (("ckpt_write_s", "ckpt_write"), ("persist_every", "phx_ckpt_every"), ("protect_every", "protect_every")):
             if key in run_info:  # the run's persistent checkpoints: measured write cost, configured cadence
                 values[name], sources[name] = run_info[key], "--from-run"
@@ -288,3 +291,46 @@ def _scale_points(scale_points: Sequence[str] | None, scale_from: str | Path | N
     if len(points) < 2 or len({g for g, _ in points}) < 2:
         raise SimulateInputError("--scale-point: give at least 2 points at different GPU counts")
     return {"scale_points": points, "scale_source": "--scale-point"}
+
+
+def _no_spare(values: _Values, fields: dict[str, Any], run_info: dict | None) -> NoSpare:
+    """The inputs of the no-spare comparison: DP size, the replacement's delay, and the costs of the shrink, the
+    grow, a hot-swap and a restart, each labelled with where it came from."""
+    nodes, shards = fields["nodes"], fields["shards"]
+    dp = values.count("dp", 1) if values.given("dp") else shards
+    if dp < nodes and values.given("dp"):
+        raise SimulateInputError(f"--dp: at least one DP replica per node ({nodes} nodes), got {dp}")
+    lost = max(1, dp // nodes)
+    min_dp = values.count("min_dp", 1)
+    if values.given("replace_delay"):
+        delay, delay_label = values.dist("replace_delay"), f"given ({fields['sources'].get('replace_delay', 'explicit')})"
+    elif fields["cold_spare"] is not None:
+        delay, delay_label = Dist.fixed(fields["cold_spare"]), "assumed = --cold-spare (a node from the scheduler)"
+    else:
+        delay, delay_label = fields["replenish"], "assumed = --replenish (the next repaired node)"
+    src = fields["sources"]
+    hot = fields["hotswap"].mean
+    measured = src.get("hotswap") == "--from-run"
+    hot_src = "--from-run's hot-swaps" if measured else f"--hotswap: {src.get('hotswap', 'default')}"
+    hot_label = f"measured ({hot_src})" if measured else f"assumed ({hot_src})"
+    kind = "measured" if measured else "assumed"
+    shrink = _measured_cost(values, "shrink_cost", run_info, "shrink_s") or bench_shrink_cost() \
+        or Cost(hot, f"{kind} = the hot-swap time, no shrink measured ({hot_src})")
+    grow = _measured_cost(values, "grow_cost", run_info, "grow_s") or bench_grow_cost() \
+        or Cost(hot, f"{kind} = the hot-swap time, a grow being a hot-swap join ({hot_src})")
+    ck = cost_ckpt(fields["step_time"], fields["ckpt_every"], fields["restart"].mean)
+    restart = Cost(ck.recovery + ck.replay + ck.partial_not_in_eq,
+                   f"eq. (2): --restart ({src.get('restart', 'default')}) + t_step·(K-1)/2 + the interrupted step")
+    return NoSpare(dp=dp, lost=lost, min_dp=min_dp, step_time=fields["step_time"], replace_delay=delay,
+                   delay_label=delay_label, shrink=shrink, grow=grow, join=Cost(hot, hot_label), restart=restart)
+
+
+def _measured_cost(values: _Values, name: str, run_info: dict | None, key: str) -> Cost | None:
+    """An explicit --shrink-cost / --grow-cost, else the median of the run's shrink / grow recoveries."""
+    if values.given(name):
+        x = values.duration(name)
+        return Cost(x, "given" if name in values.explicit else "preset")
+    got = (run_info or {}).get(key) or []
+    if got:
+        return Cost(float(np.median(got)), f"measured (--from-run, median of {len(got)} {key[:-2]} recoveries)")
+    return None

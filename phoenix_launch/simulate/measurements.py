@@ -19,8 +19,8 @@ from .quantities import SimulateInputError, parse_duration
 def read_run_events(run_dir: str | Path) -> dict:
     """Step time and recovery durations from a run's ``events.jsonl`` (a run directory or the file itself).
 
-    Returns {"path", "step_time_s" (median of progress events), "recovery_s" [total_s of each recovery],
-    "paths" {hotswap: n, local: n}, "skipped_lines"}. Raises SimulateInputError when the file is missing or
+    Returns {"path", "step_time_s" (median of progress events), "recovery_s" [total_s of each recovery but a
+    shrink or a grow], "shrink_s" and "grow_s" [theirs], "paths" {hotswap: n, local: n, ...}, "skipped_lines"}. Raises SimulateInputError when the file is missing or
     holds no progress or no recovery events.
     """
     p = Path(run_dir)
@@ -30,6 +30,7 @@ def read_run_events(run_dir: str | Path) -> dict:
     with f.open("r", encoding="utf-8", errors="replace") as fh:
         parsed, skipped = parse_events(fh)  # a torn last line of a killed run is skipped
     step_times, recov, paths, writes, cadence = [], [], {}, [], []
+    resized: dict[str, list[float]] = {}
     for ev in parsed:
         if ev.get("v", 1) != 1:
             skipped += 1
@@ -47,16 +48,20 @@ def read_run_events(run_dir: str | Path) -> dict:
             elif typ == "recovery" and ev.get("total_s") is not None:
                 x = float(ev["total_s"])
                 if math.isfinite(x) and x >= 0:
-                    recov.append(x)
                     pth = str(ev.get("path", "unknown"))
+                    if pth in ("shrink", "grow"):  # no hot-swap onto a spare: the no-spare comparison's costs
+                        resized.setdefault(pth, []).append(x)
+                    else:
+                        recov.append(x)
                     paths[pth] = paths.get(pth, 0) + 1
         except (TypeError, ValueError):
             skipped += 1
     if not step_times:
         raise SimulateInputError(f"--from-run: {f} has no progress events with step_time_s")
-    if not recov:
+    if not recov and not resized:
         raise SimulateInputError(f"--from-run: {f} has no recovery events with total_s")
     out = {"path": str(f), "step_time_s": float(statistics.median(step_times)), "recovery_s": recov,
+           "shrink_s": resized.get("shrink", []), "grow_s": resized.get("grow", []),
            "paths": paths, "skipped_lines": skipped, "progress_events": len(step_times)}
     if writes:  # the run wrote persistent checkpoints: their measured write time, and their cadence
         out["ckpt_write_s"] = float(statistics.median(writes))

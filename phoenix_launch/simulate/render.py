@@ -69,6 +69,8 @@ def render(rep: dict, console=None) -> None:
         _render_mc(console, Table, rep)
     _render_loss(console, Table, rep)
     _render_spares(console, Table, rep)
+    if rep.get("no_spare"):
+        _render_no_spare(console, Table, rep["no_spare"])
     _render_scaling(console, Table, rep)
     if rep.get("plot"):
         console.print(f"plot written to {rep['plot']}")
@@ -279,6 +281,64 @@ def _render_spares(console, Table, rep: dict) -> None:
     console.print(t)
     console.print(f"  Fewest spares with E(dry events per run) ≤ {_prob(rep['inputs']['risk_target'])}: "
                   f"[bold]{pool['spares_needed']}[/] (M/G/∞ pool; {pool['note']}).")
+
+
+def _render_no_spare(console, Table, ns: dict) -> None:
+    """launch.on_no_spare's policies: time lost per no-spare event at the replacement delay and at a sweep of
+    delays, the goodput while the node is missing, and per run; then each input cost, labelled."""
+    from .elastic import POLICIES, POLICY_LABELS
+
+    mean = ns["replace_delay"]["mean_s"]
+    others = [s for s in ns["sweep"] if s["delay_s"] != mean]
+    t = Table(title=f"No spare left (launch.on_no_spare): goodput lost per event, DP {ns['dp']:,} → "
+                    f"{ns['dp'] - ns['lost_per_node']:,} until the replacement (after R)", title_justify="left")
+    t.add_column("policy")
+    t.add_column("goodput short", justify="right")
+    t.add_column(f"R = {_dur(mean)}", justify="right")
+    for s in others:
+        t.add_column(f"R = {_dur(s['delay_s'])}", justify="right")
+    t.add_column("per run", justify="right")
+
+    def cell(c: dict, best: bool) -> str:
+        if not c["available"]:
+            return f"below min_dp {ns['min_dp']}" if ns["dp"] > ns["lost_per_node"] else "—"
+        txt = _dur(c["goodput_lost_s"])
+        return f"[bold]{txt}[/]" if best else txt
+
+    for p in POLICIES:
+        c = ns["per_event"][p]
+        per_run = (ns["per_run"] or {}).get(p)
+        t.add_row(POLICY_LABELS[p], "—" if c["goodput"] is None else f"{c['goodput'] * 100:.3g} %",
+                  cell(c, p == ns["best"]), *(cell(s["costs"][p], p == s["best"]) for s in others),
+                  "—" if per_run is None else _dur(per_run))
+    console.print(t)
+    costs = ns["costs"]
+    if ns["can_shrink"]:
+        console.print(
+            f"  Keeping the batch, the busiest survivor processes {1 / ns['keep_batch_speed']:.0f} micro-batches a "
+            f"step (whole logical data ranks): {ns['keep_batch_speed'] * 100:.0f} % of the step rate; an even split "
+            f"would give {ns['balanced_speed'] * 100:.1f} %. --elastic-batch shrink keeps the speed and drops "
+            f"{ns['lost_per_node'] / ns['dp'] * 100:.2g} % of the samples while short (counted as goodput lost; "
+            "its wall time grows only by the shrink and the grow).")
+        be = ns["breakeven_delay_s"]
+        console.print(f"  Shrinking beats waiting when the replacement takes longer than {_dur(be)}." if be
+                      else "  Shrinking loses less than waiting at any replacement delay.")
+    console.print(f"  Per run: × {_num(ns['events_per_run'])} no-spare events ({ns['events_source']}). "
+                  "Assumed: no second failure while short; the run outlasts the delay.")
+    rows = [("replacement delay R", _dist(ns["replace_delay"]), ns["replace_delay_label"]),
+            ("shrink", _dur(costs["shrink"]["s"]), costs["shrink"]["label"]),
+            ("grow", _dur(costs["grow"]["s"]), costs["grow"]["label"]),
+            ("hot-swap (wait)", _dur(costs["join"]["s"]), costs["join"]["label"]),
+            ("restart", _dur(costs["restart"]["s"]), costs["restart"]["label"])]
+    for name, value, label in rows:
+        console.print(f"  {name:>20}: {value:>9}  {label}", markup=False)
+    if any(costs[k]["label"].startswith("measured (bench/") for k in ("shrink", "grow")):
+        console.print("  The bench's costs are a 3-rank job's: at scale a grow restores its joiner as a hot-swap does; "
+                      "--grow-cost and --shrink-cost set a cluster's.")
+    bench = ns.get("measured_on_bench")
+    if bench:
+        console.print("  On bench/elastic.py's job (a node arrives in seconds there), time lost: "
+                      + ", ".join(f"{r['mode']} {_dur(r['lost_s'])}" for r in bench) + " (measured).", markup=False)
 
 
 def _render_scaling(console, Table, rep: dict) -> None:

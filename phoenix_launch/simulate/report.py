@@ -12,6 +12,7 @@ import numpy as np
 from .closed_forms import (amortised_ckpt_overhead, cost_ckpt, cost_phoenix, cost_rate, efficiency,
                            expected_replay_steps, loss_prob_run, loss_prob_run_exact, loss_prob_step,
                            spare_dry_prob_per_failure, spares_needed)
+from .elastic import compare_no_spare
 from .inputs import Inputs
 from .montecarlo import run_monte_carlo
 from .presets import PAPER_23B_TRAJECTORY, PRESETS, paper_trajectory_ratio
@@ -145,9 +146,23 @@ def analyse(inp: Inputs, run_mc: bool = True) -> dict:
         if inp.preset == "paper-2.3b":
             mc["paper_trajectory"] = _paper_trajectory_section(inp, res)
         rep["monte_carlo"] = mc
+    if inp.no_spare is not None:
+        rep["no_spare"] = _no_spare_section(inp, rep)
     rep["scaling"] = _scaling_section(inp)
     rep["elapsed_s"] = time.perf_counter() - t0
     return _finite(rep)
+
+
+def _no_spare_section(inp: Inputs, rep: dict) -> dict:
+    """launch.on_no_spare's policies per no-spare event, and over the run: the events the Monte Carlo counted
+    (a failure that found the pool dry), else the M/G/inf pool's expectation at the given spares."""
+    dry = ((rep.get("monte_carlo") or {}).get("phoenix", {}).get("spares") or {}).get("dry_events_per_run") or {}
+    if dry.get("mean") is not None:
+        n, source = dry["mean"], "Monte Carlo: failures that found the pool dry, mean per run"
+    else:
+        row = next(r for r in rep["spares"]["rows"] if r["spares"] == inp.spares)
+        n, source = row["expected_dry_events_per_run"], "M/G/inf pool, single-node failures"
+    return compare_no_spare(inp.no_spare, n, source)
 
 
 def _finite(o: Any) -> Any:

@@ -66,6 +66,7 @@ class AttemptRecord:
     step: int
     step_time_s: float
     runtime_seen: bool
+    dp: tuple[tuple[int, int], ...] = ()  # (rank, the DP size it reported): a new leader can shrink the job too
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ class SupervisorState:
         return {"job": self.job, "gen": self.gen, "members": members(self.members), "stable": members(self.stable),
                 "swept": self.swept, "epoch": self.epoch, "restarts": self.restarts, "resume": self.resume,
                 "protect_every": self.protect_every, "nodes": [asdict(n) for n in self.nodes],
-                "attempt": {**asdict(self.attempt), "done": list(self.attempt.done), "ready": list(self.attempt.ready)},
+                "attempt": {**asdict(self.attempt), "done": list(self.attempt.done), "ready": list(self.attempt.ready),
+                            "dp": [list(x) for x in self.attempt.dp]},
                 "final": self.final}
 
     @classmethod
@@ -108,7 +110,8 @@ class SupervisorState:
                    nodes=tuple(NodeRecord(n["name"], n["state"], n["group_rank"], int(n["failures"]), bool(n["lost"]))
                                for n in d["nodes"]),
                    attempt=AttemptRecord(tuple(a["done"]), tuple(a["ready"]), bool(a["protect_on"]), int(a["step"]),
-                                         float(a["step_time_s"]), bool(a["runtime_seen"])),
+                                         float(a["step_time_s"]), bool(a["runtime_seen"]),
+                                         tuple((int(r), int(n)) for r, n in a.get("dp") or ())),
                    final=bool(d.get("final")))
 
 
