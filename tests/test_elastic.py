@@ -46,6 +46,7 @@ from conftest import EXAMPLES, events, job_processes, of_type, rank_log_tail, ru
 pytestmark = [pytest.mark.timeout(600)]
 
 GPT = str(EXAMPLES / "train_gpt.py")
+LLAMA = str(EXAMPLES / "train_llama.py")
 STEPS = 40
 LOST_AT = 10
 NODES = 3
@@ -56,6 +57,14 @@ PARAM_ATOL = 0.2 * LR
 LOSS_RTOL = 1e-5
 # no dropout: the lost rank's dropout stream is gone with it; the data from (seed, step, logical data rank)
 TRAIN = ("--steps", str(STEPS), "--dropout", "0", "--data", "step", "--lr", str(LR))
+
+
+def script(opt: str) -> list[str]:
+    """The training script and its flags: the GPT (DDP, ``--optimizer zero|adamw``) or, for ``fsdp``, the Llama
+    under FSDP2 over every rank (``{"shard": 3}``; its data from (seed, step, logical data rank) too)."""
+    if opt == "fsdp":
+        return [LLAMA, "--steps", str(STEPS), "--lr", str(LR), "--fsdp"]
+    return [GPT, *TRAIN, "--optimizer", opt]
 
 
 class Run:
@@ -116,7 +125,7 @@ def run(d: Path, opt: str, faults=(), launch: dict | None = None, flags=(), hold
     hold = d / "hold"
     slow = ("--step-sleep", "2.0", "--step-sleep-while", str(hold)) if hold_until is not None else ()
     args = ["--config", str(d / "cfg.yaml"), "--nodes", str(NODES), "--nproc-per-node", "1", "--spares", "0",
-            "--run-dir", str(d / "run"), *flags, GPT, *TRAIN, "--optimizer", opt, "--data-log", str(d / "data.log"),
+            "--run-dir", str(d / "run"), *flags, *script(opt), "--data-log", str(d / "data.log"),
             "--params-file", str(d / "params.pt"), *slow]
     t0 = time.monotonic()
     if hold_until is None:
@@ -190,7 +199,8 @@ def grown(evs) -> bool:
     return any(e.get("path") == "grow" for e in of_type(evs, "recovery"))
 
 
-@pytest.mark.parametrize("opt", [pytest.param("zero", id="zero"), pytest.param("adamw", marks=pytest.mark.full, id="ddp")])
+@pytest.mark.parametrize("opt", [pytest.param("zero", id="zero"), pytest.param("adamw", marks=pytest.mark.full, id="ddp"),
+                                 pytest.param("fsdp", id="fsdp")])
 def test_a_node_lost_without_a_spare_shrinks_keeps_the_batch_and_grows_back(tmp_path, failure_free, opt):
     """3 nodes x 1 rank, no spare, ``launch.replenish``, node1 lost at step 10: the job goes on at DP=2 within
     seconds, in memory, with the same global batch; the replenisher asks for node1's replacement, which joins at a
