@@ -251,8 +251,9 @@ class ProtectedTraining:
         self.model = self.objs.module
         self.pace.attach(*self.timed_modules())
         self._hook_stages()
-        if resized:  # the old shard does not fit the new one: kept for restore_resized
-            self._old_live = {**params, **optim}, scalars
+        if resized:  # the old shard does not fit the new one: kept for restore_resized (until reshard_state ends:
+            # a resize abandoned before it ends leaves a model of the abandoned layout, not S_R)
+            self._old_live = self._old_live or ({**params, **optim}, scalars)
             return
         state.load_params(self.objs.module, params)
         state.load_optim(self.objs.optimizer, optim, scalars)

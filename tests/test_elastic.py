@@ -33,8 +33,8 @@ hold (the reduce-scatter sums two terms instead of three, the same rounding argu
 
 Cost: each row is two real jobs of 3 ranks (the failure-free run ~40 s, computed once per optimizer layout in a
 session; the shrink and grow ~90 s, slowed until the grow) on the shared 2-core machine. CI runs the ZeRO row (136
-s) and the FSDP2 row (107 s with its failure-free run); the replicated (DDP) row and the ``--elastic-batch shrink``
-row are ``full``.
+s) and the FSDP2 row (107 s with its failure-free run); the replicated (DDP) row, the ``--elastic-batch shrink`` row
+and the second-failure and failure-during-the-grow rows (ZeRO and FSDP2: 60 s and 90 s for FSDP2) are ``full``.
 """
 
 from __future__ import annotations
@@ -243,36 +243,38 @@ def test_elastic_batch_shrink_drops_only_the_lost_replicas_share(tmp_path, failu
 
 
 @pytest.mark.full
-def test_a_second_failure_while_shrunk_shrinks_again_and_below_min_dp_the_ladder_applies(tmp_path, failure_free):
-    """ZeRO, no spare: node1 lost at step 10 (DP 3 -> 2), node2 at step 20 while shrunk (DP 2 -> 1): every sample
+@pytest.mark.parametrize("opt", ["zero", "fsdp"])
+def test_a_second_failure_while_shrunk_shrinks_again_and_below_min_dp_the_ladder_applies(tmp_path, failure_free, opt):
+    """ZeRO (FSDP2: re-sharded 3 -> 2 -> 1), no spare: node1 lost at step 10 (DP 3 -> 2), node2 at step 20 while shrunk (DP 2 -> 1): every sample
     still seen once and the result within the tolerance. The same job with ``launch.min_dp: 2``: the second loss
     would leave DP 1 < 2, so the old ladder applies: the survivors save S_R from memory and the job stops (exit 3)."""
     second = {"node": "node2", "step": 20, "mode": "crash", "phase": "begin"}
-    job = run(tmp_path / "twice", "zero", [lost_node(), second])
+    job = run(tmp_path / "twice", opt, [lost_node(), second])
     assert job.result.returncode == 0, job.explain()
     ev = of_type(job.evs, "shrink")
     assert [(e["dp_from"], e["dp_to"], e["data"]) for e in ev] == [(3, 2, [[0, 1], [2]]), (2, 1, [[0, 1, 2]])], ev
     assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
-    assert_close_to(job, failure_free("zero"), shrunk_at(job))
-    floor = run(tmp_path / "floor", "zero", [lost_node(), second], launch={"min_dp": 2})
+    assert_close_to(job, failure_free(opt), shrunk_at(job))
+    floor = run(tmp_path / "floor", opt, [lost_node(), second], launch={"min_dp": 2})
     assert floor.result.returncode == 3, floor.explain()
     assert [d["decision"] for d in of_type(floor.evs, "decision")] == ["shrink", "salvage"], of_type(floor.evs, "decision")
     assert of_type(floor.evs, "salvaged") and not floor.leftover
 
 
 @pytest.mark.full
-def test_a_joiner_lost_during_the_grow_shrinks_again_and_the_next_replacement_grows_it_back(tmp_path, failure_free):
-    """ZeRO, ``launch.replenish``: node1 lost at step 10 (shrink); its replacement ``replenish-r1`` crashes while it
+@pytest.mark.parametrize("opt", ["zero", "fsdp"])
+def test_a_joiner_lost_during_the_grow_shrinks_again_and_the_next_replacement_grows_it_back(tmp_path, failure_free, opt):
+    """ZeRO (FSDP2: the survivors' model was rebuilt for the grown mesh, their S_R comes from their snapshot), ``launch.replenish``: node1 lost at step 10 (shrink); its replacement ``replenish-r1`` crashes while it
     joins (its recovery's ``recover_optim`` phase): the grow's generation is abandoned and the survivors shrink again
     from the last generation every rank reached (DP 2, in memory); the next replacement grows the job back to DP 3.
     Every sample once, the result within the tolerance, exit 0."""
     joiner_lost = {"node": "replenish-r1", "mode": "crash", "phase": "recover_optim"}
-    job = run(tmp_path / "grow-fails", "zero", [lost_node(), joiner_lost], launch={"replenish": True},
+    job = run(tmp_path / "grow-fails", opt, [lost_node(), joiner_lost], launch={"replenish": True},
               hold_until=lambda evs: any(e["path"] == "grow" and e["gen"] > 2 for e in of_type(evs, "recovery")))
     assert job.result.returncode == 0, job.explain()
     assert [d["decision"] for d in of_type(job.evs, "decision")] == ["shrink", "grow", "shrink", "grow"], of_type(job.evs, "decision")
     assert [(e["dp_from"], e["dp_to"]) for e in of_type(job.evs, "shrink")] == [(3, 2), (3, 2)]
     assert [e["joined"] for e in of_type(job.evs, "grow")] == [["replenish-r1"], ["replenish-r2"]]
     assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
-    assert_close_to(job, failure_free("zero"), shrunk_at(job))
+    assert_close_to(job, failure_free(opt), shrunk_at(job))
     assert not job.leftover, job.leftover
