@@ -33,13 +33,15 @@ hold (the reduce-scatter sums two terms instead of three, the same rounding argu
 
 Cost: each row is two real jobs of 3 ranks (the failure-free run ~40 s, computed once per optimizer layout in a
 session; the shrink and grow ~90 s, slowed until the grow) on the shared 2-core machine. CI runs the ZeRO row (136
-s) and the FSDP2 row (107 s with its failure-free run); the replicated (DDP) row, the ``--elastic-batch shrink`` row
+s), the FSDP2 row (107 s with its failure-free run) and the re-sharding alone (3 processes, 31 s); the replicated (DDP) row, the ``--elastic-batch shrink`` row
 and the second-failure and failure-during-the-grow rows (ZeRO and FSDP2: 60 s and 90 s for FSDP2) are ``full``.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,7 +49,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import EXAMPLES, events, job_processes, of_type, rank_log_tail, run_phoenix, start_phoenix, wait_for
+from conftest import EXAMPLES, events, job_env, job_processes, of_type, rank_log_tail, run_phoenix, start_phoenix, wait_for
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -278,3 +280,87 @@ def test_a_joiner_lost_during_the_grow_shrinks_again_and_the_next_replacement_gr
     assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
     assert_close_to(job, failure_free(opt), shrunk_at(job))
     assert not job.leftover, job.leftover
+
+
+RESHARD = r"""
+import json, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from phoenix_runtime import state
+from phoenix_runtime.parallel import Parallel, local_of
+from phoenix_runtime.recover.resize import by_fqn, reshard_state, rows
+
+class Largest(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not local_of(t).is_meta:
+                self.n = max(self.n, local_of(t).numel())
+        return out
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 7)
+    def reset_parameters(self):
+        self.a.reset_parameters(); self.b.reset_parameters()
+
+def fn(m, mesh):
+    for sub in (m.a, m.b, m):
+        fully_shard(sub, mesh=mesh)
+
+def worker(rank, store):
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=3)
+    torch.manual_seed(0)
+    full = {n: p.detach().clone() for n, p in Net().named_parameters()}  # S_R, whole (the reference only)
+    # the old world of 2: new rank 0 held old shard 0, new rank 2 old shard 1, new rank 1 joins with nothing
+    old = {0: 0, 2: 1}.get(rank)
+    held = {}
+    if old is not None:
+        named = {}
+        for n, t in full.items():
+            lo, hi = rows(t.shape[0], 2, old)
+            named[f"p.{n}@x#{old}"] = t[lo:hi].clone()
+            named[f"{n}@x#{old}:exp_avg"] = 2 * t[lo:hi]
+            named[f"{n}@x#{old}:step"] = torch.tensor(4.0)
+        held[old] = by_fqn(named, {})
+    with torch.device("meta"):
+        bare = Net()
+    par = Parallel.create(fn, {"shard": 3}, bare, 3, "cpu")
+    model = par.apply(bare, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state.name_by_shard(opt, par.key_of)
+    with Largest() as mode:
+        reshard_state(model, opt, par.key_of, held, 2)
+    ok = True
+    for n, p in model.named_parameters():
+        lo, hi = rows(p.shape[0], 3, rank)
+        st = opt.state[p]
+        ok &= torch.equal(local_of(p), full[n][lo:hi]) and torch.equal(local_of(st["exp_avg"]), 2 * full[n][lo:hi])
+        ok &= float(st["step"]) == 4.0
+    print("OUT:" + json.dumps({"rank": rank, "ok": bool(ok), "largest": mode.n}), flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(sys.argv[1],), nprocs=3)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_resharding_gives_each_rank_its_rows_and_never_a_whole_parameter(tmp_path):
+    """``resize.reshard_state`` alone, 3 real processes on gloo: an old world of 2 FSDP2 shards (new ranks 0 and 2
+    hold old shards 0 and 1, rank 1 is a joiner with nothing, its model built on meta) re-sharded to 3: every rank's
+    parameter shard and Adam state equal the rows of S_R for its new shard (uneven: 256 and 7 rows over 3), the
+    0-dim ``step`` reaches the joiner, and no rank makes a tensor as large as a whole weight (64 x 256)."""
+    (tmp_path / "reshard.py").write_text(RESHARD)
+    r = subprocess.run([sys.executable, "reshard.py", str(tmp_path / "store")], cwd=tmp_path, env=job_env(),
+                       capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = sorted((json.loads(ln[4:]) for ln in r.stdout.splitlines() if ln.startswith("OUT:")), key=lambda o: o["rank"])
+    assert [o["rank"] for o in out] == [0, 1, 2] and all(o["ok"] for o in out), out
+    assert all(o["largest"] <= 128 * 64 < 256 * 64 for o in out), out  # an old shard at most, never a whole weight

@@ -885,9 +885,12 @@ def test_fsdp2_resharding_covers_every_row_once_and_names_the_state_by_parameter
             assert [hi - lo for lo, hi in got] == sizes[:world], (n, world)  # torch.chunk's, as FSDP2 shards
     t = torch.zeros(2, 3)
     named = {"p.blocks.0.w@(Shard(dim=0),)#1": t, "blocks.0.w@(Shard(dim=0),)#1:exp_avg": t,
-             "blocks.0.w@(Shard(dim=0),)#1:step": torch.tensor(4.0), "b.blocks.0.freqs": t}
+             "blocks.0.w@(Shard(dim=0),)#1:step": torch.tensor(4.0), "b.blocks.0.freqs": t,
+             # top-level modules named ``b`` and ``p``: their names begin like a buffer's or a parameter's
+             "b.w@(Shard(dim=0),)#1:exp_avg": t, "p.b.w@(Shard(dim=0),)#1": t, "p.p.w@(Shard(dim=0),)#1": t}
     tensors, values = by_fqn(named, {"blocks.0.w@(Shard(dim=0),)#1:lr_mult": 0.5})
-    assert set(tensors) == {"blocks.0.w"} and sorted(tensors["blocks.0.w"]) == ["exp_avg", "param", "step"]
+    assert set(tensors) == {"blocks.0.w", "b.w", "p.w"} and sorted(tensors["blocks.0.w"]) == ["exp_avg", "param", "step"]
+    assert sorted(tensors["b.w"]) == ["exp_avg", "param"] and list(tensors["p.w"]) == ["param"]
     assert values == {"blocks.0.w": {"lr_mult": 0.5}}
 
 

@@ -62,13 +62,12 @@ def by_fqn(named: dict[str, torch.Tensor], scalars: dict | None = None) -> tuple
     parameter's key is ``"param"``. The names carry the old shard coordinate: the fqn is what the new one shares."""
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in named.items():
-        if name.startswith("b."):
-            continue
-        if name.startswith("p."):
-            tensors.setdefault(name[2:].partition("@")[0], {})["param"] = t
-        else:
-            sid, _, key = name.rpartition(":")
-            tensors.setdefault(sid.partition("@")[0], {})[key] = t
+        head, sharded, tail = name.rpartition("#")
+        if not sharded:  # a buffer (``b.<name>``): not sharded. Told apart by the shard coordinate, not the
+            continue     # prefix: a parameter of a top-level module ``b`` has optimizer state ``b.<...>@...:<key>``
+        _, is_state, key = tail.partition(":")
+        fqn = head.partition("@")[0] if is_state else head.removeprefix("p.").partition("@")[0]
+        tensors.setdefault(fqn, {})[key if is_state else "param"] = t
     values: dict[str, dict] = {}
     for name, v in (scalars or {}).items():
         sid, _, key = name.rpartition(":")
