@@ -153,9 +153,10 @@ class RecoverySession:
         return lost
 
     def _resume_resized(self, gen: int, plan: Plan, marks: dict, deadline: float) -> None:
-        """A shrink under ZeRO, or a grow: the survivors roll back to S_R; a grow's joiners take everything from a
-        survivor (``recovery.plan_grow``); ZeRO's state is re-partitioned over the new world (a shrink's lost shards
-        from their replicas); then as a resume: DDP on the new group, re-protection on the new ring, barrier."""
+        """A shrink under ZeRO or FSDP2, or a grow: the survivors roll back to S_R; a grow's joiners take everything
+        from a survivor (``recovery.plan_grow``; under FSDP2 the envelope and buffers only); ZeRO's state is
+        re-partitioned and FSDP2's re-sharded over the new world (a shrink's lost shards from their replicas); then
+        as a resume: DDP on the new group, re-protection on the new ring, barrier."""
         ctx, ops, R = self.ctx, self.ops, plan.step
         if self.rs.first_step is None:
             self.rs.first_step = plan.first_step
