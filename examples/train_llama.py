@@ -66,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--digest-file", default=None)
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--times-file", default=None, help="rank 0 writes per-step times and PHOENIX stats as JSON (benchmarks)")
+    p.add_argument("--data-log", default=None, metavar="PATH",
+                   help="each rank appends 'step generation rank data_rank loss' per micro-batch of each completed step")
+    p.add_argument("--params-file", default=None, help="rank 0 saves the final full parameters here (torch.save)")
     return p.parse_args(argv)
 
 
@@ -348,7 +351,7 @@ def main(argv=None):
     a = parse_args(argv)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    phx.init()
+    ctx = phx.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     parallelize, mesh = layout_of(a, world)
     torch.manual_seed(a.seed)  # the same initial parameters everywhere
@@ -373,14 +376,22 @@ def main(argv=None):
     loss = None
     step_times, t_prev = [], time.perf_counter()
     for step in training.steps(a.steps):
+        seen = []
         with training.step():
-            x, y = batch(a, step, rank, dp_rank)
             if a.pp:
-                loss = pipeline_step(training, x, y)
+                loss = pipeline_step(training, *batch(a, step, rank, dp_rank))
             else:
-                loss = training.model(x, y)
-                loss.backward()
+                # one micro-batch per logical data rank: more than one after PHOENIX shrank the job (DDP, FSDP2)
+                shares, scale = ((dp_rank,), 1.0) if a.tp or a.hsdp else (training.data_ranks(), training.loss_scale())
+                for i, d in enumerate(shares):
+                    with training.accumulating(i == len(shares) - 1):
+                        loss = training.model(*batch(a, step, rank, d))
+                        (loss * scale if scale != 1.0 else loss).backward()
+                        seen.append((d, loss.item() if a.data_log else 0.0))
             training.optimizer_step()
+        if a.data_log and training.step_idx == step + 1:  # completed (not interrupted by a recovery)
+            with open(a.data_log, "a") as f:  # one write per step (O_APPEND: the ranks' lines do not interleave)
+                f.write("".join(f"{step} {ctx.gen} {dist.get_rank()} {d} {v!r}\n" for d, v in seen))
         if a.step_sleep and (a.step_sleep_while is None or os.path.exists(a.step_sleep_while)):
             time.sleep(a.step_sleep)
         if rank == ((a.pp - 1) * max(a.tp, 1) if a.pp else 0) and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):
@@ -390,6 +401,10 @@ def main(argv=None):
         t_prev = now
     if rank == 0 and a.times_file:
         write_times(a.times_file, step_times, training)
+    if a.params_file:  # the whole parameters: DTensors gathered (a collective, every rank)
+        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in training.module.named_parameters()}
+        if dist.get_rank() == 0:
+            torch.save(full, a.params_file)
     write_digest(training, a.steps, a.digest_file, world, rank)
 
 

@@ -121,6 +121,21 @@ class Parallel:
         """Silent data corruption is looked for (``protection/fingerprint.py``): a peer holds the same parameters."""
         return self.replicated
 
+    @property
+    def resizable(self) -> bool:
+        """A shrink or a grow can re-shard it over another world size: FSDP2 over every rank (``{"shard": N}``),
+        on PHOENIX's own mesh. HSDP, TP+FSDP and a ``mesh_builder``'s meshes keep their size (the old ladder)."""
+        return tuple(n for n, _ in self.dims) == ("shard",) and self.builder is None
+
+    def resize(self, world: int) -> bool:
+        """The mesh of the next generation over ``world`` ranks (a shrink or a grow); False when it has that size."""
+        if math.prod(s for _, s in self.dims) == world:
+            return False
+        if not self.resizable:
+            raise UnsupportedLayout(f"mesh {dict(self.dims)}: only FSDP2 over every rank ({{'shard': N}}) changes size")
+        self.dims = (("shard", world),)
+        return True
+
     def state_tp(self, world: int) -> int:
         """The layout's "tp" size: ranks that share a coordinate modulo it hold the same state (see module doc)."""
         return world // self.replicas if self.replicated else 1

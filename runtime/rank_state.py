@@ -55,6 +55,7 @@ class TrainingOps(Protocol):
     objs: Any  # state.LoopObjects
     faults: Any  # faults.FaultInjector
     protection: Any  # this generation's ProtectionSession, or None
+    d2h: Any  # the local snapshot engine (snapshot.D2H), or None without protection
     pace: Any  # pace.Pace: this rank's own time per step
 
     # protection
@@ -80,6 +81,8 @@ class TrainingOps(Protocol):
     def reparallelize(self, gen: int) -> None: ...
     def rebuild_optimizer(self) -> None: ...
     def repartition_optimizer(self, lost: dict) -> None: ...  # ZeRO re-partitioned for a shrink's or grow's world
+    def restore_resized(self, R: int, live: tuple[int, bool]) -> dict: ...  # FSDP2 resized: this rank's old shard
+    def reshard_state(self, held: dict, old_world: int) -> None: ...  # FSDP2 re-sharded over the new world
     def envelope_of(self, R: int) -> dict: ...
     def data_ranks(self) -> tuple[int, ...]: ...
     def reduce_grads(self) -> None: ...

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from phoenix_runtime.recover import persist
+from phoenix_runtime.recover import persist, resize
 from phoenix_runtime.plane import protocol
 from phoenix_runtime import state
 from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
@@ -98,6 +98,7 @@ class ProtectedTraining:
         self._pending = ctx.formed_after_a_failure and self.protect_on
         self._wrapped = False
         self._warned_layout = False
+        self._old_live = None  # FSDP2 resized: this rank's live state in the old shard layout (reparallelize)
         STATE.runtime = True
         STATE.enter("training")
         ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=self.shrinkable_dp()))
@@ -126,17 +127,24 @@ class ProtectedTraining:
         return self.ctx.world_size / self.data_world()
 
     def accumulating(self, last: bool):
-        """The context of one micro-batch's backward: DDP's ``no_sync`` but for the ``last`` (one all-reduce a step
-        on every rank, whatever its number of data ranks)."""
+        """The context of one micro-batch's forward and backward: DDP's ``no_sync`` but for the ``last`` (one
+        all-reduce a step on every rank, whatever its number of data ranks); FSDP2: ``resize.micro_batch``."""
         import contextlib
 
+        if self.kind == "fsdp" and self.data_world() > self.ctx.world_size:  # FSDP2: see resize.micro_batch
+            return resize.micro_batch(self.objs.module, last)
+        if last:
+            return contextlib.nullcontext()
         no_sync = getattr(self.model, "no_sync", None)
-        return contextlib.nullcontext() if last or no_sync is None else no_sync()
+        return contextlib.nullcontext() if no_sync is None else no_sync()
 
     def shrinkable_dp(self) -> int:
         """The data-parallel size a shrink can reduce (``launch.on_no_spare: shrink``), 0 where it cannot: every
-        rank a DP replica (no TP/PP/FSDP) holding the whole optimizer state (replicated)."""
-        if self.parallel is not None or self.ctx.tp > 1 or self.ctx.pp > 1 or self.kind not in ("replicated", "zero"):
+        rank a DP replica (no TP/PP) holding the whole optimizer state (replicated) or a shard of it (ZeRO), or
+        FSDP2 over every rank ({"shard": N}: re-sharded over the new world)."""
+        if self.ctx.tp > 1 or self.ctx.pp > 1 or self.kind not in ("replicated", "zero", "fsdp"):
+            return 0
+        if self.parallel is not None and not getattr(self.parallel, "resizable", False):  # HSDP, TP, PP: the ladder
             return 0
         return self.ctx.world_size
 
@@ -237,11 +245,16 @@ class ProtectedTraining:
         params = {n: t.clone() for n, t in state.param_named(self.objs.module)}
         optim = {n: t.clone() for n, t in state.optim_named(self.objs.optimizer)}
         scalars = state.optim_scalars(self.objs.optimizer)
+        resized = self.parallel.resize(self.ctx.world_size)  # a shrink or a grow: FSDP over the new world
         self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
         self.ctx.add_groups(self.parallel.groups())  # a newer generation aborts them too
         self.model = self.objs.module
         self.pace.attach(*self.timed_modules())
         self._hook_stages()
+        if resized:  # the old shard does not fit the new one: kept for restore_resized (until reshard_state ends:
+            # a resize abandoned before it ends leaves a model of the abandoned layout, not S_R)
+            self._old_live = self._old_live or ({**params, **optim}, scalars)
+            return
         state.load_params(self.objs.module, params)
         state.load_optim(self.objs.optimizer, optim, scalars)
 
@@ -338,6 +351,17 @@ class ProtectedTraining:
                 local.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() else v
                                   for k, v in merged.get(index[p], {}).items()}  # absent: fresh (the first step)
         self._hook_optimizer()
+
+    def restore_resized(self, R: int, live: tuple[int, bool]) -> dict:
+        """FSDP2 after a shrink or a grow: this rank's envelope and buffers of S_R restored, its old shard of S_R
+        returned for ``reshard_state`` (``resize.restore_own``)."""
+        return resize.restore_own(self, R, live)
+
+    def reshard_state(self, held: dict, old_world: int) -> None:
+        """FSDP2: the parameters and optimizer state of the new mesh's shards from the old world's (``held``: old
+        shard index -> ``resize.by_fqn``), every rank of the new generation at once (``resize.reshard_state``)."""
+        resize.reshard_state(self.objs.module, self.objs.optimizer, self.parallel.key_of, held, old_world)
+        self._old_live = None
 
     def envelope_of(self, R: int) -> dict:
         """This rank's envelope of S_R (after ``restore_local``): what a grow's joiner takes from it."""

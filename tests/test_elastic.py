@@ -26,9 +26,16 @@ their update may differ by up to lr per step in the worst case; measured 1.2e-5 
 steps, the bound 0.2 x lr leaves a margin of 16x and still fails a lost or doubled micro-batch (whose effect is
 of the order of lr on every element: measured with ``--elastic-batch shrink``, see its row).
 
+FSDP2 (the Llama of examples/train_llama.py, ``{"shard": 3}``): the survivors re-shard every parameter and its Adam
+state over the new mesh (the lost shard from its replica), and a grow re-shards over the joiner; the same bounds
+hold (the reduce-scatter sums two terms instead of three, the same rounding argument; measured: parameters within
+2.4e-7, final loss 2.8e-8 relative, after 3 shrunk steps).
+
 Cost: each row is two real jobs of 3 ranks (the failure-free run ~40 s, computed once per optimizer layout in a
 session; the shrink and grow ~90 s, slowed until the grow) on the shared 2-core machine. CI runs the ZeRO row (136
-s); the replicated (DDP) row and the ``--elastic-batch shrink`` row are ``full``.
+s), the FSDP2 row (107 s with its failure-free run) and the re-sharding alone (3 processes, 31 s); the replicated (DDP) row, the ``--elastic-batch shrink`` rows
+(DDP, FSDP2: 85 s) and the second-failure and failure-during-the-grow rows (ZeRO, FSDP2: 60 s and 90 s) are
+``full``.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,13 +51,14 @@ import pytest
 import torch
 import yaml
 
-from conftest import EXAMPLES, events, job_processes, of_type, rank_log_tail, run_phoenix, start_phoenix, wait_for
+from conftest import EXAMPLES, events, job_env, job_processes, of_type, rank_log_tail, run_phoenix, start_phoenix, wait_for
 from phoenix_launch.report import build_timeline, compare
 from phoenix_launch.report.page import render_page
 
 pytestmark = [pytest.mark.timeout(600)]
 
 GPT = str(EXAMPLES / "train_gpt.py")
+LLAMA = str(EXAMPLES / "train_llama.py")
 STEPS = 40
 LOST_AT = 10
 NODES = 3
@@ -60,6 +69,14 @@ PARAM_ATOL = 0.2 * LR
 LOSS_RTOL = 1e-5
 # no dropout: the lost rank's dropout stream is gone with it; the data from (seed, step, logical data rank)
 TRAIN = ("--steps", str(STEPS), "--dropout", "0", "--data", "step", "--lr", str(LR))
+
+
+def script(opt: str) -> list[str]:
+    """The training script and its flags: the GPT (DDP, ``--optimizer zero|adamw``) or, for ``fsdp``, the Llama
+    under FSDP2 over every rank (``{"shard": 3}``; its data from (seed, step, logical data rank) too)."""
+    if opt == "fsdp":
+        return [LLAMA, "--steps", str(STEPS), "--lr", str(LR), "--fsdp"]
+    return [GPT, *TRAIN, "--optimizer", opt]
 
 
 class Run:
@@ -120,7 +137,7 @@ def run(d: Path, opt: str, faults=(), launch: dict | None = None, flags=(), hold
     hold = d / "hold"
     slow = ("--step-sleep", "2.0", "--step-sleep-while", str(hold)) if hold_until is not None else ()
     args = ["--config", str(d / "cfg.yaml"), "--nodes", str(NODES), "--nproc-per-node", "1", "--spares", "0",
-            "--run-dir", str(d / "run"), *flags, GPT, *TRAIN, "--optimizer", opt, "--data-log", str(d / "data.log"),
+            "--run-dir", str(d / "run"), *flags, *script(opt), "--data-log", str(d / "data.log"),
             "--params-file", str(d / "params.pt"), *slow]
     t0 = time.monotonic()
     if hold_until is None:
@@ -194,7 +211,8 @@ def grown(evs) -> bool:
     return any(e.get("path") == "grow" for e in of_type(evs, "recovery"))
 
 
-@pytest.mark.parametrize("opt", [pytest.param("zero", id="zero"), pytest.param("adamw", marks=pytest.mark.full, id="ddp")])
+@pytest.mark.parametrize("opt", [pytest.param("zero", id="zero"), pytest.param("adamw", marks=pytest.mark.full, id="ddp"),
+                                 pytest.param("fsdp", id="fsdp")])
 def test_a_node_lost_without_a_spare_shrinks_keeps_the_batch_and_grows_back(tmp_path, failure_free, opt):
     """3 nodes x 1 rank, no spare, ``launch.replenish``, node1 lost at step 10: the job goes on at DP=2 within
     seconds, in memory, with the same global batch; the replenisher asks for node1's replacement, which joins at a
@@ -221,53 +239,56 @@ def test_a_node_lost_without_a_spare_shrinks_keeps_the_batch_and_grows_back(tmp_
 
 
 @pytest.mark.full
-def test_elastic_batch_shrink_drops_only_the_lost_replicas_share(tmp_path, failure_free):
+@pytest.mark.parametrize("opt", [pytest.param("adamw", id="ddp"), "fsdp"])
+def test_elastic_batch_shrink_drops_only_the_lost_replicas_share(tmp_path, failure_free, opt):
     """``--elastic-batch shrink``: after the shrink each survivor processes its own data rank only; the samples of
     the lost rank during the shrunk steps are the only ones missing (and the result differs from the failure-free
     run by more than the keep-batch tolerance: the smaller batch is a different training)."""
-    job = run(tmp_path / "drop", "adamw", [lost_node()], flags=("--elastic-batch", "shrink"))
+    job = run(tmp_path / "drop", opt, [lost_node()], flags=("--elastic-batch", "shrink"))
     assert_shrunk(job)
     at = shrunk_at(job)
     assert of_type(job.evs, "shrink")[0]["data"] == [[0], [2]]
     want = {s: ([0, 1, 2] if s < at else [0, 2]) for s in range(STEPS)}
     assert job.samples() == want
-    p, q = job.params(), failure_free("adamw").params()
+    p, q = job.params(), failure_free(opt).params()
     assert max(float((p[n] - q[n]).abs().max()) for n in q) > PARAM_ATOL  # the tolerance tells the two apart
 
 
 @pytest.mark.full
-def test_a_second_failure_while_shrunk_shrinks_again_and_below_min_dp_the_ladder_applies(tmp_path, failure_free):
-    """ZeRO, no spare: node1 lost at step 10 (DP 3 -> 2), node2 at step 20 while shrunk (DP 2 -> 1): every sample
+@pytest.mark.parametrize("opt", ["zero", "fsdp"])
+def test_a_second_failure_while_shrunk_shrinks_again_and_below_min_dp_the_ladder_applies(tmp_path, failure_free, opt):
+    """ZeRO (FSDP2: re-sharded 3 -> 2 -> 1), no spare: node1 lost at step 10 (DP 3 -> 2), node2 at step 20 while shrunk (DP 2 -> 1): every sample
     still seen once and the result within the tolerance. The same job with ``launch.min_dp: 2``: the second loss
     would leave DP 1 < 2, so the old ladder applies: the survivors save S_R from memory and the job stops (exit 3)."""
     second = {"node": "node2", "step": 20, "mode": "crash", "phase": "begin"}
-    job = run(tmp_path / "twice", "zero", [lost_node(), second])
+    job = run(tmp_path / "twice", opt, [lost_node(), second])
     assert job.result.returncode == 0, job.explain()
     ev = of_type(job.evs, "shrink")
     assert [(e["dp_from"], e["dp_to"], e["data"]) for e in ev] == [(3, 2, [[0, 1], [2]]), (2, 1, [[0, 1, 2]])], ev
     assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
-    assert_close_to(job, failure_free("zero"), shrunk_at(job))
-    floor = run(tmp_path / "floor", "zero", [lost_node(), second], launch={"min_dp": 2})
+    assert_close_to(job, failure_free(opt), shrunk_at(job))
+    floor = run(tmp_path / "floor", opt, [lost_node(), second], launch={"min_dp": 2})
     assert floor.result.returncode == 3, floor.explain()
     assert [d["decision"] for d in of_type(floor.evs, "decision")] == ["shrink", "salvage"], of_type(floor.evs, "decision")
     assert of_type(floor.evs, "salvaged") and not floor.leftover
 
 
 @pytest.mark.full
-def test_a_joiner_lost_during_the_grow_shrinks_again_and_the_next_replacement_grows_it_back(tmp_path, failure_free):
-    """ZeRO, ``launch.replenish``: node1 lost at step 10 (shrink); its replacement ``replenish-r1`` crashes while it
+@pytest.mark.parametrize("opt", ["zero", "fsdp"])
+def test_a_joiner_lost_during_the_grow_shrinks_again_and_the_next_replacement_grows_it_back(tmp_path, failure_free, opt):
+    """ZeRO (FSDP2: the survivors' model was rebuilt for the grown mesh, their S_R comes from their snapshot), ``launch.replenish``: node1 lost at step 10 (shrink); its replacement ``replenish-r1`` crashes while it
     joins (its recovery's ``recover_optim`` phase): the grow's generation is abandoned and the survivors shrink again
     from the last generation every rank reached (DP 2, in memory); the next replacement grows the job back to DP 3.
     Every sample once, the result within the tolerance, exit 0."""
     joiner_lost = {"node": "replenish-r1", "mode": "crash", "phase": "recover_optim"}
-    job = run(tmp_path / "grow-fails", "zero", [lost_node(), joiner_lost], launch={"replenish": True},
+    job = run(tmp_path / "grow-fails", opt, [lost_node(), joiner_lost], launch={"replenish": True},
               hold_until=lambda evs: any(e["path"] == "grow" and e["gen"] > 2 for e in of_type(evs, "recovery")))
     assert job.result.returncode == 0, job.explain()
     assert [d["decision"] for d in of_type(job.evs, "decision")] == ["shrink", "grow", "shrink", "grow"], of_type(job.evs, "decision")
     assert [(e["dp_from"], e["dp_to"]) for e in of_type(job.evs, "shrink")] == [(3, 2), (3, 2)]
     assert [e["joined"] for e in of_type(job.evs, "grow")] == [["replenish-r1"], ["replenish-r2"]]
     assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
-    assert_close_to(job, failure_free("zero"), shrunk_at(job))
+    assert_close_to(job, failure_free(opt), shrunk_at(job))
     assert not job.leftover, job.leftover
 
 
@@ -306,3 +327,87 @@ def test_the_standby_takes_over_a_shrunk_job_and_keeps_it_shrunk(tmp_path):
     assert end["exit_code"] == 0, (end, [e["type"] for e in job.evs][-30:])
     assert [(e["dp_from"], e["dp_to"]) for e in of_type(job.evs, "shrink")] == [(3, 2)]
     assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
+
+
+RESHARD = r"""
+import json, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from phoenix_runtime import state
+from phoenix_runtime.parallel import Parallel, local_of
+from phoenix_runtime.recover.resize import by_fqn, reshard_state, rows
+
+class Largest(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not local_of(t).is_meta:
+                self.n = max(self.n, local_of(t).numel())
+        return out
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 7)
+    def reset_parameters(self):
+        self.a.reset_parameters(); self.b.reset_parameters()
+
+def fn(m, mesh):
+    for sub in (m.a, m.b, m):
+        fully_shard(sub, mesh=mesh)
+
+def worker(rank, store):
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=3)
+    torch.manual_seed(0)
+    full = {n: p.detach().clone() for n, p in Net().named_parameters()}  # S_R, whole (the reference only)
+    # the old world of 2: new rank 0 held old shard 0, new rank 2 old shard 1, new rank 1 joins with nothing
+    old = {0: 0, 2: 1}.get(rank)
+    held = {}
+    if old is not None:
+        named = {}
+        for n, t in full.items():
+            lo, hi = rows(t.shape[0], 2, old)
+            named[f"p.{n}@x#{old}"] = t[lo:hi].clone()
+            named[f"{n}@x#{old}:exp_avg"] = 2 * t[lo:hi]
+            named[f"{n}@x#{old}:step"] = torch.tensor(4.0)
+        held[old] = by_fqn(named, {})
+    with torch.device("meta"):
+        bare = Net()
+    par = Parallel.create(fn, {"shard": 3}, bare, 3, "cpu")
+    model = par.apply(bare, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state.name_by_shard(opt, par.key_of)
+    with Largest() as mode:
+        reshard_state(model, opt, par.key_of, held, 2)
+    ok = True
+    for n, p in model.named_parameters():
+        lo, hi = rows(p.shape[0], 3, rank)
+        st = opt.state[p]
+        ok &= torch.equal(local_of(p), full[n][lo:hi]) and torch.equal(local_of(st["exp_avg"]), 2 * full[n][lo:hi])
+        ok &= float(st["step"]) == 4.0
+    print("OUT:" + json.dumps({"rank": rank, "ok": bool(ok), "largest": mode.n}), flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(sys.argv[1],), nprocs=3)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_resharding_gives_each_rank_its_rows_and_never_a_whole_parameter(tmp_path):
+    """``resize.reshard_state`` alone, 3 real processes on gloo: an old world of 2 FSDP2 shards (new ranks 0 and 2
+    hold old shards 0 and 1, rank 1 is a joiner with nothing, its model built on meta) re-sharded to 3: every rank's
+    parameter shard and Adam state equal the rows of S_R for its new shard (uneven: 256 and 7 rows over 3), the
+    0-dim ``step`` reaches the joiner, and no rank makes a tensor as large as a whole weight (64 x 256)."""
+    (tmp_path / "reshard.py").write_text(RESHARD)
+    r = subprocess.run([sys.executable, "reshard.py", str(tmp_path / "store")], cwd=tmp_path, env=job_env(),
+                       capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = sorted((json.loads(ln[4:]) for ln in r.stdout.splitlines() if ln.startswith("OUT:")), key=lambda o: o["rank"])
+    assert [o["rank"] for o in out] == [0, 1, 2] and all(o["ok"] for o in out), out
+    assert all(o["largest"] <= 128 * 64 < 256 * 64 for o in out), out  # an old shard at most, never a whole weight

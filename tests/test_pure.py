@@ -866,3 +866,48 @@ def test_status_shows_the_data_parallel_size_while_shrunk():
     print_status({"run_id": "r", "state": "running", "gen": 1, "step": 12, "steps_per_s": 1.0, "spares_left": 0,
                   "restarts": 0, "dp": 2, "dp_full": 3, "nodes": [], "events": []}, out)
     assert "dp=2/3" in out.getvalue()
+
+
+def test_fsdp2_resharding_covers_every_row_once_and_names_the_state_by_parameter():
+    """FSDP2's dim-0 shards (``torch.chunk``: ceil(N/W) rows each, empty past the end) of an old and a new world
+    both partition the rows, whatever N (a shrink 3 -> 2, a grow 2 -> 3, N below the world size); a shard's
+    named tensors are grouped by parameter FQN and state key, the old shard coordinate dropped, buffers left out."""
+    import torch
+
+    from phoenix_runtime.recover.resize import by_fqn, rows
+
+    for n in (0, 1, 2, 5, 7, 64):
+        for world in (1, 2, 3, 4):
+            got = [rows(n, world, i) for i in range(world)]
+            assert got[0][0] == 0 and got[-1][1] == n, (n, world, got)
+            assert all(a[1] == b[0] for a, b in zip(got, got[1:])), (n, world, got)  # contiguous, no overlap
+            sizes = [t.shape[0] for t in torch.arange(n).chunk(world)] + [0] * world
+            assert [hi - lo for lo, hi in got] == sizes[:world], (n, world)  # torch.chunk's, as FSDP2 shards
+    t = torch.zeros(2, 3)
+    named = {"p.blocks.0.w@(Shard(dim=0),)#1": t, "blocks.0.w@(Shard(dim=0),)#1:exp_avg": t,
+             "blocks.0.w@(Shard(dim=0),)#1:step": torch.tensor(4.0), "b.blocks.0.freqs": t,
+             # top-level modules named ``b`` and ``p``: their names begin like a buffer's or a parameter's
+             "b.w@(Shard(dim=0),)#1:exp_avg": t, "p.b.w@(Shard(dim=0),)#1": t, "p.p.w@(Shard(dim=0),)#1": t}
+    tensors, values = by_fqn(named, {"blocks.0.w@(Shard(dim=0),)#1:lr_mult": 0.5})
+    assert set(tensors) == {"blocks.0.w", "b.w", "p.w"} and sorted(tensors["blocks.0.w"]) == ["exp_avg", "param", "step"]
+    assert sorted(tensors["b.w"]) == ["exp_avg", "param"] and list(tensors["p.w"]) == ["param"]
+    assert values == {"blocks.0.w": {"lr_mult": 0.5}}
+
+
+def test_only_fsdp2_over_every_rank_resizes():
+    """A shrink re-shards FSDP2 over every rank ({"shard": N}); HSDP, TP+FSDP and a mesh_builder's meshes keep the
+    ladder (their ranks report DP 0) and refuse a resize in one line."""
+    import torch
+
+    from phoenix_runtime.parallel import Parallel, UnsupportedLayout
+
+    def par(mesh, builder=None):
+        return Parallel.create(lambda m, mesh: None, mesh, torch.nn.Linear(2, 2), 4, "cpu", builder=builder)
+
+    fsdp = par({"shard": 4})
+    assert fsdp.resizable and not fsdp.resize(4) and fsdp.resize(3) and fsdp.dims == (("shard", 3),)
+    for mesh, builder in (({"replicate": 2, "shard": 2}, None), ({"shard": 2, "tp": 2}, None), ({"shard": 4}, object())):
+        p = par(mesh, builder)
+        assert not p.resizable
+        with pytest.raises(UnsupportedLayout, match="only FSDP2 over every rank"):
+            p.resize(3)

@@ -138,6 +138,10 @@ def test_pingpong_roles_and_retention():
         pp.commit(3, {})
     pp.commit(2, {})
     assert set(pp.committed()) == {1, 2}
+    pp.keep_only(2)  # a resize: the snapshot of step 1 holds the old world's layout
+    assert set(pp.committed()) == {2} and not s1.valid and pp.latest().step == 2
+    b3 = pp.stage(3)  # the freed buffer is staged next, never S_2's
+    assert b3.data_ptr() != pp.latest().buffer.data_ptr()
 
 
 def test_snapshot_verify_detects_corruption_at_rest():

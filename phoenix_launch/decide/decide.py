@@ -55,7 +55,7 @@ class JobView:
     also_lost: tuple[str, ...] = ()  # other active nodes lost in the same incident: replaced with the failed one
     may_salvage: bool = False  # protection on in every rank and no salvage begun: survivors can save from memory
     on_no_spare: str = "wait"  # launch.on_no_spare: shrink | wait | stop
-    #: the data-parallel size every rank reported, 0 where the layout cannot shrink (TP/PP/FSDP, or unknown)
+    #: the data-parallel size every rank reported, 0 where the layout cannot shrink (HSDP/TP/PP, or unknown)
     dp: int = 0
     dp_lost: int = 0  # the DP replicas on the nodes this incident lost
     min_dp: int = 1

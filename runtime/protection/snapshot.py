@@ -265,6 +265,14 @@ class PingPong:
         with self._lock:
             return None if self._newest is None else self._snaps[self._newest]
 
+    def keep_only(self, step: int) -> None:
+        """Forget every committed snapshot but ``step``'s (a resize: the others hold the old world's layout)."""
+        with self._lock:
+            for slot, s in enumerate(self._snaps):
+                if s is not None and s.step != step:
+                    self._snaps[slot] = None
+                    self._gen[slot] += 1
+
 
 class D2HError(ProtectionError, RuntimeError):
     """A local snapshot copy failed; the previous committed snapshot is intact."""
@@ -426,6 +434,11 @@ class D2H:
 
     def latest(self) -> Optional[Snapshot]:
         return self._pp.latest() if self._pp else None
+
+    def keep_only(self, step: int) -> None:
+        """Forget every committed snapshot but ``step``'s (``PingPong.keep_only``)."""
+        if self._pp:
+            self._pp.keep_only(step)
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the worker after the queued jobs; True if it ended within ``timeout``."""

@@ -32,6 +32,7 @@ from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableErro
 from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.layout import Layout
 from phoenix_runtime.rank_state import RankState, TrainingOps
+from phoenix_runtime.recover import resize
 from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, plan_for_layout, plan_grow
 from phoenix_runtime.protection.fingerprint import intact
 from phoenix_runtime.protection.pairs import recovery_pairs
@@ -106,7 +107,7 @@ class RecoverySession:
         at_most = ctx.members.rollback_to if ctx.members is not None else None
         if self._resized() == "grow":
             return plan_grow(descs, every=ops.cadence_bound())
-        if self._shrunk_zero():  # planned in the old world: the lost ranks' shards come from their replicas
+        if self._shrunk_sharded():  # planned in the old world: the lost ranks' shards come from their replicas
             m = ctx.members
             old = [dataclasses.replace(d, rank=m.prev[d.rank]) for d in descs]
             old += [Descriptor(j, has_state=False) for j in range(m.prev_world) if j not in m.prev]
@@ -135,8 +136,9 @@ class RecoverySession:
             return ""
         return "grow" if min(m.prev) < 0 else "shrink"
 
-    def _shrunk_zero(self) -> bool:
-        return self._resized() == "shrink" and self.ops.kind == "zero"
+    def _shrunk_sharded(self) -> bool:
+        """A shrink of a sharded state (ZeRO, FSDP2): planned in the old world, the lost shards from their replicas."""
+        return self._resized() == "shrink" and self.ops.kind in ("zero", "fsdp")
 
     def _lost_shards(self, plan: Plan) -> dict:
         """A shrink under ZeRO (``plan`` in the old world's ranks, its joiners the lost ones): the lost shards'
@@ -151,31 +153,42 @@ class RecoverySession:
         return lost
 
     def _resume_resized(self, gen: int, plan: Plan, marks: dict, deadline: float) -> None:
-        """A shrink under ZeRO, or a grow: the survivors roll back to S_R; a grow's joiners take everything from a
-        survivor (``recovery.plan_grow``); ZeRO's state is re-partitioned over the new world (a shrink's lost shards
-        from their replicas); then as a resume: DDP on the new group, re-protection on the new ring, barrier."""
+        """A shrink under ZeRO or FSDP2, or a grow: the survivors roll back to S_R; a grow's joiners take everything
+        from a survivor (``recovery.plan_grow``; under FSDP2 the envelope and buffers only); ZeRO's state is
+        re-partitioned and FSDP2's re-sharded over the new world (a shrink's lost shards from their replicas); then
+        as a resume: DDP on the new group, re-protection on the new ring, barrier."""
         ctx, ops, R = self.ctx, self.ops, plan.step
         if self.rs.first_step is None:
             self.rs.first_step = plan.first_step
         log.info(f"generation {gen}: {self._resized()}: resume at step {R}, "
-                 + (f"lost rank(s) {list(plan.joiners)}' optimizer shards from {plan.optim_src}" if self._shrunk_zero()
+                 + (f"lost rank(s) {list(plan.joiners)}' optimizer shards from {plan.optim_src}" if self._shrunk_sharded()
                     else f"joiner(s) {list(plan.joiners)} from {plan.param_src}"))
         marks["planned"] = time.time()
-        if self.live is not None:
+        m = ctx.members
+        held = {}
+        if self.live is not None and ops.kind == "fsdp":  # the model is on the new mesh already: kept aside
+            held[m.prev[ctx.rank]] = ops.restore_resized(R, self.live)
+            self.live = (R, True)
+        elif self.live is not None:
             ops.restore_local(R, self.live)
             self.live = (R, True)
-        lost = self._lost_shards(plan) if self._shrunk_zero() else {}
-        if not self._shrunk_zero() and plan.joiners:
+        lost = self._lost_shards(plan) if self._shrunk_sharded() else {}
+        if not self._shrunk_sharded() and plan.joiners:
             self._give_joiners(plan, deadline)
         marks["params"] = time.time()
         ops.faults.fire(R, "recover_optim")
         if ops.kind == "zero":
             ops.repartition_optimizer(lost)
+        elif ops.kind == "fsdp":  # every parameter and its optimizer state re-sharded over the new world
+            held.update({j: resize.by_fqn(named, state.scalars_of(meta)) for j, (named, meta) in lost.items()})
+            ops.reshard_state(held, m.prev_world or sum(1 for p in m.prev if p >= 0))
         marks["optim"] = time.time()
         self._protect_and_meet(gen, R)
+        if ops.d2h is not None:  # a snapshot of another step is of the old world's layout: never a resume point
+            ops.d2h.keep_only(R)
         live = self.live
         self._finish(gen, dataclasses.replace(plan, replayed={}), live if ctx.rank not in plan.joiners or
-                     self._shrunk_zero() else None, marks)
+                     self._shrunk_sharded() else None, marks)
 
     def _give_joiners(self, plan: Plan, deadline: float) -> None:
         """A grow: each joiner receives a survivor's parameters, buffers, replicated optimizer state and envelope."""
@@ -188,7 +201,10 @@ class RecoverySession:
                            resends=ctx.settings.resends)
             elif me == j:
                 local, meta = recv_named(transport, plan.param_src[j], R, ctx.recovery_timeout, resends=ctx.settings.resends)
-                state.load_local(ops.objs, {}, local, meta)
+                if ops.kind == "fsdp":  # buffers only: the shards come with the re-sharding (reshard_state)
+                    state.load_buffers(ops.objs.module, local)
+                else:
+                    state.load_local(ops.objs, {}, local, meta)
                 state.restore_envelope(meta, ops.objs)
                 self.rs.metas[R] = meta
                 self.live = (R, True)
@@ -198,7 +214,7 @@ class RecoverySession:
         """Roll back / transfer S_R, rebuild, re-protect it, barrier: training goes on at R."""
         ctx, ops, rs, live = self.ctx, self.ops, self.rs, self.live
         R = plan.step
-        if self._shrunk_zero() or self._resized() == "grow":
+        if self._shrunk_sharded() or self._resized() == "grow":
             self._resume_resized(gen, plan, marks, deadline)
             return
         if rs.first_step is None:
