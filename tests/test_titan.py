@@ -27,7 +27,9 @@ FAULT_STEP = 4  # PHOENIX's step index (0-based): torchtitan's step 5
 
 
 LAYOUTS = {"fsdp-tp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
-           "hsdp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]}
+           "hsdp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+           "fsdp-pp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+                       "--training.disable_cuda_graphs"]}
 
 
 def titan_args(assets: Path, loss_file: Path, layout: str) -> list[str]:
@@ -39,7 +41,10 @@ def titan_args(assets: Path, loss_file: Path, layout: str) -> list[str]:
 
 def run_job(d: Path, assets: Path, layout: str, faults=()):
     d.mkdir()
-    cfg = {"inject": {"faults": list(faults)}, "runtime": {"replicas": 1}, "detect": {"recovery_timeout_s": 120}}
+    # bounds for a loaded machine (the suite at load: a step of the CPU's debug model took over 10 s, a spare's
+    # torchtitan start-up before it joins over 100 s), far above what the failures tested here need
+    cfg = {"inject": {"faults": list(faults)}, "runtime": {"replicas": 1},
+           "detect": {"recovery_timeout_s": 300, "hang_timeout_s": 60}}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     path = os.pathsep.join([str(ROOT / "tests" / "titan_site"), str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = job_env(PYTHONPATH=path,
