@@ -1,11 +1,12 @@
 """Issue 32: torchtitan 0.3.0's Trainer under phoenix-run (``phoenix_titan``), its debug Llama on 2 nodes x 2 ranks,
-FSDP 2 x TP 2, on CPU/gloo with the CPU-only shims of the harness (``titan_shims.py``, applied through
-``titan_site/sitecustomize.py``) and a tokenizer and corpus made here (``titan_assets.py``).
+FSDP 2 x TP 2 and FSDP 2 x PP 2 (1F1B, two microbatches), on CPU/gloo with the CPU-only shims of the harness
+(``titan_shims.py``, applied through ``titan_site/sitecustomize.py``) and a tokenizer and corpus made here
+(``titan_assets.py``).
 
-Two real jobs, shared by the module: the failure-free run, and the same run with node1 SIGKILLed in the forward of
-step 4 and one spare; the second's loss trajectory (``--phoenix.loss_file``: each step's loss as ``float.hex``) is
-the first's, bit for bit, the replayed step included. Determinism: torchtitan's defaults on the CPU with a fixed
-``--debug.seed`` (``phoenix_titan`` requires one).
+Two real jobs per layout: the failure-free run (once per layout, shared by the module), and the same run with node1
+SIGKILLed in the forward of step 4 and one spare; the second's loss trajectory (``--phoenix.loss_file``: each
+step's loss as ``float.hex``) is the first's, bit for bit, the replayed step included. Determinism: torchtitan's
+defaults on the CPU with a fixed ``--debug.seed`` (``phoenix_titan`` requires one).
 """
 
 from __future__ import annotations
@@ -101,12 +102,14 @@ def test_torchtitan_trains_under_phoenix_run(baseline):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("layout", ["fsdp-tp", pytest.param("hsdp", marks=pytest.mark.full)])
+@pytest.mark.parametrize("layout", ["fsdp-tp", "fsdp-pp", pytest.param("hsdp", marks=pytest.mark.full)])
 def test_torchtitan_node_lost_is_hot_swapped_bit_identically(tmp_path, assets, baseline, layout):
     """node1 (ranks 2, 3) is SIGKILLed in the forward of step 4; the spare's ranks build torchtitan's trainer,
     parallelise its meta model on the new generation's ParallelDims, take the lost ranks' state, and the run
     ends with the failure-free loss trajectory, bit for bit; the survivors keep their processes.
-    CI: FSDP 2 x TP 2; ``full``: HSDP (replicate 2 x shard 2)."""
+    CI: FSDP 2 x TP 2, and FSDP 2 x PP 2 (node1 holds the whole last stage: its two FSDP shards come from their
+    replicas on node0; the spare builds its stage on meta and materialises it, through ``protect(pipeline=)``);
+    ``full``: HSDP (replicate 2 x shard 2)."""
     r0, _, base_losses = baseline(layout)
     assert r0.returncode == 0, r0.stderr[-3000:]
     expected = trajectory(base_losses)
@@ -120,23 +123,27 @@ def test_torchtitan_node_lost_is_hot_swapped_bit_identically(tmp_path, assets, b
     check_resume_steps(evs)
     log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
     assert "generation 1: resumed at step" in log  # a survivor: kept its process
+    if layout == "fsdp-pp":  # the lost stage's parameter shards come with its replicas (no DP peer holds them)
+        assert "joiners [2, 3], parameter shards with the replicas" in log, [ln for ln in log.splitlines() if "plan:" in ln]
     assert not job_processes(run_dir)
 
 
 @pytest.mark.timeout(180)
 def test_an_unsupported_layout_is_refused_in_one_message(tmp_path):
-    """Pipeline parallelism (not protected through phoenix_titan yet) stops torchtitan's CLI at the config, with
-    one message naming what is supported, before any process group or model exists."""
+    """Pipeline parallelism with TP (not protected through phoenix_titan yet: PP goes with FSDP alone) stops
+    torchtitan's CLI at the config, with one message naming what is supported, before any process group or model
+    exists."""
     import subprocess
     import sys
 
     r = subprocess.run([sys.executable, "-m", "torchtitan.train", "--module", "phoenix_titan.llama3", "--config",
-                        "llama3_debugmodel", "--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs"],
+                        "llama3_debugmodel", "--parallelism.pipeline_parallel_degree", "2",
+                        "--parallelism.tensor_parallel_degree", "2", "--training.disable_cuda_graphs"],
                        cwd=tmp_path, env=job_env(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
                        capture_output=True, text=True, timeout=150)
     assert r.returncode != 0
     text = " ".join(r.stderr.replace("│", " ").split())  # tyro's box, unwrapped
-    assert "phoenix_titan: --parallelism.pipeline_parallel_degree 2 is not supported" in text, r.stderr[-2000:]
+    assert "phoenix_titan: --parallelism.tensor_parallel_degree 2 is not supported" in text, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
 
 
