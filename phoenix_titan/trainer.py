@@ -63,8 +63,9 @@ MESH_NAMES = (("pp", "pp"), ("dp_replicate", "replicate"), ("fsdp", "shard"), ("
 @dataclass(kw_only=True, slots=True)
 class PhoenixConfig:
     loss_file: str = ""
-    """JSON lines written by rank 0, one per logged step: {"step", "loss", "loss_hex"} (``float.hex``: exact), the
-    run's loss trajectory, for comparison with another run's. A replayed step is written again (the last wins)."""
+    """JSON lines written by rank 0 (under PP: the first rank of the last stage), one per logged step: {"step",
+    "loss", "loss_hex"} (``float.hex``: exact), the run's loss trajectory, for comparison with another run's, and
+    one per validation (the same with "validation": true). A replayed step is written again (the last wins)."""
 
 
 class PhoenixTrainer(Trainer):
@@ -160,8 +161,10 @@ class PhoenixTrainer(Trainer):
             return container
 
         self.model_parts.clear()  # torchtitan's first build, freed before PHOENIX's
-        if pp:
+        if pp:  # (its schedule holds the stages: the validator's too)
             self.pp_schedule = None
+            if self.config.validator.enable:
+                self.validator.pp_schedule = None
         gc.collect()
         build = {"pipeline": self._pipeline} if pp else {"parallelize": self._parallelize}
         self.training = phx.protect(bare, adopt, **build, mesh=self._phoenix_mesh(), mesh_builder=self._mesh_builder,
@@ -187,6 +190,12 @@ class PhoenixTrainer(Trainer):
         if isinstance(self.loss_fn, ChunkedLossWrapper) and (not pp or self.pp_has_last_stage):
             self.loss_fn.set_lm_head(last.lm_head)
             last._skip_lm_head = True
+        if self.config.validator.enable:  # built in __init__ on torchtitan's first build and generation
+            v = self.validator
+            v.parallel_dims, v.validation_context = self._dims, self.train_context
+            if pp:
+                v.pp_schedule, v.pp_has_first_stage, v.pp_has_last_stage = (
+                    self.pp_schedule, self.pp_has_first_stage, self.pp_has_last_stage)
         return model
 
     def _hook_loss_file(self) -> None:
@@ -194,15 +203,22 @@ class PhoenixTrainer(Trainer):
         # under PP the loss is known on the last stage: its first rank (torchtitan's ensure_pp_loss_visible)
         if not path or dist.get_rank() != (d.world_size // d.pp) * (d.pp - 1):
             return
-        log = self.metrics_processor.log
+        mp = self.metrics_processor
+        log, log_validation = mp.log, mp.log_validation
+
+        def write(step, loss, **extra):
+            with open(path, "a") as f:
+                f.write(json.dumps({"step": step, "loss": float(loss), "loss_hex": float(loss).hex(), **extra}) + "\n")
 
         def log_and_write(step, global_avg_loss, *args, **kwargs):
-            with open(path, "a") as f:
-                loss = float(global_avg_loss)
-                f.write(json.dumps({"step": step, "loss": loss, "loss_hex": loss.hex()}) + "\n")
+            write(step, global_avg_loss)
             return log(step, global_avg_loss, *args, **kwargs)
 
-        self.metrics_processor.log = log_and_write
+        def log_validation_and_write(loss, step, *args, **kwargs):
+            write(step, loss, validation=True)
+            return log_validation(loss, step, *args, **kwargs)
+
+        mp.log, mp.log_validation = log_and_write, log_validation_and_write
 
     # --- the loop ------------------------------------------------------------------------------------------------
     @record
