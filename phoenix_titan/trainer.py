@@ -17,7 +17,9 @@ loader); its end hands the bare model to ``phx.protect`` with
 ``train`` is torchtitan's loop on ``training.steps()``, each ``train_step`` inside the step guard, its
 ``optimizers.step()`` being PHOENIX's ``optimizer_step()``; after a recovery the loop follows the rebuilt model
 (model parts, the loss's ``lm_head``, the generation's ``ParallelDims``) and a new iterator of the restored loader.
-torchtitan's model is built twice at the start (by ``__init__``, freed, then by PHOENIX). torchtitan's checkpoints
+torchtitan's ``__init__`` builds and parallelises its model on meta as usual but leaves it there (its
+``to_empty`` and ``init_weights`` do nothing on that build): the model allocated and initialised is PHOENIX's
+only. torchtitan's checkpoints
 are written as its config says (inside the step guard: a replayed step writes its checkpoint again), but a run does
 not load one at its start (PHOENIX's own persistent checkpoints and ``--resume`` are the way back).
 
@@ -91,7 +93,10 @@ class PhoenixTrainer(Trainer):
 
         def capture(model, **kw):  # torchtitan's call in __init__: keep the bare model (on meta) for PHOENIX
             self._bare, self._build_kw = copy.deepcopy(model), kw
-            return built(model, **kw)
+            out = built(model, **kw)
+            for part in (out[1] if pp else [out]):
+                left_on_meta(part)
+            return out
 
         config.model_spec = dataclasses.replace(spec, **{"pipelining_fn" if pp else "parallelize_fn": capture})
         super().__init__(config)
@@ -160,7 +165,7 @@ class PhoenixTrainer(Trainer):
             container.state = JoinedState(container.optimizers)
             return container
 
-        self.model_parts.clear()  # torchtitan's first build, freed before PHOENIX's
+        self.model_parts.clear()  # torchtitan's build (on meta), dropped for PHOENIX's
         if pp:  # (its schedule holds the stages: the validator's too)
             self.pp_schedule = None
             if self.config.validator.enable:
@@ -190,6 +195,9 @@ class PhoenixTrainer(Trainer):
         if isinstance(self.loss_fn, ChunkedLossWrapper) and (not pp or self.pp_has_last_stage):
             self.loss_fn.set_lm_head(last.lm_head)
             last._skip_lm_head = True
+        wrapper = (getattr(self.checkpointer, "states", None) or {}).get("model")  # an enabled checkpointer's
+        if wrapper is not None:  # its cached state dict holds the model it was built on: filled again at the next save
+            wrapper.cached_state_dict.clear()
         if self.config.validator.enable:  # built in __init__ on torchtitan's first build and generation
             v = self.validator
             v.parallel_dims, v.validation_context = self._dims, self.train_context
@@ -241,6 +249,14 @@ class PhoenixTrainer(Trainer):
         except DataloaderExhaustedError:
             logger.warning("Ran out of data; last step was canceled.")
         logger.info("Training completed")
+
+
+def left_on_meta(module: torch.nn.Module) -> None:
+    """torchtitan's own build of the model, which PHOENIX drops for its own: its ``to_empty`` and
+    ``init_weights`` (torchtitan's next calls on it) do nothing, so it is never allocated nor initialised (its
+    optimizers are built on its meta parameters, then re-bound to PHOENIX's)."""
+    module.to_empty = lambda *args, **kwargs: module
+    module.init_weights = lambda *args, **kwargs: None
 
 
 def stages_of(schedule) -> list:
