@@ -22,6 +22,41 @@ def apply() -> None:
             _set_pg_timeout(timeout, group)
 
         dist.set_timeout = set_timeout
+    _schedule_step_takes_microbatches()
+
+
+def _schedule_step_takes_microbatches() -> None:
+    """torchtitan's ``pp_forward_backward_step`` calls ``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=,
+    loss_kwargs=, return_outputs=)`` with the batch already split into microbatches, a signature newer than torch
+    2.13's schedules (whose ``step`` takes the whole batch and splits it): such a call runs the schedule's
+    ``_step_microbatches`` on those lists, as the newer ``step`` does; any other call is 2.13's ``step``."""
+    import inspect
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    for cls in (PipelineScheduleSingle, PipelineScheduleMulti):
+        step = cls.step
+        if "arg_mbs" in inspect.signature(step).parameters:
+            continue
+
+        def microbatch_step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
+                            return_outputs=True, loss_kwargs=None, _step=step, **kwargs):
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+                return _step(self, *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs, **kwargs)
+            if self._has_backward and not torch.is_grad_enabled():
+                raise RuntimeError("step() requires gradients to be enabled for backward computation; call eval() instead")
+            stages = list(getattr(self, "_stages", None) or [self._stage])
+            for stage in stages:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+            for stage in stages:
+                if stage.is_last and return_outputs:
+                    return self._merge_outputs(stage.output_chunks)
+            return None
+
+        microbatch_step.__doc__ = step.__doc__
+        cls.step = microbatch_step
 
 
 def adapt(config):

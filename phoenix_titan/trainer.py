@@ -17,10 +17,17 @@ loader); its end hands the bare model to ``phx.protect`` with
 ``train`` is torchtitan's loop on ``training.steps()``, each ``train_step`` inside the step guard, its
 ``optimizers.step()`` being PHOENIX's ``optimizer_step()``; after a recovery the loop follows the rebuilt model
 (model parts, the loss's ``lm_head``, the generation's ``ParallelDims``) and a new iterator of the restored loader.
-torchtitan's model is built twice at the start (by ``__init__``, freed, then by PHOENIX). torchtitan's checkpoints
+torchtitan's ``__init__`` builds and parallelises its model on meta as usual but leaves it there (its
+``to_empty`` and ``init_weights`` do nothing on that build): the model allocated and initialised is PHOENIX's
+only. torchtitan's checkpoints
 are written as its config says (inside the step guard: a replayed step writes its checkpoint again), but a run does
-not load one at its start (PHOENIX's own persistent checkpoints and ``--resume`` are the way back). Pipeline,
-context and expert parallelism are refused (one line).
+not load one at its start (PHOENIX's own persistent checkpoints and ``--resume`` are the way back).
+
+Pipeline parallelism (FSDP2 within each stage: PHOENIX's mesh ``{"pp": P, "shard": N}``) goes through
+``protect(pipeline=)`` instead: torchtitan's ``pipelining_fn`` (its split, each part parallelised by its
+``parallelize_fn``, its schedule) on the meta model, PHOENIX materialising and initialising each stage; the
+optimizers' parameters are named ``pp<stage index>.<fqn>`` and the loop follows the rebuilt schedule and stages.
+PP with HSDP or TP, context and expert parallelism are refused (one line).
 """
 
 from __future__ import annotations
@@ -51,15 +58,16 @@ class TitanUsageError(UsageError, ValueError):
     """A torchtitan config PHOENIX cannot protect (a ValueError: torchtitan's CLI shows it as one message)."""
 
 
-# torchtitan's mesh dimension -> PHOENIX's (parallel.SUPPORTED)
-MESH_NAMES = (("dp_replicate", "replicate"), ("fsdp", "shard"), ("tp", "tp"))
+# torchtitan's mesh dimension -> PHOENIX's (parallel.SUPPORTED, pipeline.PIPELINE_MESHES), outermost first
+MESH_NAMES = (("pp", "pp"), ("dp_replicate", "replicate"), ("fsdp", "shard"), ("tp", "tp"))
 
 
 @dataclass(kw_only=True, slots=True)
 class PhoenixConfig:
     loss_file: str = ""
-    """JSON lines written by rank 0, one per logged step: {"step", "loss", "loss_hex"} (``float.hex``: exact), the
-    run's loss trajectory, for comparison with another run's. A replayed step is written again (the last wins)."""
+    """JSON lines written by rank 0 (under PP: the first rank of the last stage), one per logged step: {"step",
+    "loss", "loss_hex"} (``float.hex``: exact), the run's loss trajectory, for comparison with another run's, and
+    one per validation (the same with "validation": true). A replayed step is written again (the last wins)."""
 
 
 class PhoenixTrainer(Trainer):
@@ -76,16 +84,21 @@ class PhoenixTrainer(Trainer):
         self._dims: ParallelDims | None = None
         self._dims_gen = -1
         self._bare: torch.nn.Module | None = None
-        self._parallelize_kw: dict = {}
+        self._build_kw: dict = {}
+        self._stages: list = []
         spec = config.model_spec
-        titan_parallelize = spec.parallelize_fn
+        self._titan_parallelize, self._titan_pipeline = spec.parallelize_fn, spec.pipelining_fn
+        pp = config.parallelism.pipeline_parallel_degree > 1
+        built = self._titan_pipeline if pp else self._titan_parallelize
 
         def capture(model, **kw):  # torchtitan's call in __init__: keep the bare model (on meta) for PHOENIX
-            self._bare, self._parallelize_kw = copy.deepcopy(model), kw
-            return titan_parallelize(model, **kw)
+            self._bare, self._build_kw = copy.deepcopy(model), kw
+            out = built(model, **kw)
+            for part in (out[1] if pp else [out]):
+                left_on_meta(part)
+            return out
 
-        self._titan_parallelize = titan_parallelize
-        config.model_spec = dataclasses.replace(spec, parallelize_fn=capture)
+        config.model_spec = dataclasses.replace(spec, **{"pipelining_fn" if pp else "parallelize_fn": capture})
         super().__init__(config)
         config.model_spec = spec
         self._protect()
@@ -105,7 +118,7 @@ class PhoenixTrainer(Trainer):
 
     def _phoenix_mesh(self) -> dict[str, int]:
         d = self.parallel_dims
-        sizes = {"dp_replicate": d.dp_replicate, "fsdp": d.dp_shard, "tp": d.tp}
+        sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "fsdp": d.dp_shard, "tp": d.tp}
         return {ours: sizes[titan] for titan, ours in MESH_NAMES if ours == "shard" or sizes[titan] > 1}
 
     def _mesh_builder(self, gen: int):
@@ -123,17 +136,28 @@ class PhoenixTrainer(Trainer):
 
     def _parallelize(self, model: torch.nn.Module, mesh) -> None:
         """torchtitan's parallelize_fn on the generation PHOENIX just built the mesh of (in place)."""
-        self._titan_parallelize(model, **{**self._parallelize_kw, "parallel_dims": self._dims})
+        self._titan_parallelize(model, **{**self._build_kw, "parallel_dims": self._dims})
+
+    def _pipeline(self, model: torch.nn.Module, mesh):
+        """torchtitan's pipelining_fn (its split into this rank's stages, each parallelised by its parallelize_fn,
+        and its schedule) on the generation PHOENIX just built the mesh of: ``protect(pipeline=)``'s function."""
+        schedule, parts, self.pp_has_first_stage, self.pp_has_last_stage = self._titan_pipeline(
+            model, **{**self._build_kw, "parallel_dims": self._dims})
+        self._stages = stages_of(schedule)
+        return self._stages, schedule
 
     # --- protection ----------------------------------------------------------------------------------------------
     def _protect(self) -> None:
-        container, old = self.optimizers, self.model_parts[0]
-        fqn = {id(p): n for n, p in old.named_parameters()}
+        container, pp = self.optimizers, self.parallel_dims.pp_enabled
+        keys = [f"pp{st.stage_index}" for st in stages_of(self.pp_schedule)] if pp else [""]  # PHOENIX's prefixes
+        fqn = {id(p): n for m, key in zip(self.model_parts, keys) for n, p in m.named_parameters(prefix=key)}
         bare = self._bare
 
         def adopt(params):
-            """torchtitan's optimizers, re-bound to the parameters PHOENIX parallelised (``bare``, in place)."""
-            by_name = dict(bare.named_parameters())
+            """torchtitan's optimizers, re-bound to the parameters PHOENIX parallelised (``bare`` in place, or the
+            stages it built, named as PHOENIX names them: ``pp<stage index>.<fqn>``)."""
+            parts = [st.submod for st in self._stages] if pp else [bare]
+            by_name = {n: p for m, key in zip(parts, keys) for n, p in m.named_parameters(prefix=key)}
             for opt in container.optimizers:
                 for g in opt.param_groups:
                     g["params"] = [by_name[fqn[id(p)]] for p in g["params"]]
@@ -141,12 +165,15 @@ class PhoenixTrainer(Trainer):
             container.state = JoinedState(container.optimizers)
             return container
 
-        self.model_parts.clear()  # torchtitan's first build, freed before PHOENIX's
-        del old
+        self.model_parts.clear()  # torchtitan's build (on meta), dropped for PHOENIX's
+        if pp:  # (its schedule holds the stages: the validator's too)
+            self.pp_schedule = None
+            if self.config.validator.enable:
+                self.validator.pp_schedule = None
         gc.collect()
-        self.training = phx.protect(bare, adopt, parallelize=self._parallelize, mesh=self._phoenix_mesh(),
-                                    mesh_builder=self._mesh_builder, schedulers=[self.lr_schedulers],
-                                    stateful={"data": self.dataloader, "train_state": self})
+        build = {"pipeline": self._pipeline} if pp else {"parallelize": self._parallelize}
+        self.training = phx.protect(bare, adopt, **build, mesh=self._phoenix_mesh(), mesh_builder=self._mesh_builder,
+                                    schedulers=[self.lr_schedulers], stateful={"data": self.dataloader, "train_state": self})
         self._bare = None
         self.optimizers = GuardedOptimizers(container, self.training)
         self._follow()
@@ -155,29 +182,51 @@ class PhoenixTrainer(Trainer):
     def _follow(self) -> torch.nn.Module:
         """The trainer's references on the live model (a new one after a recovery) and generation."""
         model = self.training.model
-        self.model_parts[:] = [model]  # the list the optimizers, checkpointer and metrics hold
+        pp = self._dims.pp_enabled
+        # the list the optimizers, checkpointer and metrics hold: the model, or this rank's stages' modules
+        self.model_parts[:] = [st.submod for st in self.training.stages] if pp else [model]
+        if pp:
+            self.pp_schedule = self.training.schedule
         self.parallel_dims = self._dims
         self.train_context = dist_utils.get_spmd_context(
             parallel_dims=self._dims,
             spmd_typechecking=self.config.parallelism.spmd_backend == "spmd_types" and self.config.debug.spmd_typechecking)
-        if isinstance(self.loss_fn, ChunkedLossWrapper):
-            self.loss_fn.set_lm_head(model.lm_head)
-            model._skip_lm_head = True
+        last = self.model_parts[-1]
+        if isinstance(self.loss_fn, ChunkedLossWrapper) and (not pp or self.pp_has_last_stage):
+            self.loss_fn.set_lm_head(last.lm_head)
+            last._skip_lm_head = True
+        wrapper = (getattr(self.checkpointer, "states", None) or {}).get("model")  # an enabled checkpointer's
+        if wrapper is not None:  # its cached state dict holds the model it was built on: filled again at the next save
+            wrapper.cached_state_dict.clear()
+        if self.config.validator.enable:  # built in __init__ on torchtitan's first build and generation
+            v = self.validator
+            v.parallel_dims, v.validation_context = self._dims, self.train_context
+            if pp:
+                v.pp_schedule, v.pp_has_first_stage, v.pp_has_last_stage = (
+                    self.pp_schedule, self.pp_has_first_stage, self.pp_has_last_stage)
         return model
 
     def _hook_loss_file(self) -> None:
-        path = self.config.phoenix.loss_file
-        if not path or dist.get_rank() != 0:
+        path, d = self.config.phoenix.loss_file, self.parallel_dims
+        # under PP the loss is known on the last stage: its first rank (torchtitan's ensure_pp_loss_visible)
+        if not path or dist.get_rank() != (d.world_size // d.pp) * (d.pp - 1):
             return
-        log = self.metrics_processor.log
+        mp = self.metrics_processor
+        log, log_validation = mp.log, mp.log_validation
+
+        def write(step, loss, **extra):
+            with open(path, "a") as f:
+                f.write(json.dumps({"step": step, "loss": float(loss), "loss_hex": float(loss).hex(), **extra}) + "\n")
 
         def log_and_write(step, global_avg_loss, *args, **kwargs):
-            with open(path, "a") as f:
-                loss = float(global_avg_loss)
-                f.write(json.dumps({"step": step, "loss": loss, "loss_hex": loss.hex()}) + "\n")
+            write(step, global_avg_loss)
             return log(step, global_avg_loss, *args, **kwargs)
 
-        self.metrics_processor.log = log_and_write
+        def log_validation_and_write(loss, step, *args, **kwargs):
+            write(step, loss, validation=True)
+            return log_validation(loss, step, *args, **kwargs)
+
+        mp.log, mp.log_validation = log_and_write, log_validation_and_write
 
     # --- the loop ------------------------------------------------------------------------------------------------
     @record
@@ -200,6 +249,19 @@ class PhoenixTrainer(Trainer):
         except DataloaderExhaustedError:
             logger.warning("Ran out of data; last step was canceled.")
         logger.info("Training completed")
+
+
+def left_on_meta(module: torch.nn.Module) -> None:
+    """torchtitan's own build of the model, which PHOENIX drops for its own: its ``to_empty`` and
+    ``init_weights`` (torchtitan's next calls on it) do nothing, so it is never allocated nor initialised (its
+    optimizers are built on its meta parameters, then re-bound to PHOENIX's)."""
+    module.to_empty = lambda *args, **kwargs: module
+    module.init_weights = lambda *args, **kwargs: None
+
+
+def stages_of(schedule) -> list:
+    """The PipelineStage objects a torch.distributed.pipelining schedule runs (one, or several when looped)."""
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
 
 
 class GuardedOptimizers:
@@ -264,15 +326,17 @@ class JoinedState(collections.abc.MutableMapping):
 
 def check_layout(config) -> None:
     p = config.parallelism
-    unsupported = {"pipeline_parallel_degree": p.pipeline_parallel_degree, "context_parallel_degree":
-                   p.context_parallel_degree, "expert_parallel_degree": p.expert_parallel_degree}
+    unsupported = {"context_parallel_degree": p.context_parallel_degree, "expert_parallel_degree": p.expert_parallel_degree}
+    if p.pipeline_parallel_degree != 1:  # PHOENIX's pipeline mesh {"pp": P, "shard": N}: FSDP2 stages
+        unsupported.update(data_parallel_replicate_degree=p.data_parallel_replicate_degree, tensor_parallel_degree=p.tensor_parallel_degree)
     bad = {k: v for k, v in unsupported.items() if v != 1}
     if bad:
         raise TitanUsageError(f"phoenix_titan: {', '.join(f'--parallelism.{k} {v}' for k, v in bad.items())} is not "
-                         "supported yet; FSDP2, HSDP and TP (data_parallel_shard/replicate, tensor_parallel) are")
+                              "supported yet; FSDP2, HSDP and TP (data_parallel_shard/replicate, tensor_parallel), or "
+                              "pipeline_parallel with data_parallel_shard alone are")
     if config.debug.seed is None:
         raise TitanUsageError("phoenix_titan: set --debug.seed: every rank, a replacement too, must seed alike "
-                         "(without it torchtitan's ranks agree on rank 0's seed through a collective)")
+                              "(without it torchtitan's ranks agree on rank 0's seed through a collective)")
 
 
 def phoenix_config(config: Trainer.Config) -> PhoenixTrainer.Config:

@@ -60,7 +60,9 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
 
     ``pipeline``: ``fn(model, mesh) -> (stages, schedule)`` building this rank's ``PipelineStage`` (s) of the bare
     model (``group=mesh.get_group("pp")``) and a GPipe / 1F1B / interleaved 1F1B schedule on them, on the mesh
-    ``{"dp": D, "pp": P}`` (see ``pipeline.py``); rebuilt on the new groups after a recovery. ``optimizer`` is
+    ``{"dp": D, "pp": P}`` (see ``pipeline.py``); rebuilt on the new groups after a recovery (a model on the meta
+    device: split and parallelised on meta, each stage then materialised and initialised; ``mesh_builder`` as
+    above). ``optimizer`` is
     a factory, built on the stages' parameters; the loop steps ``training.schedule`` and PHOENIX averages the
     gradients across ``dp`` in ``optimizer_step()``.
     """
@@ -85,15 +87,15 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
     par = None
     if parallelize is not None and pipeline is not None:
         raise TypeError("phx.protect(): pass parallelize= or pipeline=, not both")
-    if mesh_builder is not None and parallelize is None:
-        raise TypeError("phx.protect(mesh_builder=...) goes with parallelize= (FSDP2 / HSDP / TP+FSDP), not pipeline= or DDP")
+    if mesh_builder is not None and parallelize is None and pipeline is None:
+        raise TypeError("phx.protect(mesh_builder=...) goes with parallelize= or pipeline=, not DDP")
     if parallelize is None and pipeline is None:
         check_bare(model)
     else:
         if not mesh:
             raise TypeError("phx.protect(parallelize=/pipeline=...) needs mesh={name: size}, e.g. {'shard': world_size} or {'dp': 2, 'pp': 2}")
         if pipeline is not None:
-            par = Pipeline.create(pipeline, mesh, model, ctx.world_size, ctx.device)
+            par = Pipeline.create(pipeline, mesh, model, ctx.world_size, ctx.device, builder=mesh_builder)
         else:
             par = Parallel.create(parallelize, mesh, model, ctx.world_size, ctx.device, builder=mesh_builder)
         build_mesh(ctx, par)

@@ -15,7 +15,14 @@ coordinate hold the same shards (the DP peers a joiner takes its state from).
 
 PP x FSDP2: ``{"shard": N, "pp": P}`` instead, each stage's module ``fully_shard``-ed on ``mesh["shard"]`` by
 ``pipeline``: FSDP reduces the gradients itself, and no rank holds another's shard, so the parameter shard is
-replicated with the optimizer shard (as under FSDP2 alone).
+replicated with the optimizer shard (as under FSDP2 alone). ``{"pp": P, "shard": N}`` is the same with pp
+outermost (torchtitan's order: a stage's FSDP group is N consecutive ranks).
+
+A model built on the meta device (the FSDP2 idiom: torchtitan's) is split and parallelised on meta by
+``pipeline``; PHOENIX then materialises each stage's module (``to_empty``) and initialises it with its
+``init_weights()`` / ``reset_parameters()`` unless ``pipeline`` did, on every rank, a joiner too: no rank ever
+holds the whole model. A rebuild does the same without the initialisation (the recovery restores the state).
+``mesh_builder`` (as with ``parallelize=``): a framework's own groups make the mesh.
 
 The protected module is ``ModuleDict({"pp<stage index>": submodule})``: parameters and optimizer state are named
 ``pp<s>.<fqn within the stage>``, so the DP peer of the same stage (same pp coordinate) holds a tensor of the
@@ -30,12 +37,12 @@ import math
 
 import torch
 
-from phoenix_runtime.parallel import Parallel, UnsupportedLayout, check_bare, is_dtensor, like, local_of
+from phoenix_runtime.parallel import Parallel, UnsupportedLayout, check_bare, is_dtensor, like, local_of, materialise, on_meta
 
-PIPELINE_MESHES = (("dp", "pp"), ("dp", "pp", "tp"), ("shard", "pp"))
+PIPELINE_MESHES = (("dp", "pp"), ("dp", "pp", "tp"), ("shard", "pp"), ("pp", "shard"))
 PIPELINE_TEXT = ("pipeline=fn(model, mesh) -> (stages, schedule) with mesh={'dp': D, 'pp': P} (PipelineStage stages of "
                  "plain modules), {'dp': D, 'pp': P, 'tp': T} (stages parallelize_module-d on mesh['tp']) or "
-                 "{'shard': N, 'pp': P} (stages fully_shard-ed on mesh['shard']), and ScheduleGPipe, "
+                 "{'shard': N, 'pp': P} / {'pp': P, 'shard': N} (stages fully_shard-ed on mesh['shard']), and ScheduleGPipe, "
                  "Schedule1F1B or ScheduleInterleaved1F1B")
 
 
@@ -94,13 +101,16 @@ class Pipeline(Parallel):
 
     stages: tuple = ()  # this rank's PipelineStage objects, of the live generation
     schedule = None  # the schedule built on them: what the training loop steps
+    meta: bool = False  # the user's model was built on the meta device: stages are built on meta, then materialised
 
     @classmethod
-    def create(cls, fn, mesh: dict[str, int], model: torch.nn.Module, world: int, device) -> "Pipeline":
+    def create(cls, fn, mesh: dict[str, int], model: torch.nn.Module, world: int, device, builder=None) -> "Pipeline":
         if any(is_dtensor(p) for p in model.parameters()):
             check_bare(model)
         dims = check_pipeline_mesh(mesh, world)
-        return cls(fn, dims, copy.deepcopy(model).to("meta"), torch.device(device))
+        par = cls(fn, dims, copy.deepcopy(model).to("meta"), torch.device(device), builder=builder)
+        par.meta = on_meta(model)
+        return par
 
     @property
     def replicas(self) -> int:
@@ -118,10 +128,15 @@ class Pipeline(Parallel):
         dims = dict(self.dims)
         return world // dims["dp"] if "dp" in dims else 1
 
-    def _build(self, model: torch.nn.Module, mesh) -> torch.nn.Module:
+    def _build(self, model: torch.nn.Module, mesh, init: bool | None = None) -> torch.nn.Module:
+        """The user's stages and schedule of ``model`` on ``mesh``; ``init`` (a meta model): each stage's module
+        then materialised, and initialised if True."""
         stages, schedule = self.fn(model, mesh)
         self.stages = check_built(stages, schedule, sharded="shard" in dict(self.dims), tp="tp" in dict(self.dims))
         self.schedule = schedule
+        if init is not None:
+            for st in self.stages:
+                materialise(st.submod, self.device, init=init)
         module = torch.nn.ModuleDict({f"pp{st.stage_index}": st.submod for st in self.stages})
         self.fqn_of = {id(p): n for n, p in module.named_parameters()}
         self.keys = {}
@@ -129,16 +144,23 @@ class Pipeline(Parallel):
 
     def apply(self, model: torch.nn.Module, gen: int, local: bool = False) -> torch.nn.Module:
         """This rank's stages of the user's model on generation ``gen``'s mesh; building them communicates
-        nothing (a stage infers its shapes at the first step), so a joiner builds them like everybody."""
-        return self._build(model, self.build_mesh(gen))
+        nothing (a stage infers its shapes at the first step; parallelising meta tensors neither), so a joiner
+        builds them like everybody. A meta model's stages are materialised and initialised here, stage by stage."""
+        return self._build(model, self.build_mesh(gen), init=True if self.meta else None)
 
     def rebuild(self, gen: int, optimizer) -> torch.nn.Module:
         """Fresh stages and schedule on generation ``gen``'s mesh (uninitialised: the recovery restores the state),
-        ``optimizer`` re-bound to their parameters in place (its state cleared)."""
+        ``optimizer`` re-bound to their parameters in place (its state cleared). A meta model's stages are built
+        on meta (on a forked RNG: a ``pipeline`` that initialises does not move the run's stream), then
+        materialised; otherwise the bare model is materialised first, as the user's ``pipeline`` first got it."""
         mesh = self.build_mesh(gen)
-        model = copy.deepcopy(self.template).to_empty(device=self.device)
         old = dict(self.fqn_of or {})
-        module = self._build(model, mesh)
+        if self.meta:
+            devices = [self.device] if self.device.type != "cpu" else []
+            with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+                module = self._build(copy.deepcopy(self.template), mesh, init=False)
+        else:
+            module = self._build(copy.deepcopy(self.template).to_empty(device=self.device), mesh)
         by_fqn = dict(module.named_parameters())
         for g in optimizer.param_groups:
             g["params"] = [by_fqn[old[id(p)]] for p in g["params"]]

@@ -1,11 +1,12 @@
 """Issue 32: torchtitan 0.3.0's Trainer under phoenix-run (``phoenix_titan``), its debug Llama on 2 nodes x 2 ranks,
-FSDP 2 x TP 2, on CPU/gloo with the CPU-only shims of the harness (``titan_shims.py``, applied through
-``titan_site/sitecustomize.py``) and a tokenizer and corpus made here (``titan_assets.py``).
+FSDP 2 x TP 2 and FSDP 2 x PP 2 (interleaved 1F1B, two microbatches, torchtitan's validator on), on CPU/gloo with
+the CPU-only shims of the harness (``titan_shims.py``, applied through ``titan_site/sitecustomize.py``) and a
+tokenizer and corpus made here (``titan_assets.py``).
 
-Two real jobs, shared by the module: the failure-free run, and the same run with node1 SIGKILLed in the forward of
-step 4 and one spare; the second's loss trajectory (``--phoenix.loss_file``: each step's loss as ``float.hex``) is
-the first's, bit for bit, the replayed step included. Determinism: torchtitan's defaults on the CPU with a fixed
-``--debug.seed`` (``phoenix_titan`` requires one).
+Two real jobs per layout: the failure-free run (once per layout, shared by the module), and the same run with node1
+SIGKILLed in the forward of step 4 and one spare; the second's loss trajectory (``--phoenix.loss_file``: each
+step's loss as ``float.hex``) is the first's, bit for bit, the replayed step included. Determinism: torchtitan's
+defaults on the CPU with a fixed ``--debug.seed`` (``phoenix_titan`` requires one).
 """
 
 from __future__ import annotations
@@ -26,20 +27,30 @@ STEPS = 8
 FAULT_STEP = 4  # PHOENIX's step index (0-based): torchtitan's step 5
 
 
+VALIDATE_AT = (1, 4, 8)  # torchtitan validates at step 1 and every freq-th
+VALIDATOR = ["--validator.enable", "--validator.freq", "4", "--validator.steps", "2",  # its data: the corpus (below)
+             "--validator.dataloader.dataset", "c4_test"]
+
 LAYOUTS = {"fsdp-tp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
-           "hsdp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]}
+           "hsdp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+           "fsdp-pp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+                       "--training.disable_cuda_graphs", *VALIDATOR]}
 
 
 def titan_args(assets: Path, loss_file: Path, layout: str) -> list[str]:
     return ["-m", "torchtitan.train", "--module", "phoenix_titan.llama3", "--config", "llama3_debugmodel",
             "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "corpus"),
             "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", str(STEPS),
-            *LAYOUTS[layout], "--checkpoint.no-enable", "--validator.no-enable", "--dump_folder", "out", "--phoenix.loss_file", str(loss_file)]
+            *LAYOUTS[layout], "--checkpoint.no-enable", "--dump_folder", "out", "--phoenix.loss_file", str(loss_file),
+            *(["--validator.dataloader.dataset_path", str(assets / "corpus")] if VALIDATOR[0] in LAYOUTS[layout] else ["--validator.no-enable"])]
 
 
 def run_job(d: Path, assets: Path, layout: str, faults=()):
     d.mkdir()
-    cfg = {"inject": {"faults": list(faults)}, "runtime": {"replicas": 1}, "detect": {"recovery_timeout_s": 120}}
+    # bounds for a loaded machine (the suite at load: a step of the CPU's debug model took over 10 s, a spare's
+    # torchtitan start-up before it joins over 100 s), far above what the failures tested here need
+    cfg = {"inject": {"faults": list(faults)}, "runtime": {"replicas": 1},
+           "detect": {"recovery_timeout_s": 300, "hang_timeout_s": 60}}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     path = os.pathsep.join([str(ROOT / "tests" / "titan_site"), str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = job_env(PYTHONPATH=path,
@@ -49,13 +60,15 @@ def run_job(d: Path, assets: Path, layout: str, faults=()):
     return r, d / "run", d / "loss.jsonl"
 
 
-def trajectory(path: Path) -> dict[int, str]:
-    """step -> its loss (``float.hex``); a replayed step's last record wins. A missing file FAILS."""
+def trajectory(path: Path, validation: bool = False) -> dict[int, str]:
+    """step -> its loss (``float.hex``), or its validation loss; a replayed step's last record wins. A missing file
+    FAILS."""
     assert path.exists(), f"no loss file {path}: the run logged no step"
     out = {}
     for line in path.read_text().splitlines():
         rec = json.loads(line)
-        out[rec["step"]] = rec["loss_hex"]
+        if rec.get("validation", False) == validation:
+            out[rec["step"]] = rec["loss_hex"]
     return out
 
 
@@ -86,7 +99,7 @@ def test_torchtitan_trains_under_phoenix_run(baseline):
     """The failure-free job (FSDP 2 x TP 2) completes every step, each logged once, and the model learns."""
     r, run_dir, losses = baseline("fsdp-tp")
     assert r.returncode == 0, r.stderr[-3000:]
-    lines = [json.loads(x) for x in losses.read_text().splitlines()]
+    lines = [json.loads(x) for x in losses.read_text().splitlines() if "validation" not in x]
     assert [x["step"] for x in lines] == list(range(1, STEPS + 1))
     assert all(math.isfinite(x["loss"]) for x in lines)
     assert lines[-1]["loss"] < lines[0]["loss"] - 0.5, [x["loss"] for x in lines]
@@ -96,12 +109,15 @@ def test_torchtitan_trains_under_phoenix_run(baseline):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("layout", ["fsdp-tp", pytest.param("hsdp", marks=pytest.mark.full)])
+@pytest.mark.parametrize("layout", ["fsdp-tp", "fsdp-pp", pytest.param("hsdp", marks=pytest.mark.full)])
 def test_torchtitan_node_lost_is_hot_swapped_bit_identically(tmp_path, assets, baseline, layout):
     """node1 (ranks 2, 3) is SIGKILLed in the forward of step 4; the spare's ranks build torchtitan's trainer,
     parallelise its meta model on the new generation's ParallelDims, take the lost ranks' state, and the run
     ends with the failure-free loss trajectory, bit for bit; the survivors keep their processes.
-    CI: FSDP 2 x TP 2; ``full``: HSDP (replicate 2 x shard 2)."""
+    CI: FSDP 2 x TP 2, and FSDP 2 x PP 2 (torchtitan's debug config: interleaved 1F1B, two stages per rank; node1
+    holds stages 1 and 3, the last: their FSDP shards come from their replicas on node0; the spare builds its
+    stages on meta and materialises them, through ``protect(pipeline=)``), with torchtitan's validator on (steps 1,
+    4, 8: its losses equal too); ``full``: HSDP (replicate 2 x shard 2)."""
     r0, _, base_losses = baseline(layout)
     assert r0.returncode == 0, r0.stderr[-3000:]
     expected = trajectory(base_losses)
@@ -109,29 +125,36 @@ def test_torchtitan_node_lost_is_hot_swapped_bit_identically(tmp_path, assets, b
     r, run_dir, losses = run_job(tmp_path / "job", assets, layout, [{"node": "node1", "step": FAULT_STEP, "mode": "crash", "phase": "forward"}])
     assert r.returncode == 0, r.stderr[-3000:]
     assert trajectory(losses) == expected
+    if VALIDATOR[0] in LAYOUTS[layout]:  # torchtitan's validator, on the rebuilt schedule after the recovery too
+        assert sorted(trajectory(base_losses, validation=True)) == list(VALIDATE_AT)
+        assert trajectory(losses, validation=True) == trajectory(base_losses, validation=True)
     evs = events(run_dir)
     swap = of_type(evs, "hotswap")
     assert swap and (swap[0]["failed"], swap[0]["spare"]) == ("node1", "node2"), [e["type"] for e in evs]
     check_resume_steps(evs)
     log = (run_dir / "logs" / "node0" / "0.0.log").read_text()
     assert "generation 1: resumed at step" in log  # a survivor: kept its process
+    if layout == "fsdp-pp":  # the lost stage's parameter shards come with its replicas (no DP peer holds them)
+        assert "joiners [2, 3], parameter shards with the replicas" in log, [ln for ln in log.splitlines() if "plan:" in ln]
     assert not job_processes(run_dir)
 
 
 @pytest.mark.timeout(180)
 def test_an_unsupported_layout_is_refused_in_one_message(tmp_path):
-    """Pipeline parallelism (not protected through phoenix_titan yet) stops torchtitan's CLI at the config, with
-    one message naming what is supported, before any process group or model exists."""
+    """Pipeline parallelism with TP (not protected through phoenix_titan yet: PP goes with FSDP alone) stops
+    torchtitan's CLI at the config, with one message naming what is supported, before any process group or model
+    exists."""
     import subprocess
     import sys
 
     r = subprocess.run([sys.executable, "-m", "torchtitan.train", "--module", "phoenix_titan.llama3", "--config",
-                        "llama3_debugmodel", "--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs"],
+                        "llama3_debugmodel", "--parallelism.pipeline_parallel_degree", "2",
+                        "--parallelism.tensor_parallel_degree", "2", "--training.disable_cuda_graphs"],
                        cwd=tmp_path, env=job_env(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
                        capture_output=True, text=True, timeout=150)
     assert r.returncode != 0
     text = " ".join(r.stderr.replace("│", " ").split())  # tyro's box, unwrapped
-    assert "phoenix_titan: --parallelism.pipeline_parallel_degree 2 is not supported" in text, r.stderr[-2000:]
+    assert "phoenix_titan: --parallelism.tensor_parallel_degree 2 is not supported" in text, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
 
 
