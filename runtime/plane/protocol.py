@@ -24,6 +24,8 @@ Key space (all under ``phx/``)::
     phx/notify-agents             counter: bumped after each command into an agent's queue (``tell_agent``)
     phx/notify/<n>                written when the counter reaches n (the newest NOTIFY_KEEP kept): ranks block on it
     phx/notify-agents/<n>         the same for the agents' counter
+    phx/relay                     in an agent's node-local store: what it relays to its ranks (``NodeNotice``),
+                                  with that store's own ``phx/notify`` counter bumped after each write
 
 Every value and message above (but the counters and torch's own ``pg`` keys) is sealed with the job's
 secret (``channel``, ``auth``): readers drop what is unsigned, forged or replayed, and report it.
@@ -33,7 +35,9 @@ heartbeats there (sealed the same way); the agent reads them in one batch (its h
 ``NodeDigest`` per heartbeat here. The central store's load thus grows with nodes, not ranks: one digest
 written per node per beat, and one key per node read by the supervisor's status pass. Ranks and agents read
 their queues and the generation when the counter moves (a watcher blocked on ``phx/notify/<n+1>`` wakes them),
-not on a timer: a quiet job's ranks make no central round trip between their safety reads.
+not on a timer: a quiet job's ranks make no central round trip between their safety reads. A node's agent watches
+the ranks' counter for them: it reads the generation, the persist step and its ranks' queue counters once for the
+node and relays them through its local store (``relay``), so a bump costs the central store one batch per node.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ K_PROTECT_EVERY = "phx/protect/every"  # protect every m-th step from the next g
 # decrease delays a genuine write by one heartbeat at most (the periodic full read), never hides it.
 K_NOTIFY = "phx/notify"
 K_NOTIFY_AGENTS = "phx/notify-agents"  # the agents' own counter (``tell_agent``), apart from the ranks'
+K_RELAY = "phx/relay"  # in an agent's node-local store: its ``NodeNotice`` (``relay.NodeRelay``)
 NOTIFY_KEEP = 8  # the newest k_notify keys kept (a rank blocks on the one after the counter it read)
 
 
@@ -317,6 +322,31 @@ class NodeDigest:
         known = {f.name for f in fields(RankHeartbeat)}
         beats = {int(s): RankHeartbeat(**{k: v for k, v in hb.items() if k in known}) for s, hb in d.get("beats", {}).items()}
         return cls(node=str(d["node"]), t=float(d["t"]), beats=beats)
+
+
+@dataclass(frozen=True)
+class NodeNotice:
+    """What an agent relays to its ranks at ``K_RELAY`` of its node-local store (``relay.NodeRelay``), read once
+    for the node from the central store when the ranks' counter moved: the generation, the persist step, and each
+    slot's queue counter (``q_rank(..)/n``: a rank reads its own queue centrally only when it moved). ``notified``:
+    the central counter read before them; ``incarnation``: the central store's (``failover``)."""
+
+    gen: int
+    persist_at: int
+    notified: int = -1
+    queues: dict[int, int] = field(default_factory=dict)
+    incarnation: int = 0
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["queues"] = {str(s): n for s, n in sorted(self.queues.items())}
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "NodeNotice":
+        d = json.loads(text)
+        return cls(gen=int(d["gen"]), persist_at=int(d["persist_at"]), notified=int(d.get("notified", -1)),
+                   queues={int(s): int(n) for s, n in d.get("queues", {}).items()}, incarnation=int(d.get("incarnation", 0)))
 
 
 # --- environment given to one rank ---------------------------------------------------------------

@@ -1,0 +1,186 @@
+"""The agent relays the generation to its node's ranks (``phoenix_runtime.plane.relay``): real TCPStores (the
+central one and each node's local one), real control threads, real notify watchers; round trips counted.
+
+A generation's bump costs the central store one batch per node (the agent's), none per rank; a fault queued for one
+rank is read centrally by that rank only; a rank whose agent is killed goes back to the central store and still sees
+the next generation, within a bound.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from phoenix_runtime.plane import auth, channel, control, protocol
+from phoenix_runtime.plane.control import ControlThread, RankState
+from phoenix_runtime.plane.rank_env import RankEnv
+from phoenix_runtime.plane.relay import LocalWatchStore, NodeRelay
+from phoenix_runtime.plane.watch import NotifyWatcher
+
+KEY = b"r" * 32
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def secret():
+    saved = (auth._key, auth._loaded)
+    auth.set_key(KEY)
+    auth.drain()
+    yield
+    auth.drain()
+    auth._key, auth._loaded = saved
+    channel.forget("phx/")
+
+
+class Counted:
+    """A store client whose calls are counted in ``log`` (name, owner); attributes that are not calls pass."""
+
+    def __init__(self, inner, log: list, owner: str):
+        self.inner, self.log, self.owner = inner, log, owner
+
+    def __getattr__(self, name):
+        v = getattr(self.inner, name)
+        if not callable(v):
+            return v
+
+        def call(*a):
+            self.log.append((name, self.owner))
+            return v(*a)
+        return call
+
+
+def _server():
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False, use_libuv=True)
+
+
+def _rank_env(port: int, local_port: int, node: str, slot: int, world: int) -> RankEnv:
+    # a 60 s heartbeat: a rank's periodic full read of the central store (every max(heartbeat, 5 s)) falls outside
+    # the test, so every central round trip counted below is one the bump itself caused
+    return RankEnv.from_environ({protocol.ENV_STORE_HOST: "127.0.0.1", protocol.ENV_STORE_PORT: str(port),
+                                 protocol.ENV_LOCAL_PORT: str(local_port), protocol.ENV_NODE: node, protocol.ENV_SLOT: str(slot),
+                                 protocol.ENV_GEN: "0", protocol.ENV_HEARTBEAT_S: "60", "RANK": "0", "WORLD_SIZE": str(world),
+                                 "LOCAL_RANK": str(slot)})
+
+
+def _publish(central, gen: int) -> None:
+    protocol.put_value(central, protocol.K_GEN, str(gen))
+    protocol.notify_ranks(central)
+
+
+@pytest.mark.timeout(120)
+def test_a_bump_costs_one_central_batch_per_node_and_no_rank_reads_the_central_store(secret, monkeypatch):
+    from phoenix_launch.plane.control import connect, start_store
+    from phoenix_runtime.plane.failover import FailoverStore
+
+    n_nodes, nproc = 2, 4
+    central = _server()
+    protocol.put_value(central, protocol.K_PERSIST_AT, "0")
+    _publish(central, 0)
+    log: list = []
+    owner = threading.local()
+
+    def connect_store(env=None, timeout_s=30.0, *, handed=False):  # every central client of a rank, counted
+        return Counted(FailoverStore(("127.0.0.1", central.port), None, timeout_s=10.0, reconnect_s=5.0), log,
+                       f"rank {env.node}/{env.slot}")
+    monkeypatch.setattr(control, "connect_store", connect_store)
+    stop = threading.Event()
+    relays, ranks = [], []
+
+    def agent(node: str, relay: NodeRelay, store) -> None:  # Agent.run's relay, pass by pass
+        while not stop.is_set():
+            now = time.monotonic()
+            if relay.due(now):
+                relay.relay(store, now)
+            relay.wake.wait(0.02)
+    try:
+        for i in range(n_nodes):
+            node = f"node{i}"
+            local, port = start_store("127.0.0.1")
+            relay = NodeRelay(node, nproc, local)
+            relay.watcher = NotifyWatcher(lambda: LocalWatchStore(Counted(connect("127.0.0.1", central.port, 10.0), log, f"agent {node}")),
+                                          relay.wake, stop)
+            relays.append(relay)
+            threading.Thread(target=agent, args=(node, relay, Counted(connect("127.0.0.1", central.port, 10.0), log, f"agent {node}")),
+                             daemon=True).start()
+            ranks += [ControlThread(RankState(), _rank_env(central.port, port, node, s, n_nodes * nproc)) for s in range(nproc)]
+        wait_for(lambda: all(r.relayed and r._watcher is None for r in ranks), 60, "every rank relayed by its agent")
+        wait_for(lambda: all(r.watcher.armed for r in relays), 30, "every agent's watcher armed")
+        time.sleep(0.5)  # a pass of each control thread since it switched (its last central read, if any, is done)
+        # a bump ends the waits the ranks' central watchers were blocked in when their relay took over: do it once first
+        _publish(central, 1)
+        wait_for(lambda: all(r.latest_gen == 1 for r in ranks), 20, "generation 1 seen by every rank")
+        time.sleep(0.5)
+        log.clear()
+        _publish(central, 2)
+        wait_for(lambda: all(r.latest_gen == 2 for r in ranks), 20, "generation 2 seen by every rank")
+        time.sleep(0.3)  # nothing else follows
+        calls = list(log)
+        assert not [c for c in calls if c[1].startswith("rank")], f"a rank read the central store at a bump: {calls}"
+        for i in range(n_nodes):
+            mine = [c[0] for c in calls if c[1] == f"agent node{i}"]
+            # its watcher's read of the counter and its next wait, then the relay's one batch
+            assert sorted(mine) == sorted(["add", "wait", "add", "check", "multi_get"]), (i, mine)
+        # a fault queued for one rank: that rank reads its own queue centrally, no other rank reads anything
+        seen: list = []
+        target = ranks[nproc + 1]  # node1, slot 1
+        target.on_fault.append(seen.append)
+        log.clear()
+        protocol.Queue(central, protocol.q_rank("node1", 1)).put(protocol.RankFault("comm", None))
+        protocol.notify_ranks(central)
+        wait_for(lambda: seen, 20, "the fault read by its rank")
+        time.sleep(0.3)
+        readers = {c[1] for c in log if c[1].startswith("rank")}
+        assert readers == {"rank node1/1"} and seen[0]["mode"] == "comm", (readers, seen)
+    finally:
+        stop.set()
+        for r in ranks:
+            r.stop()
+        protocol.notify_ranks(central)  # releases the watchers blocked in the store (daemons)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_agent_is_killed_still_sees_the_next_generation(secret, tmp_path):
+    """The agent (a process of its own, serving the node's local store) is SIGKILLed: its rank's relay watcher loses
+    the store, the rank watches the central counter again and sees the next generation within a bound (5 s here;
+    the watcher disarms at once, the central client connects in ~0.5 s)."""
+    central = _server()
+    protocol.put_value(central, protocol.K_PERSIST_AT, "0")
+    _publish(central, 0)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "scripts"), *sys.path])}
+    agent = subprocess.Popen([sys.executable, str(HERE / "scripts" / "relay_agent.py"), str(central.port), "node0", "1", KEY.hex()],
+                             stdout=subprocess.PIPE, stderr=open(tmp_path / "agent.log", "wb"), env=env)
+    rank = None
+    try:
+        line = wait_for(lambda: agent.stdout.readline(), 60, "the agent's local port")  # type: ignore[union-attr]
+        rank = ControlThread(RankState(), _rank_env(central.port, int(line), "node0", 0, 1))
+        seen: list = []
+        rank.on_gen_change.append(lambda g: seen.append((g, time.monotonic())))
+        wait_for(lambda: rank.relayed and rank._watcher is None, 60, "the rank relayed by its agent")
+        _publish(central, 1)
+        wait_for(lambda: rank.latest_gen == 1, 20, "generation 1 seen through the relay")
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=10)
+        t = time.monotonic()
+        _publish(central, 2)
+        wait_for(lambda: rank.latest_gen == 2, 10, "generation 2 seen with the agent gone")
+        took = seen[-1][1] - t
+        assert seen[-1][0] == 2 and took < 5.0, took
+        assert not rank.relayed  # it follows the central store now
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(timeout=10)
+        if rank is not None:
+            rank.stop()
+        protocol.notify_ranks(central)
