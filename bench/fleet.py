@@ -4,8 +4,9 @@
 
 Per N: one supervisor process (``fleet_sup.py``: phoenix_launch's ``Supervisor``, its loop and its TCPStore, the
 store a thread of that process as in a real job) and ``--workers`` processes of simulated agents and ranks
-(``fleet_sim.py``: the real control thread's methods and the real agent loop's store calls, ``--conns``
-connections each plus two notify watchers, the ranks' and the agents'). Once every node is up and every rank has reported ``RuntimeReady``:
+(``fleet_sim.py``: the real control thread's methods and the real agent loop's store calls, the generation relayed
+by each node's agent to its ranks, ``--conns`` connections each plus two notify watchers, the ranks' counter, which
+the agents relay, and the agents'). Once every node is up and every rank has reported ``RuntimeReady``:
 a steady window (``--window-s``), then one node is lost (its agent and ranks stop at once), the supervisor's
 ``failure`` event and its ``decision`` (a hot-swap onto the one spare) are timed from the loss, and the
 generation it publishes is timed until every live simulated rank has seen it.
@@ -97,7 +98,8 @@ class Job:
 
     def _spawn(self, cmd, log, stdin) -> subprocess.Popen:
         p = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=stdin, cwd=HERE, preexec_fn=die_with_parent,
-                             env={**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}", "OMP_NUM_THREADS": "1"})
+                             env={**os.environ, "OMP_NUM_THREADS": "1",  # the caller's path after the bench's (a worktree's shim)
+                                  "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)})
         self.procs.append(p)
         return p
 
@@ -297,8 +299,9 @@ def main() -> int:
     print(f"fleet: the real supervisor + store vs {a.workers} simulation processes x {a.conns} connections (+2 watchers each); "
           f"{a.ranks_per_node} ranks/node, 1 spare, heartbeat {a.heartbeat_s:g} s, node timeout {a.node_timeout_s:g} s; "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} at start", flush=True)
-    print("A real job holds 2 + 2 x ranks connections per node to the store (the agent's and its watcher's; each rank's control "
-          f"thread and notify watcher): {2 + 2 * a.ranks_per_node} per node; this simulation holds {a.workers * (a.conns + 2)} in all, plus the "
+    print("A real job holds 3 + ranks connections per node to the store (the agent's and its two watchers': its commands, the "
+          "ranks' counter it relays; each rank's control thread, and a rank's own watcher only while its agent's relay is not armed): "
+          f"{3 + a.ranks_per_node} per node; this simulation holds {a.workers * (a.conns + 2)} in all, plus the "
           "supervisor's own. The store is a thread of the supervisor process: its CPU and RSS are in the supervisor's.", flush=True)
     print(HEADER, flush=True)
     rows = []
