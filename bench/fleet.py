@@ -204,7 +204,8 @@ def incident(job: Job, a) -> dict:
             out["propagate_s"] = max(s["last"] for s in seen if s) - bump
             break
         time.sleep(0.2)
-    out["members_kb"] = job.sup_stats().get("members_bytes", 0) / 1024
+    stats = job.sup_stats()
+    out["members_kb"], out["members_diff_b"] = stats.get("members_bytes", 0) / 1024, stats.get("members_diff_bytes", 0)
     return out
 
 
@@ -268,6 +269,10 @@ def summary(a, rows: list[dict]) -> list[str]:
     out += fleet_fit.describe("generation seen by every rank", "s", ns, [r.get("propagate_s") for r in rows], 2.0,
                               "generation seen by every rank within 2 s")
     out += fleet_fit.describe("store round trips", "ops/s", ns, [r.get("ops_s") for r in rows], None, "")
+    for r in rows:
+        if r.get("members_kb"):
+            out.append(f"N={r['n']}: the new generation's membership {r['members_kb']:.0f} KB whole (read by its joiners), "
+                       f"{r.get('members_diff_b', 0)} B as its difference (``MembersDiff``: read by every other rank)")
     for r in rows:
         if not r.get("started"):
             out.append(f"N={r['n']}: did not start ({r.get('not_started')}); its steady-state columns are of the job as far as it got")

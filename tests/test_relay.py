@@ -35,10 +35,12 @@ def secret():
     saved = (auth._key, auth._loaded)
     auth.set_key(KEY)
     auth.drain()
+    protocol._members_read.clear()
     yield
     auth.drain()
     auth._key, auth._loaded = saved
     channel.forget("phx/")
+    protocol._members_read.clear()
 
 
 class Counted:
@@ -184,3 +186,78 @@ def test_a_rank_whose_agent_is_killed_still_sees_the_next_generation(secret, tmp
         if rank is not None:
             rank.stop()
         protocol.notify_ranks(central)
+
+
+def _fleet_members(n_nodes: int, nproc: int, gen: int = 0, swap: tuple[str, str] | None = None) -> protocol.Membership:
+    """A membership of ``n_nodes`` x ``nproc`` with a failure domain per node; ``swap``: one node's slots moved to a spare."""
+    names = [f"node{i}" for i in range(n_nodes)]
+    if swap:
+        names = [swap[1] if n == swap[0] else n for n in names]
+    ranks = tuple(protocol.RankSlot(i * nproc + s, n, s) for i, n in enumerate(names) for s in range(nproc))
+    domains = {f"node{i}": f"sw{i // 32}" for i in range(n_nodes + 1)}
+    return protocol.Membership(gen, n_nodes * nproc, ranks, domains=domains)
+
+
+def test_a_membership_difference_is_small_and_applies_only_to_its_base():
+    base = _fleet_members(1000, 8)
+    new = protocol.Membership(**{**_fleet_members(1000, 8, 1, ("node500", "node1000")).__dict__,
+                                 "joiners": tuple(range(4000, 4008)), "reason": "node500 lost"})
+    diff = protocol.MembersDiff.between(base, new)
+    whole, small = len(new.to_json()), len(diff.to_json())
+    assert whole > 300_000 and small < 2_000, (whole, small)  # one node's slots, not the job's
+    assert protocol.MembersDiff.from_json(diff.to_json()).apply(base) == new
+    other = protocol.Membership(**{**base.__dict__, "domains": {**base.domains, "node3": "elsewhere"}})
+    assert diff.apply(other) is None  # not its base: refused (the digest), the reader reads the whole instead
+    assert diff.apply(new) is None
+    # a shrink: fewer ranks, renumbered data ranks and the previous ranks
+    shrunk = protocol.Membership(2, 8, base.ranks[:8], data=tuple((r, r + 8) for r in range(8)), prev=tuple(range(8)),
+                                 prev_world=16, domains={"node0": "sw0"})
+    assert protocol.MembersDiff.between(base, shrunk).apply(base) == shrunk
+
+
+def test_a_rank_reads_a_new_generations_membership_as_its_difference_once(secret):
+    """The publisher writes the whole membership and its difference from the last one; a rank that read the last one
+    reads the difference (a few hundred bytes, two round trips) and, asked again in the same recovery, nothing."""
+    from phoenix_launch.repair.generations import Attempt, GenerationPublisher
+
+    import torch.distributed as dist
+
+    server = _server()
+    n_nodes, nproc = 200, 8
+    pub = GenerationPublisher(server, world_size=n_nodes * nproc, nproc=nproc, run_id="r", max_restarts=0,
+                              domains=lambda: _fleet_members(n_nodes, nproc).domains)
+    first = pub.first(_fleet_members(n_nodes, nproc).ranks)
+
+    class Bytes:  # a rank's central client: its round trips and the bytes they brought back
+        def __init__(self):
+            self.inner = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10), use_libuv=True)
+            self.calls, self.bytes = [], 0
+
+        def __getattr__(self, name):
+            fn = getattr(self.inner, name)
+
+            def call(*a):
+                self.calls.append(name)
+                out = fn(*a)
+                self.bytes += len(out) if isinstance(out, bytes) else 0
+                return out
+            return call
+    rank = Bytes()
+    assert protocol.read_members(rank, 0) == first
+    assert rank.bytes > 50_000  # the whole, at the start
+    swapped = _fleet_members(n_nodes, nproc, swap=("node7", "node200")).ranks
+    new = pub.publish(swapped, "node7 lost", Attempt(0, "127.0.0.1", 1), {f"node{i}": i for i in range(n_nodes + 1)})
+    rank.calls, rank.bytes = [], 0
+    assert protocol.read_members(rank, new.gen) == new
+    assert rank.calls == ["check", "get"] and rank.bytes < 2_000, (rank.calls, rank.bytes)
+    rank.calls = []
+    assert protocol.read_members(rank, new.gen) == new and rank.calls == []  # read once per recovery
+    # a rank that never read the base (a joiner, a new process) reads the whole
+    channel.forget("phx/")
+    protocol._members_read.clear()
+    joiner = Bytes()
+    assert protocol.read_members(joiner, new.gen) == new and joiner.bytes > 50_000
+    again = pub.publish(first.ranks, "node200 lost", Attempt(0, "127.0.0.1", 1), {f"node{i}": i for i in range(n_nodes + 1)})
+    assert protocol.read_members(joiner, again.gen) == again  # the difference, on the whole read just before
+    pub.recovered()  # the generations before the current one: their keys go, the difference too
+    assert not server.check([protocol.k_members_diff(new.gen)]) and server.check([protocol.k_members_diff(again.gen)])
