@@ -157,7 +157,7 @@ class SimRank(control.ControlThread):
                 self.rank, self.state.phase = -1, "training"
         return min(due, self.next_assign) if self.rank is None else due
 
-    def _watch_centrally(self) -> None:  # the process's watcher stands for it (armed by watch_notify)
+    def _watch_centrally(self, first: bool = False) -> None:  # the process's watcher stands for it (watch_notify)
         pass
 
     def _unwatch_centrally(self) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import sys
 import threading
@@ -40,6 +41,7 @@ from phoenix_runtime.plane.rank_env import RankEnv, rank_env
 from phoenix_runtime.plane.relay import RelayReader
 from phoenix_runtime.plane.watch import POLL_S, NotifyWatcher  # noqa: F401  (POLL_S: the fleet bench's too)
 
+log = logging.getLogger(__name__)
 PHASES = ("starting", "training", "recovering", "done")
 # A full read with the watcher armed (every writer bumps the counter, so this only bounds how late a wake-up
 # lost in the store is noticed): at 80,000 ranks one every heartbeat was ~6 round trips x 160,000 a second.
@@ -206,7 +208,7 @@ class ControlThread:
         self._central_wake, self._relay_wake = _Chained(self._wake), _Chained(self._wake)
         self._watcher: NotifyWatcher | None = None  # on the central counter; while the relay is not armed only
         self._central_stop = threading.Event()
-        self._watch_centrally()
+        self._watch_centrally(first=True)
         # the agent's relay of the generation (``relay``): while it is armed, the central watcher is stopped
         self._relay = RelayReader(env.local_port, self._relay_wake, self._stop) if env.local_port else None
         self._relay_dirty = True  # the relay's notice is read at the next pass
@@ -226,14 +228,17 @@ class ControlThread:
         """The agent relays the generation (its local store answers, its notice read): no central watch."""
         return self._relay is not None and self._relay.armed and not self._relay_dirty
 
-    def _watch_centrally(self) -> None:
+    def _watch_centrally(self, first: bool = False) -> None:
         if self._watcher is None:
+            if not first:
+                log.warning("the node agent's relay of the generation is gone: this rank watches the central store")
             self._central_stop = threading.Event()
             self._watcher = NotifyWatcher(lambda: connect_store(self._env), self._central_wake, self._central_stop)
 
     def _unwatch_centrally(self) -> None:
         """The relay took over: the central watcher ends at the next bump (its blocked wait returns then)."""
         if self._watcher is not None:
+            log.info("the generation is relayed by the node's agent (its local store)")
             self._central_stop.set()
             self._watcher = None
 
