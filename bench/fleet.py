@@ -9,7 +9,9 @@ by each node's agent to its ranks, ``--conns`` connections each plus two notify 
 the agents relay, and the agents'). Once every node is up and every rank has reported ``RuntimeReady``:
 a steady window (``--window-s``), then one node is lost (its agent and ranks stop at once), the supervisor's
 ``failure`` event and its ``decision`` (a hot-swap onto the one spare) are timed from the loss, and the
-generation it publishes is timed until every live simulated rank has seen it.
+generation it publishes is timed until every live agent has read it from the central store ("agents s": the store's
+and the supervisor's part) and until every live simulated rank has seen it (relayed by its agent: "gen seen s",
+which adds the simulation's own work, every node's local part done on the simulation's two processes).
 
 One row per N, then a growth law per quantity (least squares on log-log, with its data points) and where each
 target breaks. Every row is measured on this machine; a crossing beyond the largest N run is extrapolated.
@@ -199,9 +201,13 @@ def incident(job: Job, a) -> dict:
         sims = job.sims()
         live = sum(x.get("ranks", 0) for x in sims) - a.ranks_per_node
         seen = [x.get("seen", {}).get(str(gen0 + 1), {}) for x in sims]
+        relayed = [x.get("relayed", {}).get(str(gen0 + 1), {}) for x in sims]
         out["seen"], out["live_ranks"] = sum(s.get("count", 0) for s in seen), live
         if bump and out["seen"] >= live:
             out["propagate_s"] = max(s["last"] for s in seen if s) - bump
+            # every live agent (the nodes and the spare, less the one lost) read it centrally: the store's part
+            if sum(r.get("count", 0) for r in relayed) >= job.n:
+                out["relay_s"] = max(r["last"] for r in relayed if r) - bump
             break
         time.sleep(0.2)
     stats = job.sup_stats()
@@ -243,7 +249,7 @@ def fmt(v, spec: str = ".1f") -> str:
 
 HEADER = (f"{'N':>6} {'ranks':>6} {'start s':>7} {'loop med/p99 ms':>16} {'status ms':>9} {'ops/s':>8} {'conns':>6} "
           f"{'sup CPU% (loop)':>15} {'RSS MB':>7} {'sim CPU%':>8} {'sim lag p99 ms':>14} {'detect s':>8} {'decide s':>8} "
-          f"{'gen seen s':>10} {'seen/live':>11} {'load':>5}")
+          f"{'agents s':>8} {'gen seen s':>10} {'seen/live':>11} {'load':>5}")
 
 
 def row_line(r: dict) -> str:
@@ -251,7 +257,7 @@ def row_line(r: dict) -> str:
             f"{fmt(r.get('status_write_ms')):>9} {fmt(r.get('ops_s'), '.0f'):>8} {r.get('conns', '-'):>6} "
             f"{fmt(r.get('cpu_proc'), '.0f') + ' (' + fmt(r.get('cpu_loop'), '.0f') + ')':>15} {fmt(r.get('rss_mb'), '.0f'):>7} "
             f"{fmt(r.get('cpu_sim'), '.0f'):>8} {fmt(r.get('sim_lag_p99_ms')):>14} {fmt(r.get('detect_s'), '.2f'):>8} "
-            f"{fmt(r.get('decide_s'), '.2f'):>8} {fmt(r.get('propagate_s'), '.3f'):>10} "
+            f"{fmt(r.get('decide_s'), '.2f'):>8} {fmt(r.get('relay_s'), '.3f'):>8} {fmt(r.get('propagate_s'), '.3f'):>10} "
             f"{str(r.get('seen', '-')) + '/' + str(r.get('live_ranks', '-')):>11} {fmt(r.get('load'), '.1f'):>5}")
 
 
@@ -268,6 +274,8 @@ def summary(a, rows: list[dict]) -> list[str]:
     out += fleet_fit.describe("loss -> decision", "s", ns, [r.get("decide_s") for r in rows], None, "")
     out += fleet_fit.describe("generation seen by every rank", "s", ns, [r.get("propagate_s") for r in rows], 2.0,
                               "generation seen by every rank within 2 s")
+    out += fleet_fit.describe("generation read by every agent (the central store's part)", "s", ns, [r.get("relay_s") for r in rows],
+                              None, "")
     out += fleet_fit.describe("store round trips", "ops/s", ns, [r.get("ops_s") for r in rows], None, "")
     for r in rows:
         if r.get("members_kb"):

@@ -185,6 +185,7 @@ class SimAgent:
         self.relay = NodeRelay(node, slots, local)  # woken (relay.wake) by the process's watcher on the ranks' counter
         self.relay.watcher = relay_watcher
         self.told = False  # the last step told the ranks something new (the lane wakes them)
+        self.relayed: dict[int, list[float]] = {}  # generation -> when each agent read it centrally (shared, build)
 
     def _command(self, cmd, now=None) -> None:
         self.stopped = self.stopped or isinstance(cmd, protocol.AgentStop)
@@ -206,7 +207,10 @@ class SimAgent:
             for cmd in self.q_cmd.get_all():
                 self.commands.dispatch(cmd)
         if self.relay.due(now):  # Agent.run's relay
+            before = self.relay.last.gen if self.relay.last is not None else None
             self.told = self.relay.relay(self.store, now)
+            if self.relay.last is not None and self.relay.last.gen != before:
+                self.relayed.setdefault(self.relay.last.gen, []).append(time.time())
         if self.watcher.armed and self.relay.watcher.armed and not self.q_cmd.pending:  # no store call till then
             return min(self.next_hb, self.relay.next_read)
         return time.monotonic() + AGENT_PASS_S
@@ -316,7 +320,8 @@ def watch_notify(host: str, port: int, lanes: list[Lane], watcher: SimWatcher, s
             time.sleep(0.01)
 
 
-def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, agent_watcher: SimWatcher, stop: threading.Event):
+def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, agent_watcher: SimWatcher, stop: threading.Event,
+          relayed: dict):
     """The lanes (connections) and their clients: node i's agent and ranks on lane i % conns. ``watcher``: the
     process's watcher on the ranks' counter (which the agents relay), ``agent_watcher``: on the agents'."""
     lo, hi = (int(x) for x in a.nodes.split(":"))
@@ -330,18 +335,23 @@ def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, agent_watche
         agent = SimAgent(node, a.nproc, lane.store, local, agent_watcher, watcher, a.heartbeat_s, a.hang_timeout_s)
         ranks = [SimRank(node, s, i * a.nproc + s if i < a.active else None, lane.store, local, watcher, a.heartbeat_s, seen,
                          a.active * a.nproc) for s in range(a.nproc)]
+        agent.relayed = relayed
         lane.clients += [agent, *ranks]  # the lane wakes an agent's ranks as the clients right after it
         by_node[node] = [agent, *ranks]
     return lanes, by_node
 
 
-def report(path: Path, lanes: list[Lane], seen: dict, killed: dict, n_ranks: int) -> None:
+def _times(seen: dict) -> dict:
+    return {g: {"count": len(ts), "last": max(ts), "first": min(ts)} for g, ts in ((g, list(ts)) for g, ts in list(seen.items()))}
+
+
+def report(path: Path, lanes: list[Lane], seen: dict, killed: dict, n_ranks: int, relayed: dict) -> None:
     lags = sorted(x for lane in lanes for x in list(lane.lags))  # list(): one copy under the GIL, not a walk the lanes mutate
     write_json_atomic(path, {
         "t": time.time(), "ops": sum(lane.store.ops for lane in lanes), "errors": sum(lane.errors for lane in lanes),
         "lag_p50": lags[len(lags) // 2] if lags else 0.0, "lag_p99": lags[int(len(lags) * 0.99)] if lags else 0.0,
         "ranks": n_ranks, "killed": killed,
-        "seen": {g: {"count": len(ts), "last": max(ts), "first": min(ts)} for g, ts in ((g, list(ts)) for g, ts in list(seen.items()))},
+        "seen": _times(seen), "relayed": _times(relayed),  # each rank's sight of a generation; each agent's central read
     })
 
 
@@ -360,8 +370,9 @@ def main() -> int:
     auth.set_key(auth.read_secret(run_dir))
     host = "127.0.0.1"
     seen: dict[int, list[float]] = {}
+    relayed: dict[int, list[float]] = {}
     watcher, agent_watcher, stop = SimWatcher(), SimWatcher(), threading.Event()
-    lanes, by_node = build(a, host, a.port, seen, watcher, agent_watcher, stop)
+    lanes, by_node = build(a, host, a.port, seen, watcher, agent_watcher, stop, relayed)
     killed: dict[str, float] = {}
     threading.Thread(target=watch_notify, args=(host, a.port, lanes, watcher, stop, protocol.K_NOTIFY), daemon=True).start()
     threading.Thread(target=watch_notify, args=(host, a.port, lanes, agent_watcher, stop, protocol.K_NOTIFY_AGENTS),
@@ -373,7 +384,7 @@ def main() -> int:
     def reporter() -> None:
         while not stop.wait(1.0):
             try:
-                report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()))
+                report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()), relayed)
             except Exception as e:  # noqa: BLE001 -- one report lost (a dict the lanes grew meanwhile); the next follows
                 print(f"report: {e!r}", file=sys.stderr, flush=True)
     threading.Thread(target=reporter, daemon=True).start()
@@ -384,7 +395,7 @@ def main() -> int:
                 c.dead = True
             killed[words[1]] = time.time()
     stop.set()
-    report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()))
+    report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()), relayed)
     os._exit(0)  # the watcher is blocked in the store: not waited for
 
 

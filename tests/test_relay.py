@@ -66,13 +66,13 @@ def _server():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False, use_libuv=True)
 
 
-def _rank_env(port: int, local_port: int, node: str, slot: int, world: int) -> RankEnv:
+def _rank_env(port: int, local_port: int, node: str, slot: int, world: int, heartbeat_s: float = 60.0) -> RankEnv:
     # a 60 s heartbeat: a rank's periodic full read of the central store (every max(heartbeat, 5 s)) falls outside
     # the test, so every central round trip counted below is one the bump itself caused
     return RankEnv.from_environ({protocol.ENV_STORE_HOST: "127.0.0.1", protocol.ENV_STORE_PORT: str(port),
                                  protocol.ENV_LOCAL_PORT: str(local_port), protocol.ENV_NODE: node, protocol.ENV_SLOT: str(slot),
-                                 protocol.ENV_GEN: "0", protocol.ENV_HEARTBEAT_S: "60", "RANK": "0", "WORLD_SIZE": str(world),
-                                 "LOCAL_RANK": str(slot)})
+                                 protocol.ENV_GEN: "0", protocol.ENV_HEARTBEAT_S: str(heartbeat_s), "RANK": "0",
+                                 "WORLD_SIZE": str(world), "LOCAL_RANK": str(slot)})
 
 
 def _publish(central, gen: int) -> None:
@@ -152,10 +152,11 @@ def test_a_bump_costs_one_central_batch_per_node_and_no_rank_reads_the_central_s
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_whose_agent_is_killed_still_sees_the_next_generation(secret, tmp_path):
-    """The agent (a process of its own, serving the node's local store) is SIGKILLed: its rank's relay watcher loses
-    the store, the rank watches the central counter again and sees the next generation within a bound (5 s here;
-    the watcher disarms at once, the central client connects in ~0.5 s)."""
+def test_a_rank_whose_agent_is_stopped_or_killed_still_sees_the_next_generation(secret, tmp_path):
+    """The agent (a process of its own, serving the node's local store) is SIGSTOPped: its rank sees the next
+    generation at its periodic full read of the central store (every 5 s here). Then SIGKILLed: its rank's relay
+    watcher loses the store, the rank watches the central counter again and sees the next generation within 5 s
+    (the watcher disarms at once, the central client connects in ~0.5 s)."""
     central = _server()
     protocol.put_value(central, protocol.K_PERSIST_AT, "0")
     _publish(central, 0)
@@ -165,19 +166,25 @@ def test_a_rank_whose_agent_is_killed_still_sees_the_next_generation(secret, tmp
     rank = None
     try:
         line = wait_for(lambda: agent.stdout.readline(), 60, "the agent's local port")  # type: ignore[union-attr]
-        rank = ControlThread(RankState(), _rank_env(central.port, int(line), "node0", 0, 1))
+        rank = ControlThread(RankState(), _rank_env(central.port, int(line), "node0", 0, 1, heartbeat_s=1.0))
+        assert rank.full_read_s == 5.0
         seen: list = []
         rank.on_gen_change.append(lambda g: seen.append((g, time.monotonic())))
         wait_for(lambda: rank.relayed and rank._watcher is None, 60, "the rank relayed by its agent")
         _publish(central, 1)
         wait_for(lambda: rank.latest_gen == 1, 20, "generation 1 seen through the relay")
+        agent.send_signal(signal.SIGSTOP)
+        t = time.monotonic()
+        _publish(central, 2)
+        wait_for(lambda: rank.latest_gen == 2, 15, "generation 2 seen with the agent stopped")
+        assert seen[-1][0] == 2 and seen[-1][1] - t < rank.full_read_s + 2.0, seen[-1][1] - t
         agent.send_signal(signal.SIGKILL)
         agent.wait(timeout=10)
         t = time.monotonic()
-        _publish(central, 2)
-        wait_for(lambda: rank.latest_gen == 2, 10, "generation 2 seen with the agent gone")
+        _publish(central, 3)
+        wait_for(lambda: rank.latest_gen == 3, 10, "generation 3 seen with the agent gone")
         took = seen[-1][1] - t
-        assert seen[-1][0] == 2 and took < 5.0, took
+        assert seen[-1][0] == 3 and took < 5.0, took
         assert not rank.relayed  # it follows the central store now
     finally:
         if agent.poll() is None:
