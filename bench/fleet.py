@@ -230,10 +230,14 @@ def run_one(a, n: int) -> dict:
                 job._wait(lambda: (s := job.sup_stats()).get("up", 0) >= n + 1 and s.get("ready", 0) >= world, a.startup_timeout_s,
                           "every node up and every rank ready")
                 row["started"], row["startup_s"] = True, time.monotonic() - t0
-            except TimeoutError:
+            except (TimeoutError, RuntimeError) as e:  # RuntimeError: the supervisor exited (it lost nodes that were late)
                 s = job.sup_stats()
                 row["startup_s"] = None
-                row["not_started"] = f"after {a.startup_timeout_s:g} s: {s.get('up', 0)}/{n + 1} nodes up, {s.get('ready', 0)}/{world} ranks ready"
+                row["not_started"] = (f"after {time.monotonic() - t0:.0f} s: {s.get('up', 0)}/{n + 1} nodes up, {s.get('ready', 0)}/{world} "
+                                      f"ranks ready, {len([ev for ev in events(run_dir) if ev.get('type') == 'failure'])} failure events"
+                                      + (f"; {e}" if isinstance(e, RuntimeError) else ""))
+                if isinstance(e, RuntimeError):
+                    return row
             time.sleep(1.0)
             row.update(steady(job, a.window_s))
             if row["started"]:

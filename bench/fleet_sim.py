@@ -94,11 +94,11 @@ class SimRelay:
 
     armed = True
 
-    def __init__(self, local: NodeLocal):
-        self.local = local
+    def __init__(self, local: NodeLocal, node: str):
+        self.local, self.node = local, node
 
     def read(self) -> protocol.NodeNotice | None:
-        text = protocol.get_value(self.local, protocol.K_RELAY)
+        text = protocol.get_value(self.local, protocol.k_relay(self.node))
         return protocol.NodeNotice.from_json(text) if text is not None else None
 
 
@@ -126,7 +126,7 @@ class SimRank(control.ControlThread):
         self._outbox = collections.deque(maxlen=16)
         self._q_sup = protocol.Queue(store, protocol.Q_SUPERVISOR)
         self._watcher = watcher
-        self._relay, self._relay_dirty = SimRelay(local), True
+        self._relay, self._relay_dirty = SimRelay(local, node), True
         self.next_hb = self.next_full = self.next_assign = 0.0
         self.dead = False
         self.woken = False  # a post (none here) or a central wake-up: no central watcher runs while relayed

@@ -210,7 +210,7 @@ class ControlThread:
         self._central_stop = threading.Event()
         self._watch_centrally(first=True)
         # the agent's relay of the generation (``relay``): while it is armed, the central watcher is stopped
-        self._relay = RelayReader(env.local_port, self._relay_wake, self._stop) if env.local_port else None
+        self._relay = RelayReader(env.local_port, env.node, self._relay_wake, self._stop) if env.local_port else None
         self._relay_dirty = True  # the relay's notice is read at the next pass
         self._thread = threading.Thread(target=self._run, name="phoenix-control", daemon=True)
         self._thread.start()

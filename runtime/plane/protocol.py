@@ -25,7 +25,7 @@ Key space (all under ``phx/``)::
     phx/notify-agents             counter: bumped after each command into an agent's queue (``tell_agent``)
     phx/notify/<n>                written when the counter reaches n (the newest NOTIFY_KEEP kept): ranks block on it
     phx/notify-agents/<n>         the same for the agents' counter
-    phx/relay                     in an agent's node-local store: what it relays to its ranks (``NodeNotice``),
+    phx/relay/<node>              in an agent's node-local store: what it relays to its ranks (``NodeNotice``),
                                   with that store's own ``phx/notify`` counter bumped after each write
 
 Every value and message above (but the counters and torch's own ``pg`` keys) is sealed with the job's
@@ -104,7 +104,6 @@ K_PROTECT_EVERY = "phx/protect/every"  # protect every m-th step from the next g
 # decrease delays a genuine write by one heartbeat at most (the periodic full read), never hides it.
 K_NOTIFY = "phx/notify"
 K_NOTIFY_AGENTS = "phx/notify-agents"  # the agents' own counter (``tell_agent``), apart from the ranks'
-K_RELAY = "phx/relay"  # in an agent's node-local store: its ``NodeNotice`` (``relay.NodeRelay``)
 NOTIFY_KEEP = 8  # the newest k_notify keys kept (a rank blocks on the one after the counter it read)
 
 
@@ -139,6 +138,13 @@ def read_notify(store: Store, counter: str = K_NOTIFY) -> int:
 
 def k_members(gen: int) -> str:
     return f"phx/gen/{gen}/members"
+
+
+def k_relay(node: str) -> str:
+    """In ``node``'s agent's local store: its ``NodeNotice`` (``relay.NodeRelay``). The node is in the key (and so in
+    its seal): a notice of another node's store is refused, and a process that reads several nodes' stores (the fleet
+    bench's) keeps each one's replay check apart."""
+    return f"phx/relay/{node}"
 
 
 def k_members_diff(gen: int) -> str:
@@ -430,7 +436,7 @@ class NodeDigest:
 
 @dataclass(frozen=True)
 class NodeNotice:
-    """What an agent relays to its ranks at ``K_RELAY`` of its node-local store (``relay.NodeRelay``), read once
+    """What an agent relays to its ranks at ``k_relay`` of its node-local store (``relay.NodeRelay``), read once
     for the node from the central store when the ranks' counter moved: the generation, the persist step, and each
     slot's queue counter (``q_rank(..)/n``: a rank reads its own queue centrally only when it moved). ``notified``:
     the central counter read before them; ``incarnation``: the central store's (``failover``)."""

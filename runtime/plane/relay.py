@@ -6,7 +6,7 @@ from the central store itself: a bump cost ~4 round trips per rank (32,000 in a 
 central store served them one by one. With it, the node's agent (``NodeRelay``) is the only one of the node that
 watches the central counter: woken, it reads the counter, the generation, the persist step and its ranks' queue
 counters in one batch (``add``, ``check``, ``multi_get``), writes them as one ``protocol.NodeNotice`` at
-``protocol.K_RELAY`` of its node-local store (sealed, as everything there) and bumps that store's own
+``protocol.k_relay(node)`` of its node-local store (sealed, as everything there) and bumps that store's own
 ``protocol.K_NOTIFY``. Each rank (``RelayReader``) watches that local counter instead of the central one and reads
 the notice locally; it reads its queue centrally only when its queue's counter moved (an injected fault).
 
@@ -83,7 +83,7 @@ class NodeRelay:
         if last is not None and (last.gen, last.persist_at, last.queues, last.incarnation) == \
                 (notice.gen, notice.persist_at, notice.queues, notice.incarnation):
             return False  # nothing a rank reads moved: no local bump, no rank woken
-        protocol.put_value(self.local, protocol.K_RELAY, notice.to_json())
+        protocol.put_value(self.local, protocol.k_relay(self.node), notice.to_json())
         protocol.notify(self.local, protocol.K_NOTIFY)
         return True
 
@@ -120,8 +120,8 @@ class RelayReader:
     """The rank's side: a watcher blocked on the local store's ``protocol.K_NOTIFY`` (sets ``wake``) and a client
     of its own that reads the notice. ``armed``: the agent's store answers; the rank relies on the relay."""
 
-    def __init__(self, port: int, wake: threading.Event, stop: threading.Event):
-        self.port, self.stop = port, stop
+    def __init__(self, port: int, node: str, wake: threading.Event, stop: threading.Event):
+        self.port, self.node, self.stop = port, node, stop
         self.reader: Any = None
         self.watcher = NotifyWatcher(self._connect, wake, stop)
 
@@ -139,7 +139,7 @@ class RelayReader:
         if self.reader is None:
             return None
         try:
-            text = protocol.get_value(self.reader, protocol.K_RELAY)
+            text = protocol.get_value(self.reader, protocol.k_relay(self.node))
             return protocol.NodeNotice.from_json(text) if text is not None else None
         except Exception:  # noqa: BLE001 -- the agent's store went away; its watcher disarms too
             return None
