@@ -213,6 +213,8 @@ def test_a_membership_difference_is_small_and_applies_only_to_its_base():
     whole, small = len(new.to_json()), len(diff.to_json())
     assert whole > 300_000 and small < 2_000, (whole, small)  # one node's slots, not the job's
     assert protocol.MembersDiff.from_json(diff.to_json()).apply(base) == new
+    reordered = protocol.Membership(**{**new.__dict__, "domains": dict(reversed(list(new.domains.items())))})
+    assert protocol.MembersDiff.between(base, reordered).apply(base) == new  # the domains' order is not content
     other = protocol.Membership(**{**base.__dict__, "domains": {**base.domains, "node3": "elsewhere"}})
     assert diff.apply(other) is None  # not its base: refused (the digest), the reader reads the whole instead
     assert diff.apply(new) is None

@@ -335,7 +335,8 @@ class MembersDiff:
 
 
 def _digest(mem: Membership) -> str:
-    return hashlib.sha256(mem.to_json().encode()).hexdigest()
+    """Of the membership's content (sorted keys: the order of its failure domains is not part of it)."""
+    return hashlib.sha256(json.dumps(asdict(mem), sort_keys=True).encode()).hexdigest()
 
 
 # The memberships this process read (store incarnation, gen) -> Membership, newest few: a generation's is written
