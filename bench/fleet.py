@@ -4,11 +4,14 @@
 
 Per N: one supervisor process (``fleet_sup.py``: phoenix_launch's ``Supervisor``, its loop and its TCPStore, the
 store a thread of that process as in a real job) and ``--workers`` processes of simulated agents and ranks
-(``fleet_sim.py``: the real control thread's methods and the real agent loop's store calls, ``--conns``
-connections each plus two notify watchers, the ranks' and the agents'). Once every node is up and every rank has reported ``RuntimeReady``:
+(``fleet_sim.py``: the real control thread's methods and the real agent loop's store calls, the generation relayed
+by each node's agent to its ranks, ``--conns`` connections each plus two notify watchers, the ranks' counter, which
+the agents relay, and the agents'). Once every node is up and every rank has reported ``RuntimeReady``:
 a steady window (``--window-s``), then one node is lost (its agent and ranks stop at once), the supervisor's
 ``failure`` event and its ``decision`` (a hot-swap onto the one spare) are timed from the loss, and the
-generation it publishes is timed until every live simulated rank has seen it.
+generation it publishes is timed until every live agent has read it from the central store ("agents s": the store's
+and the supervisor's part) and until every live simulated rank has seen it (relayed by its agent: "gen seen s",
+which adds the simulation's own work, every node's local part done on the simulation's two processes).
 
 One row per N, then a growth law per quantity (least squares on log-log, with its data points) and where each
 target breaks. Every row is measured on this machine; a crossing beyond the largest N run is extrapolated.
@@ -97,7 +100,8 @@ class Job:
 
     def _spawn(self, cmd, log, stdin) -> subprocess.Popen:
         p = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=stdin, cwd=HERE, preexec_fn=die_with_parent,
-                             env={**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}", "OMP_NUM_THREADS": "1"})
+                             env={**os.environ, "OMP_NUM_THREADS": "1",  # the caller's path after the bench's (a worktree's shim)
+                                  "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)})
         self.procs.append(p)
         return p
 
@@ -197,12 +201,17 @@ def incident(job: Job, a) -> dict:
         sims = job.sims()
         live = sum(x.get("ranks", 0) for x in sims) - a.ranks_per_node
         seen = [x.get("seen", {}).get(str(gen0 + 1), {}) for x in sims]
+        relayed = [x.get("relayed", {}).get(str(gen0 + 1), {}) for x in sims]
         out["seen"], out["live_ranks"] = sum(s.get("count", 0) for s in seen), live
         if bump and out["seen"] >= live:
             out["propagate_s"] = max(s["last"] for s in seen if s) - bump
+            # every live agent (the nodes and the spare, less the one lost) read it centrally: the store's part
+            if sum(r.get("count", 0) for r in relayed) >= job.n:
+                out["relay_s"] = max(r["last"] for r in relayed if r) - bump
             break
         time.sleep(0.2)
-    out["members_kb"] = job.sup_stats().get("members_bytes", 0) / 1024
+    stats = job.sup_stats()
+    out["members_kb"], out["members_diff_b"] = stats.get("members_bytes", 0) / 1024, stats.get("members_diff_bytes", 0)
     return out
 
 
@@ -221,10 +230,14 @@ def run_one(a, n: int) -> dict:
                 job._wait(lambda: (s := job.sup_stats()).get("up", 0) >= n + 1 and s.get("ready", 0) >= world, a.startup_timeout_s,
                           "every node up and every rank ready")
                 row["started"], row["startup_s"] = True, time.monotonic() - t0
-            except TimeoutError:
+            except (TimeoutError, RuntimeError) as e:  # RuntimeError: the supervisor exited (it lost nodes that were late)
                 s = job.sup_stats()
                 row["startup_s"] = None
-                row["not_started"] = f"after {a.startup_timeout_s:g} s: {s.get('up', 0)}/{n + 1} nodes up, {s.get('ready', 0)}/{world} ranks ready"
+                row["not_started"] = (f"after {time.monotonic() - t0:.0f} s: {s.get('up', 0)}/{n + 1} nodes up, {s.get('ready', 0)}/{world} "
+                                      f"ranks ready, {len([ev for ev in events(run_dir) if ev.get('type') == 'failure'])} failure events"
+                                      + (f"; {e}" if isinstance(e, RuntimeError) else ""))
+                if isinstance(e, RuntimeError):
+                    return row
             time.sleep(1.0)
             row.update(steady(job, a.window_s))
             if row["started"]:
@@ -240,7 +253,7 @@ def fmt(v, spec: str = ".1f") -> str:
 
 HEADER = (f"{'N':>6} {'ranks':>6} {'start s':>7} {'loop med/p99 ms':>16} {'status ms':>9} {'ops/s':>8} {'conns':>6} "
           f"{'sup CPU% (loop)':>15} {'RSS MB':>7} {'sim CPU%':>8} {'sim lag p99 ms':>14} {'detect s':>8} {'decide s':>8} "
-          f"{'gen seen s':>10} {'seen/live':>11} {'load':>5}")
+          f"{'agents s':>8} {'gen seen s':>10} {'seen/live':>11} {'load':>5}")
 
 
 def row_line(r: dict) -> str:
@@ -248,7 +261,7 @@ def row_line(r: dict) -> str:
             f"{fmt(r.get('status_write_ms')):>9} {fmt(r.get('ops_s'), '.0f'):>8} {r.get('conns', '-'):>6} "
             f"{fmt(r.get('cpu_proc'), '.0f') + ' (' + fmt(r.get('cpu_loop'), '.0f') + ')':>15} {fmt(r.get('rss_mb'), '.0f'):>7} "
             f"{fmt(r.get('cpu_sim'), '.0f'):>8} {fmt(r.get('sim_lag_p99_ms')):>14} {fmt(r.get('detect_s'), '.2f'):>8} "
-            f"{fmt(r.get('decide_s'), '.2f'):>8} {fmt(r.get('propagate_s'), '.3f'):>10} "
+            f"{fmt(r.get('decide_s'), '.2f'):>8} {fmt(r.get('relay_s'), '.3f'):>8} {fmt(r.get('propagate_s'), '.3f'):>10} "
             f"{str(r.get('seen', '-')) + '/' + str(r.get('live_ranks', '-')):>11} {fmt(r.get('load'), '.1f'):>5}")
 
 
@@ -265,7 +278,13 @@ def summary(a, rows: list[dict]) -> list[str]:
     out += fleet_fit.describe("loss -> decision", "s", ns, [r.get("decide_s") for r in rows], None, "")
     out += fleet_fit.describe("generation seen by every rank", "s", ns, [r.get("propagate_s") for r in rows], 2.0,
                               "generation seen by every rank within 2 s")
+    out += fleet_fit.describe("generation read by every agent (the central store's part)", "s", ns, [r.get("relay_s") for r in rows],
+                              None, "")
     out += fleet_fit.describe("store round trips", "ops/s", ns, [r.get("ops_s") for r in rows], None, "")
+    for r in rows:
+        if r.get("members_kb"):
+            out.append(f"N={r['n']}: the new generation's membership {r['members_kb']:.0f} KB whole (read by its joiners), "
+                       f"{r.get('members_diff_b', 0)} B as its difference (``MembersDiff``: read by every other rank)")
     for r in rows:
         if not r.get("started"):
             out.append(f"N={r['n']}: did not start ({r.get('not_started')}); its steady-state columns are of the job as far as it got")
@@ -297,8 +316,9 @@ def main() -> int:
     print(f"fleet: the real supervisor + store vs {a.workers} simulation processes x {a.conns} connections (+2 watchers each); "
           f"{a.ranks_per_node} ranks/node, 1 spare, heartbeat {a.heartbeat_s:g} s, node timeout {a.node_timeout_s:g} s; "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} at start", flush=True)
-    print("A real job holds 2 + 2 x ranks connections per node to the store (the agent's and its watcher's; each rank's control "
-          f"thread and notify watcher): {2 + 2 * a.ranks_per_node} per node; this simulation holds {a.workers * (a.conns + 2)} in all, plus the "
+    print("A real job holds 3 + ranks connections per node to the store (the agent's and its two watchers': its commands, the "
+          "ranks' counter it relays; each rank's control thread, and a rank's own watcher only while its agent's relay is not armed): "
+          f"{3 + a.ranks_per_node} per node; this simulation holds {a.workers * (a.conns + 2)} in all, plus the "
           "supervisor's own. The store is a thread of the supervisor process: its CPU and RSS are in the supervisor's.", flush=True)
     print(HEADER, flush=True)
     rows = []

@@ -3,20 +3,23 @@
     python bench/fleet_sim.py --run-dir DIR --port P --nodes 0:125 --active 1000 --nproc 8 [--conns 4]
 
 Each simulated rank is the real rank's control thread (``phoenix_runtime.plane.control.ControlThread``: its
-``beat``, ``_poll``, ``_send_posted`` and ``report_refused``, unchanged) on a connection it shares; each simulated
-agent does what the real agent's loop does with the store (``detect/agent.py``): its heartbeat every
-``heartbeat_s``, its command queue when the notify counter moves and at each heartbeat (every pass, 20 ms, while
-no watcher is armed), its ranks' heartbeats every ``heartbeat_s`` judged by the
-real ``hang_check`` and published as one ``NodeDigest``, and its ``AgentUp`` first. A node's ranks heartbeat into
+``beat``, ``_follow``, ``_read_relay``, ``_poll``, ``_send_posted`` and ``report_refused``, unchanged) on a
+connection it shares; each simulated agent does what the real agent's loop does with the store
+(``detect/agent.py``): its heartbeat every ``heartbeat_s``, its command queue when the agents' counter moves and at
+each heartbeat (every pass, 20 ms, while no watcher is armed), its ranks' heartbeats every ``heartbeat_s`` judged
+by the real ``hang_check`` and published as one ``NodeDigest``, its ``AgentUp`` first, and the generation's relay
+(the real ``relay.NodeRelay``: woken by the ranks' counter, one central batch, a ``NodeNotice`` in the node's local
+store, its ranks woken). A node's ranks heartbeat into
 a node-local store as real ones do (the real agent's is a TCPStore on 127.0.0.1): here an in-process dict per
 simulated node (``NodeLocal``, sealed values as in the real one), so its calls are not in the central store's
-counts, as a real node's local store calls are not. Active ranks report ``RuntimeReady`` once, as the runtime does;
+counts, as a real node's local store calls are not; the ranks of a node read their agent's notice there, woken by
+it in-process as a real node's ranks are by their local store's counter. Active ranks report ``RuntimeReady`` once, as the runtime does;
 a spare's ranks look for their assignment once a second, as ``bootstrap.wait_for_assignment`` does.
 
 What differs from a real job: no processes are spawned; ``conns`` threads, each with one store connection of its
-own, run every client's due work in turn (a real node holds 1 + 2 x nproc connections); and one notify watcher per
-process and counter (the ranks', the agents'), blocked in the store, wakes every simulated rank (agent) of the
-process, where each real rank and agent has its own.
+own, run every client's due work in turn (a real node holds 3 + nproc connections: its agent's and its agent's two
+watchers', one per rank); and one notify watcher per process and counter (the ranks', which the agents relay, and
+the agents'), blocked in the store, wakes every simulated agent of the process, where each real agent has its own.
 
 stdin: ``kill NODE`` stops that node's agent and ranks (they never touch the store again); end of input ends
 the process. ``DIR/bench_sim<first>.json`` says, once a second: round trips made, how late the due work ran
@@ -39,6 +42,7 @@ from pathlib import Path
 from phoenix_launch.detect.agent import hang_check
 from phoenix_launch.observe.events import write_json_atomic
 from phoenix_runtime.plane import auth, control, protocol
+from phoenix_runtime.plane.relay import NodeRelay
 
 from fleet_store import CountingStore
 
@@ -76,6 +80,27 @@ class NodeLocal:
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.d[k] for k in keys]
 
+    def add(self, key: str, value: int) -> int:
+        n = int(self.d.get(key, b"0")) + value
+        self.d[key] = str(n).encode()
+        return n
+
+    def delete_key(self, key: str) -> bool:
+        return self.d.pop(key, None) is not None
+
+
+class SimRelay:
+    """``relay.RelayReader`` of a simulated rank: its agent's local store is in-process, always armed."""
+
+    armed = True
+
+    def __init__(self, local: NodeLocal, node: str):
+        self.local, self.node = local, node
+
+    def read(self) -> protocol.NodeNotice | None:
+        text = protocol.get_value(self.local, protocol.k_relay(self.node))
+        return protocol.NodeNotice.from_json(text) if text is not None else None
+
 
 class SimRank(control.ControlThread):
     """The real control thread's methods, on a shared connection; its loop is ``step`` (one pass of ``_run``)."""
@@ -101,28 +126,30 @@ class SimRank(control.ControlThread):
         self._outbox = collections.deque(maxlen=16)
         self._q_sup = protocol.Queue(store, protocol.Q_SUPERVISOR)
         self._watcher = watcher
+        self._relay, self._relay_dirty = SimRelay(local, node), True
         self.next_hb = self.next_full = self.next_assign = 0.0
         self.dead = False
-        self.woken = False  # the process's notify watcher saw the counter move
+        self.woken = False  # a post (none here) or a central wake-up: no central watcher runs while relayed
+        self.relay_woken = False  # its agent told it (the local counter moved)
         if rank is not None:
             self.post(protocol.RuntimeReady(node=node, slot=slot, rank=rank, protect=True, epoch=0))
 
     def step(self, now: float) -> float:
         """One pass of ``ControlThread._run``; returns when the next is due (monotonic)."""
         woken, self.woken = self.woken, False
+        relay_woken, self.relay_woken = self.relay_woken, False
         if now >= self.next_hb:
             self.state.stepped(self.state.step + 1)  # training progresses (the agent's hang check reads t_step)
             self.beat()
             self.report_refused()
             self.next_hb = now + self.heartbeat_s
         full = now >= self.next_full
-        if full or woken or self._dirty or not self._watcher.armed:
-            self._poll(full=full)
+        self._follow(woken, relay_woken, full)
         self._send_posted()
         if full:
             self.next_full = now + self.full_read_s
         due = now + control.POLL_S
-        if self._watcher.armed and not self._dirty:
+        if self.watching:
             due = min(self.next_hb, self.next_full)
         if self.rank is None and now >= self.next_assign:  # a spare: its assignment yet?
             self.next_assign = now + ASSIGN_POLL_S
@@ -130,12 +157,18 @@ class SimRank(control.ControlThread):
                 self.rank, self.state.phase = -1, "training"
         return min(due, self.next_assign) if self.rank is None else due
 
+    def _watch_centrally(self, first: bool = False) -> None:  # the process's watcher stands for it (watch_notify)
+        pass
+
+    def _unwatch_centrally(self) -> None:
+        pass
+
 
 class SimAgent:
     """What the real agent's loop does with the store, pass by pass (``Agent.run``, ``Agent.check_hangs``)."""
 
-    def __init__(self, node: str, slots: int, store, local: NodeLocal, watcher: SimWatcher, spec_heartbeat_s: float,
-                 hang_timeout_s: float):
+    def __init__(self, node: str, slots: int, store, local: NodeLocal, watcher: SimWatcher, relay_watcher: SimWatcher,
+                 spec_heartbeat_s: float, hang_timeout_s: float):
         self.node, self.slots, self.store, self.local = node, slots, store, local
         self.heartbeat_s, self.hang_timeout_s = spec_heartbeat_s, hang_timeout_s
         self.q_sup = protocol.Queue(store, protocol.Q_SUPERVISOR)
@@ -147,8 +180,12 @@ class SimAgent:
         self.up = False
         self.dead = False
         self.stopped = False
-        self.woken = False  # the process's notify watcher saw the counter move
+        self.woken = False  # the process's watcher on the agents' counter saw it move (a command)
         self.watcher = watcher
+        self.relay = NodeRelay(node, slots, local)  # woken (relay.wake) by the process's watcher on the ranks' counter
+        self.relay.watcher = relay_watcher
+        self.told = False  # the last step told the ranks something new (the lane wakes them)
+        self.relayed: dict[int, list[float]] = {}  # generation -> when each agent read it centrally (shared, build)
 
     def _command(self, cmd, now=None) -> None:
         self.stopped = self.stopped or isinstance(cmd, protocol.AgentStop)
@@ -169,8 +206,13 @@ class SimAgent:
         if woken or beat or self.q_cmd.pending or not self.watcher.armed:  # Agent._commands_due
             for cmd in self.q_cmd.get_all():
                 self.commands.dispatch(cmd)
-        if self.watcher.armed and not self.q_cmd.pending:  # the real loop's other passes make no store call
-            return self.next_hb
+        if self.relay.due(now):  # Agent.run's relay
+            before = self.relay.last.gen if self.relay.last is not None else None
+            self.told = self.relay.relay(self.store, now)
+            if self.relay.last is not None and self.relay.last.gen != before:
+                self.relayed.setdefault(self.relay.last.gen, []).append(time.time())
+        if self.watcher.armed and self.relay.watcher.armed and not self.q_cmd.pending:  # no store call till then
+            return min(self.next_hb, self.relay.next_read)
         return time.monotonic() + AGENT_PASS_S
 
     def read_beats(self) -> dict[int, protocol.RankHeartbeat]:
@@ -197,22 +239,35 @@ class Lane(threading.Thread):
         self.clients = clients
         self.stop, self.woken = stop, threading.Event()
         self.lags: collections.deque = collections.deque(maxlen=20000)  # seconds late, per run of a client
-        self.wake_kinds: dict[type, bool] = {}  # whose counter moved (SimRank: the ranks', SimAgent: the agents')
+        self.wake_counters: set[str] = set()  # the counters that moved (the ranks', relayed by the agents; the agents')
         self.errors = 0
+        self.agents: list[int] = []  # the indices of its agents (run)
+
+    def _wake_agents(self, now: float, due_of: list[float], heap: list) -> None:
+        """A counter moved: every agent of the lane reads now, as each real agent's watcher wakes it."""
+        moved, self.wake_counters = self.wake_counters, set()
+        for i in self.agents:
+            c = self.clients[i]
+            if protocol.K_NOTIFY in moved:
+                c.relay.wake.set()
+            if protocol.K_NOTIFY_AGENTS in moved:
+                c.woken = True
+            _schedule(heap, due_of, i, now)
 
     def run(self) -> None:
-        heap = [(time.monotonic() + i * 1e-5, i) for i in range(len(self.clients))]
+        self.agents = [i for i, c in enumerate(self.clients) if isinstance(c, SimAgent)]
+        # one live heap entry per client (its due_of); an entry whose time is not its client's due_of is stale
+        due_of = [time.monotonic() + i * 1e-5 for i in range(len(self.clients))]
+        heap = [(t, i) for i, t in enumerate(due_of)]
         heapq.heapify(heap)
         while not self.stop.is_set() and heap:
             if self.woken.is_set():  # a counter moved: its clients read now, as a real watcher wakes its own
                 self.woken.clear()
-                now = time.monotonic()
-                kinds = tuple(k for k in (SimRank, SimAgent) if self.wake_kinds.pop(k, False))
-                heap = [(min(due, now) if isinstance(self.clients[i], kinds) else due, i) for due, i in heap]
-                for c in self.clients:
-                    c.woken = c.woken or isinstance(c, kinds)
-                heapq.heapify(heap)
+                self._wake_agents(time.monotonic(), due_of, heap)
             due, i = heap[0]
+            if due != due_of[i]:
+                heapq.heappop(heap)
+                continue
             now = time.monotonic()
             if due > now:
                 self.woken.wait(min(due - now, 0.05))
@@ -220,6 +275,7 @@ class Lane(threading.Thread):
             heapq.heappop(heap)
             c = self.clients[i]
             if c.dead:
+                due_of[i] = float("inf")
                 continue
             self.lags.append(now - due)
             try:
@@ -227,13 +283,25 @@ class Lane(threading.Thread):
             except Exception:  # noqa: BLE001 -- a store error: the client retries later, as the real ones do
                 self.errors += 1
                 nxt = now + 0.2
+            due_of[i] = nxt
             heapq.heappush(heap, (nxt, i))
+            if isinstance(c, SimAgent) and c.told:  # the agent's local counter moved: its ranks read the notice now
+                c.told = False
+                for j in range(i + 1, i + 1 + c.slots):
+                    self.clients[j].relay_woken = True
+                    _schedule(heap, due_of, j, now)
 
 
-def watch_notify(host: str, port: int, lanes: list[Lane], watcher: SimWatcher, stop: threading.Event, counter: str,
-                 kind: type) -> None:
-    """``NotifyWatcher._run`` for every rank (``counter`` the ranks') or every agent (the agents') of this process:
-    block on the counter's next key, wake those clients of every lane."""
+def _schedule(heap: list, due_of: list[float], i: int, t: float) -> None:
+    """Client ``i`` is due at ``t`` if that is sooner than it was."""
+    if t < due_of[i]:
+        due_of[i] = t
+        heapq.heappush(heap, (t, i))
+
+
+def watch_notify(host: str, port: int, lanes: list[Lane], watcher: SimWatcher, stop: threading.Event, counter: str) -> None:
+    """``NotifyWatcher._run`` of every agent of this process, for ``counter`` (the ranks', which the agents relay,
+    or the agents' own): block on the counter's next key, wake the agents of every lane."""
     from phoenix_launch.plane.control import connect
 
     store = connect(host, port, timeout_s=60.0)
@@ -245,15 +313,17 @@ def watch_notify(host: str, port: int, lanes: list[Lane], watcher: SimWatcher, s
             if n != last:
                 last = n
                 for lane in lanes:
-                    lane.wake_kinds[kind] = True
+                    lane.wake_counters.add(counter)
                     lane.woken.set()
             store.wait([protocol.k_notify(n + 1, counter)], timedelta(seconds=2.0))
         except Exception:  # noqa: BLE001 -- the wait timed out (nothing moved), or the store is going away
             time.sleep(0.01)
 
 
-def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, agent_watcher: SimWatcher, stop: threading.Event):
-    """The lanes (connections) and their clients: node i's agent and ranks on lane i % conns."""
+def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, agent_watcher: SimWatcher, stop: threading.Event,
+          relayed: dict):
+    """The lanes (connections) and their clients: node i's agent and ranks on lane i % conns. ``watcher``: the
+    process's watcher on the ranks' counter (which the agents relay), ``agent_watcher``: on the agents'."""
     lo, hi = (int(x) for x in a.nodes.split(":"))
     per_lane: list[list] = [[] for _ in range(a.conns)]
     lanes = [Lane(host, port, per_lane[i], stop) for i in range(a.conns)]
@@ -262,21 +332,26 @@ def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, agent_watche
         lane = lanes[i % a.conns]
         node = f"node{i}"
         local = NodeLocal()
-        agent = SimAgent(node, a.nproc, lane.store, local, agent_watcher, a.heartbeat_s, a.hang_timeout_s)
+        agent = SimAgent(node, a.nproc, lane.store, local, agent_watcher, watcher, a.heartbeat_s, a.hang_timeout_s)
         ranks = [SimRank(node, s, i * a.nproc + s if i < a.active else None, lane.store, local, watcher, a.heartbeat_s, seen,
                          a.active * a.nproc) for s in range(a.nproc)]
-        lane.clients += [agent, *ranks]
+        agent.relayed = relayed
+        lane.clients += [agent, *ranks]  # the lane wakes an agent's ranks as the clients right after it
         by_node[node] = [agent, *ranks]
     return lanes, by_node
 
 
-def report(path: Path, lanes: list[Lane], seen: dict, killed: dict, n_ranks: int) -> None:
+def _times(seen: dict) -> dict:
+    return {g: {"count": len(ts), "last": max(ts), "first": min(ts)} for g, ts in ((g, list(ts)) for g, ts in list(seen.items()))}
+
+
+def report(path: Path, lanes: list[Lane], seen: dict, killed: dict, n_ranks: int, relayed: dict) -> None:
     lags = sorted(x for lane in lanes for x in list(lane.lags))  # list(): one copy under the GIL, not a walk the lanes mutate
     write_json_atomic(path, {
         "t": time.time(), "ops": sum(lane.store.ops for lane in lanes), "errors": sum(lane.errors for lane in lanes),
         "lag_p50": lags[len(lags) // 2] if lags else 0.0, "lag_p99": lags[int(len(lags) * 0.99)] if lags else 0.0,
         "ranks": n_ranks, "killed": killed,
-        "seen": {g: {"count": len(ts), "last": max(ts), "first": min(ts)} for g, ts in ((g, list(ts)) for g, ts in list(seen.items()))},
+        "seen": _times(seen), "relayed": _times(relayed),  # each rank's sight of a generation; each agent's central read
     })
 
 
@@ -295,11 +370,12 @@ def main() -> int:
     auth.set_key(auth.read_secret(run_dir))
     host = "127.0.0.1"
     seen: dict[int, list[float]] = {}
+    relayed: dict[int, list[float]] = {}
     watcher, agent_watcher, stop = SimWatcher(), SimWatcher(), threading.Event()
-    lanes, by_node = build(a, host, a.port, seen, watcher, agent_watcher, stop)
+    lanes, by_node = build(a, host, a.port, seen, watcher, agent_watcher, stop, relayed)
     killed: dict[str, float] = {}
-    threading.Thread(target=watch_notify, args=(host, a.port, lanes, watcher, stop, protocol.K_NOTIFY, SimRank), daemon=True).start()
-    threading.Thread(target=watch_notify, args=(host, a.port, lanes, agent_watcher, stop, protocol.K_NOTIFY_AGENTS, SimAgent),
+    threading.Thread(target=watch_notify, args=(host, a.port, lanes, watcher, stop, protocol.K_NOTIFY), daemon=True).start()
+    threading.Thread(target=watch_notify, args=(host, a.port, lanes, agent_watcher, stop, protocol.K_NOTIFY_AGENTS),
                      daemon=True).start()
     for lane in lanes:
         lane.start()
@@ -308,7 +384,7 @@ def main() -> int:
     def reporter() -> None:
         while not stop.wait(1.0):
             try:
-                report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()))
+                report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()), relayed)
             except Exception as e:  # noqa: BLE001 -- one report lost (a dict the lanes grew meanwhile); the next follows
                 print(f"report: {e!r}", file=sys.stderr, flush=True)
     threading.Thread(target=reporter, daemon=True).start()
@@ -319,7 +395,7 @@ def main() -> int:
                 c.dead = True
             killed[words[1]] = time.time()
     stop.set()
-    report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()))
+    report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()), relayed)
     os._exit(0)  # the watcher is blocked in the store: not waited for
 
 

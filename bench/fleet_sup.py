@@ -127,6 +127,16 @@ class BenchSupervisor(supervisor_mod.Supervisor):
         self.status_writes.append(time.monotonic() - t0)
         return snap
 
+    def _diff_bytes(self) -> int:
+        """The size of the newest generation's ``MembersDiff`` (what a rank that read the last one reads), 0: none."""
+        gens = self._gens() if self.publisher else None
+        if gens is None or gens.gen == 0:
+            return 0
+        if getattr(self, "_diff", (None, 0))[0] != gens.gen:  # one read per generation
+            text = protocol.get_value(self.store, protocol.k_members_diff(gens.gen))
+            self._diff = (gens.gen, len(text) if text is not None else 0)
+        return self._diff[1]
+
     def dump(self) -> None:
         """``bench_sup.json``: what the bench reads while it runs (replaced atomically)."""
         write_json_atomic(self.run_dir / "bench_sup.json", {
@@ -136,6 +146,7 @@ class BenchSupervisor(supervisor_mod.Supervisor):
             "up": sum(1 for n in self.nodes if n.up), "ready": len(self.attempt.runtime_ready),
             "job": self.job.state.value, "gen": self.gen, "bumps": self.bumps,
             "members_bytes": len(self._gens().members.to_json()) if self.publisher else 0,
+            "members_diff_bytes": self._diff_bytes(),
         })
 
 

@@ -50,7 +50,8 @@ for name, deps in graph.items():
             if d.startswith("phoenix_runtime") and d not in ("phoenix_runtime.plane.protocol", "phoenix_runtime.plane.settings", "phoenix_runtime.plane.auth", "phoenix_runtime",
                                                          "phoenix_runtime.errors", "phoenix_runtime.logs",
                                                          "phoenix_runtime.plane.failover",  # the store client both sides hold (lazily)
-                                                         "phoenix_runtime.plane.watch"):  # the notify watcher both sides run
+                                                         "phoenix_runtime.plane.watch",  # the notify watcher both sides run
+                                                         "phoenix_runtime.plane.relay"):  # the node's relay, both sides
                 bad.append(f"launcher imports runtime module {d} from {name}")
 # cycles (module level and function level imports alike)
 sys.setrecursionlimit(10000)

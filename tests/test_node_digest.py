@@ -208,8 +208,9 @@ def test_an_agent_command_wakes_the_agents_watcher_and_not_the_ranks(secret):
 
 def test_a_quiet_rank_makes_no_central_round_trip_between_its_safety_reads(secret):
     """A rank whose watcher is armed reads the store only when woken (bench/fleet_sim's SimRank is the control
-    thread's own methods, stepped here by hand): over ten heartbeats of quiet, no round trip; a bump is read at
-    the next wake-up in one pass."""
+    thread's own methods, stepped here by hand; no agent relays here, so this is the central path a rank takes
+    without its agent's relay, tests/test_relay.py has the relayed one): over ten heartbeats of quiet, no round
+    trip; a bump is read at the next wake-up in one pass."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))

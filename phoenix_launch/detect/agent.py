@@ -11,7 +11,9 @@ for a new attempt, respawn dead ranks as joiners of a new generation, inject a f
 Its ranks heartbeat into a node-local store this agent serves on 127.0.0.1 (``protocol.ENV_LOCAL_PORT``; its
 socket listens from before the first rank starts, the store serves once the agent has imported torch). Each
 heartbeat the agent reads them there in one batch, judges hangs from them, and publishes one
-``protocol.NodeDigest`` of them to the central store: what the supervisor's status reads, one key per node.
+``protocol.NodeDigest`` of them to the central store: what the supervisor's status reads, one key per node. The
+other way, it relays the generation to them there (``phoenix_runtime.plane.relay``): it alone of its node watches
+the ranks' notify counter, reads what it announces once, and tells its ranks through that local store.
 
 If the control plane is unreachable for longer than the node timeout, the agent takes the supervisor for
 dead, ends its ranks and exits: no process outlives the job.
@@ -38,6 +40,7 @@ from phoenix_launch.detect.procs import die_with_parent
 from phoenix_launch.detect.procs import send_signal as _signal
 from phoenix_launch.spec import AgentSpec, SpecError
 from phoenix_runtime.plane import auth, protocol
+from phoenix_runtime.plane.relay import NodeRelay
 from phoenix_runtime.plane.watch import NotifyWatcher
 from phoenix_runtime import logs
 
@@ -116,6 +119,7 @@ class Agent:
         self._watch_stop = threading.Event()  # ends the command watcher (a daemon blocked in the store)
         self.cmd_wake = threading.Event()
         self.cmd_watcher: NotifyWatcher | None = None
+        self.relay: NodeRelay | None = None  # the generation, read once for the node, told to its ranks (connect)
         self.commands = protocol.Dispatcher({
             protocol.MsgType.RESTART: self._restart,
             protocol.MsgType.RESPAWN: self._respawn,
@@ -283,6 +287,10 @@ class Agent:
         # the command queue is read when the agents' counter moves (``protocol.tell_agent`` bumps it), not every
         # pass: that would be 50 round trips a second per node on the one central store
         self.cmd_watcher = NotifyWatcher(self._connect_central, self.cmd_wake, self._watch_stop, protocol.K_NOTIFY_AGENTS)
+        # the ranks' counter is watched here for the whole node: its ranks read the generation from the local store
+        if self.local is not None:
+            self.relay = NodeRelay(self.node, self.nproc, self.local)
+            self.relay.watcher = NotifyWatcher(self._connect_central, self.relay.wake, self._watch_stop, protocol.K_NOTIFY)
         # a node joining a running job (replenishment) is accepted because its agent_up is sealed with the
         # job's secret (run_dir/secret, 0600, on the shared filesystem), as every message is
         self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, s.join))
@@ -455,6 +463,8 @@ class Agent:
                 if self._commands_due(beat):
                     for cmd in self.q_cmd.get_all():
                         self.handle(cmd)
+                if self.relay is not None and self.relay.due(now):
+                    self.relay.relay(self.store, now)
                 if protocol.incarnation_of(self.store) != self.incarnation:  # a standby took over: say so to the new leader
                     self.incarnation = protocol.incarnation_of(self.store)
                     self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, self.spec.join))  # type: ignore[union-attr]
@@ -481,7 +491,7 @@ class Agent:
                         except Exception:
                             pass
                 return 0
-            time.sleep(0.02)
+            self.relay.wake.wait(0.02) if self.relay is not None else time.sleep(0.02)  # a bump: relayed at once
 
 
 def _proc_state(pid: int) -> str | None:

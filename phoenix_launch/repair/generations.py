@@ -83,7 +83,9 @@ class GenerationPublisher:
                                   tuple(resync), rollback_to, tuple(data), tuple(prev),
                                   (self.members.world_size if prev_world is None else prev_world) if prev else 0)
         self._seen |= {r.node for r in self.members.ranks}
-        protocol.put_value(self.store, protocol.k_members(self.gen), mem.to_json())
+        protocol.put_value(self.store, protocol.k_members(self.gen), mem.to_json())  # a joiner's, a standby's: the whole
+        # what a rank that read the last one reads instead (a hot-swap: its joiners' slots, not the job's)
+        protocol.put_value(self.store, protocol.k_members_diff(self.gen), protocol.MembersDiff.between(self.members, mem).to_json())
         for r in ranks:
             if r.rank in joiners:
                 protocol.put_value(self.store, protocol.k_assign(r.node, r.slot), json.dumps(self._assignment(r, group_ranks[r.node], attempt)))
@@ -103,7 +105,7 @@ class GenerationPublisher:
         gone = (self._seen | {r.node for r in self.stable.ranks}) - now  # a joiner lost mid-recovery too
         self._seen = set(now)
         self.stable = self.members
-        keys = [k for g in range(self.swept, self.gen) for k in (protocol.k_members(g), protocol.k_arrived(g))]
+        keys = [k for g in range(self.swept, self.gen) for k in (protocol.k_members(g), protocol.k_members_diff(g), protocol.k_arrived(g))]
         keys += [k for node in sorted(gone) for k in node_keys(node, self.nproc)]
         self.swept = max(self.swept, self.gen)
         delete = getattr(self.store, "delete_key", None)

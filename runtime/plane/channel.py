@@ -64,6 +64,12 @@ def get_values(store: Any, keys: list[str], present: bool = False) -> dict[str, 
     return {k: get_value(store, k) for k in keys}  # some absent: multi_get would wait for them
 
 
+def open_value(key: str, raw: bytes) -> str | None:
+    """``get_value``'s check of a value the caller read itself (a ``multi_get`` that mixes sealed values with
+    counters, which are not sealed): its payload, or the last genuine one accepted at ``key``."""
+    return _accept(key, raw)
+
+
 def _accept(key: str, raw: bytes) -> str | None:
     with _lock:
         last = _accepted.get(key)
@@ -86,6 +92,11 @@ def forget(prefix: str) -> None:
 
 
 # --- queues: an append-only log in the store, one reader each ---------------------------------------
+def counter_key(name: str) -> str:
+    """The key of queue ``name``'s reservation counter (the sequence number of its newest message)."""
+    return f"{name}/n"
+
+
 class Queue:
     """Append-only message log in a key-value store; many writers, one reader (who keeps a cursor).
 
@@ -117,7 +128,7 @@ class Queue:
         if body.get("t") is None:
             body["t"] = time.time()
         body = {"v": SCHEMA_VERSION, **body}
-        n = self.store.add(f"{self.name}/n", 1)
+        n = self.store.add(counter_key(self.name), 1)
         self.store.set(f"{self.name}/{n}", auth.seal(self._sealed_name(), n, json.dumps(body)))
         return n
 
@@ -155,7 +166,7 @@ class Queue:
             self._incarnation, self.cursor, self._hole_since = incarnation_of(self.store), None, None
         if self.cursor is None:
             self.cursor = int(self.store.add(f"{self.name}/read", 0)) + 1
-        reserved = self.store.add(f"{self.name}/n", 0)
+        reserved = self.store.add(counter_key(self.name), 0)
         while self.cursor <= reserved:
             key = f"{self.name}/{self.cursor}"
             if self.store.check([key]):

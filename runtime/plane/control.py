@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import sys
 import threading
@@ -37,8 +38,10 @@ from typing import Any, Callable
 from phoenix_runtime.plane import auth, protocol
 from phoenix_runtime.plane.channel import incarnation_of
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
+from phoenix_runtime.plane.relay import RelayReader
 from phoenix_runtime.plane.watch import POLL_S, NotifyWatcher  # noqa: F401  (POLL_S: the fleet bench's too)
 
+log = logging.getLogger(__name__)
 PHASES = ("starting", "training", "recovering", "done")
 # A full read with the watcher armed (every writer bumps the counter, so this only bounds how late a wake-up
 # lost in the store is noticed): at 80,000 ranks one every heartbeat was ~6 round trips x 160,000 a second.
@@ -201,7 +204,14 @@ class ControlThread:
         self.asleep_until = 0.0  # while it waits for the watcher or its next heartbeat: until when (monotonic)
         self._outbox: collections.deque = collections.deque(maxlen=16)  # reports posted by the training thread
         self._q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
-        self._watcher = NotifyWatcher(lambda: connect_store(env), self._wake, self._stop)
+        self._env = env
+        self._central_wake, self._relay_wake = _Chained(self._wake), _Chained(self._wake)
+        self._watcher: NotifyWatcher | None = None  # on the central counter; while the relay is not armed only
+        self._central_stop = threading.Event()
+        self._watch_centrally(first=True)
+        # the agent's relay of the generation (``relay``): while it is armed, the central watcher is stopped
+        self._relay = RelayReader(env.local_port, env.node, self._relay_wake, self._stop) if env.local_port else None
+        self._relay_dirty = True  # the relay's notice is read at the next pass
         self._thread = threading.Thread(target=self._run, name="phoenix-control", daemon=True)
         self._thread.start()
         if self.local is not None:  # local heartbeats from a thread of their own (see _beat_locally)
@@ -209,8 +219,48 @@ class ControlThread:
 
     @property
     def watching(self) -> bool:
-        """``latest_gen`` follows the store at once: the watcher is armed and no read is half done."""
-        return self._watcher.armed and not self._dirty
+        """``latest_gen`` follows the store at once: the agent's relay or the central watcher is armed, and no
+        read is half done."""
+        return (self.relayed or (self._watcher is not None and self._watcher.armed)) and not self._dirty
+
+    @property
+    def relayed(self) -> bool:
+        """The agent relays the generation (its local store answers, its notice read): no central watch."""
+        return self._relay is not None and self._relay.armed and not self._relay_dirty
+
+    def _watch_centrally(self, first: bool = False) -> None:
+        if self._watcher is None:
+            if not first:
+                log.warning("the node agent's relay of the generation is gone: this rank watches the central store")
+            self._central_stop = threading.Event()
+            self._watcher = NotifyWatcher(lambda: connect_store(self._env), self._central_wake, self._central_stop)
+
+    def _unwatch_centrally(self) -> None:
+        """The relay took over: the central watcher ends at the next bump (its blocked wait returns then)."""
+        if self._watcher is not None:
+            log.info("the generation is relayed by the node's agent (its local store)")
+            self._central_stop.set()
+            self._watcher = None
+
+    def _read_relay(self) -> None:
+        """Apply the agent's notice (``protocol.NodeNotice``): the generation and the persist step, and this rank's
+        queue, read centrally only when its counter moved past what was read."""
+        notice = self._relay.read() if self._relay is not None else None
+        if notice is None:
+            self._relay_dirty = True  # none yet, or the agent's store is going: the central path meanwhile
+            return
+        self.persist_at = notice.persist_at
+        if notice.gen > self.latest_gen:
+            self.latest_gen = notice.gen
+            for cb in list(self.on_gen_change):
+                cb(notice.gen)
+        cursor = self.q_rank.cursor
+        if cursor is None or notice.queues.get(self.slot, 0) >= cursor:
+            for msg in self.q_rank.get_all():
+                for cb in list(self.on_fault):
+                    cb(msg)
+            self._dirty = self._dirty or self.q_rank.pending
+        self._relay_dirty = False
 
     def _beat_locally(self) -> None:
         """Heartbeat into the agent's store every ``heartbeat_s``, apart from this thread's central store calls:
@@ -298,11 +348,35 @@ class ControlThread:
         self._notified = seen
         self._dirty = self.q_rank.pending
 
+    def _woken(self) -> tuple[bool, bool]:
+        """(anything woke this thread, the relay's counter moved); cleared before the counters are read: a bump
+        after this ends the wait at once."""
+        relay_woken = self._relay_wake.is_set()
+        woken = self._wake.is_set()
+        for e in (self._wake, self._central_wake, self._relay_wake):
+            e.clear()
+        return woken, relay_woken
+
+    def _follow(self, woken: bool, relay_woken: bool, full: bool) -> None:
+        """One pass's reads: the agent's notice when its counter moved (locally), the central store at a full read,
+        a read half done, or while nothing relays and the central counter moved (or no watcher is armed)."""
+        if self._relay is not None and self._relay.armed:
+            if relay_woken or self._relay_dirty:
+                self._read_relay()
+        else:
+            self._relay_dirty = True  # the agent's store is gone or not served yet: read the notice once it is back
+        if self.relayed:
+            self._unwatch_centrally()
+        else:
+            self._watch_centrally()
+        central = not self.relayed and (woken or self._watcher is None or not self._watcher.armed)
+        if full or self._dirty or central:  # else nothing moved: no round trip
+            self._poll(full=full)
+
     def _run(self) -> None:
         next_hb = next_full = 0.0
         while not self._stop.is_set():
-            woken = self._wake.is_set()
-            self._wake.clear()  # before the counter is read: a bump after this read ends the wait below at once
+            woken, relay_woken = self._woken()
             delay = POLL_S
             try:
                 now = time.monotonic()
@@ -312,12 +386,11 @@ class ControlThread:
                     self.report_refused()
                     next_hb = now + self.heartbeat_s
                 full = now >= next_full
-                if full or woken or self._dirty or not self._watcher.armed:  # else nothing moved: no round trip
-                    self._poll(full=full)
+                self._follow(woken, relay_woken, full)
                 self._send_posted()
                 if full:
                     next_full = now + self.full_read_s
-                if self._watcher.armed and not self._dirty:  # until the watcher's wake-up or the next heartbeat
+                if self.watching:  # until a watcher's wake-up or the next heartbeat
                     delay = max(0.0, min(next_hb, next_full) - time.monotonic())
             except Exception:
                 if self._stop.is_set():
@@ -329,8 +402,22 @@ class ControlThread:
 
     def stop(self) -> None:
         self._stop.set()
+        self._central_stop.set()
         self._wake.set()
         self._thread.join(timeout=2)  # the watcher, blocked in the store, is a daemon: it is not waited for
+
+
+class _Chained(threading.Event):
+    """An event whose ``set`` also sets ``then`` (the control thread's one wake-up), so that the thread can tell
+    which watcher woke it."""
+
+    def __init__(self, then: threading.Event):
+        super().__init__()
+        self.then = then
+
+    def set(self) -> None:
+        super().set()
+        self.then.set()
 
 
 _CONTROL: ControlThread | None = None

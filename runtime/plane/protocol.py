@@ -8,6 +8,7 @@ Key space (all under ``phx/``)::
 
     phx/gen                       current job generation (int as text); bumped only by the supervisor
     phx/gen/<g>/members           membership of generation g (JSON, see ``Membership``)
+    phx/gen/<g>/members-diff      the same as a difference from generation g-1's (``MembersDiff``): what ranks read
     phx/gen/<g>/pg/...            the process groups of generation g (a PrefixStore scope)
     phx/gen/<g>/arrived           ranks that reached generation g's rendezvous (counter)
     phx/assign/<node>/<slot>      logical-rank assignment of a warm spare rank (JSON)
@@ -24,6 +25,8 @@ Key space (all under ``phx/``)::
     phx/notify-agents             counter: bumped after each command into an agent's queue (``tell_agent``)
     phx/notify/<n>                written when the counter reaches n (the newest NOTIFY_KEEP kept): ranks block on it
     phx/notify-agents/<n>         the same for the agents' counter
+    phx/relay/<node>              in an agent's node-local store: what it relays to its ranks (``NodeNotice``),
+                                  with that store's own ``phx/notify`` counter bumped after each write
 
 Every value and message above (but the counters and torch's own ``pg`` keys) is sealed with the job's
 secret (``channel``, ``auth``): readers drop what is unsigned, forged or replayed, and report it.
@@ -33,14 +36,18 @@ heartbeats there (sealed the same way); the agent reads them in one batch (its h
 ``NodeDigest`` per heartbeat here. The central store's load thus grows with nodes, not ranks: one digest
 written per node per beat, and one key per node read by the supervisor's status pass. Ranks and agents read
 their queues and the generation when the counter moves (a watcher blocked on ``phx/notify/<n+1>`` wakes them),
-not on a timer: a quiet job's ranks make no central round trip between their safety reads.
+not on a timer: a quiet job's ranks make no central round trip between their safety reads. A node's agent watches
+the ranks' counter for them: it reads the generation, the persist step and its ranks' queue counters once for the
+node and relays them through its local store (``relay``), so a bump costs the central store one batch per node.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
 from dataclasses import asdict, dataclass, field, fields
-from typing import Protocol
+from typing import Any, Protocol
 
 from phoenix_runtime.plane.channel import (  # noqa: F401  (re-exported)
     SCHEMA_VERSION, Incarnated, Queue, get_value, get_values, incarnation_of, put_value, read_json_object,
@@ -131,6 +138,17 @@ def read_notify(store: Store, counter: str = K_NOTIFY) -> int:
 
 def k_members(gen: int) -> str:
     return f"phx/gen/{gen}/members"
+
+
+def k_relay(node: str) -> str:
+    """In ``node``'s agent's local store: its ``NodeNotice`` (``relay.NodeRelay``). The node is in the key (and so in
+    its seal): a notice of another node's store is refused, and a process that reads several nodes' stores (the fleet
+    bench's) keeps each one's replay check apart."""
+    return f"phx/relay/{node}"
+
+
+def k_members_diff(gen: int) -> str:
+    return f"phx/gen/{gen}/members-diff"
 
 
 def k_pg_prefix(gen: int) -> str:
@@ -255,8 +273,106 @@ def read_gen(store: Store) -> int:
     return int(text) if text is not None else 0
 
 
+@dataclass(frozen=True)
+class MembersDiff:
+    """Generation ``gen``'s membership as a difference from generation ``base``'s, which its ranks read instead of
+    the whole (``read_members``): the whole grows with the job (~360 bytes a node: 358 KB at 1,000 nodes x 8) and
+    every rank of a recovery reads it, where a hot-swap changes one node's slots. ``ranks``: the entries (index ->
+    slot) that differ, ``length`` the new count; ``domains`` the entries set, ``dropped`` those removed; ``other``
+    every other field that differs (as JSON); ``digest``: the SHA-256 of the whole's JSON, checked after applying."""
+
+    gen: int
+    base: int
+    length: int
+    digest: str
+    ranks: dict[int, RankSlot] = field(default_factory=dict)
+    domains: dict[str, str] = field(default_factory=dict)
+    dropped: tuple[str, ...] = ()
+    other: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def between(cls, base: Membership, new: Membership) -> "MembersDiff":
+        b, n = asdict(base), asdict(new)
+        other = {k: v for k, v in n.items() if k not in ("gen", "ranks", "domains") and v != b[k]}
+        ranks = {i: r for i, r in enumerate(new.ranks) if i >= len(base.ranks) or base.ranks[i] != r}
+        domains = {k: v for k, v in new.domains.items() if base.domains.get(k) != v}
+        dropped = tuple(k for k in base.domains if k not in new.domains)
+        return cls(new.gen, base.gen, len(new.ranks), _digest(new), ranks, domains, dropped, other)
+
+    def apply(self, base: Membership) -> Membership | None:
+        """The whole membership, or None when ``base`` is not the one this was made from (its digest differs)."""
+        if base.gen != self.base:
+            return None
+        d = asdict(base)
+        d.update(self.other, gen=self.gen)
+        ranks = list(base.ranks[:self.length])
+        for i, r in sorted(self.ranks.items()):
+            if i < len(ranks):
+                ranks[i] = r
+            elif i == len(ranks):
+                ranks.append(r)
+            else:
+                return None
+        d["ranks"] = [asdict(r) for r in ranks]
+        d["domains"] = {k: v for k, v in {**base.domains, **self.domains}.items() if k not in self.dropped}
+        try:
+            mem = Membership.from_json(json.dumps(d))
+        except (TypeError, ValueError, KeyError):
+            return None
+        return mem if len(mem.ranks) == self.length and _digest(mem) == self.digest else None
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["ranks"] = {str(i): asdict(r) for i, r in self.ranks.items()}
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "MembersDiff":
+        d = json.loads(text)
+        return cls(int(d["gen"]), int(d["base"]), int(d["length"]), str(d["digest"]),
+                   {int(i): RankSlot(**r) for i, r in d.get("ranks", {}).items()}, dict(d.get("domains", {})),
+                   tuple(d.get("dropped", ())), dict(d.get("other", {})))
+
+
+def _digest(mem: Membership) -> str:
+    """Of the membership's content (sorted keys: the order of its failure domains is not part of it)."""
+    return hashlib.sha256(json.dumps(asdict(mem), sort_keys=True).encode()).hexdigest()
+
+
+# The memberships this process read (store incarnation, gen) -> Membership, newest few: a generation's is written
+# once, and a rank reads it more than once per recovery; the newest is the base the next one's difference applies to
+_members_lock = threading.Lock()
+_members_read: dict[tuple[int, int], Membership] = {}
+MEMBERS_KEPT = 4
+
+
 def read_members(store: Store, gen: int) -> Membership:
-    """Generation ``gen``'s membership (``KeyError`` when there is none, or none genuine)."""
+    """Generation ``gen``'s membership (``KeyError`` when there is none, or none genuine): from this process's last
+    read of it, from its difference to one read before (``MembersDiff``, a few hundred bytes for a hot-swap), or
+    whole."""
+    inc = incarnation_of(store)
+    with _members_lock:
+        mem = _members_read.get((inc, gen))
+        bases = {g: m for (i, g), m in _members_read.items() if i == inc}
+    if mem is None and bases:
+        text = get_value(store, k_members_diff(gen))
+        if text is not None:
+            try:
+                diff = MembersDiff.from_json(text)
+            except (TypeError, ValueError, KeyError):
+                diff = None
+            if diff is not None and diff.gen == gen and diff.base in bases:
+                mem = diff.apply(bases[diff.base])
+    if mem is None:
+        mem = _read_whole_members(store, gen)
+    with _members_lock:
+        _members_read[(inc, gen)] = mem
+        for key in sorted(_members_read)[:-MEMBERS_KEPT]:
+            del _members_read[key]
+    return mem
+
+
+def _read_whole_members(store: Store, gen: int) -> Membership:
     if not store.check([k_members(gen)]):
         store.get(k_members(gen))  # waits (the store's timeout) for the supervisor to write it
     text = get_value(store, k_members(gen))
@@ -317,6 +433,31 @@ class NodeDigest:
         known = {f.name for f in fields(RankHeartbeat)}
         beats = {int(s): RankHeartbeat(**{k: v for k, v in hb.items() if k in known}) for s, hb in d.get("beats", {}).items()}
         return cls(node=str(d["node"]), t=float(d["t"]), beats=beats)
+
+
+@dataclass(frozen=True)
+class NodeNotice:
+    """What an agent relays to its ranks at ``k_relay`` of its node-local store (``relay.NodeRelay``), read once
+    for the node from the central store when the ranks' counter moved: the generation, the persist step, and each
+    slot's queue counter (``q_rank(..)/n``: a rank reads its own queue centrally only when it moved). ``notified``:
+    the central counter read before them; ``incarnation``: the central store's (``failover``)."""
+
+    gen: int
+    persist_at: int
+    notified: int = -1
+    queues: dict[int, int] = field(default_factory=dict)
+    incarnation: int = 0
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["queues"] = {str(s): n for s, n in sorted(self.queues.items())}
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "NodeNotice":
+        d = json.loads(text)
+        return cls(gen=int(d["gen"]), persist_at=int(d["persist_at"]), notified=int(d.get("notified", -1)),
+                   queues={int(s): int(n) for s, n in d.get("queues", {}).items()}, incarnation=int(d.get("incarnation", 0)))
 
 
 # --- environment given to one rank ---------------------------------------------------------------

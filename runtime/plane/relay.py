@@ -1,0 +1,145 @@
+"""The generation's relay through a node's agent, both sides: the agent reads what the ranks' notify counter
+announces once for its node, and tells its ranks through its node-local store.
+
+Without it every rank watches the central counter and, when it moves, reads the generation and the persist step
+from the central store itself: a bump cost ~4 round trips per rank (32,000 in a burst at 1,000 nodes x 8), and the
+central store served them one by one. With it, the node's agent (``NodeRelay``) is the only one of the node that
+watches the central counter: woken, it reads the counter, the generation, the persist step and its ranks' queue
+counters in one batch (``add``, ``check``, ``multi_get``), writes them as one ``protocol.NodeNotice`` at
+``protocol.k_relay(node)`` of its node-local store (sealed, as everything there) and bumps that store's own
+``protocol.K_NOTIFY``. Each rank (``RelayReader``) watches that local counter instead of the central one and reads
+the notice locally; it reads its queue centrally only when its queue's counter moved (an injected fault).
+
+The bound when the relay fails: a rank whose agent died sees its local store go (its watcher disarms at once) and
+goes back to watching the central counter itself (``control.ControlThread``); an agent that stops answering (a
+stopped process) leaves the rank's periodic full read of the central store (``control.full_read_every``) as the
+bound. Torch is imported only where a client is made.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+from phoenix_runtime.plane import protocol
+from phoenix_runtime.plane.channel import counter_key, incarnation_of, open_value
+from phoenix_runtime.plane.watch import NotifyWatcher
+
+READ_S = 5.0  # the agent's safety read (a wake-up lost in the central store), as a rank's own (control.FULL_READ_S)
+
+
+def _count(raw: Any) -> int:
+    """A queue counter's value (written by ``add``, not sealed); one that is not a number reads as 0."""
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return 0
+
+
+class NodeRelay:
+    """The agent's side: ``due`` says when to read (woken by ``wake``, which the caller's ``NotifyWatcher`` on the
+    central ``protocol.K_NOTIFY`` sets; every ``READ_S``; every pass while no watcher is armed), ``relay`` reads the
+    central store once for the node and tells the ranks when anything they read changed."""
+
+    def __init__(self, node: str, nproc: int, local: Any):
+        self.node, self.nproc, self.local = node, nproc, local
+        self.wake = threading.Event()
+        self.watcher: Any = None  # the caller's watcher on the central counter (its ``armed`` is read)
+        self.last: protocol.NodeNotice | None = None
+        self.next_read = 0.0
+        self.reads = 0  # central batches made (``relay`` calls)
+        self._counters = [counter_key(protocol.q_rank(node, s)) for s in range(nproc)]
+        self._made: int | None = None  # the store incarnation whose queue counters this relay created
+
+    def due(self, now: float) -> bool:
+        woken = self.wake.is_set()
+        self.wake.clear()  # before the read: a bump after it wakes the next pass
+        return woken or now >= self.next_read or self.watcher is None or not self.watcher.armed
+
+    def relay(self, store: Any, now: float) -> bool:
+        """One read of the central store for the whole node; True when the ranks were told something new."""
+        self.next_read = now + READ_S
+        self.reads += 1
+        inc = incarnation_of(store)
+        if self._made != inc:  # a counter no message was reserved in yet is created (0): the batch finds every key
+            for k in self._counters:
+                store.add(k, 0)
+            self._made = inc
+        try:
+            notified = protocol.read_notify(store)
+        except ValueError:  # not a counter (forged): the notice says so, the ranks' safety reads go on
+            notified = -1
+        keys = [protocol.K_GEN, protocol.K_PERSIST_AT, *self._counters]
+        if store.check(keys):
+            raw = store.multi_get(keys)
+            gen, persist = open_value(keys[0], raw[0]), open_value(keys[1], raw[1])
+            queues = {s: _count(r) for s, r in enumerate(raw[2:])}
+        else:  # no generation or persist step yet (multi_get would wait for them)
+            gen, persist = protocol.get_value(store, keys[0]), protocol.get_value(store, keys[1])
+            queues = {s: _count(store.add(k, 0)) for s, k in enumerate(self._counters)}
+        notice = protocol.NodeNotice(int(gen or 0), int(persist or 0), notified, queues, inc)
+        last, self.last = self.last, notice
+        if last is not None and (last.gen, last.persist_at, last.queues, last.incarnation) == \
+                (notice.gen, notice.persist_at, notice.queues, notice.incarnation):
+            return False  # nothing a rank reads moved: no local bump, no rank woken
+        protocol.put_value(self.local, protocol.k_relay(self.node), notice.to_json())
+        protocol.notify(self.local, protocol.K_NOTIFY)
+        return True
+
+
+class LocalWatchStore:
+    """A node-local store client as ``NotifyWatcher`` uses one: ``wait_or_move`` is ``wait`` (there is no other
+    store to move to: a lost agent's store raises, and the watcher disarms)."""
+
+    def __init__(self, store: Any):
+        self.store = store
+
+    def add(self, key: str, value: int) -> int:
+        return self.store.add(key, value)
+
+    def wait_or_move(self, keys: list[str], timeout: timedelta) -> bool:
+        self.store.wait(keys, timeout)
+        return True
+
+
+def connect_local(port: int, stop: threading.Event, timeout_s: float = 30.0):
+    """A client of the agent's node-local store, tried until it connects (the agent serves it only once its ranks
+    are warm, ``agent.wait_warm``) or ``stop`` is set (then ``RuntimeError``)."""
+    import torch.distributed as dist
+
+    while not stop.is_set():
+        try:
+            return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
+        except Exception:  # noqa: BLE001 -- not served yet, or refused: try again
+            stop.wait(1.0)
+    raise RuntimeError("stopped")
+
+
+class RelayReader:
+    """The rank's side: a watcher blocked on the local store's ``protocol.K_NOTIFY`` (sets ``wake``) and a client
+    of its own that reads the notice. ``armed``: the agent's store answers; the rank relies on the relay."""
+
+    def __init__(self, port: int, node: str, wake: threading.Event, stop: threading.Event):
+        self.port, self.node, self.stop = port, node, stop
+        self.reader: Any = None
+        self.watcher = NotifyWatcher(self._connect, wake, stop)
+
+    def _connect(self) -> LocalWatchStore:
+        watch = connect_local(self.port, self.stop)
+        self.reader = connect_local(self.port, self.stop)
+        return LocalWatchStore(watch)
+
+    @property
+    def armed(self) -> bool:
+        return self.watcher.armed
+
+    def read(self) -> protocol.NodeNotice | None:
+        """The agent's latest notice (None: none yet, or its store is gone)."""
+        if self.reader is None:
+            return None
+        try:
+            text = protocol.get_value(self.reader, protocol.k_relay(self.node))
+            return protocol.NodeNotice.from_json(text) if text is not None else None
+        except Exception:  # noqa: BLE001 -- the agent's store went away; its watcher disarms too
+            return None

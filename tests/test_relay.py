@@ -1,0 +1,272 @@
+"""The agent relays the generation to its node's ranks (``phoenix_runtime.plane.relay``): real TCPStores (the
+central one and each node's local one), real control threads, real notify watchers; round trips counted.
+
+A generation's bump costs the central store one batch per node (the agent's), none per rank; a fault queued for one
+rank is read centrally by that rank only; a rank whose agent is killed goes back to the central store and still sees
+the next generation, within a bound.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from phoenix_runtime.plane import auth, channel, control, protocol
+from phoenix_runtime.plane.control import ControlThread, RankState
+from phoenix_runtime.plane.rank_env import RankEnv
+from phoenix_runtime.plane.relay import LocalWatchStore, NodeRelay
+from phoenix_runtime.plane.watch import NotifyWatcher
+
+KEY = b"r" * 32
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def secret():
+    saved = (auth._key, auth._loaded)
+    auth.set_key(KEY)
+    auth.drain()
+    protocol._members_read.clear()
+    yield
+    auth.drain()
+    auth._key, auth._loaded = saved
+    channel.forget("phx/")
+    protocol._members_read.clear()
+
+
+class Counted:
+    """A store client whose calls are counted in ``log`` (name, owner); attributes that are not calls pass."""
+
+    def __init__(self, inner, log: list, owner: str):
+        self.inner, self.log, self.owner = inner, log, owner
+
+    def __getattr__(self, name):
+        v = getattr(self.inner, name)
+        if not callable(v):
+            return v
+
+        def call(*a):
+            self.log.append((name, self.owner))
+            return v(*a)
+        return call
+
+
+def _server():
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False, use_libuv=True)
+
+
+def _rank_env(port: int, local_port: int, node: str, slot: int, world: int, heartbeat_s: float = 60.0) -> RankEnv:
+    # a 60 s heartbeat: a rank's periodic full read of the central store (every max(heartbeat, 5 s)) falls outside
+    # the test, so every central round trip counted below is one the bump itself caused
+    return RankEnv.from_environ({protocol.ENV_STORE_HOST: "127.0.0.1", protocol.ENV_STORE_PORT: str(port),
+                                 protocol.ENV_LOCAL_PORT: str(local_port), protocol.ENV_NODE: node, protocol.ENV_SLOT: str(slot),
+                                 protocol.ENV_GEN: "0", protocol.ENV_HEARTBEAT_S: str(heartbeat_s), "RANK": "0",
+                                 "WORLD_SIZE": str(world), "LOCAL_RANK": str(slot)})
+
+
+def _publish(central, gen: int) -> None:
+    protocol.put_value(central, protocol.K_GEN, str(gen))
+    protocol.notify_ranks(central)
+
+
+@pytest.mark.timeout(120)
+def test_a_bump_costs_one_central_batch_per_node_and_no_rank_reads_the_central_store(secret, monkeypatch):
+    from phoenix_launch.plane.control import connect, start_store
+    from phoenix_runtime.plane.failover import FailoverStore
+
+    n_nodes, nproc = 2, 4
+    central = _server()
+    protocol.put_value(central, protocol.K_PERSIST_AT, "0")
+    _publish(central, 0)
+    log: list = []
+    owner = threading.local()
+
+    def connect_store(env=None, timeout_s=30.0, *, handed=False):  # every central client of a rank, counted
+        return Counted(FailoverStore(("127.0.0.1", central.port), None, timeout_s=10.0, reconnect_s=5.0), log,
+                       f"rank {env.node}/{env.slot}")
+    monkeypatch.setattr(control, "connect_store", connect_store)
+    stop = threading.Event()
+    relays, ranks = [], []
+
+    def agent(node: str, relay: NodeRelay, store) -> None:  # Agent.run's relay, pass by pass
+        while not stop.is_set():
+            now = time.monotonic()
+            if relay.due(now):
+                relay.relay(store, now)
+            relay.wake.wait(0.02)
+    try:
+        for i in range(n_nodes):
+            node = f"node{i}"
+            local, port = start_store("127.0.0.1")
+            relay = NodeRelay(node, nproc, local)
+            relay.watcher = NotifyWatcher(lambda: LocalWatchStore(Counted(connect("127.0.0.1", central.port, 10.0), log, f"agent {node}")),
+                                          relay.wake, stop)
+            relays.append(relay)
+            threading.Thread(target=agent, args=(node, relay, Counted(connect("127.0.0.1", central.port, 10.0), log, f"agent {node}")),
+                             daemon=True).start()
+            ranks += [ControlThread(RankState(), _rank_env(central.port, port, node, s, n_nodes * nproc)) for s in range(nproc)]
+        wait_for(lambda: all(r.relayed and r._watcher is None for r in ranks), 60, "every rank relayed by its agent")
+        wait_for(lambda: all(r.watcher.armed for r in relays), 30, "every agent's watcher armed")
+        time.sleep(0.5)  # a pass of each control thread since it switched (its last central read, if any, is done)
+        # a bump ends the waits the ranks' central watchers were blocked in when their relay took over: do it once first
+        _publish(central, 1)
+        wait_for(lambda: all(r.latest_gen == 1 for r in ranks), 20, "generation 1 seen by every rank")
+        time.sleep(0.5)
+        log.clear()
+        _publish(central, 2)
+        wait_for(lambda: all(r.latest_gen == 2 for r in ranks), 20, "generation 2 seen by every rank")
+        time.sleep(0.3)  # nothing else follows
+        calls = list(log)
+        assert not [c for c in calls if c[1].startswith("rank")], f"a rank read the central store at a bump: {calls}"
+        for i in range(n_nodes):
+            mine = [c[0] for c in calls if c[1] == f"agent node{i}"]
+            # its watcher's read of the counter and its next wait, then the relay's one batch
+            assert sorted(mine) == sorted(["add", "wait", "add", "check", "multi_get"]), (i, mine)
+        # a fault queued for one rank: that rank reads its own queue centrally, no other rank reads anything
+        seen: list = []
+        target = ranks[nproc + 1]  # node1, slot 1
+        target.on_fault.append(seen.append)
+        log.clear()
+        protocol.Queue(central, protocol.q_rank("node1", 1)).put(protocol.RankFault("comm", None))
+        protocol.notify_ranks(central)
+        wait_for(lambda: seen, 20, "the fault read by its rank")
+        time.sleep(0.3)
+        readers = {c[1] for c in log if c[1].startswith("rank")}
+        assert readers == {"rank node1/1"} and seen[0]["mode"] == "comm", (readers, seen)
+    finally:
+        stop.set()
+        for r in ranks:
+            r.stop()
+        protocol.notify_ranks(central)  # releases the watchers blocked in the store (daemons)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_agent_is_stopped_or_killed_still_sees_the_next_generation(secret, tmp_path):
+    """The agent (a process of its own, serving the node's local store) is SIGSTOPped: its rank sees the next
+    generation at its periodic full read of the central store (every 5 s here). Then SIGKILLed: its rank's relay
+    watcher loses the store, the rank watches the central counter again and sees the next generation within 5 s
+    (the watcher disarms at once, the central client connects in ~0.5 s)."""
+    central = _server()
+    protocol.put_value(central, protocol.K_PERSIST_AT, "0")
+    _publish(central, 0)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "scripts"), *sys.path])}
+    agent = subprocess.Popen([sys.executable, str(HERE / "scripts" / "relay_agent.py"), str(central.port), "node0", "1", KEY.hex()],
+                             stdout=subprocess.PIPE, stderr=open(tmp_path / "agent.log", "wb"), env=env)
+    rank = None
+    try:
+        line = wait_for(lambda: agent.stdout.readline(), 60, "the agent's local port")  # type: ignore[union-attr]
+        rank = ControlThread(RankState(), _rank_env(central.port, int(line), "node0", 0, 1, heartbeat_s=1.0))
+        assert rank.full_read_s == 5.0
+        seen: list = []
+        rank.on_gen_change.append(lambda g: seen.append((g, time.monotonic())))
+        wait_for(lambda: rank.relayed and rank._watcher is None, 60, "the rank relayed by its agent")
+        _publish(central, 1)
+        wait_for(lambda: rank.latest_gen == 1, 20, "generation 1 seen through the relay")
+        agent.send_signal(signal.SIGSTOP)
+        t = time.monotonic()
+        _publish(central, 2)
+        wait_for(lambda: rank.latest_gen == 2, 15, "generation 2 seen with the agent stopped")
+        assert seen[-1][0] == 2 and seen[-1][1] - t < rank.full_read_s + 2.0, seen[-1][1] - t
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=10)
+        t = time.monotonic()
+        _publish(central, 3)
+        wait_for(lambda: rank.latest_gen == 3, 10, "generation 3 seen with the agent gone")
+        took = seen[-1][1] - t
+        assert seen[-1][0] == 3 and took < 5.0, took
+        assert not rank.relayed  # it follows the central store now
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(timeout=10)
+        if rank is not None:
+            rank.stop()
+        protocol.notify_ranks(central)
+
+
+def _fleet_members(n_nodes: int, nproc: int, gen: int = 0, swap: tuple[str, str] | None = None) -> protocol.Membership:
+    """A membership of ``n_nodes`` x ``nproc`` with a failure domain per node; ``swap``: one node's slots moved to a spare."""
+    names = [f"node{i}" for i in range(n_nodes)]
+    if swap:
+        names = [swap[1] if n == swap[0] else n for n in names]
+    ranks = tuple(protocol.RankSlot(i * nproc + s, n, s) for i, n in enumerate(names) for s in range(nproc))
+    domains = {f"node{i}": f"sw{i // 32}" for i in range(n_nodes + 1)}
+    return protocol.Membership(gen, n_nodes * nproc, ranks, domains=domains)
+
+
+def test_a_membership_difference_is_small_and_applies_only_to_its_base():
+    base = _fleet_members(1000, 8)
+    new = protocol.Membership(**{**_fleet_members(1000, 8, 1, ("node500", "node1000")).__dict__,
+                                 "joiners": tuple(range(4000, 4008)), "reason": "node500 lost"})
+    diff = protocol.MembersDiff.between(base, new)
+    whole, small = len(new.to_json()), len(diff.to_json())
+    assert whole > 300_000 and small < 2_000, (whole, small)  # one node's slots, not the job's
+    assert protocol.MembersDiff.from_json(diff.to_json()).apply(base) == new
+    reordered = protocol.Membership(**{**new.__dict__, "domains": dict(reversed(list(new.domains.items())))})
+    assert protocol.MembersDiff.between(base, reordered).apply(base) == new  # the domains' order is not content
+    other = protocol.Membership(**{**base.__dict__, "domains": {**base.domains, "node3": "elsewhere"}})
+    assert diff.apply(other) is None  # not its base: refused (the digest), the reader reads the whole instead
+    assert diff.apply(new) is None
+    # a shrink: fewer ranks, renumbered data ranks and the previous ranks
+    shrunk = protocol.Membership(2, 8, base.ranks[:8], data=tuple((r, r + 8) for r in range(8)), prev=tuple(range(8)),
+                                 prev_world=16, domains={"node0": "sw0"})
+    assert protocol.MembersDiff.between(base, shrunk).apply(base) == shrunk
+
+
+def test_a_rank_reads_a_new_generations_membership_as_its_difference_once(secret):
+    """The publisher writes the whole membership and its difference from the last one; a rank that read the last one
+    reads the difference (a few hundred bytes, two round trips) and, asked again in the same recovery, nothing."""
+    from phoenix_launch.repair.generations import Attempt, GenerationPublisher
+
+    import torch.distributed as dist
+
+    server = _server()
+    n_nodes, nproc = 200, 8
+    pub = GenerationPublisher(server, world_size=n_nodes * nproc, nproc=nproc, run_id="r", max_restarts=0,
+                              domains=lambda: _fleet_members(n_nodes, nproc).domains)
+    first = pub.first(_fleet_members(n_nodes, nproc).ranks)
+
+    class Bytes:  # a rank's central client: its round trips and the bytes they brought back
+        def __init__(self):
+            self.inner = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10), use_libuv=True)
+            self.calls, self.bytes = [], 0
+
+        def __getattr__(self, name):
+            fn = getattr(self.inner, name)
+
+            def call(*a):
+                self.calls.append(name)
+                out = fn(*a)
+                self.bytes += len(out) if isinstance(out, bytes) else 0
+                return out
+            return call
+    rank = Bytes()
+    assert protocol.read_members(rank, 0) == first
+    assert rank.bytes > 50_000  # the whole, at the start
+    swapped = _fleet_members(n_nodes, nproc, swap=("node7", "node200")).ranks
+    new = pub.publish(swapped, "node7 lost", Attempt(0, "127.0.0.1", 1), {f"node{i}": i for i in range(n_nodes + 1)})
+    rank.calls, rank.bytes = [], 0
+    assert protocol.read_members(rank, new.gen) == new
+    assert rank.calls == ["check", "get"] and rank.bytes < 2_000, (rank.calls, rank.bytes)
+    rank.calls = []
+    assert protocol.read_members(rank, new.gen) == new and rank.calls == []  # read once per recovery
+    # a rank that never read the base (a joiner, a new process) reads the whole
+    channel.forget("phx/")
+    protocol._members_read.clear()
+    joiner = Bytes()
+    assert protocol.read_members(joiner, new.gen) == new and joiner.bytes > 50_000
+    again = pub.publish(first.ranks, "node200 lost", Attempt(0, "127.0.0.1", 1), {f"node{i}": i for i in range(n_nodes + 1)})
+    assert protocol.read_members(joiner, again.gen) == again  # the difference, on the whole read just before
+    pub.recovered()  # the generations before the current one: their keys go, the difference too
+    assert not server.check([protocol.k_members_diff(new.gen)]) and server.check([protocol.k_members_diff(again.gen)])
