@@ -62,6 +62,11 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def scripts_env() -> dict[str, str]:
+    """``job_env`` with ``tests/scripts`` first on ``PYTHONPATH``: for a script that imports a helper of it."""
+    return job_env(PYTHONPATH=os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")])))
+
+
 def run_phoenix(args: list[str], cwd: Path, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(phoenix_cmd(*args), cwd=cwd, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
 

@@ -51,7 +51,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import EXAMPLES, events, job_env, job_processes, of_type, rank_log_tail, run_phoenix, start_phoenix, wait_for
+from conftest import EXAMPLES, events, job_processes, of_type, rank_log_tail, run_phoenix, scripts_env, start_phoenix, wait_for
 from phoenix_launch.report import build_timeline, compare
 from phoenix_launch.report.page import render_page
 
@@ -333,22 +333,10 @@ RESHARD = r"""
 import json, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from largest_tensor import Largest  # tests/scripts, on the path: see the test
 from phoenix_runtime import state
 from phoenix_runtime.parallel import Parallel, local_of
 from phoenix_runtime.recover.resize import by_fqn, reshard_state, rows
-
-class Largest(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not local_of(t).is_meta:
-                self.n = max(self.n, local_of(t).numel())
-        return out
 
 class Net(nn.Module):
     def __init__(self):
@@ -390,7 +378,9 @@ def worker(rank, store):
         st = opt.state[p]
         ok &= torch.equal(local_of(p), full[n][lo:hi]) and torch.equal(local_of(st["exp_avg"]), 2 * full[n][lo:hi])
         ok &= float(st["step"]) == 4.0
-    print("OUT:" + json.dumps({"rank": rank, "ok": bool(ok), "largest": mode.n}), flush=True)
+    # one write per line: print() writes the text and its newline apart, and the three processes share the pipe
+    sys.stdout.write("OUT:" + json.dumps({"rank": rank, "ok": bool(ok), "largest": mode.n}) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 if __name__ == "__main__":
@@ -405,7 +395,7 @@ def test_fsdp2_resharding_gives_each_rank_its_rows_and_never_a_whole_parameter(t
     parameter shard and Adam state equal the rows of S_R for its new shard (uneven: 256 and 7 rows over 3), the
     0-dim ``step`` reaches the joiner, and no rank makes a tensor as large as a whole weight (64 x 256)."""
     (tmp_path / "reshard.py").write_text(RESHARD)
-    r = subprocess.run([sys.executable, "reshard.py", str(tmp_path / "store")], cwd=tmp_path, env=job_env(),
+    r = subprocess.run([sys.executable, "reshard.py", str(tmp_path / "store")], cwd=tmp_path, env=scripts_env(),
                        capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
     out = sorted((json.loads(ln[4:]) for ln in r.stdout.splitlines() if ln.startswith("OUT:")), key=lambda o: o["rank"])

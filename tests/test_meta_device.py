@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EXAMPLES, assert_same_digest, check_resume_steps, events, job_env, job_processes, load_digest, of_type, run_phoenix
+from conftest import EXAMPLES, assert_same_digest, check_resume_steps, events, job_processes, load_digest, of_type, run_phoenix, scripts_env
 
 STEPS = 10
 SCRIPT = str(EXAMPLES / "fsdp2_meta.py")
@@ -87,24 +87,11 @@ LOCAL_APPLY = r'''
 import json, torch, torch.nn as nn
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.distributed.fsdp import fully_shard
+from largest_tensor import Largest  # tests/scripts, on the path
 from phoenix_runtime.parallel import Parallel, local_of
 from phoenix_runtime.errors import UsageError
 dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=4)  # rank 2 of 4: no peer runs
-
-class Largest(TorchDispatchMode):
-    """The largest tensor with storage any op makes, in elements (of a DTensor, its local shard)."""
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not local_of(t).is_meta:
-                self.n = max(self.n, local_of(t).numel())
-        return out
 
 class Net(nn.Module):
     def __init__(self):
@@ -144,7 +131,7 @@ def test_a_joiners_local_apply_of_a_meta_model_allocates_only_its_shards(tmp_pat
     materialised and initialised by its reset_parameters(), and no tensor larger than a local shard is ever
     made; the same apply on a materialised model cuts its shards from the full tensors (the measure sees them).
     A meta model left on meta by parallelize without init_weights()/reset_parameters() is refused, saying how."""
-    r = subprocess.run([sys.executable, "-c", LOCAL_APPLY], cwd=tmp_path, env=job_env(),
+    r = subprocess.run([sys.executable, "-c", LOCAL_APPLY], cwd=tmp_path, env=scripts_env(),
                        capture_output=True, text=True, timeout=100)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("OUT:"))[len("OUT:"):])
