@@ -227,11 +227,22 @@ def buffers_now(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {f"b.{n}": local_of(b).detach().clone() for n, b in named_members(module)[1]}
 
 
+def member_kind(name: str) -> str:
+    """What an entry of the replicated region is: "p" a parameter (shard), "b" a buffer, "o" optimizer state.
+    By the prefix, except that a shard-named optimizer state (``<fqn>[@<placements>#<coord>]:<key>``) of a
+    parameter in a top-level module named ``b`` or ``p`` starts with it too: its ``:<key>`` after the shard
+    coordinate tells it apart (a parameter's or buffer's name has none)."""
+    if name.startswith(("p.", "b.")) and ":" not in name.rpartition("#")[2]:
+        return name[0]
+    return "o"
+
+
 def load_local(objs: LoopObjects, shard: dict[str, torch.Tensor], local: dict[str, torch.Tensor], meta: dict) -> None:
     """Restore a rank's tensors from the two regions of a snapshot (or of the transfers of a recovery)."""
-    load_params(objs.module, {**local, **{n: t for n, t in shard.items() if n.startswith("p.")}})
-    load_buffers(objs.module, {n: t for n, t in shard.items() if n.startswith("b.")})  # the rank's own
-    optim = {n: t for n, t in shard.items() if not n.startswith(("b.", "p."))}
+    kinds = {n: member_kind(n) for n in shard}
+    load_params(objs.module, {**local, **{n: t for n, t in shard.items() if kinds[n] == "p"}})
+    load_buffers(objs.module, {n: t for n, t in shard.items() if kinds[n] == "b"})  # the rank's own
+    optim = {n: t for n, t in shard.items() if kinds[n] == "o"}
     optim.update({n[2:]: t for n, t in local.items() if n.startswith("o.")})
     load_optim(objs.optimizer, optim, scalars_of(meta))
 

@@ -117,6 +117,35 @@ def test_envelope_restores_rng_hyperparameters_schedulers_and_stateful_objects()
     assert any(n.startswith("b.") for n in now) and any(n.startswith("o.") for n in now)  # buffers, optimizer
 
 
+def test_a_sharded_optimizers_state_of_a_module_named_b_or_p_is_restored_as_optimizer_state():
+    """Shard-named optimizer state (``<fqn>:<key>``) of parameters in top-level modules named ``b`` and ``p``
+    starts like a buffer's or a parameter's entry; the replicated region restores it into the optimizer."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b, self.p = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def loop():
+        torch.manual_seed(0)
+        m = Net()
+        opt = torch.optim.Adam(m.parameters(), lr=0.1)
+        fqn = {id(q): n for n, q in m.named_parameters()}
+        state.name_by_shard(opt, lambda q: fqn[id(q)])
+        return state.LoopObjects(m, opt, (), None, {})
+
+    objs = loop()
+    objs.module.p(objs.module.b(torch.randn(8, 4))).sum().backward()
+    objs.optimizer.step()
+    shard = dict(state.shard_named(objs.optimizer, False))
+    assert {"b.weight:exp_avg", "p.bias:exp_avg_sq"} <= set(shard), sorted(shard)
+    assert [state.member_kind(n) for n in ("p.b.weight", "b.running_mean", "b.weight:exp_avg", "p.b.w@Shard(0)#1:step",
+                                           "p.b.w@Shard(0)#1", "0.1.exp_avg")] == ["p", "b", "o", "o", "p", "o"]
+    fresh = loop()
+    state.load_local(fresh, shard, dict(state.local_named(objs.module, objs.optimizer, False)), state.capture_envelope(1, objs))
+    got = dict(state.optim_named(fresh.optimizer))
+    assert set(got) == {n for n in shard} and all(torch.equal(got[n], shard[n]) for n in got)
+
+
 def test_rng_state_of_an_older_envelope_still_restores():
     """The torch RNG state travels as bytes now; an envelope of an older version (a pickled tensor) restores."""
     torch.manual_seed(3)
