@@ -22,22 +22,8 @@ from phoenix_runtime.plane import protocol
 from phoenix_runtime.plane.control import STATE, connect_store, control, start_control
 from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
-from phoenix_runtime.plane.store_keys import KeyRecorder
+from phoenix_runtime.plane.store_keys import KeyRecorder, backoff
 from phoenix_runtime.protection.transport import close_pairs
-
-# The recovery's waits for its peers (every rank arrived, their descriptors) poll the store: a blocking wait
-# cannot also watch for a newer generation, and each one that times out makes torch log two warning lines.
-# The pause doubles from 1 ms to POLL_MAX_S: the peers usually arrive within milliseconds of each other, and a
-# rank that waits longer (for a starting joiner) makes ~60 round trips a second, not ~300 at a steady 3 ms.
-POLL_MAX_S = 0.016
-
-
-def backoff(pause: float) -> float:
-    """Sleep the next pause of a store poll (1 ms, then doubled up to ``POLL_MAX_S``); returns it."""
-    pause = min(max(2 * pause, 0.001), POLL_MAX_S)
-    time.sleep(pause)
-    return pause
-
 
 FATE_KEY = "fate"  # under a generation's process-group prefix: "go" (every rank forms it) or "cancel" (none does)
 

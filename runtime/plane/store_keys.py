@@ -16,6 +16,20 @@ from datetime import timedelta
 import torch.distributed as dist
 
 
+# The waits of a rendezvous and of a recovery for their peers poll the store: a blocking store wait cannot also
+# watch for a newer generation, and each one that times out makes torch log two warning lines. The pause doubles
+# from 1 ms to a cap: the peers usually arrive within milliseconds of each other, and a rank that waits longer
+# (for a starting joiner) makes ~60 round trips a second, not ~300 at a steady 3 ms.
+POLL_MAX_S = 0.016
+
+
+def backoff(pause: float, cap: float = POLL_MAX_S) -> float:
+    """Sleep the next pause of a store poll (1 ms, then doubled up to ``cap``); returns it."""
+    pause = min(max(2 * pause, 0.001), cap)
+    time.sleep(pause)
+    return pause
+
+
 class KeyRecorder(dist.Store):
     """Forwards every call to ``inner``; records every key used. The keys read count too: a rank reads its
     peers' addresses, so the survivors delete those of the ranks that died with the generation as well."""
@@ -67,14 +81,13 @@ class KeyRecorder(dist.Store):
             return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
         limit = (timeout if timeout is not None else self.inner.timeout).total_seconds()
         deadline = time.monotonic() + limit if limit > 0 else float("inf")  # 0: no timeout (c10d's kNoTimeout)
-        pause = 0.001
+        pause = 0.0
         self._present.keys = ()
         while not self.inner.check(keys):
             self.stop()
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(f"wait timeout after {limit:g} s for keys {keys}")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.02)
+            pause = backoff(pause, 0.02)
         self._present.keys = frozenset(keys)  # written once, never deleted while the generation lives
         return None
 
