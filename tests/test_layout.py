@@ -204,3 +204,24 @@ def test_large_group_is_fast():
     t = lay.replica_targets(17, 2)
     assert time.perf_counter() - t0 < 10
     assert len({lay.node_of(x) for x in t} | {lay.node_of(17)}) == 3
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_steady_pairs_are_each_ranks_ring_successors_and_tree_parent(k):
+    """``pairs.steady_pairs`` reads every DP group's ring once (it rebuilt the ring for each rank: O(N^2), ~1 s
+    at 1,024 ranks on every rank at every generation); the pairs are the same as each rank's ``replica_targets``
+    and commit tree parent, for TP, PP, nodes and failure domains."""
+    from phoenix_runtime.protection.commit import tree_partners
+    from phoenix_runtime.protection.pairs import pair, steady_pairs
+
+    for layout in (Layout(12, nodes=tuple(f"n{r // 4}" for r in range(12))),
+                   Layout(16, tp_size=2, pp_size=2, nodes=tuple(f"n{r // 4}" for r in range(16))),
+                   Layout(24, tp_size=2, nodes=tuple(f"n{r // 2}" for r in range(24)),
+                          domains=tuple(f"d{r // 8}" for r in range(24)))):
+        want = set()
+        for r in range(layout.world_size):
+            want.update(pair(r, t) for t in layout.replica_targets(r, k))
+            parent, _ = tree_partners(r, layout.world_size)
+            if parent is not None:
+                want.add(pair(r, parent))
+        assert steady_pairs(layout, k) == sorted(want)

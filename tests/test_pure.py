@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pytest
 
@@ -146,6 +147,48 @@ def test_the_plans_outcome_is_resume_salvage_or_give_up():
     assert plan_for_layout(first + [joiner], layout, 4, replicated=False).outcome is Outcome.RESUME  # fresh
     early = plan_for_layout(first + [joiner], layout, 4, replicated=False, lost=(1,))
     assert early.outcome is Outcome.GIVE_UP and "before the first step" in early.reason
+
+
+def test_the_published_course_is_the_planners_and_each_survivor_adds_its_own_replayed_steps():
+    """One planner publishes the course (``Context.plan_once``): its JSON carries everything but ``Plan.replayed``
+    (O(joiners) bytes, read by every rank, not O(N)); each survivor derives its own replayed count, equal to the
+    planner's; the give-up reason travels too."""
+    from phoenix_runtime.layout import Layout
+    from phoenix_runtime.recover.recovery import Course, plan_for_layout, replayed_by
+
+    layout = Layout(4)
+    sh = {r: str(layout.shard_of(r)) for r in range(4)}
+    descs = [surv(0, 9, True, [7, 8], {sh[1]: [7, 8]}), Descriptor(1, False), surv(2, 8, True, [7, 8], {sh[3]: [7, 8]}),
+             surv(3, 8, True, [7, 8], {sh[2]: [7, 8]})]
+    course = plan_for_layout(descs, layout, 4, replicated=False)
+    wire = course.to_json()
+    back = Course.from_json(wire)
+    assert back.outcome is course.outcome and back.plan.replayed == {} and "replayed" in course.plan.__dict__
+    assert back.plan == dataclasses.replace(course.plan, replayed={})
+    assert {d.rank: replayed_by(d, back.plan) for d in descs if d.has_state} == course.plan.replayed == {0: 1, 2: 0, 3: 0}
+    assert str(back.plan.step) not in json.loads(wire)["plan"]["replayed"]  # nothing per survivor on the wire
+    give_up = plan_for_layout([surv(0, 8, True, [7, 8], {}), *descs[1:]], layout, 4, replicated=False)
+    assert Course.from_json(give_up.to_json()) == give_up
+
+
+def test_the_planner_makes_the_dp_groups_of_the_joiners_only():
+    """``plan_for_layout`` asks the layout for the DP groups the plan uses (the joiners'): every rank's, made up
+    front, was O(N^2) per plan (2.8 s at 1,024 ranks)."""
+    from phoenix_runtime.layout import Layout
+    from phoenix_runtime.recover.recovery import Outcome, plan_for_layout
+
+    class Counting(Layout):
+        def dp_group(self, rank):
+            asked.append(rank)
+            return super().dp_group(rank)
+
+    asked: list[int] = []
+    layout = Counting(64)
+    descs = [Descriptor(r, True, 9, True, (8, 9), {str(layout.shard_of((r - 1) % 64)): [8, 9]}) if r != 5
+             else Descriptor(5, False) for r in range(64)]
+    course = plan_for_layout(descs, layout, 64, replicated=False)
+    assert course.outcome is Outcome.RESUME and course.plan.joiners == (5,) and course.plan.optim_src == {5: 6}
+    assert asked == [5]
 
 
 def test_plan_resumes_at_the_newest_step_every_shard_survives():

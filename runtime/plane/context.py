@@ -52,6 +52,11 @@ def desc_key(gen: int, rank: int) -> str:
     return f"phx/gen/{gen}/desc/{rank}"
 
 
+def plan_key(gen: int) -> str:
+    """The store key of generation ``gen``'s recovery plan, written by its planner (``Context.plan_once``)."""
+    return f"phx/gen/{gen}/plan"
+
+
 class Context:
     def __init__(self, env: RankEnv, backend: str | None, tp: int, pp: int):
         self.env = env
@@ -391,6 +396,37 @@ class Context:
             # woken by the control thread's bump (``_on_gen_change``) while its watcher is armed; else a poll
             self._gen_seen.wait(0.05 if self.managed and self.ctl.watching else 0.005)
         raise TimeoutError(f"no new generation after {after} within {self.recovery_timeout:g} s")
+
+    def plan_once(self, gen: int, desc_json: str, deadline: float, plan: Callable[[list[str]], str],
+                  ranks: list[int] | None = None) -> str:
+        """Publish this rank's descriptor of generation ``gen``; the planner (the lowest of ``ranks``, default every
+        rank) reads them all, runs ``plan`` on them and publishes what it returns; every rank returns that. The
+        bytes read are O(N) in all (the planner's N descriptors, one plan each for the others), where every rank
+        reading every descriptor read O(N^2): ~200 bytes x N^2, 20 GB at 10,000 ranks. The plan's key is the
+        generation's barrier as the descriptors were: it exists once every descriptor does."""
+        planner = min(ranks) if ranks else 0
+        if self.rank == planner:
+            out = plan(self.exchange(gen, desc_json, deadline, ranks))
+            key = plan_key(gen)
+            protocol.put_value(self.store, key, out)
+            self._own_keys.append((gen, key))
+            log.info(f"generation {gen}: planned from {len(ranks) if ranks else self.world_size} descriptors; "
+                     f"the plan every other rank reads: {len(out)} bytes")
+            return out
+        key = desc_key(gen, self.rank)
+        protocol.put_value(self.store, key, desc_json)
+        self._own_keys.append((gen, key))
+        pause = 0.0
+        while True:
+            if self.store.check([plan_key(gen)]):
+                got = protocol.get_value(self.store, plan_key(gen))
+                if got is not None:  # a forged one is refused and waited past, as a missing one
+                    return got
+            if self.latest_gen() > gen:
+                raise GenerationAbandoned(f"generation {gen} abandoned")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation {gen}: no plan from rank {planner} after the recovery timeout")
+            pause = backoff(pause)
 
     def exchange(self, gen: int, desc_json: str, deadline: float, ranks: list[int] | None = None) -> list[str]:
         """Publish this rank's descriptor of generation ``gen`` and read everybody's (or ``ranks``'s; bounded; a

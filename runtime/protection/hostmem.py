@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import psutil  # here, not in the check: a warm spare imports it with the runtime, not at its first protection (~25 ms of a recovery)
+
 from phoenix_runtime.errors import ProtectionError
 
 GiB = 1 << 30
@@ -26,8 +28,6 @@ def host_bytes_required(local_nbytes: int, optim_nbytes: int, k: int) -> int:
 def check_host_memory(required: int, available: Optional[int] = None, what: str = "ping-pong snapshot and replica buffers") -> None:
     """Raise ``HostMemoryError`` if ``required`` bytes exceed ``available`` (default: psutil's free memory)."""
     if available is None:
-        import psutil
-
         available = int(psutil.virtual_memory().available)
     if required > available:
         raise HostMemoryError(

@@ -33,7 +33,7 @@ from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.layout import Layout
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.recover import resize
-from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, plan_for_layout, plan_grow
+from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, plan_for_layout, plan_grow, replayed_by
 from phoenix_runtime.protection.fingerprint import intact
 from phoenix_runtime.protection.pairs import recovery_pairs
 from phoenix_runtime.protection.replication import recv_snapshot, send_snapshot
@@ -102,7 +102,16 @@ class RecoverySession:
         survivors = [r for r in range(ctx.world_size) if r not in lost] if lost else None
         # a salvage writes committed local snapshots only: the live state may be mid-step
         mine = self.descriptor(live, live_usable=not lost)
-        descs = [Descriptor.from_json(d) for d in ctx.exchange(gen, mine.to_json(), deadline, ranks=survivors)]
+        planned = ctx.plan_once(gen, mine.to_json(), deadline, ranks=survivors,
+                                plan=lambda got: self._plan([Descriptor.from_json(d) for d in got], lost).to_json())
+        course = Course.from_json(planned)
+        if course.plan is not None and mine.has_state and ctx.rank not in course.plan.joiners:
+            course = dataclasses.replace(course, plan=dataclasses.replace(course.plan, replayed={ctx.rank: replayed_by(mine, course.plan)}))
+        return course
+
+    def _plan(self, descs: list[Descriptor], lost: tuple[int, ...]) -> Course:
+        """The planner's part of ``_course``: the generation's descriptors -> its course (the same on every rank)."""
+        ctx, ops = self.ctx, self.ops
         descs += [Descriptor(j, has_state=False) for j in lost]
         at_most = ctx.members.rollback_to if ctx.members is not None else None
         if self._resized() == "grow":
@@ -330,6 +339,9 @@ class RecoverySession:
             "param_restore_s": round(marks["params"] - marks["planned"], 4),
             "optim_restore_s": round(marks["optim"] - marks["params"], 4),
             "resume_s": round(t_end - marks["optim"], 4),
+            # this process's CPU seconds in the recovery, all its threads: flat in N where the recovery scales (on
+            # a few shared cores, N x this bounds the recovery's time from below: bench/recovery_scale.py)
+            "cpu_s": round(time.process_time() - marks["cpu0"], 4),
         }
         self.rs.stats["recoveries"].append({"gen": gen, "step": plan.step, **breakdown})
         log.info(f"generation {gen}: resumed at step {plan.step} ({breakdown})")
