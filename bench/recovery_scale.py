@@ -304,9 +304,55 @@ def print_fits(res: list[dict]) -> None:
         t_lo = med([r["rec"][key] for r in res if r["n"] == lo])
         t_hi = med([r["rec"][key] for r in res if r["n"] == hi])
         print(f"ratio {key}(N={hi}) / {key}(N={lo}) in this run ({what}): {t_hi / t_lo:.2f}x (target <= 2x)")
+    print_cpu_floor(res, ns)
     own = {n: med([r["rec"]["recovered_s"] - med([b for _, b in r["forms"].get(1, [])]) for r in res if r["n"] == n]) for n in (lo, hi)}
     print(f"ratio without torch's default group (recovered_s less the median rank's default-group formation in generation 1): "
           f"{own[hi]:.3f} / {own[lo]:.3f} s = {own[hi] / own[lo]:.2f}x")
+
+
+def print_cpu_floor(res: list[dict], ns: list[int]) -> None:
+    """Each rank's CPU in its recovery (the runtime's ``cpu_s``, every thread of the process, summed by the
+    supervisor into ``rank_cpu_s``) and the floor it sets here: N ranks' CPU cannot take less than their sum
+    over the machine's cores. Flat CPU per rank is what scales; the floor is this machine's, not the design's."""
+    cores = os.cpu_count() or 1
+    print(f"\nCPU of the ranks in their recovery (the kill's generation; {cores} cores here):")
+    for n in ns:
+        rs = [r for r in res if r["n"] == n and r["rec"].get("rank_cpu_s")]
+        if not rs:
+            continue
+        cpu = med([r["rec"]["rank_cpu_s"] for r in rs])
+        rec = med([r["rec"]["recovered_s"] for r in rs])
+        floor = cpu / cores
+        print(f"  N={n:3d}: {cpu:.3f} CPU s in all, {cpu / n * 1000:.1f} ms per rank; floor {floor:.3f} s "
+              f"(all of it over {cores} cores); recovered in {rec:.3f} s = {rec / floor:.1f}x the floor")
+
+
+def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> None:
+    """The recovery's per-generation pure work at sizes no run here reaches, measured (not extrapolated): the
+    planner's plan from N descriptors (one joiner), the plan's bytes every other rank reads, and the steady pair
+    list every rank derives (8 ranks a node, k = 1)."""
+    sys.path.insert(0, str(ROOT))
+    from phoenix_runtime.layout import Layout
+    from phoenix_runtime.protection.pairs import steady_pairs
+    from phoenix_runtime.recover.recovery import Descriptor, plan_for_layout
+
+    print("\nthe recovery's pure parts at scale (measured here, one process; 8 ranks a node, one joiner, k = 1):")
+    for n in sizes:
+        layout = Layout(n, nodes=tuple(f"n{r // 8}" for r in range(n)))
+        ring = layout.replica_ring(0, 1)
+        before = {ring[i]: ring[i - 1] for i in range(n)}  # whose replica each rank holds (its ring predecessor's)
+        descs = [Descriptor(r, True, 9, True, (8, 9), {str(layout.shard_of(before[r])): [8, 9]}) if r != 1
+                 else Descriptor(1, False) for r in range(n)]
+        t0 = time.perf_counter()
+        course = plan_for_layout(descs, layout, n, replicated=False)
+        t1 = time.perf_counter()
+        pairs = steady_pairs(layout, 1)
+        t2 = time.perf_counter()
+        wire = len(course.to_json())
+        mean_desc = sum(len(d.to_json()) for d in descs[:1000]) / min(n, 1000)
+        print(f"  N={n:6d}: plan {1000 * (t1 - t0):7.1f} ms ({course.outcome.value}), the plan every other rank reads "
+              f"{wire} B (each reading every descriptor: {mean_desc * n / 1e6:.1f} MB a rank); steady pairs "
+              f"{1000 * (t2 - t1):6.1f} ms ({len(pairs)} pairs)")
 
 
 def git_commit() -> str:
@@ -331,6 +377,7 @@ def write_json(res: list[dict], path: Path, commit: str) -> None:
         rs = [r for r in res if r["n"] == n]
         points.append({"ranks": n, "total_s": med([r["rec"]["total_s"] for r in rs]), "recovered_s": med([r["rec"]["recovered_s"] for r in rs]),
                        "reconfigure_s": med([r["rec"]["reconfigure_s"] for r in rs]), "repeats": len(rs),
+                       "rank_cpu_s": med([r["rec"].get("rank_cpu_s") or 0.0 for r in rs]),
                        "date": date, "commit": commit, "cores": cores, "load1": med([r["load"][0] for r in rs])})
     doc = {"source": "bench/recovery_scale.py", "date": date, "commit": commit, "cores": cores, "points": points}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -382,6 +429,7 @@ def main():
         print_fits(res)
         if a.json_out:
             write_json(res, a.json_out, commit)
+    print_pure_scale()
     for n, rep, why in failed:
         print(f"FAILED N={n} repeat {rep}: {why}")
     print(f"load after: {os.getloadavg()}")

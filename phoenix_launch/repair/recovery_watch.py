@@ -121,4 +121,6 @@ class RecoveryWatch:
             "total_s": round((t_first if t_first is not None else t_end) - start, 4),
             "resume_step": cur.resume_step,
             "steps_replayed": max((r.replayed for r in reps), default=0),
+            # every rank's CPU seconds in its recovery, summed (a rank of an older runtime reports none)
+            "rank_cpu_s": round(sum(float(r.breakdown.get("cpu_s", 0.0)) for r in reps), 4),
         }
