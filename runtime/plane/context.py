@@ -78,6 +78,7 @@ class Context:
         self._aborted_gen = -1
         self._lock = threading.Lock()
         self._gen_seen = threading.Event()  # set by the control thread when it sees a newer generation
+        self._layout = None  # (members, (world, tp, pp), Layout): ``layout()`` of the current membership
         self._own_keys: list[tuple[int, str]] = []
         self._pg_stores: list[tuple[int, KeyRecorder]] = []  # each generation's process-group rendezvous keys
         self._committed: tuple[int, int] | None = None  # (generation, store incarnation) this rank forms, committed
@@ -210,10 +211,16 @@ class Context:
         """This generation's ``Layout``: its ranks' nodes and failure domains, TP ``tp`` (default: ``init``'s)."""
         from phoenix_runtime.layout import Layout
 
-        m = self.members
+        m, tp = self.members, self.tp if tp is None else tp
+        key = (self.world_size, tp, self.pp)
+        cached = self._layout
+        if cached is not None and cached[0] is m and cached[1] == key:  # once a generation, not every step: O(N)
+            return cached[2]
         nodes = tuple(m.slot_of(r).node for r in range(self.world_size)) if m else ()
         doms = tuple(m.domains.get(n, "") for n in nodes) if m and m.domains else ()
-        return Layout(self.world_size, tp_size=self.tp if tp is None else tp, pp_size=self.pp, nodes=nodes, domains=doms)
+        layout = Layout(self.world_size, tp_size=tp, pp_size=self.pp, nodes=nodes, domains=doms)
+        self._layout = (m, key, layout)  # holds ``m``: compared by identity, its id is never reused meanwhile
+        return layout
 
     def form_pairs(self, pairs, deadline: float | None = None) -> None:
         """Form this rank's gloo pair groups among ``pairs`` not formed yet in this generation (``pairs.py``): every
