@@ -58,6 +58,8 @@ def plan_key(gen: int) -> str:
 
 
 class Context:
+    _layout = None  # (members, (world, tp, pp), Layout): ``layout()`` of the current membership
+
     def __init__(self, env: RankEnv, backend: str | None, tp: int, pp: int):
         self.env = env
         self.settings = env.settings
@@ -78,7 +80,6 @@ class Context:
         self._aborted_gen = -1
         self._lock = threading.Lock()
         self._gen_seen = threading.Event()  # set by the control thread when it sees a newer generation
-        self._layout = None  # (members, (world, tp, pp), Layout): ``layout()`` of the current membership
         self._own_keys: list[tuple[int, str]] = []
         self._pg_stores: list[tuple[int, KeyRecorder]] = []  # each generation's process-group rendezvous keys
         self._committed: tuple[int, int] | None = None  # (generation, store incarnation) this rank forms, committed
