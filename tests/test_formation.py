@@ -71,3 +71,28 @@ def test_a_rank_connects_only_the_pairs_it_uses_not_every_rank():
     assert "formed no pair group with rank 4" in (res[0]["missing_pair"] or ""), res[0]
     assert res[3]["from_5"] == 55
     assert res[3]["abort_failed_after_s"] is not None and res[3]["abort_failed_after_s"] < 10, res[3]
+
+
+CLOSE_SCRIPT = Path(__file__).parent / "scripts" / "close_world.py"
+
+
+def test_one_timed_out_probe_closes_every_pair_of_a_world_group():
+    """``close_pairs`` on a world-sized gloo group (the quiesce of every survivor): one 1 ms probe that times out
+    closes every pair of the group's context, so the receives the other ranks posted from this rank fail at
+    once, and no probe more is made (one a peer was N - 1 ms a rank, a second at 1,000 gloo ranks)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, str(CLOSE_SCRIPT), str(r), str(store.port)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(4)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    res = {}
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and out.strip(), (r, p.returncode, out, err[-2000:])
+        res[r] = json.loads(out.strip().splitlines()[-1])
+    assert res[0]["probes"] == 1, res[0]
+    for r in (1, 2, 3):  # each receive fails long before its own 30 s timeout: its pair was closed by rank 0
+        assert res[r]["failed_after_s"] is not None and res[r]["failed_after_s"] < 15, res[r]
