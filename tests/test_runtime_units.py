@@ -384,3 +384,27 @@ def test_pace_times_the_forward_leaves_out_the_warm_up_and_waits_for_enough_step
     fast.attach(slow_model)  # re-attached to a rebuilt model: the old one is no longer timed
     model(x)
     assert fast._cur == 0.0
+
+
+def test_a_generations_keys_are_deleted_once_not_by_every_reader():
+    """``KeyRecorder.delete_used``: a rank deletes the keys it wrote and the pair groups' keys it read; only a rank
+    asked to (rank 0, which reads every peer's address) deletes the other keys it only read, so a gloo world's
+    N addresses are deleted once, not by each of the N ranks that read them."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phoenix_runtime.plane.store_keys import KeyRecorder
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    peer, me, zero = KeyRecorder(store), KeyRecorder(store), KeyRecorder(store)
+    peer.set("rank_1", b"addr1")
+    peer.set("pair/0_1/0", b"p")
+    for rec in (me, zero):
+        rec.set(f"own_{id(rec)}", b"x")
+        assert rec.get("rank_1") == b"addr1" and rec.get("pair/0_1/0") == b"p"
+    assert me.delete_used(read_too=False, read_prefix="pair/") == 2  # its own key and the pair's
+    assert store.check(["rank_1"]) and not store.check(["pair/0_1/0"]) and not store.check([f"own_{id(me)}"])
+    assert zero.delete_used(read_too=True, read_prefix="pair/") == 2  # its own key and the address (the pair's: gone)
+    assert not store.check(["rank_1"]) and not zero.keys and not zero.written

@@ -460,9 +460,12 @@ class Context:
 
     def delete_old_keys(self) -> None:
         """Delete the store keys this rank wrote for generations before the current one: its descriptors, and
-        what torch.distributed wrote to form that generation's groups."""
+        what torch.distributed wrote to form that generation's groups. The keys it only read (its peers'
+        addresses, a lost rank's among them) are deleted by rank 0, which reads every peer's address in the world
+        group, and a pair group's by the pair's survivor; a lost rank's keys in a mesh sub-group rank 0 is not
+        in stay (a few a failure)."""
         for gen, recorder in [x for x in self._pg_stores if x[0] < self.gen]:
-            recorder.delete_used()
+            recorder.delete_used(read_too=self.rank == 0, read_prefix="pair/")
         self._pg_stores = [x for x in self._pg_stores if x[0] >= self.gen]
         keep = []
         for gen, key in self._own_keys:

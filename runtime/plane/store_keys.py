@@ -31,31 +31,35 @@ def backoff(pause: float, cap: float = POLL_MAX_S) -> float:
 
 
 class KeyRecorder(dist.Store):
-    """Forwards every call to ``inner``; records every key used. The keys read count too: a rank reads its
-    peers' addresses, so the survivors delete those of the ranks that died with the generation as well."""
+    """Forwards every call to ``inner``; records every key used, and apart the keys written. The keys read count
+    too: a rank reads its peers' addresses, so those of the ranks that died with the generation are deleted by
+    a survivor that read them (``delete_used``)."""
 
     def __init__(self, inner: dist.Store, stop=None):
         super().__init__()
         self.inner = inner
         self.stop = stop  # called while a wait polls: raises to stop it (the generation was abandoned)
         self.keys: set[str] = set()
+        self.written: set[str] = set()
         self._present = threading.local()  # the keys this thread's last ``wait`` found (see ``get``)
         self._lock = threading.Lock()
 
-    def _used(self, key: str) -> None:
+    def _used(self, key: str, wrote: bool = False) -> None:
         with self._lock:
             self.keys.add(key)
+            if wrote:
+                self.written.add(key)
 
     def set(self, key, value):
-        self._used(key)
+        self._used(key, True)
         return self.inner.set(key, value)
 
     def add(self, key, value):
-        self._used(key)
+        self._used(key, True)
         return self.inner.add(key, value)
 
     def compare_set(self, key, expected, desired):
-        self._used(key)
+        self._used(key, True)
         return self.inner.compare_set(key, expected, desired)
 
     def get(self, key):
@@ -100,10 +104,14 @@ class KeyRecorder(dist.Store):
     def set_timeout(self, timeout):
         return self.inner.set_timeout(timeout)
 
-    def delete_used(self) -> int:
-        """Delete every key used through this store; returns how many were deleted (here)."""
+    def delete_used(self, read_too: bool = True, read_prefix: str = "") -> int:
+        """Delete the keys written through this store, the keys only read as well when ``read_too`` (else only
+        those under ``read_prefix``); returns how many were deleted (here). Every rank of a gloo world reads every
+        peer's address: were each to delete what it read, a generation's keys would be deleted N times over
+        (N^2 round trips through the one store, in the recovery's last phase); one rank deleting them is enough."""
         with self._lock:
-            keys, self.keys = sorted(self.keys), set()
+            keys = sorted(k for k in self.keys if read_too or k in self.written or (read_prefix and k.startswith(read_prefix)))
+            self.keys, self.written = set(), set()
         n = 0
         for key in keys:
             try:
