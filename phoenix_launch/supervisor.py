@@ -39,7 +39,7 @@ from phoenix_launch.repair.stragglers import StragglerChecks
 from phoenix_launch.repair.elastic import ElasticJob
 from phoenix_launch.spec import AgentSpec
 from phoenix_launch.standby.mirror import AttemptRecord, NodeRecord, StandbyLink, SupervisorState
-from phoenix_launch.observe.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
+from phoenix_launch.observe.status import DigestCache, job_status, nothing_done, read_rank_heartbeats, read_rank_steps
 from phoenix_launch.observe.refusals import RefusalLog
 from phoenix_runtime.plane import auth, protocol
 
@@ -69,6 +69,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
         self.resume = launch.resume  # the persistent checkpoint this attempt started from
         self.chaos = Chaos(cfg.inject.chaos_mtbf_s, cfg.inject.seed, cfg.inject.chaos_ranks)
         self.init_stragglers()
+        self.digests = DigestCache(cfg.detect.heartbeat_s)  # the status's and the straggler check's one read a heartbeat
         self.runtime_json = runtime_settings(cfg).to_json()
         self.epoch = 0
         self.restarts = 0
@@ -93,6 +94,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
             protocol.MsgType.RANK_ERROR: self.on_rank_error,
             protocol.MsgType.REPLICA_FAILED: self.on_replica_failed,
             protocol.MsgType.RUNTIME_READY: self.on_runtime_ready,
+            protocol.MsgType.NODE_READY: self.on_node_ready,
             protocol.MsgType.RECOVERED: self.on_recovered,
             protocol.MsgType.PROGRESS: self.on_progress,
             protocol.MsgType.UNRECOVERABLE: self.on_unrecoverable,
@@ -557,7 +559,8 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
         return job_status(run_id=self.cfg.launch.run_id, run_dir=self.run_dir, state=self.job.state.value, gen=self.gen,
                           restarts=self.restarts, nproc=self.nproc, nodes=self.nodes, store=self.store, events=self.events,
                           members=self.publisher.members if self.publisher else protocol.Membership(0, self.world_size, ()),
-                          protect_every=self.reprotector.every, dp=(self.dp_size(), self.full_world()) if self.dp_size() else None)
+                          protect_every=self.reprotector.every, dp=(self.dp_size(), self.full_world()) if self.dp_size() else None,
+                          cache=self.digests)
 
     def _write_status(self) -> dict[str, Any]:
         snap = self.operator_io.observe(self.status())

@@ -270,3 +270,49 @@ def test_a_rank_reads_a_new_generations_membership_as_its_difference_once(secret
     assert protocol.read_members(joiner, again.gen) == again  # the difference, on the whole read just before
     pub.recovered()  # the generations before the current one: their keys go, the difference too
     assert not server.check([protocol.k_members_diff(new.gen)]) and server.check([protocol.k_members_diff(again.gen)])
+
+
+@pytest.mark.timeout(60)
+def test_a_nodes_ranks_report_ready_through_their_agent_in_one_central_message(secret, monkeypatch):
+    from phoenix_launch.plane.control import start_store
+    from phoenix_launch.reports import ReportHandlers
+    from phoenix_launch.repair.generations import AttemptProgress
+    from phoenix_runtime.plane.failover import FailoverStore
+    from phoenix_runtime.plane.relay import ReadyRelay
+
+    nproc = 3
+    central = _server()
+    protocol.put_value(central, protocol.K_PERSIST_AT, "0")
+    _publish(central, 0)
+    monkeypatch.setattr(control, "connect_store", lambda env=None, timeout_s=30.0, *, handed=False:
+                        FailoverStore(("127.0.0.1", central.port), None, timeout_s=10.0, reconnect_s=5.0))
+    local, port = start_store("127.0.0.1")
+    ranks = [ControlThread(RankState(), _rank_env(central.port, port, "node0", s, nproc)) for s in range(nproc)]
+    q_sup = protocol.Queue(central, protocol.Q_SUPERVISOR)
+    relay = ReadyRelay("node0", nproc, local)
+    try:
+        wait_for(lambda: all(r.local.store is not None for r in ranks), 30, "every rank connected to its agent's store")
+        for r in ranks:  # Context.report's path for a RuntimeReady
+            assert r.report_locally(protocol.RuntimeReady(node="node0", slot=r.slot, rank=r.slot, protect=True, epoch=0))
+        assert relay.forward(q_sup) == nproc and relay.forward(q_sup) == 0  # nothing new: nothing sent
+        got = protocol.Queue(central, protocol.Q_SUPERVISOR).get_all()
+        assert [m["type"] for m in got] == ["node_ready"], got  # one central message for the node's ranks
+        msg = protocol.decode(got[0])
+        assert isinstance(msg, protocol.NodeReady) and len(msg.ready) == nproc
+
+        class Handlers(ReportHandlers):
+            epoch = 0
+
+            def __init__(self):
+                self.attempt = AttemptProgress()
+        sup = Handlers()
+        forged = protocol.NodeReady("node0", (*msg.ready, protocol.RuntimeReady(node="node1", slot=0, rank=7).to_dict(), {"type": "x"}))
+        sup.on_node_ready(forged, time.time())
+        assert sup.attempt.runtime_ready == set(range(nproc)) and sup.attempt.protect_on  # node1's rank is not node0's to report
+        # a rank that reports again (respawned in place) is forwarded again
+        assert ranks[1].report_locally(protocol.RuntimeReady(node="node0", slot=1, rank=1, protect=True, epoch=1))
+        assert relay.forward(q_sup) == 1
+    finally:
+        for r in ranks:
+            r.stop()
+        protocol.notify_ranks(central)

@@ -40,7 +40,7 @@ from phoenix_launch.detect.procs import die_with_parent
 from phoenix_launch.detect.procs import send_signal as _signal
 from phoenix_launch.spec import AgentSpec, SpecError
 from phoenix_runtime.plane import auth, protocol
-from phoenix_runtime.plane.relay import NodeRelay
+from phoenix_runtime.plane.relay import NodeRelay, ReadyRelay
 from phoenix_runtime.plane.watch import NotifyWatcher
 from phoenix_runtime import logs
 
@@ -120,6 +120,7 @@ class Agent:
         self.cmd_wake = threading.Event()
         self.cmd_watcher: NotifyWatcher | None = None
         self.relay: NodeRelay | None = None  # the generation, read once for the node, told to its ranks (connect)
+        self.ready: ReadyRelay | None = None  # its ranks' RuntimeReady, forwarded in one message (connect)
         self.commands = protocol.Dispatcher({
             protocol.MsgType.RESTART: self._restart,
             protocol.MsgType.RESPAWN: self._respawn,
@@ -290,6 +291,7 @@ class Agent:
         # the ranks' counter is watched here for the whole node: its ranks read the generation from the local store
         if self.local is not None:
             self.relay = NodeRelay(self.node, self.nproc, self.local)
+            self.ready = ReadyRelay(self.node, self.nproc, self.local)
             self.relay.watcher = NotifyWatcher(self._connect_central, self.relay.wake, self._watch_stop, protocol.K_NOTIFY)
         # a node joining a running job (replenishment) is accepted because its agent_up is sealed with the
         # job's secret (run_dir/secret, 0600, on the shared filesystem), as every message is
@@ -465,6 +467,8 @@ class Agent:
                         self.handle(cmd)
                 if self.relay is not None and self.relay.due(now):
                     self.relay.relay(self.store, now)
+                if self.ready is not None:
+                    self.ready.forward(self.q_sup)
                 if protocol.incarnation_of(self.store) != self.incarnation:  # a standby took over: say so to the new leader
                     self.incarnation = protocol.incarnation_of(self.store)
                     self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, self.spec.join))  # type: ignore[union-attr]

@@ -54,7 +54,7 @@ from phoenix_runtime.plane.channel import (  # noqa: F401  (re-exported)
 )
 from phoenix_runtime.plane.messages import (  # noqa: F401  (re-exported: every message type)
     AgentInject, AgentRespawn, AgentRestart, AgentStop, AgentUp, CopyCorrupt, decode, DecodeError, Dispatcher, FaultFired,
-    KillCommand, Message, MESSAGE_CLASSES, MsgType, NodeProbe, Persisted, Progress, Protection, RankError, RankExit,
+    KillCommand, Message, MESSAGE_CLASSES, MsgType, NodeProbe, NodeReady, Persisted, Progress, Protection, RankError, RankExit,
     RankFault, RankHang, RankMessage, Recovered, RefusedReport, ReplicaFailed, RuntimeReady, SdcSuspect, Unrecoverable,
 )
 
@@ -165,6 +165,14 @@ def k_assign(node: str, slot: int) -> str:
 
 def k_rank_hb(node: str, slot: int) -> str:
     return f"phx/hb/rank/{node}/{slot}"
+
+
+def k_ready(node: str, slot: int) -> str:
+    """A rank's ``RuntimeReady`` in its agent's node-local store, which the agent forwards (``relay.ReadyRelay``)."""
+    return f"phx/ready/{node}/{slot}"
+
+
+K_READY = "phx/ready/n"  # the node-local counter a rank bumps after writing its k_ready: its agent forwards it then
 
 
 def k_node_digest(node: str) -> str:
@@ -412,6 +420,9 @@ class RankHeartbeat:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
+_HB_FIELDS = frozenset(f.name for f in fields(RankHeartbeat))
+
+
 @dataclass(frozen=True)
 class NodeDigest:
     """What an agent writes at ``k_node_digest`` each heartbeat: its ranks' latest heartbeats, read from its
@@ -430,8 +441,9 @@ class NodeDigest:
     @classmethod
     def from_json(cls, text: str | bytes) -> "NodeDigest":
         d = json.loads(text)
-        known = {f.name for f in fields(RankHeartbeat)}
-        beats = {int(s): RankHeartbeat(**{k: v for k, v in hb.items() if k in known}) for s, hb in d.get("beats", {}).items()}
+        known = _HB_FIELDS
+        beats = {int(s): RankHeartbeat(**(hb if hb.keys() <= known else {k: v for k, v in hb.items() if k in known}))
+                 for s, hb in d.get("beats", {}).items()}
         return cls(node=str(d["node"]), t=float(d["t"]), beats=beats)
 
 

@@ -18,6 +18,7 @@ bound. Torch is imported only where a client is made.
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import timedelta
 from typing import Any
@@ -86,6 +87,42 @@ class NodeRelay:
         protocol.put_value(self.local, protocol.k_relay(self.node), notice.to_json())
         protocol.notify(self.local, protocol.K_NOTIFY)
         return True
+
+
+class ReadyRelay:
+    """The agent's side of its ranks' ``RuntimeReady``: a rank writes its report at ``protocol.k_ready`` of the
+    node-local store and bumps ``protocol.K_READY`` there (``control.ControlThread.report_locally``); the agent reads
+    that counter once a pass (a local round trip) and forwards every report it has not forwarded yet in one
+    ``protocol.NodeReady``: one central message per node where each rank put its own (80,000 at 10,000 nodes x 8,
+    two round trips each to write and more to read, on the supervisor's one thread, all in the start burst)."""
+
+    def __init__(self, node: str, nproc: int, local: Any):
+        self.node, self.local = node, local
+        self._keys = [protocol.k_ready(node, s) for s in range(nproc)]
+        self._count = 0  # K_READY as of the last forward
+        self._sent: dict[str, str] = {}  # key -> the report forwarded from it last
+
+    def forward(self, q_sup: Any) -> int:
+        """Forward the reports written since the last call (none: one local round trip); returns how many."""
+        n = int(self.local.add(protocol.K_READY, 0))
+        if n == self._count:
+            return 0
+        ready, texts = [], {}
+        for key, text in protocol.get_values(self.local, self._keys).items():
+            if text is None or self._sent.get(key) == text:
+                continue
+            try:
+                body = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(body, dict):
+                ready.append(body)
+                texts[key] = text
+        if ready:
+            q_sup.put(protocol.NodeReady(self.node, tuple(ready)))
+        self._sent.update(texts)
+        self._count = n
+        return len(ready)
 
 
 class LocalWatchStore:
