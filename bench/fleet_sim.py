@@ -2,28 +2,38 @@
 
     python bench/fleet_sim.py --run-dir DIR --port P --nodes 0:125 --active 1000 --nproc 8 [--conns 4]
 
-Each simulated rank is the real rank's control thread (``phoenix_runtime.plane.control.ControlThread``: its
-``beat``, ``_follow``, ``_read_relay``, ``_poll``, ``_send_posted`` and ``report_refused``, unchanged) on a
-connection it shares; each simulated agent does what the real agent's loop does with the store
-(``detect/agent.py``): its heartbeat every ``heartbeat_s``, its command queue when the agents' counter moves and at
-each heartbeat (every pass, 20 ms, while no watcher is armed), its ranks' heartbeats every ``heartbeat_s`` judged
-by the real ``hang_check`` and published as one ``NodeDigest``, its ``AgentUp`` first, and the generation's relay
-(the real ``relay.NodeRelay``: woken by the ranks' counter, one central batch, a ``NodeNotice`` in the node's local
-store, its ranks woken). A node's ranks heartbeat into
-a node-local store as real ones do (the real agent's is a TCPStore on 127.0.0.1): here an in-process dict per
-simulated node (``NodeLocal``, sealed values as in the real one), so its calls are not in the central store's
-counts, as a real node's local store calls are not; the ranks of a node read their agent's notice there, woken by
-it in-process as a real node's ranks are by their local store's counter. Active ranks report ``RuntimeReady`` once, as the runtime does;
-a spare's ranks look for their assignment once a second, as ``bootstrap.wait_for_assignment`` does.
+A simulated node (``SimNode``) is one client: its agent and its ranks, run by one lane (a thread with one store
+connection of its own). What is REAL, i.e. sent to the central store exactly as the real code sends it, by the real
+code where it is a function of its own:
+  - the agent's loop (``detect/agent.py``, pass by pass): its ``AgentUp`` first; its heartbeat and its one
+    ``NodeDigest`` every ``heartbeat_s``; its command queue when the agents' counter moves and at each heartbeat;
+    the generation's relay (the real ``relay.NodeRelay``: woken by the ranks' counter, one central batch, a
+    ``NodeNotice`` in the node's local store); its ranks' ``RuntimeReady`` forwarded as one ``NodeReady`` (the real
+    ``relay.ReadyRelay``, each pass);
+  - each rank's central calls (the real ``ControlThread`` methods on the shared connection): its ``RuntimeReady``
+    (``report_locally``, the runtime's ``Context.report``), its first full read at start and one every
+    ``control.full_read_every`` (``_follow``/``_poll``), its reaction to its agent's notice (``_follow``: its
+    queue read centrally when its counter moved), a spare's assignment poll once a second
+    (``bootstrap.wait_for_assignment``).
+What is MODELLED (never touches the central store in a real job either): the node-local store is an in-process dict
+(``NodeLocal``, sealed values as in the real one); the ranks' heartbeats into it are not written one by one: the
+agent's digest is built from the ranks' state at each heartbeat, in the format the agent writes, and no hang check
+runs (every simulated rank progresses); a node's ranks share one parse of their agent's notice (``SimRelay``); a
+rank's wake-up by its local watcher is the lane calling it right after its agent's relay.
 
-What differs from a real job: no processes are spawned; ``conns`` threads, each with one store connection of its
-own, run every client's due work in turn (a real node holds 3 + nproc connections: its agent's and its agent's two
-watchers', one per rank); and one notify watcher per process and counter (the ranks', which the agents relay, and
-the agents'), blocked in the store, wakes every simulated agent of the process, where each real agent has its own.
+Scheduling: a lane runs every agent pass that is due before any rank's work (a real agent is a process of its own,
+never behind its ranks); a node's ranks start (their ``RuntimeReady`` and first full read) once its agent's first
+pass wrote its notice, as a real rank's relay arms once its agent serves the local store.
+
+What differs in connections: ``conns`` lanes per process (a real node holds 3 + nproc: its agent's and its agent's
+two watchers', one per rank, and a rank's own watcher while its relay is not armed); and one notify watcher per
+process and counter (the ranks', which the agents relay, and the agents'), blocked in the store, wakes every
+simulated agent of the process, where each real agent has its own.
 
 stdin: ``kill NODE`` stops that node's agent and ranks (they never touch the store again); end of input ends
-the process. ``DIR/bench_sim<first>.json`` says, once a second: round trips made, how late the due work ran
-(a late simulation is one that cannot keep the real protocol's rate), and when each rank saw each generation.
+the process. ``DIR/bench_sim<first>.json`` says, once a second: round trips made, how late the agents' passes and
+the ranks' work ran (a late simulation is one that cannot keep the real protocol's rate), how many ranks started,
+and when each rank saw each generation.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from phoenix_launch.repair.stragglers import StragglerChecks
 from phoenix_launch.repair.elastic import ElasticJob
 from phoenix_launch.spec import AgentSpec
 from phoenix_launch.standby.mirror import AttemptRecord, NodeRecord, StandbyLink, SupervisorState
-from phoenix_launch.observe.status import DigestCache, job_status, nothing_done, read_rank_heartbeats, read_rank_steps
+from phoenix_launch.observe.status import DigestCache, job_status, nothing_done, read_rank_heartbeats, read_rank_steps, status_period
 from phoenix_launch.observe.refusals import RefusalLog
 from phoenix_runtime.plane import auth, protocol
 
@@ -518,7 +518,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
                 if self.exit_code is None and (time.monotonic() > next_status or self._status_due):
                     self._status_due = False
                     self._write_status()
-                    next_status = time.monotonic() + 0.5
+                    next_status = time.monotonic() + status_period(self.world_size // max(1, self.nproc))
                 if self.exit_code is None:
                     time.sleep(0.02)
         finally:

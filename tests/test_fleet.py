@@ -153,6 +153,8 @@ def test_the_status_and_the_straggler_check_share_one_digest_read_per_period():
         # the period grows with the fleet where parsing every digest once a heartbeat would cost more
         assert status.DigestCache(2.0).period(10) == 2.0
         assert status.DigestCache(2.0).period(10000) == 10000 / status.DigestCache.PARSED_PER_S
+        # and the status itself: every 0.5 s up to 1,000 nodes, every 5 s at 10,000
+        assert status.status_period(10) == status.status_period(1000) == 0.5 and status.status_period(10000) == 5.0
     finally:
         channel._accept = orig
 

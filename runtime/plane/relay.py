@@ -5,7 +5,7 @@ Without it every rank watches the central counter and, when it moves, reads the 
 from the central store itself: a bump cost ~4 round trips per rank (32,000 in a burst at 1,000 nodes x 8), and the
 central store served them one by one. With it, the node's agent (``NodeRelay``) is the only one of the node that
 watches the central counter: woken, it reads the counter, the generation, the persist step and its ranks' queue
-counters in one batch (``add``, ``check``, ``multi_get``), writes them as one ``protocol.NodeNotice`` at
+counters in one batch (``check``, ``multi_get``), writes them as one ``protocol.NodeNotice`` at
 ``protocol.k_relay(node)`` of its node-local store (sealed, as everything there) and bumps that store's own
 ``protocol.K_NOTIFY``. Each rank (``RelayReader``) watches that local counter instead of the central one and reads
 the notice locally; it reads its queue centrally only when its queue's counter moved (an injected fault).
@@ -30,12 +30,12 @@ from phoenix_runtime.plane.watch import NotifyWatcher
 READ_S = 5.0  # the agent's safety read (a wake-up lost in the central store), as a rank's own (control.FULL_READ_S)
 
 
-def _count(raw: Any) -> int:
-    """A queue counter's value (written by ``add``, not sealed); one that is not a number reads as 0."""
+def _count(raw: Any, bad: int = 0) -> int:
+    """A counter's value (written by ``add``, not sealed); one that is not a number (forged) reads as ``bad``."""
     try:
         return int(raw)
     except (TypeError, ValueError):
-        return 0
+        return bad
 
 
 class NodeRelay:
@@ -67,17 +67,20 @@ class NodeRelay:
             for k in self._counters:
                 store.add(k, 0)
             self._made = inc
-        try:
-            notified = protocol.read_notify(store)
-        except ValueError:  # not a counter (forged): the notice says so, the ranks' safety reads go on
-            notified = -1
-        keys = [protocol.K_GEN, protocol.K_PERSIST_AT, *self._counters]
+        # the counter with the keys it announces, in one batch: the store answers it at once, so a counter that moved
+        # comes with what was written before the bump
+        keys = [protocol.K_NOTIFY, protocol.K_GEN, protocol.K_PERSIST_AT, *self._counters]
         if store.check(keys):
             raw = store.multi_get(keys)
-            gen, persist = open_value(keys[0], raw[0]), open_value(keys[1], raw[1])
-            queues = {s: _count(r) for s, r in enumerate(raw[2:])}
-        else:  # no generation or persist step yet (multi_get would wait for them)
-            gen, persist = protocol.get_value(store, keys[0]), protocol.get_value(store, keys[1])
+            notified = _count(raw[0], -1)
+            gen, persist = open_value(keys[1], raw[1]), open_value(keys[2], raw[2])
+            queues = {s: _count(r) for s, r in enumerate(raw[3:])}
+        else:  # no generation, persist step or bump yet (multi_get would wait for them)
+            try:
+                notified = protocol.read_notify(store)
+            except ValueError:  # not a counter (forged): the notice says so, the ranks' safety reads go on
+                notified = -1
+            gen, persist = protocol.get_value(store, keys[1]), protocol.get_value(store, keys[2])
             queues = {s: _count(store.add(k, 0)) for s, k in enumerate(self._counters)}
         notice = protocol.NodeNotice(int(gen or 0), int(persist or 0), notified, queues, inc)
         last, self.last = self.last, notice
