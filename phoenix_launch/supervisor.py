@@ -28,7 +28,7 @@ from phoenix_launch.detect.health import with_probe_evidence
 from phoenix_launch.decide.incidents import Incident, IncidentTracker
 from phoenix_launch.plane.inject import SOCKET_PURPOSE, Chaos, JobTargets
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState
-from phoenix_launch.detect.nodes import Node, NodeTable
+from phoenix_launch.detect.nodes import Node, NodeTable, check_every
 from phoenix_launch.observe.operator_io import OperatorIO
 from phoenix_launch.repair.recovery_watch import RecoveryWatch
 from phoenix_launch.repair.replenish import Replenisher
@@ -209,7 +209,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
 
     # --- classify and decide -----------------------------------------------------------------------
     def settle(self, now: float) -> None:
-        fleet = self.nodes.fleet(now, self.cfg.detect.heartbeat_s, self.world_size, probing=self.probing)
+        fleet = self.nodes.fleet(now, self.cfg.detect.heartbeat_s, self.world_size, probing=self.probing) if self.incidents.current else None
         outcome = self.incidents.settle(now, fleet)
         if outcome is None:
             return
@@ -429,7 +429,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
 
     # --- the spare pool ------------------------------------------------------------------------------
     def replenish(self, now: float) -> None:
-        if self.job.state in (JobState.RUNNING, JobState.RECOVERING):
+        if self.replenisher.enabled and self.job.state in (JobState.RUNNING, JobState.RECOVERING):  # else no O(nodes) counts
             # the target is the job's own size plus its spares: a shrunk job's missing nodes are asked for too
             self.replenisher.tick(now, self.nodes.coming_spares() - self.nodes_short(), len(self.nodes.spare_nodes()))
 
@@ -457,7 +457,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
             self.events.emit("injected", mode="leader_hang", node="leader", source="config", step=self.attempt.step, t=now)
             threading.Event().wait()
         members = self._gens().members
-        victim = self.chaos.victim(now, [n.name for n in self.nodes if n.state is NodeState.ACTIVE], members, lambda: any(
+        victim = None if self.chaos.mtbf_s <= 0 else self.chaos.victim(now, [n.name for n in self.nodes if n.state is NodeState.ACTIVE], members, lambda: any(
             hb.phase == "done" for hb in read_rank_heartbeats(self.store, members).values()))
         if victim is not None:
             self.backend.kill_node(victim)
@@ -502,7 +502,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
 
     def loop(self) -> int:
         next_status = 0.0
-        next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
+        next_hb = time.monotonic() + check_every(self.cfg.detect.heartbeat_s)
         try:
             while self.exit_code is None:
                 self.standby.on_pass()  # the hang watchdog; superseded while this process stood still?
@@ -514,7 +514,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
                     self.check_heartbeats(now)
                     self.standby.on_heartbeat()
                     self._flush_recovery_event()
-                    next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
+                    next_hb = time.monotonic() + check_every(self.cfg.detect.heartbeat_s)
                 if self.exit_code is None and (time.monotonic() > next_status or self._status_due):
                     self._status_due = False
                     self._write_status()
