@@ -145,6 +145,8 @@ def test_the_status_and_the_straggler_check_share_one_digest_read_per_period():
         paces = status.read_paces(store, members, cache)
         assert snap["step"] == 3 and len(paces) == nodes * nproc and paces[7].step == 3
         assert Counting.calls == 1 and cache.reads == 1  # one batched read for both
+        hbs = status.read_rank_heartbeats(store, members, cache)  # gathered once per read, not per caller
+        assert hbs is status.read_rank_heartbeats(store, members, cache) and len(hbs) == nodes * nproc
         values[protocol.k_node_digest("node3")] = protocol.NodeDigest("node3", 2.0, {0: protocol.RankHeartbeat(t=2.0, step=9)}).to_json().encode()
         cache.max_age_s, cache.PARSED_PER_S = 0.0, 1e12  # stale: read again; the changed digest is new, the others the same objects
         before = cache.get(store, names)

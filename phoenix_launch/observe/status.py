@@ -52,6 +52,9 @@ class DigestCache:
         self._nodes: frozenset[str] = frozenset()
         self._texts: dict[str, str] = {}
         self._digests: dict[str, protocol.NodeDigest] = {}
+        self._members: Any = None  # the membership the ranks' heartbeats below were gathered for, its nodes
+        self._nodes_of: list[str] = []
+        self._beats: tuple[int, dict[tuple[str, int], protocol.RankHeartbeat]] = (-1, {})  # (reads, (node, slot) -> heartbeat)
 
     def period(self, nodes: int) -> float:
         """How old the digests given for ``nodes`` nodes may be: a heartbeat, or longer where parsing every node's
@@ -68,6 +71,28 @@ class DigestCache:
             self._store, self._t, self._nodes = store, now, frozenset(nodes)
             self.reads += 1
         return {n: self._digests[n] for n in nodes if n in self._digests}
+
+
+    def heartbeats(self, store: Any, members: protocol.Membership) -> dict[tuple[str, int], protocol.RankHeartbeat]:
+        """``read_rank_heartbeats`` through the cache: gathered again only after a new read (or for another
+        membership), so the status written at once on a node's change does not walk 80,000 ranks again."""
+        if members is not self._members:
+            self._members, self._beats = members, (-1, {})
+            self._nodes_of = list(dict.fromkeys(r.node for r in members.ranks))
+        digests = self.get(store, self._nodes_of)
+        if self._beats[0] != self.reads:
+            self._beats = (self.reads, _gather(members, digests))
+        return self._beats[1]
+
+
+def _gather(members: protocol.Membership, digests: dict[str, protocol.NodeDigest]) -> dict[tuple[str, int], protocol.RankHeartbeat]:
+    out: dict[tuple[str, int], protocol.RankHeartbeat] = {}
+    for r in members.ranks:
+        d = digests.get(r.node)
+        hb = d.beats.get(r.slot) if d is not None else None
+        if hb is not None:
+            out[(r.node, r.slot)] = hb
+    return out
 
 
 def _read_texts(store: Any, nodes: list[str]) -> dict[str, str | None]:
@@ -107,16 +132,12 @@ def read_digests(store: Any, nodes: list[str], cache: DigestCache | None = None)
 
 def read_rank_heartbeats(store: Any, members: protocol.Membership,
                          cache: DigestCache | None = None) -> dict[tuple[str, int], protocol.RankHeartbeat]:
-    """(node, slot) -> the rank's latest heartbeat, for the ranks of ``members`` whose agent's digest has one."""
+    """(node, slot) -> the rank's latest heartbeat, for the ranks of ``members`` whose agent's digest has one (through
+    ``cache``: the same dict until its next read; not to be changed)."""
+    if cache is not None:
+        return cache.heartbeats(store, members)
     nodes = list(dict.fromkeys(r.node for r in members.ranks))  # in order, in one pass (not Membership.nodes' scans)
-    digests = read_digests(store, nodes, cache)
-    out: dict[tuple[str, int], protocol.RankHeartbeat] = {}
-    for r in members.ranks:
-        d = digests.get(r.node)
-        hb = d.beats.get(r.slot) if d is not None else None
-        if hb is not None:
-            out[(r.node, r.slot)] = hb
-    return out
+    return _gather(members, read_digests(store, nodes))
 
 
 def read_rank_steps(store: Any, members: protocol.Membership, after: int | None = None) -> dict[int, tuple[int, float]]:
