@@ -166,9 +166,20 @@ class SimRank(control.ControlThread):
         self.next_due = now + self.full_read_s
 
     def told(self) -> None:
-        """Its agent's local counter moved: ``_run``'s pass for it (the notice; its queue centrally if it moved)."""
-        self._follow(False, True, False)
-        self._send_posted()
+        """Its agent's local counter moved: ``_run``'s pass for it (the notice; its queue centrally if it moved). Where
+        nothing is to be read centrally (its queue's counter did not reach its cursor, no read half done) this is
+        ``_read_relay``'s effect without the pass around it (modelled: the real rank's pass makes no central call
+        then either)."""
+        notice, cursor = self._relay.read(), self.q_rank.cursor
+        if notice is None or self._dirty or self._relay_dirty or cursor is None or notice.queues.get(self.slot, 0) >= cursor:
+            self._follow(False, True, False)
+            self._send_posted()
+            return
+        self.persist_at = notice.persist_at
+        if notice.gen > self.latest_gen:
+            self.latest_gen = notice.gen
+            for cb in self.on_gen_change:
+                cb(notice.gen)
 
     def post(self, msg: protocol.Message) -> None:
         self._outbox.append(msg)

@@ -204,3 +204,42 @@ def test_the_supervisors_queue_is_read_in_batches_in_order_and_a_hole_still_wait
     finally:
         auth._key, auth._loaded = saved
         channel.forget("phx/")
+
+
+@pytest.mark.timeout(30)
+def test_the_digests_are_kept_fresh_in_slices_not_in_one_whole_read_per_period():
+    import time
+
+    class Counting(Store):
+        sizes: list = []
+
+        def multi_get(self, keys):
+            Counting.sizes.append(len(keys))
+            return super().multi_get(keys)
+
+    nodes, nproc = 200, 2
+    names = [f"node{i}" for i in range(nodes)]
+    members = protocol.Membership(1, nodes * nproc, tuple(protocol.RankSlot(i * nproc + s, n, s) for i, n in enumerate(names) for s in range(nproc)))
+
+    def digest(n, step):
+        return protocol.NodeDigest(n, 1.0, {s: protocol.RankHeartbeat(t=1.0, step=step) for s in range(nproc)}).to_json().encode()
+    values = {protocol.k_node_digest(n): digest(n, 3) for n in names}
+    store = Counting(values)
+    import phoenix_runtime.plane.channel as channel
+    orig = channel._accept
+    channel._accept = lambda k, raw: raw.decode()
+    try:
+        cache = status.DigestCache(max_age_s=0.0)
+        cache.PARSED_PER_S, cache.SLICE = 400.0, 30  # a period of 0.5 s for 200 nodes, slices of 30 at most
+        cache.refresh(store, members)  # nothing before the first whole read
+        assert Counting.sizes == []
+        assert status.read_rank_heartbeats(store, members, cache)[("node7", 1)].step == 3 and Counting.sizes == [nodes]
+        values[protocol.k_node_digest("node150")] = digest("node150", 9)
+        end = time.monotonic() + 10
+        while status.read_rank_heartbeats(store, members, cache)[("node150", 0)].step != 9 and time.monotonic() < end:
+            cache.refresh(store, members)  # the supervisor's loop passes
+            time.sleep(0.01)
+        assert status.read_rank_heartbeats(store, members, cache)[("node150", 0)].step == 9, "a slice did not read it"
+        assert Counting.sizes[0] == nodes and 0 < max(Counting.sizes[1:]) <= 30, Counting.sizes  # never whole again
+    finally:
+        channel._accept = orig

@@ -43,6 +43,7 @@ class DigestCache:
     again. Only what observes the job reads through it; a decision's own reads stay fresh."""
 
     PARSED_PER_S = 2000.0  # digests parsed per second at most (~a fifth of a core): the read's period grows past it
+    SLICE = 500  # digests one loop pass reads and parses at most (``refresh``)
 
     def __init__(self, max_age_s: float):
         self.max_age_s = max_age_s
@@ -55,6 +56,8 @@ class DigestCache:
         self._members: Any = None  # the membership the ranks' heartbeats below were gathered for, its nodes
         self._nodes_of: list[str] = []
         self._beats: tuple[int, dict[tuple[str, int], protocol.RankHeartbeat]] = (-1, {})  # (reads, (node, slot) -> heartbeat)
+        self._slice_t: float | None = None  # when ``refresh`` last ran (None: never; then ``get`` reads whole)
+        self._owed, self._cursor = 0.0, 0  # digests due to be read by the next slice; where it starts
 
     def period(self, nodes: int) -> float:
         """How old the digests given for ``nodes`` nodes may be: a heartbeat, or longer where parsing every node's
@@ -63,7 +66,9 @@ class DigestCache:
 
     def get(self, store: Any, nodes: list[str]) -> dict[str, protocol.NodeDigest]:
         now = time.monotonic()
-        fresh = store is self._store and now - self._t < self.period(len(nodes)) and self._nodes.issuperset(nodes)
+        period = self.period(len(nodes))
+        sliced = self._slice_t is not None and now - self._slice_t < 1.0  # ``refresh`` keeps them fresh: twice the bound
+        fresh = store is self._store and now - self._t < period * (2 if sliced else 1) and self._nodes.issuperset(nodes)
         if not fresh:
             texts = _read_texts(store, nodes)
             self._digests = _parse(texts, self._texts, self._digests)
@@ -73,13 +78,39 @@ class DigestCache:
         return {n: self._digests[n] for n in nodes if n in self._digests}
 
 
-    def heartbeats(self, store: Any, members: protocol.Membership) -> dict[tuple[str, int], protocol.RankHeartbeat]:
-        """``read_rank_heartbeats`` through the cache: gathered again only after a new read (or for another
-        membership), so the status written at once on a node's change does not walk 80,000 ranks again."""
+    def refresh(self, store: Any, members: protocol.Membership) -> None:
+        """Once a loop pass: read the next slice of the nodes' digests, round robin, so that every node's is read again
+        within ``period`` while no pass reads and parses more than ``SLICE`` of them (at 10,000 nodes a whole read
+        stalls the loop ~1 s, and the heartbeat check and the decisions with it). Nothing before ``get``'s first
+        whole read."""
+        now, nodes = time.monotonic(), self._nodes_for(members)
+        last, self._slice_t = self._slice_t, now
+        if not nodes or store is not self._store or not self._nodes.issuperset(nodes) or last is None:
+            return
+        self._owed = min(self._owed + len(nodes) * (now - last) / self.period(len(nodes)), float(len(nodes)))
+        n = min(int(self._owed), self.SLICE)
+        if n <= 0:
+            return
+        self._owed -= n
+        part = [nodes[(self._cursor + i) % len(nodes)] for i in range(n)]
+        texts = _read_texts(store, part)
+        self._digests.update(_parse(texts, self._texts, self._digests))
+        self._texts.update({k: t for k, t in texts.items() if t is not None})
+        self.reads += 1
+        if self._cursor + n >= len(nodes):  # a whole round read since the last
+            self._t = now
+        self._cursor = (self._cursor + n) % len(nodes)
+
+    def _nodes_for(self, members: protocol.Membership) -> list[str]:
         if members is not self._members:
             self._members, self._beats = members, (-1, {})
             self._nodes_of = list(dict.fromkeys(r.node for r in members.ranks))
-        digests = self.get(store, self._nodes_of)
+        return self._nodes_of
+
+    def heartbeats(self, store: Any, members: protocol.Membership) -> dict[tuple[str, int], protocol.RankHeartbeat]:
+        """``read_rank_heartbeats`` through the cache: gathered again only after a new read (or for another
+        membership), so the status written at once on a node's change does not walk 80,000 ranks again."""
+        digests = self.get(store, self._nodes_for(members))
         if self._beats[0] != self.reads:
             self._beats = (self.reads, _gather(members, digests))
         return self._beats[1]

@@ -22,6 +22,7 @@ from phoenix_launch.observe.status import read_paces
 class StragglerChecks:
     events: Any
     digests: Any
+    publisher: Any
     world_size: int
     nproc: int
     cfg: Any
@@ -35,6 +36,8 @@ class StragglerChecks:
         """Once a heartbeat (longer on a large job: ``DigestCache.period``) while the job runs undisturbed: the ranks'
         paces (one batched read of the digests, shared with the status)."""
         det = self.cfg.detect
+        if self.publisher is not None:  # the digests' next slice (the status reads them too), straggler check or not
+            self.digests.refresh(self.store, self._gens().members)  # type: ignore[attr-defined]
         if det.straggler == "off" or now < self._pace_due or self.job.state is not JobState.RUNNING or self.incidents.current:
             return
         self._pace_due = now + self.digests.period(self.world_size // max(1, self.nproc))  # a new read each check
