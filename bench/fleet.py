@@ -3,10 +3,13 @@
     python bench/fleet.py [--nodes 10,100,1000,10000] [--ranks-per-node 8] [--workers 2] [--conns 4] [--quick]
 
 Per N: one supervisor process (``fleet_sup.py``: phoenix_launch's ``Supervisor``, its loop and its TCPStore, the
-store a thread of that process as in a real job) and ``--workers`` processes of simulated agents and ranks
-(``fleet_sim.py``: the real control thread's methods and the real agent loop's store calls, the generation relayed
-by each node's agent to its ranks, ``--conns`` connections each plus two notify watchers, the ranks' counter, which
-the agents relay, and the agents'). Once every node is up and every rank has reported ``RuntimeReady``:
+store a thread of that process as in a real job) and ``--workers`` processes of simulated nodes (``fleet_sim.py``,
+whose header says exactly what is real and what is modelled: every call a real agent or rank makes to the central
+store is made, by the real code; the node-local part, the ranks' own heartbeats into their agent's store, is
+modelled; ``--conns`` connections each plus two notify watchers, the ranks' counter, which the agents relay, and the
+agents'). At 10,000 nodes run it with a longer heartbeat (``--heartbeat-s 2 --node-timeout-s 10``: the two
+simulation processes carry 10,000 agents' heartbeats, each a real round trip, on two shared cores).
+Once every node is up and every rank has reported ``RuntimeReady``:
 a steady window (``--window-s``), then one node is lost (its agent and ranks stop at once), the supervisor's
 ``failure`` event and its ``decision`` (a hot-swap onto the one spare) are timed from the loss, and the
 generation it publishes is timed until every live agent has read it from the central store ("agents s": the store's

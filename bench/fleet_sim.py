@@ -2,28 +2,38 @@
 
     python bench/fleet_sim.py --run-dir DIR --port P --nodes 0:125 --active 1000 --nproc 8 [--conns 4]
 
-Each simulated rank is the real rank's control thread (``phoenix_runtime.plane.control.ControlThread``: its
-``beat``, ``_follow``, ``_read_relay``, ``_poll``, ``_send_posted`` and ``report_refused``, unchanged) on a
-connection it shares; each simulated agent does what the real agent's loop does with the store
-(``detect/agent.py``): its heartbeat every ``heartbeat_s``, its command queue when the agents' counter moves and at
-each heartbeat (every pass, 20 ms, while no watcher is armed), its ranks' heartbeats every ``heartbeat_s`` judged
-by the real ``hang_check`` and published as one ``NodeDigest``, its ``AgentUp`` first, and the generation's relay
-(the real ``relay.NodeRelay``: woken by the ranks' counter, one central batch, a ``NodeNotice`` in the node's local
-store, its ranks woken). A node's ranks heartbeat into
-a node-local store as real ones do (the real agent's is a TCPStore on 127.0.0.1): here an in-process dict per
-simulated node (``NodeLocal``, sealed values as in the real one), so its calls are not in the central store's
-counts, as a real node's local store calls are not; the ranks of a node read their agent's notice there, woken by
-it in-process as a real node's ranks are by their local store's counter. Active ranks report ``RuntimeReady`` once, as the runtime does;
-a spare's ranks look for their assignment once a second, as ``bootstrap.wait_for_assignment`` does.
+A simulated node (``SimNode``) is one client: its agent and its ranks, run by one lane (a thread with one store
+connection of its own). What is REAL, i.e. sent to the central store exactly as the real code sends it, by the real
+code where it is a function of its own:
+  - the agent's loop (``detect/agent.py``, pass by pass): its ``AgentUp`` first; its heartbeat and its one
+    ``NodeDigest`` every ``heartbeat_s``; its command queue when the agents' counter moves and every ``relay.READ_S``;
+    the generation's relay (the real ``relay.NodeRelay``: woken by the ranks' counter, one central batch, a
+    ``NodeNotice`` in the node's local store); its ranks' ``RuntimeReady`` forwarded as one ``NodeReady`` (the real
+    ``relay.ReadyRelay``, each pass);
+  - each rank's central calls (the real ``ControlThread`` methods on the shared connection): its ``RuntimeReady``
+    (``report_locally``, the runtime's ``Context.report``), its first full read at start and one every
+    ``control.full_read_every`` (``_follow``/``_poll``), its reaction to its agent's notice (``_follow``: its
+    queue read centrally when its counter moved), a spare's assignment poll once a second
+    (``bootstrap.wait_for_assignment``).
+What is MODELLED (never touches the central store in a real job either): the node-local store is an in-process dict
+(``NodeLocal``, sealed values as in the real one); the ranks' heartbeats into it are not written one by one: the
+agent's digest is built from the ranks' state at each heartbeat, in the format the agent writes, and no hang check
+runs (every simulated rank progresses); a node's ranks share one parse of their agent's notice (``SimRelay``); a
+rank's wake-up by its local watcher is the lane calling it right after its agent's relay.
 
-What differs from a real job: no processes are spawned; ``conns`` threads, each with one store connection of its
-own, run every client's due work in turn (a real node holds 3 + nproc connections: its agent's and its agent's two
-watchers', one per rank); and one notify watcher per process and counter (the ranks', which the agents relay, and
-the agents'), blocked in the store, wakes every simulated agent of the process, where each real agent has its own.
+Scheduling: a lane runs every agent pass that is due before any rank's work (a real agent is a process of its own,
+never behind its ranks); a node's ranks start (their ``RuntimeReady`` and first full read) once its agent's first
+pass wrote its notice, as a real rank's relay arms once its agent serves the local store.
+
+What differs in connections: ``conns`` lanes per process (a real node holds 3 + nproc: its agent's and its agent's
+two watchers', one per rank, and a rank's own watcher while its relay is not armed); and one notify watcher per
+process and counter (the ranks', which the agents relay, and the agents'), blocked in the store, wakes every
+simulated agent of the process, where each real agent has its own.
 
 stdin: ``kill NODE`` stops that node's agent and ranks (they never touch the store again); end of input ends
-the process. ``DIR/bench_sim<first>.json`` says, once a second: round trips made, how late the due work ran
-(a late simulation is one that cannot keep the real protocol's rate), and when each rank saw each generation.
+the process. ``DIR/bench_sim<first>.json`` says, once a second: round trips made, how late the agents' passes and
+the ranks' work ran (a late simulation is one that cannot keep the real protocol's rate), how many ranks started,
+and when each rank saw each generation.
 """
 
 from __future__ import annotations
@@ -39,10 +49,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from phoenix_launch.detect.agent import hang_check
 from phoenix_launch.observe.events import write_json_atomic
 from phoenix_runtime.plane import auth, control, protocol
-from phoenix_runtime.plane.relay import NodeRelay
+from phoenix_runtime.plane.channel import open_value
+from phoenix_runtime.plane.relay import READ_S, NodeRelay, ReadyRelay
 
 from fleet_store import CountingStore
 
@@ -58,15 +68,22 @@ class SimWatcher:
 
 class NodeLocal:
     """A simulated node's local store: an in-process dict (the node's agent and ranks share one lane, so one
-    thread). ``put`` is ``control.LocalStoreLink.put`` (the ranks' side), the rest the store calls the agent's
-    ``get_values`` makes."""
+    thread); ``notice`` keeps the last ``NodeNotice`` parsed from it (its raw value with it), so the node's ranks
+    share one parse of their agent's notice."""
 
     def __init__(self):
         self.d: dict[str, bytes] = {}
+        self.notice: tuple[bytes, protocol.NodeNotice] | None = None
 
-    def put(self, key: str, payload: str) -> bool:
+    def put(self, key: str, payload: str, bump: str | None = None) -> bool:
+        """``control.LocalStoreLink.put`` (the ranks' side)."""
         protocol.put_value(self, key, payload)
+        if bump is not None:
+            self.add(bump, 1)
         return True
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.d[k] for k in keys]
 
     def set(self, key: str, value) -> None:
         self.d[key] = value.encode() if isinstance(value, str) else value
@@ -77,38 +94,38 @@ class NodeLocal:
     def check(self, keys: list[str]) -> bool:
         return all(k in self.d for k in keys)
 
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.d[k] for k in keys]
-
     def add(self, key: str, value: int) -> int:
         n = int(self.d.get(key, b"0")) + value
         self.d[key] = str(n).encode()
         return n
 
-    def delete_key(self, key: str) -> bool:
-        return self.d.pop(key, None) is not None
-
 
 class SimRelay:
-    """``relay.RelayReader`` of a simulated rank: its agent's local store is in-process, always armed."""
+    """``relay.RelayReader`` of a simulated rank: its agent's local store is in-process, always armed; the notice
+    is parsed once per node (``NodeLocal.notice``) where each real rank parses its own."""
 
     armed = True
 
     def __init__(self, local: NodeLocal, node: str):
-        self.local, self.node = local, node
+        self.local, self.key = local, protocol.k_relay(node)
 
     def read(self) -> protocol.NodeNotice | None:
-        text = protocol.get_value(self.local, protocol.k_relay(self.node))
-        return protocol.NodeNotice.from_json(text) if text is not None else None
+        raw = self.local.d.get(self.key)
+        if raw is None:
+            return None
+        if self.local.notice is None or self.local.notice[0] is not raw:
+            text = open_value(self.key, raw)
+            self.local.notice = (raw, protocol.NodeNotice.from_json(text)) if text is not None else None
+        return self.local.notice[1] if self.local.notice is not None else None
 
 
 class SimRank(control.ControlThread):
-    """The real control thread's methods, on a shared connection; its loop is ``step`` (one pass of ``_run``)."""
+    """The real control thread's methods on a shared connection, run by its node (``SimNode``): its start (its
+    ``RuntimeReady`` and first full read), its periodic full read, its reaction to its agent's notice."""
 
     def __init__(self, node: str, slot: int, rank: int | None, store, local: NodeLocal, watcher: SimWatcher,
                  heartbeat_s: float, seen: dict, world_size: int):
         self.state = control.RankState()
-        self.local = local
         self.state.phase = "training" if rank is not None else "spare"
         self.node, self.slot, self.rank, self.heartbeat_s = node, slot, rank, heartbeat_s
         self.full_read_s = control.full_read_every(heartbeat_s, world_size)
@@ -121,41 +138,51 @@ class SimRank(control.ControlThread):
         self._dirty = True
         self.on_gen_change = [lambda g: seen.setdefault(g, []).append(time.time())]
         self.on_fault = []
-        self._stop, self._wake = threading.Event(), threading.Event()
-        self.asleep_until = 0.0
         self._outbox = collections.deque(maxlen=16)
         self._q_sup = protocol.Queue(store, protocol.Q_SUPERVISOR)
         self._watcher = watcher
         self._relay, self._relay_dirty = SimRelay(local, node), True
-        self.next_hb = self.next_full = self.next_assign = 0.0
-        self.dead = False
-        self.woken = False  # a post (none here) or a central wake-up: no central watcher runs while relayed
-        self.relay_woken = False  # its agent told it (the local counter moved)
-        if rank is not None:
-            self.post(protocol.RuntimeReady(node=node, slot=slot, rank=rank, protect=True, epoch=0))
+        self.local = local
+        self.at = -1  # its node's index on its lane
+        self.next_due = 0.0  # its next full read (a spare: its next assignment poll), monotonic
+        self.started = self.dead = False
 
-    def step(self, now: float) -> float:
-        """One pass of ``ControlThread._run``; returns when the next is due (monotonic)."""
-        woken, self.woken = self.woken, False
-        relay_woken, self.relay_woken = self.relay_woken, False
-        if now >= self.next_hb:
-            self.state.stepped(self.state.step + 1)  # training progresses (the agent's hang check reads t_step)
-            self.beat()
-            self.report_refused()
-            self.next_hb = now + self.heartbeat_s
-        full = now >= self.next_full
-        self._follow(woken, relay_woken, full)
-        self._send_posted()
-        if full:
-            self.next_full = now + self.full_read_s
-        due = now + control.POLL_S
-        if self.watching:
-            due = min(self.next_hb, self.next_full)
-        if self.rank is None and now >= self.next_assign:  # a spare: its assignment yet?
-            self.next_assign = now + ASSIGN_POLL_S
+    def work(self, now: float) -> None:
+        """Its due central work: at start its ``RuntimeReady`` (an active rank) and first full read, then a full read
+        every ``full_read_s`` (a spare: its assignment poll once a second, ``bootstrap.wait_for_assignment``)."""
+        if not self.started:
+            self.started = True
+            if self.rank is not None:  # Context.report: through its agent (it forwards its node's in one message)
+                ready = protocol.RuntimeReady(node=self.node, slot=self.slot, rank=self.rank, protect=True, epoch=0)
+                if not self.report_locally(ready):
+                    self.post(ready)
+        if self.rank is None:
+            self.next_due = now + ASSIGN_POLL_S
             if protocol.get_value(self.store, protocol.k_assign(self.node, self.slot)) is not None:
                 self.rank, self.state.phase = -1, "training"
-        return min(due, self.next_assign) if self.rank is None else due
+            return
+        self._follow(False, False, True)
+        self._send_posted()
+        self.next_due = now + self.full_read_s
+
+    def told(self) -> None:
+        """Its agent's local counter moved: ``_run``'s pass for it (the notice; its queue centrally if it moved). Where
+        nothing is to be read centrally (its queue's counter did not reach its cursor, no read half done) this is
+        ``_read_relay``'s effect without the pass around it (modelled: the real rank's pass makes no central call
+        then either)."""
+        notice, cursor = self._relay.read(), self.q_rank.cursor
+        if notice is None or self._dirty or self._relay_dirty or cursor is None or notice.queues.get(self.slot, 0) >= cursor:
+            self._follow(False, True, False)
+            self._send_posted()
+            return
+        self.persist_at = notice.persist_at
+        if notice.gen > self.latest_gen:
+            self.latest_gen = notice.gen
+            for cb in self.on_gen_change:
+                cb(notice.gen)
+
+    def post(self, msg: protocol.Message) -> None:
+        self._outbox.append(msg)
 
     def _watch_centrally(self, first: bool = False) -> None:  # the process's watcher stands for it (watch_notify)
         pass
@@ -164,90 +191,98 @@ class SimRank(control.ControlThread):
         pass
 
 
-class SimAgent:
-    """What the real agent's loop does with the store, pass by pass (``Agent.run``, ``Agent.check_hangs``)."""
+class SimNode:
+    """A node: what the real agent's loop does with the central store, pass by pass (``Agent.run``), and its ranks.
+    Its ranks' heartbeats into the local store are modelled: the digest is built from their state at each agent
+    heartbeat (the real ranks write the same fields locally, and the agent reads them back in one batch)."""
 
-    def __init__(self, node: str, slots: int, store, local: NodeLocal, watcher: SimWatcher, relay_watcher: SimWatcher,
-                 spec_heartbeat_s: float, hang_timeout_s: float):
-        self.node, self.slots, self.store, self.local = node, slots, store, local
-        self.heartbeat_s, self.hang_timeout_s = spec_heartbeat_s, hang_timeout_s
+    def __init__(self, node: str, ranks: list[SimRank], store, local: NodeLocal, watcher: SimWatcher,
+                 relay_watcher: SimWatcher, heartbeat_s: float, relayed: dict):
+        self.node, self.ranks, self.store, self.local = node, ranks, store, local
+        self.heartbeat_s = heartbeat_s
         self.q_sup = protocol.Queue(store, protocol.Q_SUPERVISOR)
         self.q_cmd = protocol.Queue(store, protocol.q_agent(node))
         self.commands = protocol.Dispatcher({t: self._command for t in (protocol.MsgType.RESTART, protocol.MsgType.RESPAWN,
                                                                         protocol.MsgType.STOP, protocol.MsgType.INJECT)})
-        self.started = time.time()
-        self.next_hb = 0.0
-        self.up = False
-        self.dead = False
-        self.stopped = False
+        self.next_hb = self.next_cmd = 0.0
+        self.up = self.dead = self.stopped = False
         self.woken = False  # the process's watcher on the agents' counter saw it move (a command)
         self.watcher = watcher
-        self.relay = NodeRelay(node, slots, local)  # woken (relay.wake) by the process's watcher on the ranks' counter
+        self.relay = NodeRelay(node, len(ranks), local)  # woken (relay.wake) by the process's watcher on the ranks' counter
         self.relay.watcher = relay_watcher
-        self.told = False  # the last step told the ranks something new (the lane wakes them)
-        self.relayed: dict[int, list[float]] = {}  # generation -> when each agent read it centrally (shared, build)
+        self.ready = ReadyRelay(node, len(ranks), local)  # its ranks' RuntimeReady, forwarded in one message
+        self.relayed = relayed  # generation -> when each agent read it centrally (shared by the process's nodes)
+        self.pid = os.getpid()
 
     def _command(self, cmd, now=None) -> None:
         self.stopped = self.stopped or isinstance(cmd, protocol.AgentStop)
 
     def step(self, now: float) -> float:
+        """One pass of the agent's loop; returns when the next is due (monotonic)."""
         if not self.up:
-            self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, None))
+            self.q_sup.put(protocol.AgentUp(self.node, self.pid, os.uname().nodename, None))
             self.up = True
         woken, self.woken = self.woken, False
         beat = now >= self.next_hb
         if beat:
-            protocol.put_value(self.store, protocol.k_agent_hb(self.node), str(time.time()))
-            beats = self.read_beats()  # Agent.read_beats: one batch of the local store
-            self.check_hangs(beats)
-            digest = protocol.NodeDigest(self.node, time.time(), beats)  # Agent.publish_digest
-            protocol.put_value(self.store, protocol.k_node_digest(self.node), digest.to_json())
+            t = time.time()
+            protocol.put_value(self.store, protocol.k_agent_hb(self.node), str(t))
+            refused = auth.drain()
+            if refused:
+                self.q_sup.put(protocol.RefusedReport(self.node, None, refused))
+            protocol.put_value(self.store, protocol.k_node_digest(self.node), self.digest(t))  # Agent.publish_digest
             self.next_hb = now + self.heartbeat_s
-        if woken or beat or self.q_cmd.pending or not self.watcher.armed:  # Agent._commands_due
+        if woken or now >= self.next_cmd or self.q_cmd.pending or not self.watcher.armed:  # Agent._commands_due
+            self.next_cmd = now + READ_S
             for cmd in self.q_cmd.get_all():
                 self.commands.dispatch(cmd)
         if self.relay.due(now):  # Agent.run's relay
             before = self.relay.last.gen if self.relay.last is not None else None
-            self.told = self.relay.relay(self.store, now)
+            if self.relay.relay(self.store, now):
+                for r in self.ranks:  # the local counter moved: each rank's local watcher wakes it
+                    if r.started:
+                        r.told()
             if self.relay.last is not None and self.relay.last.gen != before:
                 self.relayed.setdefault(self.relay.last.gen, []).append(time.time())
+        self.ready.forward(self.q_sup)  # Agent.run: each pass (a local round trip when nothing is new)
         if self.watcher.armed and self.relay.watcher.armed and not self.q_cmd.pending:  # no store call till then
-            return min(self.next_hb, self.relay.next_read)
+            return min(self.next_hb, self.relay.next_read, self.next_cmd)
         return time.monotonic() + AGENT_PASS_S
 
-    def read_beats(self) -> dict[int, protocol.RankHeartbeat]:
-        keys = {protocol.k_rank_hb(self.node, s): s for s in range(self.slots)}
-        return {keys[k]: protocol.RankHeartbeat.from_json(text)
-                for k, text in protocol.get_values(self.local, list(keys)).items() if text is not None}
-
-    def check_hangs(self, beats: dict[int, protocol.RankHeartbeat]) -> None:
-        t = time.time()
-        if t - self.started < self.hang_timeout_s:
-            return  # the real agent judges a rank only once it has run for the hang timeout
-        for hb in beats.values():
-            hang_check(hb, t, self.hang_timeout_s, 600.0)
+    def digest(self, t: float) -> str:
+        """``NodeDigest.to_json`` of the ranks' heartbeats as ``ControlThread.beat`` writes them (a rank in training
+        that completed a step a heartbeat ago), in the agent's digest format."""
+        beats = {}
+        for r in self.ranks:
+            r.state.step += 1
+            beats[str(r.slot)] = {"t": t, "step": r.state.step, "gen": r.latest_gen, "pid": self.pid, "runtime": r.rank is not None,
+                                  "phase": r.state.phase, "t_step": t, "sps": round(1.0 / self.heartbeat_s, 3), "warm": True,
+                                  "formed": r.rank is not None}
+        return json.dumps({"node": self.node, "t": t, "beats": beats}, separators=(",", ":"))
 
 
 class Lane(threading.Thread):
-    """One store connection and the simulated clients that share it, each run when it is due."""
+    """One store connection and the simulated nodes that share it. Two queues of due work: the agents' passes
+    first (their heartbeats and relays: a real agent is a process of its own, never behind its ranks), then the
+    ranks' (their start, their periodic full reads) when no agent pass is due."""
 
-    def __init__(self, host: str, port: int, clients: list, stop: threading.Event):
+    def __init__(self, host: str, port: int, nodes: list[SimNode], stop: threading.Event):
         super().__init__(daemon=True)
         from phoenix_launch.plane.control import connect
 
         self.store = CountingStore(connect(host, port, timeout_s=60.0))
-        self.clients = clients
+        self.nodes = nodes
+        self.ranks: list[SimRank] = []
         self.stop, self.woken = stop, threading.Event()
-        self.lags: collections.deque = collections.deque(maxlen=20000)  # seconds late, per run of a client
+        self.lags: collections.deque = collections.deque(maxlen=20000)  # seconds an agent's pass ran late
+        self.rank_lags: collections.deque = collections.deque(maxlen=20000)  # seconds a rank's work ran late
         self.wake_counters: set[str] = set()  # the counters that moved (the ranks', relayed by the agents; the agents')
         self.errors = 0
-        self.agents: list[int] = []  # the indices of its agents (run)
 
     def _wake_agents(self, now: float, due_of: list[float], heap: list) -> None:
         """A counter moved: every agent of the lane reads now, as each real agent's watcher wakes it."""
         moved, self.wake_counters = self.wake_counters, set()
-        for i in self.agents:
-            c = self.clients[i]
+        for i, c in enumerate(self.nodes):
             if protocol.K_NOTIFY in moved:
                 c.relay.wake.set()
             if protocol.K_NOTIFY_AGENTS in moved:
@@ -255,45 +290,63 @@ class Lane(threading.Thread):
             _schedule(heap, due_of, i, now)
 
     def run(self) -> None:
-        self.agents = [i for i, c in enumerate(self.clients) if isinstance(c, SimAgent)]
-        # one live heap entry per client (its due_of); an entry whose time is not its client's due_of is stale
-        due_of = [time.monotonic() + i * 1e-5 for i in range(len(self.clients))]
+        # one live heap entry per node (its due_of); an entry whose time is not its node's due_of is stale
+        due_of = [time.monotonic() + i * 1e-5 for i in range(len(self.nodes))]
         heap = [(t, i) for i, t in enumerate(due_of)]
         heapq.heapify(heap)
-        while not self.stop.is_set() and heap:
-            if self.woken.is_set():  # a counter moved: its clients read now, as a real watcher wakes its own
+        rheap: list = []  # (due, index in self.ranks): one entry per rank, its next_due
+        while not self.stop.is_set():
+            if self.woken.is_set():  # a counter moved: its agents read now, as a real watcher wakes its own
                 self.woken.clear()
                 self._wake_agents(time.monotonic(), due_of, heap)
-            due, i = heap[0]
-            if due != due_of[i]:
+            while heap and heap[0][0] != due_of[heap[0][1]]:
                 heapq.heappop(heap)
-                continue
             now = time.monotonic()
-            if due > now:
-                self.woken.wait(min(due - now, 0.05))
-                continue
-            heapq.heappop(heap)
-            c = self.clients[i]
-            if c.dead:
-                due_of[i] = float("inf")
-                continue
-            self.lags.append(now - due)
-            try:
-                nxt = c.step(now)
-            except Exception:  # noqa: BLE001 -- a store error: the client retries later, as the real ones do
-                self.errors += 1
-                nxt = now + 0.2
-            due_of[i] = nxt
-            heapq.heappush(heap, (nxt, i))
-            if isinstance(c, SimAgent) and c.told:  # the agent's local counter moved: its ranks read the notice now
-                c.told = False
-                for j in range(i + 1, i + 1 + c.slots):
-                    self.clients[j].relay_woken = True
-                    _schedule(heap, due_of, j, now)
+            if heap and heap[0][0] <= now:
+                self._agent_pass(heapq.heappop(heap)[1], now, due_of, heap, rheap)
+            elif rheap and rheap[0][0] <= now:
+                due, j = heapq.heappop(rheap)
+                r = self.ranks[j]
+                if not r.dead:
+                    self.rank_lags.append(now - due)
+                    r.next_due = now + 0.2  # unless its work says otherwise (a store error: retried then)
+                    first = not r.started
+                    self._run(r.work, now)
+                    heapq.heappush(rheap, (r.next_due, j))
+                    if first:  # its RuntimeReady is in the local store: its agent's next pass (20 ms) forwards it
+                        _schedule(heap, due_of, r.at, now + AGENT_PASS_S)
+            else:
+                nxt = min(heap[0][0] if heap else now + 0.05, rheap[0][0] if rheap else now + 0.05)
+                self.woken.wait(min(max(0.0, nxt - now), 0.05))
+
+    def _agent_pass(self, i: int, now: float, due_of: list[float], heap: list, rheap: list) -> None:
+        c = self.nodes[i]
+        if c.dead:
+            due_of[i] = float("inf")
+            return
+        self.lags.append(now - due_of[i])
+        first = not c.up
+        nxt = self._run(c.step, now)
+        due_of[i] = nxt if nxt is not None else now + 0.2
+        heapq.heappush(heap, (due_of[i], i))
+        if first:  # its ranks start once their agent serves them (the relay's first notice is written)
+            for r in c.ranks:
+                r.at = i
+                self.ranks.append(r)
+                heapq.heappush(rheap, (now, len(self.ranks) - 1))
+
+    def _run(self, fn, now: float):
+        try:
+            return fn(now)
+        except Exception as e:  # noqa: BLE001 -- a store error: the client retries later, as the real ones do
+            if not self.errors:
+                print(f"{self.name}: first error {e!r}", file=sys.stderr, flush=True)
+            self.errors += 1
+            return None
 
 
 def _schedule(heap: list, due_of: list[float], i: int, t: float) -> None:
-    """Client ``i`` is due at ``t`` if that is sooner than it was."""
+    """Node ``i`` is due at ``t`` if that is sooner than it was."""
     if t < due_of[i]:
         due_of[i] = t
         heapq.heappush(heap, (t, i))
@@ -322,22 +375,20 @@ def watch_notify(host: str, port: int, lanes: list[Lane], watcher: SimWatcher, s
 
 def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, agent_watcher: SimWatcher, stop: threading.Event,
           relayed: dict):
-    """The lanes (connections) and their clients: node i's agent and ranks on lane i % conns. ``watcher``: the
-    process's watcher on the ranks' counter (which the agents relay), ``agent_watcher``: on the agents'."""
+    """The lanes (connections) and their nodes: node i on lane i % conns. ``watcher``: the process's watcher on the
+    ranks' counter (which the agents relay), ``agent_watcher``: on the agents'."""
     lo, hi = (int(x) for x in a.nodes.split(":"))
     per_lane: list[list] = [[] for _ in range(a.conns)]
     lanes = [Lane(host, port, per_lane[i], stop) for i in range(a.conns)]
-    by_node: dict[str, list] = {}
+    by_node: dict[str, SimNode] = {}
     for i in range(lo, hi):
         lane = lanes[i % a.conns]
-        node = f"node{i}"
-        local = NodeLocal()
-        agent = SimAgent(node, a.nproc, lane.store, local, agent_watcher, watcher, a.heartbeat_s, a.hang_timeout_s)
+        node, local = f"node{i}", NodeLocal()
         ranks = [SimRank(node, s, i * a.nproc + s if i < a.active else None, lane.store, local, watcher, a.heartbeat_s, seen,
                          a.active * a.nproc) for s in range(a.nproc)]
-        agent.relayed = relayed
-        lane.clients += [agent, *ranks]  # the lane wakes an agent's ranks as the clients right after it
-        by_node[node] = [agent, *ranks]
+        sim = SimNode(node, ranks, lane.store, local, agent_watcher, watcher, a.heartbeat_s, relayed)
+        lane.nodes.append(sim)
+        by_node[node] = sim
     return lanes, by_node
 
 
@@ -347,9 +398,12 @@ def _times(seen: dict) -> dict:
 
 def report(path: Path, lanes: list[Lane], seen: dict, killed: dict, n_ranks: int, relayed: dict) -> None:
     lags = sorted(x for lane in lanes for x in list(lane.lags))  # list(): one copy under the GIL, not a walk the lanes mutate
+    rlags = sorted(x for lane in lanes for x in list(lane.rank_lags))
     write_json_atomic(path, {
         "t": time.time(), "ops": sum(lane.store.ops for lane in lanes), "errors": sum(lane.errors for lane in lanes),
         "lag_p50": lags[len(lags) // 2] if lags else 0.0, "lag_p99": lags[int(len(lags) * 0.99)] if lags else 0.0,
+        "rank_lag_p99": rlags[int(len(rlags) * 0.99)] if rlags else 0.0,
+        "started": sum(1 for lane in lanes for r in lane.ranks if r.started),
         "ranks": n_ranks, "killed": killed,
         "seen": _times(seen), "relayed": _times(relayed),  # each rank's sight of a generation; each agent's central read
     })
@@ -364,7 +418,6 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, default=8)
     ap.add_argument("--conns", type=int, default=4)
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
-    ap.add_argument("--hang-timeout-s", type=float, default=30.0)
     a = ap.parse_args()
     run_dir = Path(a.run_dir)
     auth.set_key(auth.read_secret(run_dir))
@@ -384,18 +437,18 @@ def main() -> int:
     def reporter() -> None:
         while not stop.wait(1.0):
             try:
-                report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()), relayed)
+                report(path, lanes, seen, killed, sum(len(v.ranks) for v in by_node.values()), relayed)
             except Exception as e:  # noqa: BLE001 -- one report lost (a dict the lanes grew meanwhile); the next follows
                 print(f"report: {e!r}", file=sys.stderr, flush=True)
     threading.Thread(target=reporter, daemon=True).start()
     for line in sys.stdin:  # the bench's commands; end of input: done
         words = line.split()
         if len(words) == 2 and words[0] == "kill" and words[1] in by_node:
-            for c in by_node[words[1]]:
+            for c in (by_node[words[1]], *by_node[words[1]].ranks):
                 c.dead = True
             killed[words[1]] = time.time()
     stop.set()
-    report(path, lanes, seen, killed, sum(len(v) - 1 for v in by_node.values()), relayed)
+    report(path, lanes, seen, killed, sum(len(v.ranks) for v in by_node.values()), relayed)
     os._exit(0)  # the watcher is blocked in the store: not waited for
 
 

@@ -91,6 +91,17 @@ class ReportHandlers:
             self.attempt.runtime_ready.add(int(m.rank))
             self.attempt.dp_sizes[int(m.rank)] = int(m.dp)
 
+    def on_node_ready(self, m: protocol.NodeReady, now: float) -> None:
+        """A node's ranks' ``RuntimeReady`` reports, forwarded by its agent in one message: each taken as the rank's
+        own, those of another node's ranks (an agent speaks for its own node only) or of another type left out."""
+        for body in m.ready:
+            try:
+                r = protocol.decode(body) if isinstance(body, dict) else None
+            except protocol.DecodeError:
+                r = None
+            if isinstance(r, protocol.RuntimeReady) and r.node == m.node:
+                self.on_runtime_ready(r, now)
+
     def on_recovered(self, m: protocol.Recovered, now: float) -> None:
         if self.job.state is JobState.RECOVERING and self.recovery.recovered(m, now):
             self.finish_recovery(now)

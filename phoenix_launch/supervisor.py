@@ -28,7 +28,7 @@ from phoenix_launch.detect.health import with_probe_evidence
 from phoenix_launch.decide.incidents import Incident, IncidentTracker
 from phoenix_launch.plane.inject import SOCKET_PURPOSE, Chaos, JobTargets
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState
-from phoenix_launch.detect.nodes import Node, NodeTable
+from phoenix_launch.detect.nodes import Node, NodeTable, check_every
 from phoenix_launch.observe.operator_io import OperatorIO
 from phoenix_launch.repair.recovery_watch import RecoveryWatch
 from phoenix_launch.repair.replenish import Replenisher
@@ -39,7 +39,7 @@ from phoenix_launch.repair.stragglers import StragglerChecks
 from phoenix_launch.repair.elastic import ElasticJob
 from phoenix_launch.spec import AgentSpec
 from phoenix_launch.standby.mirror import AttemptRecord, NodeRecord, StandbyLink, SupervisorState
-from phoenix_launch.observe.status import job_status, nothing_done, read_rank_heartbeats, read_rank_steps
+from phoenix_launch.observe.status import DigestCache, job_status, nothing_done, read_rank_heartbeats, read_rank_steps, status_period
 from phoenix_launch.observe.refusals import RefusalLog
 from phoenix_runtime.plane import auth, protocol
 
@@ -69,6 +69,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
         self.resume = launch.resume  # the persistent checkpoint this attempt started from
         self.chaos = Chaos(cfg.inject.chaos_mtbf_s, cfg.inject.seed, cfg.inject.chaos_ranks)
         self.init_stragglers()
+        self.digests = DigestCache(cfg.detect.heartbeat_s)  # the status's and the straggler check's one read a heartbeat
         self.runtime_json = runtime_settings(cfg).to_json()
         self.epoch = 0
         self.restarts = 0
@@ -93,6 +94,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
             protocol.MsgType.RANK_ERROR: self.on_rank_error,
             protocol.MsgType.REPLICA_FAILED: self.on_replica_failed,
             protocol.MsgType.RUNTIME_READY: self.on_runtime_ready,
+            protocol.MsgType.NODE_READY: self.on_node_ready,
             protocol.MsgType.RECOVERED: self.on_recovered,
             protocol.MsgType.PROGRESS: self.on_progress,
             protocol.MsgType.UNRECOVERABLE: self.on_unrecoverable,
@@ -207,7 +209,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
 
     # --- classify and decide -----------------------------------------------------------------------
     def settle(self, now: float) -> None:
-        fleet = self.nodes.fleet(now, self.cfg.detect.heartbeat_s, self.world_size, probing=self.probing)
+        fleet = self.nodes.fleet(now, self.cfg.detect.heartbeat_s, self.world_size, probing=self.probing) if self.incidents.current else None
         outcome = self.incidents.settle(now, fleet)
         if outcome is None:
             return
@@ -427,7 +429,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
 
     # --- the spare pool ------------------------------------------------------------------------------
     def replenish(self, now: float) -> None:
-        if self.job.state in (JobState.RUNNING, JobState.RECOVERING):
+        if self.replenisher.enabled and self.job.state in (JobState.RUNNING, JobState.RECOVERING):  # else no O(nodes) counts
             # the target is the job's own size plus its spares: a shrunk job's missing nodes are asked for too
             self.replenisher.tick(now, self.nodes.coming_spares() - self.nodes_short(), len(self.nodes.spare_nodes()))
 
@@ -455,7 +457,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
             self.events.emit("injected", mode="leader_hang", node="leader", source="config", step=self.attempt.step, t=now)
             threading.Event().wait()
         members = self._gens().members
-        victim = self.chaos.victim(now, [n.name for n in self.nodes if n.state is NodeState.ACTIVE], members, lambda: any(
+        victim = None if self.chaos.mtbf_s <= 0 else self.chaos.victim(now, [n.name for n in self.nodes if n.state is NodeState.ACTIVE], members, lambda: any(
             hb.phase == "done" for hb in read_rank_heartbeats(self.store, members).values()))
         if victim is not None:
             self.backend.kill_node(victim)
@@ -500,7 +502,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
 
     def loop(self) -> int:
         next_status = 0.0
-        next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
+        next_hb = time.monotonic() + check_every(self.cfg.detect.heartbeat_s)
         try:
             while self.exit_code is None:
                 self.standby.on_pass()  # the hang watchdog; superseded while this process stood still?
@@ -512,11 +514,11 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
                     self.check_heartbeats(now)
                     self.standby.on_heartbeat()
                     self._flush_recovery_event()
-                    next_hb = time.monotonic() + self.cfg.detect.heartbeat_s
+                    next_hb = time.monotonic() + check_every(self.cfg.detect.heartbeat_s)
                 if self.exit_code is None and (time.monotonic() > next_status or self._status_due):
                     self._status_due = False
                     self._write_status()
-                    next_status = time.monotonic() + 0.5
+                    next_status = time.monotonic() + status_period(self.world_size // max(1, self.nproc))
                 if self.exit_code is None:
                     time.sleep(0.02)
         finally:
@@ -557,7 +559,8 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
         return job_status(run_id=self.cfg.launch.run_id, run_dir=self.run_dir, state=self.job.state.value, gen=self.gen,
                           restarts=self.restarts, nproc=self.nproc, nodes=self.nodes, store=self.store, events=self.events,
                           members=self.publisher.members if self.publisher else protocol.Membership(0, self.world_size, ()),
-                          protect_every=self.reprotector.every, dp=(self.dp_size(), self.full_world()) if self.dp_size() else None)
+                          protect_every=self.reprotector.every, dp=(self.dp_size(), self.full_world()) if self.dp_size() else None,
+                          cache=self.digests)
 
     def _write_status(self) -> dict[str, Any]:
         snap = self.operator_io.observe(self.status())

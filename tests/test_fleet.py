@@ -119,3 +119,127 @@ def test_status_reads_a_few_absent_heartbeats_in_a_few_round_trips():
         channel._accept = orig
     assert got["k1000"] is None and got["k4095"] == "v" and len(got) == 4096
     assert Counting.calls < 100, Counting.calls  # get_values alone: a check per key, 4096 of them
+
+
+def test_the_status_and_the_straggler_check_share_one_digest_read_per_period():
+    class Counting(Store):
+        calls = 0
+
+        def multi_get(self, keys):
+            Counting.calls += 1
+            return super().multi_get(keys)
+
+    nodes, nproc = 50, 2
+    names = [f"node{i}" for i in range(nodes)]
+    members = protocol.Membership(1, nodes * nproc, tuple(protocol.RankSlot(i * nproc + s, n, s) for i, n in enumerate(names) for s in range(nproc)))
+    values = {protocol.k_node_digest(n): protocol.NodeDigest(n, 1.0, {s: protocol.RankHeartbeat(t=1.0, step=3) for s in range(nproc)}).to_json().encode()
+              for n in names}
+    store = Counting(values)
+    import phoenix_runtime.plane.channel as channel
+    orig = channel._accept
+    channel._accept = lambda k, raw: raw.decode()
+    try:
+        cache = status.DigestCache(max_age_s=60.0)
+        snap = status.job_status(run_id="r", run_dir=Path("."), state="running", gen=1, restarts=0, nproc=nproc, nodes=Nodes(names),
+                                 members=members, store=store, events=Events(), cache=cache)
+        paces = status.read_paces(store, members, cache)
+        assert snap["step"] == 3 and len(paces) == nodes * nproc and paces[7].step == 3
+        assert Counting.calls == 1 and cache.reads == 1  # one batched read for both
+        hbs = status.read_rank_heartbeats(store, members, cache)  # gathered once per read, not per caller
+        assert hbs is status.read_rank_heartbeats(store, members, cache) and len(hbs) == nodes * nproc
+        values[protocol.k_node_digest("node3")] = protocol.NodeDigest("node3", 2.0, {0: protocol.RankHeartbeat(t=2.0, step=9)}).to_json().encode()
+        cache.max_age_s, cache.PARSED_PER_S = 0.0, 1e12  # stale: read again; the changed digest is new, the others the same objects
+        before = cache.get(store, names)
+        assert cache.reads == 2 and before["node3"].beats[0].step == 9
+        assert cache.get(store, names)["node4"] is before["node4"]  # an unchanged text is not parsed again
+        # the period grows with the fleet where parsing every digest once a heartbeat would cost more
+        assert status.DigestCache(2.0).period(10) == 2.0
+        assert status.DigestCache(2.0).period(10000) == 10000 / status.DigestCache.PARSED_PER_S
+        # and the status itself: every 0.5 s up to 1,000 nodes, every 5 s at 10,000
+        assert status.status_period(10) == status.status_period(1000) == 0.5 and status.status_period(10000) == 5.0
+    finally:
+        channel._accept = orig
+
+
+@pytest.mark.timeout(60)
+def test_the_supervisors_queue_is_read_in_batches_in_order_and_a_hole_still_waits():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phoenix_runtime.plane import auth, channel
+
+    saved = (auth._key, auth._loaded)
+    auth.set_key(b"q" * 32)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False, use_libuv=True)
+    try:
+        calls: list[str] = []
+
+        class Counted:
+            def __getattr__(self, name):
+                v = getattr(server, name)
+                if callable(v):
+                    def call(*a):
+                        calls.append(name)
+                        return v(*a)
+                    return call
+                return v
+
+        writer, reader = protocol.Queue(server, "phx/q/t"), protocol.Queue(Counted(), "phx/q/t")
+        for i in range(600):
+            writer.put(protocol.Progress(node="n", slot=0, rank=i, step=i))
+        got = reader.get_all()
+        assert [m["rank"] for m in got] == list(range(600))
+        # three batches (256 at most): a check, a multi_get and one count each, then a delete per message
+        assert calls.count("multi_get") == 3 and calls.count("get") == 0 and calls.count("delete_key") == 600, calls[:20]
+        assert int(server.add("phx/q/t/read", 0)) == 600 and server.num_keys() < 10  # counted as read, deleted
+        # a message reserved but not written yet holds the reader back; those before it are read
+        writer.put(protocol.Progress(node="n", slot=0, rank=600, step=600))
+        server.add(channel.counter_key("phx/q/t"), 1)  # 602 reserved, unwritten
+        writer.put(protocol.Progress(node="n", slot=0, rank=602, step=602))
+        assert [m["rank"] for m in reader.get_all()] == [600] and reader.pending
+        server.set("phx/q/t/602", auth.seal("phx/q/t", 602, json.dumps({"v": protocol.SCHEMA_VERSION, **protocol.Progress(
+            node="n", slot=0, rank=601, step=601).to_dict(), "t": 1.0})))
+        assert [m["rank"] for m in reader.get_all()] == [601, 602] and not reader.pending
+    finally:
+        auth._key, auth._loaded = saved
+        channel.forget("phx/")
+
+
+@pytest.mark.timeout(30)
+def test_the_digests_are_kept_fresh_in_slices_not_in_one_whole_read_per_period():
+    import time
+
+    class Counting(Store):
+        sizes: list = []
+
+        def multi_get(self, keys):
+            Counting.sizes.append(len(keys))
+            return super().multi_get(keys)
+
+    nodes, nproc = 200, 2
+    names = [f"node{i}" for i in range(nodes)]
+    members = protocol.Membership(1, nodes * nproc, tuple(protocol.RankSlot(i * nproc + s, n, s) for i, n in enumerate(names) for s in range(nproc)))
+
+    def digest(n, step):
+        return protocol.NodeDigest(n, 1.0, {s: protocol.RankHeartbeat(t=1.0, step=step) for s in range(nproc)}).to_json().encode()
+    values = {protocol.k_node_digest(n): digest(n, 3) for n in names}
+    store = Counting(values)
+    import phoenix_runtime.plane.channel as channel
+    orig = channel._accept
+    channel._accept = lambda k, raw: raw.decode()
+    try:
+        cache = status.DigestCache(max_age_s=0.0)
+        cache.PARSED_PER_S, cache.SLICE = 400.0, 30  # a period of 0.5 s for 200 nodes, slices of 30 at most
+        cache.refresh(store, members)  # nothing before the first whole read
+        assert Counting.sizes == []
+        assert status.read_rank_heartbeats(store, members, cache)[("node7", 1)].step == 3 and Counting.sizes == [nodes]
+        values[protocol.k_node_digest("node150")] = digest("node150", 9)
+        end = time.monotonic() + 10
+        while status.read_rank_heartbeats(store, members, cache)[("node150", 0)].step != 9 and time.monotonic() < end:
+            cache.refresh(store, members)  # the supervisor's loop passes
+            time.sleep(0.01)
+        assert status.read_rank_heartbeats(store, members, cache)[("node150", 0)].step == 9, "a slice did not read it"
+        assert Counting.sizes[0] == nodes and 0 < max(Counting.sizes[1:]) <= 30, Counting.sizes  # never whole again
+    finally:
+        channel._accept = orig

@@ -208,7 +208,7 @@ def test_an_agent_command_wakes_the_agents_watcher_and_not_the_ranks(secret):
 
 def test_a_quiet_rank_makes_no_central_round_trip_between_its_safety_reads(secret):
     """A rank whose watcher is armed reads the store only when woken (bench/fleet_sim's SimRank is the control
-    thread's own methods, stepped here by hand; no agent relays here, so this is the central path a rank takes
+    thread's own methods, called here by hand as ``ControlThread._run``'s passes would; no agent relays here, so this is the central path a rank takes
     without its agent's relay, tests/test_relay.py has the relayed one): over ten heartbeats of quiet, no round
     trip; a bump is read at the next wake-up in one pass."""
     import sys
@@ -225,18 +225,18 @@ def test_a_quiet_rank_makes_no_central_round_trip_between_its_safety_reads(secre
     seen: dict = {}
     r = SimRank("node0", 0, 0, store, NodeLocal(), watcher, 0.5, seen, 8)
     now = 1000.0
-    r.step(now)  # the first pass: a full read
+    r.work(now)  # its start: its RuntimeReady (to its agent's local store) and a full read
+    assert r.next_due == now + r.full_read_s
     store.calls.clear()
-    for i in range(1, 10):  # nine heartbeats of quiet (the safety read is due after 5 s), nobody writes
-        r.step(now + 0.5 * i)
+    for i in range(1, 10):  # nine passes of quiet (ControlThread._run's: not woken, no safety read due), nobody writes
+        r._follow(False, False, False)
     assert store.calls == [], "a quiet rank read the central store"
     protocol.put_value(server, protocol.K_GEN, "1")
     protocol.notify_ranks(server)
-    r.woken = True
-    r.step(now + 4.8)
+    r._follow(True, False, False)  # woken by its watcher
     assert 1 in seen, "the bump was not read at the wake-up"
     # the counter, the generation and the persist step in one batch (check + multi_get), the queue's counter
     assert [c[0] for c in store.calls] == ["add", "check", "multi_get", "add"], store.calls
     store.calls.clear()
-    r.step(now + 5.1)  # the safety read: everything, whether or not the counter moved
+    r.work(now + r.full_read_s)  # the safety read: everything, whether or not the counter moved
     assert [c[0] for c in store.calls] == ["add", "check", "multi_get", "add"], store.calls

@@ -133,15 +133,16 @@ class IncidentTracker:
         d = self.detect
         return max(d.node_timeout_s, d.hang_timeout_s) + 2 * d.heartbeat_s
 
-    def settle(self, now: float, fleet: FleetView) -> Settled | None:
+    def settle(self, now: float, fleet: FleetView | None) -> Settled | None:
         """The incident's outcome once it has settled, else None (keep gathering). The rules, in order:
         nothing settles within ``settle_s`` (``settle_lost_s`` after a node's loss); an incident with nothing observed waits for the slowest
         detector, then closes; while a node holding ranks has not reported in (its agent joins after its
         ranks) it may hold the cause (bounded by the node timeout); only link errors while a node has gone
-        quiet wait for that node's heartbeat verdict (bounded the same way)."""
+        quiet wait for that node's heartbeat verdict (bounded the same way). ``fleet`` is None only while no incident is
+        open (then it is not read: the supervisor does not walk every node each pass for nothing)."""
         inc = self.current
         d = self.detect
-        if inc is None or now < inc.next_try:
+        if inc is None or fleet is None or now < inc.next_try:
             return None
         gather = d.settle_s if inc.t_lost is None else min(d.settle_s, inc.t_lost - inc.t0 + d.settle_lost_s)
         if now - inc.t0 < gather:

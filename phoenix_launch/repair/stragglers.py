@@ -21,6 +21,10 @@ from phoenix_launch.observe.status import read_paces
 
 class StragglerChecks:
     events: Any
+    digests: Any
+    publisher: Any
+    world_size: int
+    nproc: int
     cfg: Any
     incidents: Any
     job: Any
@@ -29,12 +33,15 @@ class StragglerChecks:
         self.pace, self._pace_due = StragglerWatch(self.cfg.detect.straggler_factor, self.cfg.detect.straggler_checks), 0.0
 
     def check_stragglers(self, now: float) -> None:
-        """Once a heartbeat while the job runs undisturbed: the ranks' paces (one batched read of the digests)."""
+        """Once a heartbeat (longer on a large job: ``DigestCache.period``) while the job runs undisturbed: the ranks'
+        paces (one batched read of the digests, shared with the status)."""
         det = self.cfg.detect
+        if self.publisher is not None:  # the digests' next slice (the status reads them too), straggler check or not
+            self.digests.refresh(self.store, self._gens().members)  # type: ignore[attr-defined]
         if det.straggler == "off" or now < self._pace_due or self.job.state is not JobState.RUNNING or self.incidents.current:
             return
-        self._pace_due = now + det.heartbeat_s
-        for s in self.pace.observe(read_paces(self.store, self._gens().members), self.gen):  # type: ignore[attr-defined]
+        self._pace_due = now + self.digests.period(self.world_size // max(1, self.nproc))  # a new read each check
+        for s in self.pace.observe(read_paces(self.store, self._gens().members, self.digests), self.gen):  # type: ignore[attr-defined]
             what = (f"rank {s.rank} on {s.node} is a straggler: {s.own_s:.3f} s of its own per step, {s.ratio:.1f}x its "
                     f"peers' median {s.peers_s:.3f} s at {s.checks} checks")
             d = decisions.straggler(det.straggler, s.node, what, self.spares())  # type: ignore[attr-defined]

@@ -111,7 +111,10 @@ class Context:
 
     def report(self, msg: protocol.RankMessage) -> None:
         if self.managed:
-            self.q_sup.put(self._signed(msg))
+            signed, c = self._signed(msg), control()
+            if isinstance(signed, protocol.RuntimeReady) and c is not None and c.report_locally(signed):
+                return  # its agent forwards it with its node's others (``relay.ReadyRelay``)
+            self.q_sup.put(signed)
 
     def post(self, msg: protocol.RankMessage) -> None:
         """``report``, sent by the control thread: the training thread never waits for the store in a step."""

@@ -168,13 +168,16 @@ class LocalStoreLink:
                 self.stop.wait(1.0)
         self._connecting = False
 
-    def put(self, key: str, payload: str) -> bool:
-        """Write a sealed value; False when not connected (yet, or any more: a new connect is under way)."""
+    def put(self, key: str, payload: str, bump: str | None = None) -> bool:
+        """Write a sealed value (then add 1 to the counter ``bump``, if given); False when not connected (yet, or any
+        more: a new connect is under way)."""
         store = self.store
         if store is None:
             return False
         try:
             protocol.put_value(store, key, payload)
+            if bump is not None:
+                store.add(bump, 1)
             return True
         except Exception:  # noqa: BLE001 -- the agent's store is gone: the agent decides about this rank
             self.store = None
@@ -300,6 +303,15 @@ class ControlThread:
             self.local.put(key, json.dumps(hb))
         else:  # no agent's store (a rank not started by an agent)
             protocol.put_value(self.store, key, json.dumps(hb))
+
+    def report_locally(self, msg: protocol.RuntimeReady) -> bool:
+        """The rank's ``RuntimeReady`` through its node's agent (``relay.ReadyRelay``, one central message for the
+        node's ranks); False when the agent's store is not connected (the caller reports it centrally)."""
+        if self.local is None:
+            return False
+        body = msg.to_dict()
+        body.setdefault("t", time.time())  # every report a value of its own: a respawned rank's is forwarded too
+        return self.local.put(protocol.k_ready(self.node, self.slot), json.dumps(body), bump=protocol.K_READY)
 
     def post(self, msg: protocol.Message) -> None:
         """A report the training thread must not wait for (its progress): this thread sends it. A store call can

@@ -32,6 +32,7 @@ class MsgType(str, Enum):
     FAULT_FIRED = "fault_fired"
     PERSISTED = "persisted"
     NODE_PROBE = "node_probe"
+    NODE_READY = "node_ready"  # an agent's batch of its ranks' RUNTIME_READY (``relay.ReadyRelay``)
     SDC_SUSPECT = "sdc_suspect"
     COPY_CORRUPT = "copy_corrupt"
     REFUSED = "refused"  # values a reader refused (unsigned, forged, replayed): see ``auth``
@@ -105,6 +106,17 @@ class NodeProbe(Message):
     TYPE: ClassVar[MsgType] = MsgType.NODE_PROBE
     node: str
     health: dict = field(default_factory=dict)
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class NodeReady(Message):
+    """The ``RuntimeReady`` reports of a node's ranks, forwarded by its agent in one message (``relay.ReadyRelay``):
+    each in its dict form (``Message.to_dict``). The supervisor takes only those of this node."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_READY
+    node: str
+    ready: tuple = ()
     t: float | None = None
 
 
@@ -321,7 +333,7 @@ class RankFault(Message):
 
 MESSAGE_CLASSES: dict[MsgType, type] = {
     cls.TYPE: cls
-    for cls in (AgentUp, RankExit, RankHang, NodeProbe, RefusedReport, RankError, ReplicaFailed, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
+    for cls in (AgentUp, RankExit, RankHang, NodeProbe, NodeReady, RefusedReport, RankError, ReplicaFailed, RuntimeReady, Recovered, Progress, Unrecoverable, Protection,
                 FaultFired, SdcSuspect, CopyCorrupt, Persisted, AgentRestart, AgentRespawn, AgentStop, AgentInject, KillCommand, RankFault)
 }
 _FIELDS = {t: {f.name: f for f in fields(c)} for t, c in MESSAGE_CLASSES.items()}
@@ -351,6 +363,8 @@ def decode(raw: dict[str, Any]) -> Message:
     kw = {k: v for k, v in raw.items() if k in known}
     if mtype is MsgType.RESPAWN and "slots" in kw:
         kw["slots"] = tuple(kw["slots"])
+    if mtype is MsgType.NODE_READY and "ready" in kw:
+        kw["ready"] = tuple(kw["ready"])
     try:
         return MESSAGE_CLASSES[mtype](**kw)
     except TypeError as e:

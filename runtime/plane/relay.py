@@ -5,7 +5,7 @@ Without it every rank watches the central counter and, when it moves, reads the 
 from the central store itself: a bump cost ~4 round trips per rank (32,000 in a burst at 1,000 nodes x 8), and the
 central store served them one by one. With it, the node's agent (``NodeRelay``) is the only one of the node that
 watches the central counter: woken, it reads the counter, the generation, the persist step and its ranks' queue
-counters in one batch (``add``, ``check``, ``multi_get``), writes them as one ``protocol.NodeNotice`` at
+counters in one batch (``check``, ``multi_get``), writes them as one ``protocol.NodeNotice`` at
 ``protocol.k_relay(node)`` of its node-local store (sealed, as everything there) and bumps that store's own
 ``protocol.K_NOTIFY``. Each rank (``RelayReader``) watches that local counter instead of the central one and reads
 the notice locally; it reads its queue centrally only when its queue's counter moved (an injected fault).
@@ -18,6 +18,7 @@ bound. Torch is imported only where a client is made.
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import timedelta
 from typing import Any
@@ -29,12 +30,12 @@ from phoenix_runtime.plane.watch import NotifyWatcher
 READ_S = 5.0  # the agent's safety read (a wake-up lost in the central store), as a rank's own (control.FULL_READ_S)
 
 
-def _count(raw: Any) -> int:
-    """A queue counter's value (written by ``add``, not sealed); one that is not a number reads as 0."""
+def _count(raw: Any, bad: int = 0) -> int:
+    """A counter's value (written by ``add``, not sealed); one that is not a number (forged) reads as ``bad``."""
     try:
         return int(raw)
     except (TypeError, ValueError):
-        return 0
+        return bad
 
 
 class NodeRelay:
@@ -66,17 +67,20 @@ class NodeRelay:
             for k in self._counters:
                 store.add(k, 0)
             self._made = inc
-        try:
-            notified = protocol.read_notify(store)
-        except ValueError:  # not a counter (forged): the notice says so, the ranks' safety reads go on
-            notified = -1
-        keys = [protocol.K_GEN, protocol.K_PERSIST_AT, *self._counters]
+        # the counter with the keys it announces, in one batch: the store answers it at once, so a counter that moved
+        # comes with what was written before the bump
+        keys = [protocol.K_NOTIFY, protocol.K_GEN, protocol.K_PERSIST_AT, *self._counters]
         if store.check(keys):
             raw = store.multi_get(keys)
-            gen, persist = open_value(keys[0], raw[0]), open_value(keys[1], raw[1])
-            queues = {s: _count(r) for s, r in enumerate(raw[2:])}
-        else:  # no generation or persist step yet (multi_get would wait for them)
-            gen, persist = protocol.get_value(store, keys[0]), protocol.get_value(store, keys[1])
+            notified = _count(raw[0], -1)
+            gen, persist = open_value(keys[1], raw[1]), open_value(keys[2], raw[2])
+            queues = {s: _count(r) for s, r in enumerate(raw[3:])}
+        else:  # no generation, persist step or bump yet (multi_get would wait for them)
+            try:
+                notified = protocol.read_notify(store)
+            except ValueError:  # not a counter (forged): the notice says so, the ranks' safety reads go on
+                notified = -1
+            gen, persist = protocol.get_value(store, keys[1]), protocol.get_value(store, keys[2])
             queues = {s: _count(store.add(k, 0)) for s, k in enumerate(self._counters)}
         notice = protocol.NodeNotice(int(gen or 0), int(persist or 0), notified, queues, inc)
         last, self.last = self.last, notice
@@ -86,6 +90,42 @@ class NodeRelay:
         protocol.put_value(self.local, protocol.k_relay(self.node), notice.to_json())
         protocol.notify(self.local, protocol.K_NOTIFY)
         return True
+
+
+class ReadyRelay:
+    """The agent's side of its ranks' ``RuntimeReady``: a rank writes its report at ``protocol.k_ready`` of the
+    node-local store and bumps ``protocol.K_READY`` there (``control.ControlThread.report_locally``); the agent reads
+    that counter once a pass (a local round trip) and forwards every report it has not forwarded yet in one
+    ``protocol.NodeReady``: one central message per node where each rank put its own (80,000 at 10,000 nodes x 8,
+    two round trips each to write and more to read, on the supervisor's one thread, all in the start burst)."""
+
+    def __init__(self, node: str, nproc: int, local: Any):
+        self.node, self.local = node, local
+        self._keys = [protocol.k_ready(node, s) for s in range(nproc)]
+        self._count = 0  # K_READY as of the last forward
+        self._sent: dict[str, str] = {}  # key -> the report forwarded from it last
+
+    def forward(self, q_sup: Any) -> int:
+        """Forward the reports written since the last call (none: one local round trip); returns how many."""
+        n = int(self.local.add(protocol.K_READY, 0))
+        if n == self._count:
+            return 0
+        ready, texts = [], {}
+        for key, text in protocol.get_values(self.local, self._keys).items():
+            if text is None or self._sent.get(key) == text:
+                continue
+            try:
+                body = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(body, dict):
+                ready.append(body)
+                texts[key] = text
+        if ready:
+            q_sup.put(protocol.NodeReady(self.node, tuple(ready)))
+        self._sent.update(texts)
+        self._count = n
+        return len(ready)
 
 
 class LocalWatchStore:
