@@ -82,6 +82,11 @@ class NodeLocal:
             self.add(bump, 1)
         return True
 
+    def put_acked(self, key: str, payload: str, bump: str, ack: str, timeout_s: float) -> bool:
+        """``control.LocalStoreLink.put_acked``: a real rank waits for its agent's next pass (~20 ms) to forward it;
+        here the node's agent and ranks share one lane, so the rank goes on and the agent's next pass forwards it."""
+        return self.put(key, payload, bump)
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.d[k] for k in keys]
 

@@ -38,6 +38,25 @@ def test_a_rank_committed_to_a_generation_waits_for_a_late_peer_instead_of_stran
 PAIRS_SCRIPT = Path(__file__).parent / "scripts" / "form_pairs.py"
 
 
+def ranks_json(script: Path, n: int, argv, timeout: float) -> dict[int, dict]:
+    """Run ``script`` as ``n`` real ranks on one TCPStore (``argv(rank, port)``: the arguments of a rank), each
+    printing one JSON line last; rank -> that line. Every rank must exit 0."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=120))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, str(script), *map(str, argv(r, store.port))], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(n)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    res = {}
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and out.strip(), (r, p.returncode, out, err[-3000:])
+        res[r] = json.loads(out.strip().splitlines()[-1])
+    return res
+
+
 @pytest.mark.timeout(180)
 def test_a_rank_connects_only_the_pairs_it_uses_not_every_rank():
     """PHOENIX's own traffic (replica ring, commit barrier, recovery transfers) goes over 2-rank gloo groups, one a
@@ -47,19 +66,7 @@ def test_a_rank_connects_only_the_pairs_it_uses_not_every_rank():
     them, a peer without a pair is refused, a recovery's pairs are added for the ranks of its plan only, and an
     abort fails the peer's pending receive at once."""
     n, k = 8, 1
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=120))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [subprocess.Popen([sys.executable, str(PAIRS_SCRIPT), str(r), str(n), str(k), str(store.port)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(n)]
-    try:
-        outs = [p.communicate(timeout=150) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    res = {}
-    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and out.strip(), (r, p.returncode, out, err[-3000:])
-        res[r] = json.loads(out.strip().splitlines()[-1])
+    res = ranks_json(PAIRS_SCRIPT, n, lambda r, port: [r, n, k, port], timeout=150)
     for r, o in res.items():
         assert o["steady_peers"] == o["expected_peers"] and 0 < len(o["steady_peers"]) <= 2 * k + 3, o
         assert o["sockets"] == (n - 1) + len(o["steady_peers"]), o  # the default group's, and one a pair
@@ -76,23 +83,12 @@ def test_a_rank_connects_only_the_pairs_it_uses_not_every_rank():
 CLOSE_SCRIPT = Path(__file__).parent / "scripts" / "close_world.py"
 
 
+@pytest.mark.timeout(150)
 def test_one_timed_out_probe_closes_every_pair_of_a_world_group():
     """``close_pairs`` on a world-sized gloo group (the quiesce of every survivor): one 1 ms probe that times out
     closes every pair of the group's context, so the receives the other ranks posted from this rank fail at
     once, and no probe more is made (one a peer was N - 1 ms a rank, a second at 1,000 gloo ranks)."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [subprocess.Popen([sys.executable, str(CLOSE_SCRIPT), str(r), str(store.port)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(4)]
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    res = {}
-    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and out.strip(), (r, p.returncode, out, err[-2000:])
-        res[r] = json.loads(out.strip().splitlines()[-1])
+    res = ranks_json(CLOSE_SCRIPT, 4, lambda r, port: [r, port], timeout=90)
     assert res[0]["probes"] == 1, res[0]
     for r in (1, 2, 3):  # each receive fails long before its own 30 s timeout: its pair was closed by rank 0
         assert res[r]["failed_after_s"] is not None and res[r]["failed_after_s"] < 15, res[r]

@@ -293,9 +293,18 @@ def test_a_nodes_ranks_report_ready_through_their_agent_in_one_central_message(s
     relay = ReadyRelay("node0", nproc, local)
     try:
         wait_for(lambda: all(r.local.store is not None for r in ranks), 30, "every rank connected to its agent's store")
-        for r in ranks:  # Context.report's path for a RuntimeReady
-            assert r.report_locally(protocol.RuntimeReady(node="node0", slot=r.slot, rank=r.slot, protect=True, epoch=0))
+        # Context.report's path for a RuntimeReady: each rank returns once its agent forwarded it
+        reported: dict[int, bool] = {}
+        threads = [threading.Thread(target=lambda r=r: reported.__setitem__(r.slot, r.report_locally(
+            protocol.RuntimeReady(node="node0", slot=r.slot, rank=r.slot, protect=True, epoch=0)))) for r in ranks]
+        for t in threads:
+            t.start()
+        wait_for(lambda: int(local.add(protocol.K_READY, 0)) == nproc, 30, "every rank wrote its report")
+        assert not reported  # nobody forwarded yet: every rank still waits
         assert relay.forward(q_sup) == nproc and relay.forward(q_sup) == 0  # nothing new: nothing sent
+        for t in threads:
+            t.join(30)
+        assert reported == {s: True for s in range(nproc)}
         got = protocol.Queue(central, protocol.Q_SUPERVISOR).get_all()
         assert [m["type"] for m in got] == ["node_ready"], got  # one central message for the node's ranks
         msg = protocol.decode(got[0])
@@ -310,8 +319,10 @@ def test_a_nodes_ranks_report_ready_through_their_agent_in_one_central_message(s
         forged = protocol.NodeReady("node0", (*msg.ready, protocol.RuntimeReady(node="node1", slot=0, rank=7).to_dict(), {"type": "x"}))
         sup.on_node_ready(forged, time.time())
         assert sup.attempt.runtime_ready == set(range(nproc)) and sup.attempt.protect_on  # node1's rank is not node0's to report
-        # a rank that reports again (respawned in place) is forwarded again
-        assert ranks[1].report_locally(protocol.RuntimeReady(node="node0", slot=1, rank=1, protect=True, epoch=1))
+        # a rank that reports again (respawned in place) is forwarded again; a rank whose agent does not forward
+        # in time reports centrally instead (its caller's path)
+        monkeypatch.setattr(control, "READY_ACK_S", 0.2)
+        assert not ranks[1].report_locally(protocol.RuntimeReady(node="node0", slot=1, rank=1, protect=True, epoch=1))
         assert relay.forward(q_sup) == 1
     finally:
         for r in ranks:

@@ -47,6 +47,7 @@ PHASES = ("starting", "training", "recovering", "done")
 # lost in the store is noticed): at 80,000 ranks one every heartbeat was ~6 round trips x 160,000 a second.
 # Every FULL_READ_S, and no more often than the whole job makes ~1,000 of them a second (80,000 ranks: 80 s).
 FULL_READ_S = 5.0
+READY_ACK_S = 5.0  # a rank's wait for its agent to forward its RuntimeReady (``report_locally``), then it reports centrally
 FULL_READS_PER_S = 1000.0
 
 
@@ -167,6 +168,27 @@ class LocalStoreLink:
             except Exception:  # noqa: BLE001 -- not served yet (or refused): try again
                 self.stop.wait(1.0)
         self._connecting = False
+
+    def put_acked(self, key: str, payload: str, bump: str, ack: str, timeout_s: float) -> bool:
+        """``put`` and its bump, then wait (bounded) until the counter ``ack`` reaches the bump's count: the agent
+        has handled it. False when not connected or not acknowledged in time."""
+        store = self.store
+        if store is None:
+            return False
+        try:
+            protocol.put_value(store, key, payload)
+            n = int(store.add(bump, 1))
+            deadline, pause = time.monotonic() + timeout_s, 0.001
+            while int(store.add(ack, 0)) < n:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(pause)
+                pause = min(2 * pause, 0.02)
+            return True
+        except Exception:  # noqa: BLE001 -- the agent's store is gone: the caller reports centrally
+            self.store = None
+            self._reconnect()
+            return False
 
     def put(self, key: str, payload: str, bump: str | None = None) -> bool:
         """Write a sealed value (then add 1 to the counter ``bump``, if given); False when not connected (yet, or any
@@ -306,12 +328,16 @@ class ControlThread:
 
     def report_locally(self, msg: protocol.RuntimeReady) -> bool:
         """The rank's ``RuntimeReady`` through its node's agent (``relay.ReadyRelay``, one central message for the
-        node's ranks); False when the agent's store is not connected (the caller reports it centrally)."""
+        node's ranks), returned once the agent has forwarded it (one agent pass, ~20 ms): a node lost in its first
+        step must not take its ranks' readiness along unsent, or the supervisor, missing it, restarts every worker
+        instead of hot-swapping. False when the agent's store is not connected or the agent did not forward it
+        within ``READY_ACK_S`` (the caller reports it centrally: the supervisor counts a rank ready once)."""
         if self.local is None:
             return False
         body = msg.to_dict()
         body.setdefault("t", time.time())  # every report a value of its own: a respawned rank's is forwarded too
-        return self.local.put(protocol.k_ready(self.node, self.slot), json.dumps(body), bump=protocol.K_READY)
+        return self.local.put_acked(protocol.k_ready(self.node, self.slot), json.dumps(body), bump=protocol.K_READY,
+                                    ack=protocol.K_READY_FWD, timeout_s=READY_ACK_S)
 
     def post(self, msg: protocol.Message) -> None:
         """A report the training thread must not wait for (its progress): this thread sends it. A store call can

@@ -173,6 +173,7 @@ def k_ready(node: str, slot: int) -> str:
 
 
 K_READY = "phx/ready/n"  # the node-local counter a rank bumps after writing its k_ready: its agent forwards it then
+K_READY_FWD = "phx/ready/fwd"  # node-local: how far the agent has forwarded K_READY (a rank waits for its own)
 
 
 def k_node_digest(node: str) -> str:

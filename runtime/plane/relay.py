@@ -125,6 +125,9 @@ class ReadyRelay:
             q_sup.put(protocol.NodeReady(self.node, tuple(ready)))
         self._sent.update(texts)
         self._count = n
+        done = int(self.local.add(protocol.K_READY_FWD, 0))  # the ranks wait for this (``report_locally``)
+        if n > done:
+            self.local.add(protocol.K_READY_FWD, n - done)
         return len(ready)
 
 
