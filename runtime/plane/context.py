@@ -412,9 +412,9 @@ class Context:
                   ranks: list[int] | None = None) -> str:
         """Publish this rank's descriptor of generation ``gen``; the planner (the lowest of ``ranks``, default every
         rank) reads them all, runs ``plan`` on them and publishes what it returns; every rank returns that. The
-        bytes read are O(N) in all (the planner's N descriptors, one plan each for the others), where every rank
-        reading every descriptor read O(N^2): ~200 bytes x N^2, 20 GB at 10,000 ranks. The plan's key is the
-        generation's barrier as the descriptors were: it exists once every descriptor does."""
+        bytes read are O(N) in all (the planner's N descriptors, one plan each for the others; every rank reading
+        every descriptor would be ~200 bytes x N^2). The plan's key is the generation's barrier: it exists once
+        every descriptor does."""
         planner = min(ranks) if ranks else 0
         if self.rank == planner:
             out = plan(self.exchange(gen, desc_json, deadline, ranks))

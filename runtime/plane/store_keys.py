@@ -107,8 +107,8 @@ class KeyRecorder(dist.Store):
     def delete_used(self, read_too: bool = True, read_prefix: str = "") -> int:
         """Delete the keys written through this store, the keys only read as well when ``read_too`` (else only
         those under ``read_prefix``); returns how many were deleted (here). Every rank of a gloo world reads every
-        peer's address: were each to delete what it read, a generation's keys would be deleted N times over
-        (N^2 round trips through the one store, in the recovery's last phase); one rank deleting them is enough."""
+        peer's address: one rank deleting what it read is enough (each deleting it would be N^2 round trips through
+        the one store, in the recovery's last phase)."""
         with self._lock:
             keys = sorted(k for k in self.keys if read_too or k in self.written or (read_prefix and k.startswith(read_prefix)))
             self.keys, self.written = set(), set()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-import psutil  # here, not in the check: a warm spare imports it with the runtime, not at its first protection (~25 ms of a recovery)
+import psutil  # here, not in the check: a warm spare imports it with the runtime, not inside its first recovery
 
 from phoenix_runtime.errors import ProtectionError
 

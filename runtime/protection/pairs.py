@@ -40,8 +40,8 @@ def steady_pairs(layout, k: int) -> list[tuple[int, int]]:
     if k == 0 or layout.world_size < 2:
         return []
     out = set()
-    # one ring per DP group, each rank's successors read off it: ``replica_targets`` per rank rebuilds its group's
-    # ring, O(N) each: O(N^2) for the list, on every rank at every generation (1.09 s at 1,024 ranks, 1.8 ms so)
+    # one ring per DP group, each rank's successors read off it: ``replica_targets`` per rank would rebuild its
+    # group's ring (O(N) each, O(N^2) for the list, on every rank at every generation)
     seen = set()
     for r in range(layout.world_size):
         if r in seen:

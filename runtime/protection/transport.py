@@ -37,8 +37,8 @@ def close_pairs(group, peers) -> int:
     """Close this rank's gloo pairs to ``peers`` in ``group``, then abort the group: every pending op on those pairs
     fails at once, here and at the peer (``abort()`` alone does not fail a pending gloo receive). A recv on
     ``TAG_ABORT`` whose 1 ms wait times out closes every pair of the group's gloo context (gloo signals the timeout
-    to the whole context, torch 2.13): one probe that times out is enough, where one a peer cost N - 1 ms a rank in
-    a world-sized group. A probe that fails otherwise (that pair was closed already) does not tell: the next peer
+    to the whole context, torch 2.13): one probe that times out is enough (one a peer would cost N - 1 ms a rank in
+    a world-sized group). A probe that fails otherwise (that pair was closed already) does not tell: the next peer
     is probed. Errors are ignored: the group is being dropped. Returns how many probes were made."""
     probe = torch.empty(1, dtype=torch.uint8)
     made = 0

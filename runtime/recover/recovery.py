@@ -124,8 +124,8 @@ def plan_for_layout(descs: list[Descriptor], layout, world_size: int, *, replica
 
 
 class _DpGroups(Mapping):
-    """``layout``'s DP group of a rank, made when asked: ``plan_recovery`` asks for the joiners' only, where every
-    rank's group made up front was O(N^2) (2.8 s of the planner's time at 1,024 ranks)."""
+    """``layout``'s DP group of a rank, made when asked: ``plan_recovery`` asks for the joiners' only (every rank's
+    group made up front is O(N^2) on the planner's critical path)."""
 
     def __init__(self, layout):
         self.layout = layout
