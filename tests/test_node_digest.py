@@ -173,30 +173,37 @@ def _client(port: int):
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5), use_libuv=True)
 
 
-def test_an_agent_command_wakes_the_agents_watcher_and_not_the_ranks(secret):
-    """``tell_agent`` bumps the agents' counter only: at 80,000 ranks a command to one agent must not cost every
-    rank a full read; ``notify_ranks`` wakes the ranks' watcher. Real watchers blocked in a real store."""
+def test_an_agent_command_wakes_its_agents_watcher_and_not_the_others_nor_the_ranks(secret):
+    """``tell_agent`` bumps the agents' counter only, naming its node: at 80,000 ranks a command to one agent must
+    not cost every rank a full read, nor every other agent a read of its queue; ``notify_ranks`` wakes the ranks'
+    watcher. Real watchers blocked in a real store."""
     from phoenix_runtime.plane.failover import FailoverStore
     from phoenix_runtime.plane.watch import NotifyWatcher
 
     server = _server()
     stop = threading.Event()
-    wake_agents, wake_ranks = threading.Event(), threading.Event()
+    wake_agents, wake_other, wake_ranks = threading.Event(), threading.Event(), threading.Event()
 
     def connect():  # the client the agent and the ranks give their watchers
         return FailoverStore(("127.0.0.1", server.port), None, timeout_s=5.0, reconnect_s=5.0)
-    agents = NotifyWatcher(connect, wake_agents, stop, protocol.K_NOTIFY_AGENTS)
+    agents = NotifyWatcher(connect, wake_agents, stop, protocol.K_NOTIFY_AGENTS, only="node3")
+    other = NotifyWatcher(connect, wake_other, stop, protocol.K_NOTIFY_AGENTS, only="node5")
     ranks = NotifyWatcher(connect, wake_ranks, stop)
     try:
-        # each watcher wakes its reader once at its first read of the counter: wait for both, then start clean
-        assert wake_agents.wait(10) and wake_ranks.wait(10), "the watchers never read their counters"
-        wake_agents.clear(), wake_ranks.clear()
-        protocol.tell_agent(server, "node3", protocol.AgentStop())
-        assert wake_agents.wait(5), "the agents' watcher was not woken by a command"
+        # each watcher wakes its reader once at its first read of the counter: wait for all, then start clean
+        assert wake_agents.wait(10) and wake_other.wait(10) and wake_ranks.wait(10), "the watchers never read their counters"
+        wake_agents.clear(), wake_other.clear(), wake_ranks.clear()
+        for _ in range(2):  # the second: the watcher of node5 waits on the next key after one named for node3
+            protocol.tell_agent(server, "node3", protocol.AgentStop())
+            assert wake_agents.wait(5), "the agents' watcher was not woken by a command"
+            wake_agents.clear()
         assert not wake_ranks.wait(0.3), "a command to one agent woke the ranks"
+        assert not wake_other.is_set(), "a command to node3 woke node5's agent"
+        protocol.tell_agent(server, "node5", protocol.AgentStop())
+        assert wake_other.wait(5), "node5's watcher was not woken by its command after two for node3"
+        assert not wake_agents.wait(0.3), "a command to node5 woke node3's agent"
         q = protocol.Queue(server, protocol.q_agent("node3"))
-        assert [m["type"] for m in q.get_all()] == ["stop"]
-        wake_agents.clear()
+        assert [m["type"] for m in q.get_all()] == ["stop", "stop"]
         protocol.notify_ranks(server)
         assert wake_ranks.wait(5), "the ranks' watcher was not woken by notify_ranks"
         assert not wake_agents.wait(0.3), "notify_ranks woke the agents"

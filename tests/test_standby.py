@@ -185,10 +185,53 @@ def test_supervisor_lost_during_a_hot_swap(tmp_path, baseline):
 
 
 @pytest.mark.timeout(60)
-def test_a_store_call_on_a_vanished_leader_is_cut_not_left_hanging(monkeypatch):
+def test_a_read_that_follows_a_takeover_fails_at_once_where_the_new_store_lacks_its_keys(tmp_path):
+    """A client's read made on the leader's store and retried on the new leader's after the move: the new store
+    holds only what the new leader restored, and a read of a key it lacks would wait the store's whole timeout (an
+    agent relaying the generation then sent no heartbeat for 30 s and the new leader declared its node lost). It
+    fails at once instead (the caller reads again, knowing the store moved); a key the new store holds is read."""
+    import sys
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phoenix_runtime.plane import failover, protocol
+
+    leader = subprocess.Popen([sys.executable, "-c", "import time, datetime, torch.distributed as d; "
+                               "s = d.TCPStore('127.0.0.1', 0, is_master=True, timeout=datetime.timedelta(seconds=30)); "
+                               "s.set('only-in-the-old', 'x'); print(s.port, flush=True); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    new = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), use_libuv=True)
+    try:
+        port = int(leader.stdout.readline())
+        (tmp_path / protocol.CONTROL_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": port, "incarnation": 0}))
+        client = failover.FailoverStore(("127.0.0.1", port), tmp_path, timeout_s=20.0, reconnect_s=20.0)
+        assert client.get("only-in-the-old") == b"x"
+        new.set("restored", "y")
+        new.set(protocol.K_RESTORED, "1")
+        (tmp_path / protocol.CONTROL_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": new.port, "incarnation": 1}))
+        leader.kill()
+        leader.wait(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(dist.DistNetworkError, match="moved to incarnation 1"):
+            client.multi_get(["restored", "only-in-the-old"])
+        assert time.monotonic() - t0 < 10 and client.incarnation == 1
+        assert client.multi_get(["restored"]) == [b"y"]
+    finally:
+        leader.kill()
+        leader.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["vanished", "superseded"])
+def test_a_store_call_on_a_lost_leader_is_cut_not_left_hanging(monkeypatch, how):
     """A leader whose host vanishes without a reset leaves store calls waiting in recv (torch's check and add
     have no deadline there). Stopped here with SIGSTOP (the call hangs) and its port said unreachable, the
-    watchdog of ``failover.guarded`` cuts the connection: the call fails as on a closed one, within seconds."""
+    watchdog of ``failover.guarded`` cuts the connection: the call fails as on a closed one, within seconds.
+    ``superseded``: the port still accepts connects (a stopped process's kernel does), but a newer leader
+    serves the job: the call is cut as soon as it stalls, not after ``FROZEN_S`` (a standby that took over
+    before this client's own call was cut judges its heartbeats from the takeover on)."""
     import sys
     import time
     from datetime import timedelta
@@ -206,13 +249,15 @@ def test_a_store_call_on_a_vanished_leader_is_cut_not_left_hanging(monkeypatch):
         client = dist.TCPStore(*addr, is_master=False, timeout=timedelta(seconds=30))
         client.set("k", "v")
         monkeypatch.setattr(failover, "STALL_S", 0.5)
-        monkeypatch.setattr(failover, "reachable", lambda a, *args, **kw: a != addr)
+        if how == "vanished":
+            monkeypatch.setattr(failover, "reachable", lambda a, *args, **kw: a != addr)
         server.send_signal(signal.SIGSTOP)  # the call below gets no answer, and no reset
         t0 = time.monotonic()
         with pytest.raises(dist.DistError):
-            with failover.guarded(addr):
+            with failover.guarded(addr, (lambda: True) if how == "superseded" else None):
                 client.check(["k"])
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 10 < failover.FROZEN_S
+        assert not failover.frozen(addr)  # cut for what it was, not as a frozen leader
     finally:
         server.send_signal(signal.SIGCONT)
         server.kill()

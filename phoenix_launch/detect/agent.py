@@ -286,9 +286,10 @@ class Agent:
         self.store = self._connect_central()
         self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
         self.q_cmd = protocol.Queue(self.store, protocol.q_agent(self.node))
-        # the command queue is read when the agents' counter moves (``protocol.tell_agent`` bumps it), not every
-        # pass: that would be 50 round trips a second per node on the one central store
-        self.cmd_watcher = NotifyWatcher(self._connect_central, self.cmd_wake, self._watch_stop, protocol.K_NOTIFY_AGENTS)
+        # the command queue is read when the agents' counter moves for this node (``protocol.tell_agent`` bumps it,
+        # naming the node), not every pass: that would be 50 round trips a second per node on the one central store
+        self.cmd_watcher = NotifyWatcher(self._connect_central, self.cmd_wake, self._watch_stop, protocol.K_NOTIFY_AGENTS,
+                                         only=self.node)
         # the ranks' counter is watched here for the whole node: its ranks read the generation from the local store
         if self.local is not None:
             self.relay = NodeRelay(self.node, self.nproc, self.local)
@@ -484,8 +485,11 @@ class Agent:
                             t.join(timeout=1)
                         self.report_exit(r, r.proc.returncode)
                 self.send_probe()
-                self.last_store_ok = now
+                self.last_store_ok = time.monotonic()  # (a pass that waited out a frozen leader ends now, not when it began)
             except Exception as e:  # store unreachable: the supervisor is gone
+                moved = getattr(self.store, "moved_at", None)  # reached a new leader: its store answers
+                if moved is not None and time.time() - moved < node_timeout:
+                    self.last_store_ok = max(self.last_store_ok, time.monotonic() - (time.time() - moved))
                 if time.monotonic() - self.last_store_ok > node_timeout:
                     log.error(f"phoenix agent {self.node}: control plane lost ({e}); stopping ranks")
                     self.terminate_ranks(self.spec.stop_grace_s)
@@ -539,6 +543,9 @@ def _tail(path: Path, n: int = 20, max_bytes: int = 16384) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # ``kill -USR1``: every thread's stack into agent.log
     logs.configure_launcher()
     ap = argparse.ArgumentParser(prog="phoenix-agent")
     ap.add_argument("--spec", required=True, help="JSON spec, or @FILE")

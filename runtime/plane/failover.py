@@ -29,7 +29,7 @@ import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -74,7 +74,8 @@ STALL_S = 2.0
 #: A store call unanswered this long is cut even though the leader's port accepts connects: its process is
 #: frozen (stopped, or its host stalled); a TCPStore server (its own C++ thread) answers in milliseconds.
 FROZEN_S = 20.0
-_calls: dict[int, tuple[tuple[str, int], float]] = {}  # call id -> (the leader's address, when it started)
+_calls: dict[int, tuple[tuple[str, int], float, Callable[[], bool] | None]] = {}  # call id -> (the leader's address,
+# when it started, whether a newer leader serves)
 _calls_lock = threading.Lock()
 _watchdog: threading.Thread | None = None
 _frozen: dict[tuple[str, int], float] = {}  # address -> when a call to it was cut for FROZEN_S
@@ -86,7 +87,7 @@ def frozen(addr: tuple[str, int], within_s: float = 60.0) -> bool:
 
 
 @contextmanager
-def guarded(addr: tuple[str, int]):
+def guarded(addr: tuple[str, int], superseded: Callable[[], bool] | None = None):
     """A store call on a connection to ``addr`` that cannot hang for ever when that host vanishes without a
     reset (powered off, cut off by a partition): torch's TCPStore client then waits in ``recv`` for as long as
     TCP retransmits (minutes, whatever the store's own timeout). A watchdog thread probes the address of a call that has run ``STALL_S``; a port that does not
@@ -94,11 +95,16 @@ def guarded(addr: tuple[str, int]):
     call fails as on a closed connection (``DistNetworkError``) and the caller moves on. A leader that is
     only slow still accepts connects (its kernel does): nothing is cut, unless the call goes unanswered for
     ``FROZEN_S`` (a stopped process: the kernel accepts, nobody answers); then it is cut too, and the address
-    is marked :func:`frozen` (a client then waits for a newer leader rather than for this one again)."""
+    is marked :func:`frozen` (a client then waits for a newer leader rather than for this one again).
+
+    ``superseded``: says whether a newer leader serves the job (``control.json``). A stalled call to a leader
+    that was superseded is cut at once: a stopped leader's clients each wait ``FROZEN_S`` from their own first
+    unanswered call, which can be seconds after the standby's (that took over on its own), and the new leader
+    judges their agents' heartbeats from its takeover on (``detect.node_timeout_s``)."""
     global _watchdog
     token = object()
     with _calls_lock:
-        _calls[id(token)] = (addr, time.monotonic())
+        _calls[id(token)] = (addr, time.monotonic(), superseded)
         if _watchdog is None:
             _watchdog = threading.Thread(target=_watch, name="phoenix-store-watchdog", daemon=True)
             _watchdog.start()
@@ -115,16 +121,27 @@ def _watch() -> None:
         time.sleep(STALL_S / 4)
         now = time.monotonic()
         with _calls_lock:
-            stalled = {addr for addr, t0 in _calls.values() if now - t0 > STALL_S}
-            hung = {addr for addr, t0 in _calls.values() if now - t0 > FROZEN_S}
+            stalled = {addr for addr, t0, _ in _calls.values() if now - t0 > STALL_S}
+            hung = {addr for addr, t0, _ in _calls.values() if now - t0 > FROZEN_S}
+            checks = {addr: newer for addr, t0, newer in _calls.values() if now - t0 > STALL_S and newer is not None}
         for addr in hung:
             _frozen[addr] = now
             sever(addr)
         for addr in stalled - hung:
+            if addr in checks and _says(checks[addr]):  # superseded: the takeover happened without this client
+                sever(addr)
+                continue
             if now - probed.get(addr, -STALL_S) >= STALL_S:
                 probed[addr] = now
                 if not reachable(addr):
                     sever(addr)
+
+
+def _says(check: Callable[[], bool]) -> bool:
+    try:
+        return bool(check())
+    except Exception:  # noqa: BLE001 -- a file half written, a run directory gone: not known superseded
+        return False
 
 
 def sever(addr: tuple[str, int]) -> int:
@@ -242,12 +259,20 @@ class FailoverStore(dist.Store):
             return self._guarded(name, *args)
         except dist.DistNetworkError as e:
             self._move(e)
+            if name in ("get", "multi_get"):  # a read blocks on a missing key: made again only where every key is
+                keys = [args[0]] if name == "get" else list(args[0])
+                if not self._guarded("check", keys):
+                    # the new leader's store holds what it restored: a key the caller saw in the old one (a queue's
+                    # counter, the notify counter) may not be there yet, and the read would wait its whole timeout
+                    # (an agent's heartbeat with it): the caller reads again, knowing the store moved
+                    raise dist.DistNetworkError(f"the control plane moved to incarnation {self.incarnation} during a "
+                                                f"{name} of keys its store does not hold yet") from e
             return self._guarded(name, *args)
 
     def _guarded(self, name: str, *args: Any) -> Any:
         if name == "wait":  # blocks on purpose (bounded by its own timeout); cut with the others when a call hangs
             return getattr(self._s, name)(*args)
-        with guarded(self.addr):
+        with guarded(self.addr, self._serving_newer if self.run_dir is not None else None):
             return getattr(self._s, name)(*args)
 
     def set(self, key, value):

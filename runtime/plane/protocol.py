@@ -105,16 +105,18 @@ K_PROTECT_EVERY = "phx/protect/every"  # protect every m-th step from the next g
 K_NOTIFY = "phx/notify"
 K_NOTIFY_AGENTS = "phx/notify-agents"  # the agents' own counter (``tell_agent``), apart from the ranks'
 NOTIFY_KEEP = 8  # the newest k_notify keys kept (a rank blocks on the one after the counter it read)
+NOTIFY_TO = "to:"  # a k_notify value naming the one node a bump is for (``notify``'s ``to``)
 
 
 def k_notify(n: int, counter: str = K_NOTIFY) -> str:
     return f"{counter}/{n}"
 
 
-def notify(store: Store, counter: str) -> None:
-    """Bump ``counter``, then write its value's key, which wakes the readers blocked on it (``watch.NotifyWatcher``)."""
+def notify(store: Store, counter: str, to: str = "") -> None:
+    """Bump ``counter``, then write its value's key, which wakes the readers blocked on it (``watch.NotifyWatcher``).
+    ``to``: the one node the bump is for (``tell_agent``), in the key's value; "" for every reader."""
     n = int(store.add(counter, 1))
-    store.set(k_notify(n, counter), "1")
+    store.set(k_notify(n, counter), NOTIFY_TO + to if to else "1")
     if n > NOTIFY_KEEP and hasattr(store, "delete_key"):
         store.delete_key(k_notify(n - NOTIFY_KEEP, counter))
 
@@ -125,11 +127,12 @@ def notify_ranks(store: Store) -> None:
 
 
 def tell_agent(store: Store, node: str, msg: Message) -> None:
-    """A command into ``node``'s agent queue, then the bump of the agents' own counter that wakes the agents
-    (they read their queues only when woken, and every heartbeat in case a wake-up was lost). The ranks' counter
-    is not bumped: at 80,000 ranks one command would cost every rank a full read."""
+    """A command into ``node``'s agent queue, then the bump of the agents' own counter, naming ``node``: only that
+    agent reads its queue (the others' watchers see the name and go on waiting: at a hot-swap's commands, 10,000
+    agents each read an empty queue otherwise); an agent reads it every ``relay.READ_S`` too, in case a wake-up
+    was lost. The ranks' counter is not bumped: at 80,000 ranks one command would cost every rank a full read."""
     Queue(store, q_agent(node)).put(msg)
-    notify(store, K_NOTIFY_AGENTS)
+    notify(store, K_NOTIFY_AGENTS, to=node)
 
 
 def read_notify(store: Store, counter: str = K_NOTIFY) -> int:

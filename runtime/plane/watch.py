@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 from phoenix_runtime.plane import protocol
 
+_ABSENT = "\x00absent"  # ``_for_another``'s expected value: no key holds it
+
 POLL_S = 0.02  # the poll interval of a reader whose watcher is not armed (or whose message is half written)
 
 
@@ -26,8 +28,9 @@ class NotifyWatcher:
     WAIT_S = 3600.0
 
     def __init__(self, connect: Callable[[], Any], wake: threading.Event, stop: threading.Event,
-                 counter: str = protocol.K_NOTIFY):
+                 counter: str = protocol.K_NOTIFY, only: str | None = None):
         self.connect, self.wake, self.stop, self.counter = connect, wake, stop, counter
+        self.only = only  # an agent's node: a bump named for another node (``protocol.notify``'s ``to``) wakes nobody here
         self.armed = False
         self.thread = threading.Thread(target=self._run, name="phoenix-notify", daemon=True)
         self.thread.start()
@@ -42,13 +45,17 @@ class NotifyWatcher:
         last, woke = None, False
         while not self.stop.is_set():
             try:
-                n = protocol.read_notify(store, self.counter)
-                self.armed = True
-                if n != last:
-                    last = n
-                    self.wake.set()  # the reader reads the counter (and what it announces) now
-                elif woke:  # the next value's key is there, the counter is not (a forged key): poll, not spin
-                    self.stop.wait(POLL_S)
+                if woke and last is not None and self._for_another(store, last + 1):
+                    n = last + 1  # one bump, for another node: its key is read, not the counter (one round trip)
+                else:
+                    n = protocol.read_notify(store, self.counter)
+                    self.armed = True
+                    if n != last:
+                        last = n
+                        self.wake.set()  # the reader reads the counter (and what it announces) now
+                    elif woke:  # the next value's key is there, the counter is not (a forged key): poll, not spin
+                        self.stop.wait(POLL_S)
+                last = n
                 woke = store.wait_or_move([protocol.k_notify(n + 1, self.counter)], timedelta(seconds=self.WAIT_S))
                 last = last if woke else None  # moved to a new leader's store: wake the reader there too
             except dist.DistStoreError as e:
@@ -57,6 +64,16 @@ class NotifyWatcher:
             except Exception:  # the store lost (the reader decides nothing here), a counter not a number
                 self._disarm()
         self.armed = False
+
+    def _for_another(self, store: Any, n: int) -> bool:
+        """Bump ``n`` (its key just written) names another node than ``only``. Read without waiting (a key deleted
+        meanwhile, ``NOTIFY_KEEP`` bumps later, must not block the watcher): ``compare_set`` with an expected value
+        no writer uses returns the value unchanged, or that expected value when the key is gone."""
+        if self.only is None:
+            return False
+        raw = store.compare_set(protocol.k_notify(n, self.counter), _ABSENT, _ABSENT)
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        return text.startswith(protocol.NOTIFY_TO) and text != protocol.NOTIFY_TO + self.only
 
     def _disarm(self) -> None:
         """The reader polls (woken now to see it), until the next try here in a second."""
