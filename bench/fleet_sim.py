@@ -6,8 +6,8 @@ A simulated node (``SimNode``) is one client: its agent and its ranks, run by on
 connection of its own). What is REAL, i.e. sent to the central store exactly as the real code sends it, by the real
 code where it is a function of its own:
   - the agent's loop (``detect/agent.py``, pass by pass): its ``AgentUp`` first; its heartbeat and its one
-    ``NodeDigest`` every ``heartbeat_s``; its command queue when a bump of the agents' counter names its node, and
-    every ``relay.READ_S``;
+    ``NodeDigest`` every ``heartbeat_s`` (one ``multi_set``); its command queue when a bump of the agents' counter
+    names its node, or when its counter (in the relay's batch) moved;
     the generation's relay (the real ``relay.NodeRelay``: woken by the ranks' counter, one central batch, a
     ``NodeNotice`` in the node's local store); its ranks' ``RuntimeReady`` forwarded as one ``NodeReady`` (the real
     ``relay.ReadyRelay``, each pass);
@@ -56,7 +56,7 @@ from pathlib import Path
 from phoenix_launch.observe.events import write_json_atomic
 from phoenix_runtime.plane import auth, control, protocol
 from phoenix_runtime.plane.channel import open_value
-from phoenix_runtime.plane.relay import READ_S, NodeRelay, ReadyRelay
+from phoenix_runtime.plane.relay import NodeRelay, ReadyRelay
 
 from fleet_store import CountingStore
 
@@ -213,7 +213,8 @@ class SimNode:
         self.q_cmd = protocol.Queue(store, protocol.q_agent(node))
         self.commands = protocol.Dispatcher({t: self._command for t in (protocol.MsgType.RESTART, protocol.MsgType.RESPAWN,
                                                                         protocol.MsgType.STOP, protocol.MsgType.INJECT)})
-        self.next_hb = self.next_cmd = 0.0
+        self.next_hb = 0.0
+        self.cmd_seen: int | None = None  # the command queue's counter in the relay's batch at the last queue read
         self.up = self.dead = self.stopped = False
         self.woken = False  # the process's watcher on the agents' counter saw it move (a command)
         self.watcher = watcher
@@ -235,14 +236,16 @@ class SimNode:
         beat = now >= self.next_hb
         if beat:
             t = time.time()
-            protocol.put_value(self.store, protocol.k_agent_hb(self.node), str(t))
+            protocol.put_values(self.store, {protocol.k_agent_hb(self.node): str(t),  # Agent.publish_digest
+                                             protocol.k_node_digest(self.node): self.digest(t)})
             refused = auth.drain()
             if refused:
                 self.q_sup.put(protocol.RefusedReport(self.node, None, refused))
-            protocol.put_value(self.store, protocol.k_node_digest(self.node), self.digest(t))  # Agent.publish_digest
             self.next_hb = now + self.heartbeat_s
-        if woken or now >= self.next_cmd or self.q_cmd.pending or not self.watcher.armed:  # Agent._commands_due
-            self.next_cmd = now + READ_S
+        # Agent._commands_due: woken, or the queue's counter in the relay's last batch moved since the last read
+        lost = self.relay.commands is not None and self.relay.commands != self.cmd_seen
+        if woken or lost or self.q_cmd.pending or not self.watcher.armed:
+            self.cmd_seen = self.relay.commands
             for cmd in self.q_cmd.get_all():
                 self.commands.dispatch(cmd)
         if self.relay.due(now):  # Agent.run's relay
@@ -255,7 +258,7 @@ class SimNode:
                 self.relayed.setdefault(self.relay.last.gen, []).append(time.time())
         self.ready.forward(self.q_sup)  # Agent.run: each pass (a local round trip when nothing is new)
         if self.watcher.armed and self.relay.watcher.armed and not self.q_cmd.pending:  # no store call till then
-            return min(self.next_hb, self.relay.next_read, self.next_cmd)
+            return min(self.next_hb, self.relay.next_read)
         return time.monotonic() + AGENT_PASS_S
 
     def digest(self, t: float) -> str:

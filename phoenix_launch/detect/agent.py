@@ -119,7 +119,8 @@ class Agent:
         self._watch_stop = threading.Event()  # ends the command watcher (a daemon blocked in the store)
         self.cmd_wake = threading.Event()
         self.cmd_watcher: NotifyWatcher | None = None
-        self.next_cmd_read = 0.0  # the command queue's safety read (a wake-up lost), monotonic
+        self.next_cmd_read = 0.0  # the command queue's safety read (a wake-up lost) without a relay, monotonic
+        self.cmd_seen: int | None = None  # the command queue's counter in the relay's batch at the last queue read
         self.relay: NodeRelay | None = None  # the generation, read once for the node, told to its ranks (connect)
         self.ready: ReadyRelay | None = None  # its ranks' RuntimeReady, forwarded in one message (connect)
         self.commands = protocol.Dispatcher({
@@ -309,13 +310,19 @@ class Agent:
 
     def _commands_due(self, now: float) -> bool:
         """Read the command queue now: woken by the counter, a message half written, no watcher armed (then every
-        pass), or its safety read for a wake-up lost, every ``relay.READ_S`` as the relay's (at each heartbeat it was
-        10,000 round trips every 2 s at 10,000 nodes, the agents' largest share of the central store's load)."""
+        pass), or for a wake-up lost: the relay's batch (every ``relay.READ_S`` at least) carries the queue's counter,
+        so a command is read when that counter moved; without a relay, every ``relay.READ_S`` (at each heartbeat it
+        was 10,000 round trips every 2 s at 10,000 nodes, the agents' largest share of the central store's load)."""
         woken = self.cmd_wake.is_set()
         self.cmd_wake.clear()
-        due = woken or now >= self.next_cmd_read or self.q_cmd.pending or self.cmd_watcher is None or not self.cmd_watcher.armed
+        if self.relay is not None:
+            lost = self.relay.commands is not None and self.relay.commands != self.cmd_seen
+        else:
+            lost = now >= self.next_cmd_read
+        due = woken or lost or self.q_cmd.pending or self.cmd_watcher is None or not self.cmd_watcher.armed
         if due:
             self.next_cmd_read = now + READ_S
+            self.cmd_seen = self.relay.commands if self.relay is not None else None
         return due
 
     def report_exit(self, r: RankProc, code: int) -> None:
@@ -416,9 +423,12 @@ class Agent:
         return out
 
     def publish_digest(self, beats: dict[int, protocol.RankHeartbeat]) -> None:
-        """This node's one write of its ranks' state to the central store, per heartbeat."""
-        digest = protocol.NodeDigest(self.node, time.time(), beats)
-        protocol.put_value(self.store, protocol.k_node_digest(self.node), digest.to_json())
+        """This node's one write to the central store per heartbeat: its own heartbeat (the supervisor reads those of
+        every node in one batch each second) and its ranks' state, two keys in one round trip (at 10,000 nodes and a
+        2 s heartbeat, 5,000 round trips a second fewer than one write each)."""
+        t = time.time()
+        protocol.put_values(self.store, {protocol.k_agent_hb(self.node): str(t),
+                                         protocol.k_node_digest(self.node): protocol.NodeDigest(self.node, t, beats).to_json()})
 
     def check_hangs(self, hang_timeout: float, beats: dict[int, protocol.RankHeartbeat]) -> None:
         """Kill (and report) the ranks ``hang_check`` calls hung, judged from ``beats`` (``read_beats``)."""
@@ -460,13 +470,12 @@ class Agent:
             try:
                 beat = now >= next_hb
                 if beat:
-                    protocol.put_value(self.store, protocol.k_agent_hb(self.node), str(time.time()))
+                    beats = self.read_beats()  # one local batch: the hang check and the digest
+                    self.check_hangs(hang_timeout, beats)
+                    self.publish_digest(beats)  # with the heartbeat: one central round trip a beat
                     refused = auth.drain()  # what this agent refused to read since the last beat
                     if refused:
                         self.q_sup.put(protocol.RefusedReport(self.node, None, refused))  # type: ignore[union-attr]
-                    beats = self.read_beats()  # one local batch: the hang check and the digest
-                    self.check_hangs(hang_timeout, beats)
-                    self.publish_digest(beats)
                     next_hb = now + hb_every
                 if self._commands_due(now):
                     for cmd in self.q_cmd.get_all():

@@ -46,6 +46,12 @@ def put_value(store: Any, key: str, payload: str) -> None:
     store.set(key, auth.seal(key, auth.next_seq(), payload))
 
 
+def put_values(store: Any, items: dict[str, str]) -> None:
+    """``put_value`` of every key in one round trip (``multi_set``)."""
+    keys = list(items)
+    store.multi_set(keys, [auth.seal(k, auth.next_seq(), items[k]) for k in keys])
+
+
 def get_value(store: Any, key: str) -> str | None:
     """The payload at ``key``; None when absent. A value refused (unsigned, forged, or older than one this
     process accepted there: a replay) is counted and the last genuine value read at ``key`` is returned

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from phoenix_runtime.plane.channel import (  # noqa: F401  (re-exported)
-    SCHEMA_VERSION, Incarnated, Queue, get_value, get_values, incarnation_of, put_value, read_json_object,
+    SCHEMA_VERSION, Incarnated, Queue, get_value, get_values, incarnation_of, put_value, put_values, read_json_object,
 )
 from phoenix_runtime.plane.messages import (  # noqa: F401  (re-exported: every message type)
     AgentInject, AgentRespawn, AgentRestart, AgentStop, AgentUp, CopyCorrupt, decode, DecodeError, Dispatcher, FaultFired,

@@ -50,7 +50,9 @@ class NodeRelay:
         self.last: protocol.NodeNotice | None = None
         self.next_read = 0.0
         self.reads = 0  # central batches made (``relay`` calls)
-        self._counters = [counter_key(protocol.q_rank(node, s)) for s in range(nproc)]
+        # its ranks' queue counters, then its agent's own: a command lost in the wake-up is seen at the next read
+        self._counters = [counter_key(protocol.q_rank(node, s)) for s in range(nproc)] + [counter_key(protocol.q_agent(node))]
+        self.commands: int | None = None  # the agent's command queue counter, as of the last read
         self._made: int | None = None  # the store incarnation whose queue counters this relay created
         self._present: int | None = None  # the store incarnation where every key of the batch was seen (none is deleted)
 
@@ -78,14 +80,15 @@ class NodeRelay:
             raw = store.multi_get(keys)
             notified = _count(raw[0], -1)
             gen, persist = open_value(keys[1], raw[1]), open_value(keys[2], raw[2])
-            queues = {s: _count(r) for s, r in enumerate(raw[3:])}
+            counts = [_count(r) for r in raw[3:]]
         else:  # no generation, persist step or bump yet (multi_get would wait for them)
             try:
                 notified = protocol.read_notify(store)
             except ValueError:  # not a counter (forged): the notice says so, the ranks' safety reads go on
                 notified = -1
             gen, persist = protocol.get_value(store, keys[1]), protocol.get_value(store, keys[2])
-            queues = {s: _count(store.add(k, 0)) for s, k in enumerate(self._counters)}
+            counts = [_count(store.add(k, 0)) for k in self._counters]
+        queues, self.commands = dict(enumerate(counts[:-1])), counts[-1]
         notice = protocol.NodeNotice(int(gen or 0), int(persist or 0), notified, queues, inc)
         last, self.last = self.last, notice
         if last is not None and (last.gen, last.persist_at, last.queues, last.incarnation) == \
