@@ -129,8 +129,9 @@ def notify_ranks(store: Store) -> None:
 def tell_agent(store: Store, node: str, msg: Message) -> None:
     """A command into ``node``'s agent queue, then the bump of the agents' own counter, naming ``node``: only that
     agent reads its queue (the others' watchers see the name and go on waiting: at a hot-swap's commands, 10,000
-    agents each read an empty queue otherwise); an agent reads it every ``relay.READ_S`` too, in case a wake-up
-    was lost. The ranks' counter is not bumped: at 80,000 ranks one command would cost every rank a full read."""
+    agents each read an empty queue otherwise); a wake-up lost is caught by the queue's counter, which rides in its
+    agent's relay batch (``relay.NodeRelay``, every ``relay.READ_S`` at least). The ranks' counter is not bumped: at
+    80,000 ranks one command would cost every rank a full read."""
     Queue(store, q_agent(node)).put(msg)
     notify(store, K_NOTIFY_AGENTS, to=node)
 

@@ -71,9 +71,8 @@ class NodeRelay:
                 store.add(k, 0)
             self._made = inc
         # the counter with the keys it announces, in one batch: the store answers it at once, so a counter that moved
-        # comes with what was written before the bump
-        # once every key was there it stays (none of them is ever deleted): one round trip a read, not two (a
-        # generation's bump wakes every agent at once: 10,000 reads at 10,000 nodes)
+        # comes with what was written before the bump. Once every key was there it stays (none of them is ever
+        # deleted): no check first, one round trip a read (a generation's bump wakes every agent at once)
         keys = [protocol.K_NOTIFY, protocol.K_GEN, protocol.K_PERSIST_AT, *self._counters]
         if self._present == inc or store.check(keys):
             self._present = inc
