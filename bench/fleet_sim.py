@@ -57,6 +57,7 @@ from phoenix_launch.observe.events import write_json_atomic
 from phoenix_runtime.plane import auth, control, protocol
 from phoenix_runtime.plane.channel import open_value
 from phoenix_runtime.plane.relay import NodeRelay, ReadyRelay
+from phoenix_runtime.plane.watch import bump_for
 
 from fleet_store import CountingStore
 
@@ -402,10 +403,10 @@ def _named(store, counter: str, last: int | None, n: int) -> set[str] | None:
         return None
     to = set()
     for k in range(last + 1, n + 1):
-        raw = store.compare_set(protocol.k_notify(k, counter), "\x00absent", "\x00absent").decode(errors="replace")
-        if not raw.startswith(protocol.NOTIFY_TO):
+        node = bump_for(store, counter, k)
+        if node is None:
             return None
-        to.add(raw[len(protocol.NOTIFY_TO):])
+        to.add(node)
     return to
 
 

@@ -11,9 +11,19 @@ from typing import Any, Callable
 
 from phoenix_runtime.plane import protocol
 
-_ABSENT = "\x00absent"  # ``_for_another``'s expected value: no key holds it
+_ABSENT = "\x00absent"  # ``bump_for``'s expected value: no key holds it
 
 POLL_S = 0.02  # the poll interval of a reader whose watcher is not armed (or whose message is half written)
+
+
+def bump_for(store: Any, counter: str, n: int) -> str | None:
+    """The node bump ``n`` of ``counter`` names (``protocol.notify``'s ``to``); None when it is for every reader, or
+    its key is gone. Read without waiting (a key deleted meanwhile, ``NOTIFY_KEEP`` bumps later, must not block a
+    watcher): ``compare_set`` with an expected value no writer uses returns the value unchanged, or that expected
+    value when the key is gone."""
+    raw = store.compare_set(protocol.k_notify(n, counter), _ABSENT, _ABSENT)
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    return text[len(protocol.NOTIFY_TO):] if text.startswith(protocol.NOTIFY_TO) else None
 
 
 class NotifyWatcher:
@@ -66,14 +76,11 @@ class NotifyWatcher:
         self.armed = False
 
     def _for_another(self, store: Any, n: int) -> bool:
-        """Bump ``n`` (its key just written) names another node than ``only``. Read without waiting (a key deleted
-        meanwhile, ``NOTIFY_KEEP`` bumps later, must not block the watcher): ``compare_set`` with an expected value
-        no writer uses returns the value unchanged, or that expected value when the key is gone."""
+        """Bump ``n`` (its key just written) names another node than ``only``."""
         if self.only is None:
             return False
-        raw = store.compare_set(protocol.k_notify(n, self.counter), _ABSENT, _ABSENT)
-        text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
-        return text.startswith(protocol.NOTIFY_TO) and text != protocol.NOTIFY_TO + self.only
+        to = bump_for(store, self.counter, n)
+        return to is not None and to != self.only
 
     def _disarm(self) -> None:
         """The reader polls (woken now to see it), until the next try here in a second."""
