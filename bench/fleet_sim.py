@@ -29,10 +29,11 @@ pass wrote its notice, as a real rank's relay arms once its agent serves the loc
 What differs in connections: ``conns`` lanes per process (a real node holds 3 + nproc: its agent's and its agent's
 two watchers', one per rank, and a rank's own watcher while its relay is not armed); and one notify watcher per
 process and counter (the ranks', which the agents relay, and the agents'), blocked in the store, wakes every
-simulated agent of the process (the agents' counter: those its bumps name), where each real agent has its own. So a
-bump costs each real agent's watcher a read and its next wait (two round trips; the agents' counter: its key's value
-and the next wait) that this simulation makes once per process: at 10,000 nodes, 20,000 round trips a bump that the
-rows here do not carry.
+simulated agent of the process (the agents' counter: those its bumps name), where each real agent has its own. A
+bump of the ranks' counter costs each real agent's watcher the read of its key (made here by each simulated agent,
+``AgentWatch``) and its next wait (made once per process: 10,000 round trips a bump at 10,000 nodes that the rows
+here do not carry, each a wait the store parks until the next bump); a bump of the agents' counter costs each real
+agent's watcher its key's read and its next wait, made once per process here.
 
 stdin: ``kill NODE`` stops that node's agent and ranks (they never touch the store again); end of input ends
 the process. ``DIR/bench_sim<first>.json`` says, once a second: round trips made, how late the agents' passes and
@@ -57,7 +58,7 @@ from phoenix_launch.observe.events import write_json_atomic
 from phoenix_runtime.plane import auth, control, protocol
 from phoenix_runtime.plane.channel import open_value
 from phoenix_runtime.plane.relay import NodeRelay, ReadyRelay
-from phoenix_runtime.plane.watch import bump_for
+from phoenix_runtime.plane.watch import Bump, bump_for, read_bump
 
 from fleet_store import CountingStore
 
@@ -66,9 +67,41 @@ ASSIGN_POLL_S = 1.0  # a spare rank's assignment poll (bootstrap.wait_for_assign
 
 
 class SimWatcher:
-    """``watch.NotifyWatcher``'s part in its reader: only ``armed`` is read (one watcher per process and counter)."""
+    """``watch.NotifyWatcher``'s part in its reader (one watcher per process and counter): ``armed``, and ``n``, the
+    counter's value it last read (``AgentWatch`` reads the bumps up to it)."""
 
     armed = False
+    n: int | None = None
+
+
+class AgentWatch:
+    """An agent's relay watcher (``NotifyWatcher(..., bumps=True)``), its central reads made by its node's lane:
+    woken through the process's watcher (``shared``, blocked in the store for them all), it reads the key of each
+    bump since its last (``watch.read_bump``, one round trip each, as the real one does before its next wait) and
+    hands the last one to the relay (``bump``: a generation's carries the generation and the persist step)."""
+
+    def __init__(self, shared: SimWatcher):
+        self.shared = shared
+        self.last: int | None = None  # the last bump read
+        self.bump: Bump | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self.shared.armed
+
+    def follow(self, store) -> None:
+        n = self.shared.n
+        if n is None or n == self.last:
+            return
+        if self.last is None or not 0 < n - self.last <= protocol.NOTIFY_KEEP:
+            protocol.read_notify(store)  # the real watcher reads the counter (its first read, or bumps deleted)
+            self.last, self.bump = n, None
+            return
+        while self.last < n:
+            b = read_bump(store, protocol.K_NOTIFY, self.last + 1)
+            self.last, self.bump = (b.n, b) if b is not None else (n, None)
+            if b is None:
+                return
 
 
 class NodeLocal:
@@ -220,7 +253,7 @@ class SimNode:
         self.woken = False  # the process's watcher on the agents' counter saw it move (a command)
         self.watcher = watcher
         self.relay = NodeRelay(node, len(ranks), local)  # woken (relay.wake) by the process's watcher on the ranks' counter
-        self.relay.watcher = relay_watcher
+        self.relay.watcher = AgentWatch(relay_watcher)  # its reads of each bump's key, made here
         self.ready = ReadyRelay(node, len(ranks), local)  # its ranks' RuntimeReady, forwarded in one message
         self.relayed = relayed  # generation -> when each agent read it centrally (shared by the process's nodes)
         self.pid = os.getpid()
@@ -250,6 +283,7 @@ class SimNode:
             for cmd in self.q_cmd.get_all():
                 self.commands.dispatch(cmd)
         if self.relay.due(now):  # Agent.run's relay
+            self.relay.watcher.follow(self.store)
             before = self.relay.last.gen if self.relay.last is not None else None
             if self.relay.relay(self.store, now):
                 for r in self.ranks:  # the local counter moved: each rank's local watcher wakes it
@@ -380,7 +414,7 @@ def watch_notify(host: str, port: int, lanes: list[Lane], watcher: SimWatcher, s
     while not stop.is_set():
         try:
             n = protocol.read_notify(store, counter)
-            watcher.armed = True
+            watcher.armed, watcher.n = True, n
             if n != last:
                 to = _named(store, counter, last, n)
                 last = n

@@ -1,8 +1,9 @@
 """The agent relays the generation to its node's ranks (``phoenix_runtime.plane.relay``): real TCPStores (the
 central one and each node's local one), real control threads, real notify watchers; round trips counted.
 
-A generation's bump costs the central store one batch per node (the agent's), none per rank; a fault queued for one
-rank is read centrally by that rank only; a rank whose agent is killed goes back to the central store and still sees
+A generation's bump costs the central store its agent's watcher's read of the bump's key per node (the bump carries
+the generation: no batch), none per rank; a fault queued for one rank costs each agent its batch and is read
+centrally by that rank only; a rank whose agent is killed goes back to the central store and still sees
 the next generation, within a bound.
 """
 
@@ -81,7 +82,7 @@ def _publish(central, gen: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_bump_costs_one_central_batch_per_node_and_no_rank_reads_the_central_store(secret, monkeypatch):
+def test_a_generations_bump_costs_no_central_read_but_the_agents_watchers_and_no_rank_reads_the_central_store(secret, monkeypatch):
     from phoenix_launch.plane.control import connect, start_store
     from phoenix_runtime.plane.failover import FailoverStore
 
@@ -111,7 +112,7 @@ def test_a_bump_costs_one_central_batch_per_node_and_no_rank_reads_the_central_s
             local, port = start_store("127.0.0.1")
             relay = NodeRelay(node, nproc, local)
             relay.watcher = NotifyWatcher(lambda: LocalWatchStore(Counted(connect("127.0.0.1", central.port, 10.0), log, f"agent {node}")),
-                                          relay.wake, stop)
+                                          relay.wake, stop, bumps=True)  # as the agent makes it
             relays.append(relay)
             threading.Thread(target=agent, args=(node, relay, Counted(connect("127.0.0.1", central.port, 10.0), log, f"agent {node}")),
                              daemon=True).start()
@@ -131,20 +132,34 @@ def test_a_bump_costs_one_central_batch_per_node_and_no_rank_reads_the_central_s
         assert not [c for c in calls if c[1].startswith("rank")], f"a rank read the central store at a bump: {calls}"
         for i in range(n_nodes):
             mine = [c[0] for c in calls if c[1] == f"agent node{i}"]
-            # its watcher's read of the counter and its next wait, then the relay's one batch (the counter in it; its
-            # keys were all seen at the first read, and none is ever deleted: no check before it)
-            assert sorted(mine) == sorted(["add", "wait", "multi_get"]), (i, mine)
+            # its watcher's read of the bump's key (which carries the generation) and its next wait: no central
+            # read of the relay's own (its batch: two round trips, torch's client waits for the keys first)
+            assert sorted(mine) == sorted(["compare_set", "wait"]), (i, mine)
+        assert all(r.from_bumps >= 1 for r in relays)
         # a fault queued for one rank: that rank reads its own queue centrally, no other rank reads anything
         seen: list = []
         target = ranks[nproc + 1]  # node1, slot 1
         target.on_fault.append(seen.append)
         log.clear()
         protocol.Queue(central, protocol.q_rank("node1", 1)).put(protocol.RankFault("comm", None))
-        protocol.notify_ranks(central)
+        protocol.notify_ranks(central, queued=True)  # as the injection does: the bump carries nothing
         wait_for(lambda: seen, 20, "the fault read by its rank")
         time.sleep(0.3)
         readers = {c[1] for c in log if c[1].startswith("rank")}
         assert readers == {"rank node1/1"} and seen[0]["mode"] == "comm", (readers, seen)
+        for i in range(n_nodes):  # each relay read its batch: the queues' counters are in it
+            assert sorted(c[0] for c in log if c[1] == f"agent node{i}") == sorted(["compare_set", "multi_get", "wait"]), i
+        # a bump whose state is forged (not sealed for its key): refused and counted, every relay reads its batch,
+        # and the next genuine generation still reaches every rank
+        log.clear()
+        auth.drain()
+        n = int(central.add(protocol.K_NOTIFY, 1))
+        central.set(protocol.k_notify(n, protocol.K_NOTIFY), protocol.NOTIFY_STATE + '{"gen":99,"persist":0}')
+        wait_for(lambda: sum(1 for c in log if c[0] == "multi_get") == n_nodes, 20, "each relay's batch after a forged bump")
+        assert all(r.last.gen == 2 for r in relays) and all(r.latest_gen == 2 for r in ranks)
+        assert any(x["kind"] == "unsigned" and x["key"].startswith(protocol.K_NOTIFY + "/") for x in auth.drain())
+        _publish(central, 3)
+        wait_for(lambda: all(r.latest_gen == 3 for r in ranks), 20, "generation 3 seen by every rank")
     finally:
         stop.set()
         for r in ranks:

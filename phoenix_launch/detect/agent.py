@@ -295,7 +295,8 @@ class Agent:
         if self.local is not None:
             self.relay = NodeRelay(self.node, self.nproc, self.local)
             self.ready = ReadyRelay(self.node, self.nproc, self.local)
-            self.relay.watcher = NotifyWatcher(self._connect_central, self.relay.wake, self._watch_stop, protocol.K_NOTIFY)
+            self.relay.watcher = NotifyWatcher(self._connect_central, self.relay.wake, self._watch_stop, protocol.K_NOTIFY,
+                                               bumps=True)
         # a node joining a running job (replenishment) is accepted because its agent_up is sealed with the
         # job's secret (run_dir/secret, 0600, on the shared filesystem), as every message is
         self.q_sup.put(protocol.AgentUp(self.node, os.getpid(), os.uname().nodename, s.join))

@@ -84,7 +84,7 @@ def execute_injection(job: JobTargets, c: protocol.KillCommand) -> tuple[bool, s
         for s in slots:
             protocol.Queue(job.store, protocol.q_rank(node, s)).put(
                 protocol.RankFault(mode, at_step, c.id, tensor=c.tensor, bit=c.bit, factor=c.factor, phase=c.phase))
-        protocol.notify_ranks(job.store)
+        protocol.notify_ranks(job.store, queued=True)  # no state: every relay reads its batch (the queues' counters)
         info["phase"] = c.phase
         info["immediate"] = at_step is None and c.phase is None and mode == "comm"
         when = (f"at step {at_step}" if at_step is not None else "now" if c.phase is None else "at the next step")

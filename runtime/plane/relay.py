@@ -41,7 +41,10 @@ def _count(raw: Any, bad: int = 0) -> int:
 class NodeRelay:
     """The agent's side: ``due`` says when to read (woken by ``wake``, which the caller's ``NotifyWatcher`` on the
     central ``protocol.K_NOTIFY`` sets; every ``READ_S``; every pass while no watcher is armed), ``relay`` reads the
-    central store once for the node and tells the ranks when anything they read changed."""
+    central store once for the node and tells the ranks when anything they read changed. A watcher made with
+    ``bumps`` hands over the bump it read (``watch.Bump``): one that carries the generation and the persist step
+    (``protocol.notify_ranks``) is relayed as it is, without a central read; the batch stays the safety read every
+    ``READ_S`` and the read of a bump that carries nothing (messages in the ranks' queues)."""
 
     def __init__(self, node: str, nproc: int, local: Any):
         self.node, self.nproc, self.local = node, nproc, local
@@ -49,7 +52,8 @@ class NodeRelay:
         self.watcher: Any = None  # the caller's watcher on the central counter (its ``armed`` is read)
         self.last: protocol.NodeNotice | None = None
         self.next_read = 0.0
-        self.reads = 0  # central batches made (``relay`` calls)
+        self.reads = 0  # central batches made
+        self.from_bumps = 0  # notices made from what a bump carried (no central read)
         # its ranks' queue counters, then its agent's own: a command lost in the wake-up is seen at the next read
         self._counters = [counter_key(protocol.q_rank(node, s)) for s in range(nproc)] + [counter_key(protocol.q_agent(node))]
         self.commands: int | None = None  # the agent's command queue counter, as of the last read
@@ -62,10 +66,18 @@ class NodeRelay:
         return woken or now >= self.next_read or self.watcher is None or not self.watcher.armed
 
     def relay(self, store: Any, now: float) -> bool:
-        """One read of the central store for the whole node; True when the ranks were told something new."""
+        """The generation and the persist step for the whole node, from the bump its watcher read (``bumps``) or
+        from one read of the central store; True when the ranks were told something new."""
+        inc = incarnation_of(store)
+        bump, last = getattr(self.watcher, "bump", None), self.last
+        if bump is not None and last is not None and last.incarnation == inc and now < self.next_read and self.watcher.armed:
+            if bump.n <= last.notified:
+                return False  # the last batch read the counter at or past this bump: nothing newer
+            if bump.state is not None:  # the state as of the bump; the queues' counters as of the last batch
+                self.from_bumps += 1
+                return self._tell(protocol.NodeNotice(bump.state[0], bump.state[1], bump.n, last.queues, inc))
         self.next_read = now + READ_S
         self.reads += 1
-        inc = incarnation_of(store)
         if self._made != inc:  # a counter no message was reserved in yet is created (0): the batch finds every key
             for k in self._counters:
                 store.add(k, 0)
@@ -88,7 +100,10 @@ class NodeRelay:
             gen, persist = protocol.get_value(store, keys[1]), protocol.get_value(store, keys[2])
             counts = [_count(store.add(k, 0)) for k in self._counters]
         queues, self.commands = dict(enumerate(counts[:-1])), counts[-1]
-        notice = protocol.NodeNotice(int(gen or 0), int(persist or 0), notified, queues, inc)
+        return self._tell(protocol.NodeNotice(int(gen or 0), int(persist or 0), notified, queues, inc))
+
+    def _tell(self, notice: protocol.NodeNotice) -> bool:
+        """Write ``notice`` for the ranks and bump their local counter, unless nothing they read moved."""
         last, self.last = self.last, notice
         if last is not None and (last.gen, last.persist_at, last.queues, last.incarnation) == \
                 (notice.gen, notice.persist_at, notice.queues, notice.incarnation):
@@ -146,6 +161,9 @@ class LocalWatchStore:
 
     def add(self, key: str, value: int) -> int:
         return self.store.add(key, value)
+
+    def compare_set(self, key: str, expected: str, desired: str):  # a bump's key (``watch.read_bump``)
+        return self.store.compare_set(key, expected, desired)
 
     def wait_or_move(self, keys: list[str], timeout: timedelta) -> bool:
         self.store.wait(keys, timeout)

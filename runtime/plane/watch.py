@@ -5,25 +5,59 @@ when the counter moves, instead of polling the central store on a timer. Torch i
 
 from __future__ import annotations
 
+import json
 import threading
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
-from phoenix_runtime.plane import protocol
+from phoenix_runtime.plane import auth, protocol
 
 _ABSENT = "\x00absent"  # ``bump_for``'s expected value: no key holds it
 
 POLL_S = 0.02  # the poll interval of a reader whose watcher is not armed (or whose message is half written)
 
 
+@dataclass(frozen=True)
+class Bump:
+    """What bump ``n`` of a counter says (``protocol.notify``): the one node it is for (``to``, None: every reader)
+    and the state it announces (``protocol.notify_ranks``: the generation and the persist step; None: none, or a
+    value refused)."""
+
+    n: int
+    to: str | None = None
+    state: tuple[int, int] | None = None
+
+
+def read_bump(store: Any, counter: str, n: int) -> Bump | None:
+    """Bump ``n``'s key, read in one round trip without waiting (a key deleted meanwhile, ``NOTIFY_KEEP`` bumps
+    later, must not block a watcher): ``compare_set`` with an expected value no writer uses returns the value
+    unchanged, or that expected value when the key is gone (then None). A ``get`` would be two round trips (torch's
+    client waits for the key first). A state not sealed for this key and bump is refused (counted, ``auth``)."""
+    key = protocol.k_notify(n, counter)
+    raw = store.compare_set(key, _ABSENT, _ABSENT)
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    if text == _ABSENT:
+        return None
+    if text.startswith(protocol.NOTIFY_TO):
+        return Bump(n, to=text[len(protocol.NOTIFY_TO):])
+    if text == "1":
+        return Bump(n)
+    try:
+        _, payload = auth.unseal(key, text, seq=n)
+        if payload.startswith(protocol.NOTIFY_STATE):
+            d = json.loads(payload[len(protocol.NOTIFY_STATE):])
+            return Bump(n, state=(int(d["gen"]), int(d["persist"])))
+    except (auth.Refused, ValueError, TypeError, KeyError):
+        pass
+    return Bump(n)
+
+
 def bump_for(store: Any, counter: str, n: int) -> str | None:
     """The node bump ``n`` of ``counter`` names (``protocol.notify``'s ``to``); None when it is for every reader, or
-    its key is gone. Read without waiting (a key deleted meanwhile, ``NOTIFY_KEEP`` bumps later, must not block a
-    watcher): ``compare_set`` with an expected value no writer uses returns the value unchanged, or that expected
-    value when the key is gone."""
-    raw = store.compare_set(protocol.k_notify(n, counter), _ABSENT, _ABSENT)
-    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
-    return text[len(protocol.NOTIFY_TO):] if text.startswith(protocol.NOTIFY_TO) else None
+    its key is gone."""
+    b = read_bump(store, counter, n)
+    return b.to if b is not None else None
 
 
 class NotifyWatcher:
@@ -38,9 +72,13 @@ class NotifyWatcher:
     WAIT_S = 3600.0
 
     def __init__(self, connect: Callable[[], Any], wake: threading.Event, stop: threading.Event,
-                 counter: str = protocol.K_NOTIFY, only: str | None = None):
+                 counter: str = protocol.K_NOTIFY, only: str | None = None, bumps: bool = False):
         self.connect, self.wake, self.stop, self.counter = connect, wake, stop, counter
         self.only = only  # an agent's node: a bump named for another node (``protocol.notify``'s ``to``) wakes nobody here
+        # each bump's key is read, not the counter (one round trip either way), and kept in ``bump`` for the reader
+        # (an agent's relay: the state a bump carries spares it its central read)
+        self.bumps = bumps
+        self.bump: Bump | None = None  # the last bump read (bumps); None after the counter was read instead
         self.armed = False
         self.thread = threading.Thread(target=self._run, name="phoenix-notify", daemon=True)
         self.thread.start()
@@ -55,9 +93,15 @@ class NotifyWatcher:
         last, woke = None, False
         while not self.stop.is_set():
             try:
-                if woke and last is not None and self._for_another(store, last + 1):
+                b = read_bump(store, self.counter, last + 1) if woke and last is not None and (self.only or self.bumps) else None
+                if b is not None and b.to is not None and self.only is not None and b.to != self.only:
                     n = last + 1  # one bump, for another node: its key is read, not the counter (one round trip)
+                elif b is not None and self.bumps:
+                    n = b.n  # the next bump, read from its key: the reader takes what it carries
+                    self.bump = b
+                    self.wake.set()
                 else:
+                    self.bump = None  # the counter read: the reader reads everything
                     n = protocol.read_notify(store, self.counter)
                     self.armed = True
                     if n != last:
@@ -74,13 +118,6 @@ class NotifyWatcher:
             except Exception:  # the store lost (the reader decides nothing here), a counter not a number
                 self._disarm()
         self.armed = False
-
-    def _for_another(self, store: Any, n: int) -> bool:
-        """Bump ``n`` (its key just written) names another node than ``only``."""
-        if self.only is None:
-            return False
-        to = bump_for(store, self.counter, n)
-        return to is not None and to != self.only
 
     def _disarm(self) -> None:
         """The reader polls (woken now to see it), until the next try here in a second."""

@@ -27,12 +27,15 @@ class Waiting:  # the watcher's client: a plain TCPStore (no standby here to mov
     def add(self, k, v):
         return self.s.add(k, v)
 
+    def compare_set(self, k, expected, desired):  # a bump's key, read by the watcher (bumps=True, as the agent's)
+        return self.s.compare_set(k, expected, desired)
+
     def wait_or_move(self, keys, timeout):
         self.s.wait(keys, timeout)
         return True
 
 
-relay.watcher = NotifyWatcher(Waiting, relay.wake, threading.Event(), protocol.K_NOTIFY)
+relay.watcher = NotifyWatcher(Waiting, relay.wake, threading.Event(), protocol.K_NOTIFY, bumps=True)
 print(local_port, flush=True)
 while True:
     now = time.monotonic()
