@@ -208,6 +208,8 @@ def incident(job: Job, a) -> dict:
         out["seen"], out["live_ranks"] = sum(s.get("count", 0) for s in seen), live
         if bump and out["seen"] >= live:
             out["propagate_s"] = max(s["last"] for s in seen if s) - bump
+            # each simulation process's median and 90th percentile: a ramp (the processes' CPU) or a tail (a lane behind)
+            out["seen_quantiles"] = [(round(s["p50"] - bump, 3), round(s["p90"] - bump, 3)) for s in seen if s and "p50" in s]
             # every live agent (the nodes and the spare, less the one lost) read it centrally: the store's part
             if sum(r.get("count", 0) for r in relayed) >= job.n:
                 out["relay_s"] = max(r["last"] for r in relayed if r) - bump
@@ -284,6 +286,10 @@ def summary(a, rows: list[dict]) -> list[str]:
     out += fleet_fit.describe("generation read by every agent (the central store's part)", "s", ns, [r.get("relay_s") for r in rows],
                               None, "")
     out += fleet_fit.describe("store round trips", "ops/s", ns, [r.get("ops_s") for r in rows], None, "")
+    for r in rows:
+        if r.get("seen_quantiles"):
+            out.append(f"N={r['n']}: generation seen by half / 90 % of each simulation process's ranks after "
+                       + ", ".join(f"{a:.3f} / {b:.3f} s" for a, b in r["seen_quantiles"]) + f" (all: {r['propagate_s']:.3f} s)")
     for r in rows:
         if r.get("members_kb"):
             out.append(f"N={r['n']}: the new generation's membership {r['members_kb']:.0f} KB whole (read by its joiners), "

@@ -184,7 +184,7 @@ class SimRank(control.ControlThread):
         self._outbox = collections.deque(maxlen=16)
         self._q_sup = protocol.Queue(store, protocol.Q_SUPERVISOR)
         self._watcher = watcher
-        self._relay, self._relay_dirty = SimRelay(local, node), True
+        self._relay, self._relay_dirty, self._notice = SimRelay(local, node), True, None
         self.local = local
         self.at = -1  # its node's index on its lane
         self.next_due = 0.0  # its next full read (a spare: its next assignment poll), monotonic
@@ -218,6 +218,7 @@ class SimRank(control.ControlThread):
             self._follow(False, True, False)
             self._send_posted()
             return
+        self._notice = notice
         self.persist_at = notice.persist_at
         if notice.gen > self.latest_gen:
             self.latest_gen = notice.gen
@@ -240,7 +241,7 @@ class SimNode:
     heartbeat (the real ranks write the same fields locally, and the agent reads them back in one batch)."""
 
     def __init__(self, node: str, ranks: list[SimRank], store, local: NodeLocal, watcher: SimWatcher,
-                 relay_watcher: SimWatcher, heartbeat_s: float, relayed: dict):
+                 relay_watcher: SimWatcher, heartbeat_s: float, relayed: dict, nodes: int):
         self.node, self.ranks, self.store, self.local = node, ranks, store, local
         self.heartbeat_s = heartbeat_s
         self.q_sup = protocol.Queue(store, protocol.Q_SUPERVISOR)
@@ -252,7 +253,7 @@ class SimNode:
         self.up = self.dead = self.stopped = False
         self.woken = False  # the process's watcher on the agents' counter saw it move (a command)
         self.watcher = watcher
-        self.relay = NodeRelay(node, len(ranks), local)  # woken (relay.wake) by the process's watcher on the ranks' counter
+        self.relay = NodeRelay(node, len(ranks), local, nodes)  # woken (relay.wake) by the process's watcher on the ranks' counter
         self.relay.watcher = AgentWatch(relay_watcher)  # its reads of each bump's key, made here
         self.ready = ReadyRelay(node, len(ranks), local)  # its ranks' RuntimeReady, forwarded in one message
         self.relayed = relayed  # generation -> when each agent read it centrally (shared by the process's nodes)
@@ -298,14 +299,22 @@ class SimNode:
 
     def digest(self, t: float) -> str:
         """``NodeDigest.to_json`` of the ranks' heartbeats as ``ControlThread.beat`` writes them (a rank in training
-        that completed a step a heartbeat ago), in the agent's digest format."""
-        beats = {}
+        that completed a step a heartbeat ago), in the agent's digest format: the text ``json.dumps`` makes of
+        ``digest_dict``, formatted here (a third of its CPU: the simulation's, which 2 cores share with the store)."""
+        sps, beats = repr(round(1.0 / self.heartbeat_s, 3)), []
         for r in self.ranks:
             r.state.step += 1
-            beats[str(r.slot)] = {"t": t, "step": r.state.step, "gen": r.latest_gen, "pid": self.pid, "runtime": r.rank is not None,
-                                  "phase": r.state.phase, "t_step": t, "sps": round(1.0 / self.heartbeat_s, 3), "warm": True,
-                                  "formed": r.rank is not None}
-        return json.dumps({"node": self.node, "t": t, "beats": beats}, separators=(",", ":"))
+            on = "true" if r.rank is not None else "false"
+            beats.append(f'"{r.slot}":{{"t":{t!r},"step":{r.state.step},"gen":{r.latest_gen},"pid":{self.pid},"runtime":{on},'
+                         f'"phase":"{r.state.phase}","t_step":{t!r},"sps":{sps},"warm":true,"formed":{on}}}')
+        return f'{{"node":"{self.node}","t":{t!r},"beats":{{{",".join(beats)}}}}}'
+
+    def digest_dict(self, t: float) -> dict:
+        """What ``digest`` formats (its test: the same text as ``json.dumps``); no step is counted."""
+        return {"node": self.node, "t": t, "beats": {
+            str(r.slot): {"t": t, "step": r.state.step, "gen": r.latest_gen, "pid": self.pid, "runtime": r.rank is not None,
+                          "phase": r.state.phase, "t_step": t, "sps": round(1.0 / self.heartbeat_s, 3), "warm": True,
+                          "formed": r.rank is not None} for r in self.ranks}}
 
 
 class Lane(threading.Thread):
@@ -457,14 +466,19 @@ def build(a, host: str, port: int, seen: dict, watcher: SimWatcher, agent_watche
         node, local = f"node{i}", NodeLocal()
         ranks = [SimRank(node, s, i * a.nproc + s if i < a.active else None, lane.store, local, watcher, a.heartbeat_s, seen,
                          a.active * a.nproc) for s in range(a.nproc)]
-        sim = SimNode(node, ranks, lane.store, local, agent_watcher, watcher, a.heartbeat_s, relayed)
+        sim = SimNode(node, ranks, lane.store, local, agent_watcher, watcher, a.heartbeat_s, relayed, a.active)
         lane.nodes.append(sim)
         by_node[node] = sim
     return lanes, by_node
 
 
 def _times(seen: dict) -> dict:
-    return {g: {"count": len(ts), "last": max(ts), "first": min(ts)} for g, ts in ((g, list(ts)) for g, ts in list(seen.items()))}
+    """Per generation: how many saw it, and when (the first, the median, the 90th percentile, the last)."""
+    out = {}
+    for g, ts in list(seen.items()):
+        ts = sorted(list(ts))
+        out[g] = {"count": len(ts), "first": ts[0], "p50": ts[len(ts) // 2], "p90": ts[int(len(ts) * 0.9)], "last": ts[-1]}
+    return out
 
 
 def report(path: Path, lanes: list[Lane], seen: dict, killed: dict, n_ranks: int, relayed: dict) -> None:

@@ -243,3 +243,22 @@ def test_the_digests_are_kept_fresh_in_slices_not_in_one_whole_read_per_period()
         assert Counting.sizes[0] == nodes and 0 < max(Counting.sizes[1:]) <= 30, Counting.sizes  # never whole again
     finally:
         channel._accept = orig
+
+
+@pytest.mark.timeout(60)
+def test_the_simulated_digest_is_the_text_json_makes(monkeypatch):
+    """bench/fleet_sim.py formats a node's digest by hand (its CPU is the simulation's bottleneck at 10,000 nodes):
+    the same text ``json.dumps`` makes, which the supervisor parses as a ``protocol.NodeDigest``."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import fleet_sim
+
+    local = fleet_sim.NodeLocal()
+    w = fleet_sim.SimWatcher()
+    ranks = [fleet_sim.SimRank("node3", s, 24 + s if s < 3 else None, None, local, w, 2.0, {}, 32) for s in range(4)]
+    ranks[1].latest_gen = 7
+    node = fleet_sim.SimNode("node3", ranks, None, local, w, w, 2.0, {}, 4)
+    t = 1796519297.3928008
+    text = node.digest(t)
+    assert text == json.dumps(node.digest_dict(t), separators=(",", ":"))
+    d = protocol.NodeDigest.from_json(text)
+    assert d.beats[1].gen == 7 and d.beats[0].step == ranks[0].state.step and not d.beats[3].formed

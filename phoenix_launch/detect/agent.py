@@ -293,7 +293,7 @@ class Agent:
                                          only=self.node)
         # the ranks' counter is watched here for the whole node: its ranks read the generation from the local store
         if self.local is not None:
-            self.relay = NodeRelay(self.node, self.nproc, self.local)
+            self.relay = NodeRelay(self.node, self.nproc, self.local, nodes=max(1, s.world_size // max(1, self.nproc)))
             self.ready = ReadyRelay(self.node, self.nproc, self.local)
             self.relay.watcher = NotifyWatcher(self._connect_central, self.relay.wake, self._watch_stop, protocol.K_NOTIFY,
                                                bumps=True)
@@ -409,8 +409,8 @@ class Agent:
 
     def read_beats(self) -> dict[int, protocol.RankHeartbeat]:
         """Slot -> its rank's latest heartbeat, from the node-local store in one batch (``get_values``: a check
-        and a multi_get when every slot has written one). A value refused (forged) is not returned: the last
-        genuine one read there is, if any; one of another format is left out."""
+        and a multi_get when every slot has written one; a round trip per slot for one or two). A value refused
+        (forged) is not returned: the last genuine one read there is, if any; one of another format is left out."""
         if self.local is None:
             return {}
         keys = {protocol.k_rank_hb(self.node, s): s for s in range(self.nproc)}

@@ -17,7 +17,7 @@ from phoenix_runtime.plane import protocol
 def read_present(store: Any, keys: list[str]) -> dict[str, str | None]:
     """``protocol.get_values`` of the keys that exist (the others None): a batch with a key absent (a rank not
     started yet) is halved until each half is all present or small, so a few absent keys cost a few checks each
-    instead of two round trips for every key of the batch (``get_values``' own fallback)."""
+    instead of a round trip for every key of the batch (``get_values``' own fallback)."""
     if len(keys) <= 8:
         return protocol.get_values(store, keys)
     if store.check(keys):

@@ -52,22 +52,35 @@ def put_values(store: Any, items: dict[str, str]) -> None:
     store.multi_set(keys, [auth.seal(k, auth.next_seq(), items[k]) for k in keys])
 
 
+ABSENT = "\x00absent"  # ``read_raw``'s expected value for ``compare_set``: no writer ever stores it
+
+
+def read_raw(store: Any, key: str) -> bytes | str | None:
+    """The raw value at ``key``, None when absent, in one round trip and without waiting: ``compare_set`` with an
+    expected value no writer uses returns the value unchanged, or that expected value when the key is absent
+    (torch's ``get`` and ``multi_get`` wait for their keys first: two round trips, three with the ``check`` that
+    keeps them from blocking on an absent key). A store without ``compare_set``: ``check``, then ``get``."""
+    if hasattr(store, "compare_set"):
+        raw = store.compare_set(key, ABSENT, ABSENT)
+        return None if raw in (ABSENT, ABSENT.encode()) else raw
+    return store.get(key) if store.check([key]) else None
+
+
 def get_value(store: Any, key: str) -> str | None:
     """The payload at ``key``; None when absent. A value refused (unsigned, forged, or older than one this
     process accepted there: a replay) is counted and the last genuine value read at ``key`` is returned
     instead (None if none was)."""
-    if not store.check([key]):
-        return None
-    return _accept(key, store.get(key))
+    raw = read_raw(store, key)
+    return None if raw is None else _accept(key, raw)
 
 
 def get_values(store: Any, keys: list[str], present: bool = False) -> dict[str, str | None]:
-    """``get_value`` of every key, in two round trips when all of them exist (``check``, then ``multi_get``):
-    the supervisor reads a heartbeat per node on each pass, and the store is one thread. ``present``: the
-    caller's own ``check`` just found every key there (one round trip fewer)."""
-    if keys and hasattr(store, "multi_get") and (present or store.check(keys)):
+    """``get_value`` of every key: one round trip each for one or two keys (``read_raw``), else two when all of them
+    exist (``check``, then ``multi_get``, which the store answers as two): the supervisor reads a heartbeat per node
+    on each pass, and the store is one thread. ``present``: the caller's own ``check`` just found every key there."""
+    if len(keys) > 2 and hasattr(store, "multi_get") and (present or store.check(keys)):
         return {k: _accept(k, raw) for k, raw in zip(keys, store.multi_get(keys))}
-    return {k: get_value(store, k) for k in keys}  # some absent: multi_get would wait for them
+    return {k: get_value(store, k) for k in keys}  # few, or some absent: multi_get would wait for them
 
 
 def open_value(key: str, raw: bytes) -> str | None:

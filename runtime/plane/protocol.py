@@ -503,24 +503,33 @@ class NodeNotice:
     """What an agent relays to its ranks at ``k_relay`` of its node-local store (``relay.NodeRelay``), read once
     for the node from the central store when the ranks' counter moved: the generation, the persist step, and each
     slot's queue counter (``q_rank(..)/n``: a rank reads its own queue centrally only when it moved). ``notified``:
-    the central counter read before them; ``incarnation``: the central store's (``failover``)."""
+    the central counter read before them; ``incarnation``: the central store's (``failover``); ``t``: when the agent
+    last read the central store (its batch, wall clock of the node), ``every``: how often it does (``read_s``): a
+    rank leaves its own periodic central read to a notice younger than two of those (``control.ControlThread``)."""
 
     gen: int
     persist_at: int
     notified: int = -1
     queues: dict[int, int] = field(default_factory=dict)
     incarnation: int = 0
+    t: float = 0.0
+    every: float = 0.0
 
     def to_json(self) -> str:  # its fields by hand: ``asdict`` deep-copies, half an agent's CPU of a relay at a bump
         return json.dumps({"gen": self.gen, "persist_at": self.persist_at, "notified": self.notified,
-                           "queues": {str(s): n for s, n in sorted(self.queues.items())}, "incarnation": self.incarnation},
-                          separators=(",", ":"))
+                           "queues": {str(s): n for s, n in sorted(self.queues.items())}, "incarnation": self.incarnation,
+                           "t": self.t, "every": self.every}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "NodeNotice":
         d = json.loads(text)
         return cls(gen=int(d["gen"]), persist_at=int(d["persist_at"]), notified=int(d.get("notified", -1)),
-                   queues={int(s): int(n) for s, n in d.get("queues", {}).items()}, incarnation=int(d.get("incarnation", 0)))
+                   queues={int(s): int(n) for s, n in d.get("queues", {}).items()}, incarnation=int(d.get("incarnation", 0)),
+                   t=float(d.get("t", 0.0)), every=float(d.get("every", 0.0)))
+
+    def fresh(self, now: float) -> bool:
+        """Its agent read the central store within two of its periods (and a second): it relays still."""
+        return self.every > 0 and now - self.t < 2 * self.every + 1.0
 
 
 # --- environment given to one rank ---------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +29,14 @@ from phoenix_runtime.plane.channel import counter_key, incarnation_of, open_valu
 from phoenix_runtime.plane.watch import NotifyWatcher
 
 READ_S = 5.0  # the agent's safety read (a wake-up lost in the central store), as a rank's own (control.FULL_READ_S)
+READS_PER_S = 1000.0  # the central store's budget for the safety reads of all agents together (control.FULL_READS_PER_S)
+
+
+def read_every(nodes: int) -> float:
+    """The relay's safety read period in a job of ``nodes`` nodes: ``READ_S``, longer past 5,000 nodes so that the
+    agents' safety reads stay at ``READS_PER_S`` (a batch is two round trips: 4,000 a second at 10,000 nodes every
+    5 s), and a wake-up lost there is caught within 10 s at 10,000 nodes."""
+    return max(READ_S, nodes / READS_PER_S)
 
 
 def _count(raw: Any, bad: int = 0) -> int:
@@ -40,14 +49,15 @@ def _count(raw: Any, bad: int = 0) -> int:
 
 class NodeRelay:
     """The agent's side: ``due`` says when to read (woken by ``wake``, which the caller's ``NotifyWatcher`` on the
-    central ``protocol.K_NOTIFY`` sets; every ``READ_S``; every pass while no watcher is armed), ``relay`` reads the
+    central ``protocol.K_NOTIFY`` sets; every ``read_s``; every pass while no watcher is armed), ``relay`` reads the
     central store once for the node and tells the ranks when anything they read changed. A watcher made with
     ``bumps`` hands over the bump it read (``watch.Bump``): one that carries the generation and the persist step
     (``protocol.notify_ranks``) is relayed as it is, without a central read; the batch stays the safety read every
-    ``READ_S`` and the read of a bump that carries nothing (messages in the ranks' queues)."""
+    ``read_s`` and the read of a bump that carries nothing (messages in the ranks' queues)."""
 
-    def __init__(self, node: str, nproc: int, local: Any):
+    def __init__(self, node: str, nproc: int, local: Any, nodes: int = 1):
         self.node, self.nproc, self.local = node, nproc, local
+        self.read_s = read_every(nodes)  # the safety read's period (``nodes``: the job's)
         self.wake = threading.Event()
         self.watcher: Any = None  # the caller's watcher on the central counter (its ``armed`` is read)
         self.last: protocol.NodeNotice | None = None
@@ -75,8 +85,8 @@ class NodeRelay:
                 return False  # the last batch read the counter at or past this bump: nothing newer
             if bump.state is not None:  # the state as of the bump; the queues' counters as of the last batch
                 self.from_bumps += 1
-                return self._tell(protocol.NodeNotice(bump.state[0], bump.state[1], bump.n, last.queues, inc))
-        self.next_read = now + READ_S
+                return self._tell(protocol.NodeNotice(bump.state[0], bump.state[1], bump.n, last.queues, inc, last.t, last.every))
+        self.next_read = now + self.read_s
         self.reads += 1
         if self._made != inc:  # a counter no message was reserved in yet is created (0): the batch finds every key
             for k in self._counters:
@@ -100,13 +110,14 @@ class NodeRelay:
             gen, persist = protocol.get_value(store, keys[1]), protocol.get_value(store, keys[2])
             counts = [_count(store.add(k, 0)) for k in self._counters]
         queues, self.commands = dict(enumerate(counts[:-1])), counts[-1]
-        return self._tell(protocol.NodeNotice(int(gen or 0), int(persist or 0), notified, queues, inc))
+        return self._tell(protocol.NodeNotice(int(gen or 0), int(persist or 0), notified, queues, inc, time.time(), self.read_s))
 
     def _tell(self, notice: protocol.NodeNotice) -> bool:
-        """Write ``notice`` for the ranks and bump their local counter, unless nothing they read moved."""
+        """Write ``notice`` for the ranks and bump their local counter, unless nothing they read moved. A batch's
+        notice always moves (its ``t``): the ranks' copies stay fresh, and their own periodic central read waits."""
         last, self.last = self.last, notice
-        if last is not None and (last.gen, last.persist_at, last.queues, last.incarnation) == \
-                (notice.gen, notice.persist_at, notice.queues, notice.incarnation):
+        if last is not None and (last.gen, last.persist_at, last.queues, last.incarnation, last.t) == \
+                (notice.gen, notice.persist_at, notice.queues, notice.incarnation, notice.t):
             return False  # nothing a rank reads moved: no local bump, no rank woken
         protocol.put_value(self.local, protocol.k_relay(self.node), notice.to_json())
         protocol.notify(self.local, protocol.K_NOTIFY)

@@ -12,8 +12,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from phoenix_runtime.plane import auth, protocol
-
-_ABSENT = "\x00absent"  # ``bump_for``'s expected value: no key holds it
+from phoenix_runtime.plane.channel import read_raw
 
 POLL_S = 0.02  # the poll interval of a reader whose watcher is not armed (or whose message is half written)
 
@@ -30,15 +29,14 @@ class Bump:
 
 
 def read_bump(store: Any, counter: str, n: int) -> Bump | None:
-    """Bump ``n``'s key, read in one round trip without waiting (a key deleted meanwhile, ``NOTIFY_KEEP`` bumps
-    later, must not block a watcher): ``compare_set`` with an expected value no writer uses returns the value
-    unchanged, or that expected value when the key is gone (then None). A ``get`` would be two round trips (torch's
-    client waits for the key first). A state not sealed for this key and bump is refused (counted, ``auth``)."""
+    """Bump ``n``'s key, read in one round trip without waiting (``channel.read_raw``: a key deleted meanwhile,
+    ``NOTIFY_KEEP`` bumps later, must not block a watcher); None when it is gone. A state not sealed for this key
+    and bump is refused (counted, ``auth``)."""
     key = protocol.k_notify(n, counter)
-    raw = store.compare_set(key, _ABSENT, _ABSENT)
-    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
-    if text == _ABSENT:
+    raw = read_raw(store, key)
+    if raw is None:
         return None
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
     if text.startswith(protocol.NOTIFY_TO):
         return Bump(n, to=text[len(protocol.NOTIFY_TO):])
     if text == "1":
