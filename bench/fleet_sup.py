@@ -138,13 +138,13 @@ class BenchSupervisor(supervisor_mod.Supervisor):
         return self._diff[1]
 
     def _members_bytes(self) -> int:
-        """The size of the newest generation's membership as written whole, measured once per generation (its JSON
-        at 80,000 ranks takes the loop ~0.3 s to make)."""
+        """The size of the newest generation's membership as written whole (``protocol.put_members``: compressed),
+        read once per generation."""
         gens = self._gens() if self.publisher else None
         if gens is None:
             return 0
         if getattr(self, "_members", (None, 0))[0] != gens.gen:
-            self._members = (gens.gen, len(gens.members.to_json()))
+            self._members = (gens.gen, len(protocol.get_value(self.store, protocol.k_members(gens.gen)) or ""))
         return self._members[1]
 
     def dump(self) -> None:

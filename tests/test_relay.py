@@ -284,19 +284,20 @@ def test_a_rank_reads_a_new_generations_membership_as_its_difference_once(secret
             return call
     rank = Bytes()
     assert protocol.read_members(rank, 0) == first
-    assert rank.bytes > 5_000  # the whole, at the start (200 nodes as runs: ~7 KB)
+    # the whole, at the start (200 nodes as runs: ~7 KB of JSON), compressed (protocol.put_members: ~2.4 KB)
+    assert 1_500 < rank.bytes < len(first.to_json()) / 2, rank.bytes
     swapped = _fleet_members(n_nodes, nproc, swap=("node7", "node200")).ranks
     new = pub.publish(swapped, "node7 lost", Attempt(0, "127.0.0.1", 1), {f"node{i}": i for i in range(n_nodes + 1)})
     rank.calls, rank.bytes = [], 0
     assert protocol.read_members(rank, new.gen) == new
-    assert rank.calls == ["compare_set"] and rank.bytes < 2_000, (rank.calls, rank.bytes)  # one round trip (read_raw)
+    assert rank.calls == ["compare_set"] and rank.bytes < 1_000, (rank.calls, rank.bytes)  # one round trip (read_raw)
     rank.calls = []
     assert protocol.read_members(rank, new.gen) == new and rank.calls == []  # read once per recovery
     # a rank that never read the base (a joiner, a new process) reads the whole
     channel.forget("phx/")
     protocol._members_read.clear()
     joiner = Bytes()
-    assert protocol.read_members(joiner, new.gen) == new and joiner.bytes > 5_000
+    assert protocol.read_members(joiner, new.gen) == new and joiner.bytes > 1_500
     again = pub.publish(first.ranks, "node200 lost", Attempt(0, "127.0.0.1", 1), {f"node{i}": i for i in range(n_nodes + 1)})
     assert protocol.read_members(joiner, again.gen) == again  # the difference, on the whole read just before
     pub.recovered()  # the generations before the current one: their keys go, the difference too
@@ -385,3 +386,25 @@ def test_a_command_whose_wake_up_was_lost_is_read_after_the_relays_next_batch(se
     assert relay.commands == 1 and due()
     assert [m["type"] for m in agent.q_cmd.get_all()] == ["stop"]
     assert not due()
+
+
+def test_a_whole_membership_is_written_compressed_and_read_back_or_refused(monkeypatch):
+    """``protocol.put_members`` deflates the whole (every rank reads its first generation whole: at 10,000 nodes
+    x 8, 80,000 reads of it from the one store thread); the plain JSON of before still reads; a value that inflates
+    past ``MEMBERS_MAX``, or is not deflate, is refused with ``ValueError``, never a MemoryError or a hang."""
+    mem = _fleet_members(1000, 8)
+
+    class Dict(dict):
+        def set(self, k, v):
+            self[k] = v
+    store = Dict()
+    protocol.put_members(store, mem)
+    text = auth.unseal(protocol.k_members(mem.gen), store[protocol.k_members(mem.gen)])[1]
+    assert text.startswith(protocol.MEMBERS_Z) and len(text) < len(mem.to_json()) / 3, (len(text), len(mem.to_json()))
+    assert protocol.members_from_text(text) == mem
+    assert protocol.members_from_text(mem.to_json()) == mem  # as written before
+    monkeypatch.setattr(protocol, "MEMBERS_MAX", 10_000)
+    with pytest.raises(ValueError, match="over 10000 bytes"):
+        protocol.members_from_text(text)
+    with pytest.raises(ValueError, match="does not inflate"):
+        protocol.members_from_text(protocol.MEMBERS_Z + "bm90IGRlZmxhdGU=")

@@ -44,7 +44,7 @@ class GenerationPublisher:
     def first(self, ranks: Iterable[protocol.RankSlot]) -> protocol.Membership:
         """Generation 0, as the agents start it."""
         self.members = self.stable = protocol.Membership(0, self.world_size, tuple(ranks), domains=self.domains())
-        protocol.put_value(self.store, protocol.k_members(0), self.members.to_json())
+        protocol.put_members(self.store, self.members)
         protocol.put_value(self.store, protocol.K_PERSIST_AT, "0")  # none asked yet; present, a rank reads both in one batch
         protocol.put_value(self.store, protocol.K_GEN, "0")
         protocol.notify_ranks(self.store)
@@ -53,9 +53,9 @@ class GenerationPublisher:
     def restore(self, gen: int, members: protocol.Membership, stable: protocol.Membership, swept: int) -> None:
         """A standby that took over: the lost leader's generation, written anew in the new store."""
         self.gen, self.members, self.stable, self.swept = gen, members, stable, swept
-        protocol.put_value(self.store, protocol.k_members(gen), members.to_json())
+        protocol.put_members(self.store, members)
         if stable.gen != gen:
-            protocol.put_value(self.store, protocol.k_members(stable.gen), stable.to_json())
+            protocol.put_members(self.store, stable)
         protocol.put_value(self.store, protocol.K_GEN, str(gen))
         protocol.notify_ranks(self.store)
 
@@ -83,7 +83,7 @@ class GenerationPublisher:
                                   tuple(resync), rollback_to, tuple(data), tuple(prev),
                                   (self.members.world_size if prev_world is None else prev_world) if prev else 0)
         self._seen |= {r.node for r in self.members.ranks}
-        protocol.put_value(self.store, protocol.k_members(self.gen), mem.to_json())  # a joiner's, a standby's: the whole
+        protocol.put_members(self.store, mem)  # a joiner's, a standby's: the whole
         # what a rank that read the last one reads instead (a hot-swap: its joiners' slots, not the job's)
         protocol.put_value(self.store, protocol.k_members_diff(self.gen), protocol.MembersDiff.between(self.members, mem).to_json())
         for r in ranks:

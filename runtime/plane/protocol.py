@@ -43,8 +43,11 @@ node and relays them through its local store (``relay``), so a bump costs the ce
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
+import zlib
 import threading
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
@@ -422,13 +425,38 @@ def read_members(store: Store, gen: int) -> Membership:
     return mem
 
 
+MEMBERS_Z = "z1:"  # a whole membership as written at k_members: zlib (level 1), then base64 (values are text)
+MEMBERS_MAX = 64 << 20  # the most a whole membership may inflate to (bytes): a value that says more is refused
+
+
+def put_members(store: Store, mem: Membership) -> None:
+    """Write ``mem`` whole at ``k_members``, compressed: every rank of a job reads its first generation whole, and
+    a joiner its own, from the one store thread (at 10,000 nodes x 8 with a failure domain each: 80,000 reads of
+    ~450 KB of JSON, ~115 KB so). Deflate at level 1 is ~2 ms there; its JSON takes longer to make."""
+    put_value(store, k_members(mem.gen), MEMBERS_Z + base64.b64encode(zlib.compress(mem.to_json().encode(), 1)).decode())
+
+
+def members_from_text(text: str) -> Membership:
+    """The membership ``put_members`` wrote (or plain JSON, as written before it); ``ValueError`` when it cannot be read."""
+    if text.startswith(MEMBERS_Z):
+        try:
+            z = zlib.decompressobj()
+            raw = z.decompress(base64.b64decode(text[len(MEMBERS_Z):], validate=True), MEMBERS_MAX)
+        except (zlib.error, binascii.Error) as e:
+            raise ValueError(f"a membership that does not inflate: {e}") from None
+        if z.unconsumed_tail or not z.eof:
+            raise ValueError(f"a membership over {MEMBERS_MAX} bytes inflated, or cut short")
+        text = raw.decode()
+    return Membership.from_json(text)
+
+
 def _read_whole_members(store: Store, gen: int) -> Membership:
     if not store.check([k_members(gen)]):
         store.get(k_members(gen))  # waits (the store's timeout) for the supervisor to write it
     text = get_value(store, k_members(gen))
     if text is None:
         raise KeyError(k_members(gen))
-    return Membership.from_json(text)
+    return members_from_text(text)
 
 
 # --- the rank heartbeat -------------------------------------------------------------------------------
