@@ -144,9 +144,15 @@ def test_a_generations_bump_costs_no_central_read_but_the_agents_watchers_and_no
         log.clear()
         r0._follow(False, False, True)
         assert not [c for c in log if c[1] == "rank node0/0"], log
-        r0._notice = dataclasses.replace(r0._notice, t=time.time() - 2 * READ_S - 2)
+        fresh = r0._notice
+        r0._notice = dataclasses.replace(fresh, t=time.time() - 2 * READ_S - 2)
         r0._follow(False, False, True)
         assert [c[0] for c in log if c[1] == "rank node0/0"][:1] == ["add"], log  # the central counter first
+        # a fresh notice of a store the rank's own client has not moved to (a takeover): read centrally all the same
+        log.clear()
+        r0._notice = dataclasses.replace(fresh, t=time.time(), incarnation=fresh.incarnation + 1)
+        r0._follow(False, False, True)
+        assert [c[0] for c in log if c[1] == "rank node0/0"][:1] == ["add"], log
         # a fault queued for one rank: that rank reads its own queue centrally, no other rank reads anything
         seen: list = []
         target = ranks[nproc + 1]  # node1, slot 1

@@ -276,6 +276,8 @@ class ControlThread:
             self._relay_dirty = True  # none yet, or the agent's store is going: the central path meanwhile
             return
         self._notice = notice
+        if notice.incarnation != incarnation_of(self.store):  # a takeover the agent followed: this rank's client and
+            self._dirty = True  # queue cursor are of the old store; its next pass reads centrally (and moves)
         self.persist_at = notice.persist_at
         if notice.gen > self.latest_gen:
             self.latest_gen = notice.gen
@@ -409,7 +411,9 @@ class ControlThread:
             self._unwatch_centrally()
         else:
             self._watch_centrally()
-        if full and self.relayed and self._notice is not None and self._notice.fresh(time.time()):
+        notice = self._notice
+        if full and self.relayed and notice is not None and notice.fresh(time.time()) \
+                and notice.incarnation == incarnation_of(self.store):  # (after a takeover: read, the client moves)
             # its agent read the central store lately (its notice says when; each of its batches wakes this rank): this
             # rank's safety read is left to it. At 10,000 nodes x 8 that is 1,000 reads a second of four round trips
             # each, most of the central store's load. A stopped agent's notice ages: the rank reads centrally again
