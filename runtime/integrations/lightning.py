@@ -5,7 +5,7 @@
 - joins the job's process groups with ``phx.init()`` (Lightning's ``init_process_group`` then finds them made);
 - hands the LightningModule, the optimizer and LR schedulers of ``configure_optimizers``, the precision plugin's
   GradScaler and the loop's own state (``_LoopState``: the fit loop's progress counters, its data position, the
-  callbacks' state, the loggers' versions) to ``phx.protect``, which builds DDP itself (at the first step, and again
+  callbacks' state) to ``phx.protect``, which builds DDP itself (at the first step, and again
   on the new process groups after a recovery);
 - runs each training batch of Lightning's loop (``_TrainingEpochLoop.advance`` and its ``on_advance_end``:
   validation, checkpoint callbacks; at an epoch's last batch the epoch's end too) inside the step guard, and the
@@ -21,7 +21,8 @@ sanity check is skipped, since the survivors are in their training loop. Outside
 
 Not protected (refused with one line): more than one optimizer, ``accumulate_grad_batches`` > 1, a
 ``training_step`` that takes the ``dataloader_iter``. A replayed step runs its hooks again (a logger gets its
-metrics twice, the last wins; a checkpoint callback saves again).
+metrics twice, the last wins; a checkpoint callback saves again). A replacement of rank 0 logs into its logger's next
+version (``version_1``): Lightning's CSVLogger empties a version it opens again.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import phoenix_runtime as phx
 from phoenix_runtime.errors import UsageError
-from phoenix_runtime.integrations.replay import Replay, fork_rng, guarded, managed
+from phoenix_runtime.integrations.replay import Replay, fork_rng, guard_step, guarded, managed
 
 log = logging.getLogger(__name__)
 
@@ -107,31 +108,10 @@ class PhoenixStrategy(DDPStrategy):
             schedulers=[c.scheduler for c in self.lr_scheduler_configs],
             scaler=getattr(self.precision_plugin, "scaler", None),
             stateful={"lightning": _LoopState(trainer)})
-        self._guard_optimizer(opt)
+        guard_step(opt, self.training)
         self._hook_loops(trainer)
         if self._local:  # the survivors are in their training loop: no sanity check with them
             trainer.num_sanity_val_steps = 0
-
-    def _guard_optimizer(self, opt) -> None:
-        """``optimizer.step(closure)`` as PHOENIX's step: the closure (forward, backward) first, then
-        ``optimizer_step()``, which waits for the replica commit and calls the optimizer's own step."""
-        inner, training, busy = opt.step, self.training, [False]
-
-        def step(closure=None, **kwargs):
-            if busy[0]:  # PHOENIX's own call of the optimizer's step
-                return inner(**kwargs)
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            busy[0] = True
-            try:
-                training.optimizer_step()
-            finally:
-                busy[0] = False
-            return loss
-
-        opt.step = step
 
     def _hook_loops(self, trainer) -> None:
         """Each training batch of the epoch loop, with its follow-up (validation, checkpoints) and, at an epoch's last
@@ -210,8 +190,9 @@ def _load_progress(loop: _Loop, sd: dict, prefix: str = "") -> None:
 
 class _LoopState:
     """The loop's own state, in each step's envelope: the fit loop's progress (epochs, batches, optimizer and
-    scheduler steps, validation), the data position, the callbacks' state, the loggers' versions (a replacement
-    rank 0 logs and checkpoints where the lost one did)."""
+    scheduler steps, validation), the data position, the callbacks' state (a replacement rank 0's checkpoint
+    callbacks save where the lost one's did). Loggers are not moved: a replacement of rank 0 logs into its logger's
+    next version (a CSVLogger opened on an existing version would empty it)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -221,8 +202,7 @@ class _LoopState:
         callbacks = {cb.state_key: cb.state_dict() for cb in t.callbacks}
         private = {cb.state_key: {k: getattr(cb, k) for k in _CKPT_PRIVATE if hasattr(cb, k)}
                    for cb in t.callbacks if isinstance(cb, ModelCheckpoint)}
-        return {"loops": t.fit_loop.state_dict(), "pos": _position(t), "callbacks": callbacks, "private": private,
-                "loggers": [getattr(lg, "_version", None) for lg in t.loggers]}
+        return {"loops": t.fit_loop.state_dict(), "pos": _position(t), "callbacks": callbacks, "private": private}
 
     def load_state_dict(self, sd: dict) -> None:
         t = self.trainer
@@ -235,9 +215,6 @@ class _LoopState:
                     setattr(cb, k, v)
             if state:
                 cb.load_state_dict(state)
-        for lg, version in zip(t.loggers, sd["loggers"]):
-            if version is not None and hasattr(lg, "_version"):
-                lg._version = version
         f = t.fit_loop._data_fetcher
         if isinstance(f, _Fetcher):
             f.rewind(tuple(sd["pos"]))

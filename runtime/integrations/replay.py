@@ -85,6 +85,10 @@ class Replay:
         self._queue.extend((p, v) for p, v in self._kept.items() if p >= to and upto_ok(p))
         return True
 
+    def get(self, pos):
+        """The batch kept at ``pos``, or None."""
+        return self._kept.get(pos)
+
     def drop_queue(self) -> None:
         self._queue.clear()
 
@@ -94,3 +98,26 @@ class Replay:
 
     def next_queued(self):
         return self._queue.popleft()
+
+
+def guard_step(opt, training) -> None:
+    """``opt.step(closure)`` as PHOENIX's step: the closure (forward, backward) first, then ``optimizer_step()``, which
+    waits for the replica commit and calls the optimizer's own step. The framework calls ``opt.step`` (its precision
+    plugin or GradScaler included) where it always does."""
+    inner, busy = opt.step, [False]
+
+    def step(closure=None, **kwargs):
+        if busy[0]:  # PHOENIX's own call of the optimizer's step
+            return inner(**kwargs)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        busy[0] = True
+        try:
+            training.optimizer_step()
+        finally:
+            busy[0] = False
+        return loss
+
+    opt.step = step

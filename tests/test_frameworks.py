@@ -1,0 +1,75 @@
+"""Issue 50: the frameworks that own the training loop, under phoenix-run, 2 nodes x 1 rank + 1 spare, node1 SIGKILLed
+mid-epoch: PyTorch Lightning's Trainer with ``PhoenixStrategy`` (``tests/scripts/lightning_train.py``) and Hugging
+Face's ``transformers.Trainer`` as ``PhoenixTrainer`` (``tests/scripts/hf_train.py``), tiny models built in the
+script (no download).
+
+Per framework two real jobs: the failure-free run and the run with node1 lost in the forward of a step in the middle
+of an epoch. Each rank writes hashes of its final parameters, optimizer state and scheduler state, and the loop's
+final counters: those of the run with the failure equal the failure-free run's, and the framework's own logs and
+checkpoints are those of the failure-free run (the same checkpoint steps; the same logged values).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, SCRIPTS, check_resume_steps, events, job_env, job_processes, of_type, run_phoenix
+
+FAULT = {"node": "node1", "mode": "crash", "phase": "forward"}
+
+
+def run_job(d: Path, script: str, fault_step: int | None, *args: str):
+    d.mkdir(parents=True)
+    faults = [] if fault_step is None else [{**FAULT, "step": fault_step}]
+    (d / "cfg.yaml").write_text(yaml.safe_dump({"inject": {"faults": faults}, "detect": {"recovery_timeout_s": 180}}))
+    env = job_env(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                  HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(d / "hf"))
+    r = run_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", "2", "--nproc-per-node", "1", "--spares", "1",
+                     "--run-dir", str(d / "run"), str(SCRIPTS / script), "--out", str(d / "out"), *args], d, timeout=540, env=env)
+    return r, d / "run", d / "out"
+
+
+def digests(out: Path) -> list[dict]:
+    found = sorted(out.glob("digest-rank*.json"))
+    assert [p.name for p in found] == ["digest-rank0.json", "digest-rank1.json"], f"missing digests in {out}: {found}"
+    return [json.loads(p.read_text()) for p in found]
+
+
+def check_hot_swapped(r, run_dir: Path, fault_step: int) -> None:
+    assert r.returncode == 0, r.stderr[-3000:]
+    evs = events(run_dir)
+    swap = of_type(evs, "hotswap")
+    assert swap and (swap[0]["failed"], swap[0]["spare"]) == ("node1", "node2"), [e["type"] for e in evs]
+    check_resume_steps(evs)
+    assert "generation 1: resumed at step" in (run_dir / "logs" / "node0" / "0.0.log").read_text()  # kept its process
+    joiner = (run_dir / "logs" / "node2" / "0.0.log").read_text()
+    assert "training data positioned at epoch" in joiner, joiner[-2000:]  # the spare's iterator, at the resume step
+    assert not job_processes(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lightning_node_lost_mid_epoch_is_hot_swapped_bit_identically(tmp_path):
+    """Lightning: 12 batches an epoch per rank, 3 epochs; node1 lost in the forward of step 17 (epoch 1, batch 5).
+    The spare runs ``trainer.fit`` from its start, recovers with the survivor at its first step and reads its data
+    to epoch 1, batch 5; every rank ends with the failure-free parameters, AdamW state, StepLR state and loop
+    counters; the ModelCheckpoint (every 5 steps) wrote the same checkpoints and the CSVLogger the same rows (a
+    loss every step, a validation loss every 4 batches)."""
+    pytest.importorskip("lightning", reason="lightning is not installed (scripts/setup.sh installs the frameworks extra)")
+    r0, _, base = run_job(tmp_path / "base", "lightning_train.py", None)
+    assert r0.returncode == 0, r0.stderr[-3000:]
+    expected = digests(base)
+    assert expected[0] == expected[1] and expected[0]["global_step"] == 36 and expected[0]["epoch"] == 3, expected
+    r, run_dir, out = run_job(tmp_path / "lost", "lightning_train.py", 17)
+    check_hot_swapped(r, run_dir, 17)
+    assert digests(out) == expected
+    ckpts = sorted(p.name for p in (out / "ckpt").iterdir())
+    assert ckpts == sorted(p.name for p in (base / "ckpt").iterdir()) and len(ckpts) == 7, ckpts
+    rows = (out / "logs" / "version_0" / "metrics.csv").read_text()
+    assert rows == (base / "logs" / "version_0" / "metrics.csv").read_text()
+    assert len(rows.splitlines()) == 1 + 36 + 9  # the header, a loss every step, a validation every 4 batches
