@@ -73,3 +73,27 @@ def test_lightning_node_lost_mid_epoch_is_hot_swapped_bit_identically(tmp_path):
     rows = (out / "logs" / "version_0" / "metrics.csv").read_text()
     assert rows == (base / "logs" / "version_0" / "metrics.csv").read_text()
     assert len(rows.splitlines()) == 1 + 36 + 9  # the header, a loss every step, a validation every 4 batches
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hf_trainer_node_lost_mid_epoch_is_hot_swapped_bit_identically(tmp_path):
+    """transformers' Trainer as ``PhoenixTrainer``, a GPT-2 of 2 layers from a config: 12 update steps an epoch per
+    rank, 3 epochs; node1 lost in the forward of step 17 (epoch 1, update step 5). The spare recovers at its first
+    step and reads its data to epoch 1, batch 5; every rank ends with the failure-free parameters, AdamW state,
+    linear schedule and counters; the Trainer saved the same checkpoints (every 5 steps and the last) and rank 0's
+    log history (a loss every step, an evaluation every 4 steps) is the failure-free run's, timings aside."""
+    pytest.importorskip("transformers", reason="transformers is not installed (scripts/setup.sh installs the frameworks extra)")
+    pytest.importorskip("accelerate", reason="accelerate is not installed (scripts/setup.sh installs the frameworks extra)")
+    r0, _, base = run_job(tmp_path / "base", "hf_train.py", None)
+    assert r0.returncode == 0, r0.stderr[-3000:]
+    expected = digests(base)
+    assert expected[0] == expected[1] and expected[0]["global_step"] == 36, expected
+    r, run_dir, out = run_job(tmp_path / "lost", "hf_train.py", 17)
+    check_hot_swapped(r, run_dir, 17)
+    assert digests(out) == expected
+    ckpts = sorted(p.name for p in (out / "hf").iterdir())
+    assert ckpts == sorted(p.name for p in (base / "hf").iterdir()) and len(ckpts) == 8, ckpts
+    history = json.loads((out / "log_history.json").read_text())
+    assert history == json.loads((base / "log_history.json").read_text())
+    assert sum("loss" in e for e in history) == 36 and sum("eval_loss" in e for e in history) == 9, history

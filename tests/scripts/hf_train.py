@@ -60,7 +60,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     (out / f"digest-rank{rank}.json").write_text(json.dumps(digest(trainer)))
     if rank == 0:
-        timings = ("runtime", "per_second", "total_flos")
+        timings = ("runtime", "_time", "per_second", "total_flos")
         hist = [{k: v for k, v in e.items() if not any(t in k for t in timings)} for e in trainer.state.log_history]
         (out / "log_history.json").write_text(json.dumps(hist))
 

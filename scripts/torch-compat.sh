@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The core rows of the suite against several torch releases, each in a clean virtual environment of its own (no
+# system site-packages: nothing of the machine's torch leaks in), the package installed there with its declared
+# dependencies next to that torch: the install itself is the first check (a torch outside pyproject's range fails
+# it). One summary line per release; the logs in $COMPAT_DIR/torch-<version>.log.
+#
+#   bash scripts/torch-compat.sh [VERSION ...]        # default: 2.13.0 2.14.1 2.15.0
+#
+# COMPAT_DIR (default /tmp/phoenix-torch-compat): the venvs and logs; CPU wheels where an index has them:
+# TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu; PyPI's Linux wheels of 2.14 and 2.15 are CUDA builds of
+# several GB, which run on the CPU too); COMPAT_TESTS: the pytest arguments (default: the rows below). Each venv
+# needs a few GB: the script stops when less than 10 GB are free.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+DIR=${COMPAT_DIR:-/tmp/phoenix-torch-compat}
+VERSIONS=("$@")
+[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(2.13.0 2.14.1 2.15.0)
+# pure logic, the runtime's units, the transport and replication contract, and real jobs: a hot-swap under DDP with
+# ZeRO and replicated AdamW, FSDP2 and TP, a rank-0 node, one in the optimizer step
+CORE=(tests/test_pure.py tests/test_runtime_units.py tests/test_snapshot.py tests/test_layout.py tests/test_replication.py
+      tests/test_commit_point.py
+      "tests/test_fault_matrix.py::test_node_crash_at_step"
+      "tests/test_fault_matrix.py::test_node_of_rank0_lost"
+      "tests/test_fsdp.py::test_node_lost_is_hot_swapped_bit_identically")
+read -r -a TESTS <<< "${COMPAT_TESTS:-${CORE[*]}}"
+mkdir -p "$DIR"
+summary=()
+for v in "${VERSIONS[@]}"; do
+  free_gb=$(df -Pk "$DIR" | awk 'NR==2 {print int($4 / 1048576)}')
+  if [ "$free_gb" -lt 10 ]; then
+    echo "torch-compat: $free_gb GB free in $DIR, 10 needed: stopped before torch $v" >&2
+    exit 2
+  fi
+  venv=$DIR/torch-$v log=$DIR/torch-$v.log
+  rm -rf "$venv"
+  $PY -m venv "$venv"
+  pip=("$venv/bin/python" -m pip install -q)
+  index=(); [ -n "${TORCH_INDEX_URL:-}" ] && index=(--index-url "$TORCH_INDEX_URL" --extra-index-url https://pypi.org/simple)
+  t0=$(date +%s)
+  if ! "${pip[@]}" "${index[@]}" "torch==$v" >"$log" 2>&1; then
+    summary+=("torch $v: the wheel did not install (see $log)"); continue
+  fi
+  # the package next to that torch, as a user would install it: pip must keep the torch it finds
+  if ! "${pip[@]}" -c <(echo "torch==$v") -e "$ROOT[test]" >>"$log" 2>&1; then
+    summary+=("torch $v: pip install phoenix-run refused it (pyproject's torch range; see $log)"); continue
+  fi
+  got=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
+  PHOENIX_TEST_RERUNS=0 "$venv/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}" >>"$log" 2>&1
+  rc=$?
+  summary+=("torch $got: $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$log" | tail -1 | tr -d '=') (exit $rc, $(( $(date +%s) - t0 )) s)")
+done
+printf '%s\n' "${summary[@]}"
