@@ -23,6 +23,23 @@ from conftest import ROOT, SCRIPTS, check_resume_steps, events, job_env, job_pro
 FAULT = {"node": "node1", "mode": "crash", "phase": "forward"}
 
 
+def test_replay_gives_the_kept_batches_of_a_rewind_in_order():
+    """``Replay`` (the integrations' kept batches): a rewind to a kept position queues the batches from it up to the
+    iterator's position, in order; one to a position no longer kept (or never: a replacement rank) queues nothing and
+    says so; across an epoch's end only the rewound epoch's batches are queued (the next epoch's iterator is new)."""
+    from phoenix_runtime.integrations.replay import Replay
+
+    r = Replay(keep=3)
+    for i in range(5):
+        r.kept((0, i), f"b{i}")
+    assert not r.rewind((0, 1), lambda p: p < (0, 5)) and not r.replaying  # evicted: the iterator is positioned anew
+    assert r.rewind((0, 3), lambda p: p < (0, 5))
+    assert [r.next_queued() for _ in range(2)] == [((0, 3), "b3"), ((0, 4), "b4")] and not r.replaying
+    r.kept((1, 0), "c0")
+    assert r.rewind((0, 4), lambda p: p < (1, 1) and p[0] == 0)
+    assert r.next_queued() == ((0, 4), "b4") and not r.replaying
+
+
 def run_job(d: Path, script: str, fault_step: int | None, *args: str):
     d.mkdir(parents=True)
     faults = [] if fault_step is None else [{**FAULT, "step": fault_step}]
