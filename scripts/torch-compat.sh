@@ -17,13 +17,13 @@ PY=${PYTHON:-python3}
 DIR=${COMPAT_DIR:-/tmp/phoenix-torch-compat}
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(2.13.0 2.14.1 2.15.0)
-# pure logic, the runtime's units, the transport and replication contract, and real jobs: a hot-swap under DDP with
-# ZeRO and replicated AdamW, FSDP2 and TP, a rank-0 node, one in the optimizer step
+# pure logic, the runtime's units, snapshots, layouts, the transport and replication contract, and real jobs: a node
+# lost mid-run and hot-swapped bit-identically under DDP with ZeRO and with replicated AdamW, under FSDP2 and TP+FSDP
 CORE=(tests/test_pure.py tests/test_runtime_units.py tests/test_snapshot.py tests/test_layout.py tests/test_replication.py
-      tests/test_commit_point.py
-      "tests/test_fault_matrix.py::test_node_crash_at_step"
-      "tests/test_fault_matrix.py::test_node_of_rank0_lost"
-      "tests/test_fsdp.py::test_node_lost_is_hot_swapped_bit_identically")
+      "tests/test_fault_matrix.py::test_node_crash_at_step[zero-6]"
+      "tests/test_fault_matrix.py::test_node_crash_at_step[adamw-6]"
+      "tests/test_fsdp.py::test_node_lost_is_hot_swapped_bit_identically[fsdp-forward]"
+      "tests/test_fsdp.py::test_node_lost_is_hot_swapped_bit_identically[tp-forward]")
 read -r -a TESTS <<< "${COMPAT_TESTS:-${CORE[*]}}"
 mkdir -p "$DIR"
 summary=()
