@@ -128,3 +128,15 @@ def test_a_divergence_planted_in_a_scheduler_is_not_reported_as_corruption(tmp_p
     end = of_type(evs, "job_end")[-1]
     assert "training code" in (end.get("reason") or ""), end
     assert not job_processes(run_dir)
+
+
+def test_a_straggler_is_evicted_only_by_a_hot_swap():
+    """An eviction is planned: nothing may be lost that a hot-swap would not restore. Not every rank protected yet
+    (the eviction raced the first protected step) or no spare: the node stays, the job goes on."""
+    slow = Verdict(FailureClass.STRAGGLER, Action.REPLACE_NODE, "n1", "a rank on n1 is a straggler")
+    ready = decisions.JobView(runtime_ready=True, spares=("s1",), restarts_used=0, max_restarts=3)
+    assert decisions.decide(ready, slow).kind is decisions.Kind.HOTSWAP
+    for v in (decisions.JobView(runtime_ready=False, spares=("s1",), restarts_used=0, max_restarts=3, nothing_done=True),
+              decisions.JobView(runtime_ready=True, spares=(), restarts_used=0, max_restarts=3)):
+        d = decisions.decide(v, slow)
+        assert d.kind is decisions.Kind.IGNORE and "stays" in d.reason
