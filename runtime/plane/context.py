@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from datetime import timedelta
@@ -25,7 +26,13 @@ from phoenix_runtime.plane.rank_env import RankEnv, rank_env
 from phoenix_runtime.plane.store_keys import KeyRecorder, backoff
 from phoenix_runtime.protection.transport import close_pairs
 
-FATE_KEY = "fate"  # under a generation's process-group prefix: "go" (every rank forms it) or "cancel" (none does)
+FATE_KEY = protocol.k_fate(0).rsplit("/", 1)[1]  # under a generation's process-group prefix: "go" or "cancel"
+#: a wait for the fate, between two looks at a newer generation and the deadline (``Context._wait_all``): the
+#: supervisor's next generation writes "cancel" there (``GenerationPublisher.publish``), which ends the wait at once
+FATE_SLICE_S = 2.0
+#: gloo groups connect a pair on its first use (torch's TORCH_GLOO_LAZY_INIT), so that forming a generation's groups
+#: costs each rank the peers it talks to (its ring neighbours, its mesh groups' peers), not N - 1 connections
+LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
 
 
 class UnrecoverableError(RecoveryError, RuntimeError):
@@ -93,6 +100,7 @@ class Context:
         if torch.cuda.is_available():
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         if self.managed:
+            os.environ.setdefault(LAZY_GLOO, "1")  # unless the job says otherwise (read by each group's constructor)
             self.ctl = start_control()
             self.store = connect_store(env, handed=True)  # a joiner: the connection it waited on
             self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
@@ -189,7 +197,7 @@ class Context:
                 continue
             done.append(g)
             gloo = any(g is p for p in pair_groups) or self.backend == "gloo"
-            close_pairs(g, [p for p in range(g.size()) if p != g.rank()] if gloo else [])  # NCCL: ncclCommAbort only
+            close_pairs(g, _probe_order(g.rank(), g.size()) if gloo else [])  # NCCL: ncclCommAbort only
 
     def add_groups(self, groups) -> None:
         """Groups built on this generation's (a DeviceMesh's sub-groups: TP, FSDP, HSDP's replicate): a newer
@@ -244,13 +252,15 @@ class Context:
             return
         end = deadline if deadline is not None else time.monotonic() + self.recovery_timeout
         bound = min(self.timeout.total_seconds(), end - time.monotonic(), self.recovery_timeout / 2)
-        committed = self._committed
+        committed, lazy = self._committed, os.environ.pop(LAZY_GLOO, None)
         self._committed = (self.gen, self._incarnation())
-        try:
+        try:  # eager: each pair connected now, while both ranks are alive (the transport's abort needs it connected)
             formed = form_pairs(pairs, self.rank, self.pairs, self._gen_store(), timedelta(seconds=max(5.0, bound)),
                                 self._add_pair)
         finally:
             self._committed = committed
+            if lazy is not None:
+                os.environ[LAZY_GLOO] = lazy
         if formed:
             log.info(f"generation {self.gen}: pair groups with ranks {sorted(formed)} formed; pairs with {sorted(self.pairs)}")
 
@@ -290,18 +300,19 @@ class Context:
         self._transports = []
         self.mesh_groups = []
 
-    def _wait_all(self, key: str, gen: int, deadline: float, pg_store: KeyRecorder) -> None:
-        """Every rank arrived: the generation is formed, by every rank or by none. The first rank that sees every
-        rank arrived commits it (``go``), one that gives it up first (a newer generation, its deadline) cancels
-        it: one ``compare_set``, so every rank follows the same fate, and a rank that gives up after the commit
-        forms the generation anyway (then leaves it for the newer one). A rank that left alone would strand
-        the peers that wait in gloo's connect for it."""
-        pause = 0.0
+    def _wait_all(self, last: bool, gen: int, deadline: float, pg_store: KeyRecorder) -> None:
+        """Every rank arrived: the generation is formed, by every rank or by none. The rank whose arrival was the
+        last commits it (``go``); the others wait for that key in the store (a blocking wait a slice at a time: one
+        round trip each, whatever the world's size), and one that gives it up first (a newer generation, its
+        deadline) cancels it: one ``compare_set``, so every rank follows the same fate, and a rank that gives up
+        after the commit forms the generation anyway (then leaves it for the newer one). A rank that left alone
+        would strand the peers that wait in gloo's connect for it."""
+        if last:
+            if self._commit(pg_store, gen, "go"):
+                return
+            raise GenerationAbandoned(f"generation {gen} abandoned before it was formed")
+        fate_key = FATE_KEY
         while True:
-            if int(self.store.add(key, 0)) >= self.world_size:
-                if self._commit(pg_store, gen, "go"):
-                    return
-                raise GenerationAbandoned(f"generation {gen} abandoned before it was formed")
             late = time.monotonic() > deadline
             if self.latest_gen() > gen or late:
                 if self._commit(pg_store, gen, "cancel"):
@@ -309,7 +320,13 @@ class Context:
                 if late:
                     raise TimeoutError(f"generation {gen}: not every rank arrived within the recovery timeout")
                 raise GenerationAbandoned(f"generation {gen} abandoned")
-            pause = backoff(pause)
+            try:  # the store answers when the key is written, or after the slice
+                pg_store.inner.wait([fate_key], timedelta(seconds=max(0.001, min(FATE_SLICE_S, deadline - time.monotonic()))))
+            except Exception:  # noqa: BLE001 -- the slice passed (DistStoreError): look at the generation again
+                continue
+            if self._commit(pg_store, gen, "go"):  # written: "go" (or "cancel", then this returns False)
+                return
+            raise GenerationAbandoned(f"generation {gen} abandoned before it was formed")
 
     def _commit(self, pg_store: KeyRecorder, gen: int, want: str) -> bool:
         """The generation's fate, decided once in the store (the first ``compare_set`` wins): True to form it.
@@ -332,10 +349,10 @@ class Context:
         STATE.gen = gen
         pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store), stop=lambda: self._check_gen(gen))
         self._pg_stores.append((gen, pg_store))  # its keys (the fate's too) are deleted with the generation
-        self.store.add(protocol.k_arrived(gen), 1)
+        last = int(self.store.add(protocol.k_arrived(gen), 1)) >= self.world_size
         log.info(f"generation {gen}: arrived")
         try:
-            self._wait_all(protocol.k_arrived(gen), gen, deadline, pg_store)
+            self._wait_all(last, gen, deadline, pg_store)
             log.info(f"generation {gen}: every rank arrived")
             self._form_groups(gen, pg_store, deadline)
         finally:
@@ -361,6 +378,7 @@ class Context:
             timeout=forming,
         )
         dist.distributed_c10d._set_pg_timeout(self.timeout)  # formed: the collectives' own timeout from now on
+        # gloo: no connection yet (LAZY_GLOO); each pair connects at its first use (DDP's ring: the two neighbours)
         log.info(f"generation {gen}: default group formed")  # the pair groups follow (bench/recovery_scale.py reads both)
         self.pairs, self.mpi_pairs = {}, None
         if self.settings.protect and self.settings.transport == "mpi":
@@ -377,8 +395,8 @@ class Context:
         of the generation knows alike (``init``'s TP, the configured replica count); a ``Training`` whose layout
         differs forms what it lacks when it starts its protection. CPU tensors (replicas, recovery transfers)
         travel on gloo groups of their own: never interleaved with training collectives, and an NCCL group cannot
-        carry them. Connected eagerly, while every rank is alive: with gloo's lazy connection a pair first used
-        after its peer died can leave the lower rank waiting without a bound, on the listening side of the connect."""
+        carry them. Connected eagerly, while every rank is alive (``form_pairs``): the transport's abort closes a
+        pair by a receive that times out on it, and the replicas must not wait for a connect in a step."""
         from phoenix_runtime.protection.pairs import steady_pairs
 
         try:
@@ -501,6 +519,14 @@ class Context:
             else:
                 keep.append((gen, key))
         self._own_keys = keep
+
+
+def _probe_order(rank: int, size: int):
+    """The peers ``close_pairs`` probes, in order: the ring neighbours first (connected by the first all-reduce of a
+    lazily connected group; one probe that times out closes the whole context), the others only if none did."""
+    near = [p for p in dict.fromkeys(((rank + 1) % size, (rank - 1) % size)) if p != rank]
+    yield from near
+    yield from (p for p in range(size) if p != rank and p not in near)
 
 
 _CTX: Context | None = None
