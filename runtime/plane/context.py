@@ -24,15 +24,14 @@ from phoenix_runtime.plane.control import STATE, connect_store, control, start_c
 from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
 from phoenix_runtime.plane.store_keys import KeyRecorder, backoff
+from phoenix_runtime.plane.groups import LAZY_GLOO, abort_nccl, backend_of, nccl_eager, probe_order, set_timeout
 from phoenix_runtime.protection.transport import close_pairs
 
 FATE_KEY = protocol.k_fate(0).rsplit("/", 1)[1]  # under a generation's process-group prefix: "go" or "cancel"
 #: a wait for the fate, between two looks at a newer generation and the deadline (``Context._wait_all``): the
 #: supervisor's next generation writes "cancel" there (``GenerationPublisher.publish``), which ends the wait at once
 FATE_SLICE_S = 2.0
-#: gloo groups connect a pair on its first use (torch's TORCH_GLOO_LAZY_INIT), so that forming a generation's groups
-#: costs each rank the peers it talks to (its ring neighbours, its mesh groups' peers), not N - 1 connections
-LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
+KEY_SLICE_S = 0.5  # a wait for a recovery's plan or descriptors, between two looks at a newer generation
 
 
 class UnrecoverableError(RecoveryError, RuntimeError):
@@ -190,14 +189,22 @@ class Context:
         self._abort([*self.pairs.values(), world, *self.mesh_groups])
 
     def _abort(self, groups) -> None:
+        """gloo groups (the pairs, and any group whose backend is gloo: a DeviceMesh's ``backend_override``, a
+        builder's extra group) closed pair by pair (``close_pairs``); NCCL's communicators all inside one NCCL group
+        call (``_abort_nccl``), never one at a time."""
         done: list = []
         pair_groups = list(self.pairs.values())
+        nccl = False
         for g in groups:
             if g is None or any(g is d for d in done):
                 continue
             done.append(g)
-            gloo = any(g is p for p in pair_groups) or self.backend == "gloo"
-            close_pairs(g, _probe_order(g.rank(), g.size()) if gloo else [])  # NCCL: ncclCommAbort only
+            if any(g is p for p in pair_groups) or "nccl" not in backend_of(g, self.backend):
+                close_pairs(g, probe_order(g.rank(), g.size()))
+            else:
+                nccl = True
+        if nccl:
+            abort_nccl()
 
     def add_groups(self, groups) -> None:
         """Groups built on this generation's (a DeviceMesh's sub-groups: TP, FSDP, HSDP's replicate): a newer
@@ -206,6 +213,8 @@ class Context:
         added after this generation was abandoned are aborted here."""
         with self._lock:
             self.mesh_groups = list(groups)
+            for g in self.mesh_groups:  # new_group's default is NCCL's 10 min: the collectives' own timeout, as WORLD's
+                set_timeout(g, self.timeout)
             self.hold()
             if self._aborted_gen >= self.gen:
                 self._abort(self.mesh_groups)
@@ -290,6 +299,8 @@ class Context:
 
     def destroy_groups(self) -> None:
         self.hold()
+        if self.backend == "nccl":  # destroy_process_group shuts every group down, flushing work: abort them first
+            abort_nccl()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -376,6 +387,7 @@ class Context:
             rank=self.rank,
             world_size=self.world_size,
             timeout=forming,
+            **(nccl_eager(self.device) if self.backend == "nccl" else {}),
         )
         dist.distributed_c10d._set_pg_timeout(self.timeout)  # formed: the collectives' own timeout from now on
         # gloo: no connection yet (LAZY_GLOO); each pair connects at its first use (DDP's ring: the two neighbours)
@@ -468,15 +480,11 @@ class Context:
         self._own_keys.append((gen, key))
         pause = 0.0
         while True:
-            if self.store.check([plan_key(gen)]):
+            if self._wait_keys([plan_key(gen)], gen, deadline, f"no plan from rank {planner}"):
                 got = protocol.get_value(self.store, plan_key(gen))
                 if got is not None:  # a forged one is refused and waited past, as a missing one
                     return got
-            if self.latest_gen() > gen:
-                raise GenerationAbandoned(f"generation {gen} abandoned")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"generation {gen}: no plan from rank {planner} after the recovery timeout")
-            pause = backoff(pause)
+                pause = backoff(pause)
 
     def exchange(self, gen: int, desc_json: str, deadline: float, ranks: list[int] | None = None) -> list[str]:
         """Publish this rank's descriptor of generation ``gen`` and read everybody's (or ``ranks``'s; bounded; a
@@ -490,15 +498,26 @@ class Context:
         pause = 0.0
         while True:
             missing = [k for k in keys if k not in got]
-            if self.store.check(missing):  # all there: one batch for all of them, not a round trip each
+            if self._wait_keys(missing, gen, deadline, "descriptors missing"):  # all there: one batch for all of them
                 got.update({k: v for k, v in protocol.get_values(self.store, missing, present=True).items() if v is not None})
                 if len(got) == len(keys):
                     return [got[k] for k in keys]
-            if self.latest_gen() > gen:
-                raise GenerationAbandoned(f"generation {gen} abandoned")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"generation {gen}: descriptors missing after the recovery timeout")
-            pause = backoff(pause)
+                pause = backoff(pause)
+
+    def _wait_keys(self, keys: list[str], gen: int, deadline: float, what: str) -> bool:
+        """Wait (bounded) until ``keys`` exist in the store: one blocking wait, answered when the last is written (a
+        round trip or two, however long it takes), a slice at a time so that a newer generation (raises
+        ``GenerationAbandoned``) and the deadline (``TimeoutError``) are seen. True once they exist."""
+        if self.latest_gen() > gen:
+            raise GenerationAbandoned(f"generation {gen} abandoned")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"generation {gen}: {what} after the recovery timeout")
+        try:
+            self.store.wait(keys, timedelta(seconds=min(KEY_SLICE_S, left)))
+            return True
+        except Exception:  # noqa: BLE001 -- the slice passed (DistStoreError): look at the generation again
+            return False
 
     def delete_old_keys(self) -> None:
         """Delete the store keys this rank wrote for generations before the current one: its descriptors, and
@@ -519,14 +538,6 @@ class Context:
             else:
                 keep.append((gen, key))
         self._own_keys = keep
-
-
-def _probe_order(rank: int, size: int):
-    """The peers ``close_pairs`` probes, in order: the ring neighbours first (connected by the first all-reduce of a
-    lazily connected group; one probe that times out closes the whole context), the others only if none did."""
-    near = [p for p in dict.fromkeys(((rank + 1) % size, (rank - 1) % size)) if p != rank]
-    yield from near
-    yield from (p for p in range(size) if p != rank and p not in near)
 
 
 _CTX: Context | None = None
