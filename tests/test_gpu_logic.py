@@ -289,3 +289,18 @@ def test_zero_gathers_over_a_cpu_group_under_nccl(monkeypatch):
     assert zero.cpu_group() == "G" and made == ["gloo"]
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert zero.cpu_group() is None  # the default group carries CPU objects already
+
+
+# --- #14: a materialised joiner never starts DTensor's RNG broadcast alone ------------------------------------
+def test_joiner_apply_disables_rng_sync_on_every_path(monkeypatch):
+    from phoenix_runtime import parallel
+
+    synced, applied = [], []
+    monkeypatch.setattr(parallel, "_no_rng_sync", lambda mesh: synced.append(mesh))
+    monkeypatch.setattr(parallel, "_apply_local", lambda fn, model, mesh, device: applied.append(model))
+    me = types.SimpleNamespace(build_mesh=lambda gen: "MESH", fn=lambda m, mesh: None, device=torch.device("cpu"))
+    model = torch.nn.Linear(2, 2)  # materialised: the _apply_local path
+    parallel.Parallel.apply(me, model, gen=3, local=True)
+    assert synced == ["MESH"] and applied == [model]
+    parallel.Parallel.apply(me, model, gen=3, local=False)  # a rank of the first generation: torch's own tracker
+    assert synced == ["MESH"]
