@@ -242,8 +242,10 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
             may_wait=inc.wait_until is None or now < inc.wait_until,
             also_lost=tuple(n for n in inc.lost if n in self.nodes and not self.nodes[n].is_spare),
             may_salvage=self._may_salvage(), on_no_spare=self.cfg.launch.on_no_spare, dp=self.dp_size(),
-            dp_lost=self.dp_lost(lost), min_dp=self.cfg.launch.min_dp)
+            dp_lost=self.dp_lost(lost), min_dp=self.cfg.launch.min_dp, finished=self.all_finished())
         d = decisions.decide(view, verdict, now)
+        if view.finished:
+            self.count_finished(sig, lost)
         if d.kind is decisions.Kind.WAIT and not self.incidents.defer(inc, now, self.cfg.detect.spare_wait_s):
             return  # still waiting for a spare: the decision event was emitted once
         self.events.emit("decision", cls=verdict.cls.value, action=verdict.action.value, decision=d.kind.value, node=d.node,

@@ -48,7 +48,7 @@ log = logging.getLogger("phoenix_launch.detect.agent")  # by name: this module r
 
 WARM_WAIT_S = 120.0  # the longest an agent defers joining the control plane for its ranks' imports
 #: phases in which a rank is not expected to complete steps (the hang check falls back to its heartbeat)
-IDLE_PHASES = ("starting", "spare", "recovering", "done")
+IDLE_PHASES = ("starting", "spare", "recovering", "finished", "done")
 
 
 def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
@@ -60,14 +60,18 @@ def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
     while that thread beats on). Outside training (start-up, a recovery, done) and from a rank without
     them, only a heartbeat silent for ``hang_timeout_s`` is. A warm spare idles by design; a starting rank
     may hold the GIL in imports: neither is judged by its heartbeat. When one rank's loop stalls, its peers
-    stop progressing too, blocked in the next collective: a rank whose main thread waits in a collective
-    or, with NCCL, at a device sync with its stream's work pending (``blocked_in``) is not the hung one; the one stuck in its own code is (a job whose every rank waits in
-    a collective is left to the collective timeout). Until the rank completed a step since it entered training
+    stop progressing too, blocked in the next collective: a rank whose main thread waits in a collective (or, NCCL,
+    at a device sync, its stream busy: ``blocked_in``) is not the hung one; the one stuck in its own code is (a job
+    whose every rank waits is left to the collective timeout). Until the rank completed a step since it entered training
     (``hb.warm`` False: its first step after a start or a recovery), no step is a hang only after
-    ``first_step_timeout_s``: that step builds what the loop needs (DDP's broadcast, torch.compile)."""
+    ``first_step_timeout_s``: that step builds what the loop needs (DDP's broadcast, torch.compile). A rank
+    whose loop completed its last step (``finished``) and whose heartbeat then went silent is stuck in its
+    own teardown ("teardown"): the agent ends it, and the supervisor counts it finished, not failed."""
     silent = now - hb.t
     if hb.phase in ("starting", "spare"):
         return None
+    if hb.phase == "finished":  # its loop completed its last step: a stall now is in the script's own teardown
+        return ("teardown", silent) if silent > hang_timeout_s else None
     limit = first_step_timeout_s if hb.warm is False and first_step_timeout_s else hang_timeout_s
     if hb.phase == "training" and hb.t_step is not None and now - hb.t_step > limit:
         if hb.blocked_in in ("collective", "device") and silent <= hang_timeout_s:
@@ -137,8 +141,7 @@ class Agent:
         for k in list(env):
             if k.startswith(("PHOENIX_AGENT_",)):
                 del env[k]
-        env.update(auth.env_for_child())  # the job's secret: ranks get it only through their environment
-        env.update(protocol.nccl_env_defaults(env))  # every role: a spare's groups are made in its process too
+        env.update({**auth.env_for_child(), **protocol.nccl_env_defaults(env)})  # the job's secret; NCCL's defaults
         env.update(
             {
                 protocol.ENV_STORE_HOST: s.store_host,
