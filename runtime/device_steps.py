@@ -114,19 +114,25 @@ class DeviceSteps:
 
 
 def _group_ok(group) -> bool:
-    """No failure reported by ``group``'s backend (``Backend.get_error``); a torch without it: assumed healthy."""
+    """No failure reported by ``group``'s NCCL backend (``Backend.get_error``). Only NCCL's waits leave the host
+    ahead of the device; a gloo collective on CUDA tensors blocks the host in ``wait()`` and raises there, and
+    gloo's ``getError`` is the base class's, which throws ("does not support getError", c10d ``Backend.hpp``):
+    a group without an NCCL backend is healthy here. A torch without ``get_error``: assumed healthy."""
     try:
         import torch
 
         backend = group._get_backend(torch.device("cuda"))
-    except Exception:  # noqa: BLE001 -- no CUDA backend in this group (gloo alone): nothing asynchronous to tear
+        name = backend.name() if callable(getattr(backend, "name", None)) else type(backend).__name__
+    except Exception:  # noqa: BLE001 -- no CUDA backend in this group: nothing asynchronous to tear
+        return True
+    if name not in ("nccl", "ProcessGroupNCCL"):
         return True
     get_error = getattr(backend, "get_error", None)
     if get_error is None:
         return True
     try:
         err = get_error()
-    except Exception:  # noqa: BLE001 -- a backend that cannot say: an aborted one; not a certificate
+    except Exception:  # noqa: BLE001 -- an NCCL backend that cannot say (torn down): not a certificate
         return False
     return getattr(err, "name", str(err)).rsplit(".", 1)[-1] == "SUCCESS"
 

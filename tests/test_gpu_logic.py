@@ -33,18 +33,23 @@ class FakeEvent:
 
 
 class Backend:
-    def __init__(self):
-        self.error = "SUCCESS"
+    def __init__(self, name: str = "nccl"):
+        self.error, self._name = "SUCCESS", name
+
+    def name(self):
+        return self._name
 
     def get_error(self):
+        if self._name != "nccl":  # c10d Backend.hpp: the base class's getError throws (gloo does not override it)
+            raise RuntimeError(f"Backend {self._name} does not support getError")
         return types.SimpleNamespace(name=self.error)
 
 
 class Group:
-    """A process group whose NCCL backend reports ``backend.error`` (``Backend.get_error``)."""
+    """A process group whose backend (NCCL by default) reports ``backend.error`` (``Backend.get_error``)."""
 
-    def __init__(self):
-        self.backend = Backend()
+    def __init__(self, name: str = "nccl"):
+        self.backend = Backend(name)
 
     def _get_backend(self, device):
         return self.backend
@@ -104,6 +109,17 @@ def test_nccl_watchdog_abort_is_not_a_certificate():
     assert ds.certified == -1
     ds.freeze()
     assert ds.torn == 5 and not ds.trusted(6)
+
+
+def test_gloo_on_cuda_certifies_completed_steps():
+    """gloo blocks the host in ``wait()`` (CUDA tensors too): its group is healthy though its ``get_error`` throws;
+    the one-GPU hot-swap (gloo on CUDA) must not see every step torn."""
+    ds, ev = steps_with(Group("gloo"))
+    for step in range(3):
+        ds.mark(step)
+        ev[-1].done = True
+    ds.freeze()
+    assert ds.certified == 2 and ds.torn is None and ds.trusted(3)
 
 
 def test_committed_snapshots_and_live_state_filter_torn_steps():
