@@ -86,16 +86,14 @@ class DeviceSteps:
                 self.torn = self._pending[0][0]
 
     def trusted(self, step: int) -> bool:
-        """Is a state S_step (the state after step ``step - 1``) known to hold no torn step's effect?"""
+        """Is a state S_step (the state after step ``step - 1``) known to hold no torn step's effect? Every marked
+        step before ``step`` is certified. (A committed snapshot's copy waited for every earlier mark on the stream:
+        one left uncertified after ``settle`` completed while a group was failing, or after the freeze.)"""
         if self._new_event is None:
             return True
         self.settle()
         with self._lock:
-            oldest = self._pending[0][0] if self._pending else None
-            if self._frozen and self.torn is None and oldest is not None:
-                self.torn = oldest
-            bound = self.torn if self._frozen else None
-        return bound is None or step <= bound
+            return not self._pending or step <= self._pending[0][0]
 
     def resumed(self) -> None:
         """A recovery resumed on a new generation: the torn steps were rolled back (their markers are history)."""

@@ -320,3 +320,14 @@ def test_joiner_apply_disables_rng_sync_on_every_path(monkeypatch):
     assert synced == ["MESH"] and applied == [model]
     parallel.Parallel.apply(me, model, gen=3, local=False)  # a rank of the first generation: torch's own tracker
     assert synced == ["MESH"]
+
+
+def test_a_snapshot_committed_while_nccl_failed_is_not_replicated_before_any_freeze():
+    """NCCL's watchdog aborted on its own (no new generation yet): S_6's copy committed after step 5's event, which
+    completed with the group in error: S_6 is not trusted though PHOENIX has not frozen anything."""
+    g = Group()
+    ds, ev = steps_with(g)
+    ds.mark(5)
+    g.backend.error = "REMOTE_ERROR"
+    ev[0].done = True
+    assert ds.trusted(5) and not ds.trusted(6)
