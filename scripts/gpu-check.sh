@@ -105,7 +105,7 @@ done
 hotswap() {  # $1 optimizer, $2 case, $3 spares
   local name="$1-$2" extra
   extra=(--backend gloo --optimizer "$1" --scheduler cosine --norm batch --data sampler --steps $STEPS)
-  timeout 240 $PY -m phoenix_launch --config "$OUT/$2.yaml" --nodes 2 --nproc-per-node 1 --spares "$3" \
+  timeout 150 $PY -m phoenix_launch --config "$OUT/$2.yaml" --nodes 2 --nproc-per-node 1 --spares "$3" \
     --run-dir "$OUT/run-$name" examples/train_gpt.py "${extra[@]}" --digest-file "$OUT/$name.json" >"$OUT/$name.log" 2>&1
 }
 RUNS=("zero clean 0" "zero crash 1" "zero comm 1" "adamw clean 0" "adamw crash 1")
