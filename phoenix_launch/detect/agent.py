@@ -60,13 +60,12 @@ def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
     while that thread beats on). Outside training (start-up, a recovery, done) and from a rank without
     them, only a heartbeat silent for ``hang_timeout_s`` is. A warm spare idles by design; a starting rank
     may hold the GIL in imports: neither is judged by its heartbeat. When one rank's loop stalls, its peers
-    stop progressing too, blocked in the next collective: a rank whose main thread waits in a collective (or, NCCL,
-    at a device sync, its stream busy: ``blocked_in``) is not the hung one; the one stuck in its own code is (a job
-    whose every rank waits is left to the collective timeout). Until the rank completed a step since it entered training
-    (``hb.warm`` False: its first step after a start or a recovery), no step is a hang only after
-    ``first_step_timeout_s``: that step builds what the loop needs (DDP's broadcast, torch.compile). A rank
-    whose loop completed its last step (``finished``) and whose heartbeat then went silent is stuck in its
-    own teardown ("teardown"): the agent ends it, and the supervisor counts it finished, not failed."""
+    stop progressing too, blocked in the next collective: one waiting there (or at a device sync, its stream busy:
+    ``blocked_in``) is not the hung one; the one stuck in its own code is (every rank waiting: the collective timeout).
+    Until the rank completed a step since it entered training (``hb.warm`` False: its first step after a start or a
+    recovery), no step is a hang only after ``first_step_timeout_s`` (that step builds DDP's broadcast, torch.compile).
+    A rank whose loop completed its last step (``finished``) and whose heartbeat then went silent is stuck in its own
+    teardown ("teardown"): the agent ends it, and the supervisor counts it finished, not failed."""
     silent = now - hb.t
     if hb.phase in ("starting", "spare"):
         return None
