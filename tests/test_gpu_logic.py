@@ -331,3 +331,26 @@ def test_a_snapshot_committed_while_nccl_failed_is_not_replicated_before_any_fre
     g.backend.error = "REMOTE_ERROR"
     ev[0].done = True
     assert ds.trusted(5) and not ds.trusted(6)
+
+
+def test_a_relayout_gives_the_old_pinned_block_back(monkeypatch):
+    """After a layout change the old pinned buffer is freed into torch's host cache only once its job let go of it:
+    the D2H empties the cache after the two jobs that follow each re-size (the pinning faked on the CPU)."""
+    from phoenix_runtime.protection import snapshot
+    from phoenix_runtime.protection.snapshot import D2H
+
+    emptied = []
+    monkeypatch.setattr(snapshot, "empty_host_cache", lambda: emptied.append(1))
+    optim: list = []
+    d2h = D2H("cpu", lambda: optim, lambda: [("p", torch.ones(8))])
+    try:
+        d2h.start(0, {})
+        d2h.wait(0, 30)
+        d2h._pp.pinned = True  # noqa: SLF001 -- as on a GPU
+        optim.append(("m", torch.zeros(64)))  # the optimizer state appears: a layout change
+        for step in (1, 2, 3, 4):  # both slots re-sized (steps 1 and 2): emptied after jobs 1, 2 and 3, not 4
+            d2h.start(step, {})
+            d2h.wait(step, 30)
+        assert len(emptied) == 3 and d2h._pp.released_pinned == 0  # noqa: SLF001
+    finally:
+        d2h.stop(5)

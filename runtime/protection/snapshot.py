@@ -183,6 +183,7 @@ class PingPong:
         self._newest: Optional[int] = None
         self._staging: Optional[tuple[int, int]] = None  # (slot, step)
         self._lock = threading.Lock()
+        self.released_pinned = 0  # a pinned buffer was replaced (a layout change): the next jobs empty torch's cache
 
     @property
     def nbytes_allocated(self) -> int:
@@ -208,8 +209,7 @@ class PingPong:
             self._gen[slot] += 1
             if nbytes is not None and int(nbytes) != self._bufs[slot].numel():
                 self._bufs[slot] = torch.empty(0, dtype=torch.uint8)  # free the old one first
-                if self.pinned:
-                    empty_host_cache()  # else torch's host allocator keeps the old pinned block cached for the run
+                self.released_pinned = 2 if self.pinned else self.released_pinned  # D2H gives its block back (_worker)
                 self._bufs[slot] = _alloc_host(int(nbytes), self.pinned)
                 self.nbytes = int(nbytes)
             self._staging = (slot, int(step))
@@ -509,6 +509,10 @@ class D2H:
                 job.snap, job.error, job.done, job.packers, job.event = snap, err, True, (), None
                 self._forget_superseded()
                 self._cond.notify_all()
+                released = self._pp is not None and self._pp.released_pinned > 0
+            if released:  # the old pinned buffer is unreferenced only after its job (and the replica sent from it) let
+                self._pp.released_pinned -= 1  # go of it; torch's host allocator keeps a freed block for the run unless
+                empty_host_cache()  # its cache is emptied: here, after the two jobs that follow a layout change
 
     def _forget_superseded(self) -> None:
         """Finished jobs keep a snapshot only while its buffer holds it. A job's snapshot (and its packers' cached
