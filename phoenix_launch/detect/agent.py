@@ -67,10 +67,10 @@ def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
     A rank whose loop completed its last step (``finished``) and whose heartbeat then went silent is stuck in its own
     teardown ("teardown"): the agent ends it, and the supervisor counts it finished, not failed."""
     silent = now - hb.t
-    if hb.phase in ("starting", "spare"):
+    if hb.phase in ("starting", "spare") or (hb.phase == "finished" and silent <= hang_timeout_s):
         return None
-    if hb.phase == "finished":  # its loop completed its last step: a stall now is in the script's own teardown
-        return ("teardown", silent) if silent > hang_timeout_s else None
+    if hb.phase == "finished":  # its loop completed its last step: a stall now is in its own teardown
+        return "teardown", silent
     limit = first_step_timeout_s if hb.warm is False and first_step_timeout_s else hang_timeout_s
     if hb.phase == "training" and hb.t_step is not None and now - hb.t_step > limit:
         if hb.blocked_in in ("collective", "device") and silent <= hang_timeout_s:
@@ -446,8 +446,7 @@ class Agent:
             if hung is None:
                 continue
             why, seconds = hung
-            state = _proc_state(r.proc.pid)
-            self.q_sup.put(protocol.RankHang(self.node, r.slot, round(seconds, 3), hb.step, why, state))  # type: ignore[union-attr]
+            self.q_sup.put(protocol.RankHang(self.node, r.slot, round(seconds, 3), hb.step, why, _proc_state(r.proc.pid)))  # type: ignore[union-attr]
             _signal(r.proc, signal.SIGKILL)  # its peers' collectives now fail at once
             r.started = now  # report once
 
