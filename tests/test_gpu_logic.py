@@ -354,3 +354,31 @@ def test_a_relayout_gives_the_old_pinned_block_back(monkeypatch):
         assert len(emptied) == 3 and d2h._pp.released_pinned == 0  # noqa: SLF001
     finally:
         d2h.stop(5)
+
+
+def test_a_torn_step_moves_the_plan_back_one_step():
+    """Two survivors of a recovery that lost no rank (a comm fault): rank 0's step 5 was torn on its device, rank 1's
+    completed. Through the descriptors each builds (``RecoverySession.descriptor`` over ``d2h_committed`` and the
+    live state ``recover`` offers), the plan resumes at S_5, never at the corrupt S_6."""
+    from phoenix_runtime.layout import Layout
+    from phoenix_runtime.rank_state import RankState
+    from phoenix_runtime.recover.recovery import plan_for_layout
+    from phoenix_runtime.recover.recovery_session import RecoverySession
+    from phoenix_runtime.training import ProtectedTraining
+
+    snap = types.SimpleNamespace(verify=lambda: True, fingerprint=0)
+    descs = []
+    for rank, torn in ((0, True), (1, False)):
+        ds, ev = steps_with(Group())
+        ds.mark(5)
+        ev[0].done = not torn
+        ds.freeze()
+        ops = types.SimpleNamespace(d2h=types.SimpleNamespace(committed=lambda: {5: snap, 6: snap}), device_steps=ds,
+                                    held_replicas=lambda: {})
+        ops.d2h_committed = lambda ops=ops: ProtectedTraining.d2h_committed(ops)
+        live = (6, ds.trusted(6))  # recover(): the live state is S_6 only if step 5 completed before the abort
+        me = types.SimpleNamespace(ctx=types.SimpleNamespace(rank=rank), ops=ops, rs=RankState(first_step=0))
+        descs.append(RecoverySession.descriptor(me, live))
+    assert descs[0].local_steps == (5,) and not descs[0].live_clean and descs[1].live_clean
+    course = plan_for_layout(descs, Layout(2), 2, replicated=True)
+    assert course.plan.step == 5 and course.plan.joiners == ()
