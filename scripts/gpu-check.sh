@@ -54,7 +54,8 @@ import torch
 print(f"torch {torch.__version__}, CUDA build {torch.version.cuda}, CUDA available {torch.cuda.is_available()}")
 if torch.cuda.is_available():
     n = torch.cuda.device_count()
-    print(f"GPUs: {n} x {torch.cuda.get_device_name(0)}; NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    v = torch.cuda.nccl.version()
+    print(f"GPUs: {n} x {torch.cuda.get_device_name(0)}; NCCL {'.'.join(map(str, v)) if isinstance(v, tuple) else v}")
 if not torch.__version__.startswith("2.13"):
     print(f"NOTE: the project pins torch 2.13; this machine runs {torch.__version__}: the check runs on it")
 EOF

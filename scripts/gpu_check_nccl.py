@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     from phoenix_runtime.plane.torchrun_env import nccl_env_defaults
 
     os.environ.update(nccl_env_defaults(os.environ))  # what phoenix-run gives a rank
-    print(f"nccl: torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    v = torch.cuda.nccl.version()
+    print(f"nccl: torch {torch.__version__}, NCCL {'.'.join(map(str, v)) if isinstance(v, tuple) else v}")
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))
     ok = True
     for variant in VARIANTS:
