@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from phoenix_runtime import logs
 from phoenix_runtime.plane import protocol
+from phoenix_runtime.device_steps import device_index
 from phoenix_runtime.plane.control import STATE, connect_store, control, start_control
 from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
@@ -97,8 +98,8 @@ class Context:
         self._warm: list[int] = []  # the default group's peers whose pairs are connected (``warm_ring``): the abort's probes
         self.timeout = timedelta(seconds=self.settings.collective_timeout_s)
         self.recovery_timeout = self.settings.recovery_timeout_s
-        if torch.cuda.is_available():
-            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        if torch.cuda.is_available():  # NCCL: one GPU per rank, or a one-line refusal (device_steps.device_index)
+            torch.cuda.set_device(device_index(self.backend, env.local_rank, torch.cuda.device_count()))
         if self.managed:
             self.ctl = start_control()
             self.store = connect_store(env, handed=True)  # a joiner: the connection it waited on
