@@ -85,6 +85,12 @@ class ReportHandlers:
             done |= {r.rank for r in members.ranks if getattr(beats.get((r.node, r.slot)), "phase", None) == "finished"}
         return len(done) >= self.world_size
 
+    def furthest_step(self) -> int:
+        """The furthest step any rank reached: its heartbeat's (fresh within a beat), not the progress report's
+        (sent every few seconds): what a restart from a checkpoint loses is counted from it."""
+        beats = read_rank_heartbeats(self.store, self._gens().members, cache=self.digests)
+        return max([self.attempt.step, *(hb.step for hb in beats.values())])
+
     def count_finished(self, sig: Any, lost: tuple) -> None:
         """A finished job's failure: the ranks it took (their node lost, exited, hung) count as finished."""
         members = self._gens().members

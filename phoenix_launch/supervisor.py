@@ -244,8 +244,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
             may_salvage=self._may_salvage(), on_no_spare=self.cfg.launch.on_no_spare, dp=self.dp_size(),
             dp_lost=self.dp_lost(lost), min_dp=self.cfg.launch.min_dp, finished=self.all_finished())
         d = decisions.decide(view, verdict, now)
-        if view.finished:
-            self.count_finished(sig, lost)
+        self.count_finished(sig, lost) if view.finished else None
         if d.kind is decisions.Kind.WAIT and not self.incidents.defer(inc, now, self.cfg.detect.spare_wait_s):
             return  # still waiting for a spare: the decision event was emitted once
         self.events.emit("decision", cls=verdict.cls.value, action=verdict.action.value, decision=d.kind.value, node=d.node,
@@ -377,7 +376,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
     def fallback_restart(self, d: decisions.Decision, inc: Incident, now: float) -> None:
         """Rung 3 of the fallback ladder: every worker restarts from ``d.resume``."""
         assert d.resume is not None
-        self.ladder.restart_from(d.resume, d.reason, self.attempt.step)
+        self.ladder.restart_from(d.resume, d.reason, self.furthest_step())
         self.resume = d.resume
         self.restart(d, inc, now)
 
@@ -471,7 +470,6 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
         if self._signal is not None and self.exit_code is None:
             name = signal.Signals(self._signal).name
             self.execute(decisions.signalled(name, self._signal == signal.SIGINT), now)
-        assert self.plane is not None and self.commands is not None, "start() opens the control plane"
         for m in self.plane.reports.get_all():  # before the agents' exits: a fault report precedes the crash
             self.handle_message(m, now)
         for node, code in self.backend.poll():

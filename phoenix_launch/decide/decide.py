@@ -93,6 +93,8 @@ def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
         why = f"{why}; {node} failed twice and is not trusted again"
     if verdict.cls is FailureClass.STRAGGLER and not view.spares:  # the spare was taken meanwhile: never a stop
         return Decision(Kind.IGNORE, f"{why}; no spare ready any more: {node} stays", node)
+    if verdict.cls is FailureClass.STRAGGLER and not view.runtime_ready:  # an eviction is a hot-swap or nothing
+        return Decision(Kind.IGNORE, f"{why}; not every rank is protected yet: {node} stays", node)
     if verdict.cls is FailureClass.SOFTWARE:
         return Decision(Kind.STOP, f"{why}: a software error is not fixed by a restart", node, exit_code=EXIT_RANK_FAILED)
     if view.finished:  # no hot-swap, shrink or restart of a job whose training is over
