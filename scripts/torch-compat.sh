@@ -18,10 +18,11 @@ DIR=${COMPAT_DIR:-/tmp/phoenix-torch-compat}
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(2.13.0 2.14.1 2.15.0)
 # pure logic, the runtime's units, snapshots, layouts, the transport and replication contract, and real jobs: a node
-# lost mid-run and hot-swapped bit-identically under DDP with ZeRO and with replicated AdamW, under FSDP2 and TP+FSDP
+# lost and hot-swapped bit-identically under DDP with ZeRO (at step 1) and with replicated AdamW (rank 0's node), under
+# FSDP2 and TP+FSDP (the rows CI runs, not the `full` ones)
 CORE=(tests/test_pure.py tests/test_runtime_units.py tests/test_snapshot.py tests/test_layout.py tests/test_replication.py
-      "tests/test_fault_matrix.py::test_node_crash_at_step[zero-6]"
-      "tests/test_fault_matrix.py::test_node_crash_at_step[adamw-6]"
+      "tests/test_fault_matrix.py::test_node_crash_at_step[zero-1]"
+      "tests/test_fault_matrix.py::test_node_of_rank0_lost[adamw-begin]"
       "tests/test_fsdp.py::test_node_lost_is_hot_swapped_bit_identically[fsdp-forward]"
       "tests/test_fsdp.py::test_node_lost_is_hot_swapped_bit_identically[tp-forward]")
 read -r -a TESTS <<< "${COMPAT_TESTS:-${CORE[*]}}"
@@ -34,17 +35,23 @@ for v in "${VERSIONS[@]}"; do
     exit 2
   fi
   venv=$DIR/torch-$v log=$DIR/torch-$v.log
-  rm -rf "$venv"
-  $PY -m venv "$venv"
   pip=("$venv/bin/python" -m pip install -q)
   index=(); [ -n "${TORCH_INDEX_URL:-}" ] && index=(--index-url "$TORCH_INDEX_URL" --extra-index-url https://pypi.org/simple)
   t0=$(date +%s)
-  if ! "${pip[@]}" "${index[@]}" "torch==$v" >"$log" 2>&1; then
-    summary+=("torch $v: the wheel did not install (see $log)"); continue
+  # COMPAT_REUSE=1: a venv of an earlier run (or of COMPAT_INSTALL_ONLY=1) that holds this torch and the package is kept
+  if [ "${COMPAT_REUSE:-0}" != 1 ] || ! "$venv/bin/python" -c "import torch, phoenix_runtime, sys; sys.exit(not torch.__version__.startswith('$v'))" 2>/dev/null; then
+    rm -rf "$venv"
+    $PY -m venv "$venv"
+    if ! "${pip[@]}" "${index[@]}" "torch==$v" >"$log" 2>&1; then
+      summary+=("torch $v: the wheel did not install (see $log)"); continue
+    fi
+    # the package next to that torch, as a user would install it: pip must keep the torch it finds
+    if ! "${pip[@]}" -c <(echo "torch==$v") -e "$ROOT[test]" >>"$log" 2>&1; then
+      summary+=("torch $v: pip install phoenix-run refused it (pyproject's torch range; see $log)"); continue
+    fi
   fi
-  # the package next to that torch, as a user would install it: pip must keep the torch it finds
-  if ! "${pip[@]}" -c <(echo "torch==$v") -e "$ROOT[test]" >>"$log" 2>&1; then
-    summary+=("torch $v: pip install phoenix-run refused it (pyproject's torch range; see $log)"); continue
+  if [ "${COMPAT_INSTALL_ONLY:-0}" = 1 ]; then
+    summary+=("torch $v: installed in $venv ($(( $(date +%s) - t0 )) s)"); continue
   fi
   got=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
   PHOENIX_TEST_RERUNS=0 "$venv/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}" >>"$log" 2>&1
