@@ -279,8 +279,8 @@ def _report(sup, code: int) -> None:
     if code == 0:
         typer.echo(f"phoenix-run: job succeeded ({sup.run_dir})")
         return
-    typer.echo(f"phoenix-run: job failed (exit {code}): {sup.stop_reason}", err=True)
-    rc = sup.root_cause
+    typer.echo(f"phoenix-run: job failed (exit {code}): {sup.state.stop_reason}", err=True)
+    rc = sup.state.root_cause
     if rc is not None:
         from phoenix_launch.decide.classify import describe_exit
 

@@ -496,7 +496,7 @@ class Agent:
                         self.report_exit(r, r.proc.returncode)
                 self.send_probe()
                 self.last_store_ok = time.monotonic()  # (a pass that waited out a frozen leader ends now, not when it began)
-            except Exception as e:  # store unreachable: the supervisor is gone
+            except Exception as e:  # noqa: BLE001 -- store unreachable (any error of the client): the supervisor is gone
                 moved = getattr(self.store, "moved_at", None)  # reached a new leader: its store answers
                 if moved is not None and time.time() - moved < node_timeout:
                     self.last_store_ok = max(self.last_store_ok, time.monotonic() - (time.time() - moved))
@@ -511,7 +511,7 @@ class Agent:
                         r.reported = True
                         try:
                             self.report_exit(r, r.proc.returncode)
-                        except Exception:
+                        except Exception:  # noqa: BLE001 -- best effort: the agent is exiting
                             pass
                 return 0
             self.relay.wake.wait(0.02) if self.relay is not None else time.sleep(0.02)  # a bump: relayed at once
