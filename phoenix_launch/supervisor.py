@@ -24,7 +24,7 @@ from phoenix_launch.decide import decide as decisions
 from phoenix_launch.detect.nodes import Node, check_every
 from phoenix_launch.job import resize
 from phoenix_launch.job import state as job_state
-from phoenix_launch.job.effects import Outbox
+from phoenix_launch.effects import Outbox
 from phoenix_launch.job.interpret import Interpreter
 from phoenix_launch.job.state import JobState, Reads
 from phoenix_launch.job.step import AgentExit, Heartbeats, Injected, Input, Signalled, Tick, step

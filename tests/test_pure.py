@@ -392,7 +392,7 @@ def test_a_fired_fault_times_the_incident_it_causes():
 
 def test_publisher_one_path_for_hotswap_local_and_restart():
     st = DictStore()
-    from phoenix_launch.job.effects import Outbox
+    from phoenix_launch.effects import Outbox
     from phoenix_launch.job.interpret import Interpreter
 
     pub = GenerationPublisher(Outbox(Interpreter(None, None, lambda: st)), world_size=4, nproc=2, run_id="r", max_restarts=0, domains=dict)

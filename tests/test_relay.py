@@ -270,7 +270,7 @@ def test_a_rank_reads_a_new_generations_membership_as_its_difference_once(secret
 
     server = _server()
     n_nodes, nproc = 200, 8
-    from phoenix_launch.job.effects import Outbox
+    from phoenix_launch.effects import Outbox
     from phoenix_launch.job.interpret import Interpreter
 
     pub = GenerationPublisher(Outbox(Interpreter(None, None, lambda: server)), world_size=n_nodes * nproc, nproc=nproc, run_id="r", max_restarts=0,

@@ -11,7 +11,7 @@ from phoenix_launch.backends import Capabilities
 from phoenix_launch.backends.base import SchedulerView
 from phoenix_launch.config import build_config
 from phoenix_launch.decide import decide as decisions
-from phoenix_launch.job import effects as fx
+from phoenix_launch import effects as fx
 from phoenix_launch.job.interpret import Interpreter
 from phoenix_launch.job.state import JobState, Reads, record
 from phoenix_launch.job.step import AgentExit, Decided, Heartbeats, Injected, Signalled, Tick, step

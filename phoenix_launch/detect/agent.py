@@ -320,6 +320,7 @@ class Agent:
             lost = self.relay.commands is not None and self.relay.commands != self.cmd_seen
         else:
             lost = now >= self.next_cmd_read
+        assert self.q_cmd is not None  # (connected before the loop)
         due = woken or lost or self.q_cmd.pending or self.cmd_watcher is None or not self.cmd_watcher.armed
         if due:
             self.next_cmd_read = now + READ_S
@@ -479,6 +480,7 @@ class Agent:
                         self.q_sup.put(protocol.RefusedReport(self.node, None, refused))  # type: ignore[union-attr]
                     next_hb = now + hb_every
                 if self._commands_due(now):
+                    assert self.q_cmd is not None  # (connected before the loop)
                     for cmd in self.q_cmd.get_all():
                         self.handle(cmd)
                 if self.relay is not None and self.relay.due(now):

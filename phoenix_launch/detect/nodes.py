@@ -3,7 +3,7 @@
 A :class:`Node` is SPARE or holds a block of logical ranks (``group_rank``); every state change is an
 event. :class:`NodeTable` answers the questions the supervisor asks about the set of nodes (which spares,
 in which order; who is waiting or silent) and excludes a failed node (kill it, drain it where the backend
-can: both effects, ``job.effects``).
+can: both effects, ``phoenix_launch.effects``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from phoenix_launch.decide.incidents import FleetView
-from phoenix_launch.job.effects import DrainNode, KillNode, Outbox
+from phoenix_launch.effects import DrainNode, KillNode, Outbox
 from phoenix_launch.lifecycle import NODE_TRANSITIONS, Lifecycle, NodeState
 from phoenix_runtime.plane import protocol
 
@@ -147,13 +146,3 @@ class NodeTable:
 
     def group_ranks(self) -> dict[str, int | None]:
         return {n.name: n.group_rank for n in self}
-
-    def fleet(self, now: float, heartbeat_s: float, world_ranks: int, probing: set[str] = frozenset()) -> FleetView:  # type: ignore[assignment]
-        """``probing``: nodes whose GPU probe is still to come: an incident waits for them as for a node
-        not reported in (bounded the same way)."""
-        waiting = tuple(n.name for n in self if not n.is_spare and not n.lost and (n.name in probing or (
-            not n.up and n.state in (NodeState.STARTING, NodeState.ACTIVE, NodeState.JOINING))))
-        silent = tuple(n.name for n in self if n.state in (NodeState.ACTIVE, NodeState.JOINING) and n.up
-                       and not n.lost and now - n.last_hb > 3 * heartbeat_s)
-        healthy = frozenset(n.name for n in self if not n.lost)
-        return FleetView(waiting, silent, healthy, world_ranks)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch.decide.incidents import Incident
 from phoenix_launch.job import recovery
-from phoenix_launch.job.effects import PutValue, TellAgent
+from phoenix_launch.effects import PutValue, TellAgent
 from phoenix_launch.job.state import JobState
 from phoenix_launch.lifecycle import JobPhase, NodeState
 from phoenix_runtime.plane import protocol

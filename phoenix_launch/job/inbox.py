@@ -13,7 +13,7 @@ from phoenix_launch.decide import decide as decisions
 from phoenix_launch.decide.classify import RankReport, describe_exit
 from phoenix_launch.detect.nodes import ENDED
 from phoenix_launch.job import ladder, recovery, resync
-from phoenix_launch.job.effects import Adopt, AgentReached
+from phoenix_launch.effects import Adopt, AgentReached
 from phoenix_launch.job.state import JobState
 from phoenix_launch.lifecycle import JobPhase, NodeState
 from phoenix_runtime.plane import protocol
@@ -192,7 +192,7 @@ def on_agent_exit(s: JobState, name: str, code: int, now: float) -> None:
 
 
 #: every report type the supervisor takes (the refusals' reports: the supervisor's ``RefusalLog``)
-HANDLERS: dict[protocol.MsgType, Callable[..., None]] = {
+HANDLERS: dict[protocol.MsgType, Callable[..., decisions.Decision | None]] = {
     protocol.MsgType.AGENT_UP: on_agent_up,
     protocol.MsgType.RANK_EXIT: on_rank_exit,
     protocol.MsgType.RANK_HANG: on_rank_hang,

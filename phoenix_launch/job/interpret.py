@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from phoenix_launch.job import effects as fx
+from phoenix_launch import effects as fx
 from phoenix_runtime.plane import protocol
 
 

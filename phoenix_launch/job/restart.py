@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch.decide.incidents import Incident
-from phoenix_launch.job.effects import NewRendezvous, RestartAgents
+from phoenix_launch.effects import NewRendezvous, RestartAgents
 from phoenix_launch.job.state import JobState
 from phoenix_launch.lifecycle import JobPhase, NodeState
 from phoenix_launch.repair.generations import AttemptProgress

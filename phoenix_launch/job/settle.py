@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch.decide.classify import classify
-from phoenix_launch.decide.incidents import Incident
+from phoenix_launch.decide.incidents import FleetView, Incident
 from phoenix_launch.detect.health import with_probe_evidence
 from phoenix_launch.job import ladder, resize
 from phoenix_launch.job.state import JobState
+from phoenix_launch.lifecycle import NodeState
 from phoenix_launch.observe.status import nothing_done
 
 
@@ -24,9 +25,20 @@ def scheduler_states(s: JobState, names: set[str]) -> dict[str, str | None]:
     return out
 
 
+def fleet(s: JobState, now: float) -> FleetView:
+    """The nodes as an incident's settling needs them: those that may still report (a node holding ranks not reported
+    in, or whose GPU probe is still to come: the incident waits for them, bounded), those gone quiet, the healthy."""
+    hb = s.cfg.detect.heartbeat_s
+    waiting = tuple(n.name for n in s.nodes if not n.is_spare and not n.lost and (n.name in s.probing or (
+        not n.up and n.state in (NodeState.STARTING, NodeState.ACTIVE, NodeState.JOINING))))
+    silent = tuple(n.name for n in s.nodes if n.state in (NodeState.ACTIVE, NodeState.JOINING) and n.up
+                   and not n.lost and now - n.last_hb > 3 * hb)
+    healthy = frozenset(n.name for n in s.nodes if not n.lost)
+    return FleetView(waiting, silent, healthy, s.world_size)
+
+
 def settle(s: JobState, now: float) -> tuple[decisions.Decision, Incident] | None:
-    fleet = s.nodes.fleet(now, s.cfg.detect.heartbeat_s, s.world_size, probing=s.probing) if s.incidents.current else None
-    outcome = s.incidents.settle(now, fleet)
+    outcome = s.incidents.settle(now, fleet(s, now) if s.incidents.current else None)  # (no walk while none is open)
     if outcome is None:
         return None
     inc = outcome.incident
@@ -66,7 +78,7 @@ def settle(s: JobState, now: float) -> tuple[decisions.Decision, Incident] | Non
 def job_view(s: JobState, inc: Incident, failed: str | None, now: float) -> decisions.JobView:
     nodes = s.nodes
     spares = s.spares()  # reads the spares' heartbeats: once
-    lost = tuple(dict.fromkeys(n for n in (failed, *inc.lost) if n in nodes and not nodes[n].is_spare))
+    lost = tuple(dict.fromkeys(n for n in (failed, *inc.lost) if n is not None and n in nodes and not nodes[n].is_spare))
     return decisions.JobView(
         runtime_ready=s.attempt.protect_on and len(s.attempt.runtime_ready) == s.world_size,
         spares=spares,

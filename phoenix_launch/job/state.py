@@ -3,7 +3,7 @@
 :class:`JobState` is what the step (:mod:`phoenix_launch.job.step`) changes: the job's phase, its nodes, the
 generations, the incident being gathered, the recovery being watched, the attempt's progress, the fallback ladder,
 the silent-data-corruption suspects and the straggler watch. Two fields are ports, not state: ``out`` (the
-:class:`~phoenix_launch.job.effects.Outbox` every act goes through) and ``reads`` (:class:`Reads`: what the step
+:class:`~phoenix_launch.effects.Outbox` every act goes through) and ``reads`` (:class:`Reads`: what the step
 reads of the store and the scheduler; the store is never written through it). :func:`record` is the part of the
 state the standby holds (``standby/mirror.py``), :func:`restore` applies it to a new leader's state.
 """
@@ -20,7 +20,7 @@ from phoenix_launch.decide.incidents import IncidentTracker
 from phoenix_launch.decide.sdc import Suspects
 from phoenix_launch.detect.nodes import Node, NodeTable
 from phoenix_launch.detect.straggler import StragglerWatch
-from phoenix_launch.job.effects import Outbox, PutValue
+from phoenix_launch.effects import Outbox, PutValue
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobPhase, Lifecycle, NodeState
 from phoenix_launch.observe.status import DigestCache
 from phoenix_launch.repair import checkpoints

@@ -3,7 +3,7 @@
 Every input the job takes goes through here: a report of an agent or a rank (a typed ``protocol`` message), an
 agent's exit, the heartbeats' check, a signal, an injected fault, a decision made elsewhere (a takeover's re-form), and
 the loop's tick (the decisions that are due). The step changes the :class:`~phoenix_launch.job.state.JobState` and
-returns the effects it added to the state's outbox (:mod:`phoenix_launch.job.effects`): it reads the store through
+returns the effects it added to the state's outbox (:mod:`phoenix_launch.effects`): it reads the store through
 ``state.reads`` and never writes anything itself. Decisions come from ``decide`` only (through ``settle`` and the
 transitions' checks) and are carried out by ``execute``.
 
@@ -16,10 +16,11 @@ job whose every rank is done ends.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch.job import evict, hotswap, inbox, recovery, resize
-from phoenix_launch.job.effects import Effect, KillNode
+from phoenix_launch.effects import Effect, KillNode
 from phoenix_launch.job.execute import execute
 from phoenix_launch.job.settle import settle
 from phoenix_launch.job.state import JobState
@@ -65,7 +66,7 @@ class Decided:
     decision: decisions.Decision
 
 
-Input = protocol.Message | Tick | AgentExit | Heartbeats | Signalled | Injected | Decided
+Input: TypeAlias = protocol.Message | Tick | AgentExit | Heartbeats | Signalled | Injected | Decided
 
 
 def step(s: JobState, inp: Input, now: float) -> tuple[JobState, list[Effect]]:

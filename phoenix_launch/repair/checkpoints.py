@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from phoenix_launch.observe.events import write_json_atomic
-from phoenix_launch.job.effects import PutValue
+from phoenix_launch.effects import PutValue
 from phoenix_runtime.plane import protocol
 
 

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from phoenix_launch.job.effects import DeleteKeys, Outbox, PublishGeneration, PutMembers, PutValue
+from phoenix_launch.effects import DeleteKeys, Outbox, PublishGeneration, PutMembers, PutValue
 from phoenix_runtime.plane import protocol
 
 
@@ -28,7 +28,7 @@ class Attempt:
 
 class GenerationPublisher:
     """The generations' state (the current one, the last stable one, the swept ones); each act on the store is an
-    effect in ``out`` (:mod:`phoenix_launch.job.effects`)."""
+    effect in ``out`` (:mod:`phoenix_launch.effects`)."""
 
     def __init__(self, out: Outbox, *, world_size: int, nproc: int, run_id: str, max_restarts: int,
                  domains: Callable[[], dict[str, str]]):

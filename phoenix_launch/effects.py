@@ -11,7 +11,7 @@ for the step to return. A sink's answer is the effect's result (a drain: whether
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from phoenix_runtime.plane import protocol
 
@@ -108,7 +108,7 @@ class Adopt:
     message: protocol.AgentUp
 
 
-Effect = (
+Effect: TypeAlias = (
     Emit
     | PublishGeneration
     | PutMembers
