@@ -29,10 +29,18 @@ def fleet(s: JobState, now: float) -> FleetView:
     """The nodes as an incident's settling needs them: those that may still report (a node holding ranks not reported
     in, or whose GPU probe is still to come: the incident waits for them, bounded), those gone quiet, the healthy."""
     hb = s.cfg.detect.heartbeat_s
-    waiting = tuple(n.name for n in s.nodes if not n.is_spare and not n.lost and (n.name in s.probing or (
-        not n.up and n.state in (NodeState.STARTING, NodeState.ACTIVE, NodeState.JOINING))))
-    silent = tuple(n.name for n in s.nodes if n.state in (NodeState.ACTIVE, NodeState.JOINING) and n.up
-                   and not n.lost and now - n.last_hb > 3 * hb)
+    waiting = tuple(
+        n.name
+        for n in s.nodes
+        if not n.is_spare
+        and not n.lost
+        and (n.name in s.probing or (not n.up and n.state in (NodeState.STARTING, NodeState.ACTIVE, NodeState.JOINING)))
+    )
+    silent = tuple(
+        n.name
+        for n in s.nodes
+        if n.state in (NodeState.ACTIVE, NodeState.JOINING) and n.up and not n.lost and now - n.last_hb > 3 * hb
+    )
     healthy = frozenset(n.name for n in s.nodes if not n.lost)
     return FleetView(waiting, silent, healthy, s.world_size)
 
