@@ -10,18 +10,18 @@ for the step to return. A sink's answer is the effect's result (a drain: whether
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
+from phoenix_launch.observe.event_types import Event, build
 from phoenix_runtime.plane import protocol
 
 
 @dataclass(frozen=True)
 class Emit:
-    """An event for ``events.jsonl`` (its type and fields, as ``EventLog.emit`` writes them)."""
+    """An event for ``events.jsonl`` (typed: ``observe/event_types.py``)."""
 
-    type: str
-    fields: dict[str, Any] = field(default_factory=dict)
+    event: Event
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class Outbox:
         return self.sink.apply(effect)
 
     def emit(self, type: str, **fields: Any) -> None:
-        self.add(Emit(type, fields))
+        self.add(Emit(build(type, fields)))
 
     def take(self) -> list[Effect]:
         """The effects added since the last take."""

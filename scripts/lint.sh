@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-FORMATTED=(phoenix_launch/job tests/test_step.py tests/test_readme_config.py)
+FORMATTED=(phoenix_launch/job phoenix_launch/observe/event_types.py tests/test_step.py tests/test_readme_config.py tests/test_events.py)
 echo "lint: ruff check"
 $PY -m ruff check phoenix_launch runtime
 echo "lint: ruff format --check (${FORMATTED[*]})"

@@ -47,10 +47,10 @@ class Backend:
 
 class Events:
     def __init__(self):
-        self.rows: list[dict] = []
+        self.rows: list = []
 
-    def emit(self, type, **fields):
-        self.rows.append({"type": type, **fields})
+    def emit(self, event):
+        self.rows.append(event)
 
 
 class Job:
@@ -111,7 +111,7 @@ def of(effects, kind):
 
 
 def events(effects, type=None):
-    return [e.fields | {"type": e.type} for e in effects if isinstance(e, fx.Emit) and (type is None or e.type == type)]
+    return [e.event.fields() | {"type": e.event.TYPE} for e in effects if isinstance(e, fx.Emit) and type in (None, e.event.TYPE)]
 
 
 def decision(effects) -> str:

@@ -35,7 +35,7 @@ class Interpreter:
 
     def apply(self, e: fx.Effect) -> Any:
         if isinstance(e, fx.Emit):
-            self.events.emit(e.type, **e.fields)
+            self.events.emit(e.event)
         elif isinstance(e, fx.PublishGeneration):
             self.publish(e)
         elif isinstance(e, fx.PutMembers):
