@@ -27,7 +27,8 @@ class Emit:
 @dataclass(frozen=True)
 class PublishGeneration:
     """A new generation: its membership (whole, then the difference from the last one), the joiners' assignments
-    (``(node, slot, JSON)``), the standby synchronised, then the bump every rank aborts on."""
+    (``(node, slot, JSON)``), the standby synchronised, then the bump every rank aborts on, and the generation before
+    given up (its fate: ``cancel``, unless every rank arrived there)."""
 
     members: protocol.Membership
     diff: str

@@ -29,6 +29,9 @@ class RankState:
     retained: dict = field(default_factory=dict)  # replicas held from the generations being recovered from
     stats: dict[str, Any] = field(default_factory=lambda: {"recoveries": []})
     total: int | None = None  # the loop's total steps, when known (``steps(total)``)
+    #: (R, envelope of S_R) restored by a recovery: restored again at step R's boundary, undoing what the loop's
+    #: code after ``with step():`` did for the abandoned step (a scheduler stepped there, a data iterator advanced)
+    reapply: tuple[int, dict] | None = None
 
     def live(self) -> tuple[int, bool]:
         """(the live step, whether the live state is still S_step): what a survivor holds when a failure is caught."""

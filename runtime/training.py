@@ -22,6 +22,7 @@ from phoenix_runtime.plane import protocol
 from phoenix_runtime import state
 from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.control import STATE
+from phoenix_runtime.plane.failover import CALLS
 from phoenix_runtime.faults import FaultInjector
 from phoenix_runtime.pace import Pace
 from phoenix_runtime.parallel import reshard
@@ -30,7 +31,7 @@ from phoenix_runtime.protection.protection import ProtectionSession, merge_repli
 from phoenix_runtime.quiet import quiet_unused_parameters_warning
 from phoenix_runtime.rank_state import RankState
 from phoenix_runtime.protection.at_rest import AtRestVerifier
-from phoenix_runtime.sdc import SdcMonitor
+from phoenix_runtime.sdc import final_check, SdcMonitor
 from phoenix_runtime.recover.recovery_session import RecoverySession
 from phoenix_runtime.protection.snapshot import D2H
 from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
@@ -201,6 +202,8 @@ class ProtectedTraining:
                     self.recover(GenerationAbandoned(f"generation {self.ctx.gen} abandoned"))
                     continue
                 yield self.rs.step
+            if self.protect_on and self.parallel is None and self.settings.fingerprint:  # DDP, ZeRO: the same parameters
+                final_check(self)
         finally:
             self.close()
 
@@ -211,6 +214,7 @@ class ProtectedTraining:
         self.guard.optimizer_step()
 
     def close(self) -> None:
+        finished = self.rs.total is not None and self.rs.step >= self.rs.total  # the loop completed its last step
         if self.persister is not None:
             self.persister.close()
         if self.at_rest is not None:
@@ -219,10 +223,14 @@ class ProtectedTraining:
         self.rs.retained = {}
         if self.d2h is not None:
             self.d2h.stop(5.0)
-        STATE.enter("done")
+        # "finished": what the rank does from now on is the script's own teardown, never a failure of the job
+        # (its agent ends it if it stalls there: ``agent.hang_check``, and the supervisor decides no recovery)
+        STATE.enter("finished" if finished else "done")
         # free everything that holds the process group before it is destroyed: gloo's teardown at exit can
-        # deadlock while DDP still holds the group
+        # deadlock while DDP still holds the group (the context keeps each group it formed: ``Context.hold``)
         self.model = self.objs.module
+        if self.ctx.managed:
+            self.ctx.hold()  # the groups formed since (a mesh's), before the script may destroy them
         gc.collect()
 
     # --- wiring ----------------------------------------------------------------------------------------------
@@ -284,6 +292,8 @@ class ProtectedTraining:
             if synced:
                 kw.setdefault("init_sync", False)
             self.model = DDP(self.objs.module, **kw)
+            if self.ctx.managed:
+                self.ctx.hold(self.model)  # its groups outlive it: see ``Context.hold``
         else:
             self.model = self.objs.module
 
@@ -520,11 +530,11 @@ class ProtectedTraining:
         live = None if self.ctx.joining else (rs.step, True)
         if live is not None and rs.first_step is None:
             rs.first_step = rs.step
-        RecoverySession(self.ctx, rs, self).run(self.ctx.gen, live, {"t0": time.time(), "cpu0": time.process_time()}, formed=True)
+        RecoverySession(self.ctx, rs, self).run(self.ctx.gen, live, {"t0": time.time(), "cpu0": time.process_time(), "calls0": CALLS[0]}, formed=True)
 
     def recover(self, cause: BaseException) -> None:
         """The step guard caught a failure: quiesce, then recover in the next generation."""
-        marks = {"t0": time.time(), "cpu0": time.process_time()}  # cpu0: this process's CPU (every thread) so far
+        marks = {"t0": time.time(), "cpu0": time.process_time(), "calls0": CALLS[0]}  # this process's CPU and store calls so far
         ctx = self.ctx
         STATE.enter("recovering")
         log.info(f"step {self.rs.step}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")
@@ -566,6 +576,7 @@ class ProtectedTraining:
                 state.load_buffers(self.objs.module, self.rs.boundary_buffers)
         if meta is not None:
             state.restore_envelope(meta, self.objs)
+            self.rs.reapply = (R, meta)
 
     def fresh_state(self, R: int) -> tuple[dict, dict]:
         """A joiner at the first step of this attempt: (optimizer shard, envelope). Fresh, its own live state
@@ -581,6 +592,8 @@ class ProtectedTraining:
         """The recovery resumed at R: every shard of S_R is in two places again (the old replicas are freed) and
         the cadence restarts there, the supervisor's (raised when the copy did not fit) or the setting."""
         every = (protocol.read_protect_every(self.ctx.store) if self.ctx.managed else 0) or self.settings.protect_every
+        reapply = self.rs.reapply if self.rs.reapply and self.rs.reapply[0] == R else (R, self.rs.metas.get(R))
         self.rs.resumed_at(R, first, every)
+        self.rs.reapply = reapply if reapply[1] is not None else None
         self.pace.reset()
         STATE.stepped(R)

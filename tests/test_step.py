@@ -344,3 +344,37 @@ def test_the_mirror_record_is_built_from_the_state(tmp_path):
     rec = record(job.s)
     assert (rec.gen, rec.job, rec.members.joiners) == (1, "recovering", (2, 3))
     assert {n.name: n.state for n in rec.nodes} == {"n0": "active", "n1": "failed", "s0": "joining"}
+
+
+def test_a_job_whose_every_rank_finished_is_not_recovered_and_ends(tmp_path):
+    job = Job(tmp_path)
+    for r in range(3):  # ranks 0-2 exited 0; rank 3 (n1's second) completed its last step, then stalled in its teardown
+        slot = job.s.gens.members.slot_of(r)
+        job.step(protocol.RankExit(node=slot.node, slot=slot.slot, exit_code=0))
+    eff = job.step(protocol.RankHang(node="n1", slot=1, silent_s=12.0, reason="teardown"))
+    assert events(eff, "rank_done")[0]["ended_in_teardown_s"] == 12.0 and job.s.incidents.current is None
+    eff = job.step(protocol.RankExit(node="n1", slot=1, exit_code=None, signal=9))  # the agent's SIGKILL of it
+    assert eff == [] and job.s.incidents.current is None
+    job.step(Tick(), 1.0)
+    assert job.s.exit_code == decisions.EXIT_OK
+
+
+def test_a_node_lost_after_every_rank_finished_is_not_hot_swapped(tmp_path):
+    job = Job(tmp_path)
+    for r in (0, 1):
+        job.step(protocol.RankExit(node="n0", slot=r, exit_code=0))
+    # n1's ranks say finished in their heartbeats (its node digest), then n1 is lost
+    digest = protocol.NodeDigest("n1", T0, {i: protocol.RankHeartbeat(t=T0, step=30, phase="finished") for i in (0, 1)})
+    protocol.put_value(job.store, protocol.k_node_digest("n1"), digest.to_json())
+    eff = job.settle(AgentExit("n1", -9))
+    assert decision(eff) == K.IGNORE.value and "finished" in events(eff, "decision")[0]["reason"]
+    assert of(eff, fx.PublishGeneration) == [] and job.s.attempt.done_ranks == {0, 1, 2, 3}
+    job.step(Tick(), 6.0)
+    assert job.s.exit_code == decisions.EXIT_OK
+
+
+def test_a_straggler_is_not_evicted_before_every_rank_is_protected(tmp_path):
+    job = Job(tmp_path, ready=False)
+    job.step(Decided(decisions.straggler("evict", "n1", "rank 2 is slow", job.s.spares())))
+    eff = job.step(Tick(), 5.0)
+    assert decision(eff) == K.IGNORE.value and job.s.exit_code is None and of(eff, fx.PublishGeneration) == []

@@ -48,7 +48,7 @@ log = logging.getLogger("phoenix_launch.detect.agent")  # by name: this module r
 
 WARM_WAIT_S = 120.0  # the longest an agent defers joining the control plane for its ranks' imports
 #: phases in which a rank is not expected to complete steps (the hang check falls back to its heartbeat)
-IDLE_PHASES = ("starting", "spare", "recovering", "done")
+IDLE_PHASES = ("starting", "spare", "recovering", "finished", "done")
 
 
 def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
@@ -64,10 +64,14 @@ def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
     (``blocked_in``) is not the hung one; the one stuck in its own code is (a job whose every rank waits in
     a collective is left to the collective timeout). Until the rank completed a step since it entered training
     (``hb.warm`` False: its first step after a start or a recovery), no step is a hang only after
-    ``first_step_timeout_s``: that step builds what the loop needs (DDP's broadcast, torch.compile)."""
+    ``first_step_timeout_s``: that step builds what the loop needs (DDP's broadcast, torch.compile). A rank
+    whose loop completed its last step (``finished``), its heartbeat then silent, is stuck in its teardown
+    ("teardown"): the agent ends it, and the supervisor counts it finished, not failed."""
     silent = now - hb.t
-    if hb.phase in ("starting", "spare"):
+    if hb.phase in ("starting", "spare") or (hb.phase == "finished" and silent <= hang_timeout_s):
         return None
+    if hb.phase == "finished":  # its loop completed its last step: a stall now is in its own teardown
+        return "teardown", silent
     limit = first_step_timeout_s if hb.warm is False and first_step_timeout_s else hang_timeout_s
     if hb.phase == "training" and hb.t_step is not None and now - hb.t_step > limit:
         if hb.blocked_in == "collective" and silent <= hang_timeout_s:
@@ -320,8 +324,7 @@ class Agent:
             lost = self.relay.commands is not None and self.relay.commands != self.cmd_seen
         else:
             lost = now >= self.next_cmd_read
-        assert self.q_cmd is not None  # (connected before the loop)
-        due = woken or lost or self.q_cmd.pending or self.cmd_watcher is None or not self.cmd_watcher.armed
+        due = woken or lost or self.q_cmd.pending or self.cmd_watcher is None or not self.cmd_watcher.armed  # type: ignore[union-attr]
         if due:
             self.next_cmd_read = now + READ_S
             self.cmd_seen = self.relay.commands if self.relay is not None else None
@@ -444,8 +447,7 @@ class Agent:
             if hung is None:
                 continue
             why, seconds = hung
-            state = _proc_state(r.proc.pid)
-            self.q_sup.put(protocol.RankHang(self.node, r.slot, round(seconds, 3), hb.step, why, state))  # type: ignore[union-attr]
+            self.q_sup.put(protocol.RankHang(self.node, r.slot, round(seconds, 3), hb.step, why, _proc_state(r.proc.pid)))  # type: ignore[union-attr]
             _signal(r.proc, signal.SIGKILL)  # its peers' collectives now fail at once
             r.started = now  # report once
 
@@ -480,8 +482,7 @@ class Agent:
                         self.q_sup.put(protocol.RefusedReport(self.node, None, refused))  # type: ignore[union-attr]
                     next_hb = now + hb_every
                 if self._commands_due(now):
-                    assert self.q_cmd is not None  # (connected before the loop)
-                    for cmd in self.q_cmd.get_all():
+                    for cmd in self.q_cmd.get_all():  # type: ignore[union-attr]
                         self.handle(cmd)
                 if self.relay is not None and self.relay.due(now):
                     self.relay.relay(self.store, now)

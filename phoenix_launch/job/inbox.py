@@ -40,6 +40,8 @@ def on_rank_exit(m: protocol.RankExit, s: JobState, now: float) -> None:
         s.out.emit("failure", kind="spare_lost", node=node.name, exit=describe_exit(m.exit_code, m.signal))
         return
     rank = s.gens.members.rank_at(node.name, m.slot)
+    if rank in s.attempt.done_ranks:
+        return  # finished already: the agent ended it in its teardown (``on_rank_hang``)
     if m.exit_code == 0 and rank is not None:
         s.attempt.done_ranks.add(rank)
         s.out.emit("rank_done", node=node.name, slot=m.slot, rank=rank)
@@ -67,6 +69,11 @@ def on_rank_exit(m: protocol.RankExit, s: JobState, now: float) -> None:
 
 def on_rank_hang(m: protocol.RankHang, s: JobState, now: float) -> None:
     node = s.nodes.get(m.node)
+    rank = s.gens.members.rank_at(m.node, m.slot) if node is not None else None
+    if m.reason == "teardown" and rank is not None:  # completed its last step, then stalled in its own teardown
+        s.attempt.done_ranks.add(rank)
+        s.out.emit("rank_done", node=m.node, slot=m.slot, rank=rank, ended_in_teardown_s=m.silent_s)
+        return
     if node is not None and node.state in (NodeState.ACTIVE, NodeState.JOINING):
         s.incidents.node_hung(node.name, now)
         s.out.emit(

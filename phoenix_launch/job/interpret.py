@@ -80,6 +80,9 @@ class Interpreter:
         self.before_bump()
         protocol.put_value(store, protocol.K_GEN, str(mem.gen))
         protocol.notify_ranks(store)
+        # the generation before is given up unless every rank arrived there (then it is "go" already): its ranks
+        # that wait for its fate learn it now, in the same round trip that waits (``Context._wait_all``)
+        store.compare_set(protocol.k_fate(mem.gen - 1), "", "cancel")
 
     def delete(self, keys: tuple[str, ...]) -> None:
         delete = getattr(self.store(), "delete_key", None)

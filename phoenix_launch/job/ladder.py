@@ -12,6 +12,7 @@ from phoenix_launch.decide import decide as decisions
 from phoenix_launch.decide.incidents import Incident
 from phoenix_launch.job import restart as restarts
 from phoenix_launch.job.state import JobState
+from phoenix_launch.observe.status import read_rank_heartbeats
 from phoenix_launch.repair import checkpoints
 
 
@@ -24,7 +25,7 @@ def fallback(s: JobState, reason: str) -> decisions.Decision:
 def fallback_restart(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> None:
     """Rung 3 of the fallback ladder: every worker restarts from ``d.resume``."""
     assert d.resume is not None
-    s.ladder.restart_from(d.resume, d.reason, s.attempt.step)
+    s.ladder.restart_from(d.resume, d.reason, furthest_step(s))
     s.resume = d.resume
     restarts.restart(s, d, inc, now)
 
@@ -37,6 +38,13 @@ def salvage(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> No
         s.gens, set(d.lost), d.reason, s.attempt_info(), s.nodes.group_ranks(), now, s.cfg.detect.recovery_timeout_s
     ):
         restarts.end(s, d)
+
+
+def furthest_step(s: JobState) -> int:
+    """The furthest step any rank reached: its heartbeat's (fresh within a beat), not the progress report's (sent
+    every few seconds): what a restart from a checkpoint loses is counted from it."""
+    beats = read_rank_heartbeats(s.store, s.gens.members, cache=s.reads.digests)
+    return max([s.attempt.step, *(hb.step for hb in beats.values())])
 
 
 def may_salvage(s: JobState) -> bool:

@@ -24,7 +24,7 @@ def on_sdc_suspect(m: protocol.SdcSuspect, s: JobState, now: float) -> decisions
         return None  # a recovery under way re-forms the generation anyway
     sdc = s.sdc
     sus = sdc.suspects.setdefault((m.gen, m.step), Suspects(m.gen, m.step))
-    sus.add(int(m.rank), Copy(int(m.rank), m.fingerprint, m.agreed_ok, dict(m.tensors), int(m.group)), m.last_agreed)
+    sus.add(int(m.rank), Copy(int(m.rank), m.fingerprint, m.agreed_ok, dict(m.tensors), int(m.group), int(m.loop)), m.last_agreed)
     if not sus.complete(s.world_size):
         return None
     sdc.suspects = {k: v for k, v in sdc.suspects.items() if k[0] > m.gen}

@@ -12,7 +12,7 @@ from phoenix_launch.detect.health import with_probe_evidence
 from phoenix_launch.job import ladder, resize
 from phoenix_launch.job.state import JobState
 from phoenix_launch.lifecycle import NodeState
-from phoenix_launch.observe.status import nothing_done
+from phoenix_launch.observe.status import nothing_done, read_rank_heartbeats
 
 
 def scheduler_states(s: JobState, names: set[str]) -> dict[str, str | None]:
@@ -64,8 +64,13 @@ def settle(s: JobState, now: float) -> tuple[decisions.Decision, Incident] | Non
         s.root_cause = verdict.root
     if verdict.node and verdict.node in s.nodes and inc.wait_until is None:  # once per incident
         s.nodes[verdict.node].failures += 1
-    view = job_view(s, inc, verdict.node, now)
+    lost = lost_nodes(s, inc, verdict.node)
+    view = job_view(s, inc, lost, now)
     d = decisions.decide(view, verdict, now)
+    if view.finished:  # a finished job's failure: the ranks it took (their node lost, exited, hung) count as finished
+        gone = set(lost) | set(sig.node_lost)
+        s.attempt.done_ranks |= {r.rank for r in s.gens.members.ranks if r.node in gone}
+        s.attempt.done_ranks |= {r.rank for r in sig.reports if r.rank is not None}
     if d.kind is decisions.Kind.WAIT and not s.incidents.defer(inc, now, s.cfg.detect.spare_wait_s):
         return None  # still waiting for a spare: the decision event was emitted once
     s.out.emit(
@@ -83,10 +88,14 @@ def settle(s: JobState, now: float) -> tuple[decisions.Decision, Incident] | Non
     return d, inc
 
 
-def job_view(s: JobState, inc: Incident, failed: str | None, now: float) -> decisions.JobView:
+def lost_nodes(s: JobState, inc: Incident, failed: str | None) -> tuple[str, ...]:
+    """The nodes holding ranks this incident lost: the failed one first."""
+    return tuple(dict.fromkeys(n for n in (failed, *inc.lost) if n is not None and n in s.nodes and not s.nodes[n].is_spare))
+
+
+def job_view(s: JobState, inc: Incident, lost: tuple[str, ...], now: float) -> decisions.JobView:
     nodes = s.nodes
     spares = s.spares()  # reads the spares' heartbeats: once
-    lost = tuple(dict.fromkeys(n for n in (failed, *inc.lost) if n is not None and n in nodes and not nodes[n].is_spare))
     return decisions.JobView(
         runtime_ready=s.attempt.protect_on and len(s.attempt.runtime_ready) == s.world_size,
         spares=spares,
@@ -103,4 +112,15 @@ def job_view(s: JobState, inc: Incident, failed: str | None, now: float) -> deci
         dp=s.dp_size(),
         dp_lost=resize.dp_lost(s, lost),
         min_dp=s.cfg.launch.min_dp,
+        finished=all_finished(s),
     )
+
+
+def all_finished(s: JobState) -> bool:
+    """Every rank of the generation completed its last step (its heartbeat says ``finished``) or exited 0."""
+    done = set(s.attempt.done_ranks)
+    if len(done) < s.world_size:
+        members = s.gens.members
+        beats = read_rank_heartbeats(s.store, members, cache=s.reads.digests)
+        done |= {r.rank for r in members.ranks if getattr(beats.get((r.node, r.slot)), "phase", None) == "finished"}
+    return len(done) >= s.world_size

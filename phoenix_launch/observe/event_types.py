@@ -350,6 +350,7 @@ class RankDone(Event):
     node: str | None = None
     slot: int | None = None
     rank: int | None = None
+    ended_in_teardown_s: float | None = None  # it completed its last step, then stalled in its teardown this long
 
 
 @dataclass(frozen=True)

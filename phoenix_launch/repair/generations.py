@@ -102,7 +102,7 @@ class GenerationPublisher:
         gone = (self._seen | {r.node for r in self.stable.ranks}) - now  # a joiner lost mid-recovery too
         self._seen = set(now)
         self.stable = self.members
-        keys = [k for g in range(self.swept, self.gen) for k in (protocol.k_members(g), protocol.k_members_diff(g), protocol.k_arrived(g))]
+        keys = [k for g in range(self.swept, self.gen) for k in (protocol.k_members(g), protocol.k_members_diff(g), protocol.k_arrived(g), protocol.k_fate(g))]
         keys += [k for node in sorted(gone) for k in node_keys(node, self.nproc)]
         self.swept = max(self.swept, self.gen)
         self.out.add(DeleteKeys(tuple(keys)))

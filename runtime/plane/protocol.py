@@ -179,6 +179,12 @@ def k_pg_prefix(gen: int) -> str:
     return f"phx/gen/{gen}/pg"
 
 
+def k_fate(gen: int) -> str:
+    """Generation ``gen``'s fate (under its process-group prefix, as torch's PrefixStore joins it): "go" once every
+    rank arrived, "cancel" when it is given up first (by a rank, or by the supervisor publishing the next one)."""
+    return f"{k_pg_prefix(gen)}/fate"
+
+
 def k_arrived(gen: int) -> str:
     return f"phx/gen/{gen}/arrived"
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from phoenix_runtime.layout import Layout
-from phoenix_runtime.plane.context import Context
+from phoenix_runtime.plane.context import LAZY_GLOO, Context
 from phoenix_runtime.plane.store_keys import KeyRecorder
 from phoenix_runtime.protection import commit
 from phoenix_runtime.protection.pairs import recovery_pairs, steady_pairs
@@ -26,6 +26,7 @@ from phoenix_runtime.protection.transport import MissingPairError, TransportErro
 
 rank, world, k, port = (int(a) for a in sys.argv[1:5])
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+os.environ.setdefault(LAZY_GLOO, "1")  # as ``Context.__init__`` does under phoenix-run
 ctx = object.__new__(Context)
 ctx.managed, ctx.world_size, ctx.rank, ctx._committed, ctx.store, ctx.gen = True, world, rank, None, store, 1
 ctx.ctl = SimpleNamespace(latest_gen=1)
