@@ -1,7 +1,7 @@
 """The standby supervisor's process: ``python -m phoenix_launch.standby.standby --run-dir D --fd N``.
 
 It watches the leader (``mirror.Standby``) and, when the leader is lost, becomes the job's supervisor
-(:meth:`Supervisor.take_over` from the mirrored state). See ``mirror.py`` and docs/operations.md.
+(:func:`take_over_job` from the mirrored state). See ``mirror.py`` and docs/operations.md.
 """
 
 from __future__ import annotations
