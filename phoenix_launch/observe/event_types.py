@@ -3,9 +3,10 @@
 Every event the launcher writes is one of these (``EventLog.emit`` builds it from its type and fields and refuses
 a type or a field the schema does not have); every reader (the report, the status's counters, the metrics) reads
 them back as these (:func:`decode`). On disk an event stays one JSON object per line: ``v`` (the schema's version,
-``SCHEMA``: the set of types and fields below), ``t`` (when it was written), ``type`` and the event's fields, those
-left unset (None) included. Reading is lenient where writing is strict: a field a reader does not know (a newer
-writer) is kept in ``Logged.extra``, a field missing (an older one) is None, an unknown type is an :class:`Unknown`.
+``SCHEMA``: the set of types and fields below), ``t`` (when it was written), ``type`` and the fields its writer named
+(a typed event built directly writes all of its fields). Reading is lenient where writing is strict: a field a reader
+does not know (a newer writer) is kept in ``Logged.extra``, a field missing (an older one) is None, an unknown type is
+an :class:`Unknown`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ class Event:
             TYPES[cls.TYPE] = cls
 
     def fields(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The fields as written: those given to :func:`build` (a line keeps the shape its writer gave it), else all."""
+        given = self.__dict__.get("_given")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if given is None or f.name in given}
 
 
 def build(type_: str, fields: dict[str, Any]) -> Event:
@@ -41,7 +44,9 @@ def build(type_: str, fields: dict[str, Any]) -> Event:
     unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
         raise ValueError(f"event {type_!r} has no field(s) {', '.join(unknown)} in the schema (observe/event_types.py)")
-    return cls(**fields)
+    ev = cls(**fields)
+    object.__setattr__(ev, "_given", tuple(fields))  # (not a field: what the writer named, in its order)
+    return ev
 
 
 @dataclass(frozen=True)
@@ -84,9 +89,9 @@ def decode(d: dict[str, Any]) -> Logged:
     rest = {k: v for k, v in d.items() if k not in ("v", "type") and (k != "t" or "t" in own)}
     if cls is None:
         return Logged(when, version, Unknown(type_), rest)
-    return Logged(
-        when, version, cls(**{k: v for k, v in rest.items() if k in own}), {k: v for k, v in rest.items() if k not in own}
-    )
+    ev = cls(**{k: v for k, v in rest.items() if k in own})
+    object.__setattr__(ev, "_given", tuple(k for k in rest if k in own))  # the line's own shape, for ``row``
+    return Logged(when, version, ev, {k: v for k, v in rest.items() if k not in own})
 
 
 @dataclass(frozen=True)
