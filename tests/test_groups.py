@@ -93,3 +93,24 @@ def test_the_connections_each_rank_opens_do_not_grow_with_the_world(tmp_path):
         assert job["calls"] and max(job["calls"]) <= 200, job
     assert statistics.median(large["peers"].values()) <= statistics.median(small["peers"].values()) + 2, (small, large)
     assert max(large["peers"].values()) < large["n"] - 1, large  # a full mesh would be 15 a rank
+
+
+def test_the_projection_is_built_from_labelled_parts_not_a_fitted_curve():
+    """``simulate --scale-from``: each part of a recovery at 1K / 10K / 100K GPUs says whether it was measured,
+    extrapolated or published; NCCL's world init only where a figure was published (96K)."""
+    from phoenix_launch.simulate import parts
+
+    fleet = [{"n": 10, "detect_s": 10.0, "propagate_s": 0.002, "started": True},
+             {"n": 1000, "detect_s": 9.5, "propagate_s": 0.12, "started": True}]
+    scale = {"points": [{"ranks": 4, "total_s": 0.5, "commit": "abc"}, {"ranks": 32, "total_s": 0.9}]}
+    rows = parts.table((1_000, 8_000, 100_000), fleet, scale)
+    kinds = {r["gpus"]: {p["part"].split(" (")[0]: p["label"].split(" ")[0].rstrip(":") for p in r["parts"]} for r in rows}
+    assert kinds[8_000]["generation to every rank"] == "measured"  # 1,000 nodes of 8: the fleet size measured
+    assert kinds[1_000]["generation to every rank"] == kinds[100_000]["generation to every rank"] == "extrapolated"
+    assert all(k["rank work"] == "measured" and k["detect"] == "measured" for k in kinds.values())
+    assert kinds[100_000]["NCCL world communicator"] == "published" and rows[0]["total_nccl_s"] is None
+    big = rows[-1]
+    assert big["total_nccl_s"] == pytest.approx(big["total_gloo_s"] + 265.0)
+    assert big["ft_hsdp_s"] == 180.0 and big["paper_trend_s"] == pytest.approx(30 + 4.3 * 7.6096, abs=0.1)
+    assert big["total_gloo_s"] == pytest.approx(9.5 + 0.5 + next(p["s"] for p in big["parts"] if p["part"].startswith("gen")))
+    assert any("published" in line for line in parts.render_lines(rows))

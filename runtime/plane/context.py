@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from datetime import timedelta
@@ -20,11 +19,12 @@ import torch.distributed as dist
 
 from phoenix_runtime import logs
 from phoenix_runtime.plane import protocol
+from phoenix_runtime.device_steps import device_index
 from phoenix_runtime.plane.control import STATE, connect_store, control, start_control
 from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
 from phoenix_runtime.plane.store_keys import KeyRecorder, backoff
-from phoenix_runtime.plane.groups import LAZY_GLOO, abort_nccl, backend_of, nccl_eager, probe_order, set_timeout
+from phoenix_runtime.plane.groups import abort_nccl, backend_of, lazy_gloo, nccl_eager, probe_order, set_timeout, warm_ring
 from phoenix_runtime.protection.transport import close_pairs
 
 FATE_KEY = protocol.k_fate(0).rsplit("/", 1)[1]  # under a generation's process-group prefix: "go" or "cancel"
@@ -94,12 +94,12 @@ class Context:
         #: joins its worker threads. A C++ holder (DDP's Reducer, freed with a DDP the script kept) releases it with
         #: the GIL held, and a worker thread that frees a finished op's tensors waits for the GIL: a deadlock
         self._held: dict[int, tuple[list, list]] = {}
+        self._warm: list[int] = []  # the default group's peers whose pairs are connected (``warm_ring``): the abort's probes
         self.timeout = timedelta(seconds=self.settings.collective_timeout_s)
         self.recovery_timeout = self.settings.recovery_timeout_s
-        if torch.cuda.is_available():
-            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        if torch.cuda.is_available():  # NCCL: one GPU per rank, or a one-line refusal (device_steps.device_index)
+            torch.cuda.set_device(device_index(self.backend, env.local_rank, torch.cuda.device_count()))
         if self.managed:
-            os.environ.setdefault(LAZY_GLOO, "1")  # unless the job says otherwise (read by each group's constructor)
             self.ctl = start_control()
             self.store = connect_store(env, handed=True)  # a joiner: the connection it waited on
             self.q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
@@ -200,7 +200,10 @@ class Context:
                 continue
             done.append(g)
             if any(g is p for p in pair_groups) or "nccl" not in backend_of(g, self.backend):
-                close_pairs(g, probe_order(g.rank(), g.size()))
+                # the default group connects lazily: only the pairs its ring warm-up connected are probed (a probe on
+                # a pair not connected yet would wait in its connect, without a bound when the peer is dead)
+                lazy = g is dist.group.WORLD if dist.is_initialized() else False
+                close_pairs(g, self._warm if lazy else probe_order(g.rank(), g.size()))
             else:
                 nccl = True
         if nccl:
@@ -261,15 +264,13 @@ class Context:
             return
         end = deadline if deadline is not None else time.monotonic() + self.recovery_timeout
         bound = min(self.timeout.total_seconds(), end - time.monotonic(), self.recovery_timeout / 2)
-        committed, lazy = self._committed, os.environ.pop(LAZY_GLOO, None)
+        committed = self._committed
         self._committed = (self.gen, self._incarnation())
         try:  # eager: each pair connected now, while both ranks are alive (the transport's abort needs it connected)
             formed = form_pairs(pairs, self.rank, self.pairs, self._gen_store(), timedelta(seconds=max(5.0, bound)),
                                 self._add_pair)
         finally:
             self._committed = committed
-            if lazy is not None:
-                os.environ[LAZY_GLOO] = lazy
         if formed:
             log.info(f"generation {self.gen}: pair groups with ranks {sorted(formed)} formed; pairs with {sorted(self.pairs)}")
 
@@ -381,16 +382,14 @@ class Context:
         # rank stranded there is only freed by the recovery deadline.
         bound = min(self.timeout.total_seconds(), deadline - time.monotonic(), self.recovery_timeout / 2)
         forming = timedelta(seconds=max(5.0, bound))
-        dist.init_process_group(
-            self.backend,
-            store=pg_store,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=forming,
-            **(nccl_eager(self.device) if self.backend == "nccl" else {}),
-        )
+        self._warm = []
+        with lazy_gloo(self.backend == "gloo"):  # no connection made here: the ring's two below, others at first use
+            dist.init_process_group(self.backend, store=pg_store, rank=self.rank, world_size=self.world_size, timeout=forming,
+                                    **(nccl_eager(self.device) if self.backend == "nccl" else {}))
+        if self.backend == "gloo":
+            self._warm = warm_ring(self.rank, self.world_size, forming)
         dist.distributed_c10d._set_pg_timeout(self.timeout)  # formed: the collectives' own timeout from now on
-        # gloo: no connection yet (LAZY_GLOO); each pair connects at its first use (DDP's ring: the two neighbours)
+        # gloo: the ring's two pairs connected (DDP's all-reduce uses them), the others at their first use
         log.info(f"generation {gen}: default group formed")  # the pair groups follow (bench/recovery_scale.py reads both)
         self.pairs, self.mpi_pairs = {}, None
         if self.settings.protect and self.settings.transport == "mpi":

@@ -15,7 +15,9 @@ Which torch gives which path (read in torch 2.13's ``distributed_c10d.py`` and t
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from datetime import timedelta
 
 import torch
@@ -71,3 +73,36 @@ def probe_order(rank: int, size: int):
     near = [p for p in dict.fromkeys(((rank + 1) % size, (rank - 1) % size)) if p != rank]
     yield from near
     yield from (p for p in range(size) if p != rank and p not in near)
+
+
+TAG_WARM = 32759  # a tag no other op uses (beside transport.TAG_ABORT): the ring warm-up's byte
+
+
+@contextlib.contextmanager
+def lazy_gloo(on: bool = True):
+    """gloo groups made inside connect their pairs at first use (the default group); elsewhere eagerly (the mesh
+    groups: the layout's group sizes; the pairs: ``form_pairs``), unless the job set ``TORCH_GLOO_LAZY_INIT``."""
+    if not on or LAZY_GLOO in os.environ:
+        yield
+        return
+    os.environ[LAZY_GLOO] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(LAZY_GLOO, None)
+
+
+def warm_ring(rank: int, size: int, timeout: timedelta) -> list[int]:
+    """Connect the default group's pairs to this rank's ring neighbours now, while every rank of the generation is
+    alive: a byte to the next, one from the previous (each pair connects once, O(1) a rank, no chain across the
+    job). DDP's all-reduce runs on them; and they are the pairs an abort probes: a probe that times out closes
+    every pair of the group's gloo context, which frees a thread waiting in the lazy connect of another pair (whose
+    peer may be dead: gloo's listening side waits for it without a bound). Returns the peers connected."""
+    if size < 2:
+        return []
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    out, got = torch.zeros(1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
+    works = [dist.isend(out, nxt, tag=TAG_WARM), dist.irecv(got, prv, tag=TAG_WARM)]
+    for w in works:
+        w.wait(timeout)
+    return list(dict.fromkeys((nxt, prv)))

@@ -56,7 +56,7 @@ from phoenix_runtime.plane import auth
 from phoenix_runtime.plane.channel import (  # noqa: F401  (re-exported)
     SCHEMA_VERSION, Incarnated, Queue, get_value, get_values, incarnation_of, put_value, put_values, read_json_object,
 )
-from phoenix_runtime.plane.torchrun_env import torchrun_env  # noqa: F401  (re-exported)
+from phoenix_runtime.plane.torchrun_env import NCCL_ENV_DEFAULTS, nccl_env_defaults, torchrun_env  # noqa: F401  (re-exported)
 from phoenix_runtime.plane.messages import (  # noqa: F401  (re-exported: every message type)
     AgentInject, AgentRespawn, AgentRestart, AgentStop, AgentUp, CopyCorrupt, decode, DecodeError, Dispatcher, FaultFired,
     KillCommand, Message, MESSAGE_CLASSES, MsgType, NodeProbe, NodeReady, Persisted, Progress, Protection, RankError, RankExit,
