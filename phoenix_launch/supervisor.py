@@ -142,9 +142,13 @@ class Supervisor:
     def open_commands(self) -> None:
         """kill-node's two ways in: the store (sealed) and the run directory's socket."""
         assert self.plane is not None
-        self.commands = CommandHandler(self.store, None, self.events, self._job_targets(), self.incidents.injected)
+        self.commands = CommandHandler(self.store, None, self.events, self._job_targets(), self._injected)
         self.operator_io.start(self.plane.host, lambda replies: CommandHandler(replies, auth.derive(SOCKET_PURPOSE), self.events,
-                                                                                self._job_targets(), self.incidents.injected))
+                                                                                self._job_targets(), self._injected))
+
+    def _injected(self, mode: str, t_kill: float, now: float) -> None:
+        """A kill-node whose effect is due now (the command killed the node already): the step opens the incident."""
+        self.input(Injected(mode, "", "kill-node", t_kill=t_kill), now)
 
     def _job_targets(self) -> JobTargets:
         return JobTargets(self.world_size, self.nproc, lambda: self.state.gens.members,

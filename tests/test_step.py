@@ -378,3 +378,9 @@ def test_a_straggler_is_not_evicted_before_every_rank_is_protected(tmp_path):
     job.step(Decided(decisions.straggler("evict", "n1", "rank 2 is slow", job.s.spares())))
     eff = job.step(Tick(), 5.0)
     assert decision(eff) == K.IGNORE.value and job.s.exit_code is None and of(eff, fx.PublishGeneration) == []
+
+
+def test_a_kill_node_command_due_now_opens_the_incident_at_its_time(tmp_path):
+    job = Job(tmp_path)
+    eff = job.step(Injected("crash", "", "kill-node", t_kill=T0 - 0.2))  # the command killed the node itself
+    assert eff == [] and job.s.incidents.current.t_kill == T0 - 0.2

@@ -52,11 +52,14 @@ class Signalled:
 
 @dataclass(frozen=True)
 class Injected:
-    """A fault injected from outside the ranks (chaos): the node is killed, the incident knows when."""
+    """A fault injected from outside the ranks: chaos (the node is killed here, the event written), or a kill-node
+    command whose effect is due now (``t_kill``: it killed the node and wrote the event itself); the incident opens
+    and knows when."""
 
     mode: str
     node: str
     source: str
+    t_kill: float | None = None
 
 
 @dataclass(frozen=True)
@@ -85,9 +88,10 @@ def step(s: JobState, inp: Input, now: float) -> tuple[JobState, list[Effect]]:
         if s.exit_code is None:
             execute(s, decisions.signalled(inp.name, inp.sigint), now)
     elif isinstance(inp, Injected):
-        s.out.add(KillNode(inp.node))
-        s.out.emit("injected", mode=inp.mode, node=inp.node, source=inp.source, t=now)
-        s.incidents.injected(inp.mode, now, now)
+        if inp.t_kill is None:
+            s.out.add(KillNode(inp.node))
+            s.out.emit("injected", mode=inp.mode, node=inp.node, source=inp.source, t=now)
+        s.incidents.injected(inp.mode, now if inp.t_kill is None else inp.t_kill, now)
     elif isinstance(inp, Decided):
         execute(s, inp.decision, now)
     return s, s.out.take()
