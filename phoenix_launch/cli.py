@@ -19,7 +19,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
+import typing
+from typing import Any, Optional
 
 import typer
 
@@ -119,7 +120,7 @@ def run(
         if config is None and resume is not None and (resume / "config.yaml").is_file():
             config = resume / "config.yaml"  # the resumed run's own configuration
         yaml_data = load_yaml(config) if config is not None else None
-        flags = {
+        flags: dict[str, dict[str, Any]] = {
             "launch": {
                 "nodes": _parse_nnodes(nnodes) if nnodes is not None else None,
                 "nproc_per_node": _parse_nproc(nproc_per_node) if nproc_per_node is not None else None,
@@ -148,6 +149,7 @@ def run(
     cfg, rdir = _prepare_run_dir(cfg, log_dir)
     cfg = _requeue_resume(cfg, rdir, os.environ)
     cfg, be = _open_backend(cfg, rdir, nodes_given=nnodes is not None or "nodes" in ((yaml_data or {}).get("launch") or {}))
+    assert argv is not None  # (a script, or the argv of the job it resumes)
     _supervise(cfg, argv, rdir, be)
 
 
@@ -229,7 +231,7 @@ def _open_backend(cfg, rdir: Path, *, nodes_given: bool):
     if not nodes_given and be.capabilities.allocation:  # Slurm: every allocated node but the spares is active
         cfg = replace(cfg, launch=replace(cfg.launch, nodes=be.use_all_nodes()))
     cfg = replace(cfg, launch=replace(cfg.launch, standby=_standby(cfg, be)))
-    be.agents_outlive = cfg.launch.standby == "on"  # its processes outlive this supervisor when a standby continues the job
+    typing.cast(Any, be).agents_outlive = cfg.launch.standby == "on"  # its processes outlive this supervisor when a standby continues the job
     import yaml
 
     from phoenix_launch.observe.events import write_private
@@ -279,8 +281,8 @@ def _report(sup, code: int) -> None:
     if code == 0:
         typer.echo(f"phoenix-run: job succeeded ({sup.run_dir})")
         return
-    typer.echo(f"phoenix-run: job failed (exit {code}): {sup.stop_reason}", err=True)
-    rc = sup.root_cause
+    typer.echo(f"phoenix-run: job failed (exit {code}): {sup.state.stop_reason}", err=True)
+    rc = sup.state.root_cause
     if rc is not None:
         from phoenix_launch.decide.classify import describe_exit
 
@@ -353,7 +355,7 @@ def _top_help() -> None:
     """``phoenix-run --help``: the run command's options under the name ``phoenix-run`` (the default command)."""
     import click
 
-    cmd = typer.main.get_command(app).commands["run"]
+    cmd = typing.cast(click.Group, typer.main.get_command(app)).commands["run"]
     with click.Context(cmd, info_name="phoenix-run") as ctx:
         text = cmd.get_help(ctx)  # typer's rich help prints itself and returns ""; plain click returns the text
     if text:

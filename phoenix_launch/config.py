@@ -350,7 +350,7 @@ def _coerce(section: str, key: str, typ: Any, value: Any) -> Any:
 
 
 def _section_types(section: str) -> dict[str, Any]:
-    cls = SECTIONS[section].default_factory  # type: ignore[misc]
+    cls: Any = SECTIONS[section].default_factory
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in fields(cls)}
 
@@ -407,5 +407,5 @@ def build_config(
         for key, value in body.items():
             if value is not None:
                 values[section][key] = _coerce(section, key, types[key], value)
-    kwargs = {s: SECTIONS[s].default_factory(**values[s]) for s in SECTIONS}  # type: ignore[misc]
+    kwargs = {s: typing.cast(Any, SECTIONS[s].default_factory)(**values[s]) for s in SECTIONS}
     return Config(**kwargs).validate()

@@ -299,6 +299,12 @@ def _fail(message: str, code: int = 2) -> "typer.Exit":
     return typer.Exit(code)
 
 
+def _whole(flag: str, value: str) -> int:
+    n = _int_option(flag, value)
+    assert n is not None
+    return n
+
+
 def _int_option(flag: str, value: Optional[str]) -> Optional[int]:
     if value is None:
         return None
@@ -340,7 +346,7 @@ def sbatch(
         raise _fail("missing --nodes N (the number of active nodes)")
     args = list(script_args or []) + list(getattr(ctx, "args", []) or [])
     try:
-        text = render_sbatch(system, _int_option("--nodes", nodes), _int_option("--spares", spares), script, args,
+        text = render_sbatch(system, _whole("--nodes", nodes), _whole("--spares", spares), script, args,
                              account=account, time=time, job_name=job_name,
                              gpus_per_node=_int_option("--gpus-per-node", gpus_per_node),
                              nproc_per_node=_int_option("--nproc-per-node", nproc_per_node))

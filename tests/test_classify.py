@@ -1064,7 +1064,7 @@ def test_probe_evidence_reaches_the_classifier():
 def test_one_table_of_communication_evidence_for_the_rank_and_the_classifier():
     """``COMM_EVIDENCE`` is read by both sides: its specific rows are the classifier's communication rows, and
     the rank also takes the broad ones (an exception caught in a step) but never a training bug's text."""
-    from phoenix_launch.decide.failure_text import PATTERNS
+    from phoenix_launch.detect.failure_text import PATTERNS
     from phoenix_runtime.errors import COMM_EVIDENCE, comm_evidence
 
     comm_rows = [(p.name, p.regex.pattern) for p in PATTERNS if p.cls is FailureClass.TRANSIENT_COMM]

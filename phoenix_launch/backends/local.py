@@ -64,7 +64,7 @@ class LocalBackend:
         self.procs: dict[str, subprocess.Popen | Adopted] = {}
         self.standby_proc: subprocess.Popen | None = None
         self.exited: set[str] = set()
-        self.pending: dict[str, subprocess.Popen] = {}  # replenishment join id -> its agent, until adopted
+        self.pending: dict[str, subprocess.Popen | Adopted] = {}  # replenishment join id -> its agent, until adopted
 
     def store_host(self, requested: str) -> str:
         return requested or "127.0.0.1"

@@ -1,9 +1,9 @@
 """Pure decisions: the one place that chooses what the supervisor does. No I/O, no clock but the one passed in.
 
 ``decide(view, verdict, now)`` answers an incident; ``unrecoverable``, ``recovery_timed_out``, ``reprotect``,
-``reform``, ``straggler``, ``signalled``, ``salvage_over``, ``finished`` answer the other moments a job's course can change.
-Each returns a ``Decision`` (its ``reason`` is also the log line); the supervisor only executes it
-(``Supervisor.execute``, one method per ``Kind``).
+``reform``, ``straggler``, ``grow``, ``sdc``, ``signalled``, ``salvage_over``, ``finished`` answer the other moments a
+job's course can change. Each returns a ``Decision`` (its ``reason`` is also the log line); the supervisor's step only
+executes it (``job/execute.EXECUTORS``, one executor per ``Kind``).
 """
 
 from __future__ import annotations

@@ -323,7 +323,7 @@ class Agent:
             lost = self.relay.commands is not None and self.relay.commands != self.cmd_seen
         else:
             lost = now >= self.next_cmd_read
-        due = woken or lost or self.q_cmd.pending or self.cmd_watcher is None or not self.cmd_watcher.armed
+        due = woken or lost or self.q_cmd.pending or self.cmd_watcher is None or not self.cmd_watcher.armed  # type: ignore[union-attr]
         if due:
             self.next_cmd_read = now + READ_S
             self.cmd_seen = self.relay.commands if self.relay is not None else None
@@ -481,7 +481,7 @@ class Agent:
                         self.q_sup.put(protocol.RefusedReport(self.node, None, refused))  # type: ignore[union-attr]
                     next_hb = now + hb_every
                 if self._commands_due(now):
-                    for cmd in self.q_cmd.get_all():
+                    for cmd in self.q_cmd.get_all():  # type: ignore[union-attr]
                         self.handle(cmd)
                 if self.relay is not None and self.relay.due(now):
                     self.relay.relay(self.store, now)
@@ -498,7 +498,7 @@ class Agent:
                         self.report_exit(r, r.proc.returncode)
                 self.send_probe()
                 self.last_store_ok = time.monotonic()  # (a pass that waited out a frozen leader ends now, not when it began)
-            except Exception as e:  # store unreachable: the supervisor is gone
+            except Exception as e:  # noqa: BLE001 -- store unreachable (any error of the client): the supervisor is gone
                 moved = getattr(self.store, "moved_at", None)  # reached a new leader: its store answers
                 if moved is not None and time.time() - moved < node_timeout:
                     self.last_store_ok = max(self.last_store_ok, time.monotonic() - (time.time() - moved))
@@ -513,7 +513,7 @@ class Agent:
                         r.reported = True
                         try:
                             self.report_exit(r, r.proc.returncode)
-                        except Exception:
+                        except Exception:  # noqa: BLE001 -- best effort: the agent is exiting
                             pass
                 return 0
             self.relay.wake.wait(0.02) if self.relay is not None else time.sleep(0.02)  # a bump: relayed at once

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import psutil
 
-from phoenix_launch.decide.failure_text import XID_CLASS, XID_LINE, slurm_state_bad
+from phoenix_launch.detect.failure_text import XID_CLASS, XID_LINE, slurm_state_bad
 
 DEFAULT_PROBE_TIMEOUT = timedelta(seconds=5)
 

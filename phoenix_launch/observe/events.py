@@ -25,11 +25,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from phoenix_launch.observe.event_types import Event, Logged, build, decode
 from phoenix_runtime.plane.protocol import SCHEMA_VERSION
 
 
 class EventLog:
-    """Append-only ``events.jsonl``; thread-safe; flushed after every line (a crash loses nothing)."""
+    """Append-only ``events.jsonl``; thread-safe; flushed after every line (a crash loses nothing). Every event is
+    one of ``event_types`` (built here from a type and fields: one the schema lacks is an error)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -38,8 +40,9 @@ class EventLog:
         self.recent: list[dict[str, Any]] = []
         self.count = 0  # events emitted so far
 
-    def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
-        ev = {"v": SCHEMA_VERSION, "t": round(time.time(), 6), "type": type_, **fields}
+    def emit(self, event: Event | str, **fields: Any) -> dict[str, Any]:
+        typed = event if isinstance(event, Event) else build(event, fields)
+        ev = {"v": SCHEMA_VERSION, "t": round(time.time(), 6), "type": typed.TYPE, **typed.fields()}
         line = json.dumps(ev, default=str)
         with self._lock:
             self._f.write(line + "\n")
@@ -51,6 +54,12 @@ class EventLog:
     def close(self) -> None:
         with self._lock:
             self._f.close()
+
+
+def read_events(lines: Iterable[str]) -> tuple[list[Logged], int]:
+    """The events in the lines of an ``events.jsonl``, typed (``event_types.decode``): (events, skipped)."""
+    rows, skipped = parse_events(lines)
+    return [decode(r) for r in rows], skipped
 
 
 def parse_events(lines: Iterable[str]) -> tuple[list[dict[str, Any]], int]:

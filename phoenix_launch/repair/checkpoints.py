@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from phoenix_launch.observe.events import write_json_atomic
+from phoenix_launch.effects import PutValue
 from phoenix_runtime.plane import protocol
 
 
@@ -94,15 +95,14 @@ class Ladder:
         self.salvaged: int | None = None  # its step, once complete; -1: it failed
         self.every_s, self.lead_s, self.last_t = every_s, lead_s, time.time()
 
-    def schedule(self, store, now: float, attempt, running: bool = True) -> None:
+    def schedule(self, now: float, attempt, running: bool = True) -> None:
         """The time-based cadence (``runtime.persist_every_s``): every rank must write the same step, so the
         supervisor names one a little ahead of the job's progress (``protocol.K_PERSIST_AT``: the ranks read it
         with their heartbeat); a rank that is past it already skips it, and that checkpoint never completes."""
         if not running or self.every_s <= 0 or attempt.step < 1 or now - self.last_t < self.every_s:
             return
         at = attempt.step + max(3, math.ceil(self.lead_s / max(attempt.step_time_s, 1e-3)))
-        protocol.put_value(store, protocol.K_PERSIST_AT, str(at))
-        protocol.notify_ranks(store)
+        self.events.add(PutValue(protocol.K_PERSIST_AT, str(at), notify=True))
         self.last_t = now
         self.events.emit("checkpoint_scheduled", step=at)
 
