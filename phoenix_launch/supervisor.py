@@ -112,7 +112,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
         """Pick the ports, start the agents, then the stores: the ranks' interpreters and torch imports
         (seconds) overlap with the supervisor's own torch import; clients retry until the store listens."""
         launch = self.cfg.launch
-        plane = self.plane = ControlPlane(self.backend.store_host(launch.master_addr), launch.master_port)
+        plane = self.plane = ControlPlane(self.backend.store_host(launch.master_addr), rdzv_port=launch.master_port)
         self.write_control()
         ranks = self.nodes.populate(self.backend.node_names, launch.nodes, self.nproc)
         for node in self.nodes:
@@ -175,8 +175,8 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
             master_port=self.plane.rdzv_port if self.plane else 0,
             cwd=os.getcwd(), heartbeat_s=detect.heartbeat_s, hang_timeout_s=detect.hang_timeout_s,
             first_step_timeout_s=detect.first_step_timeout_s, node_timeout_s=detect.node_timeout_s,
-            stop_grace_s=launch.stop_grace_s, redirects=launch.redirects,
-            tee=launch.tee, runtime_json=self.runtime_json, join=join, resume=self.resume,
+            stop_grace_s=launch.stop_grace_s, redirects=launch.redirects, tee=launch.tee,
+            local_ranks_filter=launch.local_ranks_filter, runtime_json=self.runtime_json, join=join, resume=self.resume,
         )
 
     def _status_changed_now(self) -> None:  # status.json follows a node's state change at once, not at the next tick

@@ -67,14 +67,20 @@ def print_status(snap: dict[str, Any], out: TextIO | None = None) -> None:
 
 
 class LiveUI:
-    def __init__(self) -> None:
+    def __init__(self, console=None) -> None:
         from rich.live import Live
 
-        self.live = Live(refresh_per_second=4, transient=False)
+        self.live = Live(refresh_per_second=4, transient=False, console=console)
         self.live.start()
 
     def update(self, snap: dict[str, Any]) -> None:
         self.live.update(render(snap))
+
+    def print_line(self, text: str, err: bool = False) -> None:
+        """A rank's console line, above the live region (rich keeps the region below it, redrawn in place)."""
+        from rich.text import Text
+
+        self.live.console.print(Text(text, style="red" if err else ""), soft_wrap=True)
 
     def close(self, snap: dict[str, Any]) -> None:
         if snap:
@@ -93,11 +99,18 @@ class PlainUI:
         n = self.events.count
         new = self.events.recent[-(n - self.seen):] if n > self.seen else []
         self.seen = n
+        from phoenix_launch.observe.rank_output import plain_sink
+
         for e in new:
-            print(format_event(e), flush=True)
+            plain_sink(format_event(e), False)  # one write a line: never spliced into a rank's line
 
     def update(self, snap: dict[str, Any]) -> None:
         self._flush()
+
+    def print_line(self, text: str, err: bool = False) -> None:
+        from phoenix_launch.observe.rank_output import plain_sink
+
+        plain_sink(text, err)
 
     def close(self, snap: dict[str, Any]) -> None:
         self._flush()
