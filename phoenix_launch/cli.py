@@ -99,10 +99,12 @@ def run(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of --chaos-mtbf."),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics on this port (0: off)."),
     persist_every: Optional[int] = typer.Option(None, "--persist-every", help="Persistent checkpoints every N steps (0: off)."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in RUN_DIR from its newest complete persistent checkpoint (its script, arguments and configuration unless given again)."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in RUN_DIR from its newest complete persistent checkpoint (its script, arguments and configuration unless given again); auto: continue the job in --run-dir if it holds one (a chain of allocations)."),
     standalone: bool = typer.Option(False, "--standalone", hidden=True, help="Accepted for torchrun compatibility."),
 ) -> None:
     """Run SCRIPT on every rank, with warm spares and hot-swap recovery."""
+    auto = resume is not None and str(resume) == "auto"  # the next job of a chain (phoenix-run sbatch): resume if there is one
+    resume = None if auto else resume
     point, argv = _resume_point(resume) if resume is not None else (None, None)
     if script is None and argv is None:
         raise fail("no training script given (phoenix-run [OPTIONS] SCRIPT [ARGS]...)")
@@ -146,7 +148,7 @@ def run(
         raise fail(str(e)) from None
 
     cfg, rdir = _prepare_run_dir(cfg, log_dir)
-    cfg = _requeue_resume(cfg, rdir, os.environ)
+    cfg = _continue_or_refuse(cfg, rdir, argv, auto)
     cfg, be = _open_backend(cfg, rdir, nodes_given=nnodes is not None or "nodes" in ((yaml_data or {}).get("launch") or {}))
     _supervise(cfg, argv, rdir, be)
 
@@ -171,25 +173,16 @@ def _resume_point(run_dir: Path) -> tuple[Path, list[str] | None]:
     return point.resolve(), argv
 
 
-def _requeue_resume(cfg, rdir: Path, env):
-    """A Slurm requeue (``SLURM_RESTART_COUNT`` > 0: the batch script runs again, same job id, same run
-    directory) continues from the run's newest complete persistent checkpoint, as ``--resume`` would; without
-    one the job starts again from scratch, and says so."""
-    from dataclasses import replace
+def _continue_or_refuse(cfg, rdir: Path, argv: list[str], auto: bool):
+    """A run directory that holds a job: this one continues it (``--resume``, a Slurm requeue, ``--resume auto``:
+    the next job of a chain), or is refused in one line (``repair/run_chain.py``)."""
+    from phoenix_launch.repair.run_chain import RunDirTaken, requeues_of, settle
 
-    from phoenix_launch.repair.checkpoints import newest_complete
-
-    from phoenix_launch.backends.slurm_env import requeue_count
-
-    requeues = requeue_count(env)
-    if cfg.launch.resume or requeues == 0:
-        return cfg
-    point = newest_complete(rdir)
-    if point is None:
-        typer.echo(f"phoenix-run: requeued ({requeues}): no complete persistent checkpoint in {rdir}, starting from scratch", err=True)
-        return cfg
-    typer.echo(f"phoenix-run: requeued ({requeues}): resuming from {point}", err=True)
-    return replace(cfg, launch=replace(cfg.launch, resume=str(point.resolve())))
+    try:
+        return settle(cfg, rdir, argv, auto=auto, requeues=requeues_of(os.environ),
+                      say=lambda m: typer.echo(f"phoenix-run: {m}", err=True))
+    except RunDirTaken as e:
+        raise fail(str(e)) from None
 
 
 def _prepare_run_dir(cfg, log_dir: Optional[str]):
@@ -267,7 +260,9 @@ def _supervise(cfg, argv: list[str], rdir: Path, be) -> None:
     live = cfg.launch.live == "on" or (cfg.launch.live == "auto" and sys.stdout.isatty())
     sup.ui = LiveUI() if live else PlainUI(sup.events)
     Relay.set_sink(sup.ui.print_line)  # the ranks' console lines, above the live view
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    from phoenix_launch.repair.allocation_end import HANDLED
+
+    for s in HANDLED:  # SIGTERM, SIGUSR1: the ranks save their state from memory first (repair/allocation_end.py)
         signal.signal(s, lambda signum, frame: sup.request_stop(signum))
     try:
         code = sup.run()
@@ -294,6 +289,11 @@ def _report(sup, code: int) -> None:
         if text:
             typer.echo(text.rstrip(), err=True)
     typer.echo(f"phoenix-run: events and logs in {sup.run_dir}", err=True)
+    from phoenix_launch.repair.allocation_end import resume_hint
+
+    hint = resume_hint(sup.run_dir)
+    if hint:
+        typer.echo(f"phoenix-run: {hint}", err=True)
 
 
 @app.command("status")

@@ -9,13 +9,12 @@ pool (:mod:`nodes`, :mod:`replenish`), ``kill-node`` (:mod:`commands`), status a
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from phoenix_launch.repair import checkpoints
+from phoenix_launch.repair import allocation_end, checkpoints
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch.backends.base import Backend, standby_of
 from phoenix_launch.decide.classify import RankReport, classify
@@ -404,7 +403,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
         stops when that is over (``tick``)."""
         self._exclude(d)
         if self.exit_code is None and not self.ladder.salvage(self._gens(), set(d.lost), d.reason, self._attempt(),
-                                                              self.nodes.group_ranks(), now, self.cfg.detect.recovery_timeout_s):
+                                                              self.nodes.group_ranks(), now, self.cfg.detect.recovery_timeout_s, d.exit_code):
             self._end(d)
 
     def stop(self, d: decisions.Decision, inc: Incident, now: float) -> None:
@@ -415,7 +414,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
         if self.exit_code is not None:
             return
         reason = d.reason
-        if d.exit_code == decisions.EXIT_UNRECOVERABLE:  # the ladder's last rung: say how the next job resumes
+        if d.exit_code in decisions.RESUMABLE:  # the ladder's last rung, a signal: say how the next job resumes
             reason = self.ladder.stop_reason(reason)
         self.stop_reason, self.exit_code = reason, d.exit_code
         if self.job.state is not JobState.STOPPING:
@@ -466,9 +465,9 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
 
     def tick(self, now: float) -> None:
         """One pass of the loop: messages, agents' exits, commands, then the decisions that are due."""
-        if self._signal is not None and self.exit_code is None:
-            name = signal.Signals(self._signal).name
-            self.execute(decisions.signalled(name, self._signal == signal.SIGINT), now)
+        if self._signal is not None and self.exit_code is None:  # the end of an allocation saves first (allocation_end)
+            signum, self._signal = self._signal, None
+            self.execute(allocation_end.on_signal(signum, may_save=self._may_salvage(), saving=self.ladder.salvaging is not None), now)
         assert self.plane is not None and self.commands is not None, "start() opens the control plane"
         for m in self.plane.reports.get_all():  # before the agents' exits: a fault report precedes the crash
             self.handle_message(m, now)
@@ -481,7 +480,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
         self.replenish(now)
         over = self.ladder.salvage_over(now)
         if over is not None:
-            self.execute(decisions.salvage_over(over), now)
+            self.execute(decisions.salvage_over(over, self.ladder.exit_code), now)
         if self.job.state is not JobState.STOPPING and self.ladder.salvaging is None:
             self.settle(now)
             self.reprotect(now)
