@@ -220,6 +220,11 @@ def _checked_inputs(system, nodes, spares, script, script_args, account, time, j
     return prof, gpus, nproc, args, extra_directives, env_pairs
 
 
+def _check_lead(signal_lead) -> None:
+    if isinstance(signal_lead, bool) or not isinstance(signal_lead, int) or not 10 <= signal_lead <= 65535:
+        raise ValueError(f"signal lead must be a whole number of seconds in 10..65535, got {signal_lead!r}")
+
+
 def render_sbatch(system: str, nodes: int, spares: int, script: str, script_args: Sequence[str], *,
                   account: Optional[str] = None, time: str = "12:00:00", job_name: str = "phoenix",
                   gpus_per_node: Optional[int] = None, nproc_per_node: Optional[int] = None,
@@ -234,8 +239,7 @@ def render_sbatch(system: str, nodes: int, spares: int, script: str, script_args
     prof, gpus, nproc, args, extra_directives, env_pairs = _checked_inputs(
         system, nodes, spares, script, script_args, account, time, job_name, gpus_per_node, nproc_per_node,
         extra_sbatch, extra_env)
-    if isinstance(signal_lead, bool) or not isinstance(signal_lead, int) or not 10 <= signal_lead <= 65535:
-        raise ValueError(f"signal lead must be a whole number of seconds in 10..65535, got {signal_lead!r}")
+    _check_lead(signal_lead)
 
     total = nodes + spares
     out: List[str] = []
