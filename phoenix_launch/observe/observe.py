@@ -99,12 +99,20 @@ def progress_view(snap: dict[str, Any], counters: JobCounters) -> dict[str, Any]
     step = int(snap.get("step", -1))
     done = max(step if step >= 0 else int(counters.progress.get("step", 0)), 0)  # no heartbeat yet: the last report
     sps = float(snap.get("steps_per_s") or counters.progress.get("sps") or 0.0)
+    state = snap.get("state")
+    if state == "succeeded" and total is not None:
+        done = max(done, int(total))  # every rank finished its loop: the final step, not the last sampled one
     eta_s = None
-    if total is not None and sps > 0 and done < total:
+    if state in ENDED:
+        eta_s = None  # a job that is not running has no ETA
+    elif total is not None and sps > 0 and done < total:
         eta_s = round((total - done) / sps, 1)
     elif total is not None and done >= total:
         eta_s = 0.0
     return {"done": done, "total": total, "eta_s": eta_s, "last_incident": incident_line(counters.last_incident)}
+
+
+ENDED = ("succeeded", "failed", "stopping")
 
 
 def progress_text(prog: dict[str, Any]) -> str:
