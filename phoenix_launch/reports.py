@@ -108,7 +108,8 @@ class ReportHandlers:
 
     def on_progress(self, m: protocol.Progress, now: float) -> None:
         self.attempt.step, self.attempt.step_time_s = m.step, m.step_time_s or 0.0
-        self.events.emit("progress", step=m.step, step_time_s=m.step_time_s, sps=m.sps, total=m.total, wait_frac=m.wait_frac)
+        self.events.emit("progress", step=m.step, step_time_s=m.step_time_s, sps=m.sps, total=m.total, wait_frac=m.wait_frac,
+                         **({"scalars": m.scalars} if m.scalars else {}))
         self.reprotector.progress(m.wait_frac)
 
     def on_unrecoverable(self, m: protocol.Unrecoverable, now: float) -> None:

@@ -33,6 +33,7 @@ from phoenix_runtime.protection.at_rest import AtRestVerifier
 from phoenix_runtime.sdc import SdcMonitor
 from phoenix_runtime.recover.recovery_session import RecoverySession
 from phoenix_runtime.protection.snapshot import D2H
+from phoenix_runtime.user_metrics import UserMetrics
 from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class ProtectedTraining:
         self.replicated = self.kind == "replicated" or (parallel is not None and parallel.replicated)
         # no peer holds this rank's parameter shard (FSDP without a replicate dimension): it is replicated
         self.params_sharded = parallel is not None and not parallel.replicated
+        self.metrics = UserMetrics(ctx.env.run_dir, ctx.rank)  # training.log's scalars
         self.rs = RankState(every=self.settings.protect_every)  # what the step guard and the recovery read and change
         self.protection: ProtectionSession | None = None
         self.faults = FaultInjector(self.settings.faults, ctx.node, getattr(ctx, "store", None), ctx.report, ctx.abort_groups,
@@ -207,10 +209,16 @@ class ProtectedTraining:
     def step(self):
         return self.guard.step()
 
+    def log(self, step: int, **scalars) -> None:
+        """Record this rank's scalars of ``step`` (``loss=...``; numbers or one-element tensors): RUN_DIR/metrics,
+        the report, Prometheus, TensorBoard where installed (``user_metrics``)."""
+        self.metrics.log(step, **scalars)
+
     def optimizer_step(self) -> None:
         self.guard.optimizer_step()
 
     def close(self) -> None:
+        self.metrics.close()
         if self.persister is not None:
             self.persister.close()
         if self.at_rest is not None:

@@ -87,7 +87,10 @@ def test_chain_of_allocations_saves_at_each_end_and_resumes(slurm_cluster: Slurm
     try:
         wait_for("job 1 training at step >= 5", lambda: status(run_dir).get("step", -1) >= 5 or job_record(cluster, job).get("JobState") in ENDED,
                  timedelta(seconds=300), interval=0.5)
-        cluster.run(["scancel", "--signal=USR1", "--batch", job])
+        if job_record(cluster, job).get("JobState") in ENDED:
+            pytest.fail(f"job 1 ended before it was signalled:\n{read(out)}")
+        sent = cluster.run(["scancel", "--signal=USR1", "--batch", job], check=False)
+        assert sent.returncode == 0, f"{sent.stderr}\n{job_record(cluster, job)}\n{read(out)}"
         rec = _end(cluster, job, out)
     except BaseException:
         cluster.cancel(job)

@@ -43,7 +43,7 @@ class JobCounters:
         kind = ev.get("type")
         if kind == "progress":
             total = ev.get("total", self.progress.get("total"))
-            self.progress = {**ev, "total": total}
+            self.progress = {**ev, "total": total, "scalars": ev.get("scalars") or self.progress.get("scalars")}
         elif kind == "failure":
             self.failures[str(ev.get("kind"))] = self.failures.get(str(ev.get("kind")), 0) + 1
         elif kind == "decision":

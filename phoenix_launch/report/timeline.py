@@ -47,6 +47,7 @@ class ProgressPoint:
     step: int | None
     step_time_s: float | None
     sps: float | None
+    scalars: dict | None = None  # the script's own (training.log), rank 0's newest at this report
 
 
 @dataclass
@@ -310,7 +311,8 @@ def build_timeline(events: list[dict[str, Any]], skipped: int = 0) -> Timeline:
         if kind == "progress":
             step = number(ev.get("step"))
             tl.progress.append(ProgressPoint(float(ev["t"]), int(step) if step is not None else None,
-                                             number(ev.get("step_time_s")), number(ev.get("sps"))))
+                                             number(ev.get("step_time_s")), number(ev.get("sps")),
+                                             ev.get("scalars") if isinstance(ev.get("scalars"), dict) else None))
         elif kind == "protection":
             tl.protection.append(ev)
         elif kind in ("replenish", "replenish_failed", "replenish_lost", "node_joined", "join_refused"):
