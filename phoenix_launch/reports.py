@@ -13,6 +13,7 @@ from typing import Any
 from phoenix_launch.decide.classify import RankReport, describe_exit
 from phoenix_launch.lifecycle import JobState, NodeState
 from phoenix_launch.detect.nodes import ENDED
+from phoenix_launch.observe.status import read_rank_heartbeats
 from phoenix_runtime.plane import protocol
 
 class ReportHandlers:
@@ -45,6 +46,8 @@ class ReportHandlers:
             self.events.emit("failure", kind="spare_lost", node=node.name, exit=describe_exit(m.exit_code, m.signal))
             return
         rank = self._gens().members.rank_at(node.name, m.slot)
+        if rank in self.attempt.done_ranks:
+            return  # finished already: the agent ended it in its teardown (``on_rank_hang``)
         if m.exit_code == 0 and rank is not None:
             self.attempt.done_ranks.add(rank)
             self.events.emit("rank_done", node=node.name, slot=m.slot, rank=rank)
@@ -63,10 +66,36 @@ class ReportHandlers:
 
     def on_rank_hang(self, m: protocol.RankHang, now: float) -> None:
         node = self.nodes.get(m.node)
+        rank = self._gens().members.rank_at(m.node, m.slot) if node is not None else None
+        if m.reason == "teardown" and rank is not None:  # completed its last step, then stalled in its own teardown
+            self.attempt.done_ranks.add(rank)
+            self.events.emit("rank_done", node=m.node, slot=m.slot, rank=rank, ended_in_teardown_s=m.silent_s)
+            return
         if node is not None and node.state in (NodeState.ACTIVE, NodeState.JOINING):
             self.incidents.node_hung(node.name, now)
             self.events.emit("failure", kind="hang", node=node.name, slot=m.slot, silent_s=m.silent_s, step=m.step,
                              reason=m.reason, proc_state=m.proc_state)
+
+    def all_finished(self) -> bool:
+        """Every rank of the generation completed its last step (its heartbeat says ``finished``) or exited 0."""
+        done = set(self.attempt.done_ranks)
+        if len(done) < self.world_size:
+            members = self._gens().members
+            beats = read_rank_heartbeats(self.store, members, cache=self.digests)
+            done |= {r.rank for r in members.ranks if getattr(beats.get((r.node, r.slot)), "phase", None) == "finished"}
+        return len(done) >= self.world_size
+
+    def furthest_step(self) -> int:
+        """The furthest step any rank reached: its heartbeat's (fresh within a beat), not the progress report's
+        (sent every few seconds): what a restart from a checkpoint loses is counted from it."""
+        beats = read_rank_heartbeats(self.store, self._gens().members, cache=self.digests)
+        return max([self.attempt.step, *(hb.step for hb in beats.values())])
+
+    def count_finished(self, sig: Any, lost: tuple) -> None:
+        """A finished job's failure: the ranks it took (their node lost, exited, hung) count as finished."""
+        members = self._gens().members
+        self.attempt.done_ranks |= {r.rank for r in members.ranks if r.node in lost or r.node in set(sig.node_lost)}
+        self.attempt.done_ranks |= {r.rank for r in sig.reports if r.rank is not None}
 
     def on_rank_error(self, m: protocol.RankError, now: float) -> None:
         """A live rank saw a step fail (a collective, a peer): evidence of the generation's failure."""

@@ -241,8 +241,9 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
             may_wait=inc.wait_until is None or now < inc.wait_until,
             also_lost=tuple(n for n in inc.lost if n in self.nodes and not self.nodes[n].is_spare),
             may_salvage=self._may_salvage(), on_no_spare=self.cfg.launch.on_no_spare, dp=self.dp_size(),
-            dp_lost=self.dp_lost(lost), min_dp=self.cfg.launch.min_dp)
+            dp_lost=self.dp_lost(lost), min_dp=self.cfg.launch.min_dp, finished=self.all_finished())
         d = decisions.decide(view, verdict, now)
+        self.count_finished(sig, lost) if view.finished else None
         if d.kind is decisions.Kind.WAIT and not self.incidents.defer(inc, now, self.cfg.detect.spare_wait_s):
             return  # still waiting for a spare: the decision event was emitted once
         self.events.emit("decision", cls=verdict.cls.value, action=verdict.action.value, decision=d.kind.value, node=d.node,
@@ -374,7 +375,7 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
     def fallback_restart(self, d: decisions.Decision, inc: Incident, now: float) -> None:
         """Rung 3 of the fallback ladder: every worker restarts from ``d.resume``."""
         assert d.resume is not None
-        self.ladder.restart_from(d.resume, d.reason, self.attempt.step)
+        self.ladder.restart_from(d.resume, d.reason, self.furthest_step())
         self.resume = d.resume
         self.restart(d, inc, now)
 
@@ -468,7 +469,6 @@ class Supervisor(ReportHandlers, SdcRepair, StragglerChecks, ElasticJob):
         if self._signal is not None and self.exit_code is None:  # the end of an allocation saves first (allocation_end)
             signum, self._signal = self._signal, None
             self.execute(allocation_end.on_signal(signum, may_save=self._may_salvage(), saving=self.ladder.salvaging is not None), now)
-        assert self.plane is not None and self.commands is not None, "start() opens the control plane"
         for m in self.plane.reports.get_all():  # before the agents' exits: a fault report precedes the crash
             self.handle_message(m, now)
         for node, code in self.backend.poll():

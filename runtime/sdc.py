@@ -18,7 +18,7 @@ from phoenix_runtime import state
 from phoenix_runtime.faults import flip_bit
 from phoenix_runtime.parallel import local_of
 from phoenix_runtime.plane import protocol
-from phoenix_runtime.protection.fingerprint import fingerprint_class, snapshot_fingerprint
+from phoenix_runtime.protection.fingerprint import PER_RANK_PREFIXES, fingerprint_class, snapshot_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,45 @@ class SdcMonitor:
         ops.ctx.report(protocol.SdcSuspect(gen=ops.ctx.gen, step=step, fingerprint=fp,
                                            tensors=dict(snap.tensor_fps) if snap is not None else {},
                                            at_rest_ok=at_rest, agreed_ok=agreed_ok, last_agreed=last,
-                                           group=fingerprint_class(rep.layout, ops.ctx.rank)[1] if rep is not None else 0))
+                                           group=fingerprint_class(rep.layout, ops.ctx.rank)[1] if rep is not None else 0,
+                                           loop=state.loop_fingerprint(snap.meta if snap is not None else None)))
 
 
-__all__ = ["SdcMonitor"]
+class Disagreement(RuntimeError):
+    """The ranks that must hold the same parameters do not, at the end of training."""
+
+
+def final_check(ops) -> None:
+    """At the end of a loop that completed its last step: every rank's parameters against those of its class
+    (DDP, ZeRO: every rank), one all-gather of two integers. The commit points compare each protected step's
+    state; this covers the last optimizer step, after the last commit point, so that a job never ends 0 with
+    ranks that disagree. Raises ``Disagreement`` (the rank's exit is then a failure, with this message). A peer
+    lost meanwhile: nothing to compare, logged."""
+    import torch.distributed as dist
+
+    from phoenix_runtime.protection.codec import Digest
+
+    ctx = ops.ctx
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    h = Digest()
+    for name, p in state.param_named(ops.objs.module):
+        if name.startswith(PER_RANK_PREFIXES):  # buffers: each rank's own
+            continue
+        h.update(local_of(p).detach().cpu().contiguous().view(-1).view(torch.uint8))
+    cls = fingerprint_class(ctx.layout(), ctx.rank)[1]
+    mine = torch.tensor([cls, h.value()], dtype=torch.int64, device=ctx.device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    try:
+        dist.all_gather(every, mine)
+    except Exception as e:  # noqa: BLE001 -- a peer lost after its last step: nothing to compare it with
+        log.info(f"the final check of the ranks' parameters was not made ({type(e).__name__}: {str(e)[:120]})")
+        return
+    peers = [int(t[1]) for t in every if int(t[0]) == cls]
+    if len(set(peers)) > 1:
+        odd = [r for r, t in enumerate(every) if int(t[0]) == cls and int(t[1]) != h.value()]
+        raise Disagreement(f"the ranks' parameters disagree at the end of training ({len(set(peers))} different copies "
+                           f"among {len(peers)} ranks that must hold the same; {len(odd)} differ from this rank's)")
+
+
+__all__ = ["SdcMonitor", "Disagreement", "final_check"]

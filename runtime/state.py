@@ -16,6 +16,7 @@ GradScaler, and any ``stateful`` object (``state_dict()/load_state_dict()``: a d
 from __future__ import annotations
 
 import base64
+import hashlib
 import pickle
 import random
 import weakref
@@ -370,6 +371,17 @@ def restore_envelope(meta: dict[str, Any], objs: LoopObjects) -> None:
     for name, sd in (loop.get("stateful") or {}).items():
         if name in objs.stateful:
             objs.stateful[name].load_state_dict(sd)
+
+
+def loop_fingerprint(meta: dict[str, Any] | None) -> int:
+    """What every rank of a step holds alike besides its tensors: the step, the param groups' hyperparameters and
+    the schedulers' states (never 0: 0 means unknown). Copies whose tensors differ and these too diverged in the
+    training code, not in memory. The RNG and stateful objects are left out: per rank by design."""
+    if not meta or not meta.get("loop"):
+        return 0
+    loop = _unb64(meta["loop"])
+    text = repr((meta.get("step"), loop.get("groups"), loop.get("schedulers"))).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little") or 1
 
 
 def scalars_of(meta: dict[str, Any]) -> dict[str, Any]:

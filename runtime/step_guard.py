@@ -62,6 +62,8 @@ class StepGuard:
         ctx, rs, ops = self.ctx, self.rs, self.ops
         ops.recover_if_pending()
         step = rs.step
+        if rs.reapply is not None:
+            ops.reapply_envelope(step)
         rs.opt_started = False
         ops.faults.step = step
         try:

@@ -30,10 +30,10 @@ from phoenix_runtime.protection.protection import ProtectionSession, merge_repli
 from phoenix_runtime.quiet import quiet_unused_parameters_warning
 from phoenix_runtime.rank_state import RankState
 from phoenix_runtime.protection.at_rest import AtRestVerifier
-from phoenix_runtime.sdc import SdcMonitor
+from phoenix_runtime.sdc import final_check, SdcMonitor
 from phoenix_runtime.recover.recovery_session import RecoverySession
 from phoenix_runtime.protection.snapshot import D2H
-from phoenix_runtime.user_metrics import UserMetrics
+from phoenix_runtime import user_metrics
 from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,6 @@ class ProtectedTraining:
         self.replicated = self.kind == "replicated" or (parallel is not None and parallel.replicated)
         # no peer holds this rank's parameter shard (FSDP without a replicate dimension): it is replicated
         self.params_sharded = parallel is not None and not parallel.replicated
-        self.metrics = UserMetrics(ctx.env.run_dir, ctx.rank)  # training.log's scalars
         self.rs = RankState(every=self.settings.protect_every)  # what the step guard and the recovery read and change
         self.protection: ProtectionSession | None = None
         self.faults = FaultInjector(self.settings.faults, ctx.node, getattr(ctx, "store", None), ctx.report, ctx.abort_groups,
@@ -203,22 +202,20 @@ class ProtectedTraining:
                     self.recover(GenerationAbandoned(f"generation {self.ctx.gen} abandoned"))
                     continue
                 yield self.rs.step
+            if self.protect_on and self.parallel is None and self.settings.fingerprint:  # DDP, ZeRO: the same parameters
+                final_check(self)
         finally:
             self.close()
 
     def step(self):
         return self.guard.step()
 
-    def log(self, step: int, **scalars) -> None:
-        """Record this rank's scalars of ``step`` (``loss=...``; numbers or one-element tensors): RUN_DIR/metrics,
-        the report, Prometheus, TensorBoard where installed (``user_metrics``)."""
-        self.metrics.log(step, **scalars)
-
+    log = user_metrics.log  # training.log(step, loss=..., **scalars): the script's own scalars
     def optimizer_step(self) -> None:
         self.guard.optimizer_step()
 
     def close(self) -> None:
-        self.metrics.close()
+        finished = self.rs.total is not None and self.rs.step >= self.rs.total  # the loop completed its last step
         if self.persister is not None:
             self.persister.close()
         if self.at_rest is not None:
@@ -227,10 +224,14 @@ class ProtectedTraining:
         self.rs.retained = {}
         if self.d2h is not None:
             self.d2h.stop(5.0)
-        STATE.enter("done")
+        # "finished": what the rank does from now on is the script's own teardown, never a failure of the job
+        # (its agent ends it if it stalls there: ``agent.hang_check``, and the supervisor decides no recovery)
+        STATE.enter("finished" if finished else "done")
         # free everything that holds the process group before it is destroyed: gloo's teardown at exit can
-        # deadlock while DDP still holds the group
+        # deadlock while DDP still holds the group (the context keeps each group it formed: ``Context.hold``)
         self.model = self.objs.module
+        if self.ctx.managed:
+            self.ctx.hold()  # the groups formed since (a mesh's), before the script may destroy them
         gc.collect()
 
     # --- wiring ----------------------------------------------------------------------------------------------
@@ -292,6 +293,8 @@ class ProtectedTraining:
             if synced:
                 kw.setdefault("init_sync", False)
             self.model = DDP(self.objs.module, **kw)
+            if self.ctx.managed:
+                self.ctx.hold(self.model)  # its groups outlive it: see ``Context.hold``
         else:
             self.model = self.objs.module
 
@@ -574,6 +577,16 @@ class ProtectedTraining:
                 state.load_buffers(self.objs.module, self.rs.boundary_buffers)
         if meta is not None:
             state.restore_envelope(meta, self.objs)
+            self.rs.reapply = (R, meta)
+
+    def reapply_envelope(self, step: int) -> None:
+        """At the boundary of the resume step: the loop's objects, RNG and hyperparameters as S_R holds them again.
+        A survivor runs the code after ``with step():`` for the step it abandoned (``sched.step()`` there moves its
+        scheduler one step ahead of a joiner's); restored here, every rank starts R from the same state."""
+        R, meta = self.rs.reapply or (None, None)
+        self.rs.reapply = None
+        if R == step and meta is not None:
+            state.restore_envelope(meta, self.objs)
 
     def fresh_state(self, R: int) -> tuple[dict, dict]:
         """A joiner at the first step of this attempt: (optimizer shard, envelope). Fresh, its own live state
@@ -589,6 +602,8 @@ class ProtectedTraining:
         """The recovery resumed at R: every shard of S_R is in two places again (the old replicas are freed) and
         the cadence restarts there, the supervisor's (raised when the copy did not fit) or the setting."""
         every = (protocol.read_protect_every(self.ctx.store) if self.ctx.managed else 0) or self.settings.protect_every
+        reapply = self.rs.reapply if self.rs.reapply and self.rs.reapply[0] == R else (R, self.rs.metas.get(R))
         self.rs.resumed_at(R, first, every)
+        self.rs.reapply = reapply if reapply[1] is not None else None
         self.pace.reset()
         STATE.stepped(R)

@@ -12,6 +12,7 @@ a step (``by_step``).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -80,6 +81,16 @@ class UserMetrics:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def log(training, step: int, **scalars: Any) -> None:
+    """``training.log(step, loss=..., **scalars)``: record this rank's scalars of ``step`` (numbers or one-element
+    tensors) in RUN_DIR/metrics, the progress (the report, Prometheus) and TensorBoard where installed."""
+    m = training.__dict__.get("metrics")
+    if m is None:
+        m = training.metrics = UserMetrics(training.ctx.env.run_dir, training.ctx.rank)
+        atexit.register(m.close)
+    m.log(step, **scalars)
 
 
 def by_step(path: str) -> dict[int, dict[str, float]]:

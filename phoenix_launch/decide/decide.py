@@ -62,6 +62,8 @@ class JobView:
     dp: int = 0
     dp_lost: int = 0  # the DP replicas on the nodes this incident lost
     min_dp: int = 1
+    #: every rank of the generation completed its last step (or exited 0): what fails now is a teardown
+    finished: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,12 @@ def decide(view: JobView, verdict: Verdict, now: float = 0.0) -> Decision:
         why = f"{why}; {node} failed twice and is not trusted again"
     if verdict.cls is FailureClass.STRAGGLER and not view.spares:  # the spare was taken meanwhile: never a stop
         return Decision(Kind.IGNORE, f"{why}; no spare ready any more: {node} stays", node)
+    if verdict.cls is FailureClass.STRAGGLER and not view.runtime_ready:  # an eviction is a hot-swap or nothing
+        return Decision(Kind.IGNORE, f"{why}; not every rank is protected yet: {node} stays", node)
     if verdict.cls is FailureClass.SOFTWARE:
         return Decision(Kind.STOP, f"{why}: a software error is not fixed by a restart", node, exit_code=EXIT_RANK_FAILED)
+    if view.finished:  # no hot-swap, shrink or restart of a job whose training is over
+        return Decision(Kind.IGNORE, f"{why}; every rank had completed its last step: the job is finished", node)
 
     if view.runtime_ready:
         if action is Action.LOCAL_RECOVERY:
@@ -233,6 +239,8 @@ def sdc(finding: Finding, step: int, last_agreed: int | None, node_of: dict[int,
     corrupted again within the window (``repeats[node]``: its detections in it, this one included) is drained and
     hot-swapped when a spare is ready. Nothing agreed yet: nothing to roll back to, recorded (IGNORE)."""
     where = f"silent data corruption at step {step}"
+    if finding.software:
+        return Decision(Kind.STOP, f"the ranks' states disagree at step {step}: {finding.reason}", exit_code=EXIT_RANK_FAILED)
     if last_agreed is None:
         return Decision(Kind.IGNORE, f"{where}: no step's fingerprints agreed yet, nothing to roll back to")
     if not finding.decided:  # the corrupt copies of the classes that could tell are re-synced all the same

@@ -8,6 +8,8 @@ the replica groups). ``find_corrupt`` names the corrupt copies of each class who
   majority: undecidable);
 - two copies: each re-hashed its committed snapshot of the last agreed step; one whose bytes no longer give
   the fingerprint they were taken with sits on corrupting memory: that copy is the corrupt one;
+- the copies' loop state (step, hyperparameters, schedulers) differs too: the ranks diverged through the training
+  code (a scheduler stepped on some ranks only), which no re-sync repairs: the job stops with that reason;
 - otherwise undecidable: every rank rolls back to the last agreed step (its own snapshot of it verified), and
   nobody is re-synced.
 
@@ -27,6 +29,7 @@ class Copy:
     agreed_ok: bool = True  # its snapshot of the last agreed step still gives that step's fingerprint
     tensors: dict = field(default_factory=dict)  # name -> fingerprint
     group: int = 0  # its fingerprint class: only copies of one class are compared
+    loop: int = 0  # its fingerprint of the step's loop state (step, hyperparameters, schedulers); 0: not known
 
 
 @dataclass(frozen=True)
@@ -35,12 +38,17 @@ class Finding:
     decided: bool
     reason: str
     tensors: tuple[str, ...] = ()  # the tensors where a corrupt copy differs from the good one (when known)
+    software: bool = False  # the copies' loop state differs too: a divergence with a software cause, not a bit flip
 
 
 def find_corrupt(copies: list[Copy]) -> Finding:
     """The corrupt copies among ``copies`` (one per rank), each class judged alone (``_find_in_class``); the
     classes whose copies agree are left out. Decided when every disagreeing class is (an undecided one still
     rolls every rank back; the decided classes' corrupt ranks are re-synced)."""
+    loops = {c.loop for c in copies if c.loop}
+    if len(loops) > 1:  # a flipped bit changes a tensor, never a scheduler's count or a learning rate
+        return Finding((), False, f"the copies' step, schedulers or hyperparameters differ too ({len(loops)} different "
+                       "loop states): the ranks diverged through the training code, not a hardware fault", software=True)
     groups: dict[int, list[Copy]] = {}
     for c in copies:
         groups.setdefault(c.group, []).append(c)

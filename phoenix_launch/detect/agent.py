@@ -49,7 +49,7 @@ log = logging.getLogger("phoenix_launch.detect.agent")  # by name: this module r
 
 WARM_WAIT_S = 120.0  # the longest an agent defers joining the control plane for its ranks' imports
 #: phases in which a rank is not expected to complete steps (the hang check falls back to its heartbeat)
-IDLE_PHASES = ("starting", "spare", "recovering", "done")
+IDLE_PHASES = ("starting", "spare", "recovering", "finished", "done")
 
 
 def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
@@ -65,10 +65,14 @@ def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
     (``blocked_in``) is not the hung one; the one stuck in its own code is (a job whose every rank waits in
     a collective is left to the collective timeout). Until the rank completed a step since it entered training
     (``hb.warm`` False: its first step after a start or a recovery), no step is a hang only after
-    ``first_step_timeout_s``: that step builds what the loop needs (DDP's broadcast, torch.compile)."""
+    ``first_step_timeout_s``: that step builds what the loop needs (DDP's broadcast, torch.compile). A rank
+    whose loop completed its last step (``finished``) and whose heartbeat then went silent is stuck in its
+    own teardown ("teardown"): the agent ends it, and the supervisor counts it finished, not failed."""
     silent = now - hb.t
     if hb.phase in ("starting", "spare"):
         return None
+    if hb.phase == "finished":  # its loop completed its last step: a stall now is in the script's own teardown
+        return ("teardown", silent) if silent > hang_timeout_s else None
     limit = first_step_timeout_s if hb.warm is False and first_step_timeout_s else hang_timeout_s
     if hb.phase == "training" and hb.t_step is not None and now - hb.t_step > limit:
         if hb.blocked_in == "collective" and silent <= hang_timeout_s:

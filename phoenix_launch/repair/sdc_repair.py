@@ -35,7 +35,7 @@ class SdcRepair:
         if m.rank is None or m.gen != self.gen or self.job.state is not JobState.RUNNING:
             return  # a recovery under way re-forms the generation anyway
         sus = self.sdc_suspects.setdefault((m.gen, m.step), Suspects(m.gen, m.step))
-        sus.add(int(m.rank), Copy(int(m.rank), m.fingerprint, m.agreed_ok, dict(m.tensors), int(m.group)), m.last_agreed)
+        sus.add(int(m.rank), Copy(int(m.rank), m.fingerprint, m.agreed_ok, dict(m.tensors), int(m.group), int(m.loop)), m.last_agreed)
         if not sus.complete(self.world_size):
             return
         self.sdc_suspects = {k: v for k, v in self.sdc_suspects.items() if k[0] > m.gen}

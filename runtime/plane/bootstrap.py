@@ -244,7 +244,8 @@ def main() -> None:
         write_error_file(e, STATE.step if STATE.step >= 0 else None)
         traceback.print_exc()
         code = 1
-    STATE.enter("done")
+    if STATE.phase != "finished":  # the loop's completion stays visible until the process is gone
+        STATE.enter("done")
     _exit(code)
 
 

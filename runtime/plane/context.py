@@ -83,6 +83,11 @@ class Context:
         self._own_keys: list[tuple[int, str]] = []
         self._pg_stores: list[tuple[int, KeyRecorder]] = []  # each generation's process-group rendezvous keys
         self._committed: tuple[int, int] | None = None  # (generation, store incarnation) this rank forms, committed
+        #: each generation's process groups, held until the modules built on them (weak references) are gone: the
+        #: last reference to a gloo group must be a Python one, whose release lets go of the GIL while the group
+        #: joins its worker threads. A C++ holder (DDP's Reducer, freed with a DDP the script kept) releases it with
+        #: the GIL held, and a worker thread that frees a finished op's tensors waits for the GIL: a deadlock
+        self._held: dict[int, tuple[list, list]] = {}
         self.timeout = timedelta(seconds=self.settings.collective_timeout_s)
         self.recovery_timeout = self.settings.recovery_timeout_s
         if torch.cuda.is_available():
@@ -193,6 +198,7 @@ class Context:
         added after this generation was abandoned are aborted here."""
         with self._lock:
             self.mesh_groups = list(groups)
+            self.hold()
             if self._aborted_gen >= self.gen:
                 self._abort(self.mesh_groups)
 
@@ -259,7 +265,21 @@ class Context:
             if self._aborted_gen >= self.gen:
                 self._abort([group])
 
+    def hold(self, *users) -> None:
+        """Hold the current generation's process groups (every one registered, its pairs and mesh groups) for as
+        long as this process lives or ``users`` (modules built on them, weakly referenced) do; the groups of older
+        generations whose users are all gone are let go here (with the GIL released: torch's Python holder)."""
+        import weakref
+
+        groups, refs = self._held.setdefault(self.gen, ([], []))
+        live = [*dist.distributed_c10d._world.pg_map, *self.pairs.values(), *self.mesh_groups] if dist.is_initialized() else []
+        groups += [g for g in live if g is not None and not any(g is h for h in groups)]
+        refs += [weakref.ref(u) for u in users]
+        for gen in [g for g, (_, rs) in self._held.items() if g < self.gen and all(r() is None for r in rs)]:
+            del self._held[gen]
+
     def destroy_groups(self) -> None:
+        self.hold()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -321,6 +341,7 @@ class Context:
         finally:
             self._committed = None  # formed: a later new_group (a mesh) stops at a newer generation
         log.info(f"generation {gen}: process groups formed")
+        self.hold()
         if self.latest_gen() > gen:
             raise GenerationAbandoned(f"generation {gen} abandoned")
 

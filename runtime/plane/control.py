@@ -6,7 +6,8 @@ their timeout), and receives injected faults addressed to this rank.
 
 The heartbeat (JSON at ``protocol.k_rank_hb``, in the agent's node-local store: ``LocalStoreLink``): ``t`` (now), ``step`` (the next step to run), ``gen``,
 ``pid``, ``runtime`` (the script called phx.init()), ``phase`` -- ``starting`` (importing, forming, a spare's wait),
-``training``, ``recovering``, ``done`` -- and ``t_step``: the unix time of the last completed step, or of
+``training``, ``recovering``, ``finished`` (the loop completed its last step: the script's teardown follows),
+``done`` -- and ``t_step``: the unix time of the last completed step, or of
 entering the current phase. The agent calls a rank hung when ``phase == "training"`` and ``t_step`` is
 older than its hang timeout, whatever this thread's own liveness says, unless ``blocked_in`` says the main
 thread waits in a collective (then a peer is the one stalled: see ``main_thread_blocked_in``).
@@ -42,7 +43,7 @@ from phoenix_runtime.plane.relay import RelayReader
 from phoenix_runtime.plane.watch import POLL_S, NotifyWatcher  # noqa: F401  (POLL_S: the fleet bench's too)
 
 log = logging.getLogger(__name__)
-PHASES = ("starting", "training", "recovering", "done")
+PHASES = ("starting", "training", "recovering", "finished", "done")
 # A full read with the watcher armed (every writer bumps the counter, so this only bounds how late a wake-up
 # lost in the store is noticed): at 80,000 ranks one every heartbeat was ~6 round trips x 160,000 a second.
 # Every FULL_READ_S, and no more often than the whole job makes ~1,000 of them a second (80,000 ranks: 80 s).

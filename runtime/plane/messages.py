@@ -235,6 +235,7 @@ class SdcSuspect(RankMessage):
     agreed_ok: bool = True  # its snapshot of ``last_agreed``, hashed again now, still gives that step's fingerprint
     last_agreed: int | None = None  # the newest step whose fingerprints agreed (None: none yet)
     group: int = 0  # its fingerprint class (``fingerprint_class``): the ranks whose copies must agree with it
+    loop: int = 0  # its fingerprint of S_step's loop state (``state.loop_fingerprint``): differing copies diverged in code
 
 
 @dataclass(frozen=True)
