@@ -3,9 +3,9 @@
 The script is ``phoenix-run sbatch``'s own (``#SBATCH --signal=B:USR1@<lead>``, one run directory per job name,
 ``--resume auto``), submitted three times as a user would:
 
-1. ``scancel --signal=USR1 --batch`` mid-run: the ranks write their newest committed state from memory, the job
+1. ``scancel --signal=USR1 --batch`` mid-run (jobs 1 and 3 are given a longer ``--time`` at submission): the ranks write their newest committed state from memory, the job
    ends (exit 138) and says how to resume;
-2. the same script again: it resumes from that checkpoint by itself and runs until its ``--time`` limit, where
+2. the same script again (``--time=3``): it resumes from that checkpoint by itself and runs until its time limit, where
    Slurm's ``--signal`` (sent up to a minute before it) makes the ranks save again;
 3. the same script again: it resumes and trains to the end, with the failure-free run's digest.
 
@@ -33,14 +33,14 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500)]
 
 _BIN = Path(sys.executable).parent / "phoenix-run"
 PHOENIX_RUN = str(_BIN) if _BIN.exists() else "phoenix-run"
-STEPS = 150
+STEPS = 400
 JOB_TIMEOUT = timedelta(seconds=420)
 
 
 def _script(work: Path, slow: Path) -> Path:
     text = render_sbatch("generic", 2, 0, str(EXAMPLES / "train_gpt.py"),
                          ["--steps", str(STEPS), "--step-sleep", "0.3", "--step-sleep-while", str(slow), "--digest-file",
-                          str(work / "digest.json")], time="2", job_name="chain48", signal_lead=60)
+                          str(work / "digest.json")], time="3", job_name="chain48", signal_lead=60)
     text = text.replace("set -eo pipefail\n", "set -eo pipefail\nexport OMP_NUM_THREADS=1\n")
     text = text.replace("exec phoenix-run ", f"exec {shlex.quote(PHOENIX_RUN)} ")
     path = work / "job.sbatch"
@@ -48,9 +48,10 @@ def _script(work: Path, slow: Path) -> Path:
     return path
 
 
-def _submit(cluster: SlurmCluster, script: Path, work: Path, n: int) -> tuple[str, Path]:
+def _submit(cluster: SlurmCluster, script: Path, work: Path, n: int, *extra: str) -> tuple[str, Path]:
+    """``extra``: sbatch options over the script's own (a longer --time: its --signal not due during the job)."""
     out = work / f"job{n}.out"
-    job = cluster.run(["sbatch", "--parsable", "-o", str(out), str(script)], cwd=str(work)).stdout.strip().split(";")[0]
+    job = cluster.run(["sbatch", "--parsable", "-o", str(out), *extra, str(script)], cwd=str(work)).stdout.strip().split(";")[0]
     return job, out
 
 
@@ -83,7 +84,7 @@ def test_chain_of_allocations_saves_at_each_end_and_resumes(slurm_cluster: Slurm
     wait_all_idle(cluster)
 
     # 1. scancel --signal=USR1 --batch once training runs
-    job, out = _submit(cluster, script, work, 1)
+    job, out = _submit(cluster, script, work, 1, "--time=20")
     try:
         wait_for("job 1 training at step >= 5", lambda: status(run_dir).get("step", -1) >= 5 or job_record(cluster, job).get("JobState") in ENDED,
                  timedelta(seconds=300), interval=0.5)
@@ -103,7 +104,8 @@ def test_chain_of_allocations_saves_at_each_end_and_resumes(slurm_cluster: Slurm
     assert f"resume with: phoenix-run --resume {run_dir}" in read(out), summary
     assert_no_leftovers(run_dir)
 
-    # 2. the same script again: it resumes by itself, and runs into its time limit (2 min, USR1 60 s ahead)
+    # 2. the same script again: it resumes by itself, and runs into its time limit (3 min; USR1 60 s ahead, which
+    # Slurm may send up to a minute earlier still)
     wait_all_idle(cluster)
     job, out = _submit(cluster, script, work, 2)
     try:
@@ -125,7 +127,7 @@ def test_chain_of_allocations_saves_at_each_end_and_resumes(slurm_cluster: Slurm
     # 3. again, at full speed: it resumes and trains to the end, with the failure-free digest
     slow.unlink()
     wait_all_idle(cluster)
-    job, out = _submit(cluster, script, work, 3)
+    job, out = _submit(cluster, script, work, 3, "--time=20")
     try:
         rec = _end(cluster, job, out)
     except BaseException:
