@@ -297,8 +297,10 @@ def _report(sup, code: int) -> None:
 
 
 @app.command("status")
-def status(run_dir: Optional[str] = typer.Argument(None, help="Run directory (default: the newest under .).")) -> None:
+def status(run_dir: Optional[str] = typer.Argument(None, help="Run directory (default: the newest under .)."),
+           run_dir_opt: Optional[str] = typer.Option(None, "--run-dir", help="The same, as kill-node takes it.")) -> None:
     """Print the live snapshot of a job from its run directory."""
+    run_dir = run_dir or run_dir_opt
     import json
 
     from phoenix_launch.observe.events import find_run_dir

@@ -52,3 +52,7 @@ def test_loss_reaches_the_metrics_the_events_tensorboard_and_the_report(tmp_path
     assert [s.step for s in acc.Scalars("loss")] == list(range(0, 40, 2)) + [39]
     rep = subprocess.run(phoenix_cmd("report", str(run_dir)), cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr
+    # the figures of a finished job stay true: its final step, no ETA (``status --run-dir`` as kill-node takes it)
+    st = subprocess.run(phoenix_cmd("status", "--run-dir", str(run_dir)), cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert st.returncode == 0 and "state=succeeded" in st.stdout and "step=40 " in st.stdout, st.stdout + st.stderr
+    assert "step 40/40 (100%)" in st.stdout and "ETA" not in st.stdout, st.stdout
