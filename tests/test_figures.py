@@ -107,3 +107,13 @@ def test_events_file_keeps_progress_bounded(tmp_path, monkeypatch):
     i = next(k for k, e in enumerate(lines) if e["type"] == "hotswap")
     assert lines[i - 1]["type"] == "progress" and lines[i - 1]["step"] == week // 4 + 7  # the newest before it
     assert lines[-2]["type"] == "progress" and lines[-2]["step"] == week // 2 - 1 and lines[-1]["type"] == "job_end"
+
+
+def test_event_line_keeps_a_root_cause_short():
+    """A failed job's job_end: one readable line, not the traceback twice as a dict repr."""
+    from phoenix_launch.observe.ui import format_event
+
+    tb = "Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: boom"
+    line = format_event({"type": "job_end", "t": 1.0, "state": "failed", "exit_code": 1,
+                         "root_cause": {"node": "node0", "rank": 0, "exit_code": 1, "traceback": tb, "log_tail": tb}})
+    assert "\n" not in line and "Traceback" not in line and "root_cause={node=node0, rank=0, exit_code=1}" in line, line

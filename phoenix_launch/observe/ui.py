@@ -12,9 +12,18 @@ from typing import Any, TextIO
 
 
 def format_event(ev: dict[str, Any]) -> str:
+    """One line: a nested value (a root cause with its traceback) by its short fields only; the traceback is
+    printed once, readable, at the end (cli._report), and the whole value is in events.jsonl."""
     t = time.strftime("%H:%M:%S", time.localtime(ev.get("t", time.time())))
-    fields = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("v", "t", "type", "argv") and v is not None)
+    fields = " ".join(f"{k}={_short(v)}" for k, v in ev.items() if k not in ("v", "t", "type", "argv") and v is not None)
     return f"{t} phoenix {ev.get('type')}: {fields}"
+
+
+def _short(v: Any) -> Any:
+    if isinstance(v, dict):
+        parts = [f"{k}={x}" for k, x in v.items() if isinstance(x, (int, float, str)) and x is not None and len(str(x)) <= 60]
+        return "{" + ", ".join(parts) + "}"
+    return v
 
 
 def render(snap: dict[str, Any]):
