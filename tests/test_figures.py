@@ -117,3 +117,28 @@ def test_event_line_keeps_a_root_cause_short():
     line = format_event({"type": "job_end", "t": 1.0, "state": "failed", "exit_code": 1,
                          "root_cause": {"node": "node0", "rank": 0, "exit_code": 1, "traceback": tb, "log_tail": tb}})
     assert "\n" not in line and "Traceback" not in line and "root_cause={node=node0, rank=0, exit_code=1}" in line, line
+
+
+def test_report_shows_a_chain_of_jobs_not_no_failure():
+    """A SIGTERM that saved from memory, then --resume: the report lists both jobs (how each ended, what it saved,
+    where the next resumed) instead of 'No failure in this run'; the loss is drawn beside the step time."""
+    from phoenix_launch.report import build_timeline
+    from phoenix_launch.report.charts import draw_all, time_axis
+    from phoenix_launch.report.page import render_page
+
+    evs = [{"type": "job_start", "t": 0.0, "run_id": "r", "nodes": 2, "nproc_per_node": 1, "spares": 0, "argv": ["t.py"]},
+           {"type": "progress", "t": 5.0, "step": 10, "step_time_s": 0.2, "sps": 5.0, "total": 50, "scalars": {"step": 10, "loss": 4.5}},
+           {"type": "salvaged", "t": 9.0, "step": 12, "took_s": 1.5},
+           {"type": "job_end", "t": 10.0, "state": "failed", "exit_code": 143, "reason": "received SIGTERM"},
+           {"type": "job_start", "t": 50.0, "run_id": "r", "nodes": 2, "nproc_per_node": 1, "spares": 0, "argv": ["t.py"],
+            "resume": "/x/persist/step_000000012"},
+           {"type": "progress", "t": 55.0, "step": 30, "step_time_s": 0.2, "sps": 5.0, "total": 50, "scalars": {"step": 30, "loss": 3.1}},
+           {"type": "job_end", "t": 60.0, "state": "succeeded", "exit_code": 0}]
+    tl = build_timeline(evs)
+    assert [(j["saved"], (j["end"] or {}).get("exit_code")) for j in tl.jobs] == [(12, 143), (None, 0)]
+    html = render_page(tl, {}, None)
+    assert "No failure in this run." not in html and "stopped 1 time(s) and resumed" in html
+    assert "Jobs in this run directory (2)" in html and "saved step 12 from memory" in html and "from step 12" in html
+    assert time_axis(tl) == (1.0, "s")
+    pytest.importorskip("matplotlib")
+    assert draw_all(tl, None)["progress"]

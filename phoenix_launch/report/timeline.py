@@ -127,6 +127,9 @@ class Timeline:
     resizes: list[dict[str, Any]] = field(default_factory=list)  # shrink and grow events, each with its recovery's cost
     counts: dict[str, int] = field(default_factory=dict)
     skipped_lines: int = 0
+    #: the jobs this run directory held, in order (a chain of allocations, ``--resume``): each job_start, job_end
+    #: (None: killed or running) and the step it saved from memory at its end (``salvaged``), if any
+    jobs: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def duration_s(self) -> float:
@@ -284,6 +287,15 @@ def _spares_over_time(events: list[dict[str, Any]], job: dict[str, Any], t0: flo
     return series
 
 
+def _job_event(jobs: list[dict[str, Any]], kind: str, ev: dict[str, Any]) -> None:
+    if kind == "job_start":
+        jobs.append({"start": ev, "end": None, "saved": None})
+    elif jobs and kind == "job_end":
+        jobs[-1]["end"] = ev
+    elif jobs:
+        jobs[-1]["saved"] = ev.get("step")
+
+
 def _cost_of_resize(resizes: list[dict[str, Any]], rec: dict[str, Any]) -> None:
     """A shrink's or grow's recovery event gives its cost (fault, or decision, to the first step after): it belongs to
     the latest resize of its path that has none yet (a resize superseded by the next failure keeps none)."""
@@ -308,6 +320,8 @@ def build_timeline(events: list[dict[str, Any]], skipped: int = 0) -> Timeline:
     for ev in events:
         kind = str(ev.get("type"))
         tl.counts[kind] = tl.counts.get(kind, 0) + 1
+        if kind in ("job_start", "job_end", "salvaged"):
+            _job_event(tl.jobs, kind, ev)
         if kind == "progress":
             step = number(ev.get("step"))
             tl.progress.append(ProgressPoint(float(ev["t"]), int(step) if step is not None else None,
