@@ -17,6 +17,7 @@ import time
 
 import torch.distributed as dist
 
+from phoenix_runtime import state
 from phoenix_runtime.errors import comm_evidence
 from phoenix_runtime.plane import protocol
 from phoenix_runtime.plane.context import GenerationAbandoned
@@ -62,8 +63,11 @@ class StepGuard:
         ctx, rs, ops = self.ctx, self.rs, self.ops
         ops.recover_if_pending()
         step = rs.step
-        if rs.reapply is not None:
-            ops.reapply_envelope(step)
+        if rs.reapply is not None:  # a survivor ran the code after ``with step():`` for the step it abandoned (a
+            R, meta = rs.reapply    # ``sched.step()`` there): S_R's loop objects, RNG and hyperparameters again
+            rs.reapply = None
+            if R == step:
+                state.restore_envelope(meta, ops.objs)
         rs.opt_started = False
         ops.faults.step = step
         try:

@@ -579,15 +579,6 @@ class ProtectedTraining:
             state.restore_envelope(meta, self.objs)
             self.rs.reapply = (R, meta)
 
-    def reapply_envelope(self, step: int) -> None:
-        """At the boundary of the resume step: the loop's objects, RNG and hyperparameters as S_R holds them again.
-        A survivor runs the code after ``with step():`` for the step it abandoned (``sched.step()`` there moves its
-        scheduler one step ahead of a joiner's); restored here, every rank starts R from the same state."""
-        R, meta = self.rs.reapply or (None, None)
-        self.rs.reapply = None
-        if R == step and meta is not None:
-            state.restore_envelope(meta, self.objs)
-
     def fresh_state(self, R: int) -> tuple[dict, dict]:
         """A joiner at the first step of this attempt: (optimizer shard, envelope). Fresh, its own live state
         is the lost rank's (same script, same point); in an attempt that resumed from a persistent checkpoint

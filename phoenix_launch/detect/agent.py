@@ -66,13 +66,13 @@ def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
     a collective is left to the collective timeout). Until the rank completed a step since it entered training
     (``hb.warm`` False: its first step after a start or a recovery), no step is a hang only after
     ``first_step_timeout_s``: that step builds what the loop needs (DDP's broadcast, torch.compile). A rank
-    whose loop completed its last step (``finished``) and whose heartbeat then went silent is stuck in its
-    own teardown ("teardown"): the agent ends it, and the supervisor counts it finished, not failed."""
+    whose loop completed its last step (``finished``), its heartbeat then silent, is stuck in its teardown
+    ("teardown"): the agent ends it, and the supervisor counts it finished, not failed."""
     silent = now - hb.t
-    if hb.phase in ("starting", "spare"):
+    if hb.phase in ("starting", "spare") or (hb.phase == "finished" and silent <= hang_timeout_s):
         return None
-    if hb.phase == "finished":  # its loop completed its last step: a stall now is in the script's own teardown
-        return ("teardown", silent) if silent > hang_timeout_s else None
+    if hb.phase == "finished":  # its loop completed its last step: a stall now is in its own teardown
+        return "teardown", silent
     limit = first_step_timeout_s if hb.warm is False and first_step_timeout_s else hang_timeout_s
     if hb.phase == "training" and hb.t_step is not None and now - hb.t_step > limit:
         if hb.blocked_in == "collective" and silent <= hang_timeout_s:
@@ -444,8 +444,7 @@ class Agent:
             if hung is None:
                 continue
             why, seconds = hung
-            state = _proc_state(r.proc.pid)
-            self.q_sup.put(protocol.RankHang(self.node, r.slot, round(seconds, 3), hb.step, why, state))  # type: ignore[union-attr]
+            self.q_sup.put(protocol.RankHang(self.node, r.slot, round(seconds, 3), hb.step, why, _proc_state(r.proc.pid)))  # type: ignore[union-attr]
             _signal(r.proc, signal.SIGKILL)  # its peers' collectives now fail at once
             r.started = now  # report once
 
