@@ -65,3 +65,45 @@ def test_rank_output_on_the_console_per_rank_map(tmp_path):
     logs = {p.name: p.read_text() for p in (run_dir / "logs" / "node0").glob("*.0.log")}
     assert "hello out 0" in logs["0.0.log"] and "hello err 0" in logs["0.0.log"]
     assert "hello out 1" in logs["1.0.log"]
+
+
+def test_a_console_that_does_not_keep_up_never_stalls_the_ranks(monkeypatch):
+    """The sink blocks (a pipe nobody reads): the agents' pipes are still read, lines past the queue's bound
+    are dropped from the console and counted, and said once the console drains."""
+    import os
+    import threading
+    import time
+
+    from phoenix_launch.observe import rank_output
+    from phoenix_launch.observe.rank_output import Relay
+
+    gate = threading.Event()
+    got: list[tuple[str, bool]] = []
+
+    def slow_sink(text, err):
+        gate.wait(30)
+        got.append((text, err))
+
+    monkeypatch.setattr(Relay, "QUEUE_LINES", 50)
+    monkeypatch.setattr(Relay, "_queue", None)
+    monkeypatch.setattr(Relay, "_dropped", 0)
+    monkeypatch.setattr(Relay, "sink", slow_sink)
+    r, w = os.pipe()
+    Relay.attach(os.fdopen(r, "rb"), "t")
+    t0 = time.monotonic()
+    with os.fdopen(w, "wb") as f:  # 1,000 lines: the writer's pipe never fills although the sink is stuck
+        for i in range(1000):
+            f.write(rank_output.frame(rank_output.OUT, "[node0/0]", f"line {i}\n".encode()))
+    assert time.monotonic() - t0 < 10
+    deadline = time.monotonic() + 10
+    while Relay._dropped < 949 and time.monotonic() < deadline:  # 1,000 - 50 queued - 1 held by the stuck sink
+        time.sleep(0.01)
+    for t in [t for t in threading.enumerate() if t.name == "console-t"]:
+        t.join(10)  # the pipe read to its end: nothing more to count
+    assert Relay._dropped in (949, 950)  # 950: the writer took its first line after the queue had filled
+    gate.set()
+    Relay.drain(10)
+    deadline = time.monotonic() + 10
+    while not any("not shown" in t for t, _ in got) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got[0] == ("[node0/0]: line 0", False) and any("line(s) of the ranks' output not shown" in t and e for t, e in got), got[-3:]

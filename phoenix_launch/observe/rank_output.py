@@ -14,6 +14,7 @@ with one byte naming the stream (:func:`frame`); the backend gives the superviso
 from __future__ import annotations
 
 import os
+import queue
 import re
 import sys
 import threading
@@ -86,10 +87,16 @@ def plain_sink(text: str, err: bool) -> None:
 
 
 class Relay:
-    """The supervisor's side: one daemon thread per agent's stdout, each line handed to ``sink`` (the UI's
-    ``print_line`` once the UI is up: :func:`set_sink`)."""
+    """The supervisor's side: one daemon thread per agent's stdout reads its lines into a bounded queue; one
+    writer thread hands them to ``sink`` (the UI's ``print_line`` once the UI is up: :func:`set_sink`). A
+    console that does not keep up (a pipe nobody reads) never stalls the agents, and so the ranks: past
+    ``QUEUE_LINES`` waiting, lines are dropped from the console (counted, said once it drains; the log files
+    have them)."""
 
+    QUEUE_LINES = 10000
     sink: Sink = plain_sink
+    _queue: "queue.Queue[tuple[str, bool]] | None" = None
+    _dropped = 0
     _lock = threading.Lock()
 
     @classmethod
@@ -98,18 +105,26 @@ class Relay:
 
     @classmethod
     def attach(cls, stream: IO[bytes] | None, name: str = "") -> None:
-        if stream is not None:
-            threading.Thread(target=cls._pump, args=(stream,), name=f"console-{name}", daemon=True).start()
+        if stream is None:
+            return
+        with cls._lock:
+            if cls._queue is None:
+                cls._queue = queue.Queue(cls.QUEUE_LINES)
+                threading.Thread(target=cls._write, name="console-writer", daemon=True).start()
+        threading.Thread(target=cls._pump, args=(stream,), name=f"console-{name}", daemon=True).start()
 
     @classmethod
     def _pump(cls, stream: IO[bytes]) -> None:
+        q = cls._queue
+        assert q is not None
         try:
             for raw in iter(stream.readline, b""):
                 err = raw[:1] == b"2"
                 body = raw[1:] if raw[:1] in (b"1", b"2") else raw
-                text = body.decode(errors="replace").rstrip("\n")
-                with cls._lock:
-                    cls.sink(text, err)
+                try:
+                    q.put_nowait((body.decode(errors="replace").rstrip("\n"), err))
+                except queue.Full:
+                    cls._dropped += 1
         except (OSError, ValueError):
             pass
         finally:
@@ -117,3 +132,24 @@ class Relay:
                 stream.close()
             except OSError:
                 pass
+
+    @classmethod
+    def _write(cls) -> None:
+        q = cls._queue
+        assert q is not None
+        while True:
+            text, err = q.get()
+            if cls._dropped and q.empty():
+                n, cls._dropped = cls._dropped, 0
+                cls.sink(f"phoenix-run: {n} line(s) of the ranks' output not shown (the console did not keep up); "
+                         "they are in RUN_DIR/logs", True)
+            cls.sink(text, err)
+
+    @classmethod
+    def drain(cls, timeout_s: float = 2.0) -> None:
+        """Wait (bounded) until the queued lines were handed to the sink: before the UI closes."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while cls._queue is not None and not cls._queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)

@@ -101,6 +101,9 @@ class LiveUI:
         self.live.console.print(Text(text, style="red" if err else ""), soft_wrap=True)
 
     def close(self, snap: dict[str, Any]) -> None:
+        from phoenix_launch.observe.rank_output import Relay
+
+        Relay.drain()  # the ranks' last lines above the final frame
         if snap:
             self.live.update(render(snap))
         self.live.stop()
@@ -150,6 +153,9 @@ class PlainUI:
         plain_sink(text, err)
 
     def close(self, snap: dict[str, Any]) -> None:
+        from phoenix_launch.observe.rank_output import Relay
+
+        Relay.drain()
         self._flush()
         if snap:
             self._progress(snap, final=True)
