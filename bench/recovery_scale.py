@@ -141,12 +141,16 @@ def sample(job: Job, store_port: int) -> dict[str, dict]:
         except psutil.NoSuchProcess:
             continue
         kinds = dict.fromkeys(SOCK_KINDS, 0)
+        peers = []
         for c in conns:
             if c.raddr.port == store_port:
                 kinds["store"] += 1
             else:
-                kinds[{"rank": "ranks", "launcher": "launcher"}.get(owners.get(c.raddr.port), "other")] += 1
-        out[r] = {**kinds, "total": len(conns), "threads": threads}
+                kind = {"rank": "ranks", "launcher": "launcher"}.get(owners.get(c.raddr.port), "other")
+                kinds[kind] += 1
+                if kind == "ranks":
+                    peers.append((c.laddr.port, c.raddr.port))
+        out[r] = {**kinds, "total": len(conns), "threads": threads, "peers": peers}
     return out
 
 
@@ -200,6 +204,30 @@ def formation(run_dir: Path) -> dict[int, list[tuple[float, float]]]:
     return out
 
 
+RESUMED = re.compile(r"^\[phoenix [\d:.]+ rank (\d+)\] generation (\d+): resumed at step \d+ \((\{.*\})\)")
+
+
+def breakdowns(run_dir: Path, gen: int) -> dict[int, dict]:
+    """Rank -> its recovery's breakdown in generation ``gen`` (the runtime's log line "resumed at step R ({...})":
+    its phases, ``cpu_s``, every thread's CPU in the recovery, and ``store_calls``, its central round trips)."""
+    import ast
+
+    out = {}
+    for f in sorted((run_dir / "logs").glob("*/*.log")):
+        for line in f.read_text(errors="replace").splitlines():
+            m = RESUMED.match(line)
+            if m and int(m[2]) == gen:
+                out[int(m[1])] = ast.literal_eval(m[3])
+    return out
+
+
+def opened(before: dict, after: dict) -> dict[str, int]:
+    """Node -> the connections to other ranks its rank holds after the recovery that it did not hold before (the
+    spare's rank: all of them): what the recovery and its first steps opened."""
+    return {node: len(set(map(tuple, a["peers"])) - set(map(tuple, before.get(node, {}).get("peers", ()))))
+            for node, a in after.items()}
+
+
 # ------------------------------------------------------------------------------------------ one measurement
 
 def measure(td: Path, n: int, rep: int, a) -> dict:
@@ -227,8 +255,11 @@ def measure(td: Path, n: int, rep: int, a) -> dict:
         after_step = job.steps()
         wait(lambda: job.alive() or job.steps() >= after_step + a.warm_steps, 300, f"N={n}: no training after recovery in 300 s")
         after = sample(job, store_port)
+        per = breakdowns(job.run_dir, 1)
         return {"n": n, "rec": rec, "before": before, "after": after, "forms": formation(job.run_dir), "spare": spare,
-                "step_at_kill": step_at_kill, "load": uptime, "cpu": cpu}
+                "step_at_kill": step_at_kill, "load": uptime, "cpu": cpu, "opened": opened(before, after),
+                "cpu_per_rank": [b.get("cpu_s", 0.0) for b in per.values()],
+                "calls_per_rank": [b.get("store_calls", 0) for b in per.values() if "store_calls" in b]}
     finally:
         job.stop()
 
@@ -271,7 +302,7 @@ def print_sockets(res: list[dict]) -> None:
                 continue
             m = {k: med([p[k] for p in per]) for k in (*SOCK_KINDS, "total", "threads")}
             tot = [p["total"] for p in per]
-            own = [p["ranks"] - (n - 1) for p in per]  # torch's default group connects every rank to every other
+            own = [p["ranks"] for p in per]  # gloo groups connect lazily: a rank's pairs, its ring neighbours
             print(f"  N={n:3d} {when:6s}: " + " / ".join(f"{m[k]:g}" for k in SOCK_KINDS)
                   + f" = {m['total']:g} [{min(tot)}-{max(tot)}], threads {m['threads']:g} ({len(per)} ranks); to other ranks "
                   f"besides torch's default group (N - 1 each): {med(own):g} [{min(own)}-{max(own)}]")
@@ -308,6 +339,32 @@ def print_fits(res: list[dict]) -> None:
     own = {n: med([r["rec"]["recovered_s"] - med([b for _, b in r["forms"].get(1, [])]) for r in res if r["n"] == n]) for n in (lo, hi)}
     print(f"ratio without torch's default group (recovered_s less the median rank's default-group formation in generation 1): "
           f"{own[hi]:.3f} / {own[lo]:.3f} s = {own[hi] / own[lo]:.2f}x")
+
+
+def print_per_rank(res: list[dict]) -> None:
+    """What one rank's recovery costs it, per N: connections to other ranks opened, central-store round trips, CPU
+    seconds (median and max over the ranks; a repeat's medians pooled), and the critical path (the kill -> every
+    rank's first step after the recovery); then each one's ratio between the largest and the smallest N."""
+    ns = sorted({r["n"] for r in res})
+    rows = {}
+    print(f"\nper rank, the recovery alone (median / max over the ranks):\n{'N':>4s} {'conns opened':>14s} "
+          f"{'store round trips':>18s} {'CPU s':>16s} {'kill->first step s':>19s}")
+    for n in ns:
+        rs = [r for r in res if r["n"] == n]
+        conns = [c for r in rs for c in r["opened"].values()]
+        calls = [c for r in rs for c in r["calls_per_rank"]]
+        cpu = [c for r in rs for c in r["cpu_per_rank"]]
+        crit = med([r["rec"]["total_s"] for r in rs])
+        rows[n] = (med(conns) if conns else float("nan"), med(calls) if calls else float("nan"), med(cpu) if cpu else float("nan"), crit)
+        print(f"{n:4d} {rows[n][0]:7g} / {max(conns, default=0):<5g} {rows[n][1]:9g} / {max(calls, default=0):<6g} "
+              f"{rows[n][2]:8.4f} / {max(cpu, default=0):<6.4f} {crit:19.3f}")
+    if len(ns) > 1:
+        lo, hi = ns[0], ns[-1]
+        for i, (what, target) in enumerate((("connections opened per rank", 1.5), ("central round trips per rank", 1.5),
+                                            ("CPU s per rank", 1.5), ("kill -> first step", 2.0))):
+            a, b = rows[lo][i], rows[hi][i]
+            ratio = b / a if a else float("inf") if b else 1.0
+            print(f"  {what}: N={hi} / N={lo} = {ratio:.2f}x (target <= {target:g}x) {'met' if ratio <= target else 'NOT met'}")
 
 
 def print_cpu_floor(res: list[dict], ns: list[int]) -> None:
@@ -425,6 +482,7 @@ def main():
                       flush=True)
     if res:
         print_table(res)
+        print_per_rank(res)
         print_sockets(res)
         print_fits(res)
         if a.json_out:

@@ -68,6 +68,7 @@ COMM_EVIDENCE: tuple[CommEvidence, ...] = (
     CommEvidence("nccl-watchdog", r"Watchdog caught collective operation timeout|watchdog callback timed out"),
     CommEvidence("nccl-aborted", r"NCCL communicator was aborted"),
     CommEvidence("ib-completion", r"NET/IB ?: Got completion from peer"),
+    CommEvidence("device-stall", r"stuck behind earlier device work"),  # snapshot.DeviceStall: a collective on the GPU
     CommEvidence("store-recv", r"failed to recv, got 0 bytes|recvValue failed|\bSocket Timeout\b|DistNetworkError|DistStoreError"),
     CommEvidence("closed-or-reset", r"connection (?:closed|reset)", classify=False),
     CommEvidence("timeout", r"timed out|timeout", classify=False),

@@ -182,9 +182,9 @@ class Parallel:
         (``src_data_rank=None``). Either way a joiner holds the lost rank's shards at the run's first step
         when the ranks initialise the model alike (the recovery keeps them, or restores the lost rank's state)."""
         mesh = self.build_mesh(gen)
+        if local:  # a joiner, materialised or not: its peers never join DTensor's RNG broadcast (CUDA meshes)
+            _no_rng_sync(mesh)
         if on_meta(model):
-            if local:
-                _no_rng_sync(mesh)
             self.fn(model, mesh)
             materialise(model, self.device, init=True)
         elif local:

@@ -60,6 +60,7 @@ class TrainingOps(Protocol):
     protection: Any  # this generation's ProtectionSession, or None
     d2h: Any  # the local snapshot engine (snapshot.D2H), or None without protection
     pace: Any  # pace.Pace: this rank's own time per step
+    device_steps: Any  # device_steps.DeviceSteps: which steps completed on the device before an abort
 
     # protection
     def protect_due(self, step: int) -> bool: ...

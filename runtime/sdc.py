@@ -15,6 +15,7 @@ import logging
 import torch
 
 from phoenix_runtime import state
+from phoenix_runtime.errors import PhoenixError
 from phoenix_runtime.faults import flip_bit
 from phoenix_runtime.parallel import local_of
 from phoenix_runtime.plane import protocol
@@ -97,7 +98,7 @@ class SdcMonitor:
                                            loop=state.loop_fingerprint(snap.meta if snap is not None else None)))
 
 
-class Disagreement(RuntimeError):
+class Disagreement(PhoenixError, RuntimeError):
     """The ranks that must hold the same parameters do not, at the end of training."""
 
 

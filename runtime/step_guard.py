@@ -23,6 +23,7 @@ from phoenix_runtime.plane import protocol
 from phoenix_runtime.plane.context import GenerationAbandoned
 from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.protection.commit import FINGERPRINT_MISMATCH
+from phoenix_runtime.protection.snapshot import DeviceStall
 from phoenix_runtime.protection.transport import TransportError
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.protection.wire import ReplicationError
@@ -35,8 +36,8 @@ def looks_like_comm_failure(e: BaseException) -> bool:
     itself or as the cause it was raised from (a pipeline schedule re-raises a stage's error as a RuntimeError
     of its own, ``from`` the collective's)."""
     for _ in range(8):  # the chain of causes, bounded
-        if isinstance(e, (ReplicationError, TransportError, dist.DistError)):
-            return True
+        if isinstance(e, (ReplicationError, TransportError, dist.DistError, DeviceStall)):
+            return True  # DeviceStall: the device stuck behind a collective (NCCL's waits do not block the host)
         if isinstance(e, RuntimeError) and comm_evidence(str(e)) is not None:
             return True
         e = e.__cause__
@@ -100,9 +101,11 @@ class StepGuard:
         ops.reduce_grads()  # pipeline: the gradients averaged across the stage's DP peers (a collective)
         if ops.protect_on and ops.protection is not None and rs.last_protected == step:
             self.wait_replicated(step)  # S_k committed locally and at its replicas before the optimizer mutates it
+        ops.device_steps.settle()  # the steps the device completed meanwhile (S_step's copy waited for the last)
         rs.opt_started = True
         ops.objs.optimizer.step()  # phase "optimizer" faults fire inside it (a post-hook of the local optimizer)
         ops.objs.optimizer.zero_grad(set_to_none=True)
+        ops.device_steps.mark(step)  # the step is complete when this event is (device_steps.py)
 
     def wait_replicated(self, step: int) -> None:
         """S_step committed locally and at its replicas (bounded): only on protected steps (every m-th)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from typing import Any, Iterator
 
@@ -19,9 +20,11 @@ import torch.distributed as dist
 
 from phoenix_runtime.recover import persist, resize
 from phoenix_runtime.plane import protocol
-from phoenix_runtime import state
+from phoenix_runtime import state, zero
 from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.control import STATE
+from phoenix_runtime.device_steps import DeviceSteps, bit_identity_gaps, cuda_event_factory, stream_probe
+from phoenix_runtime.plane.failover import CALLS
 from phoenix_runtime.faults import FaultInjector
 from phoenix_runtime.pace import Pace
 from phoenix_runtime.parallel import reshard
@@ -66,11 +69,16 @@ class ProtectedTraining:
         self.params_sharded = parallel is not None and not parallel.replicated
         self.rs = RankState(every=self.settings.protect_every)  # what the step guard and the recovery read and change
         self.protection: ProtectionSession | None = None
-        self.faults = FaultInjector(self.settings.faults, ctx.node, getattr(ctx, "store", None), ctx.report, ctx.abort_groups,
+        # a step is complete when its kernels completed on the device (device_steps.py); the CPU marks nothing
+        self.device_steps = DeviceSteps(cuda_event_factory(ctx.device) if self.protect_on else None,
+                                        lambda: [dist.group.WORLD, *ctx.mesh_groups] if dist.is_initialized() else [])
+        self.faults = FaultInjector(self.settings.faults, ctx.node, getattr(ctx, "store", None), ctx.report, self._abort_groups,
                                     late_s=self.settings.replica_timeout_s + 2.0)
         self.faults.where(ctx.rank, ctx.gen)
         if ctx.managed:
             ctx.ctl.on_fault.append(self.faults.on_message)
+            # first: before the context aborts the groups on a new generation, what completed on the device is seen
+            ctx.ctl.on_gen_change.insert(0, lambda g: self.device_steps.freeze() if g > ctx.gen else None)
         self.d2h: D2H | None = None
         if self.protect_on:
             # the boundary's buffers, captured just before (an empty dict when the model has none: not walked again)
@@ -101,6 +109,11 @@ class ProtectedTraining:
         self._warned_layout = False
         self._old_live = None  # FSDP2 resized: this rank's live state in the old shard layout (reparallelize)
         STATE.runtime = True
+        STATE.device_pending = stream_probe(ctx.device)  # a wait at a device sync is a wait, not a hang (control.py)
+        gaps = bit_identity_gaps(ctx.device.type, ctx.backend, torch.are_deterministic_algorithms_enabled(), os.environ)
+        if gaps and ctx.rank == 0:
+            log.warning("a resume on this GPU job may differ from the uninterrupted run in the last bits; bit-identity "
+                        f"needs: {'; '.join(gaps)} (README: GPUs)")
         STATE.enter("training")
         ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=self.shrinkable_dp()))
 
@@ -235,6 +248,11 @@ class ProtectedTraining:
         gc.collect()
 
     # --- wiring ----------------------------------------------------------------------------------------------
+    def _abort_groups(self) -> None:
+        """Abort the generation's groups (an injected comm fault), having first seen what the device completed."""
+        self.device_steps.freeze()
+        self.ctx.abort_groups()
+
     def shard_named(self, buffers: dict | None) -> list:
         """The region replicated to k peers (see ``state.shard_named``)."""
         return state.shard_named(self.objs.optimizer, self.replicated, buffers, self.objs.module if self.params_sharded else None)
@@ -316,51 +334,20 @@ class ProtectedTraining:
             local.register_step_post_hook(self.faults.optimizer_hook)
 
     def rebuild_optimizer(self) -> None:
-        """ZeRO keeps the group it was built with: re-initialise it IN PLACE on the new group, keeping the
-        local state and the param groups' hyperparameters, so that the user's references (their own variable,
-        an LR scheduler's ``optimizer``) keep acting on the live optimizer."""
+        """ZeRO keeps the group it was built with: re-initialised IN PLACE on the new group (``zero.rebuild``)."""
         if self.kind != "zero":
             return
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        zero = self.objs.optimizer
-        named = dict(state.optim_named(zero))
-        scalars = state.optim_scalars(zero)
-        groups = [dict(g) for g in zero.param_groups]
-        ZeroRedundancyOptimizer.__init__(zero, groups, optimizer_class=zero._optim_constructor,
-                                         parameters_as_bucket_view=zero.parameters_as_bucket_view, **zero._optim_defaults)
-        state.load_optim(zero, named, scalars)
+        zero.rebuild(self.objs.optimizer)
         self._hook_optimizer()
 
     def repartition_optimizer(self, lost: dict[int, tuple[dict, dict]]) -> None:
-        """ZeRO after a shrink or a grow, every survivor at S_R in the old partition (``restore_local``): the whole
-        optimizer state is gathered (each survivor's own shard, and a shrink's lost ranks' from the replicas held
-        here: ``lost``, old rank -> (its shard's named tensors, its envelope); a joiner holds none), ZeRO is
-        re-initialised in place on the new group (a new partition) and each rank keeps the state of the
-        parameters it owns now."""
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+        """ZeRO after a shrink or a grow, every survivor at S_R in the old partition (``zero.repartition``)."""
+        def gloo():  # the gather's CPU group under NCCL, aborted with the generation's others
+            g = zero.cpu_group(self.ctx.timeout)
+            self.ctx.add_groups([*self.ctx.mesh_groups, g]) if g is not None else None
+            return g
 
-        zero = self.objs.optimizer
-        old = zero._partition_parameters()  # the old world's partition: a lost rank's names are positions in it
-        index = {p: i for i, p in enumerate(zero._all_params)}
-        cpu = lambda v: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
-        held = {index[p]: {k: cpu(v) for k, v in st.items()} for p, st in zero.optim.state.items()}
-        for j, (named, meta) in sorted(lost.items()):
-            for name, v in {**named, **state.scalars_of(meta)}.items():
-                if not name.startswith(("b.", "p.")):
-                    gi, pi, key = name.split(".", 2)
-                    held.setdefault(index[old[j][int(gi)]["params"][int(pi)]], {})[key] = cpu(v)
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, held)
-        merged = {i: st for part in every for i, st in part.items()}
-        groups = [dict(g) for g in zero.param_groups]
-        ZeroRedundancyOptimizer.__init__(zero, groups, optimizer_class=zero._optim_constructor,
-                                         parameters_as_bucket_view=zero.parameters_as_bucket_view, **zero._optim_defaults)
-        local = zero.optim
-        for g in local.param_groups:
-            for p in g["params"]:
-                local.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() else v
-                                  for k, v in merged.get(index[p], {}).items()}  # absent: fresh (the first step)
+        zero.repartition(self.objs.optimizer, lost, gloo)
         self._hook_optimizer()
 
     def restore_resized(self, R: int, live: tuple[int, bool]) -> dict:
@@ -390,7 +377,7 @@ class ProtectedTraining:
         layout = self.layout()
         self.ctx.form_pairs(steady_pairs(layout, self.replicas))
         self.protection = ProtectionSession(self.d2h, self.ctx.new_transport(1), layout, self.ctx.rank, self.replicas,
-                                            self.settings, self.faults.copy_hook)
+                                            self.settings, self.faults.copy_hook, trusted=self.device_steps.trusted)
         if self.protection.replicator is not None:
             self.protection.replicator.on_mismatch = self.sdc.on_mismatch
         self._reported_layouts = -1  # each generation reports its protection once (and after a layout change)
@@ -488,7 +475,9 @@ class ProtectedTraining:
         return {sid: {s: r for s, r in by.items() if not self.at_rest.is_bad(r)} for sid, by in held.items()}
 
     def d2h_committed(self) -> dict:
-        return self.d2h.committed() if self.d2h is not None else {}
+        """The committed local snapshots this rank may offer: none whose state holds a step torn on the device."""
+        committed = self.d2h.committed() if self.d2h is not None else {}
+        return {s: snap for s, snap in committed.items() if self.device_steps.trusted(s)}
 
     def replica_of(self, shard: str, step: int):
         for sid, by_step in self.held_replicas().items():
@@ -531,18 +520,20 @@ class ProtectedTraining:
         live = None if self.ctx.joining else (rs.step, True)
         if live is not None and rs.first_step is None:
             rs.first_step = rs.step
-        RecoverySession(self.ctx, rs, self).run(self.ctx.gen, live, {"t0": time.time(), "cpu0": time.process_time()}, formed=True)
+        RecoverySession(self.ctx, rs, self).run(self.ctx.gen, live, {"t0": time.time(), "cpu0": time.process_time(), "calls0": CALLS[0]}, formed=True)
 
     def recover(self, cause: BaseException) -> None:
         """The step guard caught a failure: quiesce, then recover in the next generation."""
-        marks = {"t0": time.time(), "cpu0": time.process_time()}  # cpu0: this process's CPU (every thread) so far
+        marks = {"t0": time.time(), "cpu0": time.process_time(), "calls0": CALLS[0]}  # this process's CPU and store calls so far
         ctx = self.ctx
         STATE.enter("recovering")
         log.info(f"step {self.rs.step}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")
+        self.device_steps.freeze()  # what the device completed before the abort: the rest is torn (device_steps.py)
         ctx.abort_groups()  # pending transfers of the pipeline fail at once instead of timing out
         if not ctx.abandoned():  # the supervisor may not know yet (e.g. a transient link fault)
             ctx.report(protocol.RankError(gen=ctx.gen, error={"type": type(cause).__name__, "message": str(cause)[:2000]}))
         live = self.rs.live()
+        live = (live[0], live[1] and self.device_steps.trusted(live[0]))  # its step before was torn: not S_step
         self.teardown_protection()
         try:
             if self.d2h is not None:
@@ -593,6 +584,9 @@ class ProtectedTraining:
         """The recovery resumed at R: every shard of S_R is in two places again (the old replicas are freed) and
         the cadence restarts there, the supervisor's (raised when the copy did not fit) or the setting."""
         every = (protocol.read_protect_every(self.ctx.store) if self.ctx.managed else 0) or self.settings.protect_every
+        if self.device_steps.torn is not None and self.d2h is not None:
+            self.d2h.keep_only(R)  # a snapshot after R holds the torn step's effect: never offered again
+        self.device_steps.resumed()
         reapply = self.rs.reapply if self.rs.reapply and self.rs.reapply[0] == R else (R, self.rs.metas.get(R))
         self.rs.resumed_at(R, first, every)
         self.rs.reapply = reapply if reapply[1] is not None else None

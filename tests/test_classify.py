@@ -107,6 +107,11 @@ TABLE: dict[str, Row] = {
     "nccl-aborted": Row("error", "RuntimeError: NCCL communicator was aborted on rank 1. Original "
                         "reason for failure was: Work: WorkNCCL(OpType=ALLREDUCE, TensorShape=[1], "
                         "Timeout(ms)=2000) timed out in call to wait().", TC),
+    # this repository, runtime/protection/snapshot.py (``wait_timeout``: PHOENIX's own DeviceStall, a D2H copy behind a
+    # collective stuck on the GPU)
+    "device-stall": Row("error", "DeviceStall: D2H snapshot of step 8: the device did not reach it within 60 s (started "
+                        "61 s ago; newest committed step: 7): its stream is stuck behind earlier device work (a "
+                        "collective waiting on a peer)", TC),
     # pytorch/pytorch#149984 (description)
     "nccl-system": Row("log", "Collective WorkNCCL(SeqNum=2, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
                        "Timeout(ms)=1000000) raised the following async exception: NCCL error: "

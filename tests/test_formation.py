@@ -61,19 +61,19 @@ def ranks_json(script: Path, n: int, argv, timeout: float) -> dict[int, dict]:
 def test_a_rank_connects_only_the_pairs_it_uses_not_every_rank():
     """PHOENIX's own traffic (replica ring, commit barrier, recovery transfers) goes over 2-rank gloo groups, one a
     pair of ranks that exchange bytes (``pairs.py``): 8 real ranks form a protected generation (k=1) through
-    ``Context._form_groups``. Each holds the default group's N-1 sockets plus one a ring or tree partner (at most
-    2k + 3, here fewer than N-1: a world-sized group would double the N-1), the ring and the commit barrier run on
-    them, a peer without a pair is refused, a recovery's pairs are added for the ranks of its plan only, and an
-    abort fails the peer's pending receive at once."""
+    ``Context._form_groups``. Each holds one socket a ring or tree partner (at most 2k + 3) and two of the default
+    group's, its ring neighbours' (the others connect at their first use, issue 45; it was N - 1 a rank), the ring and the commit
+    barrier run on them, a peer without a pair is refused, a recovery's pairs are added for the ranks of its plan
+    only, and an abort fails the peer's pending receive at once."""
     n, k = 8, 1
     res = ranks_json(PAIRS_SCRIPT, n, lambda r, port: [r, n, k, port], timeout=150)
     for r, o in res.items():
         assert o["steady_peers"] == o["expected_peers"] and 0 < len(o["steady_peers"]) <= 2 * k + 3, o
-        assert o["sockets"] == (n - 1) + len(o["steady_peers"]), o  # the default group's, and one a pair
+        assert o["sockets"] == len(o["steady_peers"]) + 2, o  # one a pair; the default group's ring neighbours
         assert o["from_pred"] == (r - 1) % n, o
         added = {3: {5, 6}, 5: {3}, 6: {3}}.get(r, set())
         assert set(o["peers"]) == set(o["steady_peers"]) | added, o
-        assert o["sockets_after_recovery_pairs"] == (n - 1) + len(o["peers"]), o
+        assert o["sockets_after_recovery_pairs"] == len(o["peers"]) + 2, o
     assert max(len(o["steady_peers"]) for o in res.values()) < n - 1
     assert "formed no pair group with rank 4" in (res[0]["missing_pair"] or ""), res[0]
     assert res[3]["from_5"] == 55

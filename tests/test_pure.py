@@ -264,6 +264,12 @@ class DictStore:
     def check(self, keys):
         return all(k in self.d for k in keys)
 
+    def compare_set(self, k, expected, desired):
+        cur = self.d.get(k)
+        if (cur is None and expected == "") or cur == (expected.encode() if isinstance(expected, str) else expected):
+            self.set(k, desired)
+        return self.d.get(k, b"")
+
 
 def test_queue_in_order_and_skips_a_hole():
     st = DictStore()

@@ -312,24 +312,32 @@ def test_a_generation_is_formed_by_every_rank_or_by_none():
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
     far = time.monotonic() + 30
-    # generation 1: every rank arrived, the first to see it commits; the other saw generation 2 meanwhile
+    # generation 1: the last rank to arrive commits it; the other, which saw generation 2 meanwhile, follows
     pg1 = KeyRecorder(dist.PrefixStore("g1", store))
-    store.add("arrived1", 2)
     first, late = _forming(store, latest=1), _forming(store, latest=2)
-    first._wait_all("arrived1", 1, far, pg1)
-    late.store.add = lambda key, n: 1  # it read the count before the last arrival, then saw generation 2
-    late._wait_all("arrived1", 1, far, pg1)  # its "cancel" came second: it forms generation 1 too
+    first._wait_all(True, 1, far, pg1)
+    late._wait_all(False, 1, far, pg1)  # its "cancel" came second: it forms generation 1 too
     assert late._committed == (1, 0) and not late._may_leave(1)
     late.store.incarnation = 1  # a takeover: the commitment was made on the lost store
     assert late._may_leave(1)
-    # generation 2: one rank gives it up before the other arrived; the other then follows
+    # generation 2: one rank gives it up before the other arrived; the other, the last to arrive, then follows
     pg2 = KeyRecorder(dist.PrefixStore("g2", store))
-    store.add("arrived2", 1)
     with pytest.raises(GenerationAbandoned):
-        _forming(store, latest=3)._wait_all("arrived2", 2, far, pg2)
-    store.add("arrived2", 1)
+        _forming(store, latest=3)._wait_all(False, 2, far, pg2)
     with pytest.raises(GenerationAbandoned):
-        _forming(store, latest=2)._wait_all("arrived2", 2, far, pg2)
+        _forming(store, latest=2)._wait_all(True, 2, far, pg2)
+    # generation 3: a rank waits for the fate in the store (one blocking wait, not a poll of the count); the
+    # supervisor's next generation cancels it (``GenerationPublisher.publish``) and the wait ends at once
+    from phoenix_runtime.plane import protocol
+
+    pg3 = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(3), store))
+    waiter = _forming(store, latest=3)
+    sup = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))  # the supervisor's own
+    threading.Timer(0.3, lambda: sup.compare_set(protocol.k_fate(3), "", "cancel")).start()
+    t0 = time.monotonic()
+    with pytest.raises(GenerationAbandoned):
+        waiter._wait_all(False, 3, far, pg3)
+    assert time.monotonic() - t0 < 1.5  # woken by the key, not by its 2 s slice
 
 
 class _Clock:

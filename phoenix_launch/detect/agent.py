@@ -61,13 +61,12 @@ def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
     while that thread beats on). Outside training (start-up, a recovery, done) and from a rank without
     them, only a heartbeat silent for ``hang_timeout_s`` is. A warm spare idles by design; a starting rank
     may hold the GIL in imports: neither is judged by its heartbeat. When one rank's loop stalls, its peers
-    stop progressing too, blocked in the next collective: a rank whose main thread waits in a collective
-    (``blocked_in``) is not the hung one; the one stuck in its own code is (a job whose every rank waits in
-    a collective is left to the collective timeout). Until the rank completed a step since it entered training
-    (``hb.warm`` False: its first step after a start or a recovery), no step is a hang only after
-    ``first_step_timeout_s``: that step builds what the loop needs (DDP's broadcast, torch.compile). A rank
-    whose loop completed its last step (``finished``), its heartbeat then silent, is stuck in its teardown
-    ("teardown"): the agent ends it, and the supervisor counts it finished, not failed."""
+    stop progressing too, blocked in the next collective: one waiting there (or at a device sync, its stream busy:
+    ``blocked_in``) is not the hung one; the one stuck in its own code is (every rank waiting: the collective timeout).
+    Until the rank completed a step since it entered training (``hb.warm`` False: its first step after a start or a
+    recovery), no step is a hang only after ``first_step_timeout_s`` (that step builds DDP's broadcast, torch.compile).
+    A rank whose loop completed its last step (``finished``) and whose heartbeat then went silent is stuck in its own
+    teardown ("teardown"): the agent ends it, and the supervisor counts it finished, not failed."""
     silent = now - hb.t
     if hb.phase in ("starting", "spare") or (hb.phase == "finished" and silent <= hang_timeout_s):
         return None
@@ -75,8 +74,8 @@ def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
         return "teardown", silent
     limit = first_step_timeout_s if hb.warm is False and first_step_timeout_s else hang_timeout_s
     if hb.phase == "training" and hb.t_step is not None and now - hb.t_step > limit:
-        if hb.blocked_in == "collective" and silent <= hang_timeout_s:
-            return None  # waiting for a peer: the peer stuck in its own code is the hung one
+        if hb.blocked_in in ("collective", "device") and silent <= hang_timeout_s:
+            return None  # waiting for a peer (in a collective, or at a device sync behind one): not the hung one
         return "progress", now - hb.t_step
     if silent > hang_timeout_s:
         return "heartbeat", silent
@@ -142,7 +141,7 @@ class Agent:
         for k in list(env):
             if k.startswith(("PHOENIX_AGENT_",)):
                 del env[k]
-        env.update(auth.env_for_child())  # the job's secret: ranks get it only through their environment
+        env.update({**auth.env_for_child(), **protocol.nccl_env_defaults(env)})  # the job's secret; NCCL's defaults
         env.update(
             {
                 protocol.ENV_STORE_HOST: s.store_host,

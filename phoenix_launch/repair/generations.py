@@ -95,6 +95,9 @@ class GenerationPublisher:
         self.before_bump()  # a standby holds the new generation before any rank can see it
         protocol.put_value(self.store, protocol.K_GEN, str(self.gen))
         protocol.notify_ranks(self.store)
+        # the generation before is given up unless every rank arrived there (then it is "go" already): its ranks
+        # that wait for its fate learn it now, in the same round trip that waits (``Context._wait_all``)
+        self.store.compare_set(protocol.k_fate(self.gen - 1), "", "cancel")
         return mem
 
     def recovered(self) -> None:
@@ -105,7 +108,7 @@ class GenerationPublisher:
         gone = (self._seen | {r.node for r in self.stable.ranks}) - now  # a joiner lost mid-recovery too
         self._seen = set(now)
         self.stable = self.members
-        keys = [k for g in range(self.swept, self.gen) for k in (protocol.k_members(g), protocol.k_members_diff(g), protocol.k_arrived(g))]
+        keys = [k for g in range(self.swept, self.gen) for k in (protocol.k_members(g), protocol.k_members_diff(g), protocol.k_arrived(g), protocol.k_fate(g))]
         keys += [k for node in sorted(gone) for k in node_keys(node, self.nproc)]
         self.swept = max(self.swept, self.gen)
         delete = getattr(self.store, "delete_key", None)

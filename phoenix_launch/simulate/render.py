@@ -368,3 +368,8 @@ def _render_scaling(console, Table, rep: dict) -> None:
     for f in sc["projected"]:
         console.print(f"  {f['gpus']:>7,} GPUs: {_dur(f['recovery_s']):>8s}  {f['label']} [{f['role']}]",
                       markup=False)
+    if sc.get("parts"):
+        from .parts import render_lines
+
+        for line in render_lines(sc["parts"]):
+            console.print(line, markup=False, soft_wrap=True)

@@ -91,6 +91,10 @@ def _scaling_section(inp: Inputs) -> dict:
             "at_points": [fit.predict(g)[0] for g, _ in inp.scale_points], "r2": fit.r2,
         }
     out.update(_labelled_figures(inp, fit_scaling(inp.scale_points, out["primary_model"])))
+    if inp.scale_provenance is not None:  # --scale-from: the recovery from its labelled parts too (parts.py)
+        from .parts import table
+
+        out["parts"] = table()
     return out
 
 

@@ -28,6 +28,7 @@ from datetime import timedelta
 
 from phoenix_runtime.plane import auth, protocol
 from phoenix_runtime import logs
+from phoenix_runtime.errors import UsageError
 from phoenix_runtime.plane import rank_env as rank_env_module
 
 log = logging.getLogger("phoenix_runtime.plane.bootstrap")  # by name: this module runs as __main__
@@ -240,6 +241,10 @@ def main() -> None:
             print(e.code, file=sys.stderr)
     except KeyboardInterrupt:
         code = 130
+    except UsageError as e:  # bad input the user can fix (phx.init refused the layout): one line, no traceback
+        write_error_file(e, STATE.step if STATE.step >= 0 else None)
+        print(f"phoenix: {e}", file=sys.stderr)
+        code = 2
     except BaseException as e:  # noqa: BLE001 -- recorded, printed once, then a non-zero exit
         write_error_file(e, STATE.step if STATE.step >= 0 else None)
         traceback.print_exc()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from datetime import timedelta
@@ -19,13 +20,19 @@ import torch.distributed as dist
 
 from phoenix_runtime import logs
 from phoenix_runtime.plane import protocol
+from phoenix_runtime.device_steps import device_index
 from phoenix_runtime.plane.control import STATE, connect_store, control, start_control
 from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
 from phoenix_runtime.plane.store_keys import KeyRecorder, backoff
+from phoenix_runtime.plane.groups import abort_nccl, backend_of, lazy_gloo, nccl_eager, probe_order, set_timeout, warm_ring
 from phoenix_runtime.protection.transport import close_pairs
 
-FATE_KEY = "fate"  # under a generation's process-group prefix: "go" (every rank forms it) or "cancel" (none does)
+FATE_KEY = protocol.k_fate(0).rsplit("/", 1)[1]  # under a generation's process-group prefix: "go" or "cancel"
+#: a wait for the fate, between two looks at a newer generation and the deadline (``Context._wait_all``): the
+#: supervisor's next generation writes "cancel" there (``GenerationPublisher.publish``), which ends the wait at once
+FATE_SLICE_S = 2.0
+KEY_SLICE_S = 0.5  # a wait for a recovery's plan or descriptors, between two looks at a newer generation
 
 
 class UnrecoverableError(RecoveryError, RuntimeError):
@@ -88,10 +95,11 @@ class Context:
         #: joins its worker threads. A C++ holder (DDP's Reducer, freed with a DDP the script kept) releases it with
         #: the GIL held, and a worker thread that frees a finished op's tensors waits for the GIL: a deadlock
         self._held: dict[int, tuple[list, list]] = {}
+        self._warm: list[int] = []  # the default group's peers whose pairs are connected (``warm_ring``): the abort's probes
         self.timeout = timedelta(seconds=self.settings.collective_timeout_s)
         self.recovery_timeout = self.settings.recovery_timeout_s
-        if torch.cuda.is_available():
-            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        if torch.cuda.is_available():  # NCCL: one GPU per rank, or a one-line refusal (device_steps.device_index)
+            torch.cuda.set_device(device_index(self.backend, env.local_rank, torch.cuda.device_count()))
         if self.managed:
             self.ctl = start_control()
             self.store = connect_store(env, handed=True)  # a joiner: the connection it waited on
@@ -182,14 +190,25 @@ class Context:
         self._abort([*self.pairs.values(), world, *self.mesh_groups])
 
     def _abort(self, groups) -> None:
+        """gloo groups (the pairs, and any group whose backend is gloo: a DeviceMesh's ``backend_override``, a
+        builder's extra group) closed pair by pair (``close_pairs``); NCCL's communicators all inside one NCCL group
+        call (``_abort_nccl``), never one at a time."""
         done: list = []
         pair_groups = list(self.pairs.values())
+        nccl = False
         for g in groups:
             if g is None or any(g is d for d in done):
                 continue
             done.append(g)
-            gloo = any(g is p for p in pair_groups) or self.backend == "gloo"
-            close_pairs(g, [p for p in range(g.size()) if p != g.rank()] if gloo else [])  # NCCL: ncclCommAbort only
+            if any(g is p for p in pair_groups) or "nccl" not in backend_of(g, self.backend):
+                # the default group connects lazily: only the pairs its ring warm-up connected are probed (a probe on
+                # a pair not connected yet would wait in its connect, without a bound when the peer is dead)
+                lazy = g is dist.group.WORLD if dist.is_initialized() else False
+                close_pairs(g, self._warm if lazy else probe_order(g.rank(), g.size()))
+            else:
+                nccl = True
+        if nccl:
+            abort_nccl()
 
     def add_groups(self, groups) -> None:
         """Groups built on this generation's (a DeviceMesh's sub-groups: TP, FSDP, HSDP's replicate): a newer
@@ -198,6 +217,8 @@ class Context:
         added after this generation was abandoned are aborted here."""
         with self._lock:
             self.mesh_groups = list(groups)
+            for g in self.mesh_groups:  # new_group's default is NCCL's 10 min: the collectives' own timeout, as WORLD's
+                set_timeout(g, self.timeout)
             self.hold()
             if self._aborted_gen >= self.gen:
                 self._abort(self.mesh_groups)
@@ -246,7 +267,7 @@ class Context:
         bound = min(self.timeout.total_seconds(), end - time.monotonic(), self.recovery_timeout / 2)
         committed = self._committed
         self._committed = (self.gen, self._incarnation())
-        try:
+        try:  # eager: each pair connected now, while both ranks are alive (the transport's abort needs it connected)
             formed = form_pairs(pairs, self.rank, self.pairs, self._gen_store(), timedelta(seconds=max(5.0, bound)),
                                 self._add_pair)
         finally:
@@ -280,6 +301,8 @@ class Context:
 
     def destroy_groups(self) -> None:
         self.hold()
+        if self.backend == "nccl":  # destroy_process_group shuts every group down, flushing work: abort them first
+            abort_nccl()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -290,18 +313,19 @@ class Context:
         self._transports = []
         self.mesh_groups = []
 
-    def _wait_all(self, key: str, gen: int, deadline: float, pg_store: KeyRecorder) -> None:
-        """Every rank arrived: the generation is formed, by every rank or by none. The first rank that sees every
-        rank arrived commits it (``go``), one that gives it up first (a newer generation, its deadline) cancels
-        it: one ``compare_set``, so every rank follows the same fate, and a rank that gives up after the commit
-        forms the generation anyway (then leaves it for the newer one). A rank that left alone would strand
-        the peers that wait in gloo's connect for it."""
-        pause = 0.0
+    def _wait_all(self, last: bool, gen: int, deadline: float, pg_store: KeyRecorder) -> None:
+        """Every rank arrived: the generation is formed, by every rank or by none. The rank whose arrival was the
+        last commits it (``go``); the others wait for that key in the store (a blocking wait a slice at a time: one
+        round trip each, whatever the world's size), and one that gives it up first (a newer generation, its
+        deadline) cancels it: one ``compare_set``, so every rank follows the same fate, and a rank that gives up
+        after the commit forms the generation anyway (then leaves it for the newer one). A rank that left alone
+        would strand the peers that wait in gloo's connect for it."""
+        if last:
+            if self._commit(pg_store, gen, "go"):
+                return
+            raise GenerationAbandoned(f"generation {gen} abandoned before it was formed")
+        fate_key = FATE_KEY
         while True:
-            if int(self.store.add(key, 0)) >= self.world_size:
-                if self._commit(pg_store, gen, "go"):
-                    return
-                raise GenerationAbandoned(f"generation {gen} abandoned before it was formed")
             late = time.monotonic() > deadline
             if self.latest_gen() > gen or late:
                 if self._commit(pg_store, gen, "cancel"):
@@ -309,7 +333,13 @@ class Context:
                 if late:
                     raise TimeoutError(f"generation {gen}: not every rank arrived within the recovery timeout")
                 raise GenerationAbandoned(f"generation {gen} abandoned")
-            pause = backoff(pause)
+            try:  # the store answers when the key is written, or after the slice
+                pg_store.inner.wait([fate_key], timedelta(seconds=max(0.001, min(FATE_SLICE_S, deadline - time.monotonic()))))
+            except Exception:  # noqa: BLE001 -- the slice passed (DistStoreError): look at the generation again
+                continue
+            if self._commit(pg_store, gen, "go"):  # written: "go" (or "cancel", then this returns False)
+                return
+            raise GenerationAbandoned(f"generation {gen} abandoned before it was formed")
 
     def _commit(self, pg_store: KeyRecorder, gen: int, want: str) -> bool:
         """The generation's fate, decided once in the store (the first ``compare_set`` wins): True to form it.
@@ -332,10 +362,10 @@ class Context:
         STATE.gen = gen
         pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store), stop=lambda: self._check_gen(gen))
         self._pg_stores.append((gen, pg_store))  # its keys (the fate's too) are deleted with the generation
-        self.store.add(protocol.k_arrived(gen), 1)
+        last = int(self.store.add(protocol.k_arrived(gen), 1)) >= self.world_size
         log.info(f"generation {gen}: arrived")
         try:
-            self._wait_all(protocol.k_arrived(gen), gen, deadline, pg_store)
+            self._wait_all(last, gen, deadline, pg_store)
             log.info(f"generation {gen}: every rank arrived")
             self._form_groups(gen, pg_store, deadline)
         finally:
@@ -353,14 +383,14 @@ class Context:
         # rank stranded there is only freed by the recovery deadline.
         bound = min(self.timeout.total_seconds(), deadline - time.monotonic(), self.recovery_timeout / 2)
         forming = timedelta(seconds=max(5.0, bound))
-        dist.init_process_group(
-            self.backend,
-            store=pg_store,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=forming,
-        )
+        self._warm = []
+        with lazy_gloo(self.backend == "gloo"):  # no connection made here: the ring's two below, others at first use
+            dist.init_process_group(self.backend, store=pg_store, rank=self.rank, world_size=self.world_size, timeout=forming,
+                                    **(nccl_eager(self.device) if self.backend == "nccl" else {}))
+        if self.backend == "gloo":
+            self._warm = warm_ring(self.rank, self.world_size, forming)
         dist.distributed_c10d._set_pg_timeout(self.timeout)  # formed: the collectives' own timeout from now on
+        # gloo: the ring's two pairs connected (DDP's all-reduce uses them), the others at their first use
         log.info(f"generation {gen}: default group formed")  # the pair groups follow (bench/recovery_scale.py reads both)
         self.pairs, self.mpi_pairs = {}, None
         if self.settings.protect and self.settings.transport == "mpi":
@@ -377,8 +407,8 @@ class Context:
         of the generation knows alike (``init``'s TP, the configured replica count); a ``Training`` whose layout
         differs forms what it lacks when it starts its protection. CPU tensors (replicas, recovery transfers)
         travel on gloo groups of their own: never interleaved with training collectives, and an NCCL group cannot
-        carry them. Connected eagerly, while every rank is alive: with gloo's lazy connection a pair first used
-        after its peer died can leave the lower rank waiting without a bound, on the listening side of the connect."""
+        carry them. Connected eagerly, while every rank is alive (``form_pairs``): the transport's abort closes a
+        pair by a receive that times out on it, and the replicas must not wait for a connect in a step."""
         from phoenix_runtime.protection.pairs import steady_pairs
 
         try:
@@ -450,15 +480,11 @@ class Context:
         self._own_keys.append((gen, key))
         pause = 0.0
         while True:
-            if self.store.check([plan_key(gen)]):
+            if self._wait_keys([plan_key(gen)], gen, deadline, f"no plan from rank {planner}"):
                 got = protocol.get_value(self.store, plan_key(gen))
                 if got is not None:  # a forged one is refused and waited past, as a missing one
                     return got
-            if self.latest_gen() > gen:
-                raise GenerationAbandoned(f"generation {gen} abandoned")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"generation {gen}: no plan from rank {planner} after the recovery timeout")
-            pause = backoff(pause)
+                pause = backoff(pause)
 
     def exchange(self, gen: int, desc_json: str, deadline: float, ranks: list[int] | None = None) -> list[str]:
         """Publish this rank's descriptor of generation ``gen`` and read everybody's (or ``ranks``'s; bounded; a
@@ -472,15 +498,26 @@ class Context:
         pause = 0.0
         while True:
             missing = [k for k in keys if k not in got]
-            if self.store.check(missing):  # all there: one batch for all of them, not a round trip each
+            if self._wait_keys(missing, gen, deadline, "descriptors missing"):  # all there: one batch for all of them
                 got.update({k: v for k, v in protocol.get_values(self.store, missing, present=True).items() if v is not None})
                 if len(got) == len(keys):
                     return [got[k] for k in keys]
-            if self.latest_gen() > gen:
-                raise GenerationAbandoned(f"generation {gen} abandoned")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"generation {gen}: descriptors missing after the recovery timeout")
-            pause = backoff(pause)
+                pause = backoff(pause)
+
+    def _wait_keys(self, keys: list[str], gen: int, deadline: float, what: str) -> bool:
+        """Wait (bounded) until ``keys`` exist in the store: one blocking wait, answered when the last is written (a
+        round trip or two, however long it takes), a slice at a time so that a newer generation (raises
+        ``GenerationAbandoned``) and the deadline (``TimeoutError``) are seen. True once they exist."""
+        if self.latest_gen() > gen:
+            raise GenerationAbandoned(f"generation {gen} abandoned")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"generation {gen}: {what} after the recovery timeout")
+        try:
+            self.store.wait(keys, timedelta(seconds=min(KEY_SLICE_S, left)))
+            return True
+        except Exception:  # noqa: BLE001 -- the slice passed (DistStoreError): look at the generation again
+            return False
 
     def delete_old_keys(self) -> None:
         """Delete the store keys this rank wrote for generations before the current one: its descriptors, and

@@ -66,17 +66,32 @@ _WAITING_ON_PEERS = (
 )
 
 
-def main_thread_blocked_in() -> str:
-    """``"collective"`` when the main thread's innermost Python frame waits on peers (see above), else
-    ``"code"``. A rank whose loop stalls makes its peers stop progressing too, blocked in the next
-    collective: this tells the stalled rank (``code``) from the ranks waiting for it (``collective``)."""
-    import sys
+def blocked_in(path: str | None, device_pending: bool | None = None) -> str:
+    """Pure: where a main thread whose innermost Python frame is in file ``path`` waits. ``"collective"`` in a
+    frame that waits on peers (see above); ``"device"`` elsewhere while its CUDA stream has work pending
+    (``device_pending``): with NCCL the host blocks at the next device sync, not in a collective (``.item()``,
+    ``print(loss)``, ``.cpu()``, ``torch.cuda.synchronize()`` in the user's own code), behind a collective that
+    waits on a peer; a rank stuck in its own Python code leaves its stream idle. Else ``"code"``."""
+    if path is not None and any(p in os.path.abspath(path) for p in _WAITING_ON_PEERS):
+        return "collective"
+    return "device" if device_pending else "code"
 
-    frame = sys._current_frames().get(threading.main_thread().ident)
+
+def main_thread_blocked_in(frame=None, device_pending: Callable[[], bool] | None = None) -> str:
+    """``blocked_in`` of the main thread now (``frame``: its innermost frame, read here when not given;
+    ``device_pending``: the probe of its stream, ``STATE.device_pending`` when not given). A rank whose loop
+    stalls makes its peers stop progressing too, blocked in the next collective or the next device sync: this
+    tells the stalled rank (``code``) from the ranks waiting for it (``collective``, ``device``)."""
     if frame is None:
-        return "code"
-    path = os.path.abspath(frame.f_code.co_filename)
-    return "collective" if any(p in path for p in _WAITING_ON_PEERS) else "code"
+        frame = sys._current_frames().get(threading.main_thread().ident)
+    probe = device_pending if device_pending is not None else STATE.device_pending
+    pending = None
+    if probe is not None:
+        try:
+            pending = bool(probe())
+        except Exception:  # noqa: BLE001 -- a device in error: not evidence of a wait
+            pending = None
+    return blocked_in(frame.f_code.co_filename if frame is not None else None, pending)
 
 
 class RankState:
@@ -96,6 +111,8 @@ class RankState:
         #: heartbeat's worth of steps later)
         self.first: tuple[int, float] | None = None
         self.own_s: float | None = None  # its own compute time per step (``phoenix_runtime.pace``), for stragglers
+        #: the training's probe: has the main thread's CUDA stream work pending? (``main_thread_blocked_in``)
+        self.device_pending: Callable[[], bool] | None = None
 
     def enter(self, phase: str) -> None:
         """A new phase; ``t_step`` restarts from now (progress is measured within a phase)."""

@@ -171,6 +171,10 @@ def _tcp(addr: tuple[str, int], timeout_s: float):
     return dist.TCPStore(addr[0], addr[1], is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
 
 
+#: this process's calls to the central store through every ``FailoverStore`` (a recovery's share: its breakdown)
+CALLS = [0]
+
+
 class FailoverStore(dist.Store):
     """A ``TCPStore`` client of the job's control plane that follows a takeover to the new leader's store.
 
@@ -255,6 +259,7 @@ class FailoverStore(dist.Store):
             time.sleep(0.1)
 
     def _call(self, name: str, *args: Any) -> Any:
+        CALLS[0] += 1  # one round trip to the central store (a reconnect's own calls not counted)
         try:
             return self._guarded(name, *args)
         except dist.DistNetworkError as e:

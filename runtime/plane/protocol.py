@@ -56,7 +56,7 @@ from phoenix_runtime.plane import auth
 from phoenix_runtime.plane.channel import (  # noqa: F401  (re-exported)
     SCHEMA_VERSION, Incarnated, Queue, get_value, get_values, incarnation_of, put_value, put_values, read_json_object,
 )
-from phoenix_runtime.plane.torchrun_env import torchrun_env  # noqa: F401  (re-exported)
+from phoenix_runtime.plane.torchrun_env import NCCL_ENV_DEFAULTS, nccl_env_defaults, torchrun_env  # noqa: F401  (re-exported)
 from phoenix_runtime.plane.messages import (  # noqa: F401  (re-exported: every message type)
     AgentInject, AgentRespawn, AgentRestart, AgentStop, AgentUp, CopyCorrupt, decode, DecodeError, Dispatcher, FaultFired,
     KillCommand, Message, MESSAGE_CLASSES, MsgType, NodeProbe, NodeReady, Persisted, Progress, Protection, RankError, RankExit,
@@ -177,6 +177,12 @@ def k_members_diff(gen: int) -> str:
 
 def k_pg_prefix(gen: int) -> str:
     return f"phx/gen/{gen}/pg"
+
+
+def k_fate(gen: int) -> str:
+    """Generation ``gen``'s fate (under its process-group prefix, as torch's PrefixStore joins it): "go" once every
+    rank arrived, "cancel" when it is given up first (by a rank, or by the supervisor publishing the next one)."""
+    return f"{k_pg_prefix(gen)}/fate"
 
 
 def k_arrived(gen: int) -> str:

@@ -2,6 +2,28 @@
 
 from __future__ import annotations
 
+#: NCCL settings every rank gets unless the user's environment sets them (read by ``ProcessGroupNCCL``'s
+#: ``HeartbeatMonitor`` constructor, so at each group's creation; torch 2.13 ``ProcessGroupNCCL.cpp``):
+#: - ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (15000): on a failed or timed-out work, ``Watchdog::runLoop`` sleeps
+#:   four times this, holding ``workMetaListMutex_``, before it aborts the communicators; enqueues on the group
+#:   and a recovery's teardown (``shutdown`` joins the watchdog) wait that long: 60 s, a whole recovery timeout.
+#:   500 ms makes it 2 s.
+#: - ``TORCH_NCCL_DUMP_ON_TIMEOUT`` (true): the flight-recorder dump signal; after one, ``HeartbeatMonitor::runLoop``
+#:   sleeps ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` (480 s) and then ends the process unless stopped, and while armed
+#:   it polls the dump key in the job's store every ``TORCH_NCCL_COORD_CHECK_MILSEC`` (1 s) per rank.
+#: - ``TORCH_NCCL_ENABLE_MONITORING`` (true): the heartbeat monitor, which kills the process when the watchdog
+#:   is stuck; PHOENIX detects hangs itself (the agent's hang check) and recovers the survivors instead.
+NCCL_ENV_DEFAULTS = {
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "500",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+}
+
+
+def nccl_env_defaults(environ) -> dict[str, str]:
+    """The NCCL settings of ``NCCL_ENV_DEFAULTS`` that ``environ`` does not set already (the user's own win)."""
+    return {k: v for k, v in NCCL_ENV_DEFAULTS.items() if k not in environ}
+
 
 def torchrun_env(
     *,

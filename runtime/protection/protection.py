@@ -21,7 +21,7 @@ from typing import Callable
 from phoenix_runtime.protection.hostmem import check_host_memory, host_bytes_required
 from phoenix_runtime.layout import Layout
 from phoenix_runtime.protection.replication import Replicator
-from phoenix_runtime.protection.snapshot import D2H, D2HError, Snapshot
+from phoenix_runtime.protection.snapshot import D2H, D2HError, DeviceStall, Snapshot
 from phoenix_runtime.plane.threads import background_priority
 from phoenix_runtime.protection.wire import ReplicationError
 
@@ -29,8 +29,10 @@ from phoenix_runtime.protection.wire import ReplicationError
 class Pipeline:
     """Hands each local snapshot to the replicator as soon as its D2H copy is done (off the training thread)."""
 
-    def __init__(self, d2h: D2H, replicator: Replicator | None, timeout: float):
+    def __init__(self, d2h: D2H, replicator: Replicator | None, timeout: float,
+                 trusted: Callable[[int], bool] | None = None):
         self.d2h, self.replicator, self.timeout = d2h, replicator, timeout
+        self.trusted = trusted  # device_steps.DeviceSteps.trusted: a snapshot holding a torn step is not sent
         self.q: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.submitted = -1
@@ -46,6 +48,9 @@ class Pipeline:
                 return
             try:
                 snap = self.d2h.wait(step, self.timeout)
+                if self.trusted is not None and not self.trusted(step):
+                    raise ReplicationError(f"S_{step} not replicated: the step before it did not complete on the device "
+                                           "before the groups were aborted", step=step, cause="torn on the device")
                 if self.replicator is not None:
                     self.replicator.submit(snap)
             except D2HError as e:  # a refused reuse (commit.py) is a replication failure: the step goes unprotected
@@ -59,6 +64,9 @@ class Pipeline:
     def wait_submitted(self, step: int, timeout: float) -> None:
         with self.cond:
             if not self.cond.wait_for(lambda: self.submitted >= step or self.error is not None, timeout):
+                stall = self.d2h.timeout_error(step, timeout)  # the device never reached S_step: a DeviceStall
+                if isinstance(stall, DeviceStall):
+                    raise stall
                 raise TimeoutError(f"the snapshot of step {step} was not handed to the replicator within {timeout:.3g} s")
         if self.error is not None:
             raise self.error
@@ -71,7 +79,8 @@ class Pipeline:
 class ProtectionSession:
     """One generation's replicator and pipeline (see the module docstring)."""
 
-    def __init__(self, d2h: D2H, transport, layout: Layout, rank: int, replicas: int, settings, fault: Callable | None):
+    def __init__(self, d2h: D2H, transport, layout: Layout, rank: int, replicas: int, settings, fault: Callable | None,
+                 trusted: Callable[[int], bool] | None = None):
         self.d2h = d2h
         self.gen_replicas = max(0, min(replicas, layout.dp_size - 1))
         self.timeout = settings.replica_timeout_s
@@ -82,7 +91,7 @@ class ProtectionSession:
                 chunk_bytes=int(settings.chunk_mb * (1 << 20)), timeout=settings.replica_timeout_s,
                 verify=settings.verify, strict=False, fault=fault, resends=settings.resends, commit=True,
             )
-        self.pipeline = Pipeline(d2h, self.replicator, settings.replica_timeout_s)
+        self.pipeline = Pipeline(d2h, self.replicator, settings.replica_timeout_s, trusted)
         self.closed = False
         self.started: set[int] = set()  # the steps this session protects
 
@@ -135,12 +144,12 @@ class ProtectionSession:
     def host_bytes(self, optim_bytes: int, param_bytes: int) -> dict:
         """What this rank holds in host memory for the protection (after the first snapshot): two local
         snapshots, and two of each of the ``k`` replicas it holds (the shard region + envelope)."""
-        need = host_bytes_required(self.d2h.nbytes, self.d2h.optim_nbytes, self.gen_replicas)
+        need = host_bytes_required(self.d2h.nbytes, self.d2h.optim_nbytes, self.gen_replicas, pinned=self.d2h.pinned)
         return {"host_bytes": need, "optim_bytes": optim_bytes, "param_bytes": param_bytes,
                 "replica_bytes": self.d2h.optim_nbytes, "replicas": self.gen_replicas}
 
     def check_memory(self) -> None:
-        check_host_memory(host_bytes_required(self.d2h.nbytes, self.d2h.optim_nbytes, self.gen_replicas))
+        check_host_memory(host_bytes_required(self.d2h.nbytes, self.d2h.optim_nbytes, self.gen_replicas, pinned=self.d2h.pinned))
 
 
 def wait_sliced(fn: Callable[[float], None], timeout: float, check: Callable[[], None]) -> None:

@@ -66,8 +66,8 @@ from phoenix_runtime.protection.codec import (  # noqa: F401  (re-exported: the 
     encode_envelope,
     envelope_of,
 )
-from phoenix_runtime.errors import ProtectionError
-from phoenix_runtime.protection.hostmem import check_host_memory
+from phoenix_runtime.errors import CommunicationError, ProtectionError
+from phoenix_runtime.protection.hostmem import check_host_memory, empty_host_cache, pinned_size
 from phoenix_runtime.plane.threads import background_priority
 
 __all__ = [
@@ -79,6 +79,7 @@ __all__ = [
     "PingPong",
     "D2H",
     "D2HError",
+    "DeviceStall",
 ]
 
 
@@ -182,10 +183,16 @@ class PingPong:
         self._newest: Optional[int] = None
         self._staging: Optional[tuple[int, int]] = None  # (slot, step)
         self._lock = threading.Lock()
+        self.released_pinned = 0  # a pinned buffer was replaced (a layout change): the next jobs empty torch's cache
 
     @property
     def nbytes_allocated(self) -> int:
         return sum(b.numel() for b in self._bufs)
+
+    @property
+    def host_bytes(self) -> int:
+        """The host memory the two buffers really take (pinned: rounded by torch's allocator, ``pinned_size``)."""
+        return sum(pinned_size(b.numel()) if self.pinned else b.numel() for b in self._bufs)
 
     def _is_current(self, slot: int, gen: int) -> bool:
         with self._lock:
@@ -202,6 +209,7 @@ class PingPong:
             self._gen[slot] += 1
             if nbytes is not None and int(nbytes) != self._bufs[slot].numel():
                 self._bufs[slot] = torch.empty(0, dtype=torch.uint8)  # free the old one first
+                self.released_pinned = 2 if self.pinned else self.released_pinned  # D2H gives its block back (_worker)
                 self._bufs[slot] = _alloc_host(int(nbytes), self.pinned)
                 self.nbytes = int(nbytes)
             self._staging = (slot, int(step))
@@ -278,6 +286,23 @@ class D2HError(ProtectionError, RuntimeError):
     """A local snapshot copy failed; the previous committed snapshot is intact."""
 
 
+class DeviceStall(CommunicationError, TimeoutError):
+    """A snapshot's copy did not start in time because the device has not reached the point ``start`` recorded:
+    the stream is stuck behind earlier work, with NCCL a collective waiting on a peer (its kernel spins; the host
+    only learns of it here, or at the collective's own timeout). A communication failure, not a bug: the step
+    guard recovers from it (``step_guard.looks_like_comm_failure``)."""
+
+
+def wait_timeout(step: int, timeout: float, started_s: float, newest: int | None, device_reached: bool | None) -> TimeoutError:
+    """The error of a snapshot wait that timed out: ``DeviceStall`` when the device has not reached the snapshot's
+    start event (``device_reached`` False), else a plain ``TimeoutError`` (the copy or the host side is slow)."""
+    where = f"started {started_s:.3g} s ago; newest committed step: {newest}"
+    if device_reached is False:
+        return DeviceStall(f"D2H snapshot of step {step}: the device did not reach it within {timeout:.3g} s ({where}): "
+                           "its stream is stuck behind earlier device work (a collective waiting on a peer)")
+    return TimeoutError(f"D2H snapshot of step {step} not complete after {timeout:.3g} s ({where})")
+
+
 @dataclass
 class _Job:
     step: int
@@ -289,6 +314,7 @@ class _Job:
     error: Optional[BaseException] = None
     packers: tuple = ()
     gate: Optional[Callable[[Optional[int]], None]] = None
+    event: object = None  # CUDA: the event ``start`` recorded on the training stream (has the device reached it?)
 
 
 def _same_layout(packer: Packer, named: NamedTensors) -> bool:
@@ -358,6 +384,11 @@ class D2H:
     def nbytes_allocated(self) -> int:
         return self._pp.nbytes_allocated if self._pp else 0
 
+    @property
+    def pinned(self) -> bool:
+        """The local snapshot's buffers are pinned (their host memory is ``hostmem.pinned_size`` of them)."""
+        return self._pp.pinned if self._pp else bool(self._pin and torch.cuda.is_available())
+
     def _layout_for(self, named_o: NamedTensors, named_p: NamedTensors) -> tuple[Packer, Packer]:
         """The packers of this state: the current ones, or new ones when the layout changed (the optimizer
         state appears lazily; a parameter that got no gradient yet has none). Only the staging slot is then
@@ -367,7 +398,8 @@ class D2H:
             return op, pp
         op, pp = Packer(named_o), Packer(named_p)
         total = op.nbytes + pp.nbytes
-        check_host_memory(2 * total, what="the local ping-pong snapshot buffers")
+        pinned = self._pin and torch.cuda.is_available()
+        check_host_memory(2 * (pinned_size(total) if pinned else total), what="the local ping-pong snapshot buffers")
         if self._pp is None:
             self._pp = PingPong(total, pin=self._pin)
         self._optim_packer, self._param_packer = op, pp
@@ -393,7 +425,8 @@ class D2H:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         # ``meta`` is frozen here as JSON; the worker makes the snapshot's copy from it (off the training thread)
-        job = _Job(step=int(step), meta=meta_json, envelope=envelope, t_start=time.perf_counter(), packers=(op, pp), gate=gate)
+        job = _Job(step=int(step), meta=meta_json, envelope=envelope, t_start=time.perf_counter(), packers=(op, pp), gate=gate,
+                   event=event)
         with self._cond:
             old = self._jobs.get(job.step)
             if old is not None and not old.done:
@@ -416,18 +449,26 @@ class D2H:
             while not job.done:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    latest = self._pp.latest() if self._pp else None
-                    raise TimeoutError(
-                        f"D2H snapshot of step {step} not complete after {timeout:.3g} s "
-                        f"(started {time.perf_counter() - job.t_start:.3g} s ago; newest committed step: "
-                        f"{latest.step if latest else None})"
-                    )
+                    raise self.timeout_error(step, timeout)
                 self._cond.wait(left)
             if job.error is not None:
                 raise D2HError(f"D2H snapshot of step {step} failed: {job.error!r}") from job.error
             if job.snap is None:
                 raise D2HError(f"D2H snapshot of step {step} was superseded: its buffer holds a newer snapshot now")
             return job.snap
+
+    def timeout_error(self, step: int, timeout: float) -> TimeoutError:
+        """The error of a wait for ``step``'s snapshot that ran out (``wait_timeout``): the device's side read here."""
+        job = self._jobs.get(step)
+        latest = self._pp.latest() if self._pp else None
+        reached = None
+        if job is not None and job.event is not None and not job.done:
+            try:
+                reached = bool(job.event.query())
+            except Exception:  # noqa: BLE001 -- a device in error: it reached nothing
+                reached = False
+        started = time.perf_counter() - job.t_start if job is not None else 0.0
+        return wait_timeout(step, timeout, started, latest.step if latest else None, reached)
 
     def committed(self) -> dict[int, Snapshot]:
         return self._pp.committed() if self._pp else {}
@@ -465,9 +506,13 @@ class D2H:
                 del named_o, named_p, event  # drop references to device tensors
             self.stats["cpu_s"] += time.thread_time() - cpu0  # this thread's CPU time, all jobs (bench/overhead.py)
             with self._cond:
-                job.snap, job.error, job.done, job.packers = snap, err, True, ()
+                job.snap, job.error, job.done, job.packers, job.event = snap, err, True, (), None
                 self._forget_superseded()
                 self._cond.notify_all()
+                released = self._pp is not None and self._pp.released_pinned > 0
+            if released:  # the old pinned buffer is unreferenced only after its job (and the replica sent from it) let
+                self._pp.released_pinned -= 1  # go of it; torch's host allocator keeps a freed block for the run unless
+                empty_host_cache()  # its cache is emptied: here, after the two jobs that follow a layout change
 
     def _forget_superseded(self) -> None:
         """Finished jobs keep a snapshot only while its buffer holds it. A job's snapshot (and its packers' cached

@@ -30,12 +30,14 @@ from phoenix_runtime.plane import protocol
 from phoenix_runtime import state
 from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.control import STATE
+from phoenix_runtime.plane.failover import CALLS
 from phoenix_runtime.layout import Layout
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.recover import resize
 from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, plan_for_layout, plan_grow, replayed_by
 from phoenix_runtime.protection.fingerprint import intact
 from phoenix_runtime.protection.pairs import recovery_pairs
+from phoenix_runtime.protection.protection import wait_sliced
 from phoenix_runtime.protection.replication import recv_snapshot, send_snapshot
 from phoenix_runtime.recover.salvage import wait_to_be_stopped, write_from_memory
 from phoenix_runtime.protection.wire import recv_named, send_named
@@ -263,7 +265,11 @@ class RecoverySession:
         ops.protect_now(R)
         ops.protection.wait(R, self.ctx.check_generation)
         ops.faults.fire(R, "recover_barrier")
-        dist.barrier()
+        rep = ops.replicator
+        if rep is not None and rep.commit:  # S_R's commit point spans every rank (a tree on the pairs): the meet
+            wait_sliced(lambda t: rep.wait_global(R, t), self.ctx.recovery_timeout, self.ctx.check_generation)
+        else:  # no replication: a barrier of the world group (gloo's connects log2 N peers for it)
+            dist.barrier()
 
     def _salvage(self, gen: int, plan: Plan, deadline: float) -> None:
         """S_R of every rank, the lost ones' from the replicas held here, written; then the supervisor stops the job."""
@@ -344,6 +350,7 @@ class RecoverySession:
             # this process's CPU seconds in the recovery, all its threads: flat in N where the recovery scales (on
             # a few shared cores, N x this bounds the recovery's time from below: bench/recovery_scale.py)
             "cpu_s": round(time.process_time() - marks["cpu0"], 4),
+            "store_calls": CALLS[0] - marks.get("calls0", 0),  # round trips to the central store, every thread's
         }
         self.rs.stats["recoveries"].append({"gen": gen, "step": plan.step, **breakdown})
         log.info(f"generation {gen}: resumed at step {plan.step} ({breakdown})")

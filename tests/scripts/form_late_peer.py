@@ -1,5 +1,5 @@
 """One rank of tests/test_formation.py: two ranks form generation 1 on a real store with gloo; rank 0 sees a
-newer generation published right after it committed to form it, while rank 1 is still on its way (late)."""
+newer generation published right after the generation was committed, while rank 1 is still on its way (late)."""
 
 import sys
 import time
@@ -20,10 +20,12 @@ ctx.latest_gen = lambda: ctx.ctl.latest_gen
 ctx.backend, ctx.settings, ctx.timeout, ctx.recovery_timeout = "gloo", SimpleNamespace(protect=False), timedelta(seconds=120), 60.0
 pg = KeyRecorder(dist.PrefixStore("phx/gen/1/pg", store), stop=lambda: ctx._check_gen(1))
 deadline = time.monotonic() + 60
-store.add("arrived", 1)
-if rank == 1:  # late: it enters the rendezvous once rank 0 waits there for its address, generation 2 published
+last = int(store.add("arrived", 1)) >= 2
+if rank == 1:  # the last to arrive, it commits the generation, then comes late to the rendezvous: once rank 0
+    ctx._wait_all(last, 1, deadline, pg)  # waits there for its address, generation 2 published meanwhile
     store.wait(["rank0_waits"])
-ctx._wait_all("arrived", 1, deadline, pg)
+else:
+    ctx._wait_all(last, 1, deadline, pg)
 if rank == 0:
     ctx.ctl.latest_gen = 2  # published while rank 0 waits for rank 1's address in the rendezvous
     pg.stop = lambda: (store.set("rank0_waits", "1"), ctx._check_gen(1))  # called on each poll of a missing key

@@ -33,7 +33,7 @@ ctx.latest_gen = lambda: ctx.ctl.latest_gen
 ctx.backend, ctx.timeout, ctx.recovery_timeout = "gloo", timedelta(seconds=60), 60.0
 ctx.settings = SimpleNamespace(protect=True, transport="gloo", replicas=k)
 ctx.members, ctx.tp, ctx.pp, ctx.mesh_groups, ctx._transports = None, 1, 1, [], []
-ctx._lock, ctx._aborted_gen, ctx.pairs, ctx.mpi_pairs = threading.Lock(), -1, {}, None
+ctx._lock, ctx._aborted_gen, ctx.pairs, ctx.mpi_pairs, ctx._warm, ctx._held = threading.Lock(), -1, {}, None, [], {}
 pg = KeyRecorder(dist.PrefixStore("phx/gen/1/pg", store), stop=lambda: ctx._check_gen(1))
 ctx._pg_stores = [(1, pg)]
 

@@ -1,0 +1,108 @@
+"""A generation's process groups as torch makes and breaks them: gloo connected lazily, NCCL eagerly and aborted
+all at once; which of the two a group is.
+
+Which torch gives which path (read in torch 2.13's ``distributed_c10d.py`` and the NCCL release notes):
+- gloo, torch >= 2.6: ``TORCH_GLOO_LAZY_INIT`` read by each group's constructor: a pair connects at its first use
+  (a connect to a peer that died fails at once when its port refuses, else within the group's timeout; a pending
+  connect on the listening side is ended by ``close_pairs``'s probe). PHOENIX re-forms the world lazily each
+  generation: each rank connects its ring neighbours and its own groups' peers, not N - 1.
+- NCCL: ``device_id=`` creates the communicator at ``init_process_group`` (non-blocking: an abort reaches it);
+  ``_abort_process_group()`` aborts every communicator in one ncclGroupStart/End. torch 2.13's ``shrink_group``
+  (NCCL >= 2.27, ``ncclCommShrink``) can drop lost ranks without a new world communicator, but a hot-swap also
+  adds the spare, which needs ``ncclCommGrow`` (NCCL >= 2.29.2) and torch >= 2.14's reconfigure API: with torch 2.13
+  PHOENIX re-forms the generation's communicators (the path a GPU check runs), each group among its own members.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+#: gloo groups connect a pair on its first use (torch's TORCH_GLOO_LAZY_INIT), so that forming a generation's groups
+#: costs each rank the peers it talks to (its ring neighbours, its mesh groups' peers), not N - 1 connections
+LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
+
+
+def backend_of(group, default: str) -> str:
+    """A registered group's backend ("gloo", "nccl", "cpu:gloo,cuda:nccl"...), ``default`` for one torch does not
+    know (a pair group, made outside its registry)."""
+    try:
+        return str(dist.get_backend(group))
+    except Exception:  # noqa: BLE001 -- not registered (or destroyed): the job's backend
+        return default
+
+
+def abort_nccl() -> None:
+    """Abort every registered group, NCCL's communicators inside one ncclGroupStart/End (torch 2.13's
+    ``_abort_process_group()``, distributed_c10d.py:2460-2507: communicators aborted one at a time can deadlock each
+    other, pytorch#119797). It also forgets them (the registry is cleared): nothing of the generation is left for
+    ``destroy_process_group`` to flush."""
+    if dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as e:  # noqa: BLE001 -- aborting an already broken generation: logged, not raised
+            log.info(f"abort of the NCCL groups: {type(e).__name__}: {str(e)[:160]}")
+
+
+def nccl_eager(device: torch.device) -> dict:
+    """``init_process_group``'s arguments for NCCL: ``device_id`` makes the communicator now (ncclCommInitRankConfig
+    at init, torch 2.13), not at the first collective after the recovery's transfers; non-blocking
+    (``config.blocking = 0``), so that an abort reaches a formation stuck on a peer lost meanwhile."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.blocking = 0
+    return {"device_id": device, "pg_options": opts}
+
+
+def set_timeout(group, timeout: timedelta) -> None:
+    try:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    except Exception:  # noqa: BLE001 -- a group torch does not know (it keeps the timeout it was made with)
+        pass
+
+
+def probe_order(rank: int, size: int):
+    """The peers ``close_pairs`` probes, in order: the ring neighbours first (connected by the first all-reduce of a
+    lazily connected group; one probe that times out closes the whole context), the others only if none did."""
+    near = [p for p in dict.fromkeys(((rank + 1) % size, (rank - 1) % size)) if p != rank]
+    yield from near
+    yield from (p for p in range(size) if p != rank and p not in near)
+
+
+TAG_WARM = 32759  # a tag no other op uses (beside transport.TAG_ABORT): the ring warm-up's byte
+
+
+@contextlib.contextmanager
+def lazy_gloo(on: bool = True):
+    """gloo groups made inside connect their pairs at first use (the default group); elsewhere eagerly (the mesh
+    groups: the layout's group sizes; the pairs: ``form_pairs``), unless the job set ``TORCH_GLOO_LAZY_INIT``."""
+    if not on or LAZY_GLOO in os.environ:
+        yield
+        return
+    os.environ[LAZY_GLOO] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(LAZY_GLOO, None)
+
+
+def warm_ring(rank: int, size: int, timeout: timedelta) -> list[int]:
+    """Connect the default group's pairs to this rank's ring neighbours now, while every rank of the generation is
+    alive: a byte to the next, one from the previous (each pair connects once, O(1) a rank, no chain across the
+    job). DDP's all-reduce runs on them; and they are the pairs an abort probes: a probe that times out closes
+    every pair of the group's gloo context, which frees a thread waiting in the lazy connect of another pair (whose
+    peer may be dead: gloo's listening side waits for it without a bound). Returns the peers connected."""
+    if size < 2:
+        return []
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    out, got = torch.zeros(1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
+    works = [dist.isend(out, nxt, tag=TAG_WARM), dist.irecv(got, prv, tag=TAG_WARM)]
+    for w in works:
+        w.wait(timeout)
+    return list(dict.fromkeys((nxt, prv)))

@@ -1,0 +1,118 @@
+"""Issue 45: a recovery costs each rank what its own groups cost, not the world's.
+
+In-process: the probe order of an abort, a group's backend. Real jobs (N = 8 and N = 16 ranks, a node lost and
+hot-swapped): the connections each rank holds to other ranks after the recovery and a few steps do not grow with N
+(gloo groups connect lazily: a rank's ring neighbours in DDP's all-reduce, its replica and commit-tree pairs, the
+recovery's transfer pairs), and each rank's recovery made a bounded number of central-store round trips.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import statistics
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from conftest import EXAMPLES, events, job_processes, kill_job, of_type, start_phoenix, wait_for
+from phoenix_runtime.plane.groups import backend_of, probe_order
+
+
+def test_an_abort_probes_the_ring_neighbours_first_and_the_rest_only_if_needed():
+    order = probe_order(0, 6)
+    assert [next(order), next(order)] == [1, 5]  # connected by the first all-reduce: one probe closes the context
+    assert sorted(order) == [2, 3, 4]
+    assert list(probe_order(0, 2)) == [1] and list(probe_order(0, 1)) == []
+
+
+def test_a_group_torch_does_not_know_takes_the_jobs_backend():
+    assert backend_of(object(), "nccl") == "nccl"
+
+
+GPT = str(EXAMPLES / "train_gpt.py")
+TINY = ["--d-model", "8", "--layers", "1", "--heads", "1", "--seq", "4", "--batch", "1", "--vocab", "16"]
+RESUMED = re.compile(r"^\[phoenix [\d:.]+ rank (\d+)\] generation 1: resumed at step \d+ \((\{.*\})\)")
+
+
+def _rank_peers(run_dir: Path) -> dict[int, int]:
+    """pid -> ESTABLISHED TCP sockets to another rank process of the job (by the other end's port)."""
+    procs = [p for p in job_processes(run_dir) if "phoenix_runtime.plane.bootstrap" in " ".join(p.cmdline())]
+    owners = {}
+    for p in procs:
+        for c in p.net_connections(kind="tcp"):
+            owners[c.laddr.port] = p.pid
+    out = {}
+    for p in procs:
+        conns = [c for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED and c.raddr]
+        out[p.pid] = sum(1 for c in conns if owners.get(c.raddr.port) not in (None, p.pid))
+    return out
+
+
+def _recovery_calls(run_dir: Path) -> list[int]:
+    calls = []
+    for f in (run_dir / "logs").glob("*/*.log"):
+        for line in f.read_text(errors="replace").splitlines():
+            m = RESUMED.match(line)
+            if m:
+                calls.append(int(ast.literal_eval(m[2]).get("store_calls", -1)))
+    return calls
+
+
+def _job(tmp_path: Path, nodes: int) -> dict:
+    """``nodes`` nodes x 4 ranks + 1 spare node: node1 lost at step 4; once the job trained 6 steps past the
+    recovery, each rank's sockets to other ranks and its recovery's store round trips. Detection's timeouts are
+    long: the test is about connections, and 20 ranks start on this machine's few cores."""
+    d = tmp_path / f"n{4 * nodes}"
+    d.mkdir()
+    (d / "cfg.yaml").write_text(yaml.safe_dump({"inject": {"faults": [{"node": "node1", "step": 4, "mode": "crash"}]},
+                                                "detect": {"recovery_timeout_s": 180, "node_timeout_s": 60,
+                                                           "hang_timeout_s": 60}}))
+    run_dir = d / "run"
+    proc = start_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", str(nodes), "--nproc-per-node", "4", "--spares", "1",
+                          "--run-dir", str(run_dir), GPT, "--steps", "100000", "--step-sleep", "0.2", *TINY], d)
+    try:
+        rec = wait_for(lambda: of_type(events(run_dir), "recovery") or proc.poll() is not None, 400, "the recovery")
+        assert proc.poll() is None and rec, proc.stderr.read()[-3000:] if proc.poll() is not None else ""
+        at = max(e.get("step", 0) for e in of_type(events(run_dir), "progress")) if of_type(events(run_dir), "progress") else 0
+        wait_for(lambda: any(e.get("step", 0) >= at + 6 for e in of_type(events(run_dir), "progress")), 300, "steps after it")
+        return {"peers": _rank_peers(run_dir), "calls": _recovery_calls(run_dir), "n": 4 * nodes}
+    finally:
+        kill_job(proc, run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_connections_each_rank_opens_do_not_grow_with_the_world(tmp_path):
+    small, large = _job(tmp_path, 2), _job(tmp_path, 4)
+    for job in (small, large):
+        assert len(job["peers"]) == job["n"], job  # every rank of the job sampled (the spare's took node1's)
+        # the ring's two neighbours (DDP), the replica ring and commit tree (<= 2k + 3, k = 1), the recovery's
+        # transfer pairs (a joiner's source): never the world's N - 1
+        assert max(job["peers"].values()) <= 12, job
+        assert job["calls"] and max(job["calls"]) <= 200, job
+    assert statistics.median(large["peers"].values()) <= statistics.median(small["peers"].values()) + 2, (small, large)
+    assert max(large["peers"].values()) < large["n"] - 1, large  # a full mesh would be 15 a rank
+
+
+def test_the_projection_is_built_from_labelled_parts_not_a_fitted_curve():
+    """``simulate --scale-from``: each part of a recovery at 1K / 10K / 100K GPUs says whether it was measured,
+    extrapolated or published; NCCL's world init only where a figure was published (96K)."""
+    from phoenix_launch.simulate import parts
+
+    fleet = [{"n": 10, "detect_s": 10.0, "propagate_s": 0.002, "started": True},
+             {"n": 1000, "detect_s": 9.5, "propagate_s": 0.12, "started": True}]
+    scale = {"points": [{"ranks": 4, "total_s": 0.5, "commit": "abc"}, {"ranks": 32, "total_s": 0.9}]}
+    rows = parts.table((1_000, 8_000, 100_000), fleet, scale)
+    kinds = {r["gpus"]: {p["part"].split(" (")[0]: p["label"].split(" ")[0].rstrip(":") for p in r["parts"]} for r in rows}
+    assert kinds[8_000]["generation to every rank"] == "measured"  # 1,000 nodes of 8: the fleet size measured
+    assert kinds[1_000]["generation to every rank"] == kinds[100_000]["generation to every rank"] == "extrapolated"
+    assert all(k["rank work"] == "measured" and k["detect"] == "measured" for k in kinds.values())
+    assert kinds[100_000]["NCCL world communicator"] == "published" and rows[0]["total_nccl_s"] is None
+    big = rows[-1]
+    assert big["total_nccl_s"] == pytest.approx(big["total_gloo_s"] + 265.0)
+    assert big["ft_hsdp_s"] == 180.0 and big["paper_trend_s"] == pytest.approx(30 + 4.3 * 7.6096, abs=0.1)
+    assert big["total_gloo_s"] == pytest.approx(9.5 + 0.5 + next(p["s"] for p in big["parts"] if p["part"].startswith("gen")))
+    assert any("published" in line for line in parts.render_lines(rows))
