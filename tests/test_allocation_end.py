@@ -12,7 +12,7 @@ import yaml
 from conftest import EXAMPLES, assert_same_digest, events, kill_job, load_digest, of_type, run_phoenix, start_phoenix, wait_for
 
 GPT = str(EXAMPLES / "train_gpt.py")
-STEPS = 12
+STEPS = 30  # the signalled job (0.5 s a step) must not finish before the signal, even on a loaded machine
 DETECT = {"heartbeat_s": 0.25, "hang_timeout_s": 6.0, "node_timeout_s": 4.0, "collective_timeout_s": 25.0,
           "settle_s": 0.3, "recovery_timeout_s": 30.0}
 NO_PERSIST = {"persist_every": 0, "persist_every_s": 0}
