@@ -112,7 +112,7 @@ class Supervisor:
         """Pick the ports, start the agents, then the stores: the ranks' interpreters and torch imports
         (seconds) overlap with the supervisor's own torch import; clients retry until the store listens."""
         launch, s = self.cfg.launch, self.state
-        plane = self.plane = ControlPlane(self.backend.store_host(launch.master_addr), launch.master_port)
+        plane = self.plane = ControlPlane(self.backend.store_host(launch.master_addr), rdzv_port=launch.master_port)
         s.master = (plane.host, plane.rdzv_port)
         self.write_control()
         ranks = s.nodes.populate(self.backend.node_names, launch.nodes, self.nproc)
@@ -166,8 +166,8 @@ class Supervisor:
             master_port=self.plane.rdzv_port if self.plane else 0,
             cwd=os.getcwd(), heartbeat_s=detect.heartbeat_s, hang_timeout_s=detect.hang_timeout_s,
             first_step_timeout_s=detect.first_step_timeout_s, node_timeout_s=detect.node_timeout_s,
-            stop_grace_s=launch.stop_grace_s, redirects=launch.redirects,
-            tee=launch.tee, runtime_json=self.runtime_json, join=join, resume=s.resume,
+            stop_grace_s=launch.stop_grace_s, redirects=launch.redirects, tee=launch.tee,
+            local_ranks_filter=launch.local_ranks_filter, runtime_json=self.runtime_json, join=join, resume=s.resume,
         )
 
     def spares(self) -> tuple[str, ...]:
@@ -236,8 +236,9 @@ class Supervisor:
 
     def tick(self, now: float) -> None:
         """One pass of the loop: messages, agents' exits, commands, then the decisions that are due."""
-        if self._signal is not None and self.exit_code is None:
-            self.input(Signalled(signal.Signals(self._signal).name, self._signal == signal.SIGINT), now)
+        if self._signal is not None and self.exit_code is None:  # the end of an allocation saves first (allocation_end)
+            signum, self._signal = self._signal, None
+            self.input(Signalled(signal.Signals(signum).name, signum == signal.SIGINT, signum), now)
         assert self.plane is not None and self.commands is not None, "start() opens the control plane"
         for m in self.plane.reports.get_all():  # before the agents' exits: a fault report precedes the crash
             self.handle_message(m, now)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from phoenix_launch.observe import rank_output
 from phoenix_launch.observe.events import open_private, private_dir
 from phoenix_launch.detect.procs import die_with_parent
 from phoenix_launch.detect.procs import send_signal as _signal
@@ -198,14 +199,10 @@ class Agent:
             warm_r, warm_w = os.pipe()
             env[protocol.ENV_WARM_FD] = str(warm_w)
         cmd = [sys.executable, "-m", "phoenix_runtime.plane.bootstrap", *self.spec.argv]
-        redirects = self.spec.redirects
-        tee = self.spec.tee
-        logf = open_private(log_path, "ab", buffering=0)
-        out_target: Any = logf if redirects in ("1", "3") else None
-        err_target: Any = logf if redirects in ("2", "3") else None
-        if tee != "0":
-            out_target = subprocess.PIPE if tee in ("1", "3") else out_target
-            err_target = subprocess.PIPE if tee in ("2", "3") else err_target
+        show_out, show_err = rank_output.shown(self.spec.redirects, self.spec.tee, self.spec.local_ranks_filter, slot)
+        logf = open_private(log_path, "ab", buffering=0)  # every rank's output is kept here, shown or not
+        out_target: Any = subprocess.PIPE if show_out else logf
+        err_target: Any = subprocess.PIPE if show_err else logf
         proc = subprocess.Popen(
             cmd,
             env=env,
@@ -219,9 +216,9 @@ class Agent:
         if warm_w is not None:
             os.close(warm_w)
         threads = []
-        for stream, console in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+        for stream, which in ((proc.stdout, rank_output.OUT), (proc.stderr, rank_output.ERR)):
             if stream is not None:
-                t = threading.Thread(target=_tee, args=(stream, logf, console, f"[{self.node}/{slot}]"), daemon=True)
+                t = threading.Thread(target=_tee, args=(stream, logf, which, f"[{self.node}/{slot}]"), daemon=True)
                 t.start()
                 threads.append(t)
         logf.close() if not threads else None
@@ -532,14 +529,11 @@ def _uptime() -> float | None:
     return read_uptime()
 
 
-def _tee(stream, logf, console, prefix: str) -> None:
+def _tee(stream, logf, which: int, prefix: str) -> None:
+    """A shown stream of a rank: each line to its log file and, framed, to this agent's stdout (the console)."""
     for line in iter(stream.readline, b""):
         logf.write(line)
-        try:
-            console.write(f"{prefix}: {line.decode(errors='replace')}")
-            console.flush()
-        except (OSError, ValueError):
-            pass
+        rank_output.write_console(rank_output.frame(which, prefix, line))
 
 
 def _tail(path: Path, n: int = 20, max_bytes: int = 16384) -> str:

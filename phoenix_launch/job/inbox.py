@@ -133,7 +133,15 @@ def on_recovered(m: protocol.Recovered, s: JobState, now: float) -> None:
 
 def on_progress(m: protocol.Progress, s: JobState, now: float) -> None:
     s.attempt.step, s.attempt.step_time_s = m.step, m.step_time_s or 0.0
-    s.out.emit("progress", step=m.step, step_time_s=m.step_time_s, sps=m.sps, total=m.total, wait_frac=m.wait_frac)
+    s.out.emit(
+        "progress",
+        step=m.step,
+        step_time_s=m.step_time_s,
+        sps=m.sps,
+        total=m.total,
+        wait_frac=m.wait_frac,
+        **({"scalars": m.scalars} if m.scalars else {}),
+    )
     s.reprotector.progress(m.wait_frac)
 
 

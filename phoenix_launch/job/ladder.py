@@ -35,7 +35,7 @@ def salvage(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> No
     when that is over (``salvage_over``)."""
     restarts.exclude(s, d)
     if s.exit_code is None and not s.ladder.salvage(
-        s.gens, set(d.lost), d.reason, s.attempt_info(), s.nodes.group_ranks(), now, s.cfg.detect.recovery_timeout_s
+        s.gens, set(d.lost), d.reason, s.attempt_info(), s.nodes.group_ranks(), now, s.cfg.detect.recovery_timeout_s, d.exit_code
     ):
         restarts.end(s, d)
 

@@ -46,7 +46,7 @@ def end(s: JobState, d: decisions.Decision) -> None:
     if s.exit_code is not None:
         return
     reason = d.reason
-    if d.exit_code == decisions.EXIT_UNRECOVERABLE:  # the ladder's last rung: say how the next job resumes
+    if d.exit_code in decisions.RESUMABLE:  # the ladder's last rung, a signal: say how the next job resumes
         reason = s.ladder.stop_reason(reason)
     s.stop_reason, s.exit_code = reason, d.exit_code
     if s.phase.state is not JobPhase.STOPPING:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from phoenix_launch.decide import decide as decisions
-from phoenix_launch.job import evict, hotswap, inbox, recovery, resize
+from phoenix_launch.job import evict, hotswap, inbox, ladder, recovery, resize
+from phoenix_launch.repair import allocation_end
 from phoenix_launch.effects import Effect, KillNode
 from phoenix_launch.job.execute import execute
 from phoenix_launch.job.settle import settle
@@ -46,8 +47,9 @@ class Heartbeats:
 
 @dataclass(frozen=True)
 class Signalled:
-    name: str  # SIGINT, SIGTERM, SIGHUP
+    name: str  # SIGINT, SIGTERM, SIGHUP, SIGUSR1
     sigint: bool
+    signum: int = 0  # SIGTERM / SIGUSR1: the end of an allocation saves the state in memory first (allocation_end)
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,13 @@ def step(s: JobState, inp: Input, now: float) -> tuple[JobState, list[Effect]]:
         heartbeats(s, now)
     elif isinstance(inp, Signalled):
         if s.exit_code is None:
-            execute(s, decisions.signalled(inp.name, inp.sigint), now)
+            execute(
+                s,
+                allocation_end.on_signal(inp.signum, may_save=ladder.may_salvage(s), saving=s.ladder.salvaging is not None)
+                if inp.signum
+                else decisions.signalled(inp.name, inp.sigint),
+                now,
+            )
     elif isinstance(inp, Injected):
         if inp.t_kill is None:
             s.out.add(KillNode(inp.node))
@@ -110,7 +118,7 @@ def heartbeats(s: JobState, now: float) -> None:
 def tick(s: JobState, now: float) -> None:
     over = s.ladder.salvage_over(now)
     if over is not None:
-        execute(s, decisions.salvage_over(over), now)
+        execute(s, decisions.salvage_over(over, s.ladder.exit_code), now)
     if s.phase.state is not JobPhase.STOPPING and s.ladder.salvaging is None:
         settled = settle(s, now)
         if settled is not None:

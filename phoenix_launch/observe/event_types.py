@@ -338,6 +338,7 @@ class Progress(Event):
     sps: float | None = None
     total: int | None = None
     wait_frac: float | None = None
+    scalars: dict | None = None  # rank 0's latest ``training.log`` scalars (loss...)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,14 @@ def render_metrics(snap: dict[str, Any], counters: Any) -> str:
     family("steps_per_second", "gauge", "Training throughput, steps per second (slowest rank).").sample(snap.get("steps_per_s", 0.0))
     family("step_time_seconds", "gauge", "The last reported step time (median of recent steps).").sample(prog.get("step_time_s"))
     family("last_progress_timestamp_seconds", "gauge", "Unix time of the last progress report.").sample(prog.get("t"))
+    scalars = dict(prog.get("scalars") or {})
+    if scalars:  # training.log's (rank 0's newest, with the step they are of)
+        user_step = scalars.pop("step", None)
+        fam = family("user_scalar", "gauge", "The training script's own scalars (training.log), rank 0's newest, by name.")
+        for name, v in sorted(scalars.items()):
+            if isinstance(v, (int, float)):
+                fam.sample(v, name=name)
+        family("user_scalar_step", "gauge", "The step of phoenix_user_scalar.").sample(user_step)
     fam = family("failures_total", "counter", "Failures observed, by kind (rank_exit, node_lost, hang, ...).")
     for kind, n in sorted(counters.failures.items()):
         fam.sample(n, kind=kind)

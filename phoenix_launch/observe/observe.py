@@ -46,7 +46,7 @@ class JobCounters:
         ev = logged.event
         if isinstance(ev, E.Progress):
             total = ev.total if ev.total is not None else self.progress.get("total")
-            self.progress = {**logged.row(), "total": total}
+            self.progress = {**logged.row(), "total": total, "scalars": ev.scalars or self.progress.get("scalars")}
         elif isinstance(ev, E.Failure):
             self.failures[str(ev.kind)] = self.failures.get(str(ev.kind), 0) + 1
         elif isinstance(ev, E.Decision):
@@ -102,12 +102,20 @@ def progress_view(snap: dict[str, Any], counters: JobCounters) -> dict[str, Any]
     step = int(snap.get("step", -1))
     done = max(step if step >= 0 else int(counters.progress.get("step", 0)), 0)  # no heartbeat yet: the last report
     sps = float(snap.get("steps_per_s") or counters.progress.get("sps") or 0.0)
+    state = snap.get("state")
+    if state == "succeeded" and total is not None:
+        done = max(done, int(total))  # every rank finished its loop: the final step, not the last sampled one
     eta_s = None
-    if total is not None and sps > 0 and done < total:
+    if state in ENDED:
+        eta_s = None  # a job that is not running has no ETA
+    elif total is not None and sps > 0 and done < total:
         eta_s = round((total - done) / sps, 1)
     elif total is not None and done >= total:
         eta_s = 0.0
     return {"done": done, "total": total, "eta_s": eta_s, "last_incident": incident_line(counters.last_incident)}
+
+
+ENDED = ("succeeded", "failed", "stopping")
 
 
 def progress_text(prog: dict[str, Any]) -> str:

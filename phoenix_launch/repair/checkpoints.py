@@ -93,6 +93,7 @@ class Ladder:
         self.catalog = Catalog(run_dir, world_size, keep)
         self.salvaging: tuple[str, float, float] | None = None  # (reason, started, deadline) of a salvage
         self.salvaged: int | None = None  # its step, once complete; -1: it failed
+        self.exit_code: int | None = None  # the job's exit code once the salvage is over (the end of an allocation's)
         self.every_s, self.lead_s, self.last_t = every_s, lead_s, time.time()
 
     def schedule(self, now: float, attempt, running: bool = True) -> None:
@@ -114,14 +115,17 @@ class Ladder:
                 self.salvaged = done["step"]
 
     # --- the salvage (runtime/recover/salvage.py): no node to recover onto, the survivors write S_R from memory ---------
-    def salvage(self, gens, lost_nodes: set[str], reason: str, attempt, group_ranks, now: float, timeout_s: float) -> bool:
+    def salvage(self, gens, lost_nodes: set[str], reason: str, attempt, group_ranks, now: float, timeout_s: float,
+                exit_code: int | None = None) -> bool:
         """Publish the salvage generation (``Membership.lost``): before the job stops, the survivors write the
-        newest S_R their memory holds complete (their own snapshots, the lost ranks' replicas). False: done once."""
+        newest S_R their memory holds complete (their own snapshots, the lost ranks' replicas). Nobody lost: the
+        end of the allocation (``Membership.ending``; ``exit_code`` the job's then). False: done once."""
         if self.salvaging is not None:
             return False
         lost = tuple(r.rank for r in gens.members.ranks if r.node in lost_nodes)
-        mem = gens.publish(gens.members.ranks, reason, attempt, group_ranks, lost=lost)
+        mem = gens.publish(gens.members.ranks, reason, attempt, group_ranks, lost=lost, ending=not lost)
         self.salvaging = (reason, now, now + timeout_s)
+        self.exit_code = exit_code
         self.events.emit("fallback", rung="save_from_memory", reason=reason, gen=mem.gen, lost=list(lost))
         return True
 

@@ -48,6 +48,7 @@ class ProgressPoint:
     step: int | None
     step_time_s: float | None
     sps: float | None
+    scalars: dict | None = None  # the script's own (training.log), rank 0's newest at this report
 
 
 @dataclass
@@ -127,6 +128,9 @@ class Timeline:
     resizes: list[dict[str, Any]] = field(default_factory=list)  # shrink and grow events, each with its recovery's cost
     counts: dict[str, int] = field(default_factory=dict)
     skipped_lines: int = 0
+    #: the jobs this run directory held, in order (a chain of allocations, ``--resume``): each job_start, job_end
+    #: (None: killed or running) and the step it saved from memory at its end (``salvaged``), if any
+    jobs: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def duration_s(self) -> float:
@@ -284,6 +288,15 @@ def _spares_over_time(events: list[dict[str, Any]], job: dict[str, Any], t0: flo
     return series
 
 
+def _job_event(jobs: list[dict[str, Any]], kind: str, ev: dict[str, Any]) -> None:
+    if kind == "job_start":
+        jobs.append({"start": ev, "end": None, "saved": None})
+    elif jobs and kind == "job_end":
+        jobs[-1]["end"] = ev
+    elif jobs:
+        jobs[-1]["saved"] = ev.get("step")
+
+
 def _cost_of_resize(resizes: list[dict[str, Any]], rec: dict[str, Any]) -> None:
     """A shrink's or grow's recovery event gives its cost (fault, or decision, to the first step after): it belongs to
     the latest resize of its path that has none yet (a resize superseded by the next failure keeps none)."""
@@ -309,10 +322,13 @@ def build_timeline(events: list[dict[str, Any]], skipped: int = 0) -> Timeline:
         kind = str(ev.get("type"))
         tl.counts[kind] = tl.counts.get(kind, 0) + 1
         typed = E.decode(ev).event
+        if kind in ("job_start", "job_end", "salvaged"):
+            _job_event(tl.jobs, kind, ev)
         if isinstance(typed, E.Progress):
             step = number(typed.step)
             tl.progress.append(ProgressPoint(float(ev["t"]), int(step) if step is not None else None,
-                                             number(typed.step_time_s), number(typed.sps)))
+                                             number(typed.step_time_s), number(typed.sps),
+                                             typed.scalars if isinstance(typed.scalars, dict) else None))
         elif isinstance(typed, E.Protection):
             tl.protection.append(ev)
         elif isinstance(typed, (E.Replenish, E.ReplenishFailed, E.ReplenishLost, E.NodeJoined, E.JoinRefused)):

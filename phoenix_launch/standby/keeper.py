@@ -32,7 +32,7 @@ from phoenix_runtime.plane.protocol import CONTROL_FILE, STANDBY_FILE, read_json
 
 log = logging.getLogger(__name__)
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)  # USR1: #SBATCH --signal=B:USR1@lead
 ENDED_STATES = ("succeeded", "failed")
 KEEPER_FILE = "keeper.json"  # in the run directory, while the keeper waits for the job's end after the leader's loss
 
