@@ -264,11 +264,16 @@ class DictStore:
     def check(self, keys):
         return all(k in self.d for k in keys)
 
-    def compare_set(self, k, expected, desired):
+    def compare_set(self, k, expected, desired):  # torch's semantics: an absent key is set only when expected is ""
+        enc = lambda v: v.encode() if isinstance(v, str) else v  # noqa: E731
         cur = self.d.get(k)
-        if (cur is None and expected == "") or cur == (expected.encode() if isinstance(expected, str) else expected):
-            self.set(k, desired)
-        return self.d.get(k, b"")
+        if cur is None:
+            if enc(expected) != b"":
+                return enc(expected)
+            self.d[k] = enc(desired)
+        elif cur == enc(expected):
+            self.d[k] = enc(desired)
+        return self.d[k]
 
 
 def test_queue_in_order_and_skips_a_hole():
