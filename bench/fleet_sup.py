@@ -98,16 +98,12 @@ class BenchSupervisor(supervisor_mod.Supervisor):
         self.bumps: dict[int, float] = {}  # generation -> unix time right after its bump was written
         self._next_dump = 0.0
 
-    def new_publisher(self):
-        gens = super().new_publisher()
-        publish = gens.publish
+        publish = self.interpreter.publish
 
-        def timed(*a, **kw):
-            mem = publish(*a, **kw)
-            self.bumps[mem.gen] = time.time()
-            return mem
-        gens.publish = timed  # type: ignore[method-assign]
-        return gens
+        def timed(e):
+            publish(e)
+            self.bumps[e.members.gen] = time.time()
+        self.interpreter.publish = timed  # type: ignore[method-assign]
 
     def tick(self, now: float) -> None:
         self.passes.append(time.monotonic())
@@ -129,8 +125,8 @@ class BenchSupervisor(supervisor_mod.Supervisor):
 
     def _diff_bytes(self) -> int:
         """The size of the newest generation's ``MembersDiff`` (what a rank that read the last one reads), 0: none."""
-        gens = self._gens() if self.publisher else None
-        if gens is None or gens.gen == 0:
+        gens = self.state.gens
+        if gens.gen == 0:
             return 0
         if getattr(self, "_diff", (None, 0))[0] != gens.gen:  # one read per generation
             text = protocol.get_value(self.store, protocol.k_members_diff(gens.gen))
@@ -140,9 +136,7 @@ class BenchSupervisor(supervisor_mod.Supervisor):
     def _members_bytes(self) -> int:
         """The size of the newest generation's membership as written whole (``protocol.put_members``: compressed),
         read once per generation."""
-        gens = self._gens() if self.publisher else None
-        if gens is None:
-            return 0
+        gens = self.state.gens
         if getattr(self, "_members", (None, 0))[0] != gens.gen:
             self._members = (gens.gen, len(protocol.get_value(self.store, protocol.k_members(gens.gen)) or ""))
         return self._members[1]

@@ -56,7 +56,8 @@ class Job:
     def __init__(self, d: Path, n: int, a):
         self.d, self.n, self.run_dir, self.log = d, n, d / "run", d / "steps.log"
         cmd = phoenix("--nodes", n, "--nproc-per-node", 1, "--spares", 1, "--run-dir", self.run_dir,
-                      GPT, "--steps", 10_000_000, "--step-log", self.log, *TINY, "--step-sleep", a.step_sleep)
+                      GPT, "--steps", 10_000_000, "--step-log", self.log, *TINY, "--step-sleep", a.step_sleep,
+                      "--optimizer", a.optimizer)
         self.out = open(d / "phoenix.out", "w")
         self.proc = subprocess.Popen(cmd, cwd=d, env=env(), stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -458,12 +459,15 @@ def main():
     ap.add_argument("--step-sleep", type=float, default=0.0,
                     help="seconds each rank sleeps per step: with N ranks on a few cores, the ranks' training otherwise "
                          "contends for the CPU with the recovery, which ranks on their own GPUs and cores never do")
+    ap.add_argument("--optimizer", choices=["zero", "adam", "adamw"], default="zero",
+                    help="the example's optimizer: zero (ZeroRedundancyOptimizer: each owner broadcasts its shard, which on "
+                         "gloo connects every rank to ~2 log2 N peers) or adamw (plain DDP: the ring's two neighbours)")
     ap.add_argument("--json-out", type=Path, help="also write the per-N medians as JSON (for simulate --scale-from)")
     a = ap.parse_args()
     ns = [4, 8] if a.quick else [int(x) for x in a.ranks.split(",")]
     reps = 1 if a.quick else a.repeats
     commit = git_commit()
-    print(f"load before: {os.getloadavg()}, {os.cpu_count()} CPUs, commit {commit}")
+    print(f"load before: {os.getloadavg()}, {os.cpu_count()} CPUs, commit {commit}, optimizer {a.optimizer}")
     res, failed = [], []
     with tempfile.TemporaryDirectory(prefix="recovery_scale-") as td:
         for n in ns:

@@ -404,8 +404,10 @@ def main(argv=None):
         if a.data_log and completed:
             with open(a.data_log, "a") as f:  # one write per step (O_APPEND: the ranks' lines do not interleave)
                 f.write("".join(f"{step} {ctx.gen} {dist.get_rank()} {d} {v!r}\n" for d, v in seen))
-        if rank == 0 and completed and (step % a.log_every == 0 or step == a.steps - 1):
-            print(f"step {step} loss {loss.item():.4f} t={time.time() - t_start:.2f}s", flush=True)
+        if completed and (step % a.log_every == 0 or step == a.steps - 1):
+            trainer.log(step, loss=loss)  # RUN_DIR/metrics, the report, Prometheus, TensorBoard (where installed)
+            if rank == 0:
+                print(f"step {step} loss {loss.item():.4f} t={time.time() - t_start:.2f}s", flush=True)
         if a.ckpt_every and a.ckpt_dir and trainer.step_idx % a.ckpt_every == 0 and trainer.step_idx > start:
             save_ckpt(a, trainer.step_idx, trainer.model.module if hasattr(trainer.model, "module") else model, trainer.optimizer)
     if rank == 0 and a.times_file:

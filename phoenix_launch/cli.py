@@ -19,7 +19,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
+import typing
+from typing import Any, Optional
 
 import typer
 
@@ -49,19 +50,15 @@ def _parse_nnodes(v: str) -> int:
 
 
 def _parse_nproc(v: str) -> int:
-    if v in ("auto", "gpu", "cpu"):
-        try:
-            import torch
+    from phoenix_launch.torchrun_compat import CompatError, local_world_size
 
-            if v in ("auto", "gpu") and torch.cuda.is_available():
-                return torch.cuda.device_count()
-        except ImportError:
-            pass
-        return 1 if v != "cpu" else (os.cpu_count() or 1)
     try:
-        return int(v)
-    except ValueError:
-        raise fail(f"--nproc-per-node must be an integer, auto, gpu or cpu, got {v!r}") from None
+        return local_world_size(v)
+    except CompatError as e:
+        raise fail(str(e)) from None
+
+
+_COMPAT_FLAGS: dict = {}  # configuration set by torchrun's flags (``torchrun_compat.translate``, in ``main``)
 
 
 COMMANDS_EPILOG = (
@@ -81,18 +78,19 @@ def run(
     script: Optional[str] = typer.Argument(None, metavar="SCRIPT [ARGS]...", help="Training script (or module with -m), then its arguments."),
     module: bool = typer.Option(False, "-m", "--module", help="Run SCRIPT as a module, like python -m."),
     nnodes: Optional[str] = typer.Option(None, "--nnodes", "--nodes", help="Active nodes (N, or torchrun's N:N)."),
-    nproc_per_node: Optional[str] = typer.Option(None, "--nproc-per-node", "--nproc_per_node", help="Ranks per node."),
+    nproc_per_node: Optional[str] = typer.Option(None, "--nproc-per-node", "--nproc_per_node", help="Ranks per node: N, or torchrun's auto (accelerators, else CPUs), cpu, gpu, xpu."),
     spares: Optional[int] = typer.Option(None, "--spares", help="Warm spare nodes kept in reserve."),
     backend: Optional[str] = typer.Option(None, "--backend", help="auto (slurm inside an allocation), local or slurm."),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr", "--master_addr", help="Address of the control-plane store."),
-    master_port: Optional[int] = typer.Option(None, "--master-port", "--master_port", help="Port of the control-plane store (0: free)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", "--master_addr", help="The ranks' MASTER_ADDR (the launching host's address every node reaches; the control plane listens there)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", "--master_port", help="The ranks' MASTER_PORT: their env:// rendezvous store, as torchrun's (0: a free port; a restart takes a fresh one)."),
     max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts", help="Restarts of all workers when hot-swap is not possible."),
     on_no_spare: Optional[str] = typer.Option(None, "--on-no-spare", help="No spare for a lost node: shrink (go on with fewer DP replicas), wait (then restart/salvage) or stop."),
     min_dp: Optional[int] = typer.Option(None, "--min-dp", help="The smallest data-parallel size a shrink may leave."),
     elastic_batch: Optional[str] = typer.Option(None, "--elastic-batch", help="Shrunk: keep the global batch (survivors take the lost share) or shrink it (drop the share)."),
     log_dir: Optional[str] = typer.Option(None, "--log-dir", "--log_dir", help="Base directory for run directories (torchrun's --log-dir)."),
-    redirects: Optional[str] = typer.Option(None, "--redirects", "-r", help="0 none, 1 stdout, 2 stderr, 3 both to log files."),
-    tee: Optional[str] = typer.Option(None, "--tee", "-t", help="Also echo rank output to the console (0-3)."),
+    redirects: Optional[str] = typer.Option(None, "--redirects", "-r", help="Streams kept off the console: 0 none (default), 1 stdout, 2 stderr, 3 both, or per local rank (0:3,1:0); every rank's output is in RUN_DIR/logs too."),
+    tee: Optional[str] = typer.Option(None, "--tee", "-t", help="Streams shown on the console even when redirected (as --redirects)."),
+    local_ranks_filter: Optional[str] = typer.Option(None, "--local-ranks-filter", "--local_ranks_filter", help="Only these local ranks' output on the console (0,1,...)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", "--run_id", help="Job id (default: generated)."),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default: ./phoenix-runs/<run-id>)."),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML configuration file."),
@@ -102,10 +100,12 @@ def run(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of --chaos-mtbf."),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics on this port (0: off)."),
     persist_every: Optional[int] = typer.Option(None, "--persist-every", help="Persistent checkpoints every N steps (0: off)."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in RUN_DIR from its newest complete persistent checkpoint (its script, arguments and configuration unless given again)."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in RUN_DIR from its newest complete persistent checkpoint (its script, arguments and configuration unless given again); auto: continue the job in --run-dir if it holds one (a chain of allocations)."),
     standalone: bool = typer.Option(False, "--standalone", hidden=True, help="Accepted for torchrun compatibility."),
 ) -> None:
     """Run SCRIPT on every rank, with warm spares and hot-swap recovery."""
+    auto = resume is not None and str(resume) == "auto"  # the next job of a chain (phoenix-run sbatch): resume if there is one
+    resume = None if auto else resume
     point, argv = _resume_point(resume) if resume is not None else (None, None)
     if script is None and argv is None:
         raise fail("no training script given (phoenix-run [OPTIONS] SCRIPT [ARGS]...)")
@@ -119,7 +119,7 @@ def run(
         if config is None and resume is not None and (resume / "config.yaml").is_file():
             config = resume / "config.yaml"  # the resumed run's own configuration
         yaml_data = load_yaml(config) if config is not None else None
-        flags = {
+        flags: dict[str, dict[str, Any]] = {
             "launch": {
                 "nodes": _parse_nnodes(nnodes) if nnodes is not None else None,
                 "nproc_per_node": _parse_nproc(nproc_per_node) if nproc_per_node is not None else None,
@@ -133,6 +133,7 @@ def run(
                 "elastic_batch": elastic_batch,
                 "redirects": redirects,
                 "tee": tee,
+                "local_ranks_filter": local_ranks_filter,
                 "run_id": run_id,
                 "run_dir": run_dir if run_dir is not None or resume is None else str(resume),
                 "resume": str(point) if point is not None else None,
@@ -141,13 +142,16 @@ def run(
             "inject": {"chaos_mtbf_s": chaos_mtbf, "seed": seed},
             "metrics": {"port": metrics_port},
         }
+        for section, values in _COMPAT_FLAGS.items():
+            flags[section].update({k: v for k, v in values.items() if flags[section].get(k) is None})
         cfg = build_config(yaml_data, os.environ, flags)
     except ConfigError as e:
         raise fail(str(e)) from None
 
     cfg, rdir = _prepare_run_dir(cfg, log_dir)
-    cfg = _requeue_resume(cfg, rdir, os.environ)
+    cfg = _continue_or_refuse(cfg, rdir, argv, auto)
     cfg, be = _open_backend(cfg, rdir, nodes_given=nnodes is not None or "nodes" in ((yaml_data or {}).get("launch") or {}))
+    assert argv is not None  # (a script, or the argv of the job it resumes)
     _supervise(cfg, argv, rdir, be)
 
 
@@ -171,25 +175,16 @@ def _resume_point(run_dir: Path) -> tuple[Path, list[str] | None]:
     return point.resolve(), argv
 
 
-def _requeue_resume(cfg, rdir: Path, env):
-    """A Slurm requeue (``SLURM_RESTART_COUNT`` > 0: the batch script runs again, same job id, same run
-    directory) continues from the run's newest complete persistent checkpoint, as ``--resume`` would; without
-    one the job starts again from scratch, and says so."""
-    from dataclasses import replace
+def _continue_or_refuse(cfg, rdir: Path, argv: list[str] | None, auto: bool):
+    """A run directory that holds a job: this one continues it (``--resume``, a Slurm requeue, ``--resume auto``:
+    the next job of a chain), or is refused in one line (``repair/run_chain.py``)."""
+    from phoenix_launch.repair.run_chain import RunDirTaken, requeues_of, settle
 
-    from phoenix_launch.repair.checkpoints import newest_complete
-
-    from phoenix_launch.backends.slurm_env import requeue_count
-
-    requeues = requeue_count(env)
-    if cfg.launch.resume or requeues == 0:
-        return cfg
-    point = newest_complete(rdir)
-    if point is None:
-        typer.echo(f"phoenix-run: requeued ({requeues}): no complete persistent checkpoint in {rdir}, starting from scratch", err=True)
-        return cfg
-    typer.echo(f"phoenix-run: requeued ({requeues}): resuming from {point}", err=True)
-    return replace(cfg, launch=replace(cfg.launch, resume=str(point.resolve())))
+    try:
+        return settle(cfg, rdir, argv or [], auto=auto, requeues=requeues_of(os.environ),
+                      say=lambda m: typer.echo(f"phoenix-run: {m}", err=True))
+    except RunDirTaken as e:
+        raise fail(str(e)) from None
 
 
 def _prepare_run_dir(cfg, log_dir: Optional[str]):
@@ -212,7 +207,8 @@ def _prepare_run_dir(cfg, log_dir: Optional[str]):
         probe.unlink()
     except OSError as e:
         raise fail(f"run directory {rdir} is not writable: {e.strerror}") from None
-    return replace(cfg, launch=replace(launch, run_id=rid, run_dir=str(rdir.resolve()))), rdir
+    rdir = rdir.resolve()  # absolute: the ranks' TORCHELASTIC_ERROR_FILE, the resume line printed at the end
+    return replace(cfg, launch=replace(launch, run_id=rid, run_dir=str(rdir))), rdir
 
 
 def _open_backend(cfg, rdir: Path, *, nodes_given: bool):
@@ -229,7 +225,7 @@ def _open_backend(cfg, rdir: Path, *, nodes_given: bool):
     if not nodes_given and be.capabilities.allocation:  # Slurm: every allocated node but the spares is active
         cfg = replace(cfg, launch=replace(cfg.launch, nodes=be.use_all_nodes()))
     cfg = replace(cfg, launch=replace(cfg.launch, standby=_standby(cfg, be)))
-    be.agents_outlive = cfg.launch.standby == "on"  # its processes outlive this supervisor when a standby continues the job
+    typing.cast(Any, be).agents_outlive = cfg.launch.standby == "on"  # its processes outlive this supervisor when a standby continues the job
     import yaml
 
     from phoenix_launch.observe.events import write_private
@@ -255,6 +251,7 @@ def _standby(cfg, be) -> str:
 def _supervise(cfg, argv: list[str], rdir: Path, be) -> None:
     from phoenix_launch.plane.control import PortInUse
     from phoenix_launch.supervisor import Supervisor
+    from phoenix_launch.observe.rank_output import Relay
     from phoenix_launch.observe.ui import LiveUI, PlainUI
 
     if cfg.launch.standby == "on" and be.capabilities.remote_standby:  # Slurm: the batch step outlives the leader
@@ -264,7 +261,10 @@ def _supervise(cfg, argv: list[str], rdir: Path, be) -> None:
     sup = Supervisor(cfg, argv, rdir, be)
     live = cfg.launch.live == "on" or (cfg.launch.live == "auto" and sys.stdout.isatty())
     sup.ui = LiveUI() if live else PlainUI(sup.events)
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    Relay.set_sink(sup.ui.print_line)  # the ranks' console lines, above the live view
+    from phoenix_launch.repair.allocation_end import HANDLED
+
+    for s in HANDLED:  # SIGTERM, SIGUSR1: the ranks save their state from memory first (repair/allocation_end.py)
         signal.signal(s, lambda signum, frame: sup.request_stop(signum))
     try:
         code = sup.run()
@@ -279,8 +279,8 @@ def _report(sup, code: int) -> None:
     if code == 0:
         typer.echo(f"phoenix-run: job succeeded ({sup.run_dir})")
         return
-    typer.echo(f"phoenix-run: job failed (exit {code}): {sup.stop_reason}", err=True)
-    rc = sup.root_cause
+    typer.echo(f"phoenix-run: job failed (exit {code}): {sup.state.stop_reason}", err=True)
+    rc = sup.state.root_cause
     if rc is not None:
         from phoenix_launch.decide.classify import describe_exit
 
@@ -291,11 +291,18 @@ def _report(sup, code: int) -> None:
         if text:
             typer.echo(text.rstrip(), err=True)
     typer.echo(f"phoenix-run: events and logs in {sup.run_dir}", err=True)
+    from phoenix_launch.repair.allocation_end import resume_hint
+
+    hint = resume_hint(sup.run_dir)
+    if hint:
+        typer.echo(f"phoenix-run: {hint}", err=True)
 
 
 @app.command("status")
-def status(run_dir: Optional[str] = typer.Argument(None, help="Run directory (default: the newest under .).")) -> None:
+def status(run_dir: Optional[str] = typer.Argument(None, help="Run directory (default: the newest under .)."),
+           run_dir_opt: Optional[str] = typer.Option(None, "--run-dir", help="The same, as kill-node takes it.")) -> None:
     """Print the live snapshot of a job from its run directory."""
+    run_dir = run_dir or run_dir_opt
     import json
 
     from phoenix_launch.observe.events import find_run_dir
@@ -353,11 +360,30 @@ def _top_help() -> None:
     """``phoenix-run --help``: the run command's options under the name ``phoenix-run`` (the default command)."""
     import click
 
-    cmd = typer.main.get_command(app).commands["run"]
+    cmd = typing.cast(click.Group, typer.main.get_command(app)).commands["run"]
     with click.Context(cmd, info_name="phoenix-run") as ctx:
         text = cmd.get_help(ctx)  # typer's rich help prints itself and returns ""; plain click returns the text
     if text:
         typer.echo(text)
+
+
+def _torchrun_flags(args: list[str]) -> list[str]:
+    """torchrun's flags phoenix-run has no option for: a one-line note each (what PHOENIX does instead), or
+    the configuration they set (``torchrun_compat``); a value torchrun would refuse is one line, exit 2."""
+    from phoenix_launch.torchrun_compat import CompatError, translate
+
+    cmd = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
+    own = {o: not p.is_flag for p in cmd.params if p.param_type_name == "option" for o in (*p.opts, *p.secondary_opts)}
+    try:
+        t = translate(args, own)
+    except CompatError as e:
+        typer.echo(f"phoenix-run: error: {e}", err=True)
+        raise SystemExit(EXIT_USAGE) from None
+    for note in t.notes:
+        typer.echo(f"phoenix-run: note: {note}", err=True)
+    _COMPAT_FLAGS.clear()
+    _COMPAT_FLAGS.update(t.flags)
+    return t.args
 
 
 SUBCOMMANDS = ("run", "status", "report", "kill-node", "simulate", "sbatch")
@@ -376,8 +402,15 @@ def main(argv: list[str] | None = None) -> None:
     elif first in (None, "--help", "-h"):
         _top_help()  # as torchrun's --help: the launch options, then the other commands
         return
+    elif first == "--version":
+        from phoenix_launch.torchrun_compat import version_line
+
+        typer.echo(version_line())
+        return
     elif first not in SUBCOMMANDS:
         args = ["run", *args]  # phoenix-run [OPTIONS] SCRIPT ARGS...: the default command
+    if args[0] == "run":
+        args = ["run", *_torchrun_flags(args[1:])]
     try:
         app(args=args, prog_name="phoenix-run")
     except PhoenixError as e:  # any refusal not turned into a message where it was raised: one line

@@ -35,13 +35,17 @@ class LaunchConfig:
     spares: int = 0  # warm spare nodes
     replenish: bool = False  # keep the spare pool at --spares: start a new spare when one is used (every backend that can add nodes)
     backend: str = "auto"  # auto | local | slurm
-    master_addr: str = "127.0.0.1"  # where the control-plane store listens
-    master_port: int = 0  # 0: a free port
+    master_addr: str = "127.0.0.1"  # the ranks' MASTER_ADDR: where the stores listen (the control plane's, the rendezvous')
+    master_port: int = 0  # the ranks' MASTER_PORT (torchrun's --master-port: their env:// store); 0: a free port
     max_restarts: int = 0  # restarts of all workers (torchrun's behaviour) when hot-swap is not possible
     run_dir: str = ""  # default: ./phoenix-runs/<run_id>
     run_id: str = ""
-    redirects: str = "3"  # torchrun's --redirects: 0 none, 1 stdout, 2 stderr, 3 both (to log files)
-    tee: str = "0"  # torchrun's --tee: also echo to the console
+    # torchrun's --redirects (0 none, 1 stdout, 2 stderr, 3 both, or a map of local ranks such as 0:3,1:0: off the
+    # console), --tee (on the console too) and --local-ranks-filter (only these local ranks on the console);
+    # every rank's output is kept in RUN_DIR/logs as well (observe/rank_output.py)
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: str = ""
     stop_grace_s: float = 5.0  # SIGTERM -> SIGKILL grace for ranks and agents
     live: str = "auto"  # auto | on | off: the rich live view (auto: when stdout is a terminal)
     persist_keep: int = 2  # complete persistent checkpoints kept (runtime.persist_every writes them)
@@ -80,10 +84,11 @@ class LaunchConfig:
             raise ConfigError(f"--backend must be auto, local or slurm, got {self.backend!r}")
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"--master-port must be in 0..65535, got {self.master_port}")
-        for name in ("redirects", "tee"):
-            v = getattr(self, name)
-            if v not in ("0", "1", "2", "3"):
-                raise ConfigError(f"--{name} must be 0, 1, 2 or 3, got {v!r}")
+        from phoenix_launch.observe.rank_output import check, check_filter
+
+        for why in (check("redirects", self.redirects), check("tee", self.tee), check_filter(self.local_ranks_filter)):
+            if why:
+                raise ConfigError(why)
         if self.persist_keep < 1:
             raise ConfigError(f"launch.persist_keep must be >= 1, got {self.persist_keep}")
         if self.live not in ("auto", "on", "off"):
@@ -350,7 +355,7 @@ def _coerce(section: str, key: str, typ: Any, value: Any) -> Any:
 
 
 def _section_types(section: str) -> dict[str, Any]:
-    cls = SECTIONS[section].default_factory  # type: ignore[misc]
+    cls: Any = SECTIONS[section].default_factory
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in fields(cls)}
 
@@ -407,5 +412,5 @@ def build_config(
         for key, value in body.items():
             if value is not None:
                 values[section][key] = _coerce(section, key, types[key], value)
-    kwargs = {s: SECTIONS[s].default_factory(**values[s]) for s in SECTIONS}  # type: ignore[misc]
+    kwargs = {s: typing.cast(Any, SECTIONS[s].default_factory)(**values[s]) for s in SECTIONS}
     return Config(**kwargs).validate()

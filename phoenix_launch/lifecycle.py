@@ -54,7 +54,7 @@ NODE_TRANSITIONS: dict[NodeState, set[NodeState]] = {
 }
 
 
-class JobState(str, Enum):
+class JobPhase(str, Enum):
     """STARTING -> RUNNING -> (RECOVERING | RESTARTING -> RUNNING)* -> SUCCEEDED | FAILED | STOPPED."""
 
     STARTING = "starting"
@@ -66,21 +66,21 @@ class JobState(str, Enum):
     FAILED = "failed"
 
 
-JOB_TRANSITIONS: dict[JobState, set[JobState]] = {
-    JobState.STARTING: {JobState.RUNNING, JobState.RESTARTING, JobState.STOPPING, JobState.FAILED},
-    JobState.RUNNING: {JobState.RECOVERING, JobState.RESTARTING, JobState.STOPPING, JobState.SUCCEEDED, JobState.FAILED},
-    JobState.RECOVERING: {
-        JobState.RUNNING,  # every rank resumed
-        JobState.RECOVERING,  # a failure during a recovery: a new generation, the attempt abandoned
-        JobState.RESTARTING,
-        JobState.STOPPING,
-        JobState.FAILED,
-        JobState.SUCCEEDED,
+JOB_TRANSITIONS: dict[JobPhase, set[JobPhase]] = {
+    JobPhase.STARTING: {JobPhase.RUNNING, JobPhase.RESTARTING, JobPhase.STOPPING, JobPhase.FAILED},
+    JobPhase.RUNNING: {JobPhase.RECOVERING, JobPhase.RESTARTING, JobPhase.STOPPING, JobPhase.SUCCEEDED, JobPhase.FAILED},
+    JobPhase.RECOVERING: {
+        JobPhase.RUNNING,  # every rank resumed
+        JobPhase.RECOVERING,  # a failure during a recovery: a new generation, the attempt abandoned
+        JobPhase.RESTARTING,
+        JobPhase.STOPPING,
+        JobPhase.FAILED,
+        JobPhase.SUCCEEDED,
     },
-    JobState.RESTARTING: {JobState.RUNNING, JobState.RESTARTING, JobState.STOPPING, JobState.FAILED, JobState.SUCCEEDED},
-    JobState.STOPPING: {JobState.FAILED, JobState.SUCCEEDED},
-    JobState.SUCCEEDED: set(),
-    JobState.FAILED: set(),
+    JobPhase.RESTARTING: {JobPhase.RUNNING, JobPhase.RESTARTING, JobPhase.STOPPING, JobPhase.FAILED, JobPhase.SUCCEEDED},
+    JobPhase.STOPPING: {JobPhase.FAILED, JobPhase.SUCCEEDED},
+    JobPhase.SUCCEEDED: set(),
+    JobPhase.FAILED: set(),
 }
 
 

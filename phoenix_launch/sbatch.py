@@ -8,7 +8,10 @@
 
 Every script allocates ``nodes + spares`` nodes with ``#SBATCH --no-kill`` (without it Slurm revokes the
 whole allocation when one node fails, so there would be nothing left to fail over to) and ends with
-``exec phoenix-run --backend slurm --nodes N --nproc-per-node P --spares S SCRIPT ARGS...``.
+``exec phoenix-run --backend slurm --run-dir "$RUN_DIR" --resume auto --nodes N --nproc-per-node P --spares S
+SCRIPT ARGS...``: one run directory per job name, so that each job of a chain (the script submitted again, a
+requeue) continues the one before, and ``#SBATCH --signal=B:USR1@<lead>`` makes the ranks save their state from
+memory before the time limit (``repair/allocation_end.py``).
 """
 
 from __future__ import annotations
@@ -217,10 +220,15 @@ def _checked_inputs(system, nodes, spares, script, script_args, account, time, j
     return prof, gpus, nproc, args, extra_directives, env_pairs
 
 
+def _check_lead(signal_lead) -> None:
+    if isinstance(signal_lead, bool) or not isinstance(signal_lead, int) or not 10 <= signal_lead <= 65535:
+        raise ValueError(f"signal lead must be a whole number of seconds in 10..65535, got {signal_lead!r}")
+
+
 def render_sbatch(system: str, nodes: int, spares: int, script: str, script_args: Sequence[str], *,
                   account: Optional[str] = None, time: str = "12:00:00", job_name: str = "phoenix",
                   gpus_per_node: Optional[int] = None, nproc_per_node: Optional[int] = None,
-                  extra_sbatch: Sequence[str] = (),
+                  extra_sbatch: Sequence[str] = (), signal_lead: int = 300,
                   extra_env: Union[Mapping[str, str], Sequence[Union[str, Tuple[str, str]]]] = ()) -> str:
     """The sbatch script for a PHOENIX job: ``nodes`` active + ``spares`` spare nodes, ``--no-kill``.
 
@@ -231,6 +239,7 @@ def render_sbatch(system: str, nodes: int, spares: int, script: str, script_args
     prof, gpus, nproc, args, extra_directives, env_pairs = _checked_inputs(
         system, nodes, spares, script, script_args, account, time, job_name, gpus_per_node, nproc_per_node,
         extra_sbatch, extra_env)
+    _check_lead(signal_lead)
 
     total = nodes + spares
     out: List[str] = []
@@ -248,10 +257,13 @@ def render_sbatch(system: str, nodes: int, spares: int, script: str, script_args
     w("#   --no-kill: without it Slurm revokes the WHOLE allocation when any node fails, spares included.")
     w(f"#SBATCH --time={time}")
     w("#SBATCH --output=%x-%j.out")
+    w(f"#SBATCH --signal=B:USR1@{signal_lead}")
+    w(f"#   --signal: {signal_lead} s before the time limit Slurm sends SIGUSR1 to phoenix-run (B: to the batch shell,")
+    w("#   which is phoenix-run, alone; Slurm may send it up to 60 s early): the ranks write their newest state from")
+    w("#   memory as a persistent checkpoint, then the job stops. scancel and preemption (SIGTERM) do the same.")
     w(f"{'' if prof.requeue else '# '}#SBATCH --requeue")
     w("#   --requeue: a preempted or requeued job runs this script again and phoenix-run resumes from the run's")
-    w("#   newest complete persistent checkpoint (run directory phoenix-runs/slurm-<job id>)."
-      + ("" if prof.requeue else " Uncomment where the site allows it."))
+    w("#   newest complete persistent checkpoint." + ("" if prof.requeue else " Uncomment where the site allows it."))
     for directive, comment in prof.directives:
         w(f"#SBATCH {directive}")
         w(f"#   {directive.split('=')[0]}: {comment}")
@@ -282,11 +294,16 @@ def render_sbatch(system: str, nodes: int, spares: int, script: str, script_args
         for name, value in env_pairs:
             w(f"export {name}={shlex.quote(value)}")
     w("")
+    w("# One run directory per job name: each job of the chain (this script submitted again, a requeue) continues")
+    w("# the one before from its newest complete checkpoint (--resume auto); a week-long job is this script")
+    w("# submitted again after each allocation (sbatch --dependency=afterany:<job id> queues the next one ahead).")
+    w("# Give each experiment its own --job-name (or PHOENIX_RUN_DIR).")
+    w('RUN_DIR="${PHOENIX_RUN_DIR:-${SLURM_SUBMIT_DIR:-.}/phoenix-runs/${SLURM_JOB_NAME:-' + job_name + '}}"')
+    w("")
     w("# phoenix-run starts one agent per node as its own job step (srun) and keeps the spares warm.")
-    w("# exec: Slurm's signals (scancel, time limit) go straight to phoenix-run.")
-    cmd = ["phoenix-run", "--backend", "slurm", "--nodes", str(nodes), "--nproc-per-node", str(nproc),
-           "--spares", str(spares), script, *args]
-    w("exec " + " ".join(shlex.quote(c) for c in cmd))
+    w("# exec: Slurm's signals (scancel, time limit, --signal) go straight to phoenix-run.")
+    cmd = ["--nodes", str(nodes), "--nproc-per-node", str(nproc), "--spares", str(spares), script, *args]
+    w('exec phoenix-run --backend slurm --run-dir "$RUN_DIR" --resume auto ' + " ".join(shlex.quote(c) for c in cmd))
     return "\n".join(out) + "\n"
 
 
@@ -297,6 +314,12 @@ def render_sbatch(system: str, nodes: int, spares: int, script: str, script_args
 def _fail(message: str, code: int = 2) -> "typer.Exit":
     typer.echo(f"phoenix-run sbatch: error: {message}", err=True)
     return typer.Exit(code)
+
+
+def _whole(flag: str, value: str) -> int:
+    n = _int_option(flag, value)
+    assert n is not None
+    return n
 
 
 def _int_option(flag: str, value: Optional[str]) -> Optional[int]:
@@ -326,7 +349,8 @@ def sbatch(
                                                 help="GPUs to request per node [default: per system]."),
     account: Optional[str] = typer.Option(None, "--account", "-A", help="Slurm account / project."),
     time: str = typer.Option("12:00:00", "--time", "-t", help="Time limit (Slurm format)."),
-    job_name: str = typer.Option("phoenix", "--job-name", "-J", help="Slurm job name."),
+    job_name: str = typer.Option("phoenix", "--job-name", "-J", help="Slurm job name (it names the run directory every job of the chain continues)."),
+    signal_lead: str = typer.Option("300", "--signal-lead", metavar="SECONDS", help="SIGUSR1 this long before the time limit: the ranks save their state from memory."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the script to FILE instead of stdout."),
     submit: bool = typer.Option(False, "--submit", help="Submit with sbatch and print the job id."),
 ) -> None:
@@ -340,10 +364,11 @@ def sbatch(
         raise _fail("missing --nodes N (the number of active nodes)")
     args = list(script_args or []) + list(getattr(ctx, "args", []) or [])
     try:
-        text = render_sbatch(system, _int_option("--nodes", nodes), _int_option("--spares", spares), script, args,
+        text = render_sbatch(system, _whole("--nodes", nodes), _whole("--spares", spares), script, args,
                              account=account, time=time, job_name=job_name,
                              gpus_per_node=_int_option("--gpus-per-node", gpus_per_node),
-                             nproc_per_node=_int_option("--nproc-per-node", nproc_per_node))
+                             nproc_per_node=_int_option("--nproc-per-node", nproc_per_node),
+                             signal_lead=_int_option("--signal-lead", signal_lead) or 0)
     except ValueError as exc:
         raise _fail(str(exc)) from None
 

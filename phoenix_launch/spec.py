@@ -42,8 +42,9 @@ class AgentSpec:
     first_step_timeout_s: float = 600.0
     node_timeout_s: float = 5.0
     stop_grace_s: float = 5.0
-    redirects: str = "3"
+    redirects: str = "0"  # torchrun's --redirects / --tee / --local-ranks-filter (observe/rank_output.py)
     tee: str = "0"
+    local_ranks_filter: str = ""
     runtime_json: str = "{}"  # the ranks' PHOENIX_RUNTIME_CONFIG (RuntimeSettings.to_json)
     join: str | None = None  # a replenished spare's request id (it joins with the job's secret)
     resume: str = ""  # a complete persistent checkpoint the ranks start from (phoenix-run --resume, the ladder)

@@ -49,7 +49,7 @@ class CommEvidence:
 
     name: str
     regex: str
-    #: the launcher's classifier counts it too (``decide/failure_text.py``): specific enough to name a failure
+    #: the launcher's classifier counts it too (``detect/failure_text.py``): specific enough to name a failure
     #: from a rank's log. The broad rows count only for a rank that caught the exception in a step, where a
     #: collective or a transfer raised it.
     classify: bool = True

@@ -25,7 +25,6 @@ def quiet_unused_parameters_warning() -> None:
             return
         _done = True
         import torch
-        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         sys.stderr.flush()

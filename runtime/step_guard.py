@@ -166,7 +166,8 @@ class StepGuard:
             self._last_progress = time.time()
             median = sorted(self._step_times)[len(self._step_times) // 2]
             ctx.post(protocol.Progress(step=self.rs.step, step_time_s=round(median, 5), sps=round(STATE.steps_per_s, 3),
-                                       total=self.rs.total, wait_frac=self._wait_frac() if self.ops.protect_on else None))
+                                       total=self.rs.total, wait_frac=self._wait_frac() if self.ops.protect_on else None,
+                                       scalars=getattr(getattr(self.ops, "metrics", None), "latest", None)))
 
     def _wait_frac(self) -> float:
         """The fraction of the recent steps' time spent waiting for replicas, the longest wait left out: one

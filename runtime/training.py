@@ -36,6 +36,7 @@ from phoenix_runtime.protection.at_rest import AtRestVerifier
 from phoenix_runtime.sdc import final_check, SdcMonitor
 from phoenix_runtime.recover.recovery_session import RecoverySession
 from phoenix_runtime.protection.snapshot import D2H
+from phoenix_runtime import user_metrics
 from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
 
 log = logging.getLogger(__name__)
@@ -222,6 +223,7 @@ class ProtectedTraining:
     def step(self):
         return self.guard.step()
 
+    log = user_metrics.log  # training.log(step, loss=..., **scalars): the script's own scalars
     def optimizer_step(self) -> None:
         self.guard.optimizer_step()
 

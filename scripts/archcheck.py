@@ -1,6 +1,8 @@
 """Architecture checks: no production file over 600 lines, no function over 80, no import cycle, the
-runtime never imports the launcher, the launcher imports only the runtime's torch-free leaves, and its core never
-imports the add-ons (``simulate``, ``report``; only the CLI's subcommands, inside a function).
+runtime never imports the launcher, the launcher imports only the runtime's torch-free leaves, its core never
+imports the add-ons (``simulate``, ``report``; only the CLI's subcommands, inside a function), and the rooms of the
+failure path keep their order (``ROOMS``: a room imports only the rooms before it -- detect never decide, decide
+never repair, repair never the job's step).
 
     python3 scripts/archcheck.py [REPO_ROOT]       # exit 1 and one line per problem when any is found
 """
@@ -18,6 +20,10 @@ for pkg, d in pkgs.items():
         name = ".".join([pkg, *rel.parts]).removesuffix(".__init__")
         mods[name] = f
 ADDONS = ("phoenix_launch.simulate", "phoenix_launch.report")
+ROOMS = ("detect", "decide", "repair", "job")  # the failure path, in order: detect -> decide -> repair -> the step
+def room(m):
+    parts = m.split(".")
+    return parts[1] if parts[0] == "phoenix_launch" and len(parts) > 2 and parts[1] in ROOMS else None
 def addon(m): return any(m == a or m.startswith(a + ".") for a in ADDONS)
 bad = []
 graph = collections.defaultdict(set)
@@ -42,7 +48,11 @@ for name, f in mods.items():
                 graph[name].add(t)
             if addon(t) and name.startswith("phoenix_launch") and not addon(name) and (name != "phoenix_launch.cli" or id(node) in top):
                 bad.append(f"core imports add-on {t} from {name}:{node.lineno}")
-for name, deps in graph.items():
+for name, deps in sorted(graph.items()):
+    for d in sorted(deps):
+        a, b = room(name), room(d)
+        if a and b and ROOMS.index(b) > ROOMS.index(a):
+            bad.append(f"room order: {name} ({a}) imports {d} ({b}); {' -> '.join(ROOMS)}")
     if name.startswith("phoenix_runtime") and any(d.startswith("phoenix_launch") for d in deps):
         bad.append(f"runtime imports launcher: {name}")
     if name.startswith("phoenix_launch"):
@@ -67,5 +77,5 @@ def dfs(u, stack):
 for m in mods:
     if m not in state: dfs(m, [])
 print(f"{len(mods)} modules; {sum(len(v) for v in graph.values())} internal imports")
-print("\n".join(bad) if bad else "OK: no file > 600 lines, no function > 80 lines, no cycle, no add-on in the core, no upward import")
+print("\n".join(bad) if bad else "OK: no file > 600 lines, no function > 80 lines, no cycle, no add-on in the core, rooms in order, no upward import")
 sys.exit(1 if bad else 0)

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
 bash scripts/setup.sh
+bash scripts/lint.sh
 export PHOENIX_REQUIRE_SLURM=${PHOENIX_REQUIRE_SLURM:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
 # setup.sh installs MPI (mpi4py + MPICH): as root a missing MPI fails the MPI tests instead of skipping them
 export PHOENIX_REQUIRE_MPI=${PHOENIX_REQUIRE_MPI:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}

@@ -32,6 +32,25 @@ def test_archcheck_refuses_an_add_on_in_the_core(tmp_path):
     assert "core imports add-on phoenix_launch.report.cost from phoenix_launch.cli:1" in r.stdout
 
 
+def test_archcheck_refuses_a_room_out_of_order(tmp_path):
+    """The failure path's rooms import only the rooms before them: detect -> decide -> repair -> job."""
+    for rel, src in {"runtime/__init__.py": "", "phoenix_launch/__init__.py": "",
+                     "phoenix_launch/detect/__init__.py": "", "phoenix_launch/decide/__init__.py": "",
+                     "phoenix_launch/repair/__init__.py": "", "phoenix_launch/job/__init__.py": "",
+                     "phoenix_launch/detect/nodes.py": "from phoenix_launch.decide.incidents import FleetView\n",
+                     "phoenix_launch/decide/incidents.py": "from phoenix_launch.detect import health\n",
+                     "phoenix_launch/detect/health.py": "",
+                     "phoenix_launch/repair/generations.py": "def f():\n    from phoenix_launch.job import step\n",
+                     "phoenix_launch/job/step.py": "from phoenix_launch.repair import generations\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(src)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "archcheck.py"), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    problems = sorted(line.split(";")[0] for line in r.stdout.splitlines() if line.startswith("room order"))
+    assert r.returncode == 1 and problems == [
+        "room order: phoenix_launch.detect.nodes (detect) imports phoenix_launch.decide.incidents (decide)",
+        "room order: phoenix_launch.repair.generations (repair) imports phoenix_launch.job.step (job)"], r.stdout
+
+
 def _calls_with_a_dict(root: Path):
     """``x.report({...})``, ``x.post(dict(...))``, ``q.put({...})``: a message built by hand instead of typed."""
     import ast

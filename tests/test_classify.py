@@ -1026,6 +1026,36 @@ def test_probe_kernel_xids(tmp_path, monkeypatch):
     assert res["xid"] == () and "exited 1" in res["error"]
 
 
+def test_probe_kernel_xids_from_the_journal_where_dmesg_is_restricted(tmp_path, monkeypatch):
+    """kernel.dmesg_restrict (common on HPC nodes): the journal's kernel log (monotonic stamps) instead."""
+    (tmp_path / "dmesg.txt").write_text(DMESG)
+    _tool(tmp_path, "dmesg", "echo 'dmesg: read kernel buffer failed: Operation not permitted' >&2; exit 1")
+    _tool(tmp_path, "journalctl", f"/bin/cat {tmp_path / 'dmesg.txt'}")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert probe_kernel_xids(since_uptime=2000.0)["xid"] == (94, 14)
+
+
+def test_probe_is_bounded_when_the_tool_leaves_a_child_holding_its_output(tmp_path, monkeypatch):
+    """GPU-REVIEW #16: a wedged tool whose child keeps the pipe open: killed with its process group, not waited
+    for (subprocess.run waited for the pipe's end)."""
+    import psutil
+
+    _tool(tmp_path, "nvidia-smi", "/bin/sleep 31.25 & wait")
+    monkeypatch.setenv("PATH", f"{tmp_path}:/bin:/usr/bin")
+    t0 = time.monotonic()
+    res = probe_gpus(timedelta(seconds=0.3))
+    assert time.monotonic() - t0 < 5
+    assert res is not None and "timed out" in res["error"]
+
+    def left() -> list:
+        return [p for p in psutil.process_iter(["cmdline", "status"])
+                if p.info["cmdline"] == ["/bin/sleep", "31.25"] and p.info["status"] != psutil.STATUS_ZOMBIE]
+    deadline = time.monotonic() + 5
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left(), "the tool's child outlived the probe"
+
+
 def test_probe_slurm_node(tmp_path, monkeypatch):
     (tmp_path / "node.txt").write_text(SCONTROL_DOWN)
     _tool(tmp_path, "scontrol", f"/bin/cat {tmp_path / 'node.txt'}")
@@ -1064,7 +1094,7 @@ def test_probe_evidence_reaches_the_classifier():
 def test_one_table_of_communication_evidence_for_the_rank_and_the_classifier():
     """``COMM_EVIDENCE`` is read by both sides: its specific rows are the classifier's communication rows, and
     the rank also takes the broad ones (an exception caught in a step) but never a training bug's text."""
-    from phoenix_launch.decide.failure_text import PATTERNS
+    from phoenix_launch.detect.failure_text import PATTERNS
     from phoenix_runtime.errors import COMM_EVIDENCE, comm_evidence
 
     comm_rows = [(p.name, p.regex.pattern) for p in PATTERNS if p.cls is FailureClass.TRANSIENT_COMM]

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 from phoenix_launch.standby import mirror
 from phoenix_launch.backends import Capabilities, standby_of
 from phoenix_launch.config import build_config
-from phoenix_launch.lifecycle import JobState, NodeState
+from phoenix_launch.lifecycle import JobPhase, NodeState
 from phoenix_launch.detect.nodes import Node
+from phoenix_launch.job.resize import missing_nodes
 from phoenix_launch.supervisor import Supervisor
 from phoenix_runtime.plane import protocol
 
@@ -60,19 +61,18 @@ class _Backend:
 def _supervisor(tmp_path, backend, standby="on", takeover=False):
     cfg = build_config(None, {}, {"launch": {"nodes": 2, "spares": 1, "standby": standby}})
     sup = Supervisor(cfg, ["x.py"], tmp_path, backend, takeover=takeover)
-    sup.plane = SimpleNamespace(store=_Store(), host="127.0.0.1", port=1, incarnation=0)
+    sup.plane = SimpleNamespace(store=_Store(), host="127.0.0.1", port=1, rdzv_port=2, incarnation=0)
     return sup
 
 
 def test_the_supervisor_state_goes_through_the_mirror_and_back(tmp_path):
     leader = _supervisor(tmp_path, _Backend(standby=True))
     ranks = leader.nodes.populate(["n0", "n1", "n2"], 2, 1)
-    leader.publisher = leader.new_publisher()
-    leader.publisher.first(ranks)
-    leader.job.transition(JobState.RUNNING, "test")
+    leader.state.gens.first(ranks)
+    leader.job.transition(JobPhase.RUNNING, "test")
     leader.nodes.transition(leader.nodes["n2"], NodeState.SPARE, "test")
     leader.nodes["n1"].failures = 2
-    leader.epoch, leader.restarts, leader.resume = 1, 1, "ckpt/step_8"
+    leader.state.epoch, leader.state.restarts, leader.state.resume = 1, 1, "ckpt/step_8"
     leader.attempt.done_ranks.add(1)
     leader.attempt.runtime_ready.update({0, 1})
     leader.attempt.step, leader.attempt.step_time_s, leader.attempt.runtime_seen = 12, 0.25, True
@@ -97,7 +97,7 @@ def test_the_supervisor_state_goes_through_the_mirror_and_back(tmp_path):
     assert [(n.name, n.up) for n in standby.nodes] == [("n0", False), ("n1", False), ("n2", True)]
     assert protocol.get_value(standby.store, protocol.K_GEN) == "0"
     assert standby.store.get(protocol.K_RUN_ID).decode() == standby.cfg.launch.run_id
-    assert standby.dp_size() == 2 and standby.world_size == 2
+    assert standby.state.dp_size() == 2 and standby.world_size == 2
     for s in (leader, standby):
         s.events.close()
 
@@ -107,17 +107,17 @@ def test_a_takeover_while_shrunk_goes_on_at_the_shrunk_size(tmp_path):
     the job's own size, so it sees the job shrunk (dp 1 of 2), grows it back when a node comes, and can shrink it
     again (the ranks' DP sizes are mirrored)."""
     leader = _supervisor(tmp_path, _Backend(standby=True))
-    leader.publisher = leader.new_publisher()
-    leader.publisher.first(leader.nodes.populate(["n0", "n1", "n2"], 2, 1))
-    leader.job.transition(JobState.RUNNING, "test")
+    leader.state.gens.first(leader.nodes.populate(["n0", "n1", "n2"], 2, 1))
+    leader.job.transition(JobPhase.RUNNING, "test")
     state = leader.mirror_state()
     shrunk = replace(state, gen=1, members=protocol.Membership(1, 1, (protocol.RankSlot(0, "n0", 0),), reason="shrink"),
                      attempt=replace(state.attempt, ready=(0,), dp=((0, 1),)))
     pub = mirror.Published.from_dict(mirror.Published(shrunk, {}, None, 1).state.to_dict({}) | {"agents": {}, "t_ns": 1})
     standby = _supervisor(tmp_path, _Backend(standby=True), takeover=True)
     standby.apply_mirror_state(pub.state)
-    assert (standby.world_size, standby.full_world(), standby.missing_nodes()) == (1, 2, 1)
-    assert (standby.dp_size(), standby.ladder.catalog.world_size, standby.recovery.world_size) == (1, 1, 1)
+    st = standby.state
+    assert (standby.world_size, st.full_world(), missing_nodes(st)) == (1, 2, 1)
+    assert (st.dp_size(), st.ladder.catalog.world_size, st.recovery.world_size) == (1, 1, 1)
     assert (standby.status()["dp"], standby.status()["dp_full"]) == (1, 2)
     for s in (leader, standby):
         s.events.close()

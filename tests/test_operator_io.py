@@ -95,9 +95,11 @@ def snapshot(**over):
 
 
 def fed(*evs):
+    from phoenix_launch.observe.event_types import decode
+
     c = JobCounters()
     for e in evs:
-        c.feed(e)
+        c.feed(decode(e))  # as events.jsonl's lines are read: typed
     return c
 
 

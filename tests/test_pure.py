@@ -10,7 +10,7 @@ from phoenix_launch.decide import decide as decisions
 from phoenix_launch.decide.classify import Action, FailureClass, Signals, Verdict, classify
 from phoenix_launch.decide.sdc import Copy, find_corrupt
 from phoenix_launch.config import ConfigError, build_config
-from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobState, Lifecycle, NodeState, TransitionError
+from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobPhase, Lifecycle, NodeState, TransitionError
 from phoenix_runtime.plane import protocol
 from phoenix_runtime.protection.codec import pack, unpack
 from phoenix_runtime.plane.context import UnrecoverableError
@@ -80,9 +80,9 @@ def test_node_lifecycle_edges():
 
 
 def test_job_lifecycle_refuses_unknown_edges():
-    j = Lifecycle(JobState.SUCCEEDED, JOB_TRANSITIONS)
+    j = Lifecycle(JobPhase.SUCCEEDED, JOB_TRANSITIONS)
     with pytest.raises(TransitionError):
-        j.transition(JobState.RUNNING, "no")
+        j.transition(JobPhase.RUNNING, "no")
 
 
 # --- decisions ---------------------------------------------------------------------------------------
@@ -264,11 +264,16 @@ class DictStore:
     def check(self, keys):
         return all(k in self.d for k in keys)
 
-    def compare_set(self, k, expected, desired):
+    def compare_set(self, k, expected, desired):  # torch's semantics: an absent key is set only when expected is ""
+        enc = lambda v: v.encode() if isinstance(v, str) else v  # noqa: E731
         cur = self.d.get(k)
-        if (cur is None and expected == "") or cur == (expected.encode() if isinstance(expected, str) else expected):
-            self.set(k, desired)
-        return self.d.get(k, b"")
+        if cur is None:
+            if enc(expected) != b"":
+                return enc(expected)
+            self.d[k] = enc(desired)
+        elif cur == enc(expected):
+            self.d[k] = enc(desired)
+        return self.d[k]
 
 
 def test_queue_in_order_and_skips_a_hole():
@@ -398,7 +403,10 @@ def test_a_fired_fault_times_the_incident_it_causes():
 
 def test_publisher_one_path_for_hotswap_local_and_restart():
     st = DictStore()
-    pub = GenerationPublisher(st, world_size=4, nproc=2, run_id="r", max_restarts=0, domains=dict)
+    from phoenix_launch.effects import Outbox
+    from phoenix_launch.job.interpret import Interpreter
+
+    pub = GenerationPublisher(Outbox(Interpreter(None, None, lambda: st)), world_size=4, nproc=2, run_id="r", max_restarts=0, domains=dict)
     ranks = [protocol.RankSlot(r, f"n{r // 2}", r % 2) for r in range(4)]
     pub.first(ranks)
     att = Attempt(0, "h", 1234)
@@ -527,7 +535,7 @@ def test_a_replica_failure_reported_by_a_rank_is_recorded_and_never_a_job_failur
     sup = Supervisor(build_config(None, {}, {"launch": {"nodes": 2}}), ["x.py"], tmp_path, Backend())
     for i in range(2):
         sup.nodes.add(Node.new(f"n{i}", i))
-    sup.job.transition(JobState.RUNNING, "test")
+    sup.job.transition(JobPhase.RUNNING, "test")
     sent_by_ranks = {c.TYPE for c in protocol.MESSAGE_CLASSES.values() if issubclass(c, protocol.RankMessage)}
     assert sent_by_ranks <= set(sup.messages.handlers)  # every type a rank sends has its handler
     sup.handle_message(protocol.ReplicaFailed(node="n1", slot=0, rank=1, gen=0, step=3, peer=0,
@@ -758,33 +766,42 @@ def test_decide_has_a_row_for_every_outcome():
 
 
 def test_only_decide_chooses_and_the_supervisor_executes():
-    """No module of the launcher but ``decide.py`` builds a ``Decision``; the supervisor's repair methods (one per
-    ``Kind``) are called from ``Supervisor.execute`` only, which has one for every kind."""
+    """No module of the launcher but ``decide.py`` builds a ``Decision``; the executors (one per ``Kind``, in
+    ``job/execute.EXECUTORS``) are referenced from that table only, and it has one for every kind."""
     import ast
     from pathlib import Path
 
     import phoenix_launch
+    from phoenix_launch.job.execute import EXECUTORS
 
     root = Path(phoenix_launch.__file__).parent
-    executors = {"hotswap", "shrink", "grow_back", "local_recovery", "restart", "fallback_restart", "salvage", "reform", "mark_hung", "stop", "resync"}
+    executors = {(fn.__module__, fn.__name__) for fn in EXECUTORS.values()} - {("phoenix_launch.job.execute", "_nothing")}
     built, called = [], []
     for f in sorted(root.rglob("*.py")):
         tree = ast.parse(f.read_text())
-        for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
-            for node in ast.walk(fn):
-                if not isinstance(node, ast.Call):
-                    continue
-                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-                if name == "Decision" and f.name != "decide.py":
-                    built.append(f"{f.relative_to(root)}:{node.lineno}")
-                receiver = getattr(node.func, "value", None)
-                if (name in executors and isinstance(receiver, ast.Name) and receiver.id in ("self", "sup")
-                        and f.name in ("supervisor.py", "reports.py", "standby.py", "commands.py") and fn.name not in executors | {"execute"}):
-                    called.append(f"{f.relative_to(root)}:{node.lineno} {name} from {fn.name}")
-    assert built == [] and called == []
-    execute = next(n for n in ast.walk(ast.parse((root / "supervisor.py").read_text()))
-                   if isinstance(n, ast.FunctionDef) and n.name == "execute")
-    assert all(f"decisions.Kind.{k.name}" in ast.unparse(execute) for k in decisions.Kind)
+        here = "phoenix_launch." + ".".join(f.relative_to(root).with_suffix("").parts)
+        names = {}  # a name in this file -> the module, or (module, function), it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    names[a.asname or a.name] = f"{node.module}.{a.name}"
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name == "Decision" and f.name != "decide.py":
+                built.append(f"{f.relative_to(root)}:{node.lineno}")
+            if isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+                target = (names.get(node.func.value.id, ""), name)
+            elif isinstance(node.func, ast.Name):
+                target = (here, name) if name not in names else tuple(names[name].rsplit(".", 1))
+            else:
+                continue
+            if target in executors and f.name != "execute.py":
+                called.append(f"{f.relative_to(root)} {name}")
+    # a transition may carry out another's rung (the ladder's restart from a checkpoint is a restart)
+    assert built == [] and called == ["job/ladder.py restart"], called
+    assert set(EXECUTORS) == set(decisions.Kind)
 
 
 def test_heartbeats_are_read_in_one_batch_from_a_real_store():
@@ -868,10 +885,10 @@ def test_a_straggler_is_evicted_only_onto_a_ready_spare_and_never_stops_the_job(
 
 
 def test_shrink_and_grow_memberships_renumber_densely_and_move_the_data_ranks():
-    """``elastic.shrunk_ranks``: the survivors renumbered in their old order, each keeping its data rank, the lost
+    """``resize.shrunk_ranks``: the survivors renumbered in their old order, each keeping its data rank, the lost
     ones spread (keep) or dropped (shrink); ``grown_ranks``: a joiner in the lost node's place (its original rank),
     one data rank per rank again once none is missing; ``prev`` maps each rank to its rank before (-1: joiner)."""
-    from phoenix_launch.repair.elastic import grown_ranks, shrunk_ranks
+    from phoenix_launch.job.resize import grown_ranks, shrunk_ranks
     from phoenix_runtime.plane.protocol import Membership, RankSlot
 
     full = Membership(0, 4, tuple(RankSlot(r, f"n{r // 2}", r % 2) for r in range(4)))  # 2 nodes x 2

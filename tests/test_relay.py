@@ -270,7 +270,10 @@ def test_a_rank_reads_a_new_generations_membership_as_its_difference_once(secret
 
     server = _server()
     n_nodes, nproc = 200, 8
-    pub = GenerationPublisher(server, world_size=n_nodes * nproc, nproc=nproc, run_id="r", max_restarts=0,
+    from phoenix_launch.effects import Outbox
+    from phoenix_launch.job.interpret import Interpreter
+
+    pub = GenerationPublisher(Outbox(Interpreter(None, None, lambda: server)), world_size=n_nodes * nproc, nproc=nproc, run_id="r", max_restarts=0,
                               domains=lambda: _fleet_members(n_nodes, nproc).domains)
     first = pub.first(_fleet_members(n_nodes, nproc).ranks)
 
@@ -313,7 +316,9 @@ def test_a_rank_reads_a_new_generations_membership_as_its_difference_once(secret
 @pytest.mark.timeout(60)
 def test_a_nodes_ranks_report_ready_through_their_agent_in_one_central_message(secret, monkeypatch):
     from phoenix_launch.plane.control import start_store
-    from phoenix_launch.reports import ReportHandlers
+    from types import SimpleNamespace
+
+    from phoenix_launch.job.inbox import on_node_ready
     from phoenix_launch.repair.generations import AttemptProgress
     from phoenix_runtime.plane.failover import FailoverStore
     from phoenix_runtime.plane.relay import ReadyRelay
@@ -347,14 +352,9 @@ def test_a_nodes_ranks_report_ready_through_their_agent_in_one_central_message(s
         msg = protocol.decode(got[0])
         assert isinstance(msg, protocol.NodeReady) and len(msg.ready) == nproc
 
-        class Handlers(ReportHandlers):
-            epoch = 0
-
-            def __init__(self):
-                self.attempt = AttemptProgress()
-        sup = Handlers()
+        sup = SimpleNamespace(epoch=0, attempt=AttemptProgress())  # the part of a JobState the handler reads
         forged = protocol.NodeReady("node0", (*msg.ready, protocol.RuntimeReady(node="node1", slot=0, rank=7).to_dict(), {"type": "x"}))
-        sup.on_node_ready(forged, time.time())
+        on_node_ready(forged, sup, time.time())
         assert sup.attempt.runtime_ready == set(range(nproc)) and sup.attempt.protect_on  # node1's rank is not node0's to report
         # a rank that reports again (respawned in place) is forwarded again; a rank whose agent does not forward
         # in time reports centrally instead (its caller's path)

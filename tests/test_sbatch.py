@@ -80,8 +80,17 @@ def test_every_script_allocates_spares_with_no_kill(system: str) -> None:
     lines = text.splitlines()
     first_cmd = next(i for i, ln in enumerate(lines) if ln and not ln.startswith("#"))
     assert all(lines.index(d) < first_cmd for d in directives)
-    assert lines[-1].startswith("exec phoenix-run --backend slurm --nodes 3 ")
+    assert lines[-1].startswith('exec phoenix-run --backend slurm --run-dir "$RUN_DIR" --resume auto --nodes 3 ')
     assert "--spares 2 t.py" in lines[-1]
+
+
+def test_signal_ahead_of_the_time_limit() -> None:
+    """SIGUSR1 to the batch shell (phoenix-run, exec'd) ``--signal-lead`` seconds before the limit: the ranks save
+    their state from memory (repair/allocation_end.py)."""
+    assert "#SBATCH --signal=B:USR1@300" in render_sbatch("generic", 1, 0, "t.py", []).splitlines()
+    assert "#SBATCH --signal=B:USR1@600" in render_sbatch("generic", 1, 0, "t.py", [], signal_lead=600).splitlines()
+    with pytest.raises(ValueError, match="signal lead"):
+        render_sbatch("generic", 1, 0, "t.py", [], signal_lead=5)
 
 
 def test_system_specifics() -> None:
@@ -149,7 +158,9 @@ def _run_with_fake_phoenix_run(text: str, tmp_path: Path) -> list[str]:
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     script = tmp_path / "job.sbatch"
     script.write_text(text, encoding="utf-8")
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path)}
+    env.pop("SLURM_JOB_NAME", None)
+    env.pop("PHOENIX_RUN_DIR", None)
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30, check=True)
     return json.loads(proc.stdout)
 
@@ -160,7 +171,9 @@ def test_hostile_paths_survive_bash_exactly(tmp_path: Path) -> None:
         text = render_sbatch("perlmutter", 2, 1, script, args)
         (tmp_path / str(i)).mkdir()
         argv = _run_with_fake_phoenix_run(text, tmp_path / str(i))
-        assert argv == ["--backend", "slurm", "--nodes", "2", "--nproc-per-node", "4", "--spares", "1", script, *args]
+        run_dir = str(tmp_path / str(i) / "phoenix-runs" / "phoenix")  # one per job name, under the submit directory
+        assert argv == ["--backend", "slurm", "--run-dir", run_dir, "--resume", "auto", "--nodes", "2", "--nproc-per-node", "4",
+                        "--spares", "1", script, *args]
 
 
 def test_env_defaults_do_not_override_existing_env(tmp_path: Path) -> None:
@@ -180,7 +193,8 @@ def test_cli_prints_script_with_unknown_options_passed_through() -> None:
                                       "-A", "m1_g", "train.py", "--lr", "3e-4", "-x"])
     assert res.exit_code == 0, res.output
     last = res.stdout.strip().splitlines()[-1]
-    assert shlex.split(last) == ["exec", "phoenix-run", "--backend", "slurm", "--nodes", "16", "--nproc-per-node",
+    assert shlex.split(last) == ["exec", "phoenix-run", "--backend", "slurm", "--run-dir", "$RUN_DIR", "--resume", "auto",
+                                 "--nodes", "16", "--nproc-per-node",
                                  "4", "--spares", "2", "train.py", "--lr", "3e-4", "-x"]
     assert "#SBATCH --account=m1_g" in res.stdout
 

@@ -223,7 +223,7 @@ def test_join_needs_the_jobs_secret(tmp_path: Path) -> None:
 
 
 def test_replenish_asks_for_the_missing_spares_once(tmp_path: Path) -> None:
-    from phoenix_launch.lifecycle import JobState, Lifecycle, NodeState, NODE_TRANSITIONS
+    from phoenix_launch.lifecycle import JobPhase, Lifecycle, NodeState, NODE_TRANSITIONS
     from phoenix_launch.detect.nodes import Node
     from phoenix_launch.supervisor import Supervisor
 
@@ -232,7 +232,7 @@ def test_replenish_asks_for_the_missing_spares_once(tmp_path: Path) -> None:
     sup = Supervisor(c, ["x.py"], tmp_path, be)
     sup.nodes.add(Node("a", Lifecycle(NodeState.ACTIVE, NODE_TRANSITIONS), 0))
     sup.nodes.add(Node("b", Lifecycle(NodeState.SPARE, NODE_TRANSITIONS)))
-    sup.job.transition(JobState.RUNNING, "test")
+    sup.job.transition(JobPhase.RUNNING, "test")
     sup.replenish(100.0)
     assert be.asked == []  # the pool is full
     sup.nodes["b"].life.transition(NodeState.FAILED, "lost")
@@ -246,7 +246,7 @@ def test_replenish_asks_for_the_missing_spares_once(tmp_path: Path) -> None:
 
 
 def test_a_replenishment_job_that_ends_without_joining_is_replaced(tmp_path: Path) -> None:
-    from phoenix_launch.lifecycle import JobState, Lifecycle, NodeState, NODE_TRANSITIONS
+    from phoenix_launch.lifecycle import JobPhase, Lifecycle, NodeState, NODE_TRANSITIONS
     from phoenix_launch.detect.nodes import Node
     from phoenix_launch.supervisor import Supervisor
 
@@ -254,7 +254,7 @@ def test_a_replenishment_job_that_ends_without_joining_is_replaced(tmp_path: Pat
     c = build_config(None, {}, {"launch": {"nodes": 1, "spares": 1}, "slurm": {"replenish": True}})
     sup = Supervisor(c, ["x.py"], tmp_path, be)
     sup.nodes.add(Node("a", Lifecycle(NodeState.ACTIVE, NODE_TRANSITIONS), 0))
-    sup.job.transition(JobState.RUNNING, "test")
+    sup.job.transition(JobPhase.RUNNING, "test")
     sup.replenish(100.0)
     assert [s.join for s in be.asked] == ["r1"]
     be.ended["r1"] = "CANCELLED"  # e.g. scancel'ed, or its node failed, before its agent joined
@@ -269,10 +269,10 @@ def test_a_replenishment_job_that_ends_without_joining_is_replaced(tmp_path: Pat
 
 
 def test_node_state_and_drain_reason_reach_the_incident(tmp_path: Path) -> None:
-    """The Slurm backend reads a node's state and reason on an incident (capability ``node_state``); the node
-    table turns it into classifier evidence and a ``probe`` event."""
-    from phoenix_launch.observe.events import EventLog
-    from phoenix_launch.detect.nodes import NodeTable
+    """The Slurm backend reads a node's state and reason on an incident (capability ``node_state``); the step's read
+    port gives them to the incident's settling (which makes them classifier evidence and a ``probe`` event:
+    tests/test_step.py)."""
+    from phoenix_launch.job.state import Reads
 
     def show(argv):
         if argv[3] == "node":
@@ -284,12 +284,8 @@ def test_node_state_and_drain_reason_reach_the_incident(tmp_path: Path) -> None:
     assert be.capabilities.node_state
     view = be.node_state("n2")
     assert (view.state, view.reason) == ("DOWN*", "Not responding")
-    events = EventLog(tmp_path / "events.jsonl")
-    table = NodeTable(be, events, drain=False, on_change=lambda: None)
-    assert table.scheduler_states({"n2", "n3"}) == {"n2": "DOWN*", "n3": "ALLOCATED"}
-    events.close()
-    probes = [e for e in _events(tmp_path) if e["type"] == "probe"]
-    assert [(e["node"], e["reason"]) for e in probes] == [("n2", "Not responding"), ("n3", None)]
+    reads = Reads(lambda: None, None, scheduler=be)
+    assert reads.scheduler_states({"n2", "n3"}) == {"n2": ("DOWN*", "Not responding"), "n3": ("ALLOCATED", None)}
 
 
 # ------------------------------------------------------------------ a standby that took the job over

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from phoenix_launch.backends.base import Capabilities, NotSupported, SchedulerView
+from phoenix_launch.observe.rank_output import Relay
 from phoenix_launch.observe.events import open_private, private_dir, write_private
 from phoenix_launch.detect.procs import die_with_parent, poll_exited
 from phoenix_launch.spec import AgentSpec
@@ -64,7 +65,7 @@ class LocalBackend:
         self.procs: dict[str, subprocess.Popen | Adopted] = {}
         self.standby_proc: subprocess.Popen | None = None
         self.exited: set[str] = set()
-        self.pending: dict[str, subprocess.Popen] = {}  # replenishment join id -> its agent, until adopted
+        self.pending: dict[str, subprocess.Popen | Adopted] = {}  # replenishment join id -> its agent, until adopted
 
     def store_host(self, requested: str) -> str:
         return requested or "127.0.0.1"
@@ -79,13 +80,14 @@ class LocalBackend:
         log = open_private(self.run_dir / "logs" / node / "agent.log", "ab")
         self.procs[node] = subprocess.Popen(
             [sys.executable, "-m", "phoenix_launch.detect.agent", "--spec", f"@{spec_path}"],
-            stdout=log if spec.tee == "0" else None,
+            stdout=log if self.agents_outlive else subprocess.PIPE,  # the ranks' console lines (observe/rank_output.py)
             stderr=log,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: the node's unit of failure
             preexec_fn=None if self.agents_outlive else die_with_parent,
         )
         log.close()
+        Relay.attach(getattr(self.procs[node], "stdout", None), node)
 
     # --- StandbyBackend: the standby supervisor (launch.standby) ----------------------------------------
     def start_standby(self, sock, where: list[str] | None = None) -> None:

@@ -39,6 +39,7 @@ from phoenix_launch.backends import slurm_env as se
 from phoenix_launch.config import Config, ConfigError
 from phoenix_launch.plane.control import route_source
 from phoenix_launch.observe.events import open_private, private_dir, write_private
+from phoenix_launch.observe.rank_output import Relay
 from phoenix_launch.detect.procs import die_with_parent, poll_exited
 from phoenix_launch.spec import AgentSpec
 
@@ -211,13 +212,16 @@ class SlurmBackend:
         with open_private(node_dir / "agent.log", "ab") as log:
             self.procs[node] = subprocess.Popen(
                 argv,
-                stdout=log if spec.tee == "0" else None,
+                # the ranks' console lines (observe/rank_output.py); not where the step must outlive this process
+                # (a standby): a pipe without its reader would end the srun
+                stdout=log if self.agents_outlive else subprocess.PIPE,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
                 cwd=spec.cwd or None,
                 start_new_session=True,  # its own process group: signalled as a unit, never by the terminal
                 preexec_fn=self._srun_preexec(),
             )
+        Relay.attach(self.procs[node].stdout, node)
         self.step_names[node] = step_name
         self.exited.discard(node)
 

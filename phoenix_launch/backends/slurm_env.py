@@ -107,7 +107,9 @@ _BRACKET = re.compile(r"\[([^\[\]]*)\]")
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas that are not inside brackets: ``a[1,2],b`` -> ``['a[1,2]', 'b']``."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "[":
             depth += 1

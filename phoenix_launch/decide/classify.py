@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Iterable, Mapping
 
-from phoenix_launch.decide.failure_text import (
+from phoenix_launch.detect.failure_text import (
     CRASH_SIGNALS,
     HARDWARE_CLASSES,
     PATTERNS,
@@ -352,10 +352,10 @@ def _rule_reports(s: Signals, matches: dict[int, Match | None],
     if not primaries:
         return None
     top = max(_TIER[p[1]] for p in primaries)
-    tier = [p for p in primaries if _TIER[p[1]] == top]
-    root = root_cause(p[0] for p in tier)
+    strongest = [p for p in primaries if _TIER[p[1]] == top]
+    root = root_cause(p[0] for p in strongest)
     assert root is not None
-    _, kind, cls, why = next(p for p in tier if p[0] is root)
+    _, kind, cls, why = next(p for p in strongest if p[0] is root)
     echoes = sum(1 for m in matches.values() if m is not None and m.cls is FailureClass.TRANSIENT_COMM)
     tail = f"; {echoes} comm error(s) on peers taken as consequences" if echoes else ""
 
@@ -431,8 +431,7 @@ def _rule_hung(s: Signals, fallback: Action) -> Verdict | None:
 
 def _rule_comm_only(s: Signals, matches: dict[int, Match | None],
                     fallback: Action) -> Verdict | None:
-    comm = [s.reports[i] for i in matches
-            if matches[i] is not None and matches[i].cls is FailureClass.TRANSIENT_COMM]
+    comm = [s.reports[i] for i, m in matches.items() if m is not None and m.cls is FailureClass.TRANSIENT_COMM]
     if not comm:
         return None
     root = root_cause(comm)

@@ -1,9 +1,9 @@
 """Pure decisions: the one place that chooses what the supervisor does. No I/O, no clock but the one passed in.
 
 ``decide(view, verdict, now)`` answers an incident; ``unrecoverable``, ``recovery_timed_out``, ``reprotect``,
-``reform``, ``straggler``, ``signalled``, ``salvage_over``, ``finished`` answer the other moments a job's course can change.
-Each returns a ``Decision`` (its ``reason`` is also the log line); the supervisor only executes it
-(``Supervisor.execute``, one method per ``Kind``).
+``reform``, ``straggler``, ``grow``, ``sdc``, ``signalled``, ``salvage_over``, ``finished`` answer the other moments a
+job's course can change. Each returns a ``Decision`` (its ``reason`` is also the log line); the supervisor's step only
+executes it (``job/execute.EXECUTORS``, one executor per ``Kind``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ EXIT_USAGE = 2  # bad input
 EXIT_UNRECOVERABLE = 3  # recovery from memory impossible: no spare left, or a shard lost with all replicas
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
+EXIT_SIGUSR1 = 138  # 128 + SIGUSR1: the end of an allocation announced ahead (#SBATCH --signal=B:USR1@lead)
+#: the stops the next job resumes from (the reason names the newest complete checkpoint, and how)
+RESUMABLE = (EXIT_UNRECOVERABLE, EXIT_SIGINT, EXIT_SIGTERM, EXIT_SIGUSR1)
 
 
 class Kind(str, Enum):
@@ -255,14 +258,25 @@ def sdc(finding: Finding, step: int, last_agreed: int | None, node_of: dict[int,
                     rollback_to=last_agreed)
 
 
-def signalled(name: str, sigint: bool) -> Decision:
-    """The launcher got SIGINT/SIGTERM/SIGHUP: the job stops with the shell's code for it."""
-    return Decision(Kind.STOP, f"received {name}", exit_code=EXIT_SIGINT if sigint else EXIT_SIGTERM)
+def signalled(name: str, sigint: bool, *, save: bool = False, may_save: bool = False, saving: bool = False,
+              exit_code: int | None = None) -> Decision:
+    """The launcher got a signal: the job stops with the shell's code for it (``exit_code``, else 130 for SIGINT and
+    143 for the others). ``save``: a signal that ends an allocation (SIGTERM, SIGUSR1): where the survivors can
+    save from memory (``may_save``) they write the newest committed S_R first (``Kind.SALVAGE`` with nobody lost),
+    then the job stops; a second signal while they write (``saving``) stops it at once."""
+    code = exit_code if exit_code is not None else EXIT_SIGINT if sigint else EXIT_SIGTERM
+    if saving:
+        return Decision(Kind.STOP, f"received {name} again: stopped without waiting for the save from memory", exit_code=code)
+    if save and may_save:
+        return Decision(Kind.SALVAGE, f"received {name}: the end of the allocation, the ranks save their state from memory",
+                        exit_code=code)
+    return Decision(Kind.STOP, f"received {name}", exit_code=code)
 
 
-def salvage_over(reason: str) -> Decision:
-    """The salvage is complete, failed or out of time: the job stops (resumable from what it wrote)."""
-    return Decision(Kind.STOP, reason, exit_code=EXIT_UNRECOVERABLE)
+def salvage_over(reason: str, exit_code: int | None = None) -> Decision:
+    """The salvage is complete, failed or out of time: the job stops (resumable from what it wrote), with the
+    code of what began it (a signal's at the end of an allocation; else ``EXIT_UNRECOVERABLE``)."""
+    return Decision(Kind.STOP, reason, exit_code=EXIT_UNRECOVERABLE if exit_code is None else exit_code)
 
 
 def finished() -> Decision:

@@ -66,10 +66,10 @@ def _find_in_class(copies: list[Copy]) -> Finding:
     """The corrupt copies among ``copies`` (one per rank of a class that must agree)."""
     if len(copies) >= 3:
         counts = Counter(c.fingerprint for c in copies)
-        (good, n), *rest = counts.most_common()
+        (agreed, n), *rest = counts.most_common()
         if n * 2 > len(copies):
-            bad = tuple(sorted(c.rank for c in copies if c.fingerprint != good))
-            ref = next(c for c in copies if c.fingerprint == good)
+            bad = tuple(sorted(c.rank for c in copies if c.fingerprint != agreed))
+            ref = next(c for c in copies if c.fingerprint == agreed)
             return Finding(bad, True, f"{n} of {len(copies)} copies agree; rank(s) {list(bad)} differ",
                            _differing(ref, [c for c in copies if c.rank in bad]))
         return Finding((), False, f"no majority among {len(copies)} copies ({len(counts)} different fingerprints)")

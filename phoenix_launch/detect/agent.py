@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from phoenix_launch.observe import rank_output
 from phoenix_launch.observe.events import open_private, private_dir
 from phoenix_launch.detect.procs import die_with_parent
 from phoenix_launch.detect.procs import send_signal as _signal
@@ -198,14 +199,10 @@ class Agent:
             warm_r, warm_w = os.pipe()
             env[protocol.ENV_WARM_FD] = str(warm_w)
         cmd = [sys.executable, "-m", "phoenix_runtime.plane.bootstrap", *self.spec.argv]
-        redirects = self.spec.redirects
-        tee = self.spec.tee
-        logf = open_private(log_path, "ab", buffering=0)
-        out_target: Any = logf if redirects in ("1", "3") else None
-        err_target: Any = logf if redirects in ("2", "3") else None
-        if tee != "0":
-            out_target = subprocess.PIPE if tee in ("1", "3") else out_target
-            err_target = subprocess.PIPE if tee in ("2", "3") else err_target
+        show_out, show_err = rank_output.shown(self.spec.redirects, self.spec.tee, self.spec.local_ranks_filter, slot)
+        logf = open_private(log_path, "ab", buffering=0)  # every rank's output is kept here, shown or not
+        out_target: Any = subprocess.PIPE if show_out else logf
+        err_target: Any = subprocess.PIPE if show_err else logf
         proc = subprocess.Popen(
             cmd,
             env=env,
@@ -219,9 +216,9 @@ class Agent:
         if warm_w is not None:
             os.close(warm_w)
         threads = []
-        for stream, console in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+        for stream, which in ((proc.stdout, rank_output.OUT), (proc.stderr, rank_output.ERR)):
             if stream is not None:
-                t = threading.Thread(target=_tee, args=(stream, logf, console, f"[{self.node}/{slot}]"), daemon=True)
+                t = threading.Thread(target=_tee, args=(stream, logf, which, f"[{self.node}/{slot}]"), daemon=True)
                 t.start()
                 threads.append(t)
         logf.close() if not threads else None
@@ -323,7 +320,7 @@ class Agent:
             lost = self.relay.commands is not None and self.relay.commands != self.cmd_seen
         else:
             lost = now >= self.next_cmd_read
-        due = woken or lost or self.q_cmd.pending or self.cmd_watcher is None or not self.cmd_watcher.armed
+        due = woken or lost or self.q_cmd.pending or self.cmd_watcher is None or not self.cmd_watcher.armed  # type: ignore[union-attr]
         if due:
             self.next_cmd_read = now + READ_S
             self.cmd_seen = self.relay.commands if self.relay is not None else None
@@ -481,7 +478,7 @@ class Agent:
                         self.q_sup.put(protocol.RefusedReport(self.node, None, refused))  # type: ignore[union-attr]
                     next_hb = now + hb_every
                 if self._commands_due(now):
-                    for cmd in self.q_cmd.get_all():
+                    for cmd in self.q_cmd.get_all():  # type: ignore[union-attr]
                         self.handle(cmd)
                 if self.relay is not None and self.relay.due(now):
                     self.relay.relay(self.store, now)
@@ -498,7 +495,7 @@ class Agent:
                         self.report_exit(r, r.proc.returncode)
                 self.send_probe()
                 self.last_store_ok = time.monotonic()  # (a pass that waited out a frozen leader ends now, not when it began)
-            except Exception as e:  # store unreachable: the supervisor is gone
+            except Exception as e:  # noqa: BLE001 -- store unreachable (any error of the client): the supervisor is gone
                 moved = getattr(self.store, "moved_at", None)  # reached a new leader: its store answers
                 if moved is not None and time.time() - moved < node_timeout:
                     self.last_store_ok = max(self.last_store_ok, time.monotonic() - (time.time() - moved))
@@ -513,7 +510,7 @@ class Agent:
                         r.reported = True
                         try:
                             self.report_exit(r, r.proc.returncode)
-                        except Exception:
+                        except Exception:  # noqa: BLE001 -- best effort: the agent is exiting
                             pass
                 return 0
             self.relay.wake.wait(0.02) if self.relay is not None else time.sleep(0.02)  # a bump: relayed at once
@@ -532,14 +529,11 @@ def _uptime() -> float | None:
     return read_uptime()
 
 
-def _tee(stream, logf, console, prefix: str) -> None:
+def _tee(stream, logf, which: int, prefix: str) -> None:
+    """A shown stream of a rank: each line to its log file and, framed, to this agent's stdout (the console)."""
     for line in iter(stream.readline, b""):
         logf.write(line)
-        try:
-            console.write(f"{prefix}: {line.decode(errors='replace')}")
-            console.flush()
-        except (OSError, ValueError):
-            pass
+        rank_output.write_console(rank_output.frame(which, prefix, line))
 
 
 def _tail(path: Path, n: int = 20, max_bytes: int = 16384) -> str:

@@ -9,7 +9,9 @@ return feeds :class:`phoenix_launch.decide.classify.Signals` (``xid``, ``ecc_unc
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field
@@ -18,7 +20,7 @@ from typing import Iterable
 
 import psutil
 
-from phoenix_launch.decide.failure_text import XID_CLASS, XID_LINE, slurm_state_bad
+from phoenix_launch.detect.failure_text import XID_CLASS, XID_LINE, slurm_state_bad
 
 DEFAULT_PROBE_TIMEOUT = timedelta(seconds=5)
 
@@ -228,18 +230,30 @@ def parse_scontrol_node(text: str) -> str | None:
 
 
 def _run(argv: list[str], timeout: timedelta) -> tuple[int | None, str, str | None]:
-    """(returncode, stdout, error). returncode None when the command could not run or timed out."""
+    """(returncode, stdout, error). returncode None when the command could not run or timed out. Bounded in
+    every case: a tool that hangs (``nvidia-smi`` in D state after an Xid 79) is killed with its process group
+    and, if it still does not exit, left behind after a second (``subprocess.run`` would wait for it unbounded)."""
     if shutil.which(argv[0]) is None:
         return None, "", f"{argv[0]} not found"
     try:
-        cp = subprocess.run(argv, capture_output=True, text=True, errors="replace",
-                            timeout=timeout.total_seconds(), check=False)
-    except subprocess.TimeoutExpired:
-        return None, "", f"{argv[0]} timed out after {timeout.total_seconds():g} s"
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                errors="replace", start_new_session=True)
     except (OSError, ValueError) as exc:
         return None, "", f"{argv[0]} failed to run: {exc}"
-    out = cp.stdout + ("\n" + cp.stderr if cp.stderr else "")
-    return cp.returncode, out, None if cp.returncode == 0 else f"{argv[0]} exited {cp.returncode}"
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout.total_seconds())
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            proc.communicate(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass  # unkillable (D state): not waited for
+        return None, "", f"{argv[0]} timed out after {timeout.total_seconds():g} s"
+    out = stdout + ("\n" + stderr if stderr else "")
+    return proc.returncode, out, None if proc.returncode == 0 else f"{argv[0]} exited {proc.returncode}"
 
 
 def probe_local(pids: Iterable[int]) -> dict:
@@ -312,8 +326,10 @@ def probe_kernel_xids(since_uptime: float | None = None,
     an unprivileged user (``kernel.dmesg_restrict``), which is reported, not raised."""
     try:
         rc, out, err = _run(["dmesg"], timeout)
-        if rc != 0:
-            return {"xid": (), "events": [], "error": err or "dmesg unreadable"}
+        if rc != 0:  # kernel.dmesg_restrict (common on HPC nodes): the journal's kernel log, where readable
+            rc, out, err2 = _run(["journalctl", "-k", "-q", "--no-pager", "-o", "short-monotonic"], timeout)
+            if rc != 0:
+                return {"xid": (), "events": [], "error": f"{err or 'dmesg unreadable'}; {err2 or 'journalctl -k unreadable'}"}
         events = parse_xid_lines(out)
         return {"xid": xid_codes_since(events, since_uptime),
                 "events": [asdict(e) for e in events

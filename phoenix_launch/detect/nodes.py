@@ -3,7 +3,7 @@
 A :class:`Node` is SPARE or holds a block of logical ranks (``group_rank``); every state change is an
 event. :class:`NodeTable` answers the questions the supervisor asks about the set of nodes (which spares,
 in which order; who is waiting or silent) and excludes a failed node (kill it, drain it where the backend
-can).
+can: both effects, ``phoenix_launch.effects``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from phoenix_launch.backends.base import Backend
-from phoenix_launch.observe.events import EventLog
-from phoenix_launch.decide.incidents import FleetView
+from phoenix_launch.effects import DrainNode, KillNode, Outbox
 from phoenix_launch.lifecycle import NODE_TRANSITIONS, Lifecycle, NodeState
 from phoenix_runtime.plane import protocol
 
@@ -54,9 +52,8 @@ def check_every(heartbeat_s: float) -> float:
 
 
 class NodeTable:
-    def __init__(self, backend: Backend, events: EventLog, *, drain: bool, on_change: Callable[[], None]):
-        self.backend = backend
-        self.events = events
+    def __init__(self, out: Outbox, *, drain: bool, on_change: Callable[[], None]):
+        self.events = out
         self.drain = drain  # drain a replaced node in the scheduler (where the backend can)
         self.on_change = on_change  # a node's state changed (status.json follows at once)
         self.nodes: dict[str, Node] = {}
@@ -97,10 +94,10 @@ class NodeTable:
     def exclude(self, name: str, why: str) -> None:
         """The node leaves the job for good: killed, FAILED, and drained where the backend can."""
         node = self.nodes[name]
-        self.backend.kill_node(name)
+        self.events.add(KillNode(name))
         if node.state is not NodeState.FAILED:
             self.transition(node, NodeState.FAILED, why)
-        ok, msg = self.backend.drain(name, f"phoenix: {why}") if self.drain else (False, "drain off")
+        ok, msg = self.events.add(DrainNode(name, f"phoenix: {why}")) if self.drain else (False, "drain off")
         if ok:
             self.transition(node, NodeState.DRAINED, msg)
         else:
@@ -112,19 +109,6 @@ class NodeTable:
         self.exclude(failed, why)
         spn.group_rank, fn.group_rank = fn.group_rank, None
         self.transition(spn, NodeState.JOINING, joining)
-
-    def scheduler_states(self, names: set[str]) -> dict[str, str | None]:
-        """The scheduler's state of these nodes (Slurm), read now (one query per node: only on an incident);
-        each reading, with its drain reason, is an event. Empty where the backend has no scheduler."""
-        if not self.backend.capabilities.node_state:
-            return {}
-        out: dict[str, str | None] = {}
-        for name in sorted(names):
-            view = self.backend.node_state(name)
-            out[name] = view.state
-            if view.state:
-                self.events.emit("probe", node=name, slurm_state=view.state, reason=view.reason)
-        return out
 
     # --- questions ---------------------------------------------------------------------------------
     def silent(self, store, timeout: float) -> list[tuple[str, float]]:
@@ -162,13 +146,3 @@ class NodeTable:
 
     def group_ranks(self) -> dict[str, int | None]:
         return {n.name: n.group_rank for n in self}
-
-    def fleet(self, now: float, heartbeat_s: float, world_ranks: int, probing: set[str] = frozenset()) -> FleetView:  # type: ignore[assignment]
-        """``probing``: nodes whose GPU probe is still to come: an incident waits for them as for a node
-        not reported in (bounded the same way)."""
-        waiting = tuple(n.name for n in self if not n.is_spare and not n.lost and (n.name in probing or (
-            not n.up and n.state in (NodeState.STARTING, NodeState.ACTIVE, NodeState.JOINING))))
-        silent = tuple(n.name for n in self if n.state in (NodeState.ACTIVE, NodeState.JOINING) and n.up
-                       and not n.lost and now - n.last_hb > 3 * heartbeat_s)
-        healthy = frozenset(n.name for n in self if not n.lost)
-        return FleetView(waiting, silent, healthy, world_ranks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import signal
 import subprocess
+from typing import Any, Mapping
 
 PR_SET_PDEATHSIG = 1
 
@@ -25,7 +26,7 @@ def send_signal(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def poll_exited(procs: dict[str, subprocess.Popen], exited: set[str]) -> list[tuple[str, int]]:
+def poll_exited(procs: Mapping[str, Any], exited: set[str]) -> list[tuple[str, int]]:
     """The agents (node -> Popen) that exited since the last call, each reported once."""
     out = []
     for node, p in procs.items():

@@ -60,16 +60,17 @@ class StragglerWatch:
         timed = {r: p for r, p in paces.items() if p.own_s is not None and p.own_s > 0}
         found = []
         for rank, p in sorted(timed.items()):
-            others = [q.own_s for r, q in timed.items() if r != rank]
+            own = float(p.own_s or 0.0)  # (timed: every own_s here is a positive number)
+            others = [float(q.own_s or 0.0) for r, q in timed.items() if r != rank]
             if not others or self._seen.get(rank) == p.step:
                 continue  # alone, or no step since its last counted check: nothing new to judge
             self._seen[rank] = p.step
             peers = statistics.median(others)
-            if peers > 0 and p.own_s > self.factor * peers:
+            if peers > 0 and own > self.factor * peers:
                 self._slow[rank] = self._slow.get(rank, 0) + 1
             else:
                 self._slow.pop(rank, None)
             if self._slow.get(rank, 0) >= self.checks:
-                found.append(Straggler(rank, p.node, p.own_s, peers, self._slow.pop(rank), p.step, rank not in self._found))
+                found.append(Straggler(rank, p.node, own, peers, self._slow.pop(rank), p.step, rank not in self._found))
                 self._found.add(rank)
         return found

@@ -25,11 +25,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from phoenix_launch.observe.event_types import Event, Logged, build, decode
 from phoenix_runtime.plane.protocol import SCHEMA_VERSION
 
 
 class EventLog:
-    """Append-only ``events.jsonl``; thread-safe; flushed after every line (a crash loses nothing)."""
+    """Append-only ``events.jsonl``; thread-safe; flushed after every line (a crash loses nothing). Every event is
+    one of ``event_types`` (built here from a type and fields: one the schema lacks is an error)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -37,12 +39,30 @@ class EventLog:
         self._f = open_private(path, "a", buffering=1)
         self.recent: list[dict[str, Any]] = []
         self.count = 0  # events emitted so far
+        self._t0, self._progress_t = time.time(), 0.0
+        self._held: str | None = None  # the newest progress report not written yet
 
-    def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
-        ev = {"v": SCHEMA_VERSION, "t": round(time.time(), 6), "type": type_, **fields}
+    #: the ranks report progress every few seconds: the file keeps every report for the first ``PROGRESS_ALL_S``
+    #: of a log, then one per ``PROGRESS_EVERY_S`` (and the one held back, before any other event): a week-long
+    #: job's file stays ~2 MB, not ~40 MB; ``recent`` (the live view, the metrics) has every report
+    PROGRESS_ALL_S = 600.0
+    PROGRESS_EVERY_S = 60.0
+
+    def emit(self, event: Event | str, **fields: Any) -> dict[str, Any]:
+        typed = event if isinstance(event, Event) else build(event, fields)
+        ev = {"v": SCHEMA_VERSION, "t": round(time.time(), 6), "type": typed.TYPE, **typed.fields()}
         line = json.dumps(ev, default=str)
+        type_ = typed.TYPE
         with self._lock:
-            self._f.write(line + "\n")
+            if type_ == "progress" and ev["t"] - self._t0 > self.PROGRESS_ALL_S and ev["t"] - self._progress_t < self.PROGRESS_EVERY_S:
+                self._held = line  # written later: at its interval, or before the next other event
+            else:
+                if type_ != "progress" and self._held is not None:
+                    self._f.write(self._held + "\n")
+                self._held = None
+                self._f.write(line + "\n")
+                if type_ == "progress":
+                    self._progress_t = ev["t"]
             self.recent.append(ev)
             self.count += 1
             del self.recent[:-50]
@@ -50,7 +70,16 @@ class EventLog:
 
     def close(self) -> None:
         with self._lock:
+            if self._held is not None:
+                self._f.write(self._held + "\n")
+                self._held = None
             self._f.close()
+
+
+def read_events(lines: Iterable[str]) -> tuple[list[Logged], int]:
+    """The events in the lines of an ``events.jsonl``, typed (``event_types.decode``): (events, skipped)."""
+    rows, skipped = parse_events(lines)
+    return [decode(r) for r in rows], skipped
 
 
 def parse_events(lines: Iterable[str]) -> tuple[list[dict[str, Any]], int]:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phoenix_launch.lifecycle import JobState, NodeState
+from phoenix_launch.lifecycle import JobPhase, NodeState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -66,7 +66,7 @@ def render_metrics(snap: dict[str, Any], counters: Any) -> str:
 
     state = snap.get("state")
     fam = family("job_state", "gauge", "1 for the job's current state, 0 for the others.")
-    for s in JobState:
+    for s in JobPhase:
         fam.sample(int(s.value == state), state=s.value)
     family("generation", "gauge", "The current generation (membership) of the job.").sample(snap.get("gen", 0))
     family("world_size", "gauge", "Ranks in the training world.").sample(snap.get("world_size", 0))
@@ -90,6 +90,14 @@ def render_metrics(snap: dict[str, Any], counters: Any) -> str:
     family("steps_per_second", "gauge", "Training throughput, steps per second (slowest rank).").sample(snap.get("steps_per_s", 0.0))
     family("step_time_seconds", "gauge", "The last reported step time (median of recent steps).").sample(prog.get("step_time_s"))
     family("last_progress_timestamp_seconds", "gauge", "Unix time of the last progress report.").sample(prog.get("t"))
+    scalars = dict(prog.get("scalars") or {})
+    if scalars:  # training.log's (rank 0's newest, with the step they are of)
+        user_step = scalars.pop("step", None)
+        fam = family("user_scalar", "gauge", "The training script's own scalars (training.log), rank 0's newest, by name.")
+        for name, v in sorted(scalars.items()):
+            if isinstance(v, (int, float)):
+                fam.sample(v, name=name)
+        family("user_scalar_step", "gauge", "The step of phoenix_user_scalar.").sample(user_step)
     fam = family("failures_total", "counter", "Failures observed, by kind (rank_exit, node_lost, hang, ...).")
     for kind, n in sorted(counters.failures.items()):
         fam.sample(n, kind=kind)
@@ -134,7 +142,7 @@ class MetricsServer:
         class Handler(BaseHTTPRequestHandler):
             timeout = 2.0  # a scraper that connects and says nothing does not hold the thread
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            def do_GET(self) -> None:  # (http.server's name)
                 if self.path.split("?", 1)[0] not in ("/metrics", "/"):
                     self.send_error(404, "only /metrics here")
                     return
@@ -145,7 +153,7 @@ class MetricsServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: Any) -> None:  # (http.server's signature)
                 pass  # no line per scrape on the job's console
 
         class Server(HTTPServer):

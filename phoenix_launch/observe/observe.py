@@ -1,7 +1,7 @@
 """What the job's events add up to, for the metrics and the live view: counters kept from the events, the
 latest progress report (with the loop's total, when the runtime knows it), and the last incident on one line.
 
-Pure logic: fed the events (dicts, as in ``events.jsonl``) one at a time, read by :mod:`metrics` and by
+Pure logic: fed the events (typed, ``event_types``) one at a time, read by :mod:`metrics` and by
 :func:`progress_view`, which adds the ``progress`` entry of a status snapshot (bar, ETA, last incident).
 """
 
@@ -10,6 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from phoenix_launch.observe import event_types as E
+from phoenix_launch.observe.event_types import Logged
 
 
 @dataclass
@@ -39,31 +42,31 @@ class JobCounters:
         self.last_incident: dict[str, Any] | None = None
         self._cls = "unknown"  # the class of the incident whose recovery comes next
 
-    def feed(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("type")
-        if kind == "progress":
-            total = ev.get("total", self.progress.get("total"))
-            self.progress = {**ev, "total": total}
-        elif kind == "failure":
-            self.failures[str(ev.get("kind"))] = self.failures.get(str(ev.get("kind")), 0) + 1
-        elif kind == "decision":
-            self._cls = str(ev.get("cls"))
-            key = (self._cls, str(ev.get("decision")))
+    def feed(self, logged: Logged) -> None:
+        ev = logged.event
+        if isinstance(ev, E.Progress):
+            total = ev.total if ev.total is not None else self.progress.get("total")
+            self.progress = {**logged.row(), "total": total, "scalars": ev.scalars or self.progress.get("scalars")}
+        elif isinstance(ev, E.Failure):
+            self.failures[str(ev.kind)] = self.failures.get(str(ev.kind), 0) + 1
+        elif isinstance(ev, E.Decision):
+            self._cls = str(ev.cls)
+            key = (self._cls, str(ev.decision))
             self.incidents[key] = self.incidents.get(key, 0) + 1
-            self.last_incident = {"t": ev.get("t"), "cls": ev.get("cls"), "decision": ev.get("decision"),
-                                  "node": ev.get("node"), "spare": ev.get("spare"), "reason": ev.get("reason")}
-        elif kind == "recovery":
-            key = (self._cls, str(ev.get("path")))
+            self.last_incident = {"t": logged.t, "cls": ev.cls, "decision": ev.decision, "node": ev.node, "spare": ev.spare,
+                                  "reason": ev.reason}
+        elif isinstance(ev, E.Recovery):
+            key = (self._cls, str(ev.path))
             self.recoveries[key] = self.recoveries.get(key, 0) + 1
             for name, summary in self.durations.items():
-                summary.add(ev.get(name))
+                summary.add(getattr(ev, name))
             if self.last_incident is not None:
-                self.last_incident.update(recovered_s=ev.get("recovered_s"), resume_step=ev.get("resume_step"))
-        elif kind in ("sdc_detected", "copy_corrupt"):
-            where = "commit_point" if kind == "sdc_detected" else str(ev.get("kind"))
+                self.last_incident.update(recovered_s=ev.recovered_s, resume_step=ev.resume_step)
+        elif isinstance(ev, (E.SdcDetected, E.CopyCorrupt)):
+            where = "commit_point" if isinstance(ev, E.SdcDetected) else str(ev.kind)
             self.corruptions[where] = self.corruptions.get(where, 0) + 1
-        elif kind == "incident_closed":
-            self.last_incident = {"t": ev.get("t"), "cls": "none", "decision": "closed", "reason": ev.get("why")}
+        elif isinstance(ev, E.IncidentClosed):
+            self.last_incident = {"t": logged.t, "cls": "none", "decision": "closed", "reason": ev.why}
 
 
 def incident_line(inc: dict[str, Any] | None) -> str:
@@ -99,12 +102,20 @@ def progress_view(snap: dict[str, Any], counters: JobCounters) -> dict[str, Any]
     step = int(snap.get("step", -1))
     done = max(step if step >= 0 else int(counters.progress.get("step", 0)), 0)  # no heartbeat yet: the last report
     sps = float(snap.get("steps_per_s") or counters.progress.get("sps") or 0.0)
+    state = snap.get("state")
+    if state == "succeeded" and total is not None:
+        done = max(done, int(total))  # every rank finished its loop: the final step, not the last sampled one
     eta_s = None
-    if total is not None and sps > 0 and done < total:
+    if state in ENDED:
+        eta_s = None  # a job that is not running has no ETA
+    elif total is not None and sps > 0 and done < total:
         eta_s = round((total - done) / sps, 1)
     elif total is not None and done >= total:
         eta_s = 0.0
     return {"done": done, "total": total, "eta_s": eta_s, "last_incident": incident_line(counters.last_incident)}
+
+
+ENDED = ("succeeded", "failed", "stopping")
 
 
 def progress_text(prog: dict[str, Any]) -> str:

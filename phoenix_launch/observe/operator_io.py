@@ -18,6 +18,7 @@ from phoenix_launch.plane.command_socket import CommandSocket
 from phoenix_launch.config import MetricsConfig
 from phoenix_launch.observe.events import EventLog
 from phoenix_launch.observe.metrics import MetricsServer, render_metrics, write_textfile
+from phoenix_launch.observe.event_types import decode
 from phoenix_launch.observe.observe import JobCounters, progress_view
 
 TEXTFILE_EVERY_S = 2.0
@@ -54,7 +55,7 @@ class OperatorIO:
         new = self.events.recent[-(n - self._seen):] if n > self._seen else []
         self._seen = n
         for ev in new:
-            self.counters.feed(ev)
+            self.counters.feed(decode(ev))
 
     def observe(self, snap: dict[str, Any], final: bool = False) -> dict[str, Any]:
         """Add ``progress`` to the snapshot; render the metrics from it (served, and written when due)."""

@@ -133,7 +133,7 @@ class CommandSocket:
             try:
                 self.handler.handle(pending.raw, now)
                 pending.reply = self.replies.value or json.dumps({"ok": False, "error": "the job gave no answer"})
-            except Exception as e:  # a command must never take the supervisor down
+            except Exception as e:  # noqa: BLE001 -- a command must never take the supervisor down
                 pending.reply = json.dumps({"ok": False, "error": f"the command failed in the supervisor: {e}"})
             pending.done.set()
 

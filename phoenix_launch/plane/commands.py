@@ -15,7 +15,7 @@ import json
 from typing import Any, Callable
 
 from phoenix_launch.observe.events import EventLog
-from phoenix_launch.plane.inject import SOCKET_PURPOSE, JobTargets, execute_injection
+from phoenix_launch.plane.inject import JobTargets, execute_injection
 from phoenix_runtime.plane import protocol
 
 

@@ -64,11 +64,15 @@ class ControlPlane:
     they start); the stores listen from :meth:`listen` on (after the agents were started, so that the
     ranks' imports overlap with the supervisor's own torch import)."""
 
-    def __init__(self, host: str, port: int = 0, *, sock: socket.socket | None = None, incarnation: int = 0):
+    def __init__(self, host: str, port: int = 0, *, sock: socket.socket | None = None, incarnation: int = 0,
+                 rdzv_port: int = 0):
         """``sock``/``incarnation``: a standby taking over serves on the socket it held since it started (its
-        address is in the run directory's standby.json), as the ``incarnation``-th leader after the first."""
+        address is in the run directory's standby.json), as the ``incarnation``-th leader after the first.
+        ``rdzv_port``: the first attempt's rendezvous store (the ranks' MASTER_PORT, torchrun's --master-port;
+        0: a free one), reserved first so that a port given is not taken by the control plane's own."""
         self.host = host
-        self._sock, self._rdzv_sock = sock if sock is not None else reserve_port(host, port), reserve_port(host, 0)
+        self._rdzv_sock = reserve_port(host, rdzv_port)
+        self._sock = sock if sock is not None else reserve_port(host, port)
         self.port: int = self._sock.getsockname()[1]
         self.rdzv_port: int = self._rdzv_sock.getsockname()[1]
         self.store: Any = None

@@ -123,7 +123,7 @@ def send_command(run_dir: Path, cmd: protocol.KillCommand, timeout_s: float = 10
         return reply
     try:
         store = connect(ctl["host"], int(ctl["port"]), timeout_s=3.0)
-    except Exception:
+    except Exception:  # noqa: BLE001 -- any failure to connect is "no running job"
         raise InjectError(f"no running job at {ctl['host']}:{ctl['port']} (run directory {run_dir})") from None
     store = protocol.Incarnated(store, int(ctl.get("incarnation", 0) or 0))  # a leader after a takeover seals for it
     protocol.Queue(store, protocol.Q_COMMANDS).put(replace(cmd, id=cid))  # sealed; no token in the store
@@ -134,7 +134,7 @@ def send_command(run_dir: Path, cmd: protocol.KillCommand, timeout_s: float = 10
             text = protocol.get_value(store, key)  # a forged reply is refused: the genuine one is waited for
             if text is not None:
                 return json.loads(text)
-        except Exception:
+        except Exception:  # noqa: BLE001 -- a store that went away or an answer cut short
             raise InjectError("the job stopped before it answered") from None
         time.sleep(0.02)
     raise InjectError(f"the job did not answer within {timeout_s:g} s")

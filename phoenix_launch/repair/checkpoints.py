@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from phoenix_launch.observe.events import write_json_atomic
+from phoenix_launch.effects import PutValue
 from phoenix_runtime.plane import protocol
 
 
@@ -92,17 +93,17 @@ class Ladder:
         self.catalog = Catalog(run_dir, world_size, keep)
         self.salvaging: tuple[str, float, float] | None = None  # (reason, started, deadline) of a salvage
         self.salvaged: int | None = None  # its step, once complete; -1: it failed
+        self.exit_code: int | None = None  # the job's exit code once the salvage is over (the end of an allocation's)
         self.every_s, self.lead_s, self.last_t = every_s, lead_s, time.time()
 
-    def schedule(self, store, now: float, attempt, running: bool = True) -> None:
+    def schedule(self, now: float, attempt, running: bool = True) -> None:
         """The time-based cadence (``runtime.persist_every_s``): every rank must write the same step, so the
         supervisor names one a little ahead of the job's progress (``protocol.K_PERSIST_AT``: the ranks read it
         with their heartbeat); a rank that is past it already skips it, and that checkpoint never completes."""
         if not running or self.every_s <= 0 or attempt.step < 1 or now - self.last_t < self.every_s:
             return
         at = attempt.step + max(3, math.ceil(self.lead_s / max(attempt.step_time_s, 1e-3)))
-        protocol.put_value(store, protocol.K_PERSIST_AT, str(at))
-        protocol.notify_ranks(store)
+        self.events.add(PutValue(protocol.K_PERSIST_AT, str(at), notify=True))
         self.last_t = now
         self.events.emit("checkpoint_scheduled", step=at)
 
@@ -114,14 +115,17 @@ class Ladder:
                 self.salvaged = done["step"]
 
     # --- the salvage (runtime/recover/salvage.py): no node to recover onto, the survivors write S_R from memory ---------
-    def salvage(self, gens, lost_nodes: set[str], reason: str, attempt, group_ranks, now: float, timeout_s: float) -> bool:
+    def salvage(self, gens, lost_nodes: set[str], reason: str, attempt, group_ranks, now: float, timeout_s: float,
+                exit_code: int | None = None) -> bool:
         """Publish the salvage generation (``Membership.lost``): before the job stops, the survivors write the
-        newest S_R their memory holds complete (their own snapshots, the lost ranks' replicas). False: done once."""
+        newest S_R their memory holds complete (their own snapshots, the lost ranks' replicas). Nobody lost: the
+        end of the allocation (``Membership.ending``; ``exit_code`` the job's then). False: done once."""
         if self.salvaging is not None:
             return False
         lost = tuple(r.rank for r in gens.members.ranks if r.node in lost_nodes)
-        mem = gens.publish(gens.members.ranks, reason, attempt, group_ranks, lost=lost)
+        mem = gens.publish(gens.members.ranks, reason, attempt, group_ranks, lost=lost, ending=not lost)
         self.salvaging = (reason, now, now + timeout_s)
+        self.exit_code = exit_code
         self.events.emit("fallback", rung="save_from_memory", reason=reason, gen=mem.gen, lost=list(lost))
         return True
 

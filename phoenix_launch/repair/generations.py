@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
+from phoenix_launch.effects import DeleteKeys, Outbox, PublishGeneration, PutMembers, PutValue
 from phoenix_runtime.plane import protocol
 
 
@@ -26,9 +27,12 @@ class Attempt:
 
 
 class GenerationPublisher:
-    def __init__(self, store: protocol.Store, *, world_size: int, nproc: int, run_id: str, max_restarts: int,
+    """The generations' state (the current one, the last stable one, the swept ones); each act on the store is an
+    effect in ``out`` (:mod:`phoenix_launch.effects`)."""
+
+    def __init__(self, out: Outbox, *, world_size: int, nproc: int, run_id: str, max_restarts: int,
                  domains: Callable[[], dict[str, str]]):
-        self.store = store
+        self.out = out
         self.world_size = world_size
         self.nproc = nproc
         self.run_id = run_id
@@ -39,31 +43,28 @@ class GenerationPublisher:
         self.stable = self.members  # the last generation every rank reached (joiners are counted from it)
         self.swept = 0  # generations below this one had their keys deleted
         self._seen: set[str] = set()  # nodes of every membership published since the last recovery completed
-        self.before_bump: Callable[[], None] = lambda: None  # the supervisor mirrors its state to its standby here
 
     def first(self, ranks: Iterable[protocol.RankSlot]) -> protocol.Membership:
         """Generation 0, as the agents start it."""
         self.members = self.stable = protocol.Membership(0, self.world_size, tuple(ranks), domains=self.domains())
-        protocol.put_members(self.store, self.members)
-        protocol.put_value(self.store, protocol.K_PERSIST_AT, "0")  # none asked yet; present, a rank reads both in one batch
-        protocol.put_value(self.store, protocol.K_GEN, "0")
-        protocol.notify_ranks(self.store)
+        self.out.add(PutMembers(self.members))
+        self.out.add(PutValue(protocol.K_PERSIST_AT, "0"))  # none asked yet; present, a rank reads both in one batch
+        self.out.add(PutValue(protocol.K_GEN, "0", notify=True))
         return self.members
 
     def restore(self, gen: int, members: protocol.Membership, stable: protocol.Membership, swept: int) -> None:
         """A standby that took over: the lost leader's generation, written anew in the new store."""
         self.gen, self.members, self.stable, self.swept = gen, members, stable, swept
-        protocol.put_members(self.store, members)
+        self.out.add(PutMembers(members))
         if stable.gen != gen:
-            protocol.put_members(self.store, stable)
-        protocol.put_value(self.store, protocol.K_GEN, str(gen))
-        protocol.notify_ranks(self.store)
+            self.out.add(PutMembers(stable))
+        self.out.add(PutValue(protocol.K_GEN, str(gen), notify=True))
 
     def publish(self, ranks: Iterable[protocol.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
                 *, respawned: Iterable[int] = (), fresh: bool = False, lost: tuple[int, ...] = (),
                 resync: tuple[int, ...] = (), rollback_to: int | None = None,
                 data: tuple[tuple[int, ...], ...] | None = None, prev: tuple[int, ...] = (),
-                prev_world: int | None = None) -> protocol.Membership:
+                prev_world: int | None = None, ending: bool = False) -> protocol.Membership:
         """A new generation: membership first, then the joiners' assignments, then the bump. ``resync`` /
         ``rollback_to``: a repair of silent data corruption; ``data`` / ``prev`` / ``prev_world``: a resize (the ranks
         renumbered, ``world_size`` set before; ``prev`` relative to the generation of ``prev_world`` ranks, by default
@@ -73,7 +74,7 @@ class GenerationPublisher:
         data = self.members.data if data is None else data
         if prev:  # a resize (shrink, grow): the joiners are the ranks without a rank before
             joiners: tuple[int, ...] = tuple(r for r, p in enumerate(prev) if p < 0)
-        elif fresh or lost:  # a salvage generation starts nobody
+        elif fresh or lost or ending:  # a salvage generation starts nobody
             joiners = ()
         else:
             before = {r.rank: (r.node, r.slot) for r in self.stable.ranks}
@@ -81,23 +82,16 @@ class GenerationPublisher:
             joiners = tuple(r.rank for r in ranks if before.get(r.rank) != (r.node, r.slot) or r.rank in again)
         mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains(), lost,
                                   tuple(resync), rollback_to, tuple(data), tuple(prev),
-                                  (self.members.world_size if prev_world is None else prev_world) if prev else 0)
+                                  (self.members.world_size if prev_world is None else prev_world) if prev else 0, ending=ending)
         self._seen |= {r.node for r in self.members.ranks}
-        protocol.put_members(self.store, mem)  # a joiner's, a standby's: the whole
-        # what a rank that read the last one reads instead (a hot-swap: its joiners' slots, not the job's)
-        protocol.put_value(self.store, protocol.k_members_diff(self.gen), protocol.MembersDiff.between(self.members, mem).to_json())
-        for r in ranks:
-            if r.rank in joiners:
-                protocol.put_value(self.store, protocol.k_assign(r.node, r.slot), json.dumps(self._assignment(r, group_ranks[r.node], attempt)))
+        # the whole (a joiner's, a standby's), then what a rank that read the last one reads instead (a hot-swap: its
+        # joiners' slots, not the job's), the joiners' assignments, the standby synchronised, and the bump
+        diff = protocol.MembersDiff.between(self.members, mem).to_json()
+        assign = tuple((r.node, r.slot, json.dumps(self._assignment(r, group_ranks[r.node], attempt))) for r in ranks if r.rank in joiners)
         self.members = mem
         if fresh:
             self.stable = mem
-        self.before_bump()  # a standby holds the new generation before any rank can see it
-        protocol.put_value(self.store, protocol.K_GEN, str(self.gen))
-        protocol.notify_ranks(self.store)
-        # the generation before is given up unless every rank arrived there (then it is "go" already): its ranks
-        # that wait for its fate learn it now, in the same round trip that waits (``Context._wait_all``)
-        self.store.compare_set(protocol.k_fate(self.gen - 1), "", "cancel")
+        self.out.add(PublishGeneration(mem, diff, assign))
         return mem
 
     def recovered(self) -> None:
@@ -111,14 +105,7 @@ class GenerationPublisher:
         keys = [k for g in range(self.swept, self.gen) for k in (protocol.k_members(g), protocol.k_members_diff(g), protocol.k_arrived(g), protocol.k_fate(g))]
         keys += [k for node in sorted(gone) for k in node_keys(node, self.nproc)]
         self.swept = max(self.swept, self.gen)
-        delete = getattr(self.store, "delete_key", None)
-        if delete is None:  # a store without deletes (tests' fakes) keeps them
-            return
-        for key in keys:
-            try:
-                delete(key)
-            except Exception:  # noqa: BLE001 -- a key already gone
-                pass
+        self.out.add(DeleteKeys(tuple(keys)))
 
     def _assignment(self, r: protocol.RankSlot, group_rank: int | None, attempt: Attempt) -> dict:
         env = protocol.torchrun_env(

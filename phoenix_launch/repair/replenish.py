@@ -46,7 +46,7 @@ class Replenisher:
             join = f"r{self._seq}"
             try:
                 job = self.backend.replenish(self.spec_for(join))
-            except Exception as e:  # e.g. sbatch refused: try again later, the job goes on
+            except Exception as e:  # noqa: BLE001 -- e.g. sbatch refused: try again later, the job goes on
                 self.events.emit("replenish_failed", join=join, error=str(e)[:500])
                 self._next_submit = now + REFUSED_BACKOFF_S
                 return

@@ -58,32 +58,49 @@ def _png(fig: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _mark_incidents(ax: Any, tl: Timeline, label: bool) -> None:
+def _mark_incidents(ax: Any, tl: Timeline, label: bool, div: float = 1.0) -> None:
     top = ax.get_ylim()[1]
     for inc in tl.incidents:
-        a, b = inc.t_start - tl.t0, inc.t_end - tl.t0
-        ax.axvspan(a, max(b, a + tl.duration_s * 0.004), color=INCIDENT_COLOUR, alpha=0.18, lw=0)
+        a, b = (inc.t_start - tl.t0) / div, (inc.t_end - tl.t0) / div
+        ax.axvspan(a, max(b, a + tl.duration_s / div * 0.004), color=INCIDENT_COLOUR, alpha=0.18, lw=0)
         ax.axvline(a, color=INCIDENT_COLOUR, lw=1)
         if label:
             ax.text(a, top, f" #{inc.number} {inc.failure_class}", color=INCIDENT_COLOUR, fontsize=8, va="top")
 
 
+def time_axis(tl: Timeline) -> tuple[float, str]:
+    """Seconds per unit of the charts' time axis and its name: hours for a run over three hours."""
+    return (3600.0, "h") if tl.duration_s > 3 * 3600 else (1.0, "s")
+
+
 def progress_chart(Figure: Any, tl: Timeline) -> str:
-    """Step time and throughput over wall time, each incident marked."""
-    fig = Figure(figsize=(10, 4.6))
-    ax_time, ax_sps = fig.subplots(2, 1, sharex=True)
+    """Step time and throughput over wall time, each incident marked; the script's own scalars (``training.log``:
+    its loss) below them where it logged any."""
+    names = sorted({k for p in tl.progress if p.scalars for k in p.scalars if k != "step"}, key=lambda k: (k != "loss", k))
+    fig = Figure(figsize=(10, 6.6 if names else 4.6))
+    axes = fig.subplots(3 if names else 2, 1, sharex=True)
+    ax_time, ax_sps = axes[0], axes[1]
+    div, unit = time_axis(tl)
     pts = [p for p in tl.progress if p.step_time_s is not None]
-    ax_time.plot([p.t - tl.t0 for p in pts], [p.step_time_s for p in pts], "o-", ms=3, color="#3182bd")
+    ax_time.plot([(p.t - tl.t0) / div for p in pts], [p.step_time_s for p in pts], "o-", ms=3, color="#3182bd")
     ax_time.set_ylabel("step time (s)")
     pts = [p for p in tl.progress if p.sps is not None]
-    ax_sps.plot([p.t - tl.t0 for p in pts], [p.sps for p in pts], "o-", ms=3, color="#31a354")
+    ax_sps.plot([(p.t - tl.t0) / div for p in pts], [p.sps for p in pts], "o-", ms=3, color="#31a354")
     ax_sps.set_ylabel("steps/s")
-    ax_sps.set_xlabel("wall time since the job started (s)")
-    for ax in (ax_time, ax_sps):
-        ax.set_xlim(0, max(tl.duration_s, 1e-3))
-        ax.set_ylim(bottom=0)
+    if names:
+        ax_user = axes[2]
+        for k in names[:4]:
+            pts = [p for p in tl.progress if p.scalars and isinstance(p.scalars.get(k), (int, float))]
+            ax_user.plot([(p.t - tl.t0) / div for p in pts], [p.scalars[k] for p in pts], "o-", ms=3, label=k)  # type: ignore[index]
+        ax_user.set_ylabel("training.log")
+        ax_user.legend(fontsize=8, loc="upper right")
+    axes[-1].set_xlabel(f"wall time since the job started ({unit})")
+    for ax in axes:
+        ax.set_xlim(0, max(tl.duration_s / div, 1e-3))
+        if ax is not axes[2 if names else 0] or not names:
+            ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        _mark_incidents(ax, tl, label=ax is ax_time)
+        _mark_incidents(ax, tl, label=ax is ax_time, div=div)
     if not tl.progress:
         ax_time.text(0.5, 0.5, "no progress events in this run", transform=ax_time.transAxes, ha="center")
     fig.tight_layout()

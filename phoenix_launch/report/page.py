@@ -249,6 +249,23 @@ def _corruption(tl: Timeline) -> str:
     return f"<ul>{rows}</ul>"
 
 
+def _jobs(tl: Timeline) -> str:
+    """The jobs of a chain (allocations ended by a signal or a time limit, each resumed): when each ran, how it
+    ended, what it saved from memory, where the next one resumed."""
+    if len(tl.jobs) < 2:
+        return ""
+    rows = []
+    for n, j in enumerate(tl.jobs, 1):
+        s, e = j["start"], j["end"] or {}
+        began = f"{(float(s['t']) - tl.t0) / 3600:.2f} h"
+        resumed = f"from step {s['resume'].rsplit('_', 1)[-1].lstrip('0') or '0'}" if s.get("resume") else "from scratch"
+        ended = (f"exit {e.get('exit_code')}: {e.get('reason', '')}" if e else "killed (no job_end)")
+        saved = f"; saved step {j['saved']} from memory" if j["saved"] is not None else ""
+        rows.append(f"<tr><td>{n}</td><td>{escape(began)}</td><td>{escape(resumed)}</td><td>{escape(ended + saved)}</td></tr>")
+    return (f"<h2>Jobs in this run directory ({len(tl.jobs)})</h2><table><tr><th>#</th><th>started at</th><th>began</th>"
+            f"<th>ended</th></tr>{''.join(rows)}</table>")
+
+
 def render_page(tl: Timeline, charts: dict[str, str | None], cmp: CostComparison | None,
                 baseline_step_s: float | None = None) -> str:
     job = tl.job
@@ -257,6 +274,9 @@ def render_page(tl: Timeline, charts: dict[str, str | None], cmp: CostComparison
     end = tl.end or {}
     reason = f" &mdash; {escape(str(end.get('reason')))}" if end.get("reason") else ""
     incidents = "".join(_incident_card(i, tl) for i in tl.incidents) or "<p>No failure in this run.</p>"
+    stops = [j for j in tl.jobs if j["end"] is None or j["end"].get("exit_code") != 0]
+    if not tl.incidents and len(tl.jobs) > 1 and stops:
+        incidents = f"<p>No failure in this run; it was stopped {len(stops)} time(s) and resumed (below).</p>"
     skipped = f"; {tl.skipped_lines} unreadable line(s) skipped" if tl.skipped_lines else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>PHOENIX report: {escape(str(job.get('run_id', '?')))}</title>
@@ -266,7 +286,7 @@ def render_page(tl: Timeline, charts: dict[str, str | None], cmp: CostComparison
 {_tiles(tl)}
 <h2>Step time and throughput</h2>{_img(charts.get('progress'), 'step time and throughput')}
 <h2>Incidents ({len(tl.incidents)})</h2>{_img(charts.get('phases'), 'recovery phases')}{incidents}
-<h2>Silent data corruption</h2>{_corruption(tl)}
+{_jobs(tl)}<h2>Silent data corruption</h2>{_corruption(tl)}
 <h2>Data-parallel size</h2>{_dp_section(tl, charts.get('dp'))}
 <h2>Node states</h2>{_img(charts.get('nodes'), 'node states')}
 <h2>Spares and protection</h2>{_img(charts.get('resources'), 'spares and host memory')}{_resources(tl, baseline_step_s)}

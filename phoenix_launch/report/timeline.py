@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from phoenix_launch.observe import event_types as E
 from phoenix_launch.observe.events import parse_events
 from phoenix_runtime.errors import UsageError
 
@@ -25,7 +26,7 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("resume_s", "resume"),
 )
 NODE_STATES = ("starting", "spare", "joining", "active", "failed", "drained", "stopped")
-EVIDENCE_TYPES = ("injected", "failure")
+EVIDENCE = (E.Injected, E.Failure)  # what an incident's decision follows
 
 
 class ReportInputError(UsageError):
@@ -47,6 +48,7 @@ class ProgressPoint:
     step: int | None
     step_time_s: float | None
     sps: float | None
+    scalars: dict | None = None  # the script's own (training.log), rank 0's newest at this report
 
 
 @dataclass
@@ -126,6 +128,9 @@ class Timeline:
     resizes: list[dict[str, Any]] = field(default_factory=list)  # shrink and grow events, each with its recovery's cost
     counts: dict[str, int] = field(default_factory=dict)
     skipped_lines: int = 0
+    #: the jobs this run directory held, in order (a chain of allocations, ``--resume``): each job_start, job_end
+    #: (None: killed or running) and the step it saved from memory at its end (``salvaged``), if any
+    jobs: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def duration_s(self) -> float:
@@ -200,33 +205,33 @@ class _IncidentBuilder:
                 return inc
         return None
 
-    def feed(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("type")
-        if kind in EVIDENCE_TYPES:
+    def feed(self, ev: dict[str, Any], typed: E.Event) -> None:
+        """``ev``: the line as the page shows it; ``typed``: the same event, typed (what is decided on)."""
+        if isinstance(typed, EVIDENCE):
             self.pending.append(ev)
-        elif kind == "decision":
+        elif isinstance(typed, E.Decision):
             waiting = self._awaiting()
             if waiting is not None and waiting.recovery is None:
                 waiting.outcome = "abandoned"  # a new failure arrived before the recovery completed
             inc = Incident(len(self.incidents) + 1, self.pending, ev)
             self.pending = []
-            if ev.get("decision") in ("stop", "salvage"):
+            if typed.decision in ("stop", "salvage"):
                 inc.outcome = "stopped"
             self.incidents.append(inc)
-        elif kind in ("hotswap", "local_recovery", "restart", "shrink", "grow"):
+        elif isinstance(typed, (E.Hotswap, E.LocalRecovery, E.Restart, E.Shrink, E.Grow)):
             inc = self._awaiting() or (self.incidents[-1] if self.incidents else None)
             if inc is not None:
                 inc.actions.append(ev)
-                if kind == "restart":
+                if isinstance(typed, E.Restart):
                     inc.outcome = "restarted"
-        elif kind == "recovery":
+        elif isinstance(typed, E.Recovery):
             inc = self._awaiting()
             if inc is not None:
                 inc.recovery, inc.outcome = ev, "recovered"
                 for earlier in self.incidents:  # one recovery completes every incident it absorbed
                     if earlier.outcome == "open" and earlier.decision is not None:
                         earlier.outcome = "abandoned"
-        elif kind == "incident_closed" and self.pending:
+        elif isinstance(typed, E.IncidentClosed) and self.pending:
             inc = Incident(len(self.incidents) + 1, self.pending, None, outcome="no effect")
             inc.actions.append(ev)
             self.pending = []
@@ -283,6 +288,15 @@ def _spares_over_time(events: list[dict[str, Any]], job: dict[str, Any], t0: flo
     return series
 
 
+def _job_event(jobs: list[dict[str, Any]], kind: str, ev: dict[str, Any]) -> None:
+    if kind == "job_start":
+        jobs.append({"start": ev, "end": None, "saved": None})
+    elif jobs and kind == "job_end":
+        jobs[-1]["end"] = ev
+    elif jobs:
+        jobs[-1]["saved"] = ev.get("step")
+
+
 def _cost_of_resize(resizes: list[dict[str, Any]], rec: dict[str, Any]) -> None:
     """A shrink's or grow's recovery event gives its cost (fault, or decision, to the first step after): it belongs to
     the latest resize of its path that has none yet (a resize superseded by the next failure keeps none)."""
@@ -307,28 +321,32 @@ def build_timeline(events: list[dict[str, Any]], skipped: int = 0) -> Timeline:
     for ev in events:
         kind = str(ev.get("type"))
         tl.counts[kind] = tl.counts.get(kind, 0) + 1
-        if kind == "progress":
-            step = number(ev.get("step"))
+        typed = E.decode(ev).event
+        if kind in ("job_start", "job_end", "salvaged"):
+            _job_event(tl.jobs, kind, ev)
+        if isinstance(typed, E.Progress):
+            step = number(typed.step)
             tl.progress.append(ProgressPoint(float(ev["t"]), int(step) if step is not None else None,
-                                             number(ev.get("step_time_s")), number(ev.get("sps"))))
-        elif kind == "protection":
+                                             number(typed.step_time_s), number(typed.sps),
+                                             typed.scalars if isinstance(typed.scalars, dict) else None))
+        elif isinstance(typed, E.Protection):
             tl.protection.append(ev)
-        elif kind in ("replenish", "replenish_failed", "replenish_lost", "node_joined", "join_refused"):
+        elif isinstance(typed, (E.Replenish, E.ReplenishFailed, E.ReplenishLost, E.NodeJoined, E.JoinRefused)):
             tl.replenish.append(ev)
-        elif kind == "fallback_checkpoint":
+        elif isinstance(typed, E.FallbackCheckpoint):
             tl.checkpoints.append(ev)
-        elif kind in ("sdc_detected", "sdc_repaired", "copy_corrupt"):
+        elif isinstance(typed, (E.SdcDetected, E.SdcRepaired, E.CopyCorrupt)):
             tl.corruption.append(ev)
-        elif kind in ("shrink", "grow"):
+        elif isinstance(typed, (E.Shrink, E.Grow)):
             tl.resizes.append(dict(ev))
-        elif kind == "recovery" and ev.get("path") in ("shrink", "grow"):
+        elif isinstance(typed, E.Recovery) and typed.path in ("shrink", "grow"):
             _cost_of_resize(tl.resizes, ev)
-        elif kind == "node_state" and ev.get("old") in ("starting", "spare") and ev.get("new") == "joining":
+        elif isinstance(typed, E.NodeState) and typed.old in ("starting", "spare") and typed.new == "joining":
             tl.spares_taken += 1
-        elif kind == "failure" and ev.get("kind") == "spare_lost":
+        elif isinstance(typed, E.Failure) and typed.kind == "spare_lost":
             tl.spares_lost.append(ev)
             continue
-        builder.feed(ev)
+        builder.feed(ev, typed)
     tl.incidents = builder.finish()
     tl.node_intervals = _node_intervals(events, tl.t0, tl.t_end)
     series = _spares_over_time(events, tl.job, tl.t0)

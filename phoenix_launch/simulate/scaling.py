@@ -69,7 +69,8 @@ class ScalingFit:
             c = yhat
             if lo is not None:
                 lo = np.maximum(lo, 0.0)
-        as_f = (lambda a: None if a is None else (float(a) if np.ndim(a) == 0 else a))
+        def as_f(a):
+            return None if a is None else (float(a) if np.ndim(a) == 0 else a)
         return as_f(c), as_f(lo), as_f(hi)
 
     def describe(self) -> str:

@@ -25,13 +25,14 @@ import sys
 import time
 from pathlib import Path
 
-from phoenix_launch.observe.events import parse_events, write_json_atomic
+from phoenix_launch.observe.event_types import JobEnd
+from phoenix_launch.observe.events import read_events, write_json_atomic
 from phoenix_runtime import logs
 from phoenix_runtime.plane.protocol import CONTROL_FILE, STANDBY_FILE, read_json_object
 
 log = logging.getLogger(__name__)
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)  # USR1: #SBATCH --signal=B:USR1@lead
 ENDED_STATES = ("succeeded", "failed")
 KEEPER_FILE = "keeper.json"  # in the run directory, while the keeper waits for the job's end after the leader's loss
 
@@ -106,7 +107,7 @@ def job_exit_code(run_dir: Path, default: int) -> int:
     """The exit code of the run's last ``job_end`` event (whoever ended the job), else ``default``."""
     try:
         with open(run_dir / "events.jsonl", encoding="utf-8", errors="replace") as f:
-            ends = [e for e in parse_events(f)[0] if e.get("type") == "job_end" and isinstance(e.get("exit_code"), int)]
+            ends = [e.event.exit_code for e in read_events(f)[0] if isinstance(e.event, JobEnd) and isinstance(e.event.exit_code, int)]
     except OSError:
         return default
-    return ends[-1]["exit_code"] if ends else default
+    return ends[-1] if ends else default

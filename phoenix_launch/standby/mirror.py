@@ -72,9 +72,10 @@ class AttemptRecord:
 @dataclass(frozen=True)
 class SupervisorState:
     """What a new leader needs to go on with the job (no secrets: the standby reads the secret file): built by
-    ``Supervisor.mirror_state``, applied by ``Supervisor.apply_mirror_state``."""
+    ``job.state.record`` from the leader's ``JobState`` (``Supervisor.mirror_state``), applied by ``job.state.restore``
+    (``Supervisor.apply_mirror_state``)."""
 
-    job: str  # a JobState's value
+    job: str  # a JobPhase's value
     gen: int
     members: protocol.Membership
     stable: protocol.Membership  # the last generation every rank reached

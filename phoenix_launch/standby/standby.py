@@ -1,7 +1,7 @@
 """The standby supervisor's process: ``python -m phoenix_launch.standby.standby --run-dir D --fd N``.
 
 It watches the leader (``mirror.Standby``) and, when the leader is lost, becomes the job's supervisor
-(:meth:`Supervisor.take_over` from the mirrored state). See ``mirror.py`` and docs/operations.md.
+(:func:`take_over_job` from the mirrored state). See ``mirror.py`` and docs/operations.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch.standby import mirror
 from phoenix_launch.plane.control import ControlPlane
-from phoenix_launch.lifecycle import JobState
+from phoenix_launch.lifecycle import JobPhase
 from phoenix_launch.standby.mirror import STANDBY_FILE, Standby
 from phoenix_launch.detect.nodes import ENDED
 from phoenix_runtime.plane import auth, protocol
@@ -149,11 +149,11 @@ def take_over_job(sup: Any, pub: mirror.Published, incarnation: int, lost_how: s
     sup.events.emit("takeover", gen=sup.gen, was=was, control=f"{plane.host}:{plane.port}", leader_lost_at=t_lost,
                     serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid(), how=lost_how,
                     phases={**(phases or {}), "listen_s": round(t_serving - t0, 3)})
-    sup.job.transition(JobState.RUNNING, "took over from the lost leader")
+    sup.job.transition(JobPhase.RUNNING, "took over from the lost leader")
     leader = pub.leader_node
     sup.standby.await_agents({n.name for n in sup.nodes if n.up and n.state not in ENDED and n.name != leader}, t_lost)
-    gens = sup.publisher
-    if gens.members.gen != gens.stable.gen or was != JobState.RUNNING.value:  # a recovery under way: formed again
+    gens = sup.state.gens
+    if gens.members.gen != gens.stable.gen or was != JobPhase.RUNNING.value:  # a recovery under way: formed again
         sup.execute(decisions.reform("takeover", "the leader was lost during a recovery"), now)
     if leader and leader in sup.nodes and sup.nodes[leader].state not in ENDED:
         if lost_how in ("refused", "frozen"):

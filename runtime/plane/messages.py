@@ -190,6 +190,7 @@ class Progress(RankMessage):
     sps: float = 0.0
     total: int | None = None  # the loop's total steps (``trainer.steps(total)``), when known
     wait_frac: float | None = None  # the fraction of the recent steps' time spent waiting for replicas
+    scalars: dict | None = None  # the newest scalars the rank logged (``training.log``), with their "step"
 
 
 @dataclass(frozen=True)

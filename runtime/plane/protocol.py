@@ -273,6 +273,9 @@ class Membership:
     data: tuple[tuple[int, ...], ...] = ()
     prev: tuple[int, ...] = ()
     prev_world: int = 0  # the world size before the shrink
+    #: the end of the allocation (SIGTERM, SIGUSR1, a time limit): nobody is lost, every rank writes the newest S_R
+    #: its memory holds as a persistent checkpoint (the salvage's path), then the job stops, resumable from it
+    ending: bool = False
 
     def data_ranks(self, rank: int) -> tuple[int, ...]:
         return tuple(self.data[rank]) if self.data else (rank,)

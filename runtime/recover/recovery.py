@@ -106,17 +106,18 @@ class Course:
 
 
 def plan_for_layout(descs: list[Descriptor], layout, world_size: int, *, replicated: bool, every: int = 1,
-                    lost: tuple[int, ...] = (), at_most: int | None = None) -> Course:
+                    lost: tuple[int, ...] = (), at_most: int | None = None, salvage: bool = False) -> Course:
     """The one way a recovery turns its generation's descriptors into its course: ``plan_recovery`` with the DP
     groups and shard ids of ``layout`` (``layout.Layout``). ``lost``: ranks given up for good (a salvage
-    generation): they are planned as joiners that never come, and their state is written instead of sent."""
+    generation): they are planned as joiners that never come, and their state is written instead of sent.
+    ``salvage``: a salvage generation with nobody lost (the end of an allocation): every rank writes its S_R."""
     ranks = range(world_size)
     try:
         plan = plan_recovery(descs, _DpGroups(layout), {r: str(layout.shard_of(r)) for r in ranks},
                              replicated=replicated, every=every, at_most=at_most)
     except UnrecoverableError as e:
         return Course(Outcome.GIVE_UP, reason=str(e))
-    if not lost:
+    if not lost and not salvage:
         return Course(Outcome.RESUME, plan)
     if plan.fresh:
         return Course(Outcome.GIVE_UP, reason="nothing to save before the first step completed")

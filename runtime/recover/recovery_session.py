@@ -64,10 +64,11 @@ class RecoverySession:
             deadline = time.monotonic() + ctx.recovery_timeout  # each generation gets its own
             formed_now, first[0] = first[0], False
             lost: tuple[int, ...] = ()
+            salvaging = False
             if not formed_now:
                 mem = protocol.read_members(ctx.store, g)
-                lost = tuple(mem.lost)
-                if lost:  # a salvage generation: no process group (the lost ranks never join one)
+                lost, salvaging = tuple(mem.lost), bool(mem.lost) or mem.ending
+                if salvaging:  # a salvage generation: no process group (the lost ranks never join one)
                     if ctx.rank in lost:  # a rank of a node given up for lost that still runs: nothing to add
                         raise UnrecoverableError(f"{ctx.node} is given up for lost")
                     ctx.gen, ctx.members = g, mem
@@ -78,13 +79,13 @@ class RecoverySession:
             marks["formed"] = time.time()
             if ctx.members is not None and ctx.rank in ctx.members.resync:
                 self.live = None  # a repair of silent data corruption: this rank's copy is corrupt, a peer sends S_R
-            course = self._course(g, lost, deadline)
+            course = self._course(g, lost, deadline, salvaging)
             if course.outcome is Outcome.RESUME:
                 self._resume(g, course.plan, marks, deadline)
             elif course.outcome is Outcome.SALVAGE:
                 self._salvage(g, course.plan, deadline)
             else:
-                self._give_up(g, course.reason, deadline, salvaging=bool(lost))
+                self._give_up(g, course.reason, deadline, salvaging=salvaging)
 
         def cleanup() -> None:
             ops.teardown_protection()
@@ -94,24 +95,25 @@ class RecoverySession:
                                 retry=lambda e: ops.is_failure(e) or isinstance(e, (GenerationAbandoned, TimeoutError)))
 
     # --- the plan ---------------------------------------------------------------------------------------
-    def _course(self, gen: int, lost: tuple[int, ...], deadline: float) -> Course:
+    def _course(self, gen: int, lost: tuple[int, ...], deadline: float, salvaging: bool = False) -> Course:
         """Every rank's descriptor (the survivors' only, in a salvage generation) -> the plan's outcome."""
         ctx, ops, live = self.ctx, self.ops, self.live
-        if not lost:
+        salvaging = salvaging or bool(lost)
+        if not salvaging:
             ops.faults.where(ctx.rank, gen)
             ops.faults.fire(live[0] if live is not None else None, "recover_exchange")  # a joiner's step: not known yet
             ops.reparallelize(gen)  # the mesh's groups: the first collective of the generation, on every rank
         survivors = [r for r in range(ctx.world_size) if r not in lost] if lost else None
         # a salvage writes committed local snapshots only: the live state may be mid-step
-        mine = self.descriptor(live, live_usable=not lost)
+        mine = self.descriptor(live, live_usable=not salvaging)
         planned = ctx.plan_once(gen, mine.to_json(), deadline, ranks=survivors,
-                                plan=lambda got: self._plan([Descriptor.from_json(d) for d in got], lost).to_json())
+                                plan=lambda got: self._plan([Descriptor.from_json(d) for d in got], lost, salvaging).to_json())
         course = Course.from_json(planned)
         if course.plan is not None and mine.has_state and ctx.rank not in course.plan.joiners:
             course = dataclasses.replace(course, plan=dataclasses.replace(course.plan, replayed={ctx.rank: replayed_by(mine, course.plan)}))
         return course
 
-    def _plan(self, descs: list[Descriptor], lost: tuple[int, ...]) -> Course:
+    def _plan(self, descs: list[Descriptor], lost: tuple[int, ...], salvaging: bool = False) -> Course:
         """The planner's part of ``_course``: the generation's descriptors -> its course (the same on every rank)."""
         ctx, ops = self.ctx, self.ops
         descs += [Descriptor(j, has_state=False) for j in lost]
@@ -124,7 +126,7 @@ class RecoverySession:
             old += [Descriptor(j, has_state=False) for j in range(m.prev_world) if j not in m.prev]
             return plan_for_layout(old, Layout(m.prev_world), m.prev_world, replicated=False, every=ops.cadence_bound())
         return plan_for_layout(descs, ops.layout(), ctx.world_size, replicated=ops.replicated, every=ops.cadence_bound(),
-                               lost=lost, at_most=at_most)
+                               lost=lost, at_most=at_most, salvage=salvaging)
 
     def descriptor(self, live, live_usable: bool = True) -> Descriptor:
         if live is None:

@@ -1,0 +1,68 @@
+"""A recovery's course in the job's state: begun by every transition that publishes a recovery generation, watched
+to its end (every rank ``recovered``) and on to the first step after it (the ``recovery`` event), or timed out.
+
+The watch itself is pure (``repair/recovery_watch.py``); here it is tied to the job's phase, its nodes and its events.
+"""
+
+from __future__ import annotations
+
+from phoenix_launch.decide import decide as decisions
+from phoenix_launch.decide.incidents import Incident
+from phoenix_launch.job.state import JobState
+from phoenix_launch.lifecycle import JobPhase, NodeState
+from phoenix_launch.observe.status import read_rank_steps
+
+
+def begin(s: JobState, path: str, d: decisions.Decision, inc: Incident, now: float) -> None:
+    flush_event(s, final=True)
+    abandoned = s.recovery.begin(path, s.gen, now, t_detect=inc.t0, t_kill=inc.t_kill, t_observed=inc.t_observed)
+    if abandoned:
+        s.out.emit("recovery_abandoned", gen=s.gen - 1, reason="a failure during the recovery")
+    s.phase.transition(JobPhase.RECOVERING, d.reason)
+
+
+def finish(s: JobState, now: float) -> None:
+    """Every rank recovered: the job runs again; the recovery's event follows its first step. When the recovery
+    repaired silent data corruption: ``sdc_repaired`` with the detection's evidence."""
+    for n in s.nodes:
+        if n.state is NodeState.JOINING:
+            s.nodes.transition(n, NodeState.ACTIVE, f"recovered in generation {s.gen}")
+    s.gens.recovered()
+    cur = s.recovery.current
+    step = cur.resume_step if cur else None
+    s.phase.transition(JobPhase.RUNNING, f"generation {s.gen} resumed at step {step}")
+    if s.sdc.repairing is not None:
+        s.out.emit("sdc_repaired", gen=s.gen, resumed_at=step, **s.sdc.repairing)
+        s.sdc.repairing = None
+
+
+def flush_event(s: JobState, final: bool = False) -> None:
+    """The ``recovery`` event, once every rank completed a step after the resume step (``final``: the job ends)."""
+    if not s.recovery.awaiting_first_step:
+        return
+    cur = s.recovery.current
+    resume = cur.resume_step if cur is not None and cur.resume_step is not None else 0
+    ev = s.recovery.first_step(read_rank_steps(s.store, s.gens.members, after=resume), final=final)
+    if ev is not None:
+        s.out.emit("recovery", **ev)
+
+
+def deadline(s: JobState, now: float) -> decisions.Decision | None:
+    """A generation that did not recover within ``detect.recovery_timeout_s`` is abandoned: the nodes of the ranks
+    that did not report are taken as hung (replaced, as a hang is); every rank late: stop."""
+    if s.phase.state is not JobPhase.RECOVERING or not s.recovery.expired(now):
+        return None
+    missing = s.recovery.missing()
+    members = s.gens.members
+    late = sorted({members.slot_of(r).node for r in missing})
+    timeout = s.cfg.detect.recovery_timeout_s
+    s.out.emit("recovery_timeout", gen=s.gen, missing=list(missing), nodes=late, timeout_s=timeout)
+    return decisions.recovery_timed_out(tuple(missing), s.world_size, tuple(late), timeout)
+
+
+def mark_hung(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> None:
+    """``Kind.HUNG``: the late ranks' nodes are taken as hung: a new incident replaces them."""
+    assert s.recovery.current is not None
+    s.recovery.current.t_gen = now  # (re-armed until the next generation)
+    for name in d.lost:
+        s.incidents.node_hung(name, now)

@@ -1,0 +1,175 @@
+"""The transitions of an elastic job: a shrink when no spare is ready for a lost node (``decide``'s ``Kind.SHRINK``),
+the grow back when one is (``Kind.GROW``), and the data-parallel size between.
+
+A shrink publishes a generation without the lost nodes' ranks: the survivors are renumbered densely in their old
+order and keep their processes (no joiners); each keeps its own logical data ranks, and with ``launch.elastic_batch:
+keep`` the lost ranks' data ranks go to the survivors (spread in turn), so the global batch stays the same; ``shrink``
+drops them. A grow puts a ready spare in a lost node's place (its group rank, so its ranks take the lost ones'
+original ranks) as hot-swap joiners; the ranks are numbered by their original rank again, and with every node back
+each rank processes its own data rank only. With ``launch.replenish`` the replenisher asks for the missing nodes too
+(its target: the job's own size plus its spares), so a shrunk job grows back by itself.
+"""
+
+from __future__ import annotations
+
+from phoenix_launch.decide import decide as decisions
+from phoenix_launch.decide.incidents import Incident
+from phoenix_launch.job import recovery
+from phoenix_launch.job.restart import exclude
+from phoenix_launch.job.state import JobState
+from phoenix_launch.lifecycle import JobPhase, NodeState
+from phoenix_runtime.plane import protocol
+
+Ranks = tuple[list[protocol.RankSlot], tuple[tuple[int, ...], ...], tuple[int, ...]]
+
+
+def shrunk_ranks(mem: protocol.Membership, lost_nodes: set[str], keep_batch: bool) -> Ranks:
+    """Pure: the survivors of ``mem`` without the ranks on ``lost_nodes``, renumbered densely (old order kept);
+    the logical data ranks of each (``keep_batch``: the lost ranks' spread over the survivors in turn, fewest
+    first); and each survivor's old rank."""
+    keep = [r for r in mem.ranks if r.node not in lost_nodes]
+    lost = [r for r in mem.ranks if r.node in lost_nodes]
+    data = [list(mem.data_ranks(r.rank)) for r in keep]
+    if keep_batch:
+        for d in sorted(x for r in lost for x in mem.data_ranks(r.rank)):
+            min(data, key=len).append(d)
+    ranks = [protocol.RankSlot(i, r.node, r.slot) for i, r in enumerate(keep)]
+    return ranks, tuple(tuple(sorted(d)) for d in data), tuple(r.rank for r in keep)
+
+
+def grown_ranks(
+    mem: protocol.Membership, joining: list[protocol.RankSlot], original: dict[tuple[str, int], int], full: int
+) -> Ranks:
+    """Pure: ``mem``'s ranks and the ``joining`` slots, numbered densely by their ``original`` rank; the data ranks
+    (none missing: one per rank, its own, given as ``()``; else each its own and the missing ones spread as in a
+    shrink); each rank's rank in ``mem`` (-1: a joiner)."""
+    before = {(r.node, r.slot): r.rank for r in mem.ranks}
+    slots = sorted(
+        [*(protocol.RankSlot(r.rank, r.node, r.slot) for r in mem.ranks), *joining], key=lambda r: original[(r.node, r.slot)]
+    )
+    ranks = [protocol.RankSlot(i, r.node, r.slot) for i, r in enumerate(slots)]
+    prev = tuple(before.get((r.node, r.slot), -1) for r in ranks)
+    own = [original[(r.node, r.slot)] for r in ranks]
+    missing = sorted(set(range(full)) - set(own))
+    if not missing:
+        return ranks, (), prev
+    data = [[o] for o in own]
+    kept = {d for r in mem.ranks for d in mem.data_ranks(r.rank)}
+    for d in (m for m in missing if m in kept):  # still processed (elastic_batch keep): spread again
+        min(data, key=len).append(d)
+    return ranks, tuple(tuple(sorted(x)) for x in data), prev
+
+
+def missing_nodes(s: JobState) -> int:
+    """Nodes the job's world is short of its own size (a shrink): what a grow brings back."""
+    return (s.full_world() - s.world_size) // s.nproc
+
+
+def nodes_short(s: JobState) -> int:
+    """Active places without a live node (lost, or left by a shrink): the replenisher asks for them on top of the
+    spares (its target is the job's own size plus its spares), so a lost node's replacement is asked for at once."""
+    held = sum(
+        1
+        for n in s.nodes
+        if n.group_rank is not None and not n.lost and n.state in (NodeState.STARTING, NodeState.ACTIVE, NodeState.JOINING)
+    )
+    return max(0, s.cfg.launch.nodes - held)
+
+
+def original_ranks(s: JobState) -> dict[tuple[str, int], int]:
+    """(node, slot) -> the rank it held at the start: its node's group rank (a spare takes a lost node's)."""
+    return {
+        (n.name, i): n.group_rank * s.nproc + i
+        for n in s.nodes
+        if n.group_rank is not None and n.state in (NodeState.ACTIVE, NodeState.JOINING)
+        for i in range(s.nproc)
+    }
+
+
+def grow_due(s: JobState) -> decisions.Decision | None:
+    """A shrunk job running undisturbed with a spare ready grows back (``decide.grow``)."""
+    if not missing_nodes(s) or s.phase.state is not JobPhase.RUNNING or s.incidents.current:
+        return None
+    d = decisions.grow(missing_nodes(s), s.spares(), s.world_size, s.nproc)
+    if d.kind is not decisions.Kind.GROW:
+        return None
+    s.out.emit(
+        "decision", cls="grow", action="grow", decision=d.kind.value, node=None, spare=d.grow[0], reason=d.reason, injected=None
+    )
+    return d
+
+
+def dp_lost(s: JobState, failed: tuple[str, ...]) -> int:
+    """The DP replicas on ``failed`` (with a shrinkable layout every rank is one)."""
+    return sum(1 for r in s.gens.members.ranks if r.node in failed)
+
+
+def resize(s: JobState, ranks: list[protocol.RankSlot]) -> None:
+    """The job's world is ``ranks`` from now on (numbered anew): what the ranks reported is carried over by their
+    (node, slot); a grow's joiners run the same script as their peers: counted as ready with its DP size (they
+    report it once started), so a failure during the grow is decided like one in a job of the new size."""
+    world_size = len(ranks)
+    s.world_size = world_size
+    s.recovery.world_size = world_size
+    s.gens.world_size = world_size
+    s.ladder.catalog.world_size = world_size  # a checkpoint is complete with every rank of now
+    att, old = s.attempt, {(r.node, r.slot): r.rank for r in s.gens.members.ranks}
+    new_of = {old[(r.node, r.slot)]: r.rank for r in ranks if (r.node, r.slot) in old}
+    joiners = {r.rank for r in ranks if (r.node, r.slot) not in old}
+    att.runtime_ready = {new_of[r] for r in att.runtime_ready if r in new_of} | joiners
+    att.done_ranks = {new_of[r] for r in att.done_ranks if r in new_of}
+    att.dp_sizes = {r: world_size for r in {new_of[r] for r in att.dp_sizes if r in new_of} | joiners}
+
+
+def shrink(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> None:
+    """No spare for ``d.lost``: the survivors form a generation without their ranks and go on in memory."""
+    exclude(s, d)
+    gens = s.gens
+    before = gens.members.world_size
+    # the state lives in the last generation every rank reached: a failure during a recovery (a grow's joiner
+    # lost, a second loss during a shrink) shrinks from it, without every node that is gone since
+    base = gens.stable if s.recovery.active else gens.members
+    gone = set(d.lost) | {n.name for n in s.nodes if n.lost or n.state not in (NodeState.ACTIVE, NodeState.JOINING)}
+    ranks, data, prev = shrunk_ranks(base, gone, s.cfg.launch.elastic_batch == "keep")
+    resize(s, ranks)
+    mem = gens.publish(ranks, d.reason, s.attempt_info(), s.nodes.group_ranks(), data=data, prev=prev, prev_world=base.world_size)
+    recovery.begin(s, "shrink", d, inc, now)
+    s.out.emit(
+        "shrink",
+        gen=mem.gen,
+        lost=list(d.lost),
+        dp_from=before,
+        dp_to=len(ranks),
+        elastic_batch=s.cfg.launch.elastic_batch,
+        data=[list(x) for x in data],
+    )
+
+
+def grow_back(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> None:
+    """Each spare of ``d.grow`` takes a missing node's group rank and joins; the ranks are renumbered by their
+    original rank, the data ranks follow (one per rank once every node is back)."""
+    gens = s.gens
+    taken = {n.group_rank for n in s.nodes if n.group_rank is not None and n.state in (NodeState.ACTIVE, NodeState.JOINING)}
+    free = sorted(set(range(s.cfg.launch.nodes)) - taken)
+    for name, group in zip(d.grow, free):
+        for gone in s.nodes:  # the lost node that held it leaves it
+            if gone.group_rank == group:
+                gone.group_rank = None
+        node = s.nodes[name]
+        node.group_rank = group
+        s.nodes.transition(node, NodeState.JOINING, f"grows the job back (group rank {group})")
+    joining = [protocol.RankSlot(-1, name, i) for name in d.grow for i in range(s.nproc)]
+    before = gens.members.world_size
+    ranks, data, prev = grown_ranks(gens.members, joining, original_ranks(s), s.full_world())
+    resize(s, ranks)
+    mem = gens.publish(ranks, d.reason, s.attempt_info(), s.nodes.group_ranks(), data=data, prev=prev)
+    recovery.begin(s, "grow", d, Incident(t0=now), now)  # no failure: its times start now
+    s.out.emit(
+        "grow",
+        gen=mem.gen,
+        joined=list(d.grow),
+        dp_from=before,
+        dp_to=len(ranks),
+        joiners=list(mem.joiners),
+        data=[list(x) for x in data],
+    )

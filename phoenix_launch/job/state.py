@@ -1,0 +1,220 @@
+"""The job's state: one dataclass holding everything the supervisor knows of the job, and its read port.
+
+:class:`JobState` is what the step (:mod:`phoenix_launch.job.step`) changes: the job's phase, its nodes, the
+generations, the incident being gathered, the recovery being watched, the attempt's progress, the fallback ladder,
+the silent-data-corruption suspects and the straggler watch. Two fields are ports, not state: ``out`` (the
+:class:`~phoenix_launch.effects.Outbox` every act goes through) and ``reads`` (:class:`Reads`: what the step
+reads of the store and the scheduler; the store is never written through it). :func:`record` is the part of the
+state the standby holds (``standby/mirror.py``), :func:`restore` applies it to a new leader's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from phoenix_launch.config import Config
+from phoenix_launch.decide.classify import RankReport
+from phoenix_launch.decide.incidents import IncidentTracker
+from phoenix_launch.decide.sdc import Suspects
+from phoenix_launch.detect.nodes import Node, NodeTable
+from phoenix_launch.detect.straggler import StragglerWatch
+from phoenix_launch.effects import Outbox, PutValue
+from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobPhase, Lifecycle, NodeState
+from phoenix_launch.observe.status import DigestCache
+from phoenix_launch.repair import checkpoints
+from phoenix_launch.repair.generations import Attempt, AttemptProgress, GenerationPublisher
+from phoenix_launch.repair.recovery_watch import RecoveryWatch
+from phoenix_launch.repair.reprotect import Reprotector
+from phoenix_launch.standby.mirror import AttemptRecord, NodeRecord, SupervisorState
+from phoenix_runtime.plane import protocol
+
+
+class Reads:
+    """What the step reads of the world: the control-plane store (``store``, None before it serves), the
+    scheduler's view of nodes, the replenishment requests under way, the node digests' cache."""
+
+    def __init__(
+        self, store: Callable[[], Any], digests: DigestCache, *, scheduler: Any = None, requested: Callable[[], int] = lambda: 0
+    ):
+        self._store, self.digests, self._scheduler, self._requested = store, digests, scheduler, requested
+
+    @property
+    def store(self) -> Any:
+        return self._store()
+
+    def scheduler_states(self, names: set[str]) -> dict[str, tuple[str | None, str | None]]:
+        """node -> (the scheduler's state, its reason), read now (one query per node: only on an incident); empty
+        where the backend has no scheduler."""
+        be = self._scheduler
+        if be is None or not be.capabilities.node_state:
+            return {}
+        out = {}
+        for name in sorted(names):
+            view = be.node_state(name)
+            out[name] = (view.state, view.reason)
+        return out
+
+    def spares_requested(self) -> int:
+        return self._requested()
+
+
+@dataclass
+class SdcState:
+    suspects: dict[tuple[int, int], Suspects] = field(default_factory=dict)  # (gen, step) -> the ranks' reports
+    history: dict[str, list[int]] = field(default_factory=dict)  # node -> the steps its copy was found corrupt at
+    repairing: dict | None = None  # the detection the current recovery repairs
+
+
+@dataclass
+class JobState:
+    cfg: Config
+    run_dir: Path
+    world_size: int
+    nproc: int
+    phase: Lifecycle
+    nodes: NodeTable
+    gens: GenerationPublisher
+    incidents: IncidentTracker
+    recovery: RecoveryWatch
+    reprotector: Reprotector
+    ladder: checkpoints.Ladder
+    pace: StragglerWatch
+    out: Outbox  # port: every act
+    reads: Reads  # port: what is read
+    resume: str = ""  # the persistent checkpoint this attempt started from
+    epoch: int = 0
+    restarts: int = 0
+    attempt: AttemptProgress = field(default_factory=AttemptProgress)
+    agent_health: dict[str, dict] = field(default_factory=dict)  # node -> the probe its agent ran at its latest rank exit
+    probing: set[str] = field(default_factory=set)  # nodes whose agent's GPU probe is still to come (an incident waits)
+    root_cause: RankReport | None = None
+    stop_reason: str = ""
+    exit_code: int | None = None
+    sdc: SdcState = field(default_factory=SdcState)
+    pace_due: float = 0.0
+    master: tuple[str, int] = ("", 0)  # this attempt's rendezvous (host, port)
+    status_due: bool = False  # a node's state changed: status.json follows at once
+
+    @classmethod
+    def new(cls, cfg: Config, run_dir: Path, out: Outbox, reads: Reads, domains: Callable[[], dict[str, str]]) -> "JobState":
+        launch, detect = cfg.launch, cfg.detect
+        world = launch.nodes * launch.nproc_per_node
+        box: list[JobState] = []
+        nodes = NodeTable(out, drain=cfg.slurm.drain, on_change=lambda: setattr(box[0], "status_due", True))
+        s = cls(
+            cfg=cfg,
+            run_dir=run_dir,
+            world_size=world,
+            nproc=launch.nproc_per_node,
+            phase=Lifecycle(JobPhase.STARTING, JOB_TRANSITIONS),
+            nodes=nodes,
+            gens=GenerationPublisher(
+                out,
+                world_size=world,
+                nproc=launch.nproc_per_node,
+                run_id=launch.run_id,
+                max_restarts=launch.max_restarts,
+                domains=domains,
+            ),
+            incidents=IncidentTracker(detect),
+            recovery=RecoveryWatch(world, detect.recovery_timeout_s),
+            reprotector=Reprotector(
+                detect.reprotect_max,
+                grace_s=max(detect.settle_s, 2 * detect.heartbeat_s),
+                every=cfg.runtime.protect_every,
+                adapt=cfg.runtime.protect_adapt,
+            ),
+            ladder=checkpoints.Ladder(
+                run_dir, world, launch.persist_keep, out, every_s=cfg.runtime.persist_every_s, lead_s=4 * detect.heartbeat_s
+            ),
+            pace=StragglerWatch(detect.straggler_factor, detect.straggler_checks),
+            out=out,
+            reads=reads,
+            resume=launch.resume,
+        )
+        box.append(s)
+        return s
+
+    @property
+    def gen(self) -> int:
+        return self.gens.gen
+
+    @property
+    def store(self) -> Any:
+        """The store, for reading (``reads.store``)."""
+        return self.reads.store
+
+    def attempt_info(self) -> Attempt:
+        return Attempt(self.epoch, self.master[0], self.master[1], self.resume)
+
+    def spares(self) -> tuple[str, ...]:
+        return self.nodes.spares(self.store, self.nproc)
+
+    def full_world(self) -> int:
+        return self.cfg.launch.nodes * self.nproc
+
+    def dp_size(self) -> int:
+        """The data-parallel size every rank reported (the smallest), 0 when a rank's layout cannot shrink."""
+        sizes = self.attempt.dp_sizes
+        return min(sizes.values()) if len(sizes) == self.world_size else 0
+
+
+def record(s: JobState) -> SupervisorState:
+    """What a new leader needs of the state to go on with the job (the standby's mirror)."""
+    gens, att = s.gens, s.attempt
+    return SupervisorState(
+        job=s.phase.state.value,
+        gen=gens.gen,
+        members=gens.members,
+        stable=gens.stable,
+        swept=gens.swept,
+        epoch=s.epoch,
+        restarts=s.restarts,
+        resume=s.resume,
+        protect_every=s.reprotector.every,
+        nodes=tuple(NodeRecord(n.name, n.state.value, n.group_rank, n.failures, n.lost) for n in s.nodes),
+        attempt=AttemptRecord(
+            tuple(sorted(att.done_ranks)),
+            tuple(sorted(att.runtime_ready)),
+            att.protect_on,
+            att.step,
+            att.step_time_s,
+            att.runtime_seen,
+            tuple(sorted(att.dp_sizes.items())),
+        ),
+        final=s.exit_code is not None,
+    )
+
+
+def restore(s: JobState, rec: SupervisorState, resize: Callable[[JobState, list[protocol.RankSlot]], None]) -> None:
+    """A standby taking over: the lost leader's state in ``s``; the keys every rank reads (the cadence, the generation
+    and its membership) written anew (effects)."""
+    s.epoch, s.restarts, s.resume = rec.epoch, rec.restarts, rec.resume
+    s.reprotector.every = rec.protect_every
+    s.out.add(PutValue(protocol.K_PROTECT_EVERY, str(s.reprotector.every)))
+    for n in rec.nodes:
+        s.nodes.add(
+            Node(
+                n.name,
+                Lifecycle(NodeState(n.state), NODE_TRANSITIONS),
+                n.group_rank,
+                n.failures,
+                n.lost,
+                up=n.state != NodeState.STARTING.value,
+            )
+        )
+    s.gens.restore(rec.gen, rec.members, rec.stable, rec.swept)
+    if rec.members.world_size != s.world_size:  # taken over while shrunk: the world is the membership's
+        resize(s, list(rec.members.ranks))
+    a = rec.attempt  # after the resize (it remaps an attempt by rank): the leader's reports as they are
+    s.attempt = AttemptProgress(
+        done_ranks=set(a.done),
+        runtime_ready=set(a.ready),
+        protect_on=a.protect_on,
+        step=a.step,
+        step_time_s=a.step_time_s,
+        runtime_seen=a.runtime_seen,
+        dp_sizes=dict(a.dp),
+    )
