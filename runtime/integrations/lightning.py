@@ -31,7 +31,6 @@ import logging
 import math
 from typing import Any
 
-import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import ModelCheckpoint
