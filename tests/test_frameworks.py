@@ -102,6 +102,7 @@ def csv_log(path: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the Lightning row runs the same hot-swap on every run; this one with PHOENIX_FULL_MATRIX=1
 @pytest.mark.timeout(900)
 def test_hf_trainer_node_lost_mid_epoch_is_hot_swapped_bit_identically(tmp_path):
     """transformers' Trainer as ``PhoenixTrainer``, a GPT-2 of 2 layers from a config: 12 update steps an epoch per

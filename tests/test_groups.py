@@ -84,6 +84,7 @@ def _job(tmp_path: Path, nodes: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # two jobs of 12 and 20 processes: with PHOENIX_FULL_MATRIX=1 (test_formation counts them at 8 ranks)
 @pytest.mark.timeout(900)
 def test_the_connections_each_rank_opens_do_not_grow_with_the_world(tmp_path):
     small, large = _job(tmp_path, 2), _job(tmp_path, 4)

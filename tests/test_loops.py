@@ -117,6 +117,7 @@ def test_a_rank_stalled_after_its_last_step_is_ended_and_the_job_succeeds(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the rule is tested in-process above; the real job with PHOENIX_FULL_MATRIX=1
 @pytest.mark.timeout(420)
 def test_a_divergence_planted_in_a_scheduler_is_not_reported_as_corruption(tmp_path):
     """The last rank steps its scheduler once more at step 10: the ranks' parameters then differ at the next commit

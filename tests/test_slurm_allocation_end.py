@@ -29,7 +29,9 @@ from phoenix_launch.sbatch import render_sbatch
 from slurm_fixture import SlurmCluster, wait_for
 from test_slurm_e2e import ENDED, assert_no_leftovers, events, job_record, of_type, read, status, wait_all_idle
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500)]
+# ~8 minutes of a real Slurm chain: behind `full` (PHOENIX_FULL_MATRIX=1), so that the suite stays within CI's time;
+# test_allocation_end.py runs the same save-and-resume with a real SIGTERM on every run
+pytestmark = [pytest.mark.slurm, pytest.mark.full, pytest.mark.timeout(1500)]
 
 _BIN = Path(sys.executable).parent / "phoenix-run"
 PHOENIX_RUN = str(_BIN) if _BIN.exists() else "phoenix-run"
