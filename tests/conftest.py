@@ -72,7 +72,11 @@ def run_phoenix(args: list[str], cwd: Path, timeout: float = 240, env: dict | No
 
 
 def start_phoenix(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(phoenix_cmd(*args), cwd=cwd, env=env or job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """A job in the background, its console in pipes that the test reads at the end (or never): the ranks' own output
+    stays in their log files (``--redirects 3``), else a long job's lines fill the pipes and phoenix-run, writing
+    its own lines there, would wait for a reader. A test's own ``--redirects`` comes later and wins."""
+    return subprocess.Popen(phoenix_cmd("--redirects", "3", *args), cwd=cwd, env=env or job_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
