@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from phoenix_runtime.errors import UsageError
+
 _RDZV = "PHOENIX's control plane forms the job (its store on the launching host), not torchrun's rendezvous"
 
 #: torchrun's flags phoenix-run has no option of its own for: flag -> (takes a value, what PHOENIX does instead)
@@ -44,7 +46,7 @@ MAPPED: dict[str, tuple[str, str, Callable[[str], Any]]] = {"--shutdown-timeout"
 PYTHONS = ("python", "python3")
 
 
-class CompatError(ValueError):
+class CompatError(UsageError, ValueError):
     """A torchrun flag with a value torchrun would refuse too (one line)."""
 
 

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from phoenix_launch.observe.event_types import decode
 from phoenix_launch.observe.observe import JobCounters, progress_text, progress_view
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,7 +22,7 @@ def _snap(**over):
 
 def _counters(step=117, total=120):
     c = JobCounters()
-    c.feed({"type": "progress", "t": 1.0, "step": step, "sps": 2.0, "total": total})
+    c.feed(decode({"type": "progress", "t": 1.0, "step": step, "sps": 2.0, "total": total}))
     return c
 
 
@@ -66,7 +67,7 @@ def test_plain_output_prints_progress_at_a_bounded_rate(capsys, monkeypatch):
     for i in range(1, 301):  # 10 minutes of reports every 2 s
         ev = {"type": "progress", "t": 1.0 + 2 * i, "step": i, "sps": 0.5, "total": 600}
         evs.add(ev)
-        c.feed(ev)
+        c.feed(decode(ev))
         if i == 150:
             evs.add({"type": "hotswap", "t": 300.0, "failed": "node1", "spare": "node2"})
         clock[0] += 2.0

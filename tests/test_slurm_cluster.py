@@ -190,12 +190,15 @@ def test_rendered_generic_sbatch_runs_on_the_cluster(slurm_cluster: SlurmCluster
     script = tmp_path / "job.sbatch"
     script.write_text(text, encoding="utf-8")
     out = tmp_path / "job.out"
-    env = {**slurm_cluster.env, "PYTHONPATH": str(REPO), "PATH": f"{bindir}:{os.environ['PATH']}"}
+    run_dir = str(tmp_path / "runs" / "phx-test")
+    env = {**slurm_cluster.env, "PYTHONPATH": str(REPO), "PATH": f"{bindir}:{os.environ['PATH']}",
+           "PHOENIX_RUN_DIR": run_dir}
     sbatch_wait(slurm_cluster, script, out, env=env)
     rec = json.loads(lines_with("RUN ", out.read_text())[0])
     assert len(rec["nodes"]) == 3 and rec["no_kill"] is True
-    assert rec["argv"] == ["--backend", "slurm", "--nodes", "2", "--nproc-per-node", "1", "--spares", "1",
-                           "my train.py", "--lr", "1e-3"]
+    # one run directory per job name, resumed by the next job of the chain (issue 48)
+    assert rec["argv"] == ["--backend", "slurm", "--run-dir", run_dir, "--resume", "auto", "--nodes", "2",
+                           "--nproc-per-node", "1", "--spares", "1", "my train.py", "--lr", "1e-3"]
 
 
 def test_agent_srun_command_starts_next_to_a_busy_step(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
