@@ -22,7 +22,7 @@ from phoenix_runtime.recover import persist, resize
 from phoenix_runtime.plane import protocol
 from phoenix_runtime import state, zero
 from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
-from phoenix_runtime.plane.control import STATE
+from phoenix_runtime.plane.control import STATE, control
 from phoenix_runtime.device_steps import DeviceSteps, bit_identity_gaps, cuda_event_factory, stream_probe
 from phoenix_runtime.plane.failover import CALLS
 from phoenix_runtime.faults import FaultInjector
@@ -240,6 +240,9 @@ class ProtectedTraining:
         # "finished": what the rank does from now on is the script's own teardown, never a failure of the job
         # (its agent ends it if it stalls there: ``agent.hang_check``, and the supervisor decides no recovery)
         STATE.enter("finished" if finished else "done")
+        beat = control()
+        if finished and beat is not None:
+            beat.beat_now()  # seen by its agent before the script's teardown may stall (never judged a training hang)
         # free everything that holds the process group before it is destroyed: gloo's teardown at exit can
         # deadlock while DDP still holds the group (the context keeps each group it formed: ``Context.hold``)
         self.model = self.objs.module

@@ -243,6 +243,8 @@ class ControlThread:
         self.on_fault: list[Callable[[dict[str, Any]], None]] = []
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by the watcher: the notify counter moved
+        self._beat_wake = threading.Event()  # a beat asked for now (``beat_now``)
+        self._beaten: list[threading.Event] = []  # set once the asked-for beat is written
         self.local = LocalStoreLink(env.local_port, self._stop) if env.local_port else None  # None: beat centrally
         self.asleep_until = 0.0  # while it waits for the watcher or its next heartbeat: until when (monotonic)
         self._outbox: collections.deque = collections.deque(maxlen=16)  # reports posted by the training thread
@@ -314,11 +316,26 @@ class ControlThread:
         those stall while the leader is lost (until a takeover), and a rank must not look silent to its agent
         meanwhile (its process is alive; a SIGSTOPped one stops beating, as every thread of it stops)."""
         while not self._stop.is_set():
+            asked, self._beaten = self._beaten, []
+            self._beat_wake.clear()
             try:
                 self.beat()
             except Exception:  # noqa: BLE001 -- a state being written concurrently: the next beat follows
                 pass
-            self._stop.wait(self.heartbeat_s)
+            for done in asked:
+                done.set()
+            self._beat_wake.wait(self.heartbeat_s)
+
+    def beat_now(self, timeout_s: float = 1.0) -> bool:
+        """A heartbeat with the state as it is now, written before this returns (at most ``timeout_s``): a phase
+        its agent must see even if the process stops right after (``finished``: a script that deadlocks in its
+        teardown a moment after its last step is ended as finished, not judged hung in training)."""
+        if self.local is None:
+            return False  # beaten centrally by the control thread: its next pass
+        done = threading.Event()
+        self._beaten.append(done)
+        self._beat_wake.set()
+        return done.wait(timeout_s)
 
     def beat(self) -> None:
         if not self.state.formed:
@@ -471,6 +488,7 @@ class ControlThread:
         self._stop.set()
         self._central_stop.set()
         self._wake.set()
+        self._beat_wake.set()
         self._thread.join(timeout=2)  # the watcher, blocked in the store, is a daemon: it is not waited for
 
 
