@@ -1,8 +1,9 @@
 """Hot-swap recovery time against the number of ranks, real ranks on this machine, and a fit to project it.
 
-    python bench/recovery_scale.py [--ranks 4,8,16,32] [--repeats 1] [--quick] [--json-out PATH]
+    python bench/recovery_scale.py [--ranks 4,8,16,32] [--repeats 1] [--quick] [--layout dp|hsdp|pp-dp] [--json-out PATH]
 
-For each N: phoenix-run with N simulated nodes x 1 rank (gloo on CPU, the tiniest examples/train_gpt.py) and 1
+For each N: phoenix-run with N simulated nodes x 1 rank (gloo on CPU, the tiniest examples/train_gpt.py; with
+``--layout hsdp`` or ``pp-dp`` the tiniest examples/train_llama.py as HSDP N/2 x 2 or PP 2 x DP N/2) and 1
 warm spare, a job far longer than the measurement (stopped once it is taken). Once rank 0's step log shows the
 job trains (``--warm-steps`` past its first step), node1 is SIGKILLed (``phoenix-run kill-node node1``: its
 agent and its rank), the bench waits for the ``recovery`` event and records its phases, then samples every rank:
@@ -41,6 +42,20 @@ from common import GPT, ROOT, env, events, med, phoenix, step_log, wait
 
 # The tiniest model the example allows: the step is mostly the runtime's own work, not arithmetic.
 TINY = ("--d-model", 8, "--layers", 1, "--heads", 1, "--seq", 4, "--batch", 1, "--vocab", 16, "--log-every", 100000)
+LLAMA = str(ROOT / "examples" / "train_llama.py")
+TINY_LLAMA = ("--d-model", 16, "--layers", 2, "--heads", 2, "--kv-heads", 1, "--seq", 4, "--batch", 2, "--vocab", 16,
+              "--log-every", 100000)
+
+
+def layout_args(layout: str, n: int, optimizer: str) -> list:
+    """The script and its flags for ``--layout``: dp (examples/train_gpt.py, DDP with ``--optimizer``), hsdp (N/2
+    replicas of 2 shards, examples/train_llama.py) or pp-dp (2 pipeline stages x DP N/2, 1F1B)."""
+    if layout == "dp":
+        return [GPT, *TINY, "--optimizer", optimizer]
+    if n % 2:
+        raise SystemExit(f"error: --layout {layout} needs an even N, got {n}")
+    flags = ["--hsdp", n // 2] if layout == "hsdp" else ["--pp", 2, "--schedule", "1f1b"]
+    return [LLAMA, *TINY_LLAMA, *flags]
 PHASES = ("detect_s", "quiesce_s", "reconfigure_s", "param_restore_s", "optim_restore_s", "resume_s", "recovered_s", "total_s",
           "steps_replayed")
 SOCK_KINDS = ("store", "ranks", "launcher", "other")
@@ -55,9 +70,9 @@ class Job:
 
     def __init__(self, d: Path, n: int, a):
         self.d, self.n, self.run_dir, self.log = d, n, d / "run", d / "steps.log"
+        script, *flags = layout_args(a.layout, n, a.optimizer)
         cmd = phoenix("--nodes", n, "--nproc-per-node", 1, "--spares", 1, "--run-dir", self.run_dir,
-                      GPT, "--steps", 10_000_000, "--step-log", self.log, *TINY, "--step-sleep", a.step_sleep,
-                      "--optimizer", a.optimizer)
+                      script, "--steps", 10_000_000, "--step-log", self.log, *flags, "--step-sleep", a.step_sleep)
         self.out = open(d / "phoenix.out", "w")
         self.proc = subprocess.Popen(cmd, cwd=d, env=env(), stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -387,8 +402,8 @@ def print_cpu_floor(res: list[dict], ns: list[int]) -> None:
 
 def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> None:
     """The recovery's per-generation pure work at sizes no run here reaches, measured (not extrapolated): the
-    planner's plan from N descriptors (one joiner), the plan's bytes every other rank reads, and the steady pair
-    list every rank derives (8 ranks a node, k = 1)."""
+    planner's plan from N descriptors (one joiner), the plan's bytes every other rank reads, and the steady pairs
+    a rank derives for itself at each generation (8 ranks a node, k = 1)."""
     sys.path.insert(0, str(ROOT))
     from phoenix_runtime.layout import Layout
     from phoenix_runtime.protection.pairs import steady_pairs
@@ -404,12 +419,12 @@ def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> None:
         t0 = time.perf_counter()
         course = plan_for_layout(descs, layout, n, replicated=False)
         t1 = time.perf_counter()
-        pairs = steady_pairs(layout, 1)
+        pairs = steady_pairs(layout, 1, n // 2)  # what one rank forms: its own pairs
         t2 = time.perf_counter()
         wire = len(course.to_json())
         mean_desc = sum(len(d.to_json()) for d in descs[:1000]) / min(n, 1000)
         print(f"  N={n:6d}: plan {1000 * (t1 - t0):7.1f} ms ({course.outcome.value}), the plan every other rank reads "
-              f"{wire} B (each reading every descriptor: {mean_desc * n / 1e6:.1f} MB a rank); steady pairs "
+              f"{wire} B (each reading every descriptor: {mean_desc * n / 1e6:.1f} MB a rank); a rank's steady pairs "
               f"{1000 * (t2 - t1):6.1f} ms ({len(pairs)} pairs)")
 
 
@@ -426,7 +441,7 @@ def git_commit() -> str:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def write_json(res: list[dict], path: Path, commit: str) -> None:
+def write_json(res: list[dict], path: Path, commit: str, what: str = "") -> None:
     """Per-N medians of recovery total and reconfigure, and where and when they were measured, as JSON. ``commit``
     is read when the run starts: the checkout may change while it runs."""
     date, cores = datetime.now().astimezone().isoformat(timespec="seconds"), os.cpu_count()
@@ -437,7 +452,7 @@ def write_json(res: list[dict], path: Path, commit: str) -> None:
                        "reconfigure_s": med([r["rec"]["reconfigure_s"] for r in rs]), "repeats": len(rs),
                        "rank_cpu_s": med([r["rec"].get("rank_cpu_s") or 0.0 for r in rs]),
                        "date": date, "commit": commit, "cores": cores, "load1": med([r["load"][0] for r in rs])})
-    doc = {"source": "bench/recovery_scale.py", "date": date, "commit": commit, "cores": cores, "points": points}
+    doc = {"source": "bench/recovery_scale.py", "date": date, "commit": commit, "cores": cores, "job": what, "points": points}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {len(points)} points to {path}")
@@ -462,12 +477,16 @@ def main():
     ap.add_argument("--optimizer", choices=["zero", "adam", "adamw"], default="zero",
                     help="the example's optimizer: zero (ZeroRedundancyOptimizer: each owner broadcasts its shard, which on "
                          "gloo connects every rank to ~2 log2 N peers) or adamw (plain DDP: the ring's two neighbours)")
+    ap.add_argument("--layout", choices=["dp", "hsdp", "pp-dp"], default="dp",
+                    help="dp: DDP (examples/train_gpt.py, --optimizer); hsdp: HSDP N/2 x 2; pp-dp: PP 2 x DP N/2 "
+                         "(examples/train_llama.py)")
     ap.add_argument("--json-out", type=Path, help="also write the per-N medians as JSON (for simulate --scale-from)")
     a = ap.parse_args()
     ns = [4, 8] if a.quick else [int(x) for x in a.ranks.split(",")]
     reps = 1 if a.quick else a.repeats
     commit = git_commit()
-    print(f"load before: {os.getloadavg()}, {os.cpu_count()} CPUs, commit {commit}, optimizer {a.optimizer}")
+    what = f"optimizer {a.optimizer}" if a.layout == "dp" else f"layout {a.layout}"
+    print(f"load before: {os.getloadavg()}, {os.cpu_count()} CPUs, commit {commit}, {what}")
     res, failed = [], []
     with tempfile.TemporaryDirectory(prefix="recovery_scale-") as td:
         for n in ns:
@@ -490,7 +509,7 @@ def main():
         print_sockets(res)
         print_fits(res)
         if a.json_out:
-            write_json(res, a.json_out, commit)
+            write_json(res, a.json_out, commit, what)
     print_pure_scale()
     for n, rep, why in failed:
         print(f"FAILED N={n} repeat {rep}: {why}")

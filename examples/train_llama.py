@@ -65,6 +65,7 @@ def parse_args(argv=None):
                    help="without a sharding flag: a replicated AdamW, or ZeRO-sharded AdamW (DDP+ZeRO)")
     p.add_argument("--digest-file", default=None)
     p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--step-log", default=None, help="rank 0 appends 'step <n> <unix time>' after each step (benchmarks)")
     p.add_argument("--times-file", default=None, help="rank 0 writes per-step times and PHOENIX stats as JSON (benchmarks)")
     p.add_argument("--data-log", default=None, metavar="PATH",
                    help="each rank appends 'step generation rank data_rank loss' per micro-batch of each completed step")
@@ -396,6 +397,9 @@ def main(argv=None):
             time.sleep(a.step_sleep)
         if rank == ((a.pp - 1) * max(a.tp, 1) if a.pp else 0) and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):
             print(f"step {step} loss {loss.item():.4f}", flush=True)
+        if rank == 0 and a.step_log and training.step_idx == step + 1:  # completed (not interrupted by a recovery)
+            with open(a.step_log, "a") as f:
+                f.write(f"step {step} {time.time()}\n")
         now = time.perf_counter()
         step_times.append(now - t_prev)
         t_prev = now

@@ -378,7 +378,7 @@ class ProtectedTraining:
         the first protected step): the pair groups it needs and the generation lacks are formed first."""
         self.teardown_protection()
         layout = self.layout()
-        self.ctx.form_pairs(steady_pairs(layout, self.replicas))
+        self.ctx.form_pairs(steady_pairs(layout, self.replicas, self.ctx.rank))
         self.protection = ProtectionSession(self.d2h, self.ctx.new_transport(1), layout, self.ctx.rank, self.replicas,
                                             self.settings, self.faults.copy_hook, trusted=self.device_steps.trusted)
         if self.protection.replicator is not None:

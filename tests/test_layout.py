@@ -212,7 +212,7 @@ def test_steady_pairs_are_each_ranks_ring_successors_and_tree_parent(k):
     at 1,024 ranks on every rank at every generation); the pairs are the same as each rank's ``replica_targets``
     and commit tree parent, for TP, PP, nodes and failure domains."""
     from phoenix_runtime.protection.commit import tree_partners
-    from phoenix_runtime.protection.pairs import pair, steady_pairs
+    from phoenix_runtime.protection.pairs import own_pairs, pair, steady_pairs
 
     for layout in (Layout(12, nodes=tuple(f"n{r // 4}" for r in range(12))),
                    Layout(16, tp_size=2, pp_size=2, nodes=tuple(f"n{r // 4}" for r in range(16))),
@@ -225,3 +225,5 @@ def test_steady_pairs_are_each_ranks_ring_successors_and_tree_parent(k):
             if parent is not None:
                 want.add(pair(r, parent))
         assert steady_pairs(layout, k) == sorted(want)
+        for r in range(layout.world_size):  # what a rank forms: its own pairs, read off its group's ring alone
+            assert steady_pairs(layout, k, r) == own_pairs(sorted(want), r), (layout, r)

@@ -411,7 +411,7 @@ class Context:
         from phoenix_runtime.protection.pairs import steady_pairs
 
         try:
-            pairs = steady_pairs(self.layout(), self.settings.replicas)
+            pairs = steady_pairs(self.layout(), self.settings.replicas, self.rank)
         except ValueError as e:  # a layout init() cannot describe (the same on every rank)
             log.info(f"generation {self.gen}: steady pairs left to the protection's start ({e})")
             return
