@@ -130,6 +130,12 @@ def test_metrics_text_is_valid_exposition_with_escaped_labels():
     empty = parse_prometheus(render_metrics(snapshot(step=-1), JobCounters()))
     assert "phoenix_last_detection_seconds" not in empty and "phoenix_planned_steps" not in empty
     assert value(empty, "phoenix_recovery_seconds_count") == 0
+    # every failure kind is a series from the start (at 0), so that rate() and alerts work before the first one
+    assert value(empty, "phoenix_failures_total", kind="node_lost") == 0 and value(empty, "phoenix_failures_total", kind="hang") == 0
+    assert "phoenix_eta_seconds" not in empty  # no total, no rate: no ETA
+    snap = snapshot()
+    snap["progress"] = progress_view(snap, fed(*INCIDENT))
+    assert value(parse_prometheus(render_metrics(snap, fed(*INCIDENT))), "phoenix_eta_seconds") == 30.0
     # a shrinkable layout: the DP size now and the job's own (issue 31: dp 2 of 3 while shrunk); else neither
     shrunk = parse_prometheus(render_metrics(snapshot(dp=2, dp_full=3), JobCounters()))
     assert value(shrunk, "phoenix_dp_size") == 2 and value(shrunk, "phoenix_dp_full") == 3
@@ -316,7 +322,7 @@ def test_a_job_serves_metrics_shows_progress_and_takes_kill_node_at_once(tmp_pat
         assert min(answers) < 0.2
 
         def no_such_node(r):  # delivered, run through the handler, answered
-            assert r.returncode == 1 and r.stderr.strip() == "phoenix-run: error: no node 'node9' in this job; nodes: node0, node1, node2", r
+            assert r.returncode == 2 and r.stderr.strip() == "phoenix-run: error: no node 'node9' in this job; nodes: node0, node1, node2", r
         assert_fast(kill_node_cmd(run_dir, "node9"), "kill-node, live job", no_such_node)
         r, wall, cpu = timed(kill_node_cmd(run_dir, "node1"))
         assert r.returncode == 0, r.stderr
