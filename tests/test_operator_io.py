@@ -149,12 +149,12 @@ def test_progress_bar_eta_and_last_incident_in_the_live_view():
     snap["progress"] = progress_view(snap, fed(*INCIDENT))
     assert snap["progress"]["total"] == 100 and snap["progress"]["eta_s"] == 30.0  # 60 steps left at 2 steps/s
     assert progress_text(snap["progress"]) == "step 40/100 (40%)  ETA 30s"
-    assert "host on node1: hotswap -> node2, recovered in 1.50 s (resumed at step 38)" in snap["progress"]["last_incident"]
+    assert "node1, host failure: replaced by spare node2, recovered in 1.50 s (resumed at step 38)" in snap["progress"]["last_incident"]
     out = io.StringIO()
     print_status(snap, out)
     text = out.getvalue()
     assert [line for line in text.splitlines() if "━" in line and line.rstrip().endswith("step 40/100 (40%)  ETA 30s")], text
-    assert "last incident:" in text and "hotswap -> node2" in text
+    assert "last incident:" in text and "replaced by spare node2" in text
     # no total reported (a script without the runtime's loop): no bar, no ETA
     snap["progress"] = progress_view(snap, fed({"type": "progress", "step": 40, "sps": 2.0}))
     assert snap["progress"]["total"] is None and snap["progress"]["eta_s"] is None
@@ -340,7 +340,7 @@ def test_a_job_serves_metrics_shows_progress_and_takes_kill_node_at_once(tmp_pat
         assert value(samples, "phoenix_spares_left") == 0 and value(samples, "phoenix_nodes", state="active") == 2
         assert value(samples, "phoenix_nodes", state="failed") + value(samples, "phoenix_nodes", state="drained") == 1
         assert value(samples, "phoenix_generation") == 1
-        wait_for(lambda: "hotswap -> node2" in json.loads((run_dir / "status.json").read_text())["progress"]["last_incident"], 30,
+        wait_for(lambda: "replaced by spare node2" in json.loads((run_dir / "status.json").read_text())["progress"]["last_incident"], 30,
                  "the last incident in status.json")
     finally:
         if proc.poll() is None:
