@@ -30,7 +30,10 @@ from phoenix_runtime.errors import PhoenixError
 
 EXIT_USAGE = 2
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="PHOENIX: fault-tolerant launcher for PyTorch training.")
+# Outside a terminal (a pipe, `| less`, a Slurm log) the help is plain text, every option name whole (rich boxes cut
+# them at 80 columns); in a terminal, rich's.
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="PHOENIX: fault-tolerant launcher for PyTorch training.",
+                  rich_markup_mode="rich" if sys.stdout.isatty() else None)
 
 
 def fail(msg: str, code: int = EXIT_USAGE) -> "typer.Exit":
@@ -77,13 +80,13 @@ def run(
     ctx: typer.Context,
     script: Optional[str] = typer.Argument(None, metavar="SCRIPT [ARGS]...", help="Training script (or module with -m), then its arguments."),
     module: bool = typer.Option(False, "-m", "--module", help="Run SCRIPT as a module, like python -m."),
-    nnodes: Optional[str] = typer.Option(None, "--nnodes", "--nodes", help="Active nodes (N, or torchrun's N:N)."),
-    nproc_per_node: Optional[str] = typer.Option(None, "--nproc-per-node", "--nproc_per_node", help="Ranks per node: N, or torchrun's auto (accelerators, else CPUs), cpu, gpu, xpu."),
-    spares: Optional[int] = typer.Option(None, "--spares", help="Warm spare nodes kept in reserve."),
-    backend: Optional[str] = typer.Option(None, "--backend", help="auto (slurm inside an allocation), local or slurm."),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr", "--master_addr", help="The ranks' MASTER_ADDR (the launching host's address every node reaches; the control plane listens there)."),
-    master_port: Optional[int] = typer.Option(None, "--master-port", "--master_port", help="The ranks' MASTER_PORT: their env:// rendezvous store, as torchrun's (0: a free port; a restart takes a fresh one)."),
-    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts", help="Restarts of all workers when hot-swap is not possible."),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", "--nodes", metavar="N", help="Active nodes (N, or torchrun's N:N; default 1)."),
+    nproc_per_node: Optional[str] = typer.Option(None, "--nproc-per-node", "--nproc_per_node", metavar="P", help="Ranks per node: N, or torchrun's auto (accelerators, else CPUs), cpu, gpu, xpu (default 1)."),
+    spares: Optional[int] = typer.Option(None, "--spares", metavar="S", help="Warm spare nodes kept in reserve (default 0)."),
+    backend: Optional[str] = typer.Option(None, "--backend", metavar="NAME", help="auto (slurm inside an allocation), local or slurm."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", "--master_addr", metavar="ADDR", help="The ranks' MASTER_ADDR (the launching host's address every node reaches; the control plane listens there)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", "--master_port", metavar="PORT", help="The ranks' MASTER_PORT: their env:// rendezvous store, as torchrun's (0: a free port; a restart takes a fresh one)."),
+    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts", metavar="K", help="Restarts of all workers when hot-swap is not possible (default 0)."),
     on_no_spare: Optional[str] = typer.Option(None, "--on-no-spare", help="No spare for a lost node: shrink (go on with fewer DP replicas), wait (then restart/salvage) or stop."),
     min_dp: Optional[int] = typer.Option(None, "--min-dp", help="The smallest data-parallel size a shrink may leave."),
     elastic_batch: Optional[str] = typer.Option(None, "--elastic-batch", help="Shrunk: keep the global batch (survivors take the lost share) or shrink it (drop the share)."),
@@ -115,11 +118,12 @@ def run(
         script = argv[0]
     if not module and script is not None and not Path(script).is_file():
         raise fail(f"training script {script!r} not found")
+    flags: dict[str, dict[str, Any]] = {}
     try:
         if config is None and resume is not None and (resume / "config.yaml").is_file():
             config = resume / "config.yaml"  # the resumed run's own configuration
         yaml_data = load_yaml(config) if config is not None else None
-        flags: dict[str, dict[str, Any]] = {
+        flags = {
             "launch": {
                 "nodes": _parse_nnodes(nnodes) if nnodes is not None else None,
                 "nproc_per_node": _parse_nproc(nproc_per_node) if nproc_per_node is not None else None,
@@ -146,13 +150,28 @@ def run(
             flags[section].update({k: v for k, v in values.items() if flags[section].get(k) is None})
         cfg = build_config(yaml_data, os.environ, flags)
     except ConfigError as e:
-        raise fail(str(e)) from None
+        raise fail(_as_flag_error(str(e), flags)) from None
 
     cfg, rdir = _prepare_run_dir(cfg, log_dir)
     cfg = _continue_or_refuse(cfg, rdir, argv, auto)
     cfg, be = _open_backend(cfg, rdir, nodes_given=nnodes is not None or "nodes" in ((yaml_data or {}).get("launch") or {}))
     assert argv is not None  # (a script, or the argv of the job it resumes)
     _supervise(cfg, argv, rdir, be)
+
+
+_FLAG_OF = {("launch", "nodes"): "--nnodes", ("inject", "chaos_mtbf_s"): "--chaos-mtbf", ("metrics", "port"): "--metrics-port"}
+
+
+def _as_flag_error(msg: str, flags: dict[str, dict[str, Any]]) -> str:
+    """A configuration error about a value given as a flag names the flag the user typed, and the key after it
+    (``--on-no-spare: must be shrink, wait or stop, got 'never' (launch.on_no_spare)``)."""
+    for section, values in flags.items():
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            if value is not None and msg.startswith(name + " "):
+                flag = _FLAG_OF.get((section, key), "--" + key.replace("_", "-"))
+                return f"{flag}: {msg[len(name) + 1:]} ({name})"
+    return msg
 
 
 def _resume_point(run_dir: Path) -> tuple[Path, list[str] | None]:
@@ -162,6 +181,8 @@ def _resume_point(run_dir: Path) -> tuple[Path, list[str] | None]:
     if not run_dir.is_dir():
         raise fail(f"--resume: {run_dir} is not a run directory")
     point = newest_complete(run_dir)
+    if point is None and not (run_dir / "events.jsonl").is_file() and not (run_dir / "persist").is_dir():
+        raise fail(f"--resume: {run_dir} is not a run directory (no events.jsonl: give the --run-dir of an earlier job)")
     if point is None:
         raise fail(f"--resume: no complete persistent checkpoint in {run_dir}/persist (runtime.persist_every writes them)")
     argv = None
@@ -206,6 +227,9 @@ def _prepare_run_dir(cfg, log_dir: Optional[str]):
         write_private(probe, "")
         probe.unlink()
     except OSError as e:
+        taken = next((p for p in (rdir, *rdir.parents) if p.exists()), None)  # what stands where a directory must
+        if taken is not None and not taken.is_dir():
+            raise fail(f"run directory {rdir}: {taken} is a file, not a directory") from None
         raise fail(f"run directory {rdir} is not writable: {e.strerror}") from None
     rdir = rdir.resolve()  # absolute: the ranks' TORCHELASTIC_ERROR_FILE, the resume line printed at the end
     return replace(cfg, launch=replace(launch, run_id=rid, run_dir=str(rdir))), rdir
@@ -337,7 +361,7 @@ def kill_node(
     except (FileNotFoundError, InjectError) as e:
         raise fail(str(e), 1) from None
     if not reply.get("ok"):
-        raise fail(reply.get("error", "refused"), 1)
+        raise fail(reply.get("error", "refused"), 2 if reply.get("usage") else 1)
     typer.echo(f"phoenix-run kill-node: {reply['message']}")
 
 

@@ -63,7 +63,7 @@ def main(args: list[str]) -> int:
         return _fail(str(e), 1)
     except (OSError, ValueError, KeyError) as e:
         return _fail(f"cannot read the job's control.json: {e}", 1)
-    if not reply.get("ok"):
-        return _fail(reply.get("error", "refused"), 1)
+    if not reply.get("ok"):  # a target, mode or phase the job has not is bad input (2); else the job's refusal (1)
+        return _fail(reply.get("error", "refused"), EXIT_USAGE if reply.get("usage") else 1)
     print(f"phoenix-run kill-node: {reply['message']}")
     return 0

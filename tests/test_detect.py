@@ -75,7 +75,7 @@ def test_kill_node_modes_classes_and_actions(long_job, tmp_path):
     assert "11" * 32 not in (run_dir / "events.jsonl").read_text() and not of_type(events(run_dir), "injected")
     # unknown targets: a clear message
     r = kill_node(run_dir, "node42")
-    assert r.returncode == 1 and "no node 'node42'" in r.stderr
+    assert r.returncode == 2 and "no node 'node42'" in r.stderr
     r = kill_node(run_dir, "rank:99")
     assert r.returncode == 1 and "no rank 99" in r.stderr
 

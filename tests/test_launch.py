@@ -213,9 +213,9 @@ def test_bad_negative_spares(tmp_path):
 
 def test_bad_no_spare_policy_values_are_one_line(tmp_path):
     script = str(SCRIPTS / "envdump.py")
-    _bad(tmp_path, ["--on-no-spare", "grow", script], "launch.on_no_spare must be shrink, wait or stop, got 'grow'")
-    _bad(tmp_path, ["--elastic-batch", "half", script], "launch.elastic_batch must be keep or shrink, got 'half'")
-    _bad(tmp_path, ["--min-dp", "0", script], "launch.min_dp must be >= 1, got 0")
+    _bad(tmp_path, ["--on-no-spare", "grow", script], "--on-no-spare: must be shrink, wait or stop, got 'grow' (launch.on_no_spare)")
+    _bad(tmp_path, ["--elastic-batch", "half", script], "--elastic-batch: must be keep or shrink, got 'half' (launch.elastic_batch)")
+    _bad(tmp_path, ["--min-dp", "0", script], "--min-dp: must be >= 1, got 0 (launch.min_dp)")
     (tmp_path / "c.yaml").write_text("launch:\n  on_no_spare: later\n")
     _bad(tmp_path, ["--config", str(tmp_path / "c.yaml"), script], "launch.on_no_spare must be shrink, wait or stop")
 
@@ -251,7 +251,16 @@ def test_bad_port_in_use(tmp_path):
 def test_bad_run_dir_not_writable(tmp_path):
     f = tmp_path / "afile"
     f.write_text("")
-    _bad(tmp_path, ["--run-dir", str(f / "sub"), str(SCRIPTS / "envdump.py")], "is not writable")
+    _bad(tmp_path, ["--run-dir", str(f / "sub"), str(SCRIPTS / "envdump.py")], f"{f} is a file, not a directory")
+
+
+def test_bad_input_names_what_the_user_typed(tmp_path):
+    """A bad flag value names the flag (then the key it sets); ``--resume`` of a directory no job wrote says so."""
+    _bad(tmp_path, ["--on-no-spare", "never", str(SCRIPTS / "envdump.py")],
+         "--on-no-spare: must be shrink, wait or stop, got 'never' (launch.on_no_spare)")
+    _bad(tmp_path, ["--chaos-mtbf", "-5", str(SCRIPTS / "envdump.py")], "--chaos-mtbf: must be >= 0")
+    (tmp_path / "scratch").mkdir()
+    _bad(tmp_path, ["--resume", str(tmp_path / "scratch")], "is not a run directory")
 
 
 def _agent(tmp_path, script_text: str, nproc: int = 2):
@@ -313,3 +322,8 @@ def test_top_level_help_lists_the_run_options_and_the_commands():
     for cmd in ("status", "report", "kill-node", "simulate", "sbatch"):
         assert cmd in r.stdout.split("Commands:")[-1], cmd
     assert "Usage: phoenix-run [OPTIONS] [SCRIPT [ARGS]...]" in r.stdout
+    # through a pipe at 80 columns (``| less``): plain text, every option name whole (rich's boxes cut them)
+    narrow = subprocess.run(phoenix_cmd("--help"), capture_output=True, text=True, timeout=60, env={**job_env(), "COLUMNS": "80"})
+    for flag in ("--nproc-per-node, --nproc_per_node P", "--master-addr, --master_addr ADDR", "--max-restarts, --max_restarts K"):
+        assert flag in narrow.stdout, (flag, narrow.stdout)
+    assert "…" not in narrow.stdout and max(map(len, narrow.stdout.splitlines())) <= 80

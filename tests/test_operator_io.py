@@ -130,6 +130,12 @@ def test_metrics_text_is_valid_exposition_with_escaped_labels():
     empty = parse_prometheus(render_metrics(snapshot(step=-1), JobCounters()))
     assert "phoenix_last_detection_seconds" not in empty and "phoenix_planned_steps" not in empty
     assert value(empty, "phoenix_recovery_seconds_count") == 0
+    # every failure kind is a series from the start (at 0), so that rate() and alerts work before the first one
+    assert value(empty, "phoenix_failures_total", kind="node_lost") == 0 and value(empty, "phoenix_failures_total", kind="hang") == 0
+    assert "phoenix_eta_seconds" not in empty  # no total, no rate: no ETA
+    snap = snapshot()
+    snap["progress"] = progress_view(snap, fed(*INCIDENT))
+    assert value(parse_prometheus(render_metrics(snap, fed(*INCIDENT))), "phoenix_eta_seconds") == 30.0
     # a shrinkable layout: the DP size now and the job's own (issue 31: dp 2 of 3 while shrunk); else neither
     shrunk = parse_prometheus(render_metrics(snapshot(dp=2, dp_full=3), JobCounters()))
     assert value(shrunk, "phoenix_dp_size") == 2 and value(shrunk, "phoenix_dp_full") == 3
@@ -143,12 +149,12 @@ def test_progress_bar_eta_and_last_incident_in_the_live_view():
     snap["progress"] = progress_view(snap, fed(*INCIDENT))
     assert snap["progress"]["total"] == 100 and snap["progress"]["eta_s"] == 30.0  # 60 steps left at 2 steps/s
     assert progress_text(snap["progress"]) == "step 40/100 (40%)  ETA 30s"
-    assert "host on node1: hotswap -> node2, recovered in 1.50 s (resumed at step 38)" in snap["progress"]["last_incident"]
+    assert "node1, host failure: replaced by spare node2, recovered in 1.50 s (resumed at step 38)" in snap["progress"]["last_incident"]
     out = io.StringIO()
     print_status(snap, out)
     text = out.getvalue()
     assert [line for line in text.splitlines() if "━" in line and line.rstrip().endswith("step 40/100 (40%)  ETA 30s")], text
-    assert "last incident:" in text and "hotswap -> node2" in text
+    assert "last incident:" in text and "replaced by spare node2" in text
     # no total reported (a script without the runtime's loop): no bar, no ETA
     snap["progress"] = progress_view(snap, fed({"type": "progress", "step": 40, "sps": 2.0}))
     assert snap["progress"]["total"] is None and snap["progress"]["eta_s"] is None
@@ -316,7 +322,7 @@ def test_a_job_serves_metrics_shows_progress_and_takes_kill_node_at_once(tmp_pat
         assert min(answers) < 0.2
 
         def no_such_node(r):  # delivered, run through the handler, answered
-            assert r.returncode == 1 and r.stderr.strip() == "phoenix-run: error: no node 'node9' in this job; nodes: node0, node1, node2", r
+            assert r.returncode == 2 and r.stderr.strip() == "phoenix-run: error: no node 'node9' in this job; nodes: node0, node1, node2", r
         assert_fast(kill_node_cmd(run_dir, "node9"), "kill-node, live job", no_such_node)
         r, wall, cpu = timed(kill_node_cmd(run_dir, "node1"))
         assert r.returncode == 0, r.stderr
@@ -334,7 +340,7 @@ def test_a_job_serves_metrics_shows_progress_and_takes_kill_node_at_once(tmp_pat
         assert value(samples, "phoenix_spares_left") == 0 and value(samples, "phoenix_nodes", state="active") == 2
         assert value(samples, "phoenix_nodes", state="failed") + value(samples, "phoenix_nodes", state="drained") == 1
         assert value(samples, "phoenix_generation") == 1
-        wait_for(lambda: "hotswap -> node2" in json.loads((run_dir / "status.json").read_text())["progress"]["last_incident"], 30,
+        wait_for(lambda: "replaced by spare node2" in json.loads((run_dir / "status.json").read_text())["progress"]["last_incident"], 30,
                  "the last incident in status.json")
     finally:
         if proc.poll() is None:

@@ -49,7 +49,7 @@ def _invoke(*args: str):
 def _assert_one_line_error(res, needle: str) -> None:
     assert res.exit_code == 2, (res.exit_code, res.output)
     err = res.stderr.strip()
-    assert err.startswith("error: "), err
+    assert err.startswith("phoenix-run: error: "), err
     assert "\n" not in err, err
     assert needle in err, err
     assert "Traceback" not in res.output

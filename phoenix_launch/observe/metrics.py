@@ -26,6 +26,10 @@ from phoenix_launch.lifecycle import JobPhase, NodeState
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+#: the ``failure`` events' kinds (``job/inbox.py``, ``job/settle.py``): exported at 0 before the first one
+FAILURE_KINDS = ("hang", "heartbeat_lost", "node_lost", "rank_exit", "spare_lost")
+
+
 def _escape(value: Any) -> str:
     return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
@@ -88,6 +92,10 @@ def render_metrics(snap: dict[str, Any], counters: Any) -> str:
     if prog.get("total") is not None:
         family("planned_steps", "gauge", "The total steps the training loop runs (trainer.steps(total)).").sample(prog["total"])
     family("steps_per_second", "gauge", "Training throughput, steps per second (slowest rank).").sample(snap.get("steps_per_s", 0.0))
+    eta = (snap.get("progress") or {}).get("eta_s")
+    if eta is not None:
+        family("eta_seconds", "gauge", "Seconds to the loop's last step at the current rate (running jobs with a known "
+               "total).").sample(eta)
     family("step_time_seconds", "gauge", "The last reported step time (median of recent steps).").sample(prog.get("step_time_s"))
     family("last_progress_timestamp_seconds", "gauge", "Unix time of the last progress report.").sample(prog.get("t"))
     scalars = dict(prog.get("scalars") or {})
@@ -99,7 +107,9 @@ def render_metrics(snap: dict[str, Any], counters: Any) -> str:
                 fam.sample(v, name=name)
         family("user_scalar_step", "gauge", "The step of phoenix_user_scalar.").sample(user_step)
     fam = family("failures_total", "counter", "Failures observed, by kind (rank_exit, node_lost, hang, ...).")
-    for kind, n in sorted(counters.failures.items()):
+    # every kind the supervisor reports is exported from the start, at 0: rate() and alerts need the series
+    # before the first failure
+    for kind, n in sorted({**dict.fromkeys(FAILURE_KINDS, 0), **counters.failures}.items()):
         fam.sample(n, kind=kind)
     fam = family("incidents_total", "counter", "Incidents classified, by class and decision.")
     for (cls, decision), n in sorted(counters.incidents.items()):

@@ -69,14 +69,22 @@ class JobCounters:
             self.last_incident = {"t": logged.t, "cls": "none", "decision": "closed", "reason": ev.why}
 
 
+#: a decision in words an operator reads without the docs
+_DONE = {"hotswap": "replaced", "local": "its ranks restarted in place", "restart": "every worker restarted",
+         "fallback": "restarted from a checkpoint", "salvage": "state saved, job stopping", "reform": "groups re-formed",
+         "resync": "ranks re-synced from a peer", "stop": "job stopping", "wait": "waiting for a spare",
+         "shrink": "job shrunk", "grow": "job grown back", "evict": "evicted", "ignore": "no action"}
+
+
 def incident_line(inc: dict[str, Any] | None) -> str:
     """The last incident on one line: when, what, where, the decision and how long the recovery took."""
     if not inc:
         return ""
     when = time.strftime("%H:%M:%S", time.localtime(inc.get("t") or time.time()))
-    where = f" on {inc['node']}" if inc.get("node") else ""
-    to = f" -> {inc['spare']}" if inc.get("spare") else ""
-    text = f"{when} {inc.get('cls')}{where}: {inc.get('decision')}{to}"
+    where = f"{inc['node']}, " if inc.get("node") else ""
+    text = f"{when} {where}{inc.get('cls')} failure: {_DONE.get(str(inc.get('decision')), inc.get('decision'))}"
+    if inc.get("spare"):
+        text += f" {'onto' if inc.get('decision') in ('shrink', 'grow') else 'by spare'} {inc['spare']}"
     if inc.get("recovered_s") is not None:
         text += f", recovered in {inc['recovered_s']:.2f} s"
         if inc.get("resume_step") is not None:

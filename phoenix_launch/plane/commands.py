@@ -44,14 +44,16 @@ class CommandHandler:
             self._reply(c.id, False, "refused: the job's token does not match")
             return
         ok, msg, info = execute_injection(self.job, c)
-        self._reply(c.id, ok, msg)
+        self._reply(c.id, ok, msg, usage=not ok)  # every refusal of ``execute_injection`` is of the command's input
         if ok:
             self.events.emit("injected", **info)
             if info.get("immediate"):
                 self.on_injected(info["mode"], info["t"], now)
 
-    def _reply(self, command_id: str, ok: bool, msg: str) -> None:
-        reply = json.dumps({"ok": ok, "message" if ok else "error": msg})
+    def _reply(self, command_id: str, ok: bool, msg: str, usage: bool = False) -> None:
+        """``usage``: refused for its input (a target, mode or phase the job has not): kill-node exits 2, as for any
+        bad input; other refusals (a token, a job that did not answer) exit 1."""
+        reply = json.dumps({"ok": ok, "message" if ok else "error": msg, **({"usage": True} if usage else {})})
         if self.token is None:
             protocol.put_value(self.store, reply_key(command_id), reply)  # sealed: kill-node checks it
         else:

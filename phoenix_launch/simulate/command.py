@@ -190,7 +190,7 @@ def simulate(
         if plot is not None:
             report["plot"] = plot_efficiency(inp, plot)
     except SimulateInputError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"phoenix-run: error: {exc}", err=True)
         raise typer.Exit(2) from None
     if json_out:
         typer.echo(json.dumps(report, indent=2, default=_json_default, allow_nan=False))

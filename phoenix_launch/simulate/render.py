@@ -74,7 +74,7 @@ def render(rep: dict, console=None) -> None:
     _render_scaling(console, Table, rep)
     if rep.get("plot"):
         console.print(f"plot written to {rep['plot']}")
-    console.print(f"[dim]{rep['elapsed_s']:.2f} s[/]")
+    console.print(f"[dim]computed in {rep['elapsed_s']:.2f} s[/]")
 
 
 def _render_header(console, Panel, rep: dict) -> None:
