@@ -28,7 +28,15 @@ Without CUDA (``DeviceSteps(None)``) nothing is marked and every step is trusted
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
+
+
+class StepEvent(Protocol):
+    """What ``new_event()`` returns: ``torch.cuda.Event``'s ``record`` (on the current stream) and ``query``."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
 
 
 class DeviceSteps:
@@ -36,11 +44,11 @@ class DeviceSteps:
     built with None (no device: nothing to mark). ``groups()`` returns the generation's process groups whose
     health certifies a step (their backends' ``get_error``)."""
 
-    def __init__(self, new_event: Callable[[], object] | None, groups: Callable[[], Iterable] = lambda: ()):
+    def __init__(self, new_event: Callable[[], StepEvent] | None, groups: Callable[[], Iterable] = lambda: ()):
         self._new_event = new_event
         self._groups = groups
         self._lock = threading.Lock()
-        self._pending: list[tuple[int, object]] = []  # (step, event), in the stream's order
+        self._pending: list[tuple[int, StepEvent]] = []  # (step, event), in the stream's order
         self._frozen = False
         self.torn: int | None = None  # the oldest step marked and not certified when frozen (its S_{k+1} is not trusted)
         self.certified = -1  # the newest step seen complete on the device while every group was healthy
@@ -135,7 +143,7 @@ def _group_ok(group) -> bool:
     return getattr(err, "name", str(err)).rsplit(".", 1)[-1] == "SUCCESS"
 
 
-def cuda_event_factory(device) -> Callable[[], object] | None:
+def cuda_event_factory(device) -> Callable[[], StepEvent] | None:
     """``torch.cuda.Event`` recorded on ``device``'s current stream, or None when ``device`` is not a GPU."""
     import torch
 
@@ -149,10 +157,10 @@ def cuda_event_factory(device) -> Callable[[], object] | None:
         def __init__(self):
             self.ev = torch.cuda.Event()
 
-        def record(self):
+        def record(self) -> None:
             self.ev.record(torch.cuda.current_stream(dev))
 
-        def query(self):
+        def query(self) -> bool:
             return self.ev.query()
 
     return _Event

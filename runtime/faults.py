@@ -66,7 +66,7 @@ class FaultInjector:
         else:
             self.pending.append(dict(msg, step=msg.get("at_step")))
 
-    def _matches(self, f: dict, step: int, phase: str) -> bool:
+    def _matches(self, f: dict, step: int | None, phase: str) -> bool:
         if f.get("step") is not None and f["step"] != step:
             return False
         if f.get("gen") is not None and self.gen < f["gen"]:

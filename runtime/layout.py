@@ -412,7 +412,7 @@ def _ring_order(nodes: tuple[str, ...], doms: tuple[str, ...], k: int) -> tuple[
         return tuple(range(n))  # nothing known: plain dp order
     node = _labels(nodes)
     # an unknown domain is the rank's node (so the top level of the greedy still groups by node)
-    dom = [d if d else ("node", nd) for d, nd in zip(doms, node)] if doms else [("node", nd) for nd in node]
+    dom: list[object] = [d if d else ("node", nd) for d, nd in zip(doms, node)] if doms else [("node", nd) for nd in node]
     node_left: dict[object, int] = {}
     dom_left: dict[object, int] = {}
     for i in range(n):

@@ -24,11 +24,14 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeGuard
 
 import torch
 
 from phoenix_runtime.errors import UsageError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 SUPPORTED = ("shard",), ("replicate", "shard"), ("shard", "tp"), ("replicate", "shard", "tp")
 PIPELINE_HINT = ("pipeline parallelism is protected with pipeline=fn(model, mesh) -> (stages, schedule) on "
@@ -46,7 +49,7 @@ _DTENSOR: type | None = None  # torch.distributed.tensor.DTensor, imported at th
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these types are never a DTensor (a DTensor parameter's type is DTensor's)
 
 
-def is_dtensor(t) -> bool:
+def is_dtensor(t) -> TypeGuard[DTensor]:
     global _DTENSOR
     if type(t) in _PLAIN:  # not ``isinstance``: Parameter's metaclass answers it in Python (slow, every tensor of every snapshot)
         return False
@@ -206,8 +209,10 @@ class Parallel:
         materialise(model, self.device, init=False)
         by_fqn = dict(model.named_parameters())
         opt = optimizer
+        fqn_of = self.fqn_of
+        assert fqn_of is not None, "rebuild() follows apply(), which maps the live parameters"
         for g in opt.param_groups:
-            g["params"] = [by_fqn[self.fqn_of[id(p)]] for p in g["params"]]
+            g["params"] = [by_fqn[fqn_of[id(p)]] for p in g["params"]]
         opt.state.clear()
         self.fqn_of = {id(p): n for n, p in model.named_parameters()}
         self.keys = {}

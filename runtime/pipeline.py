@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Sequence
 
 import torch
 
@@ -99,7 +100,7 @@ class Pipeline(Parallel):
     """The user's pipeline split and schedule, and what PHOENIX needs to build them again (``Parallel``'s mesh,
     optimizer re-binding and shard naming, with the stages in place of a parallelised model)."""
 
-    stages: tuple = ()  # this rank's PipelineStage objects, of the live generation
+    stages: Sequence = ()  # this rank's PipelineStage objects, of the live generation
     schedule = None  # the schedule built on them: what the training loop steps
     meta: bool = False  # the user's model was built on the meta device: stages are built on meta, then materialised
 
@@ -139,7 +140,7 @@ class Pipeline(Parallel):
                 materialise(st.submod, self.device, init=init)
         module = torch.nn.ModuleDict({f"pp{st.stage_index}": st.submod for st in self.stages})
         self.fqn_of = {id(p): n for n, p in module.named_parameters()}
-        self.keys = {}
+        self.keys: dict[int, str] = {}  # id(parameter) -> key_of(parameter) (Parallel.keys)
         return module
 
     def apply(self, model: torch.nn.Module, gen: int, local: bool = False) -> torch.nn.Module:

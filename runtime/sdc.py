@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class SdcMonitor:
     """``ops``: the training (``ProtectedTraining``): its objects, snapshots and replicas, its control plane."""
 
-    def __init__(self, ops):
+    def __init__(self, ops) -> None:
         self.ops = ops
         self.mismatch_step: int | None = None  # the newest step whose commit point found a disagreement
 

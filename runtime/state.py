@@ -161,10 +161,10 @@ def named_members(module: torch.nn.Module) -> tuple[list, list]:
             if v is not None and id(v) not in seen_p:
                 seen_p.add(id(v))
                 params.append((dot + k, v))
-        for k, v in m._buffers.items():
-            if v is not None and id(v) not in seen_b:
-                seen_b.add(id(v))
-                bufs.append((dot + k, v))
+        for k, b in m._buffers.items():
+            if b is not None and id(b) not in seen_b:
+                seen_b.add(id(b))
+                bufs.append((dot + k, b))
         if m._modules:
             stack.extend(reversed([(dot + k, c) for k, c in m._modules.items() if c is not None]))
     return params, bufs

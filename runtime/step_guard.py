@@ -40,9 +40,10 @@ def looks_like_comm_failure(e: BaseException) -> bool:
             return True  # DeviceStall: the device stuck behind a collective (NCCL's waits do not block the host)
         if isinstance(e, RuntimeError) and comm_evidence(str(e)) is not None:
             return True
-        e = e.__cause__
-        if e is None:
+        cause = e.__cause__
+        if cause is None:
             return False
+        e = cause
     return False
 
 

@@ -107,7 +107,7 @@ class ProtectedTraining:
         self._pending = ctx.formed_after_a_failure and self.protect_on
         self._wrapped = False
         self._warned_layout = False
-        self._old_live = None  # FSDP2 resized: this rank's live state in the old shard layout (reparallelize)
+        self._old_live: tuple[dict, dict] | None = None  # FSDP2 resized: this rank's live state in the old shard layout (reparallelize)
         STATE.runtime = True
         STATE.device_pending = stream_probe(ctx.device)  # a wait at a device sync is a wait, not a hang (control.py)
         gaps = bit_identity_gaps(ctx.device.type, ctx.backend, torch.are_deterministic_algorithms_enabled(), os.environ)
@@ -423,6 +423,7 @@ class ProtectedTraining:
         meta = self.capture_boundary(step)
         self._persist(self.rs.last_protected, step)
         self.rs.last_protected = step
+        assert self.protection is not None  # started above if it was not
         self.protection.protect(step, meta)
         self._report_protection(step)
 
@@ -459,6 +460,7 @@ class ProtectedTraining:
             return
         self._reported_layouts = self.ctx.gen
         size = lambda named: sum(t.numel() * t.element_size() for _, t in named)  # noqa: E731
+        assert self.protection is not None and self.d2h is not None  # right after protect(): both exist
         info = self.protection.host_bytes(size(state.optim_named(self.objs.optimizer)), size(state.param_named(self.objs.module)))
         # FSDP without a replicate dimension: each replica holds the rank's parameter shard too
         info["params_replicated"] = self.params_sharded

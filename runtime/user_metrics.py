@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from typing import IO, Any
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class UserMetrics:
     def __init__(self, run_dir: str | None, rank: int) -> None:
         self.rank = rank
         self.path = os.path.join(run_dir, "metrics", f"rank{rank}.jsonl") if run_dir else None
-        self._f = None
+        self._f: IO[str] | None = None
         self._tb: Any = None
         self._tb_tried = False
         self._tb_flushed = 0.0

@@ -118,17 +118,20 @@ class PhoenixTrainer(Trainer):
                 self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
             else:
                 self._tr_loss += tr_loss_step
-            self.current_flos += float(self.floating_point_ops(inputs))
+            # transformers starts current_flos as the int 0 and adds floats to it (its own loop does the same)
+            self.current_flos += float(self.floating_point_ops(inputs))  # type: ignore[assignment]
             self._track_num_input_tokens(inputs)
             if do_sync_step:
                 norm = self._clip_grad_norm(live) if self.args.max_grad_norm > 0 else None
                 self._phx_norm = self._get_grad_norm(live, grad_norm=norm)
                 self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+                assert self.optimizer is not None  # the training loop made it (and the scheduler)
                 self.optimizer.step()  # PHOENIX's optimizer_step() (guard_step): the replica commit, then the step
                 self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
                 self._phx_lr = self._get_learning_rate()
                 if not self.accelerator.optimizer_step_was_skipped and not isinstance(
                         self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    assert self.lr_scheduler is not None
                     self.lr_scheduler.step()
                 live.zero_grad()
                 self.state.global_step += 1
@@ -178,7 +181,7 @@ class PhoenixTrainer(Trainer):
             if hasattr(dl, "set_epoch"):
                 dl.set_epoch(epoch)
             inner = getattr(getattr(dl, "batch_sampler", None), "batch_sampler", None)
-            if hasattr(inner, "set_epoch"):
+            if inner is not None and hasattr(inner, "set_epoch"):
                 inner.set_epoch(epoch)
             self._phx_it = iter(dl)
             for _ in range(skip):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.seed import reset_seed
@@ -42,6 +42,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 import phoenix_runtime as phx
 from phoenix_runtime.errors import UsageError
 from phoenix_runtime.integrations.replay import Replay, fork_rng, guard_step, guarded, managed
+
+if TYPE_CHECKING:
+    from phoenix_runtime.training import ProtectedTraining
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ class PhoenixStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self._managed = managed()
         self._replicas = replicas
-        self.training = None  # phx.protect's ProtectedTraining, under phoenix-run once fitting
+        self.training: ProtectedTraining | None = None  # phx.protect's ProtectedTraining, under phoenix-run once fitting
         self._local = False  # a replacement rank before its first step: its collectives are its own
         self._epoch_end_ran = False
 
@@ -130,10 +133,12 @@ class PhoenixStrategy(DDPStrategy):
                     epoch_end()
                     self._epoch_end_ran = True
 
-            if self.training.rs.total is None:
+            training = self.training
+            assert training is not None  # protected (_protect) before the loops are hooked
+            if training.rs.total is None:
                 total = trainer.estimated_stepping_batches
-                self.training.rs.total = int(total) if math.isfinite(total) else None
-            if not guarded(self.training, body):
+                training.rs.total = int(total) if math.isfinite(total) else None
+            if not guarded(training, body):
                 self._epoch_end_ran = False
             self._follow()
 
@@ -159,6 +164,7 @@ class PhoenixStrategy(DDPStrategy):
     def _follow(self) -> None:
         """Lightning's references on the live DDP (a new one after a recovery); a forward redirection cut short by
         the failure leaves its patched ``forward`` on the module: dropped."""
+        assert self.training is not None  # protected (_protect) before the loops are hooked
         self.model = self.training.model
         lm = self.lightning_module
         f = lm.__dict__.get("forward")

@@ -83,13 +83,13 @@ def get_values(store: Any, keys: list[str], present: bool = False) -> dict[str, 
     return {k: get_value(store, k) for k in keys}  # few, or some absent: multi_get would wait for them
 
 
-def open_value(key: str, raw: bytes) -> str | None:
+def open_value(key: str, raw: bytes | str) -> str | None:
     """``get_value``'s check of a value the caller read itself (a ``multi_get`` that mixes sealed values with
     counters, which are not sealed): its payload, or the last genuine one accepted at ``key``."""
     return _accept(key, raw)
 
 
-def _accept(key: str, raw: bytes) -> str | None:
+def _accept(key: str, raw: bytes | str) -> str | None:
     with _lock:
         last = _accepted.get(key)
     try:
@@ -183,6 +183,7 @@ class Queue:
         ``multi_get`` and one count of them as read (then one delete each) instead of four round trips each (the
         supervisor reads the reports of every rank of the job on one thread). False: one is missing (a hole, or a
         store without ``multi_get``), read one by one."""
+        assert self.cursor is not None, "get_all sets the cursor before reading"
         n = min(reserved - self.cursor + 1, self.BATCH)
         if n < 2 or not hasattr(self.store, "multi_get"):
             return False

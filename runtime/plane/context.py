@@ -79,7 +79,8 @@ class Context:
         self.gen = env.gen
         self.epoch = env.restart_count
         self.pairs: dict = {}  # this generation's gloo pair groups (pairs.py): peer -> the group of this rank and it
-        self.mpi_pairs = None  # runtime.transport: mpi: (recovery, replication) maps peer -> MPI communicator
+        # runtime.transport: mpi: (recovery, replication) maps peer -> MPI communicator
+        self.mpi_pairs: tuple[dict[int, object], dict[int, object]] | None = None
         self._transports: list = []  # this generation's transports (aborted with its groups)
         self.mesh_groups: list = []  # this generation's DeviceMesh groups (parallelize=), aborted with the others
         self.members: protocol.Membership | None = None

@@ -83,7 +83,8 @@ def main_thread_blocked_in(frame=None, device_pending: Callable[[], bool] | None
     stalls makes its peers stop progressing too, blocked in the next collective or the next device sync: this
     tells the stalled rank (``code``) from the ranks waiting for it (``collective``, ``device``)."""
     if frame is None:
-        frame = sys._current_frames().get(threading.main_thread().ident)
+        ident = threading.main_thread().ident  # None only before the thread starts
+        frame = sys._current_frames().get(ident) if ident is not None else None
     probe = device_pending if device_pending is not None else STATE.device_pending
     pending = None
     if probe is not None:
@@ -306,8 +307,8 @@ class ControlThread:
         cursor = self.q_rank.cursor
         if cursor is None or notice.queues.get(self.slot, 0) >= cursor:
             for msg in self.q_rank.get_all():
-                for cb in list(self.on_fault):
-                    cb(msg)
+                for handle in list(self.on_fault):
+                    handle(msg)
             self._dirty = self._dirty or self.q_rank.pending
         self._relay_dirty = False
 
@@ -420,8 +421,8 @@ class ControlThread:
             for cb in list(self.on_gen_change):
                 cb(g)
         for msg in self.q_rank.get_all():
-            for cb in list(self.on_fault):
-                cb(msg)
+            for handle in list(self.on_fault):
+                handle(msg)
         self._notified = seen
         self._dirty = self.q_rank.pending
 

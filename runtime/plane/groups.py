@@ -104,5 +104,6 @@ def warm_ring(rank: int, size: int, timeout: timedelta) -> list[int]:
     out, got = torch.zeros(1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
     works = [dist.isend(out, nxt, tag=TAG_WARM), dist.irecv(got, prv, tag=TAG_WARM)]
     for w in works:
+        assert w is not None  # None only on a rank outside the group: this is the default group
         w.wait(timeout)
     return list(dict.fromkeys((nxt, prv)))

@@ -321,7 +321,7 @@ def _runs(ranks: tuple[RankSlot, ...]) -> list[list[Any]]:
     """The ranks as ``[node, first rank, first slot, count]`` runs: consecutive entries on one node whose rank and
     slot both go up by one are one run (a node's ranks, as ``populate`` and a hot-swap lay them out)."""
     runs: list[list[Any]] = []
-    last = None
+    last: list[Any] | None = None
     for r in ranks:
         if last is not None and r.node == last[0] and r.rank == last[1] + last[3] and r.slot == last[2] + last[3]:
             last[3] += 1

@@ -83,7 +83,8 @@ class KeyRecorder(dist.Store):
             self._used(key)
         if self.stop is None:
             return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
-        limit = (timeout if timeout is not None else self.inner.timeout).total_seconds()
+        # Store.timeout is a pybind property torch's stubs leave out
+        limit = (timeout if timeout is not None else self.inner.timeout).total_seconds()  # type: ignore[attr-defined]
         deadline = time.monotonic() + limit if limit > 0 else float("inf")  # 0: no timeout (c10d's kNoTimeout)
         pause = 0.0
         self._present.keys = ()

@@ -59,7 +59,8 @@ class Digest:
         if isinstance(data, torch.Tensor):
             _as_host_bytes(data)
             if data.numel():
-                self._h.update(memoryview(data.numpy()))
+                # ndarray has the buffer protocol; numpy's stubs declare it only for Python >= 3.12
+                self._h.update(memoryview(data.numpy()))  # type: ignore[arg-type]
         elif data:
             self._h.update(data)
         return self
@@ -200,6 +201,7 @@ class Packer:
                     dsts.append(dst)
                     srcs.append(t)
             if dsts:
+                assert _FOREACH_COPY is not None  # ``dsts`` fills only when it exists
                 _FOREACH_COPY(dsts, srcs)
 
     def _dst_views(self, out: torch.Tensor) -> list:

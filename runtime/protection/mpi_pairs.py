@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from typing import Any, Callable
 
 
 def mpi():
@@ -68,7 +68,7 @@ def connect_pairs(store, prefix: str, rank: int, size: int, deadline: float,
 
     port = MPI.Open_port()
     store.set(f"{prefix}/mpi_port/{rank}", port)
-    comms: dict[int, object] = {}
+    comms: dict[int, Any] = {}  # mpi4py Intracomms (mpi4py is not typed here)
     for peer in range(rank):
         their = _wait_key(store, f"{prefix}/mpi_port/{peer}", deadline, abandoned)
         # one Connect pending per port at a time, in rank order (MPICH 4.3.2 mixes concurrent connects up:

@@ -41,7 +41,7 @@ def steady_pairs(layout, k: int, rank: int | None = None) -> list[tuple[int, int
     k = max(0, min(k, layout.dp_size - 1))
     if k == 0 or layout.world_size < 2:
         return []
-    out = set()
+    out: set[tuple[int, int]] = set()
     if rank is not None:
         ring = layout.replica_ring(rank, k)
         i = ring.index(rank)
@@ -85,7 +85,7 @@ def form_pairs(pairs, rank: int, have: dict, store, timeout: timedelta, on_forme
     with N. Each formed group is handed to ``on_formed(peer, group)`` in the global order. Returns the peers
     formed. Blocks until each peer forms its side (bounded by ``timeout``); the first failure is raised once every
     attempt has ended (nothing is left connecting behind it)."""
-    todo = []
+    todo: list[tuple[int, tuple[int, int]]] = []  # (peer, the pair)
     for a, b in own_pairs(pairs, rank):
         peer = b if rank == a else a
         if peer not in have and peer not in [p for p, _ in todo]:
@@ -98,7 +98,7 @@ def form_pairs(pairs, rank: int, have: dict, store, timeout: timedelta, on_forme
         return [peer]
     with ThreadPoolExecutor(len(todo), thread_name_prefix="phoenix-pair") as pool:
         futures = [(peer, pool.submit(pair_group, store, a, b, rank, timeout)) for peer, (a, b) in todo]
-    errors = [f.exception() for _, f in futures if f.exception() is not None]
+    errors = [e for _, f in futures if (e := f.exception()) is not None]
     formed = []
     for peer, f in futures:
         if f.exception() is None:

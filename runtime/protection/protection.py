@@ -120,8 +120,9 @@ class ProtectionSession:
         if step not in self.started:
             return
         self.wait_local(step, check)
-        if self.replicator is not None:
-            wait_sliced(lambda t: self.replicator.wait_committed(step, t), self.timeout, check)
+        replicator = self.replicator  # set once, in __init__
+        if replicator is not None:
+            wait_sliced(lambda t: replicator.wait_committed(step, t), self.timeout, check)
 
     def replicas(self) -> dict:
         return self.replicator.replicas() if self.replicator is not None else {}

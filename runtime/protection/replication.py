@@ -266,8 +266,8 @@ class Replicator:
             while step not in self._global:
                 left = deadline - time.monotonic()
                 if self._broken is not None or self._stopping:
-                    why = f"replicator broken since step {self._broken.step}: {self._broken.cause}" if self._broken else "replicator stopped"
-                    raise ReplicationError(f"step {step} is not committed on every rank: {why}", step=step, cause="not committed everywhere")
+                    what = f"replicator broken since step {self._broken.step}: {self._broken.cause}" if self._broken else "replicator stopped"
+                    raise ReplicationError(f"step {step} is not committed on every rank: {what}", step=step, cause="not committed everywhere")
                 if left <= 0:
                     raise ReplicationError(f"step {step} not committed on every rank within {timeout:.3g} s", step=step, cause="timeout")
                 self._cond.wait(min(left, 0.2))

@@ -50,7 +50,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -225,8 +225,8 @@ class PingPong:
         self,
         step: int,
         meta: dict,
-        optim_index: list = (),
-        param_index: list = (),
+        optim_index: Sequence = (),
+        param_index: Sequence = (),
         optim_nbytes: Optional[int] = None,
         checksum: int = 0,
         param_checksum: Optional[int] = None,
@@ -314,7 +314,7 @@ class _Job:
     error: Optional[BaseException] = None
     packers: tuple = ()
     gate: Optional[Callable[[Optional[int]], None]] = None
-    event: object = None  # CUDA: the event ``start`` recorded on the training stream (has the device reached it?)
+    event: torch.cuda.Event | None = None  # CUDA: the event ``start`` recorded on the training stream (device reached it?)
 
 
 def _same_layout(packer: Packer, named: NamedTensors) -> bool:
@@ -510,9 +510,13 @@ class D2H:
                 self._forget_superseded()
                 self._cond.notify_all()
                 released = self._pp is not None and self._pp.released_pinned > 0
-            if released:  # the old pinned buffer is unreferenced only after its job (and the replica sent from it) let
-                self._pp.released_pinned -= 1  # go of it; torch's host allocator keeps a freed block for the run unless
-                empty_host_cache()  # its cache is emptied: here, after the two jobs that follow a layout change
+            # the old pinned buffer is unreferenced only after its job (and the replica sent from it) let go of it;
+            # torch's host allocator keeps a freed block for the run unless its cache is emptied: here, after the two
+            # jobs that follow a layout change
+            if released:
+                assert self._pp is not None  # made at the first layout, never dropped
+                self._pp.released_pinned -= 1
+                empty_host_cache()
 
     def _forget_superseded(self) -> None:
         """Finished jobs keep a snapshot only while its buffer holds it. A job's snapshot (and its packers' cached
@@ -537,6 +541,7 @@ class D2H:
             if self.cuda:
                 with torch.cuda.device(self.device):
                     stream = self._stream
+                    assert stream is not None  # made in __init__ on a CUDA device
                     stream.wait_event(event)  # the state as of start(), on the main stream
                     with torch.cuda.stream(stream):
                         for _, t in named_o + named_p:

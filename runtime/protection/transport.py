@@ -22,6 +22,7 @@ import threading
 import time
 import warnings
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -119,7 +120,7 @@ class GlooTransport(Transport):
     the training collectives.
     """
 
-    def __init__(self, group=None):
+    def __init__(self, group=None) -> None:
         import torch.distributed as dist
 
         if group is None:
@@ -254,7 +255,7 @@ class MpiTransport(Transport):
             self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
             self.rank = self.comm.Get_rank()
             self.size = self.comm.Get_size()
-        self._pending: dict[int, object] = {}  # id -> Request (mpi4py requests are unhashable)
+        self._pending: dict[int, Any] = {}  # id -> mpi4py Request (mpi4py requests are unhashable)
         self._aborted = False
         self._lock = threading.Lock()
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:

@@ -22,7 +22,7 @@ import os
 import pickle
 import time
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -102,8 +102,9 @@ def load(step_dir: str, rank: int) -> tuple[dict, dict, dict]:
 
     reader = FileSystemReader(protocol.persist_rank_dir(step_dir, rank))
     md = reader.read_metadata()
-    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
-          for k, m in md.state_dict_metadata.items()}
+    # the non-tensor entries (None here) are the objects dcp.load puts in their place
+    sd: dict[str, Any] = {k: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+                          for k, m in md.state_dict_metadata.items()}
     with _quiet_dcp():
         dcp.load(sd, storage_reader=reader, no_dist=True)
     optim = {k[len("optim/"):]: v for k, v in sd.items() if k.startswith("optim/")}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -140,13 +141,14 @@ def reshard_state(module, optimizer, key_of, held: dict[int, tuple[dict, dict]],
     if missing:
         raise RuntimeError(f"re-sharding: no rank holds old shard(s) {missing} of {old_world}")
     keys = {fqn: dict(sorted(k.items())) for m in every for fqn, k in m["keys"].items()}
-    small = {}
+    small: dict[str, dict[str, Any]] = {}  # fqn -> the optimizer state's small entries (scalars, tiny tensors)
     for m in reversed(every):
         for fqn, by_key in m["small"].items():
             small.setdefault(fqn, {}).update(by_key)
     mine = {i: held[i][0] for i in held if owner[i] == me}
     srcs = {r: sorted(i for i, o in owner.items() if o == r) for r in range(world)}
-    optim, scalars = {}, {}
+    optim: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
     for fqn, p in _plan(module):
         for key, dtype in [("param", None), *((k, d) for k, d in keys.get(fqn, {}).items() if k != "param")]:
             local = _exchange(fqn, key, p, mine, srcs, old_world, getattr(torch, dtype) if dtype else None)
