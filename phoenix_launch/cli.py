@@ -107,8 +107,7 @@ def run(
     standalone: bool = typer.Option(False, "--standalone", hidden=True, help="Accepted for torchrun compatibility."),
 ) -> None:
     """Run SCRIPT on every rank, with warm spares and hot-swap recovery."""
-    auto = resume is not None and str(resume) == "auto"  # the next job of a chain (phoenix-run sbatch): resume if there is one
-    resume = None if auto else resume
+    resume = None if (auto := resume is not None and str(resume) == "auto") else resume  # auto: the next job of a chain
     point, argv = _resume_point(resume) if resume is not None else (None, None)
     if script is None and argv is None:
         raise fail("no training script given (phoenix-run [OPTIONS] SCRIPT [ARGS]...)")
@@ -118,7 +117,7 @@ def run(
         script = argv[0]
     if not module and script is not None and not Path(script).is_file():
         raise fail(f"training script {script!r} not found")
-    flags: dict[str, dict[str, Any]] = {}
+    flags: dict[str, dict[str, Any]] = {}  # the configuration given on the command line
     try:
         if config is None and resume is not None and (resume / "config.yaml").is_file():
             config = resume / "config.yaml"  # the resumed run's own configuration
