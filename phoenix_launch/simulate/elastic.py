@@ -166,7 +166,8 @@ def load_elastic_bench(path: Path = ELASTIC_BENCH_FILE) -> dict | None:
         rows = {r["mode"]: r for r in doc["rows"]}
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return {"date": doc.get("date"), "machine": doc.get("machine"), "steps": doc.get("steps"), "rows": rows}
+    return {"date": doc.get("date"), "machine": doc.get("machine"), "steps": doc.get("steps"), "rows": rows,
+            "nodes": doc.get("nodes", 3)}  # files from before --nodes: 3 ranks
 
 
 def bench_shrink_cost(path: Path = ELASTIC_BENCH_FILE) -> Cost | None:
@@ -176,7 +177,7 @@ def bench_shrink_cost(path: Path = ELASTIC_BENCH_FILE) -> Cost | None:
     x = row.get("recovery_total_s")
     if not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
         return None
-    return Cost(float(x), f"measured (bench/elastic.py shrink row, 3 ranks, {doc.get('machine') or 'bench machine'}, "
+    return Cost(float(x), f"measured (bench/elastic.py shrink row, {doc['nodes']} ranks, {doc.get('machine') or 'bench machine'}, "
                           f"{doc.get('date') or 'date unknown'})")
 
 
@@ -188,7 +189,7 @@ def bench_grow_cost(path: Path = ELASTIC_GROW_FILE) -> Cost | None:
     xs = sorted(float(t) for p, t in row.get("recoveries") or () if p == "grow" and isinstance(t, (int, float)) and t >= 0)
     if not xs:
         return None
-    return Cost(xs[len(xs) // 2], f"measured (bench/elastic.py grow row, 3 ranks, {doc.get('machine') or 'bench machine'}, "
+    return Cost(xs[len(xs) // 2], f"measured (bench/elastic.py grow row, {doc['nodes']} ranks, {doc.get('machine') or 'bench machine'}, "
                                   f"{doc.get('date') or 'date unknown'})")
 
 
