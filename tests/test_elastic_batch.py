@@ -158,3 +158,27 @@ def test_membership_json_old_and_new_forms():
              "data": [[0, 1], [2]]}
     m = Membership.from_json(json.dumps(older))
     assert m.slices == () and m.slices_of(1) == ((2, 0, 1),) and data_world(m, 2) == 3
+
+
+def test_the_publisher_carries_the_split_over_a_hot_swap_and_a_resize_replaces_it():
+    """``GenerationPublisher.publish``: a generation without ``data`` (a hot-swap while shrunk) keeps the shrink's
+    ``data`` and ``slices``; a resize sets both (a grow back to full size: none, one whole data rank per rank)."""
+    from phoenix_launch.effects import Outbox, PublishGeneration
+    from phoenix_launch.repair.generations import Attempt, GenerationPublisher
+
+    out = Outbox()
+    pub = GenerationPublisher(out, world_size=4, nproc=1, run_id="r", max_restarts=0, domains=dict)
+    pub.first(job(4).ranks)
+    att, groups = Attempt(0, "h", 1), {f"n{i}": i for i in range(4)} | {"s": 2}
+    ranks, data, prev, slices = shrunk_ranks(pub.members, {"n2"}, keep_batch=True)
+    pub.world_size = 3
+    shrunk = pub.publish(ranks, "shrink", att, groups, data=data, prev=prev, slices=slices)
+    assert shrunk.slices == slices and shrunk.data == data and slices
+    pub.recovered()  # every rank reached it: the joiners of the next are counted from it
+    swapped = pub.publish([RankSlot(0, "n0", 0), RankSlot(1, "s", 0), RankSlot(2, "n3", 0)], "hot-swap", att, groups)
+    assert (swapped.data, swapped.slices, swapped.joiners) == (data, slices, (1,))
+    pub.world_size = 4
+    full = pub.publish(job(4).ranks, "grow", att, groups, data=(), prev=(0, 1, -1, 2))
+    assert (full.data, full.slices) == ((), ()) and data_slices(full, 2, 4, 8) == (DataSlice(2, 0, 8, 1.0, True),)
+    published = [e.members for e in out.effects if isinstance(e, PublishGeneration)]
+    assert [Membership.from_json(m.to_json()) for m in published] == [shrunk, swapped, full]
