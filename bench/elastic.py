@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "train_gpt.py"
 DETECT = {"heartbeat_s": 0.25, "hang_timeout_s": 20.0, "node_timeout_s": 4.0, "collective_timeout_s": 25.0,
           "settle_s": 0.3, "recovery_timeout_s": 60.0, "spare_wait_s": 300.0}
-BATCH = 8  # train_gpt.py's --batch: the samples of a micro-batch
+BATCH = 12  # train_gpt.py's --batch: the samples of a micro-batch (a multiple of 3: DP 4 -> 3 cuts it in equal thirds)
 LOST_AT = 10
 MODES = {
     "none": ({}, (), 0, ()),
