@@ -7,7 +7,7 @@ ranks the supervisor publishes two assignments of every data rank (``protocol.Me
 - ``data_ranks``: whole data ranks (``training.data_ranks()``); the busiest survivor runs ceil(DP / W) micro-batches;
 - ``slices``, the even split (``training.data_slices(B)``): each rank its own data rank whole and one contiguous
   part of each lost data rank's micro-batch (``protocol.slice_bounds``), so every rank runs DP / W of its own
-  share, within a sample or two.
+  share, within one sample.
 
 Either way every sample of the step is processed exactly once. A slice of ``n`` samples whose loss is the mean
 over them is weighted by ``W n / (DP B)``: DDP's mean over the ``W`` ranks of the weighted sums is then the mean

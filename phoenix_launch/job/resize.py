@@ -32,7 +32,8 @@ def even_slices(own: list[tuple[int, ...]], shared: list[int]) -> Slices:
     """Pure: the even split (``protocol.Membership.slices``): rank ``i`` processes its ``own[i]`` data ranks whole
     and one part of each ``shared`` data rank's micro-batch, cut into one part per rank: part ``k`` of the ``j``-th
     shared data rank goes to rank ``(k + j) mod S`` (turned, so that the parts one sample larger than others fall
-    on different ranks). Every sample once; every rank's work within a sample or two of its own plus L/S. Empty
+    on different ranks: a rank's parts are L cyclically consecutive ones, whose sizes sum to within one sample of
+    L B / S). Every sample once; every rank's work within one sample of DP B / S when each owns one. Empty
     when nothing is shared (``data`` alone says it)."""
     if not shared:
         return ()
