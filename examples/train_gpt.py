@@ -65,7 +65,10 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulates a bigger model)")
     p.add_argument("--sample-sleep", type=float, default=0.0,
-                   help="extra seconds per micro-batch (a shrunk rank with two data ranks takes twice: bench/elastic.py)")
+                   help="extra seconds per micro-batch, pro rata for a part of one (a model's compute: bench/elastic.py)")
+    p.add_argument("--data-split", choices=["even", "whole"], default="even",
+                   help="after a shrink keeping the batch: even: training.data_slices (every survivor a part of each "
+                        "lost micro-batch); whole: training.data_ranks (whole data ranks, the form before)")
     p.add_argument("--step-sleep-while", default=None, metavar="PATH",
                    help="--step-sleep only while PATH exists (tests: the job outlives what a test does to it, then ends at full speed)")
     p.add_argument("--log-every", type=int, default=10)
@@ -80,18 +83,23 @@ def parse_args(argv=None):
                    help="--reset-rank raises 'Connection reset by peer' outside the step guard and exits, once per job (tests)")
     p.add_argument("--reset-rank", type=int, default=-1)
     p.add_argument("--data-log", default=None, metavar="PATH",
-                   help="every rank appends 'step gen rank data_rank loss' per data rank of each completed step (tests: "
-                        "after a shrink every sample is seen once)")
+                   help="every rank appends 'step gen rank data_rank start stop loss' per micro-batch (or part: samples "
+                        "[start, stop) of the data rank's) of each completed step (tests: after a shrink every sample once)")
     p.add_argument("--params-file", default=None, help="rank 0 saves the final parameters here (torch.save)")
     return p.parse_args(argv)
 
 
-def data_shares(trainer, rank: int) -> tuple[tuple[int, ...], float]:
-    """The logical data ranks this rank processes in this step and each micro-batch's loss factor: its own rank
-    and 1.0, unless PHOENIX shrank the job (``launch.on_no_spare: shrink``; older runtimes: always)."""
+def data_shares(trainer, rank: int, batch_size: int, split: str = "even") -> list[tuple[int, int, int, float, bool]]:
+    """This rank's share of the step: (logical data rank, start, stop, loss factor, last) per micro-batch or part
+    of one (samples [start, stop) of that data rank's micro-batch). Its own rank, whole, factor 1.0, unless PHOENIX
+    shrank the job keeping the batch: ``even``: ``training.data_slices`` (a part of each lost micro-batch);
+    ``whole``, or an older runtime: ``training.data_ranks`` (whole lost micro-batches on some survivors)."""
+    if split == "even" and hasattr(trainer, "data_slices"):
+        return [(s.data_rank, s.start, s.stop, s.scale, s.last) for s in trainer.data_slices(batch_size)]
     if not hasattr(trainer, "data_ranks"):
-        return (rank,), 1.0
-    return trainer.data_ranks(), trainer.loss_scale()
+        return [(rank, 0, batch_size, 1.0, True)]
+    ranks, scale = trainer.data_ranks(), trainer.loss_scale()
+    return [(d, 0, batch_size, scale, i == len(ranks) - 1) for i, d in enumerate(ranks)]
 
 
 def accumulate(trainer, last: bool):
@@ -376,18 +384,18 @@ def main(argv=None):
         with trainer.step():
             if step == a.stall_at_step and rank == a.stall_rank and _once("stall"):
                 stall_forever(step)
-            shares, scale = data_shares(trainer, rank)
             seen = []
-            for i, d in enumerate(shares):  # one micro-batch per logical data rank, one all-reduce (the last)
-                with accumulate(trainer, i == len(shares) - 1):
+            # one micro-batch (or part of one) per share, one all-reduce a step (the last)
+            for d, lo, hi, scale, last in data_shares(trainer, rank, a.batch, a.data_split):
+                with accumulate(trainer, last):
                     x, y = batch(a, step, d, ctx.device, sampler)
-                    loss = trainer.model(x, y)
+                    loss = trainer.model(x[lo:hi], y[lo:hi])
                     if step == a.bug_at_step:
                         raise ValueError(f"loss went NaN at step {step} (injected bug)")
                     (loss * scale if scale != 1.0 else loss).backward()
                     if a.sample_sleep:
-                        time.sleep(a.sample_sleep)
-                    seen.append((d, loss.item() if a.data_log else 0.0))
+                        time.sleep(a.sample_sleep * (hi - lo) / a.batch)
+                    seen.append((d, lo, hi, loss.item() if a.data_log else 0.0))
             if a.step_sleep and (a.step_sleep_while is None or os.path.exists(a.step_sleep_while)):
                 time.sleep(a.step_sleep)
             trainer.optimizer_step()
@@ -403,7 +411,7 @@ def main(argv=None):
         completed = trainer.step_idx == step + 1  # not interrupted by a recovery (which may come before the loss)
         if a.data_log and completed:
             with open(a.data_log, "a") as f:  # one write per step (O_APPEND: the ranks' lines do not interleave)
-                f.write("".join(f"{step} {ctx.gen} {dist.get_rank()} {d} {v!r}\n" for d, v in seen))
+                f.write("".join(f"{step} {ctx.gen} {dist.get_rank()} {d} {lo} {hi} {v!r}\n" for d, lo, hi, v in seen))
         if completed and (step % a.log_every == 0 or step == a.steps - 1):
             trainer.log(step, loss=loss)  # RUN_DIR/metrics, the report, Prometheus, TensorBoard (where installed)
             if rank == 0:

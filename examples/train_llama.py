@@ -68,7 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--step-log", default=None, help="rank 0 appends 'step <n> <unix time>' after each step (benchmarks)")
     p.add_argument("--times-file", default=None, help="rank 0 writes per-step times and PHOENIX stats as JSON (benchmarks)")
     p.add_argument("--data-log", default=None, metavar="PATH",
-                   help="each rank appends 'step generation rank data_rank loss' per micro-batch of each completed step")
+                   help="each rank appends 'step generation rank data_rank start stop loss' per micro-batch (or part: samples "
+                        "[start, stop) of the data rank's) of each completed step")
     p.add_argument("--params-file", default=None, help="rank 0 saves the final full parameters here (torch.save)")
     return p.parse_args(argv)
 
@@ -382,17 +383,19 @@ def main(argv=None):
             if a.pp:
                 loss = pipeline_step(training, *batch(a, step, rank, dp_rank))
             else:
-                # one micro-batch per logical data rank: more than one after PHOENIX shrank the job (DDP, FSDP2)
-                shares, scale = ((dp_rank,), 1.0) if a.tp or a.hsdp else (training.data_ranks(), training.loss_scale())
-                for i, d in enumerate(shares):
-                    with training.accumulating(i == len(shares) - 1):
-                        loss = training.model(*batch(a, step, rank, d))
+                # its data rank's micro-batch, and after PHOENIX shrank the job keeping the batch (DDP, FSDP2) a part
+                # of each lost one's (training.data_slices: the even split)
+                shares = [(dp_rank, 0, a.batch, 1.0, True)] if a.tp or a.hsdp else training.data_slices(a.batch)
+                for d, lo, hi, scale, last in shares:
+                    with training.accumulating(last):
+                        x, y = batch(a, step, rank, d)
+                        loss = training.model(x[lo:hi], y[lo:hi])
                         (loss * scale if scale != 1.0 else loss).backward()
-                        seen.append((d, loss.item() if a.data_log else 0.0))
+                        seen.append((d, lo, hi, loss.item() if a.data_log else 0.0))
             training.optimizer_step()
         if a.data_log and training.step_idx == step + 1:  # completed (not interrupted by a recovery)
             with open(a.data_log, "a") as f:  # one write per step (O_APPEND: the ranks' lines do not interleave)
-                f.write("".join(f"{step} {ctx.gen} {dist.get_rank()} {d} {v!r}\n" for d, v in seen))
+                f.write("".join(f"{step} {ctx.gen} {dist.get_rank()} {d} {lo} {hi} {v!r}\n" for d, lo, hi, v in seen))
         if a.step_sleep and (a.step_sleep_while is None or os.path.exists(a.step_sleep_while)):
             time.sleep(a.step_sleep)
         if rank == ((a.pp - 1) * max(a.tp, 1) if a.pp else 0) and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):

@@ -60,9 +60,9 @@ class Pace:
             self._cur += time.perf_counter() - self._t0
         self._t0 = self._ev0 = None
 
-    def stepped(self, share: int = 1) -> float | None:
-        """A step completed: its time, per ``share`` (the logical data ranks it processed: more than one after a
-        shrink, each a micro-batch), enters the window. Returns the window's median (None: nothing timed yet)."""
+    def stepped(self, share: float = 1.0) -> float | None:
+        """A step completed: its time, per ``share`` (the micro-batches' worth it processed: more than one after a
+        shrink keeping the batch, ``training.work_share``), enters the window. Returns the window's median (None: nothing timed yet)."""
         if self._pending:  # the forwards whose kernels have finished (the rest are read at a later step)
             done = [p for p in self._pending if p[1].query()]
             self._pending = [p for p in self._pending if p not in done]
@@ -70,7 +70,7 @@ class Pace:
         if self._cur > 0 and self._skip:
             self._skip -= 1
         elif self._cur > 0:
-            self._times.append(self._cur / max(1, share))
+            self._times.append(self._cur / (share if share > 0 else 1.0))
         self._cur = 0.0
         return statistics.median(self._times) if len(self._times) >= MIN_STEPS else None
 

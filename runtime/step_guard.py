@@ -92,7 +92,7 @@ class StepGuard:
             ops.recover(e)
             return
         rs.step = step + 1
-        STATE.own_s = ops.pace.stepped(len(ops.data_ranks()))  # per micro-batch: a shrunk rank's extra share is no slowness
+        STATE.own_s = ops.pace.stepped(ops.work_share())  # per micro-batch: a shrunk rank's extra share is no slowness
         STATE.stepped(rs.step)
         self._progress()
 

@@ -9,6 +9,7 @@ Fault injection is a plug-in (``faults.FaultInjector``) called at named points.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from phoenix_runtime.recover import persist, resize
 from phoenix_runtime.plane import protocol
-from phoenix_runtime import state, zero
+from phoenix_runtime import elastic_batch, state, zero
 from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.control import STATE, control
 from phoenix_runtime.device_steps import DeviceSteps, bit_identity_gaps, cuda_event_factory, stream_probe
@@ -108,6 +109,7 @@ class ProtectedTraining:
         self._wrapped = False
         self._warned_layout = False
         self._old_live: tuple[dict, dict] | None = None  # FSDP2 resized: this rank's live state in the old shard layout (reparallelize)
+        self._work: float | None = None  # data_slices' work this step (work_share)
         STATE.runtime = True
         STATE.device_pending = stream_probe(ctx.device)  # a wait at a device sync is a wait, not a hang (control.py)
         gaps = bit_identity_gaps(ctx.device.type, ctx.backend, torch.are_deterministic_algorithms_enabled(), os.environ)
@@ -122,29 +124,30 @@ class ProtectedTraining:
     def optimizer(self):
         return self.objs.optimizer
 
+    def data_slices(self, batch: int) -> tuple[elastic_batch.DataSlice, ...]:
+        """This rank's share of the step, micro-batches of ``batch`` samples: its data rank's (scale exactly 1.0), and
+        after a shrink keeping the batch a part of each lost one's (the even split). Per slice: ``sl.of(*its micro
+        batch)`` under ``accumulating(sl.last)``, the loss times ``sl.scale`` (module ``elastic_batch``)."""
+        out = elastic_batch.data_slices(self.ctx.members, self.ctx.rank, self.ctx.world_size, batch)
+        self._work = elastic_batch.work(out, batch)  # the pace's unit this step (step_guard)
+        return out
+
     def data_ranks(self) -> tuple[int, ...]:
-        """The logical data ranks this rank processes in this step: its own, and after a shrink that keeps the
-        global batch (``launch.elastic_batch: keep``) a lost rank's too. The loop draws one micro-batch per data
-        rank, each under ``accumulating`` and its loss times ``loss_scale()``, so that the gradient is the mean
-        over every logical data rank, as in the job's original size."""
+        """The data ranks this rank processes whole, one micro-batch each, loss x ``loss_scale()`` (slower than slices)."""
         m = self.ctx.members
         return m.data_ranks(self.ctx.rank) if m is not None else (self.ctx.rank,)
 
-    def data_world(self) -> int:
-        """How many logical data ranks the job processes in a step (the original DP size unless the batch shrank)."""
-        m = self.ctx.members
-        return sum(len(m.data_ranks(r)) for r in range(self.ctx.world_size)) if m is not None else self.ctx.world_size
+    def data_world(self) -> int:  # the logical data ranks of a step: the original DP size unless the batch shrank
+        return elastic_batch.data_world(self.ctx.members, self.ctx.world_size)
 
-    def loss_scale(self) -> float:
-        """The factor of each micro-batch's loss: DDP averages over the ranks, the gradient must average over the
-        data ranks. Exactly 1.0 when every rank has one data rank (the run stays bit-identical)."""
+    def loss_scale(self) -> float:  # data_ranks()' loss factor: exactly 1.0 when every rank has one (bit-identical)
         return self.ctx.world_size / self.data_world()
 
-    def accumulating(self, last: bool):
-        """The context of one micro-batch's forward and backward: DDP's ``no_sync`` but for the ``last`` (one
-        all-reduce a step on every rank, whatever its number of data ranks); FSDP2: ``resize.micro_batch``."""
-        import contextlib
+    def work_share(self) -> float:  # Pace's unit: the micro-batches' worth of this step (data_slices or data_ranks)
+        return self._work if self._work is not None else float(len(self.data_ranks()))
 
+    def accumulating(self, last: bool):
+        """One micro-batch's context: DDP's ``no_sync`` but for the ``last`` (one all-reduce a step); FSDP2: ``micro_batch``."""
         if self.kind == "fsdp" and self.data_world() > self.ctx.world_size:  # FSDP2: see resize.micro_batch
             return resize.micro_batch(self.objs.module, last)
         if last:
@@ -256,12 +259,10 @@ class ProtectedTraining:
         self.device_steps.freeze()
         self.ctx.abort_groups()
 
-    def shard_named(self, buffers: dict | None) -> list:
-        """The region replicated to k peers (see ``state.shard_named``)."""
+    def shard_named(self, buffers: dict | None) -> list:  # the region replicated to k peers (state.shard_named)
         return state.shard_named(self.objs.optimizer, self.replicated, buffers, self.objs.module if self.params_sharded else None)
 
-    def local_named(self, buffers: dict | None = None) -> list:
-        """The region kept locally (what a DP peer sends a joiner)."""
+    def local_named(self, buffers: dict | None = None) -> list:  # the region kept locally (a DP peer sends a joiner)
         return state.local_named(self.objs.module, self.objs.optimizer, self.replicated, buffers, params=not self.params_sharded)
 
     def reparallelize(self, gen: int) -> None:

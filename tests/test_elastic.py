@@ -2,16 +2,18 @@
 
 Real processes, real gloo, a real SIGKILL of a node: 3 nodes x 1 rank, no spare, node1 lost at step 10. The
 survivors form a generation without it (ranks renumbered, processes kept) and go on in memory at DP=2; with
-``--elastic-batch keep`` (the default) the global batch stays the same: the lost rank's logical data rank is
-processed by a survivor as a second micro-batch (gradient accumulation, the loss scaled by world/data ranks).
+``--elastic-batch keep`` (the default) the global batch stays the same: the lost rank's logical data rank's
+micro-batch is cut in two halves, one processed by each survivor as a second micro-batch (the even split,
+``training.data_slices``: gradient accumulation, each part's loss weighted by world x its samples / all samples).
 With ``launch.replenish`` the replenisher asks for node1's replacement; it joins as a hot-swap joiner at a step
 boundary and DP returns to 3 (the steps are slowed by a file that is removed once the grow completed, so the
 job outlives it at any machine speed).
 
 What is compared with the failure-free run (same arguments, no fault):
-- the data log (``--data-log``: step, generation, rank, logical data rank, loss per micro-batch of each completed
-  step; a step replayed after the rollback counts in its last generation): every (step, data rank) seen exactly
-  once; ``--elastic-batch shrink``: only the lost rank's data ranks of the shrunk steps are missing;
+- the data log (``--data-log``: step, generation, rank, logical data rank, its samples [start, stop), loss per
+  micro-batch or part of one of each completed step; a step replayed after the rollback counts in its last
+  generation): every (step, sample) seen exactly once; ``--elastic-batch shrink``: only the lost rank's data ranks
+  of the shrunk steps are missing;
 - the losses of the steps before the shrink: bit-identical (nothing changed yet);
 - the final loss (the mean over the data ranks of the last step): relative difference <= 1e-5, and the final
   parameters: absolute difference <= 2e-4 = 0.2 x lr.
@@ -19,7 +21,7 @@ What is compared with the failure-free run (same arguments, no fault):
 Why not bit-identical, and why these bounds: after the shrink the gradient of a step is summed in another order
 (rank 0 accumulates data ranks 0 and 1 locally, then the all-reduce sums two terms instead of three, and the
 mean is taken as (g * 2/3) / 2 instead of g / 3), so each gradient element differs from the failure-free one by
-float32 rounding, a few ulps (~1e-7 relative). The loss is a smooth function of the parameters: it moves by that
+float32 rounding, a few ulps (~1e-7 relative; the even split adds the halves' weighted sum, the same order). The loss is a smooth function of the parameters: it moves by that
 relative order (measured: 6e-8 after 10 shrunk steps). Adam's update m / (sqrt(v) + eps) is invariant to the
 gradient's scale, so a rounding change is not damped for elements whose gradient is itself near rounding noise:
 their update may differ by up to lr per step in the worst case; measured 1.2e-5 = 0.012 x lr after 10 shrunk
@@ -68,20 +70,21 @@ LR = 1e-3
 PARAM_ATOL = 0.2 * LR
 LOSS_RTOL = 1e-5
 # no dropout: the lost rank's dropout stream is gone with it; the data from (seed, step, logical data rank)
-TRAIN = ("--steps", str(STEPS), "--dropout", "0", "--data", "step", "--lr", str(LR))
+TRAIN = ("--steps", str(STEPS), "--dropout", "0", "--data", "step", "--lr", str(LR), "--batch", "8")
+BATCH = {"fsdp": 4}  # samples per micro-batch (the --batch of script(opt)); the GPT's: 8
 
 
 def script(opt: str) -> list[str]:
     """The training script and its flags: the GPT (DDP, ``--optimizer zero|adamw``) or, for ``fsdp``, the Llama
     under FSDP2 over every rank (``{"shard": 3}``; its data from (seed, step, logical data rank) too)."""
     if opt == "fsdp":
-        return [LLAMA, "--steps", str(STEPS), "--lr", str(LR), "--fsdp"]
+        return [LLAMA, "--steps", str(STEPS), "--lr", str(LR), "--fsdp", "--batch", str(BATCH["fsdp"])]
     return [GPT, *TRAIN, "--optimizer", opt]
 
 
 class Run:
-    def __init__(self, d: Path, result, wall_s: float):
-        self.dir, self.result, self.wall_s = d, result, wall_s
+    def __init__(self, d: Path, result, wall_s: float, batch: int = 8):
+        self.dir, self.result, self.wall_s, self.batch = d, result, wall_s, batch
         self.run_dir = d / "run"
         self.evs = events(self.run_dir) if (self.run_dir / "events.jsonl").exists() else []
         self.leftover = [q.pid for q in job_processes(self.run_dir)]
@@ -91,37 +94,41 @@ class Run:
     def explain(self) -> str:
         return f"exit {self.result.returncode}; stderr:\n{self.result.stderr[-2500:]}\nlogs:\n{rank_log_tail(self.run_dir)}"
 
-    def samples(self) -> dict[int, list[int]]:
-        """step -> the logical data ranks processed in its last execution (a step replayed after a rollback
-        counts in the generation that completed it last)."""
+    def _last_execution(self) -> dict[tuple[int, int], list[tuple[int, int, int, float]]]:
+        """(step, data rank) -> its parts (start, stop, rank, loss) sorted, of the step's last execution (a step
+        replayed after a rollback counts in the generation that completed it last)."""
         rows = [ln.split() for ln in (self.dir / "data.log").read_text().splitlines()]
-        last = {}
-        for step, gen, _rank, _d, _loss in rows:
+        last: dict[int, int] = {}
+        for step, gen, *_ in rows:
             last[int(step)] = max(last.get(int(step), -1), int(gen))
-        out: dict[int, list[int]] = {}
-        for step, gen, _rank, d, _loss in rows:
+        out: dict[tuple[int, int], list] = {}
+        for step, gen, rank, d, lo, hi, loss in rows:
             if int(gen) == last[int(step)]:
-                out.setdefault(int(step), []).append(int(d))
+                out.setdefault((int(step), int(d)), []).append((int(lo), int(hi), int(rank), float(loss)))
+        return {k: sorted(v) for k, v in sorted(out.items())}
+
+    def samples(self) -> dict[int, list[int]]:
+        """step -> the logical data ranks processed in its last execution, each listed once when its parts cover its
+        micro-batch's samples exactly once (one with a sample missing or seen twice is listed as ``-1 - d``, so that
+        a comparison with whole data ranks fails)."""
+        out: dict[int, list[int]] = {}
+        for (step, d), parts in self._last_execution().items():
+            ends = [0] + [hi for _, hi, _, _ in parts]
+            tiled = all(lo == ends[i] for i, (lo, _, _, _) in enumerate(parts)) and ends[-1] == self.batch
+            out.setdefault(step, []).append(d if tiled else -1 - d)
         return {s: sorted(v) for s, v in sorted(out.items())}
 
-    def _of_last_execution(self, column: int, kind) -> dict[tuple[int, int], object]:
-        """(step, data rank) -> ``kind`` of the data log's ``column`` (step, gen, rank, data rank, loss), in the
-        step's last execution."""
-        samples = self.samples()
-        out = {}
-        for row in (ln.split() for ln in (self.dir / "data.log").read_text().splitlines()):
-            step, d = int(row[0]), int(row[3])
-            if d in samples[step]:
-                out[(step, d)] = kind(row[column])
-        return dict(sorted(out.items()))
-
     def losses(self) -> dict[tuple[int, int], float]:
-        """(step, data rank) -> the micro-batch's loss, of the step's last execution."""
-        return self._of_last_execution(4, float)
+        """(step, data rank) -> the micro-batch's loss, of the step's last execution (cut in parts: their mean
+        weighted by their samples, the whole's loss up to rounding)."""
+        out = {}
+        for k, parts in self._last_execution().items():
+            out[k] = parts[0][3] if len(parts) == 1 else sum((hi - lo) * v for lo, hi, _, v in parts) / self.batch
+        return out
 
-    def ranks(self) -> dict[tuple[int, int], int]:
-        """(step, data rank) -> the rank that processed it in the step's last execution."""
-        return self._of_last_execution(2, int)
+    def ranks(self) -> dict[tuple[int, int], tuple[tuple[int, int, int], ...]]:
+        """(step, data rank) -> the (rank, start, stop) that processed its parts, in the step's last execution."""
+        return {k: tuple((r, lo, hi) for lo, hi, r, _ in parts) for k, parts in self._last_execution().items()}
 
     def params(self) -> dict[str, torch.Tensor]:
         return torch.load(self.dir / "params.pt")
@@ -141,7 +148,7 @@ def run(d: Path, opt: str, faults=(), launch: dict | None = None, flags=(), hold
             "--params-file", str(d / "params.pt"), *slow]
     t0 = time.monotonic()
     if hold_until is None:
-        return Run(d, run_phoenix(args, d, timeout=400), time.monotonic() - t0)
+        return Run(d, run_phoenix(args, d, timeout=400), time.monotonic() - t0, BATCH.get(opt, 8))
     hold.touch()
     proc = start_phoenix(args, d)
     try:
@@ -150,7 +157,7 @@ def run(d: Path, opt: str, faults=(), launch: dict | None = None, flags=(), hold
     finally:
         hold.unlink()
         out, err = proc.communicate(timeout=400)
-    return Run(d, subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0)
+    return Run(d, subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0, BATCH.get(opt, 8))
 
 
 @pytest.fixture(scope="session")
@@ -217,19 +224,23 @@ def test_a_node_lost_without_a_spare_shrinks_keeps_the_batch_and_grows_back(tmp_
     """3 nodes x 1 rank, no spare, ``launch.replenish``, node1 lost at step 10: the job goes on at DP=2 within
     seconds, in memory, with the same global batch; the replenisher asks for node1's replacement, which joins at a
     step boundary as a hot-swap joiner (DP back to 3, one data rank per rank again); exit 0. Every sample of the
-    failure-free run is seen exactly once and the result equals the failure-free run's within the stated tolerance."""
+    failure-free run is seen exactly once and the result equals the failure-free run's within the stated tolerance.
+    While shrunk the lost data rank's micro-batch is cut in halves, one per survivor (the even split)."""
     job = run(tmp_path / "shrink", opt, [lost_node()], launch={"replenish": True}, hold_until=grown)
     assert_shrunk(job, grew=True)
     at = shrunk_at(job)
-    assert of_type(job.evs, "shrink")[0]["data"] == [[0, 1], [2]]
+    ev = of_type(job.evs, "shrink")[0]
+    assert ev["data"] == [[0, 1], [2]] and ev["slices"] == [[[0, 0, 1], [1, 0, 2]], [[2, 0, 1], [1, 1, 2]]], ev
     grow = of_type(job.evs, "grow")
     assert len(grow) == 1 and (grow[0]["dp_from"], grow[0]["dp_to"], grow[0]["joiners"], grow[0]["data"]) == (2, 3, [1], []), grow
     back = [e for e in of_type(job.evs, "recovery") if e["path"] == "grow"][0]["resume_step"]
     samples = job.samples()
     assert samples == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
     ranks = job.ranks()  # after the grow each rank processes its own data rank again (the joiner: rank 1)
-    assert all(ranks[(s, d)] == d for s in range(back, STEPS) for d in range(NODES)), "data ranks not back to one per rank"
-    assert all(ranks[(s, 1)] == 0 for s in range(at, back)), "the lost data rank not taken by rank 0 while shrunk"
+    b = BATCH.get(opt, 8)
+    assert all(ranks[(s, d)] == ((d, 0, b),) for s in range(back, STEPS) for d in range(NODES)), "not one data rank per rank"
+    half = ((0, 0, b // 2), (1, b // 2, b))  # the even split: the lost data rank's first half on rank 0, the rest on 1
+    assert all(ranks[(s, 1)] == half and ranks[(s, 0)] == ((0, 0, b),) for s in range(at, back)), ranks
     assert_close_to(job, failure_free(opt), at)
     tl = build_timeline(sorted(job.evs, key=lambda e: e["t"]))  # the report's DP over time, from this job's events
     assert [n for _, n in tl.dp_over_time()] == [3, 2, 3, 3] and tl.dp_full == 3, tl.resizes
@@ -247,7 +258,7 @@ def test_elastic_batch_shrink_drops_only_the_lost_replicas_share(tmp_path, failu
     job = run(tmp_path / "drop", opt, [lost_node()], flags=("--elastic-batch", "shrink"))
     assert_shrunk(job)
     at = shrunk_at(job)
-    assert of_type(job.evs, "shrink")[0]["data"] == [[0], [2]]
+    assert of_type(job.evs, "shrink")[0]["data"] == [[0], [2]] and of_type(job.evs, "shrink")[0]["slices"] == []
     want = {s: ([0, 1, 2] if s < at else [0, 2]) for s in range(STEPS)}
     assert job.samples() == want
     p, q = job.params(), failure_free(opt).params()
@@ -265,6 +276,7 @@ def test_a_second_failure_while_shrunk_shrinks_again_and_below_min_dp_the_ladder
     assert job.result.returncode == 0, job.explain()
     ev = of_type(job.evs, "shrink")
     assert [(e["dp_from"], e["dp_to"], e["data"]) for e in ev] == [(3, 2, [[0, 1], [2]]), (2, 1, [[0, 1, 2]])], ev
+    assert ev[1]["slices"] == [[[0, 0, 1], [1, 0, 1], [2, 0, 1]]], ev  # one survivor: the others' data ranks whole
     assert job.samples() == {s: list(range(NODES)) for s in range(STEPS)}, "a sample lost or seen twice"
     assert_close_to(job, failure_free(opt), shrunk_at(job))
     floor = run(tmp_path / "floor", opt, [lost_node(), second], launch={"min_dp": 2})

@@ -892,22 +892,22 @@ def test_shrink_and_grow_memberships_renumber_densely_and_move_the_data_ranks():
     from phoenix_runtime.plane.protocol import Membership, RankSlot
 
     full = Membership(0, 4, tuple(RankSlot(r, f"n{r // 2}", r % 2) for r in range(4)))  # 2 nodes x 2
-    ranks, data, prev = shrunk_ranks(full, {"n0"}, keep_batch=True)
+    ranks, data, prev, _ = shrunk_ranks(full, {"n0"}, keep_batch=True)
     assert [(r.rank, r.node, r.slot) for r in ranks] == [(0, "n1", 0), (1, "n1", 1)] and prev == (2, 3)
     assert data == ((0, 2), (1, 3))
     assert shrunk_ranks(full, {"n0"}, keep_batch=False)[1] == ((2,), (3,))
     three = Membership(0, 3, tuple(RankSlot(r, f"n{r}", 0) for r in range(3)))
-    ranks, data, prev = shrunk_ranks(three, {"n1"}, keep_batch=True)
+    ranks, data, prev, _ = shrunk_ranks(three, {"n1"}, keep_batch=True)
     assert data == ((0, 1), (2,)) and prev == (0, 2)
     shrunk = Membership(1, 2, tuple(ranks), data=data, prev=prev, prev_world=3)
     assert [shrunk.data_ranks(r) for r in range(2)] == [(0, 1), (2,)] and three.data_ranks(2) == (2,)
     original = {("n0", 0): 0, ("s1", 0): 1, ("n2", 0): 2}
-    ranks, data, prev = grown_ranks(shrunk, [RankSlot(-1, "s1", 0)], original, 3)
+    ranks, data, prev, _ = grown_ranks(shrunk, [RankSlot(-1, "s1", 0)], original, 3)
     assert [(r.rank, r.node) for r in ranks] == [(0, "n0"), (1, "s1"), (2, "n2")] and prev == (0, -1, 1) and data == ()
     # a partial grow (one of two lost nodes back): the still missing data rank stays with a rank (keep)
-    ranks, data, prev = shrunk_ranks(full, {"n1"}, keep_batch=True)
+    ranks, data, prev, _ = shrunk_ranks(full, {"n1"}, keep_batch=True)
     part = Membership(1, 2, tuple(ranks), data=data, prev=prev)
-    ranks, data, prev = grown_ranks(part, [RankSlot(-1, "s", 0)], {("n0", 0): 0, ("n0", 1): 1, ("s", 0): 2}, 4)
+    ranks, data, prev, _ = grown_ranks(part, [RankSlot(-1, "s", 0)], {("n0", 0): 0, ("n0", 1): 1, ("s", 0): 2}, 4)
     assert prev == (0, 1, -1) and sorted(x for d in data for x in d) == [0, 1, 2, 3] and data[2] == (2,)
     # the membership's fields survive the store's JSON
     assert Membership.from_json(shrunk.to_json()) == shrunk

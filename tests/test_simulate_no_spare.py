@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from phoenix_launch.simulate import Dist, resolve_inputs
 from phoenix_launch.simulate.command import simulate as simulate_cmd
-from phoenix_launch.simulate.elastic import (ELASTIC_BENCH_FILE, ELASTIC_GROW_FILE, Cost, NoSpare, balanced_speed,
-                                             bench_grow_cost, bench_shrink_cost, best_policy, breakeven_delay,
-                                             event_costs, keep_batch_speed)
+from phoenix_launch.simulate.elastic import (ELASTIC_BENCH_FILE, ELASTIC_GROW_FILE, Cost, NoSpare, bench_grow_cost,
+                                             bench_shrink_cost, best_policy, breakeven_delay, event_costs,
+                                             keep_batch_speed, whole_ranks_speed)
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -24,24 +24,27 @@ def _ns(dp=3, lost=1, min_dp=1, shrink=0.25, grow=30.0, join=30.0, restart=1000.
                    shrink=Cost(shrink, "t"), grow=Cost(grow, "t"), join=Cost(join, "t"), restart=Cost(restart, "t"))
 
 
-def test_keep_batch_speed_is_set_by_the_busiest_survivor():
-    # whole logical data ranks: one survivor takes a second micro-batch as soon as one replica is lost
-    assert keep_batch_speed(3, 1) == 0.5 and keep_batch_speed(4096, 8) == 0.5
-    assert keep_batch_speed(4, 3) == 0.25 and keep_batch_speed(2, 1) == 0.5
-    assert balanced_speed(4096, 8) == pytest.approx(4088 / 4096)
-    with pytest.raises(Exception, match="cannot shrink"):
-        keep_batch_speed(2, 2)
+def test_keep_batch_speed_is_the_even_split_and_whole_data_ranks_the_busiest_survivor():
+    # the even split (training.data_slices): every survivor DP / (DP-L) of its share
+    assert keep_batch_speed(3, 1) == pytest.approx(2 / 3) and keep_batch_speed(4096, 8) == pytest.approx(4088 / 4096)
+    assert keep_batch_speed(4, 1) == 0.75 and keep_batch_speed(2, 1) == 0.5
+    # whole logical data ranks (training.data_ranks): one survivor takes a second micro-batch as soon as one is lost
+    assert whole_ranks_speed(3, 1) == 0.5 and whole_ranks_speed(4096, 8) == 0.5 and whole_ranks_speed(4, 3) == 0.25
+    for f in (keep_batch_speed, whole_ranks_speed):
+        with pytest.raises(Exception, match="cannot shrink"):
+            f(2, 2)
 
 
 def test_event_costs_per_policy():
     c = event_costs(_ns(), 3600.0)
-    # keep: shrink + grow + an hour at half the step rate; drop: the events, plus a third of the hour's samples
-    assert c["shrink_keep"] == {"wall_s": 30.25 + 1800.0, "goodput_lost_s": 30.25 + 1800.0, "goodput": 0.5,
-                                "available": True}
+    # keep: shrink + grow + an hour at 2/3 of the step rate (the even split); drop: the events, plus a third of the
+    # hour's samples: the same goodput, and keeping the batch wins the tie (the training unchanged)
+    assert c["shrink_keep"] == {"wall_s": pytest.approx(30.25 + 1200.0), "goodput_lost_s": pytest.approx(30.25 + 1200.0),
+                                "goodput": pytest.approx(2 / 3), "available": True}
     assert c["shrink_drop"]["wall_s"] == 30.25 and c["shrink_drop"]["goodput_lost_s"] == pytest.approx(30.25 + 1200.0)
     assert c["shrink_drop"]["goodput"] == pytest.approx(2 / 3)
     assert c["wait"]["goodput_lost_s"] == 3630.0 and c["restart"]["goodput_lost_s"] == 4600.0
-    assert best_policy(c) == "shrink_drop"
+    assert best_policy(c) == "shrink_keep"
     # below min_dp no shrink: waiting is the best left
     floor = event_costs(_ns(min_dp=3), 3600.0)
     assert not floor["shrink_keep"]["available"] and floor["shrink_keep"]["goodput_lost_s"] is None
@@ -51,11 +54,11 @@ def test_event_costs_per_policy():
 def test_breakeven_between_shrinking_and_waiting():
     ns = _ns(shrink=10.0, grow=60.0, join=30.0)
     be = breakeven_delay(ns)
-    assert be == pytest.approx((10 + 60 - 30) / 0.5)
+    assert be == pytest.approx((10 + 60 - 30) / (2 / 3))
     below, above = event_costs(ns, be - 1), event_costs(ns, be + 1)
     assert below["wait"]["goodput_lost_s"] < below["shrink_keep"]["goodput_lost_s"]
     assert above["shrink_keep"]["goodput_lost_s"] < above["wait"]["goodput_lost_s"]
-    assert breakeven_delay(_ns(shrink=1.0, grow=30.0, join=30.0)) == 2.0
+    assert breakeven_delay(_ns(shrink=1.0, grow=30.0, join=30.0)) == pytest.approx(1.5)
     assert breakeven_delay(_ns(min_dp=5)) is None
 
 
@@ -108,13 +111,13 @@ def test_cli_no_spare_section_text_and_json():
     res = CliRunner().invoke(_app(), args + ["--json"])
     assert res.exit_code == 0, res.output
     ns = json.loads(res.stdout)["no_spare"]
-    assert (ns["dp"], ns["lost_per_node"], ns["keep_batch_speed"]) == (256, 8, 0.5)
+    assert (ns["dp"], ns["lost_per_node"], ns["keep_batch_speed"], ns["whole_ranks_speed"]) == (256, 8, 248 / 256, 0.5)
     keep = ns["per_event"]["shrink_keep"]["goodput_lost_s"]
-    assert keep == pytest.approx(ns["costs"]["shrink"]["s"] + ns["costs"]["grow"]["s"] + 4 * 3600 * 0.5)
+    assert keep == pytest.approx(ns["costs"]["shrink"]["s"] + ns["costs"]["grow"]["s"] + 4 * 3600 * 8 / 256)
     assert ns["per_event"]["wait"]["goodput_lost_s"] == pytest.approx(4 * 3600 + 30.0)
-    assert ns["best"] == "shrink_drop" and ns["events_per_run"] is not None
+    assert ns["best"] == "shrink_keep" and ns["events_per_run"] is not None
     assert ns["breakeven_delay_s"] == pytest.approx(max(0.0, (ns["costs"]["shrink"]["s"] + ns["costs"]["grow"]["s"]
-                                                              - ns["costs"]["join"]["s"]) / 0.5))
+                                                              - ns["costs"]["join"]["s"]) / (248 / 256)))
     assert [s["delay_s"] for s in ns["sweep"]] == [600.0, 3600.0, 4 * 3600.0, 24 * 3600.0]
 
 

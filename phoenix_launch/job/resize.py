@@ -3,11 +3,15 @@ the grow back when one is (``Kind.GROW``), and the data-parallel size between.
 
 A shrink publishes a generation without the lost nodes' ranks: the survivors are renumbered densely in their old
 order and keep their processes (no joiners); each keeps its own logical data ranks, and with ``launch.elastic_batch:
-keep`` the lost ranks' data ranks go to the survivors (spread in turn), so the global batch stays the same; ``shrink``
-drops them. A grow puts a ready spare in a lost node's place (its group rank, so its ranks take the lost ones'
-original ranks) as hot-swap joiners; the ranks are numbered by their original rank again, and with every node back
-each rank processes its own data rank only. With ``launch.replenish`` the replenisher asks for the missing nodes too
-(its target: the job's own size plus its spares), so a shrunk job grows back by itself.
+keep`` the lost ranks' data ranks are processed by the survivors, so the global batch stays the same; ``shrink``
+drops them. Two assignments of them are published (``protocol.Membership``): ``data``, whole data ranks spread in
+turn (``training.data_ranks()``: the busiest survivor runs ceil(DP / (DP-L)) micro-batches a step), and ``slices``,
+the even split (``training.data_slices()``): each lost data rank's micro-batch cut into one contiguous part per
+survivor, so every survivor runs DP / (DP-L) of its own share (within a sample). A grow puts a ready spare in a lost
+node's place (its group rank, so its ranks take the lost ones' original ranks) as hot-swap joiners; the ranks are
+numbered by their original rank again, and with every node back each rank processes its own data rank only. With
+``launch.replenish`` the replenisher asks for the missing nodes too (its target: the job's own size plus its
+spares), so a shrunk job grows back by itself.
 """
 
 from __future__ import annotations
@@ -20,21 +24,50 @@ from phoenix_launch.job.state import JobState
 from phoenix_launch.lifecycle import JobPhase, NodeState
 from phoenix_runtime.plane import protocol
 
-Ranks = tuple[list[protocol.RankSlot], tuple[tuple[int, ...], ...], tuple[int, ...]]
+Slices = tuple[tuple[tuple[int, int, int], ...], ...]
+Ranks = tuple[list[protocol.RankSlot], tuple[tuple[int, ...], ...], tuple[int, ...], Slices]
+
+
+def even_slices(own: list[tuple[int, ...]], shared: list[int]) -> Slices:
+    """Pure: the even split (``protocol.Membership.slices``): rank ``i`` processes its ``own[i]`` data ranks whole
+    and one part of each ``shared`` data rank's micro-batch, cut into one part per rank: part ``k`` of the ``j``-th
+    shared data rank goes to rank ``(k + j) mod S`` (turned, so that the parts one sample larger than others fall
+    on different ranks: a rank's parts are L cyclically consecutive ones, whose sizes sum to within one sample of
+    L B / S). Every sample once; every rank's work within one sample of DP B / S when each owns one. Empty
+    when nothing is shared (``data`` alone says it)."""
+    if not shared:
+        return ()
+    n = len(own)
+    out = [[(d, 0, 1) for d in o] for o in own]
+    for j, d in enumerate(sorted(shared)):
+        for k in range(n):
+            out[(k + j) % n].append((d, k, n))
+    return tuple(tuple(x) for x in out)
+
+
+def whole_of(mem: protocol.Membership, rank: int) -> tuple[int, ...]:
+    """The data ranks ``rank`` of ``mem`` processes whole in the even split (its own; after a partial grow, a
+    joiner's)."""
+    return tuple(d for d, _, n in mem.slices_of(rank) if n == 1)
 
 
 def shrunk_ranks(mem: protocol.Membership, lost_nodes: set[str], keep_batch: bool) -> Ranks:
     """Pure: the survivors of ``mem`` without the ranks on ``lost_nodes``, renumbered densely (old order kept);
     the logical data ranks of each (``keep_batch``: the lost ranks' spread over the survivors in turn, fewest
-    first); and each survivor's old rank."""
+    first); each survivor's old rank; and the even split (``keep_batch``: each survivor's whole data ranks kept,
+    every other data rank of ``mem`` cut over all survivors, ``even_slices``)."""
     keep = [r for r in mem.ranks if r.node not in lost_nodes]
     lost = [r for r in mem.ranks if r.node in lost_nodes]
     data = [list(mem.data_ranks(r.rank)) for r in keep]
+    slices: Slices = ()
     if keep_batch:
         for d in sorted(x for r in lost for x in mem.data_ranks(r.rank)):
             min(data, key=len).append(d)
+        own = [whole_of(mem, r.rank) for r in keep]
+        every = {d for r in mem.ranks for d in mem.data_ranks(r.rank)}
+        slices = even_slices(own, sorted(every - {d for o in own for d in o}))
     ranks = [protocol.RankSlot(i, r.node, r.slot) for i, r in enumerate(keep)]
-    return ranks, tuple(tuple(sorted(d)) for d in data), tuple(r.rank for r in keep)
+    return ranks, tuple(tuple(sorted(d)) for d in data), tuple(r.rank for r in keep), slices
 
 
 def grown_ranks(
@@ -42,7 +75,7 @@ def grown_ranks(
 ) -> Ranks:
     """Pure: ``mem``'s ranks and the ``joining`` slots, numbered densely by their ``original`` rank; the data ranks
     (none missing: one per rank, its own, given as ``()``; else each its own and the missing ones spread as in a
-    shrink); each rank's rank in ``mem`` (-1: a joiner)."""
+    shrink); each rank's rank in ``mem`` (-1: a joiner); the even split of the missing ones still processed."""
     before = {(r.node, r.slot): r.rank for r in mem.ranks}
     slots = sorted(
         [*(protocol.RankSlot(r.rank, r.node, r.slot) for r in mem.ranks), *joining], key=lambda r: original[(r.node, r.slot)]
@@ -52,12 +85,13 @@ def grown_ranks(
     own = [original[(r.node, r.slot)] for r in ranks]
     missing = sorted(set(range(full)) - set(own))
     if not missing:
-        return ranks, (), prev
+        return ranks, (), prev, ()
     data = [[o] for o in own]
     kept = {d for r in mem.ranks for d in mem.data_ranks(r.rank)}
-    for d in (m for m in missing if m in kept):  # still processed (elastic_batch keep): spread again
+    shared = [m for m in missing if m in kept]  # still processed (elastic_batch keep): spread again
+    for d in shared:
         min(data, key=len).append(d)
-    return ranks, tuple(tuple(sorted(x)) for x in data), prev
+    return ranks, tuple(tuple(sorted(x)) for x in data), prev, even_slices([(o,) for o in own], shared)
 
 
 def missing_nodes(s: JobState) -> int:
@@ -130,9 +164,10 @@ def shrink(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> Non
     # lost, a second loss during a shrink) shrinks from it, without every node that is gone since
     base = gens.stable if s.recovery.active else gens.members
     gone = set(d.lost) | {n.name for n in s.nodes if n.lost or n.state not in (NodeState.ACTIVE, NodeState.JOINING)}
-    ranks, data, prev = shrunk_ranks(base, gone, s.cfg.launch.elastic_batch == "keep")
+    ranks, data, prev, slices = shrunk_ranks(base, gone, s.cfg.launch.elastic_batch == "keep")
     resize(s, ranks)
-    mem = gens.publish(ranks, d.reason, s.attempt_info(), s.nodes.group_ranks(), data=data, prev=prev, prev_world=base.world_size)
+    mem = gens.publish(ranks, d.reason, s.attempt_info(), s.nodes.group_ranks(), data=data, prev=prev,
+                       prev_world=base.world_size, slices=slices)
     recovery.begin(s, "shrink", d, inc, now)
     s.out.emit(
         "shrink",
@@ -142,6 +177,7 @@ def shrink(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> Non
         dp_to=len(ranks),
         elastic_batch=s.cfg.launch.elastic_batch,
         data=[list(x) for x in data],
+        slices=[[list(p) for p in x] for x in slices],
     )
 
 
@@ -160,9 +196,9 @@ def grow_back(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> 
         s.nodes.transition(node, NodeState.JOINING, f"grows the job back (group rank {group})")
     joining = [protocol.RankSlot(-1, name, i) for name in d.grow for i in range(s.nproc)]
     before = gens.members.world_size
-    ranks, data, prev = grown_ranks(gens.members, joining, original_ranks(s), s.full_world())
+    ranks, data, prev, slices = grown_ranks(gens.members, joining, original_ranks(s), s.full_world())
     resize(s, ranks)
-    mem = gens.publish(ranks, d.reason, s.attempt_info(), s.nodes.group_ranks(), data=data, prev=prev)
+    mem = gens.publish(ranks, d.reason, s.attempt_info(), s.nodes.group_ranks(), data=data, prev=prev, slices=slices)
     recovery.begin(s, "grow", d, Incident(t0=now), now)  # no failure: its times start now
     s.out.emit(
         "grow",
@@ -172,4 +208,5 @@ def grow_back(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> 
         dp_to=len(ranks),
         joiners=list(mem.joiners),
         data=[list(x) for x in data],
+        slices=[[list(p) for p in x] for x in slices],
     )

@@ -201,6 +201,7 @@ class Grow(Event):
     dp_to: int | None = None
     joiners: list | None = None
     data: list | None = None
+    slices: list | None = None  # the even split (Membership.slices): per rank, [data rank, part, parts]
 
 
 @dataclass(frozen=True)
@@ -527,6 +528,7 @@ class Shrink(Event):
     dp_to: int | None = None
     elastic_batch: str | None = None
     data: list | None = None
+    slices: list | None = None  # the even split (Membership.slices): per rank, [data rank, part, parts]
 
 
 @dataclass(frozen=True)

@@ -64,13 +64,15 @@ class GenerationPublisher:
                 *, respawned: Iterable[int] = (), fresh: bool = False, lost: tuple[int, ...] = (),
                 resync: tuple[int, ...] = (), rollback_to: int | None = None,
                 data: tuple[tuple[int, ...], ...] | None = None, prev: tuple[int, ...] = (),
-                prev_world: int | None = None, ending: bool = False) -> protocol.Membership:
+                prev_world: int | None = None, ending: bool = False,
+                slices: tuple[tuple[tuple[int, int, int], ...], ...] | None = None) -> protocol.Membership:
         """A new generation: membership first, then the joiners' assignments, then the bump. ``resync`` /
-        ``rollback_to``: a repair of silent data corruption; ``data`` / ``prev`` / ``prev_world``: a resize (the ranks
-        renumbered, ``world_size`` set before; ``prev`` relative to the generation of ``prev_world`` ranks, by default
-        the current one; ``protocol.Membership``). The data ranks carry over otherwise."""
+        ``rollback_to``: a repair of silent data corruption; ``data`` / ``slices`` / ``prev`` / ``prev_world``: a resize (the
+        ranks renumbered, ``world_size`` set before; ``prev`` relative to the generation of ``prev_world`` ranks, by
+        default the current one; ``protocol.Membership``). The data ranks and their split carry over otherwise."""
         ranks = tuple(sorted(ranks, key=lambda r: r.rank))
         self.gen += 1
+        slices = (self.members.slices if data is None else ()) if slices is None else slices
         data = self.members.data if data is None else data
         if prev:  # a resize (shrink, grow): the joiners are the ranks without a rank before
             joiners: tuple[int, ...] = tuple(r for r, p in enumerate(prev) if p < 0)
@@ -82,7 +84,8 @@ class GenerationPublisher:
             joiners = tuple(r.rank for r in ranks if before.get(r.rank) != (r.node, r.slot) or r.rank in again)
         mem = protocol.Membership(self.gen, self.world_size, ranks, joiners, reason, attempt.epoch, self.domains(), lost,
                                   tuple(resync), rollback_to, tuple(data), tuple(prev),
-                                  (self.members.world_size if prev_world is None else prev_world) if prev else 0, ending=ending)
+                                  (self.members.world_size if prev_world is None else prev_world) if prev else 0,
+                                  slices=tuple(slices), ending=ending)
         self._seen |= {r.node for r in self.members.ranks}
         # the whole (a joiner's, a standby's), then what a rank that read the last one reads instead (a hot-swap: its
         # joiners' slots, not the job's), the joiners' assignments, the standby synchronised, and the bump

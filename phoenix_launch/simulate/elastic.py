@@ -4,11 +4,13 @@ A node is lost, no spare is ready, and a replacement arrives after a delay R (``
 delivering a node, or a repaired one coming back). The policies, per event:
 
 * ``shrink``, keep the batch (``launch.elastic_batch: keep``, the default): the survivors go on in memory at DP-L
-  (L: the DP replicas on the lost node), the lost replicas' logical data ranks processed by survivors; when the
-  replacement arrives it joins as a hot-swap joiner (the grow). The runtime hands out whole logical data ranks, so
-  the busiest survivor processes ceil(DP / (DP-L)) micro-batches a step: a compute-bound step takes that many times
-  as long (2x for any L < DP/2; measured ~2x on bench/elastic.py's 3 -> 2). Lost: the shrink's cost, the steps'
-  slowdown over R, the grow's cost;
+  (L: the DP replicas on the lost node), the lost replicas' samples processed by survivors; when the replacement
+  arrives it joins as a hot-swap joiner (the grow). A loop on ``training.data_slices`` (the even split) cuts each
+  lost micro-batch into one part per survivor, so every survivor processes DP / (DP-L) of its share: a
+  compute-bound step takes that many times as long, the step rate is (DP-L) / DP of the full job's, the same
+  samples per second as dropping the share. (A loop on whole data ranks, ``training.data_ranks``, runs the busiest
+  survivor at ceil(DP / (DP-L)) micro-batches: 2x for any L < DP/2; ``whole_ranks_speed``.) Lost: the shrink's
+  cost, the steps' slowdown over R, the grow's cost;
 * ``shrink`` with ``elastic_batch: shrink`` (torchft's semantics): the steps keep their speed and drop the lost
   replicas' share: no wall time lost beyond the two events, but L/DP of the samples of R are never trained on (their
   time-equivalent is counted as goodput lost);
@@ -74,16 +76,19 @@ class NoSpare:
 
 
 def keep_batch_speed(dp: int, lost: int) -> float:
-    """Steps per second at DP-L keeping the batch, as a fraction of the full job's: the busiest survivor processes
-    ceil(DP / (DP-L)) whole logical data ranks (a compute-bound step)."""
+    """Steps per second at DP-L keeping the batch, as a fraction of the full job's: the even split
+    (``training.data_slices``), every survivor processes DP / (DP-L) of its share (a compute-bound step)."""
+    if not 0 < lost < dp:
+        raise SimulateInputError(f"cannot shrink DP {dp} by {lost}")
+    return (dp - lost) / dp
+
+
+def whole_ranks_speed(dp: int, lost: int) -> float:
+    """The same for a loop on whole logical data ranks (``training.data_ranks``): the busiest survivor processes
+    ceil(DP / (DP-L)) micro-batches."""
     if not 0 < lost < dp:
         raise SimulateInputError(f"cannot shrink DP {dp} by {lost}")
     return 1.0 / math.ceil(dp / (dp - lost))
-
-
-def balanced_speed(dp: int, lost: int) -> float:
-    """The bound with the lost share spread evenly over the survivors, (DP-L)/DP: what finer splitting could give."""
-    return (dp - lost) / dp
 
 
 def can_shrink(ns: NoSpare) -> bool:
@@ -99,8 +104,8 @@ def event_costs(ns: NoSpare, delay: float) -> dict[str, dict]:
     events = ns.shrink.seconds + ns.grow.seconds
     if shrinkable:
         speed = keep_batch_speed(ns.dp, ns.lost)
-        keep = events + delay * (1.0 - speed)
         dropped = delay * ns.lost / ns.dp
+        keep = events + dropped  # delay x (1 - speed): the even split loses the time the dropped share would save
         out["shrink_keep"] = {"wall_s": keep, "goodput_lost_s": keep, "goodput": speed, "available": True}
         out["shrink_drop"] = {"wall_s": events, "goodput_lost_s": events + dropped,
                               "goodput": (ns.dp - ns.lost) / ns.dp, "available": True}
@@ -115,7 +120,8 @@ def event_costs(ns: NoSpare, delay: float) -> dict[str, dict]:
 
 
 def best_policy(costs: dict[str, dict]) -> str:
-    """The policy that loses the least goodput (ties: the first of POLICIES)."""
+    """The policy that loses the least goodput (ties: the first of POLICIES: keeping the batch before dropping the
+    share, which lose the same with the even split but the first leaves the training unchanged)."""
     avail = [p for p in POLICIES if costs[p]["available"]]
     return min(avail, key=lambda p: costs[p]["goodput_lost_s"])
 
@@ -146,7 +152,7 @@ def compare_no_spare(ns: NoSpare, events_per_run: float | None, events_source: s
         "costs": {"shrink": ns.shrink.to_json(), "grow": ns.grow.to_json(), "join": ns.join.to_json(),
                   "restart": ns.restart.to_json()},
         "keep_batch_speed": keep_batch_speed(ns.dp, ns.lost) if can_shrink(ns) else None,
-        "balanced_speed": balanced_speed(ns.dp, ns.lost) if can_shrink(ns) else None,
+        "whole_ranks_speed": whole_ranks_speed(ns.dp, ns.lost) if can_shrink(ns) else None,
         "per_event": at_mean, "best": best_policy(at_mean), "breakeven_delay_s": breakeven_delay(ns),
         "sweep": sweep, "events_per_run": events_per_run, "events_source": events_source, "per_run": per_run,
         "measured_on_bench": bench_rows(),
@@ -160,7 +166,8 @@ def load_elastic_bench(path: Path = ELASTIC_BENCH_FILE) -> dict | None:
         rows = {r["mode"]: r for r in doc["rows"]}
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return {"date": doc.get("date"), "machine": doc.get("machine"), "steps": doc.get("steps"), "rows": rows}
+    return {"date": doc.get("date"), "machine": doc.get("machine"), "steps": doc.get("steps"), "rows": rows,
+            "nodes": doc.get("nodes", 3)}  # files from before --nodes: 3 ranks
 
 
 def bench_shrink_cost(path: Path = ELASTIC_BENCH_FILE) -> Cost | None:
@@ -170,7 +177,7 @@ def bench_shrink_cost(path: Path = ELASTIC_BENCH_FILE) -> Cost | None:
     x = row.get("recovery_total_s")
     if not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
         return None
-    return Cost(float(x), f"measured (bench/elastic.py shrink row, 3 ranks, {doc.get('machine') or 'bench machine'}, "
+    return Cost(float(x), f"measured (bench/elastic.py shrink row, {doc['nodes']} ranks, {doc.get('machine') or 'bench machine'}, "
                           f"{doc.get('date') or 'date unknown'})")
 
 
@@ -182,7 +189,7 @@ def bench_grow_cost(path: Path = ELASTIC_GROW_FILE) -> Cost | None:
     xs = sorted(float(t) for p, t in row.get("recoveries") or () if p == "grow" and isinstance(t, (int, float)) and t >= 0)
     if not xs:
         return None
-    return Cost(xs[len(xs) // 2], f"measured (bench/elastic.py grow row, 3 ranks, {doc.get('machine') or 'bench machine'}, "
+    return Cost(xs[len(xs) // 2], f"measured (bench/elastic.py grow row, {doc['nodes']} ranks, {doc.get('machine') or 'bench machine'}, "
                                   f"{doc.get('date') or 'date unknown'})")
 
 

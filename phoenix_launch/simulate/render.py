@@ -315,9 +315,9 @@ def _render_no_spare(console, Table, ns: dict) -> None:
     costs = ns["costs"]
     if ns["can_shrink"]:
         console.print(
-            f"  Keeping the batch, the busiest survivor processes {1 / ns['keep_batch_speed']:.0f} micro-batches a "
-            f"step (whole logical data ranks): {ns['keep_batch_speed'] * 100:.0f} % of the step rate; an even split "
-            f"would give {ns['balanced_speed'] * 100:.1f} %. --elastic-batch shrink keeps the speed and drops "
+            f"  Keeping the batch, the even split (training.data_slices) gives every survivor DP / (DP-L) of its "
+            f"share: {ns['keep_batch_speed'] * 100:.3g} % of the step rate (a loop on whole data ranks, "
+            f"training.data_ranks: {ns['whole_ranks_speed'] * 100:.3g} %). --elastic-batch shrink keeps the speed and drops "
             f"{ns['lost_per_node'] / ns['dp'] * 100:.2g} % of the samples while short (counted as goodput lost; "
             "its wall time grows only by the shrink and the grow).")
         be = ns["breakeven_delay_s"]

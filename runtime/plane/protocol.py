@@ -273,12 +273,19 @@ class Membership:
     data: tuple[tuple[int, ...], ...] = ()
     prev: tuple[int, ...] = ()
     prev_world: int = 0  # the world size before the shrink
+    #: the even split of ``data`` (``training.data_slices``): per rank, ``(data rank, part, parts)``, part ``k`` of
+    #: ``n`` of that data rank's micro-batch (``slice_bounds``; ``(d, 0, 1)``: all of it); empty: ``data``'s, whole
+    slices: tuple[tuple[tuple[int, int, int], ...], ...] = ()
     #: the end of the allocation (SIGTERM, SIGUSR1, a time limit): nobody is lost, every rank writes the newest S_R
     #: its memory holds as a persistent checkpoint (the salvage's path), then the job stops, resumable from it
     ending: bool = False
 
     def data_ranks(self, rank: int) -> tuple[int, ...]:
         return tuple(self.data[rank]) if self.data else (rank,)
+
+    def slices_of(self, rank: int) -> tuple[tuple[int, int, int], ...]:
+        """The ``(data rank, part, parts)`` this rank processes in a step: ``slices``, else its whole data ranks."""
+        return tuple(self.slices[rank]) if self.slices else tuple((d, 0, 1) for d in self.data_ranks(rank))
 
     def to_json(self, canonical: bool = False) -> str:
         """Its JSON, the ranks as runs (``_runs``: ~30 bytes a node where one object per rank took ~360); ``canonical``:
@@ -298,6 +305,7 @@ class Membership:
         d["resync"] = tuple(d.get("resync", ()))
         d["data"] = tuple(tuple(x) for x in d.get("data", ()))
         d["prev"] = tuple(d.get("prev", ()))
+        d["slices"] = tuple(tuple((int(a), int(k), int(n)) for a, k, n in x) for x in d.get("slices", ()))
         return cls(**d)
 
     def slot_of(self, rank: int) -> RankSlot:
@@ -315,6 +323,12 @@ class Membership:
             if r.node not in seen:
                 seen.append(r.node)
         return seen
+
+
+def slice_bounds(batch: int, part: int, parts: int) -> tuple[int, int]:
+    """Pure: the samples ``[start, stop)`` of part ``part`` of ``parts`` of a micro-batch of ``batch`` samples
+    (``Membership.slices``): contiguous, together exactly the micro-batch, their sizes within one sample."""
+    return part * batch // parts, (part + 1) * batch // parts
 
 
 def _runs(ranks: tuple[RankSlot, ...]) -> list[list[Any]]:
