@@ -166,8 +166,9 @@ def shrink(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> Non
     gone = set(d.lost) | {n.name for n in s.nodes if n.lost or n.state not in (NodeState.ACTIVE, NodeState.JOINING)}
     ranks, data, prev, slices = shrunk_ranks(base, gone, s.cfg.launch.elastic_batch == "keep")
     resize(s, ranks)
-    mem = gens.publish(ranks, d.reason, s.attempt_info(), s.nodes.group_ranks(), data=data, prev=prev,
-                       prev_world=base.world_size, slices=slices)
+    mem = gens.publish(
+        ranks, d.reason, s.attempt_info(), s.nodes.group_ranks(), data=data, prev=prev, prev_world=base.world_size, slices=slices
+    )
     recovery.begin(s, "shrink", d, inc, now)
     s.out.emit(
         "shrink",
