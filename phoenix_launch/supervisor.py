@@ -311,6 +311,8 @@ class Supervisor:
     def shutdown(self) -> None:
         s = self.state
         self.operator_io.close_commands()  # kill-node now says 'stopped' at once
+        if s.exit_code is not None:  # the end, published (acknowledged, bounded): the standby leaves by itself
+            self.standby.publish(sync=True)
         self.standby.stop()  # first: a job ending on purpose is not a lost leader
         try:
             for n in self.nodes:

@@ -53,14 +53,29 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, RuntimeError) as e:  # no route to the leader, no port here (PortInUse)
         log.error(f"phoenix standby: cannot listen: {getattr(e, 'strerror', None) or e}")
         return 2
+    t_start = time.time()
     watcher = Standby(ctl["host"], int(ctl["port"]), int(told["incarnation"]), stop=lambda: bool(stopping))
     if not watcher.watch():
+        return 0
+    if _ended_since(run_dir, t_start):  # the leader ended the job, then exited before this standby was told to go
+        log.info("phoenix standby: the leader ended the job; nothing to take over")
         return 0
     if watcher.state is None:
         log.error("phoenix standby: the leader was lost before it published any state; nothing to take over")
         return 1
     return take_over(run_dir, told, mirror.Published.from_dict(watcher.state), watcher.lost_how, sock,
                      watcher.t_lost or time.time(), stopping)
+
+
+def _ended_since(run_dir: Path, t: float) -> bool:
+    """The job's end written to ``status.json`` since ``t`` (a requeued job's run directory holds the last
+    allocation's end: older than this standby)."""
+    from phoenix_launch.standby import keeper
+
+    try:
+        return (run_dir / "status.json").stat().st_mtime >= t and keeper.job_over(run_dir)
+    except OSError:
+        return False
 
 
 def _bind_here(run_dir: Path, told: dict[str, Any], leader_host: str) -> socket.socket:
