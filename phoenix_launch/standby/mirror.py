@@ -378,15 +378,21 @@ class StandbyLink:
         when ``control.json`` names a newer incarnation, this process leaves at once, without stopping the agents
         (they are the new leader's) or writing the job's end (``superseded`` event; exit code 75)."""
         plane = self.leader.plane
-        if not self.enabled or plane is None:
+        if plane is None:  # checked with or without a standby: a requeue's new leader supersedes this one too
             return
         try:
             ctl = json.loads((self.leader.run_dir / protocol.CONTROL_FILE).read_text())
         except (OSError, ValueError):
             return
-        if int(ctl.get("incarnation", 0) or 0) > plane.incarnation:
+        newer = int(ctl.get("incarnation", 0) or 0) > plane.incarnation  # a standby took the job over
+        # another leader serves this run directory: the next allocation of a requeued job (Slurm's requeue ends this
+        # one's processes only after KillWait; meanwhile this one must not write the run's status or its end)
+        other = ctl.get("pid") is not None and (ctl.get("pid"), ctl.get("host")) != (os.getpid(), plane.host)
+        if newer or other:
             self.events.emit("superseded", incarnation=plane.incarnation, by=f"{ctl.get('host')}:{ctl.get('port')}",
                              node=ctl.get("node"))
-            log.warning(f"phoenix-run: superseded by the standby that took the job over ({ctl.get('node')}); leaving it to it")
-            self.backend.abandon()  # type: ignore[union-attr]
+            who = "the standby that took the job over" if newer else "the leader of the job's next allocation"
+            log.warning(f"phoenix-run: superseded by {who} ({ctl.get('node')}); leaving it to it")
+            if self.backend is not None:
+                self.backend.abandon()
             os._exit(SUPERSEDED_EXIT)
