@@ -318,6 +318,7 @@ def _capture_queue_message(store, name: str, timeout: float = 30.0) -> bytes:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a long real job; PHOENIX_FULL_MATRIX=1 runs it (the suite stays within its time)
 @pytest.mark.timeout(600)
 def test_a_plain_store_client_without_the_secret_cannot_steer_the_job(tmp_path):
     from torch.distributed import TCPStore

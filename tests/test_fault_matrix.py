@@ -216,7 +216,7 @@ def test_node_crash_at_step(tmp_path, failure_free, opt, step):
 
 @pytest.mark.parametrize("opt,step,phase,resume", rows("opt,step,phase,resume", [
     ("zero", 5, "begin", 3), ("zero", 8, "optimizer", 6), ("adamw", 7, "forward", 6), ("adamw", 1, "begin", 0)],
-    full={("adamw", 1, "begin", 0)}))
+    full={("adamw", 1, "begin", 0), ("adamw", 7, "forward", 6)}))
 def test_protection_every_third_step(tmp_path, failure_free, opt, step, phase, resume):
     """runtime.protect_every: 3 (what the supervisor adapts to when the copy does not fit in a step): S_0, S_3,
     S_6... are protected, the steps between them are not; a node lost at any of them resumes at the last
@@ -228,6 +228,7 @@ def test_protection_every_third_step(tmp_path, failure_free, opt, step, phase, r
     assert got in ([resume], [max(0, resume - 3)]), of_type(job.evs, "recovery")
 
 
+@pytest.mark.full  # a long real job; PHOENIX_FULL_MATRIX=1 runs it (the suite stays within its time)
 def test_protection_adapts_when_the_copy_does_not_fit_and_still_recovers(tmp_path, failure_free):
     """A replication that outlasts a step (runtime.chunk_mb 1 KB: a 3 MB ZeRO shard goes in thousands of
     chunks): the supervisor raises the cadence (a re-formed generation, ``protect_every`` in the event); a node

@@ -177,6 +177,7 @@ def test_node_lost_during_the_optimizer_step(tmp_path, baseline):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a long real job; PHOENIX_FULL_MATRIX=1 runs it (the suite stays within its time)
 @pytest.mark.timeout(600)
 def test_pp_dp_tp_node_lost_during_the_optimizer_step(tmp_path, baseline):
     """PP=2 x DP=2 x TP=2, the mesh {"dp": 2, "pp": 2, "tp": 2} (tp innermost), 1F1B, 2 nodes of 4 ranks + 1 spare:

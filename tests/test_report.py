@@ -314,6 +314,7 @@ def _browse(chromium: str, page: Path, tmp: Path, *args: str) -> subprocess.Comp
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a long real job; PHOENIX_FULL_MATRIX=1 runs it (the suite stays within its time)
 @pytest.mark.timeout(900)
 def test_report_of_a_real_job_with_two_failures_in_headless_chromium(tmp_path):
     mpl_image = pytest.importorskip("matplotlib.image", reason="the report needs matplotlib: pip install 'phoenix-run[plot]'")

@@ -280,7 +280,7 @@ def sdc_fault(rank: int, step: int, tensor: str = "param", bit: int = 22, phase:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("opt", ["zero", "adamw"])
+@pytest.mark.parametrize("opt", ["zero", pytest.param("adamw", marks=pytest.mark.full)])
 def test_a_flipped_parameter_bit_is_detected_and_repaired_in_place(tmp_path, failure_free, opt):  # noqa: F811
     """Bit 22 of rank 1's first parameter flipped at the beginning of step 5 (before its snapshot): the commit
     point of step 5 disagrees, rank 1 is named (3 of 4 copies agree) with the tensor, the job rolls back to
@@ -435,6 +435,7 @@ def test_hsdp_three_replica_groups_re_sync_the_outvoted_shard(tmp_path):
 AT_REST = {"protect_every": 8, "protect_adapt": False, "verify_at_rest_s": 0.2}
 
 
+@pytest.mark.full  # a long real job; PHOENIX_FULL_MATRIX=1 runs it (the suite stays within its time)
 @pytest.mark.timeout(600)
 def test_a_replica_flipped_at_rest_is_re_made_and_the_hot_swap_uses_the_good_copy(tmp_path, failure_free):  # noqa: F811
     """ZeRO on 2 x 2 ranks and a spare, every 8th step protected (a replica waits 8 steps at rest). At the

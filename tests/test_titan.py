@@ -94,6 +94,7 @@ def baseline(tmp_path_factory, assets):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the hot-swap rows below run torchtitan under phoenix-run too; PHOENIX_FULL_MATRIX=1
 @pytest.mark.timeout(600)
 def test_torchtitan_trains_under_phoenix_run(baseline):
     """The failure-free job (FSDP 2 x TP 2) completes every step, each logged once, and the model learns."""
