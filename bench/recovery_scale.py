@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -495,7 +496,9 @@ def main():
                 try:
                     r = measure(Path(td), n, rep, a)
                 except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
-                    print(f"N={n} repeat {rep}: FAILED: {e}", file=sys.stderr)
+                    kept = Path(tempfile.gettempdir()) / f"recovery_scale-failed-n{n}-r{rep}-{int(time.time())}"
+                    shutil.copytree(Path(td) / f"n{n}-r{rep}", kept, dirs_exist_ok=True)  # its events and logs, to read
+                    print(f"N={n} repeat {rep}: FAILED: {e} (its run kept in {kept})", file=sys.stderr)
                     failed.append((n, rep, str(e)[:300]))
                     continue
                 res.append(r)
