@@ -272,6 +272,10 @@ def _standby(cfg, be) -> str:
 
 
 def _supervise(cfg, argv: list[str], rdir: Path, be) -> None:
+    # at once, before the seconds of imports and agents' start-up: a terminal that stays blank looks hung
+    la = cfg.launch
+    typer.echo(f"{time.strftime('%H:%M:%S')} phoenix starting: {la.nodes} node(s) x {la.nproc_per_node} rank(s) + {la.spares} "
+               f"spare(s), run directory {rdir}")
     from phoenix_launch.plane.control import PortInUse
     from phoenix_launch.supervisor import Supervisor
     from phoenix_launch.observe.rank_output import Relay
