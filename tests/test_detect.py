@@ -77,7 +77,7 @@ def test_kill_node_modes_classes_and_actions(long_job, tmp_path):
     r = kill_node(run_dir, "node42")
     assert r.returncode == 2 and "no node 'node42'" in r.stderr
     r = kill_node(run_dir, "rank:99")
-    assert r.returncode == 1 and "no rank 99" in r.stderr
+    assert r.returncode == 2 and "no rank 99" in r.stderr
 
     t = inject_and_expect(run_dir, 0, "node1", "crash", "host", "hotswap")
     lost = [e for e in of_type(events(run_dir), "failure") if e["t"] >= t][0]
