@@ -84,6 +84,12 @@ JOB_TRANSITIONS: dict[JobPhase, set[JobPhase]] = {
 }
 
 
+TABLES: dict[str, tuple[type[Enum], dict]] = {  # a lifecycle's transition table by its enum's name (``job.codec``)
+    JobPhase.__name__: (JobPhase, JOB_TRANSITIONS),
+    NodeState.__name__: (NodeState, NODE_TRANSITIONS),
+}
+
+
 class TransitionError(ProtocolError, RuntimeError):
     pass
 

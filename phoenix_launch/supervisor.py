@@ -39,7 +39,7 @@ from phoenix_launch.plane.control import ControlPlane
 from phoenix_launch.plane.inject import SOCKET_PURPOSE, Chaos, JobTargets
 from phoenix_launch.repair.replenish import Replenisher
 from phoenix_launch.spec import AgentSpec
-from phoenix_launch.standby.mirror import StandbyLink, SupervisorState
+from phoenix_launch.standby.mirror import StandbyLink
 from phoenix_runtime.plane import auth, protocol
 
 
@@ -281,17 +281,19 @@ class Supervisor:
             self.shutdown()
         return self.exit_code if self.exit_code is not None else decisions.EXIT_RANK_FAILED
 
-    # --- the standby's mirror (mirror.py) ----------------------------------------------------------
-    def mirror_state(self) -> SupervisorState:
-        return job_state.record(self.state)
-
-    def apply_mirror_state(self, rec: SupervisorState) -> None:
-        """A standby taking over: the lost leader's state, and the keys every rank reads (the run id, the cadence,
-        the generation and its membership) written anew in this store."""
+    # --- the standby (standby/mirror.py publishes self.state whole) -------------------------------------
+    def take_over_state(self, doc: dict[str, Any]) -> None:
+        """A standby taking over: the lost leader's whole state (``job.state.dump``'s ``doc``) becomes this one's, and
+        the keys every rank reads (the run id, the cadence, the generation and its membership) are written anew in
+        this store. The attempt's rendezvous is this leader's; the heartbeat watch starts again now (the agents'
+        beats were in the lost store)."""
         assert self.plane is not None
-        self.state.master = (self.plane.host, self.plane.rdzv_port)
         self.store.set(protocol.K_RUN_ID, self.cfg.launch.run_id)
-        job_state.restore(self.state, rec, resize.resize)
+        job_state.load(self.state, doc)
+        self.state.master = (self.plane.host, self.plane.rdzv_port)
+        now = time.time()
+        for n in self.state.nodes:
+            n.last_hb = now
 
     def status(self) -> dict[str, Any]:
         s = self.state

@@ -57,6 +57,10 @@ class Settled:
 
 
 class IncidentTracker:
+    PORTS = ("detect",)  # configuration: the standby reads its own (``job.codec``)
+    current: Incident | None
+    _fault_t: float | None
+
     def __init__(self, detect: DetectConfig):
         self.detect = detect
         self.current: Incident | None = None

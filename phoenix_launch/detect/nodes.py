@@ -52,6 +52,10 @@ def check_every(heartbeat_s: float) -> float:
 
 
 class NodeTable:
+    PORTS = ("events", "on_change")  # not state: the standby's own (``job.codec``)
+    drain: bool
+    nodes: dict[str, Node]
+
     def __init__(self, out: Outbox, *, drain: bool, on_change: Callable[[], None]):
         self.events = out
         self.drain = drain  # drain a replaced node in the scheduler (where the backend can)

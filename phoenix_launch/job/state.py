@@ -4,30 +4,30 @@
 generations, the incident being gathered, the recovery being watched, the attempt's progress, the fallback ladder,
 the silent-data-corruption suspects and the straggler watch. Two fields are ports, not state: ``out`` (the
 :class:`~phoenix_launch.effects.Outbox` every act goes through) and ``reads`` (:class:`Reads`: what the step
-reads of the store and the scheduler; the store is never written through it). :func:`record` is the part of the
-state the standby holds (``standby/mirror.py``), :func:`restore` applies it to a new leader's state.
+reads of the store and the scheduler; the store is never written through it). The standby holds the state whole:
+:func:`dump` writes it (``job.codec``: no list of fields), :func:`load` makes a new leader's state the lost one's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from phoenix_launch.config import Config
 from phoenix_launch.decide.classify import RankReport
 from phoenix_launch.decide.incidents import IncidentTracker
 from phoenix_launch.decide.sdc import Suspects
-from phoenix_launch.detect.nodes import Node, NodeTable
+from phoenix_launch.detect.nodes import NodeTable
 from phoenix_launch.detect.straggler import StragglerWatch
 from phoenix_launch.effects import Outbox, PutValue
-from phoenix_launch.lifecycle import JOB_TRANSITIONS, NODE_TRANSITIONS, JobPhase, Lifecycle, NodeState
+from phoenix_launch.job import codec
+from phoenix_launch.lifecycle import JOB_TRANSITIONS, JobPhase, Lifecycle
 from phoenix_launch.observe.status import DigestCache
 from phoenix_launch.repair import checkpoints
 from phoenix_launch.repair.generations import Attempt, AttemptProgress, GenerationPublisher
 from phoenix_launch.repair.recovery_watch import RecoveryWatch
 from phoenix_launch.repair.reprotect import Reprotector
-from phoenix_launch.standby.mirror import AttemptRecord, NodeRecord, SupervisorState
 from phoenix_runtime.plane import protocol
 
 
@@ -69,6 +69,10 @@ class SdcState:
 
 @dataclass
 class JobState:
+    """Every field is state and travels whole to the standby (:func:`dump`, :func:`load`) but the ``PORTS``: the
+    configuration and the run directory (the standby reads its own) and the two ports."""
+
+    PORTS: ClassVar[tuple[str, ...]] = ("cfg", "run_dir", "out", "reads")
     cfg: Config
     run_dir: Path
     world_size: int
@@ -161,60 +165,25 @@ class JobState:
         return min(sizes.values()) if len(sizes) == self.world_size else 0
 
 
-def record(s: JobState) -> SupervisorState:
-    """What a new leader needs of the state to go on with the job (the standby's mirror)."""
-    gens, att = s.gens, s.attempt
-    return SupervisorState(
-        job=s.phase.state.value,
-        gen=gens.gen,
-        members=gens.members,
-        stable=gens.stable,
-        swept=gens.swept,
-        epoch=s.epoch,
-        restarts=s.restarts,
-        resume=s.resume,
-        protect_every=s.reprotector.every,
-        nodes=tuple(NodeRecord(n.name, n.state.value, n.group_rank, n.failures, n.lost) for n in s.nodes),
-        attempt=AttemptRecord(
-            tuple(sorted(att.done_ranks)),
-            tuple(sorted(att.runtime_ready)),
-            att.protect_on,
-            att.step,
-            att.step_time_s,
-            att.runtime_seen,
-            tuple(sorted(att.dp_sizes.items())),
-        ),
-        final=s.exit_code is not None,
-    )
+STATE_VERSION = 1  # the form of :func:`dump`'s document; a reader of another refuses it
 
 
-def restore(s: JobState, rec: SupervisorState, resize: Callable[[JobState, list[protocol.RankSlot]], None]) -> None:
-    """A standby taking over: the lost leader's state in ``s``; the keys every rank reads (the cadence, the generation
-    and its membership) written anew (effects)."""
-    s.epoch, s.restarts, s.resume = rec.epoch, rec.restarts, rec.resume
-    s.reprotector.every = rec.protect_every
+class StateVersionError(ValueError):
+    pass
+
+
+def dump(s: JobState, memo: dict[int, str] | None = None) -> dict[str, Any]:
+    """The whole state, less its ports, as JSON's types (``job.codec``): what the leader publishes to its standby.
+    ``memo``: memberships' JSON by generation, kept by the publisher between calls."""
+    return {"version": STATE_VERSION, "state": codec.encode(s, memo)}
+
+
+def load(s: JobState, doc: dict[str, Any]) -> None:
+    """A standby taking over: ``s`` (built by the standby, with its own ports) becomes the lost leader's state
+    ``doc`` (:func:`dump`'s); the keys every rank reads (the cadence, the generation and its membership) are written
+    anew (effects)."""
+    if doc.get("version") != STATE_VERSION:
+        raise StateVersionError(f"the leader's state is of version {doc.get('version')!r}; this standby reads {STATE_VERSION}")
+    codec.decode(JobState, doc["state"], into=s)
     s.out.add(PutValue(protocol.K_PROTECT_EVERY, str(s.reprotector.every)))
-    for n in rec.nodes:
-        s.nodes.add(
-            Node(
-                n.name,
-                Lifecycle(NodeState(n.state), NODE_TRANSITIONS),
-                n.group_rank,
-                n.failures,
-                n.lost,
-                up=n.state != NodeState.STARTING.value,
-            )
-        )
-    s.gens.restore(rec.gen, rec.members, rec.stable, rec.swept)
-    if rec.members.world_size != s.world_size:  # taken over while shrunk: the world is the membership's
-        resize(s, list(rec.members.ranks))
-    a = rec.attempt  # after the resize (it remaps an attempt by rank): the leader's reports as they are
-    s.attempt = AttemptProgress(
-        done_ranks=set(a.done),
-        runtime_ready=set(a.ready),
-        protect_on=a.protect_on,
-        step=a.step,
-        step_time_s=a.step_time_s,
-        runtime_seen=a.runtime_seen,
-        dp_sizes=dict(a.dp),
-    )
+    s.gens.rewrite()

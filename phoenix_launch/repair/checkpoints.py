@@ -36,6 +36,11 @@ step_of = protocol.persist_step_of
 
 
 class Catalog:
+    run_dir: Path
+    world_size: int
+    keep: int
+    written: dict[int, dict[int, protocol.Persisted]]
+
     def __init__(self, run_dir: Path, world_size: int, keep: int = 2):
         self.run_dir, self.world_size, self.keep = Path(run_dir), world_size, max(1, keep)
         self.written: dict[int, dict[int, protocol.Persisted]] = {}  # step -> rank -> its report
@@ -86,6 +91,18 @@ class Ladder:
     per job). Rung 4: the job stops (no checkpoint, no node left, or the allocation ends): the reason says
     how the next job resumes (``phoenix-run --resume RUN_DIR``). Each rung is an event with its reason and cost.
     The first two rungs (hot-swap, waiting for a spare) are ``decide.py``'s."""
+
+    PORTS = ("events",)  # not state: the standby's own (``job.codec``)
+    run_dir: Path
+    limit: int
+    used: int
+    catalog: Catalog
+    salvaging: tuple[str, float, float] | None
+    salvaged: int | None
+    exit_code: int | None
+    every_s: float
+    lead_s: float
+    last_t: float
 
     def __init__(self, run_dir: Path, world_size: int, keep: int, events, limit: int = 3, every_s: float = 0.0,
                  lead_s: float = 1.0):

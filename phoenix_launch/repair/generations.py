@@ -30,6 +30,17 @@ class GenerationPublisher:
     """The generations' state (the current one, the last stable one, the swept ones); each act on the store is an
     effect in ``out`` (:mod:`phoenix_launch.effects`)."""
 
+    PORTS = ("out", "domains")  # not state: the standby's own (``job.codec``)
+    world_size: int
+    nproc: int
+    run_id: str
+    max_restarts: int
+    gen: int
+    members: protocol.Membership
+    stable: protocol.Membership
+    swept: int
+    _seen: set[str]
+
     def __init__(self, out: Outbox, *, world_size: int, nproc: int, run_id: str, max_restarts: int,
                  domains: Callable[[], dict[str, str]]):
         self.out = out
@@ -52,13 +63,13 @@ class GenerationPublisher:
         self.out.add(PutValue(protocol.K_GEN, "0", notify=True))
         return self.members
 
-    def restore(self, gen: int, members: protocol.Membership, stable: protocol.Membership, swept: int) -> None:
-        """A standby that took over: the lost leader's generation, written anew in the new store."""
-        self.gen, self.members, self.stable, self.swept = gen, members, stable, swept
-        self.out.add(PutMembers(members))
-        if stable.gen != gen:
-            self.out.add(PutMembers(stable))
-        self.out.add(PutValue(protocol.K_GEN, str(gen), notify=True))
+    def rewrite(self) -> None:
+        """A standby that took over (this state the lost leader's, ``job.state.load``): the generation and its
+        membership written anew in the new store."""
+        self.out.add(PutMembers(self.members))
+        if self.stable.gen != self.gen:
+            self.out.add(PutMembers(self.stable))
+        self.out.add(PutValue(protocol.K_GEN, str(self.gen), notify=True))
 
     def publish(self, ranks: Iterable[protocol.RankSlot], reason: str, attempt: Attempt, group_ranks: Mapping[str, int | None],
                 *, respawned: Iterable[int] = (), fresh: bool = False, lost: tuple[int, ...] = (),

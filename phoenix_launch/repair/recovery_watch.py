@@ -32,6 +32,10 @@ class Recovery:
 
 
 class RecoveryWatch:
+    world_size: int
+    timeout_s: float
+    current: Recovery | None
+
     def __init__(self, world_size: int, timeout_s: float):
         self.world_size = world_size
         self.timeout_s = timeout_s

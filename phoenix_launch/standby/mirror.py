@@ -1,24 +1,27 @@
 """The standby supervisor's parts that the leader uses too: the mirror of the leader's state and the watch.
 
 The leader (the supervisor ``phoenix-run`` started) publishes its state in the store whenever it changes
-(:class:`Published`: the :class:`SupervisorState` -- generation and membership, node states, restarts, the
-attempt's progress -- and the backend's handles of the agents; sealed with the job's secret like every value
-there). The standby -- ``python -m
+(:class:`Published`: the whole :class:`~phoenix_launch.job.state.JobState` -- its phase, nodes, generations, the
+incident being gathered, the recovery being watched, the attempt's progress, the ladder, the SDC suspects, the
+straggler watch; ``job.state.dump``, no list of fields -- and the backend's handles of the agents; sealed with the
+job's secret like every value there). The standby -- ``python -m
 phoenix_launch.standby.standby``, a process of its own that outlives the leader -- polls it, and watches the leader's
 store: a call that fails because the connection is closed, then a connect that fails, is a lost leader.
 
 The takeover (``standby.take_over_job``): the standby serves the control plane on the socket it has held since
-it started (its address and incarnation are in the run directory's ``standby.json``), applies the state
-(``Supervisor.apply_mirror_state``: the generation and its membership written there anew), rewrites ``control.json`` (``kill-node``, ``status``) and runs the supervisor's loop from
-the mirrored state. Agents and ranks reconnect by themselves (``phoenix_runtime.plane.failover``); the ranks' process
-groups do not need the store between recoveries, so training goes on. A job in the middle of a recovery forms
-that recovery's generation again under the new leader. A leader whose node held ranks is a lost node: the new
+it started (its address and incarnation are in the run directory's ``standby.json``), makes the lost leader's state
+its own (``Supervisor.take_over_state``, ``job.state.load``: the generation and its membership written there anew),
+rewrites ``control.json`` (``kill-node``, ``status``) and runs the supervisor's loop from that state. Agents and ranks
+reconnect by themselves (``phoenix_runtime.plane.failover``); the ranks' process groups do not need the store between
+recoveries, so training goes on. A job in the middle of a recovery forms that recovery's generation again under the
+new leader (the recovery's event still covers it from the fault on). An incident the leader was still gathering is
+settled by the new leader (the reports that were still in the lost store's queues are lost with it; a rank that stays
+dead is found again by its agent's exit report or heartbeat). A leader whose node held ranks is a lost node: the new
 leader hot-swaps it as any other.
 
-What is not carried over: an incident the leader was still gathering (its reports were in the lost store; a
-rank that stays dead is found again by its agent's exit report or heartbeat), and a restart (every worker)
-that was under way. The job's outcome after a takeover is in the run directory (``events.jsonl``'s ``job_end``,
-``status.json``); the ``phoenix-run`` process the user started is the one that was lost.
+What is not carried over: a restart (every worker) that was under way. The job's outcome after a takeover is in the
+run directory (``events.jsonl``'s ``job_end``, ``status.json``); the ``phoenix-run`` process the user started is the
+one that was lost.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from phoenix_launch.backends.base import NotSupported, StandbyBackend
+from phoenix_launch.job import state as job_state
+from phoenix_launch.job.state import JobState
 from phoenix_runtime.plane import protocol
 
 log = logging.getLogger(__name__)
@@ -48,86 +53,19 @@ SUPERSEDED_EXIT = 75  # a cut-off leader that finds a newer one serving the job 
 
 
 @dataclass(frozen=True)
-class NodeRecord:
-    name: str
-    state: str  # a NodeState's value
-    group_rank: int | None
-    failures: int
-    lost: bool
-
-
-@dataclass(frozen=True)
-class AttemptRecord:
-    """The attempt's progress as mirrored (``generations.AttemptProgress`` less what an incident holds)."""
-
-    done: tuple[int, ...]
-    ready: tuple[int, ...]
-    protect_on: bool
-    step: int
-    step_time_s: float
-    runtime_seen: bool
-    dp: tuple[tuple[int, int], ...] = ()  # (rank, the DP size it reported): a new leader can shrink the job too
-
-
-@dataclass(frozen=True)
-class SupervisorState:
-    """What a new leader needs to go on with the job (no secrets: the standby reads the secret file): built by
-    ``job.state.record`` from the leader's ``JobState`` (``Supervisor.mirror_state``), applied by ``job.state.restore``
-    (``Supervisor.apply_mirror_state``)."""
-
-    job: str  # a JobPhase's value
-    gen: int
-    members: protocol.Membership
-    stable: protocol.Membership  # the last generation every rank reached
-    swept: int  # generations below this one had their keys deleted
-    epoch: int
-    restarts: int
-    resume: str
-    protect_every: int
-    nodes: tuple[NodeRecord, ...]
-    attempt: AttemptRecord
-    final: bool  # the leader ended the job
-
-    def to_dict(self, memo: dict[int, str]) -> dict[str, Any]:
-        """``memo``: memberships' JSON by generation (a large job's membership is not serialized on every pass)."""
-        def members(m: protocol.Membership) -> str:
-            if m.gen not in memo:
-                memo[m.gen] = m.to_json()
-            return memo[m.gen]
-
-        return {"job": self.job, "gen": self.gen, "members": members(self.members), "stable": members(self.stable),
-                "swept": self.swept, "epoch": self.epoch, "restarts": self.restarts, "resume": self.resume,
-                "protect_every": self.protect_every, "nodes": [asdict(n) for n in self.nodes],
-                "attempt": {**asdict(self.attempt), "done": list(self.attempt.done), "ready": list(self.attempt.ready),
-                            "dp": [list(x) for x in self.attempt.dp]},
-                "final": self.final}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SupervisorState":
-        a = d["attempt"]
-        return cls(job=str(d["job"]), gen=int(d["gen"]), members=protocol.Membership.from_json(d["members"]),
-                   stable=protocol.Membership.from_json(d["stable"]), swept=int(d["swept"]), epoch=int(d["epoch"]),
-                   restarts=int(d["restarts"]), resume=str(d["resume"]), protect_every=int(d["protect_every"]),
-                   nodes=tuple(NodeRecord(n["name"], n["state"], n["group_rank"], int(n["failures"]), bool(n["lost"]))
-                               for n in d["nodes"]),
-                   attempt=AttemptRecord(tuple(a["done"]), tuple(a["ready"]), bool(a["protect_on"]), int(a["step"]),
-                                         float(a["step_time_s"]), bool(a["runtime_seen"]),
-                                         tuple((int(r), int(n)) for r, n in a.get("dp") or ())),
-                   final=bool(d.get("final")))
-
-
-@dataclass(frozen=True)
 class Published:
-    """One publication of the mirror: the supervisor's state and the backend's handles a new leader attaches to."""
+    """One publication of the mirror: the leader's whole state (``job.state.dump``'s document, read back into a
+    new leader's by ``job.state.load``) and the backend's handles a new leader attaches to."""
 
-    state: SupervisorState
+    state: dict[str, Any]  # job.state.dump's document
+    final: bool  # the leader ended the job (the standby leaves)
     agents: dict[str, Any]  # local: pids; Slurm: step names
     leader_node: str | None  # the job's node the leader runs on, if any
     t_ns: int  # when it was published: every value a new leader writes is newer
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Published":
-        return cls(SupervisorState.from_dict(d), dict(d.get("agents") or {}), d.get("leader_node"), int(d.get("t_ns", 0)))
+        return cls(dict(d["state"]), bool(d.get("final")), dict(d.get("agents") or {}), d.get("leader_node"), int(d.get("t_ns", 0)))
 
 
 class Leader(Protocol):
@@ -136,12 +74,11 @@ class Leader(Protocol):
     run_dir: Path
     argv: list[str]
     plane: Any  # control.ControlPlane, None until the leader serves
-
-    def mirror_state(self) -> SupervisorState: ...
+    state: JobState  # the job's state, published whole
 
 
 class Mirror:
-    """The leader's side: publish the state when it changed (compared as JSON; a few hundred bytes)."""
+    """The leader's side: publish the state when it changed (compared as JSON)."""
 
     def __init__(self) -> None:
         self.last = ""
@@ -149,12 +86,12 @@ class Mirror:
         self.memo: dict[int, str] = {}  # membership JSON by generation
         self.behind = 0  # synchronous publications the standby did not acknowledge in time
 
-    def publish(self, store: Any, state: SupervisorState, backend: StandbyBackend, sync: bool = False) -> None:
+    def publish(self, store: Any, state: JobState, backend: StandbyBackend, sync: bool = False) -> None:
         """Publish the state if it changed. ``sync`` (a new generation, before its bump): wait until the
         standby holds it (bounded by ``ACK_BOUND_S``), so that a leader lost right after the bump leaves a
         standby that knows the generation every rank may already see."""
-        doc = {**state.to_dict(self.memo), "agents": backend.agent_handles(), "leader_node": backend.leader_node(),
-               "t_ns": time.time_ns()}
+        doc = {"state": job_state.dump(state, self.memo), "final": state.exit_code is not None,
+               "agents": backend.agent_handles(), "leader_node": backend.leader_node(), "t_ns": time.time_ns()}
         if len(self.memo) > 4:  # only the newest generations are in a publication
             for g in sorted(self.memo)[:-4]:
                 del self.memo[g]
@@ -319,11 +256,11 @@ class StandbyLink:
         write_json_atomic(self.leader.run_dir / STANDBY_FILE, {"address": "" if sock is None else f"{plane.host}:{sock.getsockname()[1]}",
                                                                "incarnation": plane.incarnation + 1, "argv": self.leader.argv,
                                                                "backend": backend.name})
-        state = self.leader.mirror_state()
+        state = self.leader.state
         self.mirror.publish(plane.store, state, backend)
         # where it may run, best first: an idle spare, else the active node started last
-        live = [n for n in reversed(state.nodes) if NodeState(n.state) not in ENDED]
-        where = [n.name for n in sorted(live, key=lambda n: n.state != NodeState.SPARE.value)]
+        live = [n for n in reversed(list(state.nodes)) if n.state not in ENDED]
+        where = [n.name for n in sorted(live, key=lambda n: n.state is not NodeState.SPARE)]
         try:
             backend.start_standby(sock, where)
         except NotSupported as e:
@@ -339,7 +276,7 @@ class StandbyLink:
             return
         assert self.backend is not None
         behind = self.mirror.behind
-        state = self.leader.mirror_state()
+        state = self.leader.state
         self.mirror.publish(plane.store, state, self.backend, sync=sync and self.ready)
         if self.mirror.behind > behind:
             self.events.emit("standby_behind", gen=state.gen, waited_s=ACK_BOUND_S, times=self.mirror.behind)

@@ -20,7 +20,7 @@ from typing import Any
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch.standby import mirror
 from phoenix_launch.plane.control import ControlPlane
-from phoenix_launch.lifecycle import JobPhase
+from phoenix_launch.lifecycle import JOB_TRANSITIONS, JobPhase
 from phoenix_launch.standby.mirror import STANDBY_FILE, Standby
 from phoenix_launch.detect.nodes import ENDED
 from phoenix_runtime.plane import auth, protocol
@@ -148,23 +148,24 @@ def _end_scheduler_job(run_dir: Path, code: int, end_job: Any) -> None:
 def take_over_job(sup: Any, pub: mirror.Published, incarnation: int, lost_how: str, sock: Any, t_lost: float,
                   phases: dict[str, float] | None = None) -> None:
     """The standby's start (instead of :meth:`Supervisor.start`): serve the control plane where every agent and
-    rank looks after the leader (``standby.json``), apply the lost leader's state (``Supervisor.apply_mirror_state``),
-    go on. ``lost_how``: how the leader was lost (``mirror.Standby.lost_how``)."""
+    rank looks after the leader (``standby.json``), make the lost leader's state this one's
+    (``Supervisor.take_over_state``), go on. ``lost_how``: how the leader was lost (``mirror.Standby.lost_how``)."""
     t0 = time.time()
     plane = sup.plane = ControlPlane(sock.getsockname()[0], sock=sock, incarnation=incarnation)
     plane.listen()
     t_serving = time.time()
     sup.write_control()
     auth.continue_after(pub.t_ns)  # the values written here are newer than the leader's
-    sup.apply_mirror_state(pub.state)
+    sup.take_over_state(pub.state)
     sup.store.set(protocol.K_RESTORED, str(plane.incarnation))  # clients that moved here wait for this (failover.py)
     sup.open_commands()
     now = time.time()
-    was = pub.state.job
+    was = sup.job.state.value  # the lost leader's phase
     sup.events.emit("takeover", gen=sup.gen, was=was, control=f"{plane.host}:{plane.port}", leader_lost_at=t_lost,
                     serving_s=round(t_serving - t_lost, 3), restored_s=round(now - t_lost, 3), pid=os.getpid(), how=lost_how,
                     phases={**(phases or {}), "listen_s": round(t_serving - t0, 3)})
-    sup.job.transition(JobPhase.RUNNING, "took over from the lost leader")
+    if sup.job.state is not JobPhase.RUNNING and JobPhase.RUNNING in JOB_TRANSITIONS[sup.job.state]:
+        sup.job.transition(JobPhase.RUNNING, "took over from the lost leader")
     leader = pub.leader_node
     sup.standby.await_agents({n.name for n in sup.nodes if n.up and n.state not in ENDED and n.name != leader}, t_lost)
     gens = sup.state.gens
