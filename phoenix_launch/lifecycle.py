@@ -84,7 +84,7 @@ JOB_TRANSITIONS: dict[JobPhase, set[JobPhase]] = {
 }
 
 
-TABLES: dict[str, tuple[type[Enum], dict]] = {  # a lifecycle's transition table by its enum's name (``job.codec``)
+TABLES: dict[str, tuple[type[Enum], dict]] = {  # a lifecycle's transition table by its enum's name (``job.state_json``)
     JobPhase.__name__: (JobPhase, JOB_TRANSITIONS),
     NodeState.__name__: (NodeState, NODE_TRANSITIONS),
 }

@@ -54,7 +54,7 @@ def _supervisor(tmp_path, backend, standby="on", takeover=False):
 
 def _tree(v):
     """``v`` as nested plain values with their type names, ports left out: the comparison of two states, written
-    apart from ``job.codec`` (a set read back as a list, an int as a float, a field dropped: all differ)."""
+    apart from ``job.state_json`` (a set read back as a list, an int as a float, a field dropped: all differ)."""
     if isinstance(v, (Enum, bool, int, float, str, type(None), Path)):
         return (type(v).__name__, v)
     if isinstance(v, (list, tuple)):
@@ -136,7 +136,7 @@ def test_the_whole_job_state_goes_to_the_standby_and_back(tmp_path):
         s.events.close()
 
 
-def test_a_state_the_codec_cannot_carry_is_an_error_not_a_dropped_field(tmp_path):
+def test_a_state_that_cannot_travel_is_an_error_not_a_dropped_field(tmp_path):
     leader = _supervisor(tmp_path, _Backend(standby=True))
     leader.state.gens.listener = lambda: None  # neither annotated (state) nor a port
     with pytest.raises(TypeError, match="GenerationPublisher.listener"):

@@ -57,7 +57,7 @@ class Settled:
 
 
 class IncidentTracker:
-    PORTS = ("detect",)  # configuration: the standby reads its own (``job.codec``)
+    PORTS = ("detect",)  # configuration: the standby reads its own (``job.state_json``)
     current: Incident | None
     _fault_t: float | None
 

@@ -52,7 +52,7 @@ def check_every(heartbeat_s: float) -> float:
 
 
 class NodeTable:
-    PORTS = ("events", "on_change")  # not state: the standby's own (``job.codec``)
+    PORTS = ("events", "on_change")  # not state: the standby's own (``job.state_json``)
     drain: bool
     nodes: dict[str, Node]
 

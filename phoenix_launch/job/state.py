@@ -5,7 +5,7 @@ generations, the incident being gathered, the recovery being watched, the attemp
 the silent-data-corruption suspects and the straggler watch. Two fields are ports, not state: ``out`` (the
 :class:`~phoenix_launch.effects.Outbox` every act goes through) and ``reads`` (:class:`Reads`: what the step
 reads of the store and the scheduler; the store is never written through it). The standby holds the state whole:
-:func:`dump` writes it (``job.codec``: no list of fields), :func:`load` makes a new leader's state the lost one's.
+:func:`dump` writes it (``job.state_json``: no list of fields), :func:`load` makes a new leader's state the lost one's.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from phoenix_launch.decide.sdc import Suspects
 from phoenix_launch.detect.nodes import NodeTable
 from phoenix_launch.detect.straggler import StragglerWatch
 from phoenix_launch.effects import Outbox, PutValue
-from phoenix_launch.job import codec
+from phoenix_launch.job import state_json
 from phoenix_launch.lifecycle import JOB_TRANSITIONS, JobPhase, Lifecycle
 from phoenix_launch.observe.status import DigestCache
 from phoenix_launch.repair import checkpoints
@@ -173,9 +173,9 @@ class StateVersionError(ValueError):
 
 
 def dump(s: JobState, memo: dict[int, str] | None = None) -> dict[str, Any]:
-    """The whole state, less its ports, as JSON's types (``job.codec``): what the leader publishes to its standby.
+    """The whole state, less its ports, as JSON's types (``job.state_json``): what the leader publishes to its standby.
     ``memo``: memberships' JSON by generation, kept by the publisher between calls."""
-    return {"version": STATE_VERSION, "state": codec.encode(s, memo)}
+    return {"version": STATE_VERSION, "state": state_json.encode(s, memo)}
 
 
 def load(s: JobState, doc: dict[str, Any]) -> None:
@@ -184,6 +184,6 @@ def load(s: JobState, doc: dict[str, Any]) -> None:
     anew (effects)."""
     if doc.get("version") != STATE_VERSION:
         raise StateVersionError(f"the leader's state is of version {doc.get('version')!r}; this standby reads {STATE_VERSION}")
-    codec.decode(JobState, doc["state"], into=s)
+    state_json.decode(JobState, doc["state"], into=s)
     s.out.add(PutValue(protocol.K_PROTECT_EVERY, str(s.reprotector.every)))
     s.gens.rewrite()

@@ -92,7 +92,7 @@ class Ladder:
     how the next job resumes (``phoenix-run --resume RUN_DIR``). Each rung is an event with its reason and cost.
     The first two rungs (hot-swap, waiting for a spare) are ``decide.py``'s."""
 
-    PORTS = ("events",)  # not state: the standby's own (``job.codec``)
+    PORTS = ("events",)  # not state: the standby's own (``job.state_json``)
     run_dir: Path
     limit: int
     used: int

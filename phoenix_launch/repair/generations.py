@@ -30,7 +30,7 @@ class GenerationPublisher:
     """The generations' state (the current one, the last stable one, the swept ones); each act on the store is an
     effect in ``out`` (:mod:`phoenix_launch.effects`)."""
 
-    PORTS = ("out", "domains")  # not state: the standby's own (``job.codec``)
+    PORTS = ("out", "domains")  # not state: the standby's own (``job.state_json``)
     world_size: int
     nproc: int
     run_id: str
