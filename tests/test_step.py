@@ -4,6 +4,8 @@ or one incident path (what only real processes can show stays in the end-to-end 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch.distributed as dist
 
@@ -13,7 +15,7 @@ from phoenix_launch.config import build_config
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch import effects as fx
 from phoenix_launch.job.interpret import Interpreter
-from phoenix_launch.job.state import JobState, Reads, record
+from phoenix_launch.job.state import JobState, Reads, dump, load
 from phoenix_launch.job.step import AgentExit, Decided, Heartbeats, Injected, Signalled, Tick, step
 from phoenix_launch.lifecycle import JobPhase, NodeState
 from phoenix_launch.observe.status import DigestCache
@@ -339,12 +341,20 @@ def test_a_spare_lost_is_not_an_incident(tmp_path):
     assert job.s.nodes["s0"].state is NodeState.FAILED
 
 
-def test_the_mirror_record_is_built_from_the_state(tmp_path):
+def test_a_state_taken_over_mid_recovery_goes_on_where_the_leader_was(tmp_path):
+    """The whole state through the standby's JSON into a new leader's: the recovery it was watching ends there (its
+    ``recovery`` event counts from the fault the lost leader saw), its keys written in the new store."""
     job = Job(tmp_path)
     job.settle(AgentExit("n1", -9))
-    rec = record(job.s)
-    assert (rec.gen, rec.job, rec.members.joiners) == (1, "recovering", (2, 3))
-    assert {n.name: n.state for n in rec.nodes} == {"n0": "active", "n1": "failed", "s0": "joining"}
+    new = Job(tmp_path)
+    load(new.s, json.loads(json.dumps(dump(job.s))))
+    assert (new.s.gen, new.s.phase.state, new.s.gens.members.joiners) == (1, JobPhase.RECOVERING, (2, 3))
+    assert {n.name: n.state for n in new.s.nodes} == {"n0": NodeState.ACTIVE, "n1": NodeState.FAILED, "s0": NodeState.JOINING}
+    assert protocol.get_value(new.store, protocol.K_GEN) == "1"
+    eff = new.recover(6.0)
+    assert new.s.phase.state is JobPhase.RUNNING and new.s.nodes["s0"].state is NodeState.ACTIVE
+    assert events(eff, "node_state")[0]["why"] == "recovered in generation 1"
+    assert new.s.recovery.current is not None and new.s.recovery.current.t_detect == job.s.recovery.current.t_detect
 
 
 def test_a_job_whose_every_rank_finished_is_not_recovered_and_ends(tmp_path):
