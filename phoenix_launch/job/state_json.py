@@ -49,6 +49,16 @@ def _find_hints(cls: type) -> dict[str, Any]:
 
 def encode(value: Any, memo: dict[int, str] | None = None) -> Any:
     """``value`` as JSON's types. ``memo``: memberships' JSON by generation, kept between calls by the caller."""
+    t = type(value)
+    if t in _SCALARS:  # (the most values: checked first, by their exact type)
+        return value
+    if t is list or t is tuple:
+        return [encode(v, memo) for v in value]
+    plan = _PLANS.get(t)
+    if plan is not None:  # an object of a class seen before
+        if plan[1] is not None and not plan[1].issuperset(vars(value)):
+            _stray(value, plan[1])
+        return {n: encode(getattr(value, n), memo) for n in plan[0]}
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, _SCALARS):
@@ -70,7 +80,22 @@ def encode(value: Any, memo: dict[int, str] | None = None) -> Any:
         return memo[value.gen]
     if isinstance(value, Lifecycle):
         return {"of": type(value.state).__name__, "state": value.state.value, "history": encode(value.history)}
-    return _encode_object(value, memo)
+    if callable(value) or not hasattr(value, "__dict__") and not dataclasses.is_dataclass(value):
+        raise TypeError(f"{t.__name__} is not state: name the attribute that holds it in its owner's PORTS")
+    hints = _hints(t)
+    # a plain class's attributes are checked on every call: one set in __init__ but neither annotated nor a port
+    known = None if dataclasses.is_dataclass(value) else frozenset(hints) | frozenset(getattr(t, "PORTS", ()))
+    _PLANS[t] = (tuple(hints), known)
+    return encode(value, memo)
+
+
+# class -> (its state's attribute names, every attribute it may have: None for a dataclass, whose fields are fixed)
+_PLANS: dict[type, tuple[tuple[str, ...], frozenset[str] | None]] = {}
+
+
+def _stray(value: Any, known: frozenset[str]) -> None:
+    name, cls = sorted(set(vars(value)) - known)[0], type(value).__name__
+    raise TypeError(f"{cls}.{name} is neither annotated (state) nor in {cls}.PORTS")
 
 
 def _sorted(items: set | frozenset) -> list:
@@ -79,19 +104,6 @@ def _sorted(items: set | frozenset) -> list:
         return sorted(items)
     except TypeError:
         return sorted(items, key=repr)
-
-
-def _encode_object(value: Any, memo: dict[int, str] | None) -> dict[str, Any]:
-    cls = type(value)
-    if callable(value) or not hasattr(value, "__dict__") and not dataclasses.is_dataclass(value):
-        raise TypeError(f"{cls.__name__} is not state: name the attribute that holds it in its owner's PORTS")
-    hints = _hints(cls)
-    if not dataclasses.is_dataclass(value):
-        ports = set(getattr(cls, "PORTS", ()))
-        stray = [n for n in vars(value) if n not in hints and n not in ports]
-        if stray:
-            raise TypeError(f"{cls.__name__}.{stray[0]} is neither annotated (state) nor in {cls.__name__}.PORTS")
-    return {n: encode(getattr(value, n), memo) for n in hints}
 
 
 def decode(hint: Any, data: Any, into: Any = None) -> Any:
