@@ -406,7 +406,7 @@ def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> None:
     planner's plan from N descriptors (one joiner), the plan's bytes every other rank reads, and the steady pairs
     a rank derives for itself at each generation (8 ranks a node, k = 1)."""
     sys.path.insert(0, str(ROOT))
-    from phoenix_runtime.layout import Layout
+    from phoenix_runtime.layout import Layout, _ring_order
     from phoenix_runtime.protection.pairs import steady_pairs
     from phoenix_runtime.recover.recovery import Descriptor, plan_for_layout
 
@@ -419,8 +419,9 @@ def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> None:
                  else Descriptor(1, False) for r in range(n)]
         t0 = time.perf_counter()
         course = plan_for_layout(descs, layout, n, replicated=False)
+        _ring_order.cache_clear()  # a new generation's layout: its ring is not cached yet
         t1 = time.perf_counter()
-        pairs = steady_pairs(layout, 1, n // 2)  # what one rank forms: its own pairs
+        pairs = steady_pairs(layout, 1, n // 2)  # what one rank forms: its own pairs (its DP group's ring included)
         t2 = time.perf_counter()
         wire = len(course.to_json())
         mean_desc = sum(len(d.to_json()) for d in descs[:1000]) / min(n, 1000)
