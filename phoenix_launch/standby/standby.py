@@ -169,7 +169,8 @@ def take_over_job(sup: Any, pub: mirror.Published, incarnation: int, lost_how: s
     leader = pub.leader_node
     sup.standby.await_agents({n.name for n in sup.nodes if n.up and n.state not in ENDED and n.name != leader}, t_lost)
     gens = sup.state.gens
-    if gens.members.gen != gens.stable.gen or was != JobPhase.RUNNING.value:  # a recovery under way: formed again
+    recovering = gens.members.gen != gens.stable.gen or was != JobPhase.RUNNING.value
+    if recovering and sup.job.state is JobPhase.RUNNING:  # a recovery under way: formed again (not a job stopping)
         sup.execute(decisions.reform("takeover", "the leader was lost during a recovery"), now)
     if leader and leader in sup.nodes and sup.nodes[leader].state not in ENDED:
         if lost_how in ("refused", "frozen"):
