@@ -526,11 +526,11 @@ class ProtectedTraining:
         live = None if self.ctx.joining else (rs.step, True)
         if live is not None and rs.first_step is None:
             rs.first_step = rs.step
-        RecoverySession(self.ctx, rs, self).run(self.ctx.gen, live, {"t0": time.time(), "cpu0": time.process_time(), "calls0": CALLS[0]}, formed=True)
+        RecoverySession(self.ctx, rs, self).run(self.ctx.gen, live, {"t0": time.time(), "cpu0": time.process_time(), "tcpu0": time.thread_time(), "calls0": CALLS[0]}, formed=True)
 
     def recover(self, cause: BaseException) -> None:
         """The step guard caught a failure: quiesce, then recover in the next generation."""
-        marks = {"t0": time.time(), "cpu0": time.process_time(), "calls0": CALLS[0]}  # this process's CPU and store calls so far
+        marks = {"t0": time.time(), "cpu0": time.process_time(), "tcpu0": time.thread_time(), "calls0": CALLS[0]}  # this process's CPU and store calls so far
         ctx = self.ctx
         STATE.enter("recovering")
         log.info(f"step {self.rs.step}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")

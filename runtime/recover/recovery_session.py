@@ -350,6 +350,9 @@ class RecoverySession:
             # this process's CPU seconds in the recovery, all its threads: flat in N where the recovery scales (on
             # a few shared cores, N x this bounds the recovery's time from below: bench/recovery_scale.py)
             "cpu_s": round(time.process_time() - marks["cpu0"], 4),
+            # of it, the recovering thread's own: the rest is the rank's other threads while it waits (their CPU
+            # grows with the recovery's wall time, which grows with the load of N ranks on a few shared cores)
+            "thread_cpu_s": round(time.thread_time() - marks.get("tcpu0", time.thread_time()), 4),
             "store_calls": CALLS[0] - marks.get("calls0", 0),  # round trips to the central store, every thread's
         }
         self.rs.stats["recoveries"].append({"gen": gen, "step": plan.step, **breakdown})
