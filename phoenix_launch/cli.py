@@ -117,6 +117,10 @@ def run(
         script = argv[0]
     if not module and script is not None and not Path(script).is_file():
         raise fail(f"training script {script!r} not found")
+    from phoenix_launch import env_names
+
+    for warning in env_names.warnings(os.environ):  # a typo in a PHOENIX_* name would be ignored without a word
+        typer.echo(f"phoenix-run: warning: {warning}", err=True)
     flags: dict[str, dict[str, Any]] = {}  # the configuration given on the command line
     try:
         if config is None and resume is not None and (resume / "config.yaml").is_file():
