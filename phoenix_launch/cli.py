@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import typer
 
+from phoenix_launch import kill_cli
 from phoenix_launch.config import ConfigError, build_config, load_yaml
 from phoenix_runtime import logs
 from phoenix_runtime.errors import PhoenixError
@@ -349,27 +350,25 @@ def status(run_dir: Optional[str] = typer.Argument(None, help="Run directory (de
 
 @app.command("kill-node")
 def kill_node(
-    target: str = typer.Argument(..., help="A node name, or rank:R."),
-    mode: str = typer.Option("crash", "--mode", help="crash | rank | hang | comm | gpu-ecc | pcie | late | slow"),
-    at_step: Optional[int] = typer.Option(None, "--at-step", help="Arm the fault to fire when the ranks reach step N."),
-    factor: Optional[float] = typer.Option(None, "--factor", help="Mode slow: the rank's forward takes F times as long."),
-    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default: the newest under .)."),
+    target: str = typer.Argument(..., metavar="TARGET", help=kill_cli.HELP["target"]),
+    mode: str = typer.Option("crash", "--mode", metavar="MODE", help=kill_cli.HELP["mode"]),
+    at_step: Optional[int] = typer.Option(None, "--at-step", metavar="N", help=kill_cli.HELP["at_step"]),
+    phase: Optional[str] = typer.Option(None, "--phase", metavar="PHASE", help=kill_cli.HELP["phase"]),
+    factor: Optional[float] = typer.Option(None, "--factor", metavar="F", help=kill_cli.HELP["factor"]),
+    tensor: Optional[str] = typer.Option(None, "--tensor", metavar="KIND[:NAME]", help=kill_cli.HELP["tensor"]),
+    bit: Optional[int] = typer.Option(None, "--bit", metavar="BIT", help=kill_cli.HELP["bit"]),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", metavar="RUN_DIR", help=kill_cli.HELP["run_dir"]),
 ) -> None:
     """Inject a failure into a running job."""
-    from phoenix_launch.observe.events import find_run_dir
-    from phoenix_launch.plane.inject import MODES, InjectError, send_command
-    from phoenix_runtime.plane.protocol import KillCommand
-
-    if mode not in MODES:
-        raise fail(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
-    try:
-        rdir = find_run_dir(run_dir)
-        reply = send_command(rdir, KillCommand(target=target, mode=mode, at_step=at_step, factor=factor))
-    except (FileNotFoundError, InjectError) as e:
-        raise fail(str(e), 1) from None
-    if not reply.get("ok"):
-        raise fail(reply.get("error", "refused"), 2 if reply.get("usage") else 1)
-    typer.echo(f"phoenix-run kill-node: {reply['message']}")
+    # ``main`` sends kill-node to kill_cli (argparse: it answers at once); this declaration is its help, and the
+    # same command when the app is called directly
+    args = [target, "--mode", mode]
+    for flag, v in (("--at-step", at_step), ("--phase", phase), ("--factor", factor), ("--tensor", tensor),
+                    ("--bit", bit), ("--run-dir", run_dir)):
+        args += [flag, str(v)] if v is not None else []
+    code = kill_cli.main(args)
+    if code:
+        raise typer.Exit(code)
 
 
 def _register_extras(which: str | None) -> None:
