@@ -118,10 +118,6 @@ def run(
         script = argv[0]
     if not module and script is not None and not Path(script).is_file():
         raise fail(f"training script {script!r} not found")
-    from phoenix_launch import env_names
-
-    for warning in env_names.warnings(os.environ):  # a typo in a PHOENIX_* name would be ignored without a word
-        typer.echo(f"phoenix-run: warning: {warning}", err=True)
     flags: dict[str, dict[str, Any]] = {}  # the configuration given on the command line
     try:
         if config is None and resume is not None and (resume / "config.yaml").is_file():
@@ -386,6 +382,28 @@ def _register_extras(which: str | None) -> None:
         app.command("sbatch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(sbatch)
 
 
+def _warn_unknown_env() -> None:
+    """A typo in a ``PHOENIX_*`` name would be ignored without a word: one line each (``env_names``)."""
+    from phoenix_launch import env_names
+
+    for warning in env_names.warnings(os.environ):
+        typer.echo(f"phoenix-run: warning: {warning}", err=True)
+
+
+def _kill_node_help() -> None:
+    """``kill-node --help``: typer's help of ``kill_node`` as every other command's (argparse parses a kill)."""
+    import click
+
+    cmd = typing.cast(click.Group, typer.main.get_command(app)).commands["kill-node"]
+    with click.Context(cmd, info_name="phoenix-run kill-node") as ctx:
+        text = cmd.get_help(ctx)  # as _top_help: rich's prints itself
+    try:
+        sys.stdout.write(text + "\n" if text else "")
+        sys.stdout.flush()
+    except BrokenPipeError:  # ``| head``: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _top_help() -> None:
     """``phoenix-run --help``: the run command's options under the name ``phoenix-run`` (the default command)."""
     import click
@@ -424,9 +442,9 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     first = args[0] if args else None
     if first == "kill-node":  # answers at once: argparse, not typer (whose parameters import pydantic)
-        from phoenix_launch.kill_cli import main as kill_node_main
-
-        raise SystemExit(kill_node_main(args[1:]))
+        if "--help" in args or "-h" in args:
+            return _kill_node_help()  # typer's help, as every command's
+        raise SystemExit(kill_cli.main(args[1:]))
     if first in ("simulate", "sbatch", "report"):
         _register_extras(first)
     elif first in (None, "--help", "-h"):
@@ -441,6 +459,7 @@ def main(argv: list[str] | None = None) -> None:
         args = ["run", *args]  # phoenix-run [OPTIONS] SCRIPT ARGS...: the default command
     if args[0] == "run":
         args = ["run", *_torchrun_flags(args[1:])]
+        _warn_unknown_env()
     try:
         app(args=args, prog_name="phoenix-run")
     except PhoenixError as e:  # any refusal not turned into a message where it was raised: one line

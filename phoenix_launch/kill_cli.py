@@ -6,16 +6,16 @@ once, and typer's parameter handling imports pydantic (more CPU time than the re
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from typing import NoReturn
 
 from phoenix_runtime.plane.settings import FAULT_MODES, FAULT_PHASES, SDC_TARGETS
 
 EXIT_USAGE = 2
 
 
-#: the help of each option, in one place: this parser's and the help's (``cli.kill_node``, typer's, rendered by
-#: :func:`help_text` as every other command's help is)
+#: the help of each option, in one place: this parser's and the help's (``cli.kill_node``, typer's: ``kill-node
+#: --help`` prints it as every other command's help, ``cli.main``)
 HELP = {
     "target": "A node name, or rank:R.",
     "mode": "What fails: " + " | ".join(FAULT_MODES) + ".",
@@ -29,7 +29,7 @@ HELP = {
 }
 
 
-#: the first line of :func:`help_text`, which a usage error repeats (as typer's commands do)
+#: the first line of ``kill-node --help``, which a usage error repeats (as typer's commands do)
 USAGE = "Usage: phoenix-run kill-node [OPTIONS] {TARGET}"
 
 
@@ -38,12 +38,12 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise _UsageError(message)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="phoenix-run kill-node", add_help=False)  # --help: help_text()
+    p = _Parser(prog="phoenix-run kill-node", add_help=False)  # --help: cli.main prints typer's
     p.add_argument("target", help=HELP["target"])
     p.add_argument("--mode", default="crash", help=HELP["mode"])
     p.add_argument("--at-step", type=int, default=None, help=HELP["at_step"])
@@ -55,33 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def help_text() -> str:
-    """The help of ``cli.kill_node`` (typer's, as every other command's: plain text outside a terminal, every
-    option name whole); in a terminal typer's rich help prints itself and this returns "". Only ``--help``
-    builds it: parsing a kill stays with argparse."""
-    import typer
-
-    from phoenix_launch.cli import app
-
-    cmd = typer.main.get_command(app).commands["kill-node"]  # type: ignore[attr-defined]
-    with cmd.context_class(cmd, info_name="phoenix-run kill-node") as ctx:
-        return cmd.get_help(ctx)
-
-
 def _fail(msg: str, code: int) -> int:
     print(f"phoenix-run: error: {msg}", file=sys.stderr)
     return code
 
 
 def main(args: list[str]) -> int:
-    if "--help" in args or "-h" in args:
-        text = help_text()
-        try:
-            sys.stdout.write(text + "\n" if text else "")
-            sys.stdout.flush()
-        except BrokenPipeError:  # ``| head``: the reader has what it wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     try:
         a = _parser().parse_args(args)
     except _UsageError as e:  # as typer's commands say a usage error
