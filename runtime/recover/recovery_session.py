@@ -215,7 +215,7 @@ class RecoverySession:
             elif me == j:
                 local, meta = recv_named(transport, plan.param_src[j], R, ctx.recovery_timeout, resends=ctx.settings.resends)
                 if ops.kind == "fsdp":  # buffers only: the shards come with the re-sharding (reshard_state)
-                    state.load_buffers(ops.objs.module, local)
+                    state.load_boundary(ops.objs, local)
                 else:
                     state.load_local(ops.objs, {}, local, meta)
                 state.restore_envelope(meta, ops.objs)
@@ -337,6 +337,7 @@ class RecoverySession:
     def _finish(self, gen: int, plan: Plan, live, marks: dict) -> None:
         ctx = self.ctx
         self.ops.resumed(plan.step, plan.first_step)
+        self.ops.rs.reapply_scaler = state.scaler_tensors(self.ops.objs.scaler)  # what a reapply at R restores again
         ctx.joining = False
         ctx.delete_old_keys()
         t_end = time.time()
