@@ -383,9 +383,9 @@ def main(argv=None):
             if a.pp:
                 loss = pipeline_step(training, *batch(a, step, rank, dp_rank))
             else:
-                # its data rank's micro-batch, and after PHOENIX shrank the job keeping the batch (DDP, FSDP2) a part
+                # its data rank's micro-batch, and after PHOENIX shrank the job keeping the batch (DDP, FSDP2, HSDP) a part
                 # of each lost one's (training.data_slices: the even split)
-                shares = [(dp_rank, 0, a.batch, 1.0, True)] if a.tp or a.hsdp else training.data_slices(a.batch)
+                shares = [(dp_rank, 0, a.batch, 1.0, True)] if a.tp else training.data_slices(a.batch)
                 for d, lo, hi, scale, last in shares:
                     with training.accumulating(last):
                         x, y = batch(a, step, rank, d)

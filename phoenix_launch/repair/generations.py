@@ -141,7 +141,8 @@ class AttemptProgress:
     step_time_s: float = 0.0
     unrecoverable: dict[int, protocol.Unrecoverable] = field(default_factory=dict)  # ranks that cannot recover
     unrecoverable_t0: float | None = None
-    dp_sizes: dict[int, int] = field(default_factory=dict)  # rank -> the DP size it reported (0: cannot shrink)
+    dp_sizes: dict[int, int] = field(default_factory=dict)  # rank -> the DP replicas it reported (0: cannot shrink)
+    dp_stride: int = 1  # the stride of a replica's index the ranks reported (``job/replicas.py``)
     runtime_seen: bool = False  # a rank of this job (this attempt or one before) runs the PHOENIX runtime
 
 

@@ -143,9 +143,11 @@ class RecoverySession:
                           tuple(s for s in sorted(committed) if s not in corrupt), reps, self.rs.first_step or 0, corrupt)
 
     def _resized(self) -> str:
-        """"shrink" / "grow" when this generation changed the world's size (``Membership.prev``), else ""."""
+        """"shrink" / "grow" when this generation changed the world's size (``Membership.prev``) and the state must
+        be re-partitioned for it, else "" (HSDP drops or adds whole replica groups: every rank keeps its shard, the
+        recovery is a plain one in the new world, a grow's joiners taking their shards from their DP peers)."""
         m = self.ctx.members
-        if m is None or not m.prev:
+        if m is None or not m.prev or getattr(getattr(self.ops, "parallel", None), "whole_replicas", False):
             return ""
         return "grow" if min(m.prev) < 0 else "shrink"
 
