@@ -161,6 +161,11 @@ class JobState:
         sizes = self.attempt.dp_sizes
         return min(sizes.values()) if len(sizes) == self.world_size else 0
 
+    def dp_full(self) -> int:
+        """The job's own data-parallel size in the unit of ``dp_size`` (HSDP: replica groups, not ranks)."""
+        dp = self.dp_size()
+        return self.full_world() // max(1, self.world_size // dp) if dp else 0
+
     def dp_stride(self) -> int:
         """The stride of a replica's index the ranks reported (rank r is in replica (r // stride) % dp_size())."""
         return max(1, self.attempt.dp_stride)
