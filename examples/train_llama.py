@@ -416,7 +416,7 @@ def main(argv=None):
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in training.module.named_parameters()}
         if dist.get_rank() == 0:
             torch.save(full, a.params_file)
-    write_digest(training, a.steps, a.digest_file, world, rank)
+    write_digest(training, a.steps, a.digest_file, dist.get_world_size(), dist.get_rank())  # of now (a resize)
 
 
 if __name__ == "__main__":

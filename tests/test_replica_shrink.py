@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from phoenix_launch.decide import decide as decisions
-from phoenix_launch.effects import PublishGeneration, TellAgent
+from phoenix_launch.effects import DeleteKeys, PublishGeneration, TellAgent
 from phoenix_launch.job import replicas
 from phoenix_launch.job.resize import even_slices, shrunk_ranks
 from phoenix_launch.job.step import AgentExit, Tick
@@ -124,8 +124,10 @@ def test_the_step_shrinks_hsdp_harvests_a_spare_hot_swaps_onto_it_and_grows_by_w
     err = {"phoenix": {"type": "UnrecoverableError", "message": "n0/0 is not a member of generation 1"}}
     eff = j.step(protocol.RankExit(node="n0", slot=0, epoch=0, exit_code=1, error=err), 5.5)
     assert events(eff, "rank_done")[0]["harvested"] and j.s.nodes["n0"].state is NodeState.SPARE
-    j.recover(6.0)
+    eff = j.recover(6.0)
     assert j.s.phase.state is JobPhase.RUNNING and j.s.world_size == 2
+    swept = [k for e in of(eff, DeleteKeys) for k in e.keys]
+    assert protocol.k_agent_hb("n1") in swept and not [k for k in swept if "n0" in k], "a spare's keys kept"
     eff = j.step(AgentExit("n3", -9), 7.0) + j.step(Tick(), 12.0)
     assert decision(eff) == K.HOTSWAP.value and events(eff, "hotswap")[0]["spare"] == "n0"
     (pub,) = of(eff, PublishGeneration)
@@ -170,3 +172,14 @@ def test_hsdp_reports_its_replicas_and_resizes_by_whole_groups():
     assert hsdp.resize(2) is False and hsdp.dims == (("replicate", 1), ("shard", 2)) and not hsdp.replicated
     assert hsdp.resize(4) is False and hsdp.replicated
     assert par({"shard": 4}).droppable(4) == (4, 1) and par({"shard": 2, "tp": 2}).droppable(4) == (0, 1)
+
+
+def test_a_grow_gives_each_joiner_a_survivor_of_its_dp_group():
+    """``plan_grow`` with ``peers`` (HSDP 2 x 2 growing back from one group, survivors ranks 2 and 3): joiner 0 takes
+    its shard from rank 2 and joiner 1 from rank 3 (the same shard coordinate), not any survivor in turn."""
+    from phoenix_runtime.recover.recovery import Descriptor, _DpGroups, plan_grow
+
+    descs = [Descriptor(0, has_state=False), Descriptor(1, has_state=False),
+             Descriptor(2, True, 9, True, (8, 9)), Descriptor(3, True, 9, True, (8, 9))]
+    plan = plan_grow(descs, peers=_DpGroups(Layout(4, tp_size=2))).plan
+    assert plan is not None and plan.param_src == {0: 2, 1: 3} and plan.joiners == (0, 1)
