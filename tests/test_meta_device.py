@@ -50,9 +50,9 @@ def baseline(tmp_path_factory):
 
 
 def rows():
-    """(layout, fault step, extra flags); CI runs FSDP2 and HSDP with bf16 mixed precision, the rest is ``full``."""
-    full = [("hsdp", 5, ()), ("fsdp-mp", 5, ()), ("tp", 5, ()), ("fsdp", 0, ("--init-weights",))]
-    return [pytest.param("fsdp", 5, (), id="fsdp"), pytest.param("hsdp-mp", 5, (), id="hsdp-mp")] + [
+    """(layout, fault step, extra flags); CI runs FSDP2, the rest is ``full`` (HSDP loses a node in test_fsdp.py)."""
+    full = [("hsdp-mp", 5, ()), ("hsdp", 5, ()), ("fsdp-mp", 5, ()), ("tp", 5, ()), ("fsdp", 0, ("--init-weights",))]
+    return [pytest.param("fsdp", 5, (), id="fsdp")] + [
         pytest.param(*v, marks=[pytest.mark.full], id=f"{v[0]}-step{v[1]}{''.join(v[2])}") for v in full]
 
 

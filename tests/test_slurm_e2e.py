@@ -380,10 +380,11 @@ def submit_swap_job(cluster: SlurmCluster, tmp_path: Path) -> tuple[Path, Path, 
 
 
 # batch-host behind full: batch-host-partition takes the same takeover path (and the watchdog's cut before it);
+# batch-host-partition behind full for the suite's time: the leader's loss is test_leader_process_lost_alone...;
 # scontrol-down behind full: Slurm ends the node's step instead of a kill; the hot-swap after it is netns-sigkill's
 @pytest.mark.parametrize("how", ["netns-sigkill", pytest.param("scontrol-down", marks=pytest.mark.full),
                                  pytest.param("batch-host", marks=pytest.mark.full),
-                                 "batch-host-partition"])
+                                 pytest.param("batch-host-partition", marks=pytest.mark.full)])
 def test_node_loss_hot_swaps_onto_the_spare(idle_cluster: SlurmCluster, reference: Reference, tmp_path: Path,
                                             how: str) -> None:
     """An active node (not the BatchHost) is lost mid-run: every process of its namespace SIGKILLed (slurmd

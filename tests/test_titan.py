@@ -110,7 +110,9 @@ def test_torchtitan_trains_under_phoenix_run(baseline):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("layout", ["fsdp-tp", "fsdp-pp", pytest.param("hsdp", marks=pytest.mark.full)])
+# fsdp-pp behind full for the suite's time: pipelines lose a node in test_pipeline.py, torchtitan in fsdp-tp
+@pytest.mark.parametrize("layout", ["fsdp-tp", pytest.param("fsdp-pp", marks=pytest.mark.full),
+                                    pytest.param("hsdp", marks=pytest.mark.full)])
 def test_torchtitan_node_lost_is_hot_swapped_bit_identically(tmp_path, assets, baseline, layout):
     """node1 (ranks 2, 3) is SIGKILLed in the forward of step 4; the spare's ranks build torchtitan's trainer,
     parallelise its meta model on the new generation's ParallelDims, take the lost ranks' state, and the run
