@@ -37,8 +37,10 @@ def on_rank_exit(m: protocol.RankExit, s: JobState, now: float) -> None:
     node = s.nodes.get(m.node)
     if node is None or m.epoch < s.epoch or node.state in (*ENDED,):
         return  # a worker of an earlier attempt, or of a node already replaced
-    if node.name in s.harvested and node.state is NodeState.SPARE and NOT_A_MEMBER in str(
-        ((m.error or {}).get("phoenix") or {}).get("message", "")
+    if (
+        node.name in s.harvested
+        and node.state is NodeState.SPARE
+        and NOT_A_MEMBER in str(((m.error or {}).get("phoenix") or {}).get("message", ""))
     ):  # a worker of a replica a shrink dropped, before its agent started it again as a spare: expected
         s.out.emit("rank_done", node=node.name, slot=m.slot, rank=None, harvested=True)
         return

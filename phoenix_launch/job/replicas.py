@@ -2,8 +2,10 @@
 
 Each rank reports the DP replicas a shrink can drop (``dp``) and the stride of a replica's index (``stride``): rank
 ``r`` belongs to replica ``(r // stride) % dp``. Plain DP, ZeRO and FSDP2 over every rank: ``stride`` 1, every rank a
-replica. HSDP ``{"replicate": R, "shard": S}``: R replicas of S consecutive ranks (stride S). A pipeline or TP layout
-``rank = (pp * D + dp) * T + tp`` (``runtime/layout.py``): D replicas with stride T, each spread over every stage.
+replica. HSDP ``{"replicate": R, "shard": S}``: R replicas of S consecutive ranks (stride S); so is PHOENIX's pipeline
+mesh ``{"dp": D, "pp": P}`` (dp outermost: stride P; its runtime side is not built yet: a pipeline reports 0). A
+layout ordered ``rank = (pp * D + dp) * T + tp`` (``runtime/layout.py``): D replicas with stride T, each spread over
+every stage.
 
 A node that lost a rank loses its rank's whole replica: every rank of that replica leaves the job, and the nodes
 that held only ranks of dropped replicas and are healthy become warm spares at once (``harvested``), so the next

@@ -170,8 +170,9 @@ def shrink(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> Non
     # lost, a second loss during a shrink) shrinks from it, without every node that is gone since
     base = gens.stable if s.recovery.active else gens.members
     gone = set(d.lost) | {n.name for n in s.nodes if n.lost or n.state not in (NodeState.ACTIVE, NodeState.JOINING)}
-    drop = replicas.dropped(base, gone, base.world_size // replicas.ranks_per_replica(gens.members.world_size,
-                                                                                        s.dp_size()), s.dp_stride())
+    drop = replicas.dropped(
+        base, gone, base.world_size // replicas.ranks_per_replica(gens.members.world_size, s.dp_size()), s.dp_stride()
+    )
     harvested = drop.harvested if drop is not None else ()
     ranks, data, prev, slices = shrunk_ranks(base, gone | set(harvested), s.cfg.launch.elastic_batch == "keep")
     resize(s, ranks)
