@@ -3,11 +3,13 @@ spare at start, ``launch.replenish``. node1 is lost at step 8: the job drops its
 with one group (the global batch kept: each survivor its own micro-batch and half of each dropped one), and node0,
 healthy, becomes a warm spare at once (status.json, the shrink event). node3 is lost at step 11: a hot-swap onto
 node0. The replenisher's nodes then grow the job back to two groups (only whole groups join), and it exits 0 with
-every (step, sample) of the failure-free run's seen exactly once.
+every (step, sample) of the failure-free run's seen exactly once, and its final parameters and loss within
+tests/test_elastic.py's tolerances of the failure-free run's (same arguments, no fault): the shrunk steps sum the
+gradient in another order, so not bit-identical.
 
 The steps are slowed (``--step-sleep`` while a file exists) until the grow completed, so the job outlives it at any
-machine speed. Cost: one job of 4 ranks plus the replenished agents, about two minutes on the shared 2-core machine:
-a ``full`` row.
+machine speed. Cost: one job of 4 ranks plus the replenished agents (85 s on the shared 2-core machine) and its
+failure-free run: a ``full`` row.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ import json
 import pytest
 import yaml
 
-from conftest import EXAMPLES, events, job_processes, of_type, rank_log_tail, start_phoenix, wait_for
+import torch
+
+from conftest import EXAMPLES, events, job_processes, of_type, rank_log_tail, run_phoenix, start_phoenix, wait_for
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.full]
 
 LLAMA = str(EXAMPLES / "train_llama.py")
 STEPS = 24
 BATCH = 4
+LR = 1e-3
 DETECT = {"heartbeat_s": 0.25, "hang_timeout_s": 6.0, "node_timeout_s": 4.0, "collective_timeout_s": 25.0,
           "settle_s": 0.3, "recovery_timeout_s": 30.0}
 
@@ -36,16 +41,30 @@ def grown(evs) -> bool:
     return any(e.get("path") == "grow" for e in of_type(evs, "recovery"))
 
 
-def test_hsdp_drops_a_replica_group_harvests_its_node_hot_swaps_onto_it_and_grows_back(tmp_path):
-    d = tmp_path
-    cfg = {"detect": DETECT, "runtime": {"replicas": 1}, "launch": {"replenish": True},
-           "inject": {"faults": [crash("node1", 8), crash("node3", 11)]}}
+def job_args(d, faults) -> list[str]:
+    cfg = {"detect": DETECT, "runtime": {"replicas": 1}, "launch": {"replenish": True}, "inject": {"faults": faults}}
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    return ["--config", str(d / "cfg.yaml"), "--nodes", "4", "--nproc-per-node", "1", "--spares", "0",
+            "--run-dir", str(d / "run"), LLAMA, "--steps", str(STEPS), "--lr", str(LR), "--hsdp", "2", "--batch",
+            str(BATCH), "--data-log", str(d / "data.log"), "--params-file", str(d / "params.pt")]
+
+
+def final_loss(d) -> float:
+    """The mean loss of the last step over its data ranks (parts weighted by their samples), its last execution."""
+    rows = [ln.split() for ln in (d / "data.log").read_text().splitlines() if int(ln.split()[0]) == STEPS - 1]
+    last = max(int(r[1]) for r in rows)
+    return sum((int(hi) - int(lo)) * float(v) for _, g, _, _, lo, hi, v in rows if int(g) == last) / (4 * BATCH)
+
+
+def test_hsdp_drops_a_replica_group_harvests_its_node_hot_swaps_onto_it_and_grows_back(tmp_path):
+    (tmp_path / "base").mkdir()
+    base = run_phoenix(job_args(tmp_path / "base", []), tmp_path / "base", timeout=300)
+    assert base.returncode == 0, base.stderr[-2500:]
+    d = tmp_path / "faults"
+    d.mkdir()
     hold, run_dir = d / "hold", d / "run"
     hold.touch()
-    args = ["--config", str(d / "cfg.yaml"), "--nodes", "4", "--nproc-per-node", "1", "--spares", "0",
-            "--run-dir", str(run_dir), LLAMA, "--steps", str(STEPS), "--lr", "1e-3", "--hsdp", "2", "--batch", str(BATCH),
-            "--data-log", str(d / "data.log"), "--step-sleep", "1.0", "--step-sleep-while", str(hold)]
+    args = [*job_args(d, [crash("node1", 8), crash("node3", 11)]), "--step-sleep", "1.0", "--step-sleep-while", str(hold)]
     proc = start_phoenix(args, d)
     spare_seen: list[dict] = []
     try:
@@ -89,3 +108,7 @@ def test_hsdp_drops_a_replica_group_harvests_its_node_hot_swaps_onto_it_and_grow
                   for i in range(int(lo), int(hi)))
     assert seen == [(s, dr, i) for s in range(STEPS) for dr in range(4) for i in range(BATCH)], "a sample lost or seen twice"
     assert not leftover, leftover
+    p, q = torch.load(d / "params.pt"), torch.load(tmp_path / "base" / "params.pt")
+    worst = max((float((p[n] - q[n]).abs().max()), n) for n in q)
+    assert worst[0] <= 0.2 * LR, f"parameter {worst[1]} differs by {worst[0]:.3g}"  # test_elastic.py's PARAM_ATOL
+    assert abs(final_loss(d) - final_loss(tmp_path / "base")) <= 1e-5 * abs(final_loss(tmp_path / "base"))
