@@ -147,8 +147,14 @@ class Layout:
 
     def dp_group(self, rank: int) -> list[int]:
         """Ranks with the same (pp, tp) as ``rank``, ordered by dp index."""
+        first, stop, stride = self._dp_slice(rank)
+        return list(range(first, stop, stride))
+
+    def _dp_slice(self, rank: int) -> tuple[int, int, int]:
+        """``rank``'s DP group as a slice of the ranks (start, stop, step): ``rank_of(pp, d, tp)`` for every d."""
         pp, _, tp = self.coord(rank)
-        return [self.rank_of(pp, d, tp) for d in range(self.dp_size)]
+        first = pp * self.dp_size * self.tp_size + tp
+        return first, first + self.dp_size * self.tp_size, self.tp_size
 
     def node_of(self, rank: int) -> str:
         self._check_rank(rank)
@@ -172,12 +178,13 @@ class Layout:
     # -- replica placement -------------------------------------------------------------------
     def replica_ring(self, rank: int, k: int) -> list[int]:
         """The placement ring of ``rank``'s DP group for replication factor ``k``."""
-        group = tuple(self.dp_group(rank))
+        sl = slice(*self._dp_slice(rank))
+        group = range(self.world_size)[sl]
         if k <= 0 or len(group) < 2:
             return list(group)
         kk = min(k, len(group) - 1)
-        nodes = tuple(self.nodes[r] if self.nodes else "" for r in group)
-        doms = tuple(self.domains[r] if self.domains else "" for r in group)
+        nodes = tuple(self.nodes[sl]) if self.nodes else ("",) * len(group)
+        doms = tuple(self.domains[sl]) if self.domains else ("",) * len(group)
         order = _ring_order(nodes, doms, kk)
         return [group[i] for i in order]
 
@@ -405,12 +412,37 @@ def _greedy_ring(n: int, k: int, node: list[object], dom: list[object], node_lef
     return ring
 
 
+def _dealt_ring(node: list[object], doms: tuple[str, ...], k: int) -> tuple[int, ...] | None:
+    """The ring dealt node by node in O(n k): the first member of every node (in the order nodes first appear), then
+    every node's second, and so on; one rank a node gives dp order. Taken when no window of k + 1 positions holds a
+    node twice and no failure domain spans two nodes (then domains add nothing to nodes); else None, and the greedy
+    decides. The usual DP group (R ranks on each of M > k nodes, or one rank a node) is dealt: the greedy, O(n^2)
+    with its swaps, would take seconds at 10^4-10^5 members in every recovery."""
+    owner: dict[object, object] = {}
+    for d, nd in zip(doms, node):
+        if d and owner.setdefault(d, nd) != nd:
+            return None
+    members: dict[object, list[int]] = {}
+    for i, nd in enumerate(node):
+        members.setdefault(nd, []).append(i)
+    rows = max(len(m) for m in members.values())
+    ring = [m[row] for row in range(rows) for m in members.values() if row < len(m)]
+    n = len(ring)
+    for j in range(1, min(k, n - 1) + 1):
+        if any(node[ring[i]] == node[ring[(i + j) % n]] for i in range(n)):
+            return None
+    return tuple(ring)
+
+
 @functools.lru_cache(maxsize=256)
 def _ring_order(nodes: tuple[str, ...], doms: tuple[str, ...], k: int) -> tuple[int, ...]:
     n = len(nodes)
     if not any(nodes) and not any(doms):
         return tuple(range(n))  # nothing known: plain dp order
     node = _labels(nodes)
+    dealt = _dealt_ring(node, doms, k)
+    if dealt is not None:
+        return dealt
     # an unknown domain is the rank's node (so the top level of the greedy still groups by node)
     dom: list[object] = [d if d else ("node", nd) for d, nd in zip(doms, node)] if doms else [("node", nd) for nd in node]
     node_left: dict[object, int] = {}

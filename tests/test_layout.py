@@ -227,3 +227,46 @@ def test_steady_pairs_are_each_ranks_ring_successors_and_tree_parent(k):
         assert steady_pairs(layout, k) == sorted(want)
         for r in range(layout.world_size):  # what a rank forms: its own pairs, read off its group's ring alone
             assert steady_pairs(layout, k, r) == own_pairs(sorted(want), r), (layout, r)
+
+
+def test_members_each_on_their_own_node_keep_dp_order_as_the_greedy_gives_it():
+    """A DP group whose members are each on a node (and a domain) of their own is dealt in dp order without the
+    greedy (O(n k): the recovery computes it for a group of the world's size in plain DP); the greedy, run on the
+    same labels, gives that order too."""
+    from phoenix_runtime import layout as layout_module
+
+    rng = random.Random(3)
+    for n in (2, 3, 5, 16, 33):
+        for k in (1, 2, 3):
+            kk = min(k, n - 1)
+            names = tuple(f"h{rng.randrange(10**6)}-{i}" for i in range(n))
+            for doms in ((), tuple("" for _ in range(n)), tuple(f"d{i}" for i in range(n))):
+                assert layout_module._ring_order(names, doms, kk) == tuple(range(n))
+                dom = [d if d else ("node", x) for d, x in zip(doms, names)] if doms else [("node", x) for x in names]
+                greedy = layout_module._greedy_ring(n, kk, list(names), dom, dict.fromkeys(names, 1), dict.fromkeys(dom, 1))
+                layout_module._improve_by_swaps(greedy, kk, list(names), dom)
+                assert greedy == list(range(n)), (n, k, doms[:1])
+    # a shared domain (a rack) is not the fast path: the greedy interleaves
+    racks = tuple(f"r{i // 3}" for i in range(6))
+    assert layout_module._ring_order(tuple(f"h{i}" for i in range(6)), racks, 1) != tuple(range(6))
+
+
+def test_equal_nodes_are_dealt_without_a_conflict_and_shared_domains_go_to_the_greedy():
+    """R ranks on each of M > k nodes (plain DP at 8 a node, blocked or shuffled): the ring is dealt node by node,
+    in O(n k) (1,024 members here; the greedy's swaps are quadratic), with no node twice in a window; a failure
+    domain over two nodes, or too few nodes for k, is left to the greedy."""
+    from phoenix_runtime import layout as layout_module
+
+    rng = random.Random(5)
+    for per, m, k in ((8, 128, 1), (8, 128, 2), (4, 5, 3), (2, 3, 2)):
+        nodes = [f"n{i // per}" for i in range(per * m)]
+        for shuffled in (False, True):
+            if shuffled:
+                rng.shuffle(nodes)
+            ring = layout_module._dealt_ring(layout_module._labels(tuple(nodes)), (), k)
+            assert ring is not None and sorted(ring) == list(range(per * m))
+            assert all(nodes[ring[i]] != nodes[ring[(i + j) % len(ring)]] for i in range(len(ring)) for j in range(1, k + 1))
+    two = [f"n{i // 4}" for i in range(8)]
+    assert layout_module._dealt_ring(layout_module._labels(tuple(two)), (), 2) is None  # 2 nodes, k = 2
+    racks = tuple("r0" if i < 8 else "r1" for i in range(16))
+    assert layout_module._dealt_ring(layout_module._labels(tuple(f"n{i // 4}" for i in range(16))), racks, 1) is None

@@ -156,6 +156,7 @@ class Agent:
                 protocol.ENV_RUNTIME_CFG: s.runtime_json,
                 protocol.ENV_RESUME: s.resume,
                 protocol.ENV_ERROR_FILE: str(error_file),
+                protocol.ENV_LOG_FILE: str(self.log_dir / f"{slot}.{attempt}.log"),
                 "PHOENIX_RUN_ID": s.run_id,
                 "PHOENIX_ATTEMPT": str(attempt),
             }

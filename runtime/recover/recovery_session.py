@@ -221,7 +221,7 @@ class RecoverySession:
             elif me == j:
                 local, meta = recv_named(transport, plan.param_src[j], R, ctx.recovery_timeout, resends=ctx.settings.resends)
                 if ops.kind == "fsdp" and not self._whole():  # buffers only: the shards come with the re-sharding
-                    state.load_buffers(ops.objs.module, local)
+                    state.load_boundary(ops.objs, local)
                 else:
                     state.load_local(ops.objs, {}, local, meta)
                 state.restore_envelope(meta, ops.objs)
@@ -343,6 +343,7 @@ class RecoverySession:
     def _finish(self, gen: int, plan: Plan, live, marks: dict) -> None:
         ctx = self.ctx
         self.ops.resumed(plan.step, plan.first_step)
+        self.ops.rs.reapply_scaler = state.scaler_tensors(self.ops.objs.scaler)  # what a reapply at R restores again
         ctx.joining = False
         ctx.delete_old_keys()
         t_end = time.time()
@@ -356,6 +357,9 @@ class RecoverySession:
             # this process's CPU seconds in the recovery, all its threads: flat in N where the recovery scales (on
             # a few shared cores, N x this bounds the recovery's time from below: bench/recovery_scale.py)
             "cpu_s": round(time.process_time() - marks["cpu0"], 4),
+            # of it, the recovering thread's own: the rest is the rank's other threads while it waits (their CPU
+            # grows with the recovery's wall time, which grows with the load of N ranks on a few shared cores)
+            "thread_cpu_s": round(time.thread_time() - marks.get("tcpu0", time.thread_time()), 4),
             "store_calls": CALLS[0] - marks.get("calls0", 0),  # round trips to the central store, every thread's
         }
         self.rs.stats["recoveries"].append({"gen": gen, "step": plan.step, **breakdown})
