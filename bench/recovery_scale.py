@@ -276,6 +276,7 @@ def measure(td: Path, n: int, rep: int, a) -> dict:
         return {"n": n, "rec": rec, "before": before, "after": after, "forms": formation(job.run_dir), "spare": spare,
                 "step_at_kill": step_at_kill, "load": uptime, "cpu": cpu, "opened": opened(before, after),
                 "cpu_per_rank": [b.get("cpu_s", 0.0) for b in per.values()],
+                "thread_cpu_per_rank": [b.get("thread_cpu_s", 0.0) for b in per.values()],
                 "calls_per_rank": [b.get("store_calls", 0) for b in per.values() if "store_calls" in b]}
     finally:
         job.stop()
@@ -365,16 +366,18 @@ def print_per_rank(res: list[dict]) -> None:
     ns = sorted({r["n"] for r in res})
     rows = {}
     print(f"\nper rank, the recovery alone (median / max over the ranks):\n{'N':>4s} {'conns opened':>14s} "
-          f"{'store round trips':>18s} {'CPU s':>16s} {'kill->first step s':>19s}")
+          f"{'store round trips':>18s} {'CPU s':>16s} {'kill->first step s':>19s} {'its thread CPU s':>18s}")
     for n in ns:
         rs = [r for r in res if r["n"] == n]
         conns = [c for r in rs for c in r["opened"].values()]
         calls = [c for r in rs for c in r["calls_per_rank"]]
         cpu = [c for r in rs for c in r["cpu_per_rank"]]
         crit = med([r["rec"]["total_s"] for r in rs])
-        rows[n] = (med(conns) if conns else float("nan"), med(calls) if calls else float("nan"), med(cpu) if cpu else float("nan"), crit)
+        own = [c for r in rs for c in r.get("thread_cpu_per_rank", [])]
+        rows[n] = (med(conns) if conns else float("nan"), med(calls) if calls else float("nan"), med(cpu) if cpu else float("nan"), crit,
+                   med(own) if own else float("nan"))
         print(f"{n:4d} {rows[n][0]:7g} / {max(conns, default=0):<5g} {rows[n][1]:9g} / {max(calls, default=0):<6g} "
-              f"{rows[n][2]:8.4f} / {max(cpu, default=0):<6.4f} {crit:19.3f}")
+              f"{rows[n][2]:8.4f} / {max(cpu, default=0):<6.4f} {crit:19.3f} {rows[n][4]:9.4f} / {max(own, default=0):<6.4f}")
     if len(ns) > 1:
         lo, hi = ns[0], ns[-1]
         for i, (what, target) in enumerate((("connections opened per rank", 1.5), ("central round trips per rank", 1.5),
@@ -382,6 +385,9 @@ def print_per_rank(res: list[dict]) -> None:
             a, b = rows[lo][i], rows[hi][i]
             ratio = b / a if a else float("inf") if b else 1.0
             print(f"  {what}: N={hi} / N={lo} = {ratio:.2f}x (target <= {target:g}x) {'met' if ratio <= target else 'NOT met'}")
+        a, b = rows[lo][4], rows[hi][4]
+        print(f"  of the CPU, the recovering thread's own: N={hi} / N={lo} = {b / a if a else float('nan'):.2f}x (the rest is the "
+              "rank's other threads while it waits: it grows with the recovery's wall time, i.e. with this machine's load)")
 
 
 def print_cpu_floor(res: list[dict], ns: list[int]) -> None:
@@ -401,7 +407,7 @@ def print_cpu_floor(res: list[dict], ns: list[int]) -> None:
               f"(all of it over {cores} cores); recovered in {rec:.3f} s = {rec / floor:.1f}x the floor")
 
 
-def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> None:
+def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> list[dict]:
     """The recovery's per-generation pure work at sizes no run here reaches, measured (not extrapolated): the
     planner's plan from N descriptors (one joiner), the plan's bytes every other rank reads, and the steady pairs
     a rank derives for itself at each generation (8 ranks a node, k = 1)."""
@@ -411,6 +417,7 @@ def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> None:
     from phoenix_runtime.recover.recovery import Descriptor, plan_for_layout
 
     print("\nthe recovery's pure parts at scale (measured here, one process; 8 ranks a node, one joiner, k = 1):")
+    rows = []
     for n in sizes:
         layout = Layout(n, nodes=tuple(f"n{r // 8}" for r in range(n)))
         ring = layout.replica_ring(0, 1)
@@ -425,9 +432,12 @@ def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> None:
         t2 = time.perf_counter()
         wire = len(course.to_json())
         mean_desc = sum(len(d.to_json()) for d in descs[:1000]) / min(n, 1000)
+        rows.append({"ranks": n, "plan_s": round(t1 - t0, 4), "pairs_s": round(t2 - t1, 4),
+                     "descriptors_mb": round(mean_desc * n / 1e6, 2)})
         print(f"  N={n:6d}: plan {1000 * (t1 - t0):7.1f} ms ({course.outcome.value}), the plan every other rank reads "
               f"{wire} B (each reading every descriptor: {mean_desc * n / 1e6:.1f} MB a rank); a rank's steady pairs "
               f"{1000 * (t2 - t1):6.1f} ms ({len(pairs)} pairs)")
+    return rows
 
 
 def git_commit() -> str:
@@ -443,7 +453,7 @@ def git_commit() -> str:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def write_json(res: list[dict], path: Path, commit: str, what: str = "") -> None:
+def write_json(res: list[dict], path: Path, commit: str, what: str = "", pure: list[dict] | None = None) -> None:
     """Per-N medians of recovery total and reconfigure, and where and when they were measured, as JSON. ``commit``
     is read when the run starts: the checkout may change while it runs."""
     date, cores = datetime.now().astimezone().isoformat(timespec="seconds"), os.cpu_count()
@@ -454,7 +464,8 @@ def write_json(res: list[dict], path: Path, commit: str, what: str = "") -> None
                        "reconfigure_s": med([r["rec"]["reconfigure_s"] for r in rs]), "repeats": len(rs),
                        "rank_cpu_s": med([r["rec"].get("rank_cpu_s") or 0.0 for r in rs]),
                        "date": date, "commit": commit, "cores": cores, "load1": med([r["load"][0] for r in rs])})
-    doc = {"source": "bench/recovery_scale.py", "date": date, "commit": commit, "cores": cores, "job": what, "points": points}
+    doc = {"source": "bench/recovery_scale.py", "date": date, "commit": commit, "cores": cores, "job": what, "points": points,
+           "pure": pure or []}  # the plan and a rank's own ring at 1K-100K ranks, one process (print_pure_scale)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {len(points)} points to {path}")
@@ -512,9 +523,9 @@ def main():
         print_per_rank(res)
         print_sockets(res)
         print_fits(res)
-        if a.json_out:
-            write_json(res, a.json_out, commit, what)
-    print_pure_scale()
+    pure = print_pure_scale()
+    if res and a.json_out:
+        write_json(res, a.json_out, commit, what, pure)
     for n, rep, why in failed:
         print(f"FAILED N={n} repeat {rep}: {why}")
     print(f"load after: {os.getloadavg()}")

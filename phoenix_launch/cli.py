@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import typer
 
+from phoenix_launch import kill_cli
 from phoenix_launch.config import ConfigError, build_config, load_yaml
 from phoenix_runtime import logs
 from phoenix_runtime.errors import PhoenixError
@@ -326,7 +327,8 @@ def _report(sup, code: int) -> None:
 
 
 @app.command("status")
-def status(run_dir: Optional[str] = typer.Argument(None, help="Run directory (default: the newest under .)."),
+def status(run_dir: Optional[str] = typer.Argument(None, metavar="RUN_DIR", show_default=False,
+                                                     help="Run directory (default: the newest under .)."),
            run_dir_opt: Optional[str] = typer.Option(None, "--run-dir", help="The same, as kill-node takes it.")) -> None:
     """Print the live snapshot of a job from its run directory."""
     run_dir = run_dir or run_dir_opt
@@ -345,27 +347,25 @@ def status(run_dir: Optional[str] = typer.Argument(None, help="Run directory (de
 
 @app.command("kill-node")
 def kill_node(
-    target: str = typer.Argument(..., help="A node name, or rank:R."),
-    mode: str = typer.Option("crash", "--mode", help="crash | rank | hang | comm | gpu-ecc | pcie | late | slow"),
-    at_step: Optional[int] = typer.Option(None, "--at-step", help="Arm the fault to fire when the ranks reach step N."),
-    factor: Optional[float] = typer.Option(None, "--factor", help="Mode slow: the rank's forward takes F times as long."),
-    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default: the newest under .)."),
+    target: str = typer.Argument(..., metavar="TARGET", help=kill_cli.HELP["target"]),
+    mode: str = typer.Option("crash", "--mode", metavar="MODE", help=kill_cli.HELP["mode"]),
+    at_step: Optional[int] = typer.Option(None, "--at-step", metavar="N", help=kill_cli.HELP["at_step"]),
+    phase: Optional[str] = typer.Option(None, "--phase", metavar="PHASE", help=kill_cli.HELP["phase"]),
+    factor: Optional[float] = typer.Option(None, "--factor", metavar="F", help=kill_cli.HELP["factor"]),
+    tensor: Optional[str] = typer.Option(None, "--tensor", metavar="KIND[:NAME]", help=kill_cli.HELP["tensor"]),
+    bit: Optional[int] = typer.Option(None, "--bit", metavar="BIT", help=kill_cli.HELP["bit"]),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", metavar="RUN_DIR", help=kill_cli.HELP["run_dir"]),
 ) -> None:
     """Inject a failure into a running job."""
-    from phoenix_launch.observe.events import find_run_dir
-    from phoenix_launch.plane.inject import MODES, InjectError, send_command
-    from phoenix_runtime.plane.protocol import KillCommand
-
-    if mode not in MODES:
-        raise fail(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
-    try:
-        rdir = find_run_dir(run_dir)
-        reply = send_command(rdir, KillCommand(target=target, mode=mode, at_step=at_step, factor=factor))
-    except (FileNotFoundError, InjectError) as e:
-        raise fail(str(e), 1) from None
-    if not reply.get("ok"):
-        raise fail(reply.get("error", "refused"), 2 if reply.get("usage") else 1)
-    typer.echo(f"phoenix-run kill-node: {reply['message']}")
+    # ``main`` sends kill-node to kill_cli (argparse: it answers at once); this declaration is its help, and the
+    # same command when the app is called directly
+    args = [target, "--mode", mode]
+    for flag, v in (("--at-step", at_step), ("--phase", phase), ("--factor", factor), ("--tensor", tensor),
+                    ("--bit", bit), ("--run-dir", run_dir)):
+        args += [flag, str(v)] if v is not None else []
+    code = kill_cli.main(args)
+    if code:
+        raise typer.Exit(code)
 
 
 def _register_extras(which: str | None) -> None:
@@ -381,6 +381,28 @@ def _register_extras(which: str | None) -> None:
         from phoenix_launch.sbatch import sbatch
 
         app.command("sbatch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(sbatch)
+
+
+def _warn_unknown_env() -> None:
+    """A typo in a ``PHOENIX_*`` name would be ignored without a word: one line each (``env_names``)."""
+    from phoenix_launch import env_names
+
+    for warning in env_names.warnings(os.environ):
+        typer.echo(f"phoenix-run: warning: {warning}", err=True)
+
+
+def _kill_node_help() -> None:
+    """``kill-node --help``: typer's help of ``kill_node`` as every other command's (argparse parses a kill)."""
+    import click
+
+    cmd = typing.cast(click.Group, typer.main.get_command(app)).commands["kill-node"]
+    with click.Context(cmd, info_name="phoenix-run kill-node") as ctx:
+        text = cmd.get_help(ctx)  # as _top_help: rich's prints itself
+    try:
+        sys.stdout.write(text + "\n" if text else "")
+        sys.stdout.flush()
+    except BrokenPipeError:  # ``| head``: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _top_help() -> None:
@@ -421,9 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     first = args[0] if args else None
     if first == "kill-node":  # answers at once: argparse, not typer (whose parameters import pydantic)
-        from phoenix_launch.kill_cli import main as kill_node_main
-
-        raise SystemExit(kill_node_main(args[1:]))
+        if "--help" in args or "-h" in args:
+            return _kill_node_help()  # typer's help, as every command's
+        raise SystemExit(kill_cli.main(args[1:]))
     if first in ("simulate", "sbatch", "report"):
         _register_extras(first)
     elif first in (None, "--help", "-h"):
@@ -438,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
         args = ["run", *args]  # phoenix-run [OPTIONS] SCRIPT ARGS...: the default command
     if args[0] == "run":
         args = ["run", *_torchrun_flags(args[1:])]
+        _warn_unknown_env()
     try:
         app(args=args, prog_name="phoenix-run")
     except PhoenixError as e:  # any refusal not turned into a message where it was raised: one line

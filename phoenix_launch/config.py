@@ -360,6 +360,16 @@ def _section_types(section: str) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in fields(cls)}
 
 
+def env_name(section: str, key: str) -> str:
+    """The environment variable of a configuration key: ``PHOENIX_<SECTION>_<KEY>``."""
+    return f"PHOENIX_{section.upper()}_{key.upper()}"
+
+
+def env_names() -> list[str]:
+    """Every configuration key's environment variable."""
+    return [env_name(s, k) for s in SECTIONS for k in _section_types(s)]
+
+
 def load_yaml(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     import yaml
 
@@ -404,7 +414,7 @@ def build_config(
     for section in SECTIONS:
         types = _section_types(section)
         for key, typ in types.items():
-            name = f"PHOENIX_{section.upper()}_{key.upper()}"
+            name = env_name(section, key)
             if name in env:
                 values[section][key] = _coerce(section, key, typ, env[name])
     for section, body in (flags or {}).items():

@@ -7,23 +7,51 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from phoenix_runtime.plane.settings import FAULT_MODES, FAULT_PHASES, SDC_TARGETS
 
 EXIT_USAGE = 2
 
 
+#: the help of each option, in one place: this parser's and the help's (``cli.kill_node``, typer's: ``kill-node
+#: --help`` prints it as every other command's help, ``cli.main``)
+HELP = {
+    "target": "A node name, or rank:R.",
+    "mode": "What fails: " + " | ".join(FAULT_MODES) + ".",
+    "at_step": "Arm the fault to fire when the ranks reach step N.",
+    "phase": "Where in the step (or the recovery) it fires: " + " | ".join(FAULT_PHASES)
+             + " (pp_forward / pp_backward: inside a pipeline schedule). Without --at-step: the next time a rank gets there.",
+    "factor": "Mode slow: the rank's forward takes F times as long.",
+    "tensor": "Mode sdc: KIND[:NAME], KIND one of " + " | ".join(SDC_TARGETS) + ".",
+    "bit": "Mode sdc: the bit of the tensor's bytes to flip (default 0).",
+    "run_dir": "Run directory (default: the newest under .).",
+}
+
+
+#: the first line of ``kill-node --help``, which a usage error repeats (as typer's commands do)
+USAGE = "Usage: phoenix-run kill-node [OPTIONS] {TARGET}"
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="phoenix-run kill-node", description="Inject a failure into a running job.")
-    p.add_argument("target", help="A node name, or rank:R.")
-    p.add_argument("--mode", default="crash", help=" | ".join(FAULT_MODES))
-    p.add_argument("--at-step", type=int, default=None, help="Arm the fault to fire when the ranks reach step N.")
-    p.add_argument("--phase", default=None, help="Where in the step (or the recovery) it fires: " + " | ".join(FAULT_PHASES)
-                   + " (pp_forward / pp_backward: inside a pipeline schedule). Without --at-step: the next time a rank gets there.")
-    p.add_argument("--factor", type=float, default=None, help="Mode slow: the rank's forward takes F times as long.")
-    p.add_argument("--tensor", default=None, help="mode sdc: KIND[:NAME], KIND one of " + " | ".join(SDC_TARGETS))
-    p.add_argument("--bit", type=int, default=None, help="mode sdc: the bit of the tensor's bytes to flip (default 0)")
-    p.add_argument("--run-dir", default=None, help="Run directory (default: the newest under .).")
+    p = _Parser(prog="phoenix-run kill-node", add_help=False)  # --help: cli.main prints typer's
+    p.add_argument("target", help=HELP["target"])
+    p.add_argument("--mode", default="crash", help=HELP["mode"])
+    p.add_argument("--at-step", type=int, default=None, help=HELP["at_step"])
+    p.add_argument("--phase", default=None, help=HELP["phase"])
+    p.add_argument("--factor", type=float, default=None, help=HELP["factor"])
+    p.add_argument("--tensor", default=None, help=HELP["tensor"])
+    p.add_argument("--bit", type=int, default=None, help=HELP["bit"])
+    p.add_argument("--run-dir", default=None, help=HELP["run_dir"])
     return p
 
 
@@ -35,8 +63,9 @@ def _fail(msg: str, code: int) -> int:
 def main(args: list[str]) -> int:
     try:
         a = _parser().parse_args(args)
-    except SystemExit as e:  # argparse printed its usage line (or --help)
-        return int(e.code or 0) and EXIT_USAGE
+    except _UsageError as e:  # as typer's commands say a usage error
+        print(f"{USAGE}\nTry 'phoenix-run kill-node --help' for help.\n\nError: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if a.mode not in FAULT_MODES:
         return _fail(f"unknown mode {a.mode!r}; valid: {', '.join(FAULT_MODES)}", EXIT_USAGE)
     if a.phase is not None and a.phase not in FAULT_PHASES:

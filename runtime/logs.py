@@ -1,4 +1,4 @@
-"""PHOENIX's lines on stderr, through ``logging``.
+"""PHOENIX's lines, through ``logging``: a rank's to its log file, a launcher's on stderr.
 
 Each module logs to its own logger (``log = logging.getLogger(__name__)``) under the package loggers
 ``phoenix_runtime`` and ``phoenix_launch``; each process sets up one handler: :func:`configure_rank` (a rank's
@@ -6,9 +6,12 @@ bootstrap, or ``phx.init()`` outside phoenix-run) or :func:`configure_launcher` 
 standby, the batch step's keeper). Calling either again does nothing. Torch-free: the launcher imports it.
 
 A rank's line is ``[phoenix HH:MM:SS.mmm rank R] message`` (no ``rank R`` on a spare not assigned yet); a
-launcher's line is the message alone (each names its process: ``phoenix agent node1: ...``). The handler
-writes to ``sys.stderr`` as it is at each line, and the package loggers do not propagate: a training script's
-own logging configuration neither doubles nor swallows these lines.
+launcher's line is the message alone (each names its process: ``phoenix agent node1: ...``). Under phoenix-run
+a rank's lines go to its log file only (``PHOENIX_LOG_FILE``, appended beside its agent's copy of the rank's
+output): the rank's stdout/stderr reach the console as torchrun shows them, and there the user's own output
+stands alone. Otherwise (``phx.init()`` outside phoenix-run, a launcher's process) the handler writes to
+``sys.stderr`` as it is at each line. The package loggers do not propagate: a training script's own logging
+configuration neither doubles nor swallows these lines.
 """
 
 from __future__ import annotations
@@ -58,11 +61,25 @@ class RankFormatter(logging.Formatter):
         return line
 
 
-def _configure(package: str, formatter: logging.Formatter) -> None:
+class _LogFile(logging.FileHandler):
+    """The rank's log file, appended to (``O_APPEND``: whole lines beside the agent's own appends of the
+    rank's output to the same file)."""
+
+
+def _handler(log_file: str) -> logging.Handler:
+    if log_file:
+        try:
+            return _LogFile(log_file, mode="a", encoding="utf-8")
+        except OSError:
+            pass  # a log directory gone or unwritable: the lines stay visible on stderr rather than lost
+    return _Stderr()
+
+
+def _configure(package: str, formatter: logging.Formatter, log_file: str = "") -> None:
     logger = logging.getLogger(package)
-    if any(isinstance(h, _Stderr) for h in logger.handlers):
+    if any(isinstance(h, (_Stderr, _LogFile)) for h in logger.handlers):
         return
-    handler = _Stderr()
+    handler = _handler(log_file)
     handler.setFormatter(formatter)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -70,7 +87,10 @@ def _configure(package: str, formatter: logging.Formatter) -> None:
 
 
 def configure_rank() -> None:
-    _configure("phoenix_runtime", RankFormatter())
+    """A rank's lines: to its log file under phoenix-run (the agent names it), else on stderr."""
+    from phoenix_runtime.plane.rank_env import rank_env
+
+    _configure("phoenix_runtime", RankFormatter(), rank_env().log_file)
 
 
 def configure_launcher() -> None:

@@ -32,6 +32,7 @@ class RankState:
     #: (R, envelope of S_R) restored by a recovery: restored again at step R's boundary, undoing what the loop's
     #: code after ``with step():`` did for the abandoned step (a scheduler stepped there, a data iterator advanced)
     reapply: tuple[int, dict] | None = None
+    reapply_scaler: dict = field(default_factory=dict)  # the GradScaler's tensors as the recovery restored them (state.scaler_tensors)
 
     def live(self) -> tuple[int, bool]:
         """(the live step, whether the live state is still S_step): what a survivor holds when a failure is caught."""
@@ -56,6 +57,7 @@ class TrainingOps(Protocol):
     kind: str  # the optimizer's layout: "replicated", "zero", "custom", "fsdp"
     params_sharded: bool  # no peer holds this rank's parameter shard (FSDP without a replicate dimension)
     objs: Any  # state.LoopObjects
+    rs: RankState
     faults: Any  # faults.FaultInjector
     protection: Any  # this generation's ProtectionSession, or None
     d2h: Any  # the local snapshot engine (snapshot.D2H), or None without protection

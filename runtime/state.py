@@ -10,7 +10,13 @@ joiner matches each tensor to its own shard of that parameter, whatever the orde
 The envelope (small, JSON-able, replicated to k peers every step whatever the optimizer layout): the step,
 the RNG states (torch, CUDA, numpy, python), the param-group hyperparameters (lr, weight decay, betas...),
 the non-tensor optimizer state, and the state dicts of everything else the loop holds: LR schedulers, a
-GradScaler, and any ``stateful`` object (``state_dict()/load_state_dict()``: a data loader's position...).
+GradScaler's settings, and any ``stateful`` object (``state_dict()/load_state_dict()``: a data loader's position...).
+
+A GradScaler's scale and growth tracker are device tensors: ``GradScaler.state_dict()`` reads them with ``.item()``,
+a host sync at every step boundary (torch/amp/grad_scaler.py ``get_scale``, ``_get_growth_tracker``). They travel
+as tensors instead, cloned on their device with the step boundary's buffers (``SCALER_SCALE``/``SCALER_TRACKER``,
+``b.``-named: the rank's own, in the replicated region with the buffers and in the local one) and copied by the
+D2H engine with the rest; the envelope holds the scaler's Python numbers only (``_scaler_settings``).
 """
 
 from __future__ import annotations
@@ -213,6 +219,7 @@ def local_named(module: torch.nn.Module, optimizer, replicated: bool, buffers: d
         named = [(n, buffers.get(n, t)) for n, t in named]
     if replicated:
         named += [(f"o.{n}", t) for n, t in optim_named(optimizer)]
+    named += [(n, t) for n, t in sorted((buffers or {}).items()) if n in (SCALER_SCALE, SCALER_TRACKER)]  # a joiner's too
     return named
 
 
@@ -226,6 +233,80 @@ def load_buffers(module: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> N
 def buffers_now(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the module's buffers (small): the step boundary's, see ``local_named``."""
     return {f"b.{n}": local_of(b).detach().clone() for n, b in named_members(module)[1]}
+
+
+# --- a GradScaler's scale and growth tracker, as tensors (see the module doc) -------------------------------------
+SCALER_SCALE, SCALER_TRACKER = "b.@scaler.scale", "b.@scaler.growth_tracker"  # no module buffer is named so
+
+
+def _torch_scaler(scaler) -> bool:
+    """torch's GradScaler (or a subclass: ShardedGradScaler, torch.cuda.amp's): its private tensors are known; another
+    scaler object keeps its own ``state_dict()`` in the envelope."""
+    return isinstance(scaler, torch.amp.GradScaler)
+
+
+def scaler_tensors(scaler) -> dict[str, torch.Tensor]:
+    """Clones of the scaler's scale and growth tracker on their device (no host sync); none when it is disabled or
+    before its first ``scale()`` (the envelope's initial values stand then)."""
+    if not _torch_scaler(scaler) or not scaler.is_enabled() or scaler._scale is None or scaler._growth_tracker is None:
+        return {}
+    return {SCALER_SCALE: scaler._scale.detach().clone(), SCALER_TRACKER: scaler._growth_tracker.detach().clone()}
+
+
+def load_scaler(scaler, named: dict[str, torch.Tensor]) -> None:
+    """The scale and growth tracker from ``named`` (a snapshot's region, the boundary's copies) into the scaler's
+    own tensors (made on its device when it has none yet, as its first ``scale()`` would)."""
+    if not _torch_scaler(scaler) or not scaler.is_enabled() or SCALER_SCALE not in named or SCALER_TRACKER not in named:
+        return
+    if scaler._scale is None or scaler._growth_tracker is None:
+        dev = torch.device(scaler._device)
+        scaler._scale = named[SCALER_SCALE].detach().to(dev, dtype=torch.float32, copy=True).reshape(())
+        scaler._growth_tracker = named[SCALER_TRACKER].detach().to(dev, dtype=torch.int32, copy=True).reshape(())
+    else:
+        scaler._scale.copy_(named[SCALER_SCALE].reshape(()))
+        scaler._growth_tracker.copy_(named[SCALER_TRACKER].reshape(()))
+
+
+def boundary_copies(objs: LoopObjects) -> dict[str, torch.Tensor]:
+    """The step boundary's copies: the module's buffers and the scaler's tensors (``buffers_now``, ``scaler_tensors``)."""
+    return {**buffers_now(objs.module), **scaler_tensors(objs.scaler)}
+
+
+def load_boundary(objs: LoopObjects, named: dict[str, torch.Tensor]) -> None:
+    """``boundary_copies`` (or a region holding them) back into the module's buffers and the scaler."""
+    load_buffers(objs.module, named)
+    load_scaler(objs.scaler, named)
+
+
+def _scaler_settings(scaler) -> dict[str, Any] | None:
+    """The envelope's part of a scaler: its Python numbers, read without a host sync (``captured``: its tensors
+    existed, so they travel with the boundary's copies; else its initial values stand)."""
+    if scaler is None:
+        return None
+    if not _torch_scaler(scaler):
+        return scaler.state_dict()
+    if not scaler.is_enabled():
+        return {}
+    return {"growth_factor": scaler._growth_factor, "backoff_factor": scaler._backoff_factor,
+            "growth_interval": scaler._growth_interval, "init_scale": scaler._init_scale,
+            "init_growth_tracker": scaler._init_growth_tracker, "captured": scaler._scale is not None}
+
+
+def _restore_scaler_settings(scaler, sd: dict[str, Any]) -> None:
+    if not _torch_scaler(scaler):
+        scaler.load_state_dict(sd)  # another scaler: its own state dict, as before
+        return
+    if not scaler.is_enabled() or not sd:
+        return
+    if "scale" in sd:  # an envelope of an older version (a persistent checkpoint): torch's own state dict
+        scaler.load_state_dict(sd)
+        return
+    scaler._growth_factor, scaler._backoff_factor = sd["growth_factor"], sd["backoff_factor"]
+    scaler._growth_interval = sd["growth_interval"]
+    scaler._init_scale, scaler._init_growth_tracker = sd["init_scale"], sd["init_growth_tracker"]
+    if not sd["captured"] and scaler._scale is not None and scaler._growth_tracker is not None:
+        scaler._scale.fill_(sd["init_scale"])  # the boundary was before the first scale(): its initial values
+        scaler._growth_tracker.fill_(sd["init_growth_tracker"])
 
 
 def member_kind(name: str) -> str:
@@ -246,6 +327,7 @@ def load_local(objs: LoopObjects, shard: dict[str, torch.Tensor], local: dict[st
     optim = {n: t for n, t in shard.items() if kinds[n] == "o"}
     optim.update({n[2:]: t for n, t in local.items() if n.startswith("o.")})
     load_optim(objs.optimizer, optim, scalars_of(meta))
+    load_scaler(objs.scaler, {**local, **shard})
 
 
 # --- the envelope ----------------------------------------------------------------------------------------
@@ -346,7 +428,7 @@ def capture_envelope(step: int, objs: LoopObjects, extra: dict[str, Any] | None 
     loop = {
         "groups": _groups(objs.optimizer),
         "schedulers": [s.state_dict() for s in objs.schedulers],
-        "scaler": objs.scaler.state_dict() if objs.scaler is not None else None,
+        "scaler": _scaler_settings(objs.scaler),  # its tensors travel with the boundary's copies: no host sync
         "stateful": {name: obj.state_dict() for name, obj in objs.stateful.items()},
     }
     return {
@@ -367,7 +449,7 @@ def restore_envelope(meta: dict[str, Any], objs: LoopObjects) -> None:
     for sched, sd in zip(objs.schedulers, loop.get("schedulers", ())):
         sched.load_state_dict(sd)
     if objs.scaler is not None and loop.get("scaler") is not None:
-        objs.scaler.load_state_dict(loop["scaler"])
+        _restore_scaler_settings(objs.scaler, loop["scaler"])
     for name, sd in (loop.get("stateful") or {}).items():
         if name in objs.stateful:
             objs.stateful[name].load_state_dict(sd)

@@ -70,6 +70,7 @@ class StepGuard:
             rs.reapply = None
             if R == step:
                 state.restore_envelope(meta, ops.objs)
+                state.load_scaler(ops.objs.scaler, rs.reapply_scaler)  # its scale and tracker: tensors, not in the envelope
         rs.opt_started = False
         ops.faults.step = step
         try:

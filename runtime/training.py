@@ -83,7 +83,7 @@ class ProtectedTraining:
         self.d2h: D2H | None = None
         if self.protect_on:
             # the boundary's buffers, captured just before (an empty dict when the model has none: not walked again)
-            self.d2h = D2H(ctx.device, lambda: self.shard_named(self.rs.boundary_buffers if self.rs.boundary_step >= 0 else state.buffers_now(self.objs.module)),
+            self.d2h = D2H(ctx.device, lambda: self.shard_named(self.rs.boundary_buffers if self.rs.boundary_step >= 0 else state.boundary_copies(self.objs)),
                            lambda: self.local_named(self.rs.boundary_buffers),
                            fault=self.faults.copy_hook,
                            # compared among the ranks that hold the same parameters (commit.py's classes): DDP and
@@ -117,7 +117,8 @@ class ProtectedTraining:
             log.warning("a resume on this GPU job may differ from the uninterrupted run in the last bits; bit-identity "
                         f"needs: {'; '.join(gaps)} (README: GPUs)")
         STATE.enter("training")
-        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=self.shrinkable_dp()))
+        dp, stride = self.shrinkable_dp()
+        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=dp, dp_stride=stride))
 
     # --- the public API ------------------------------------------------------------------------------------
     @property
@@ -155,15 +156,12 @@ class ProtectedTraining:
         no_sync = getattr(self.model, "no_sync", None)
         return contextlib.nullcontext() if no_sync is None else no_sync()
 
-    def shrinkable_dp(self) -> int:
-        """The data-parallel size a shrink can reduce (``launch.on_no_spare: shrink``), 0 where it cannot: every
-        rank a DP replica (no TP/PP) holding the whole optimizer state (replicated) or a shard of it (ZeRO), or
-        FSDP2 over every rank ({"shard": N}: re-sharded over the new world)."""
+    def shrinkable_dp(self) -> tuple[int, int]:
+        """(the DP replicas a shrink can drop, the rank stride of a replica's index); ``(0, 1)``: it cannot (TP, PP).
+        Each rank with DDP, ZeRO, FSDP2 over every rank (re-sharded); HSDP's replica groups (``Parallel.droppable``)."""
         if self.ctx.tp > 1 or self.ctx.pp > 1 or self.kind not in ("replicated", "zero", "fsdp"):
-            return 0
-        if self.parallel is not None and not getattr(self.parallel, "resizable", False):  # HSDP, TP, PP: the ladder
-            return 0
-        return self.ctx.world_size
+            return 0, 1
+        return self.parallel.droppable(self.ctx.world_size) if self.parallel is not None else (self.ctx.world_size, 1)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -262,8 +260,8 @@ class ProtectedTraining:
     def shard_named(self, buffers: dict | None) -> list:  # the region replicated to k peers (state.shard_named)
         return state.shard_named(self.objs.optimizer, self.replicated, buffers, self.objs.module if self.params_sharded else None)
 
-    def local_named(self, buffers: dict | None = None) -> list:  # the region kept locally (a DP peer sends a joiner)
-        return state.local_named(self.objs.module, self.objs.optimizer, self.replicated, buffers, params=not self.params_sharded)
+    def local_named(self, buffers: dict | None = None) -> list:  # the region kept locally (a DP peer sends a joiner: the live scaler's)
+        return state.local_named(self.objs.module, self.objs.optimizer, self.replicated, state.scaler_tensors(self.objs.scaler) if buffers is None else buffers, params=not self.params_sharded)
 
     def reparallelize(self, gen: int) -> None:
         """Generation ``gen``'s DeviceMesh, and the model parallelised on it again (the old one holds the old
@@ -276,7 +274,9 @@ class ProtectedTraining:
         params = {n: t.clone() for n, t in state.param_named(self.objs.module)}
         optim = {n: t.clone() for n, t in state.optim_named(self.objs.optimizer)}
         scalars = state.optim_scalars(self.objs.optimizer)
-        resized = self.parallel.resize(self.ctx.world_size)  # a shrink or a grow: FSDP over the new world
+        resized = self.parallel.resize(self.ctx.world_size)  # a shrink or a grow: FSDP over the new world, HSDP's replicas
+        self.replicated = self.parallel.replicated  # HSDP down to one replica: no peer holds a shard, it is replicated
+        self.params_sharded = not self.replicated
         self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
         self.ctx.add_groups(self.parallel.groups())  # a newer generation aborts them too
         self.model = self.objs.module
@@ -413,7 +413,7 @@ class ProtectedTraining:
         rs.metas[step] = meta
         for old in [s for s in rs.metas if s < step - 2]:
             del rs.metas[old]
-        rs.boundary_buffers = state.buffers_now(self.objs.module)
+        rs.boundary_buffers = state.boundary_copies(self.objs)
         rs.boundary_step = step
         return meta
 
@@ -526,11 +526,11 @@ class ProtectedTraining:
         live = None if self.ctx.joining else (rs.step, True)
         if live is not None and rs.first_step is None:
             rs.first_step = rs.step
-        RecoverySession(self.ctx, rs, self).run(self.ctx.gen, live, {"t0": time.time(), "cpu0": time.process_time(), "calls0": CALLS[0]}, formed=True)
+        RecoverySession(self.ctx, rs, self).run(self.ctx.gen, live, {"t0": time.time(), "cpu0": time.process_time(), "tcpu0": time.thread_time(), "calls0": CALLS[0]}, formed=True)
 
     def recover(self, cause: BaseException) -> None:
         """The step guard caught a failure: quiesce, then recover in the next generation."""
-        marks = {"t0": time.time(), "cpu0": time.process_time(), "calls0": CALLS[0]}  # this process's CPU and store calls so far
+        marks = {"t0": time.time(), "cpu0": time.process_time(), "tcpu0": time.thread_time(), "calls0": CALLS[0]}  # this process's CPU and store calls so far
         ctx = self.ctx
         STATE.enter("recovering")
         log.info(f"step {self.rs.step}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")
@@ -571,7 +571,7 @@ class ProtectedTraining:
             assert live_clean and live_step == R, f"no snapshot of step {R} and the live state is of step {live_step}"
             meta = self.rs.metas.get(R)
             if self.rs.boundary_step == R:
-                state.load_buffers(self.objs.module, self.rs.boundary_buffers)
+                state.load_boundary(self.objs, self.rs.boundary_buffers)
         if meta is not None:
             state.restore_envelope(meta, self.objs)
             self.rs.reapply = (R, meta)
@@ -583,7 +583,7 @@ class ProtectedTraining:
         if self.ctx.env.resume and persist.step_of(self.ctx.env.resume) == R:
             optim, _, meta = persist.load(self.ctx.env.resume, self.ctx.rank)
             return optim, meta
-        shard = dict(self.shard_named(state.buffers_now(self.objs.module)))
+        shard = dict(self.shard_named(state.boundary_copies(self.objs)))
         return shard, self.rs.metas.get(R) or state.capture_envelope(R, self.objs)
 
     def resumed(self, R: int, first: int) -> None:

@@ -327,3 +327,33 @@ def test_top_level_help_lists_the_run_options_and_the_commands():
     for flag in ("--nproc-per-node, --nproc_per_node P", "--master-addr, --master_addr ADDR", "--max-restarts, --max_restarts K"):
         assert flag in narrow.stdout, (flag, narrow.stdout)
     assert "…" not in narrow.stdout and max(map(len, narrow.stdout.splitlines())) <= 80
+
+
+@pytest.mark.timeout(60)
+def test_kill_node_help_is_the_other_commands_plain_help():
+    """Issue 48: kill-node's help is typer's plain help as every other command's (usage, arguments, options with
+    whole names, metavars and defaults; no argparse layout), though argparse parses a kill (it answers at once);
+    a usage error is said as typer's commands say it. The options of the two are the same."""
+    r = subprocess.run(phoenix_cmd("kill-node", "--help"), capture_output=True, text=True, timeout=60, env={**job_env(), "COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    from phoenix_launch import kill_cli
+
+    assert lines[0] == kill_cli.USAGE == "Usage: phoenix-run kill-node [OPTIONS] {TARGET}", lines[:3]
+    for want in ("Arguments:", "Options:", "--mode MODE", "[default: crash]", "--at-step N", "--phase PHASE", "--factor F",
+                 "--tensor KIND[:NAME]", "--bit BIT", "--run-dir RUN_DIR", "--help"):
+        assert want in r.stdout, (want, r.stdout)
+    assert "usage:" not in r.stdout and "positional arguments" not in r.stdout and max(map(len, lines)) <= 80
+    bad = subprocess.run(phoenix_cmd("kill-node", "node1", "--at-step", "x"), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.splitlines()[0] == kill_cli.USAGE, bad.stderr
+    assert "Try 'phoenix-run kill-node --help' for help." in bad.stderr and "Traceback" not in bad.stderr
+    # the same options as the typer command the help is rendered from (so neither drifts)
+    import typer
+
+    from phoenix_launch.cli import app
+
+    cmd = typer.main.get_command(app).commands["kill-node"]  # type: ignore[attr-defined]
+    typer_opts = {o: p.default for p in cmd.params for o in p.opts}
+    parsed = {a.option_strings[0] if a.option_strings else a.dest: a.default for a in kill_cli._parser()._actions}
+    assert set(typer_opts) == set(parsed), (typer_opts, parsed)
+    assert {o: typer_opts[o] for o in typer_opts if o.startswith("--")} == {o: parsed[o] for o in parsed if o.startswith("--")}

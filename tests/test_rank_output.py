@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from conftest import SCRIPTS, run_phoenix
+from conftest import SCRIPTS, job_env, run_phoenix
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,14 +57,22 @@ def test_rank_output_on_the_console_per_rank_map(tmp_path):
     """One job, torchrun's flags: rank 0's streams redirected (file only), rank 1's on the console, each line
     prefixed with its node and slot, stderr on stderr; both in their log files."""
     run_dir = tmp_path / "run"
-    r = run_phoenix(["--nproc-per-node", "2", "--redirects", "0:3,1:0", "--run-dir", str(run_dir), str(SCRIPTS / "say.py")], tmp_path)
+    env = job_env(SAY_INIT="1")
+    r = run_phoenix(["--nproc-per-node", "2", "--redirects", "0:3,1:0", "--run-dir", str(run_dir), str(SCRIPTS / "say.py")],
+                    tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     assert "[node0/1]: hello out 1" in r.stdout.splitlines(), r.stdout
     assert "[node0/1]: hello err 1" in r.stderr.splitlines(), r.stderr
+    assert "[node0/1]: joined 1" in r.stdout.splitlines(), r.stdout
     assert "hello out 0" not in r.stdout + r.stderr and "hello err 0" not in r.stdout + r.stderr
+    # PHOENIX's own lines of a rank (its runtime's logging) go to the rank's log file only, not to the console
+    # with the user's output, though rank 1's stderr is shown
+    assert "generation 0: arrived" not in r.stdout + r.stderr and "[phoenix " not in r.stdout + r.stderr, r.stderr
     logs = {p.name: p.read_text() for p in (run_dir / "logs" / "node0").glob("*.0.log")}
     assert "hello out 0" in logs["0.0.log"] and "hello err 0" in logs["0.0.log"]
-    assert "hello out 1" in logs["1.0.log"]
+    assert "hello out 1" in logs["1.0.log"] and "hello err 1" in logs["1.0.log"]
+    for slot in (0, 1):
+        assert re.search(rf"^\[phoenix [\d:.]+ rank {slot}\] generation 0: arrived$", logs[f"{slot}.0.log"], re.M), logs
 
 
 def test_a_console_that_does_not_keep_up_never_stalls_the_ranks(monkeypatch):

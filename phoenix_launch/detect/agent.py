@@ -156,6 +156,7 @@ class Agent:
                 protocol.ENV_RUNTIME_CFG: s.runtime_json,
                 protocol.ENV_RESUME: s.resume,
                 protocol.ENV_ERROR_FILE: str(error_file),
+                protocol.ENV_LOG_FILE: str(self.log_dir / f"{slot}.{attempt}.log"),
                 "PHOENIX_RUN_ID": s.run_id,
                 "PHOENIX_ATTEMPT": str(attempt),
             }
@@ -373,7 +374,9 @@ class Agent:
 
     def _restart(self, cmd: protocol.AgentRestart) -> None:
         """torchrun's behaviour: a fresh attempt of every rank of this node."""
-        self.terminate_ranks(self.spec.stop_grace_s)
+        # a dropped replica's workers hold nothing the job needs (its survivors do): ended at once, the agent's
+        # heartbeat never waits on them (a shrink making its node a spare, ``resize.harvest``)
+        self.terminate_ranks(0.0 if cmd.role == protocol.ROLE_SPARE else self.spec.stop_grace_s)
         self.epoch = cmd.epoch
         self.spec = replace(self.spec, group_rank=cmd.group_rank, world_size=cmd.world_size, gen=cmd.gen,
                             master_port=cmd.master_port, epoch=cmd.epoch, resume=cmd.resume)

@@ -100,6 +100,7 @@ class JobState:
     pace_due: float = 0.0
     master: tuple[str, int] = ("", 0)  # this attempt's rendezvous (host, port)
     status_due: bool = False  # a node's state changed: status.json follows at once
+    harvested: set[str] = field(default_factory=set)  # spares a shrink made of a dropped replica's healthy nodes
 
     @classmethod
     def new(cls, cfg: Config, run_dir: Path, out: Outbox, reads: Reads, domains: Callable[[], dict[str, str]]) -> "JobState":
@@ -163,6 +164,15 @@ class JobState:
         """The data-parallel size every rank reported (the smallest), 0 when a rank's layout cannot shrink."""
         sizes = self.attempt.dp_sizes
         return min(sizes.values()) if len(sizes) == self.world_size else 0
+
+    def dp_full(self) -> int:
+        """The job's own data-parallel size in the unit of ``dp_size`` (HSDP: replica groups, not ranks)."""
+        dp = self.dp_size()
+        return self.full_world() // max(1, self.world_size // dp) if dp else 0
+
+    def dp_stride(self) -> int:
+        """The stride of a replica's index the ranks reported (rank r is in replica (r // stride) % dp_size())."""
+        return max(1, self.attempt.dp_stride)
 
 
 STATE_VERSION = 1  # the form of :func:`dump`'s document; a reader of another refuses it

@@ -81,6 +81,9 @@ ENV_RUNTIME_CFG = "PHOENIX_RUNTIME_CONFIG"  # JSON of the runtime config (protec
 # joined); its agent defers its own torch import until then, so as not to compete with its ranks' imports.
 ENV_WARM_FD = "PHOENIX_WARM_FD"
 ENV_RESUME = "PHOENIX_RESUME"  # a complete persistent checkpoint (its step directory) this attempt starts from
+# The rank's log file (RUN_DIR/logs/<node>/<slot>.<attempt>.log): PHOENIX's own lines of the rank go there only,
+# never to its stdout/stderr, which reach the console as torchrun shows them (the user's output alone).
+ENV_LOG_FILE = "PHOENIX_LOG_FILE"
 PERSIST_COMPLETE = "COMPLETE"  # the marker file of a persistent checkpoint every rank has written
 ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torchrun's name; the same file format as its @record
 

@@ -30,6 +30,7 @@ class RankEnv:
     resume: str = ""  # a complete persistent checkpoint (step directory) this attempt starts from
     run_dir: str = "."
     error_file: str = ""
+    log_file: str = ""  # the rank's log file, where PHOENIX's own lines go ("": stderr, outside phoenix-run)
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -62,6 +63,7 @@ class RankEnv:
             resume=env.get(protocol.ENV_RESUME, ""),
             run_dir=env.get(protocol.ENV_RUN_DIR, "."),
             error_file=env.get(protocol.ENV_ERROR_FILE, ""),
+            log_file=env.get(protocol.ENV_LOG_FILE, ""),
             rank=num("RANK"),
             world_size=num("WORLD_SIZE", 1),
             local_rank=num("LOCAL_RANK"),

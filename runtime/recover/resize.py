@@ -92,7 +92,7 @@ def restore_own(ops, R: int, live: tuple[int, bool]) -> tuple[dict, dict]:
     if meta is not None:
         state.restore_envelope(meta, ops.objs)
         ops.rs.metas[R] = meta
-    state.load_buffers(ops.objs.module, named)
+    state.load_boundary(ops.objs, named)
     return by_fqn(named, scalars)
 
 
