@@ -117,9 +117,11 @@ def test_the_whole_job_state_goes_to_the_standby_and_back(tmp_path):
     carried = [f.name for f in fields(JobState) if f.name not in JobState.PORTS]
     assert [n for n in carried if _tree(getattr(leader.state, n)) == _tree(getattr(fresh, n))] == []
 
+    leader.standby.mirror.next_at = 0.0  # past the rate bound (test_publications_..._at_a_bounded_rate)
     leader.standby.publish()  # (the generation published above was, before its bump: version 1)
     doc = json.loads(protocol.get_value(leader.store, mirror.K_STATE))
     assert doc["version"] == 2 and doc["final"] and doc["agents"] == {"n0": 101, "n1": 102} and doc["leader_node"] is None
+    leader.standby.mirror.next_at = 0.0
     leader.standby.publish()  # every publication carries its time: a newer version
     assert json.loads(protocol.get_value(leader.store, mirror.K_STATE))["version"] == 3
     pub = mirror.Published.from_dict(doc)
@@ -209,3 +211,25 @@ def test_the_standby_is_a_capability_taken_once(tmp_path):
     assert not off.standby.enabled
     for s in (sup, off):
         s.events.close()
+
+
+def test_publications_no_generation_asks_for_come_at_a_bounded_rate(tmp_path, monkeypatch):
+    """The loop asks to publish on every pass (20 ms); the state is encoded at most every PUBLISH_EVERY_S (and 10x
+    its own encoding time), while a new generation's publication (``sync``) is encoded and written at once."""
+    from phoenix_launch.job import state as job_state
+    from phoenix_launch.standby import mirror
+
+    dumps = []
+    real = job_state.dump
+    monkeypatch.setattr(job_state, "dump", lambda *a, **k: dumps.append(1) or real(*a, **k))
+    clock = [100.0]
+    m, store = mirror.Mirror(clock=lambda: clock[0]), dist.HashStore()
+    leader = _supervisor(tmp_path, _Backend(standby=True))
+    for _ in range(5):  # five passes within one period: one encoding
+        m.publish(store, leader.state, _Backend(standby=True))
+    assert len(dumps) == 1
+    m.publish(store, leader.state, _Backend(standby=True), sync=True)  # a generation: at once (the ack wait gives up at once)
+    assert len(dumps) == 2
+    clock[0] += mirror.PUBLISH_EVERY_S
+    m.publish(store, leader.state, _Backend(standby=True))
+    assert len(dumps) == 3

@@ -48,6 +48,11 @@ STANDBY_FILE = protocol.STANDBY_FILE  # what the leader tells its standby (addre
 K_ACK = "phx/sup/state_ack"  # the newest state version the standby holds (sealed)
 POLL_S = 0.01
 ACK_BOUND_S = 1.0  # a new generation waits at most this long for the standby to hold it
+#: between two publications that no new generation asks for: at least this long, and at least SHARE_BOUND times the
+#: last one's encoding, so that the mirror takes at most ~1/SHARE_BOUND of the leader's loop at any fleet size (the
+#: whole state at thousands of nodes takes tens of ms to encode, the loop passes every 20 ms)
+PUBLISH_EVERY_S = 0.1
+SHARE_BOUND = 10.0
 RESTARTS = 3  # a standby that exits is replaced at most this often per leader
 SUPERSEDED_EXIT = 75  # a cut-off leader that finds a newer one serving the job (EX_TEMPFAIL)
 
@@ -80,22 +85,28 @@ class Leader(Protocol):
 class Mirror:
     """The leader's side: publish the state when it changed (compared as JSON)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock  # the rate bound's
         self.last = ""
         self.version = 0
         self.memo: dict[int, str] = {}  # membership JSON by generation
         self.behind = 0  # synchronous publications the standby did not acknowledge in time
+        self.next_at = 0.0  # monotonic: the next publication no generation asks for (PUBLISH_EVERY_S, SHARE_BOUND)
 
     def publish(self, store: Any, state: JobState, backend: StandbyBackend, sync: bool = False) -> None:
         """Publish the state if it changed. ``sync`` (a new generation, before its bump): wait until the
         standby holds it (bounded by ``ACK_BOUND_S``), so that a leader lost right after the bump leaves a
-        standby that knows the generation every rank may already see."""
+        standby that knows the generation every rank may already see; without it, at a bounded rate."""
+        t0 = self.clock()
+        if not sync and t0 < self.next_at:
+            return
         doc = {"state": job_state.dump(state, self.memo), "final": state.exit_code is not None,
                "agents": backend.agent_handles(), "leader_node": backend.leader_node(), "t_ns": time.time_ns()}
         if len(self.memo) > 4:  # only the newest generations are in a publication
             for g in sorted(self.memo)[:-4]:
                 del self.memo[g]
         text = json.dumps(doc, sort_keys=True)
+        self.next_at = t0 + max(PUBLISH_EVERY_S, SHARE_BOUND * (self.clock() - t0))
         if text != self.last:
             self.version += 1
             protocol.put_value(store, K_STATE, json.dumps({**doc, "version": self.version}, sort_keys=True))
