@@ -24,6 +24,7 @@ from phoenix_runtime.plane.control import STATE, connect_store, control, start_c
 from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
 from phoenix_runtime.plane.store_keys import KeyRecorder, backoff
+from phoenix_runtime.plane.threads import wait_until
 from phoenix_runtime.plane.groups import abort_nccl, backend_of, lazy_gloo, nccl_eager, probe_order, set_timeout, warm_ring
 from phoenix_runtime.protection.transport import close_pairs
 
@@ -472,15 +473,15 @@ class Context:
         for a starting spare (``spare_wait_s``): while it waits (no spare ready), the survivors keep their state
         and must still be there when the spare is; a spare slower than the recovery timeout would otherwise find
         them gone, and their state with them."""
-        deadline = time.monotonic() + self.recovery_timeout + self.settings.spare_wait_s
-        while time.monotonic() < deadline:
+        def newer() -> int | None:
             self._gen_seen.clear()
             g = self.latest_gen()
-            if g > after:
-                return g
-            # woken by the control thread's bump (``_on_gen_change``) while its watcher is armed; else a poll
-            self._gen_seen.wait(0.05 if self.managed and self.ctl.watching else 0.005)
-        raise TimeoutError(f"no new generation after {after} within {self.recovery_timeout:g} s")
+            return g if g > after else None
+
+        # woken by the control thread's bump (``_on_gen_change``) while its watcher is armed; else a poll
+        return wait_until(newer, timeout=self.recovery_timeout + self.settings.spare_wait_s, wake=self._gen_seen,
+                          slice_s=lambda: 0.05 if self.managed and self.ctl.watching else 0.005,
+                          what=f"a new generation after {after}")
 
     def plan_once(self, gen: int, desc_json: str, deadline: float, plan: Callable[[list[str]], str],
                   ranks: list[int] | None = None) -> str:
