@@ -21,11 +21,12 @@ def background_priority(nice: int = 10) -> None:
 
 
 def wait_until(predicate: Callable[[], T | None], *, what: str, timeout: float | None = None, deadline: float | None = None,
-               slice_s: float | Callable[[], float] = 0.05, wake: threading.Event | None = None,
+               slice_s: float | Callable[[], float] = 0.05, wake: threading.Event | threading.Condition | None = None,
                on_timeout: Callable[[], Any] | None = None) -> Any:
     """Call ``predicate`` until it returns a result other than None or False (0 is a result: a generation's number),
     and return that result; between two calls, pause ``slice_s`` (a number, or a callable read each time), or until
-    ``wake`` is set when one is given (the caller clears it in ``predicate``). Bounded by ``timeout`` seconds from
+    ``wake`` is set when one is given (the caller clears it in ``predicate``), or notified (a ``Condition`` whose
+    lock the caller holds: released while it waits, held while ``predicate`` runs). Bounded by ``timeout`` seconds from
     now or the ``time.monotonic()`` ``deadline`` (one of the two): ``predicate`` is called at least once, and once
     more after the last pause; past the bound, ``on_timeout()`` is returned (it may raise), by default a
     ``TimeoutError`` naming ``what`` and the bound. An exception ``predicate`` raises (a newer generation) ends the
