@@ -407,7 +407,7 @@ def print_cpu_floor(res: list[dict], ns: list[int]) -> None:
               f"(all of it over {cores} cores); recovered in {rec:.3f} s = {rec / floor:.1f}x the floor")
 
 
-def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> None:
+def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> list[dict]:
     """The recovery's per-generation pure work at sizes no run here reaches, measured (not extrapolated): the
     planner's plan from N descriptors (one joiner), the plan's bytes every other rank reads, and the steady pairs
     a rank derives for itself at each generation (8 ranks a node, k = 1)."""
@@ -417,6 +417,7 @@ def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> None:
     from phoenix_runtime.recover.recovery import Descriptor, plan_for_layout
 
     print("\nthe recovery's pure parts at scale (measured here, one process; 8 ranks a node, one joiner, k = 1):")
+    rows = []
     for n in sizes:
         layout = Layout(n, nodes=tuple(f"n{r // 8}" for r in range(n)))
         ring = layout.replica_ring(0, 1)
@@ -431,9 +432,12 @@ def print_pure_scale(sizes=(1_024, 10_240, 102_400)) -> None:
         t2 = time.perf_counter()
         wire = len(course.to_json())
         mean_desc = sum(len(d.to_json()) for d in descs[:1000]) / min(n, 1000)
+        rows.append({"ranks": n, "plan_s": round(t1 - t0, 4), "pairs_s": round(t2 - t1, 4),
+                     "descriptors_mb": round(mean_desc * n / 1e6, 2)})
         print(f"  N={n:6d}: plan {1000 * (t1 - t0):7.1f} ms ({course.outcome.value}), the plan every other rank reads "
               f"{wire} B (each reading every descriptor: {mean_desc * n / 1e6:.1f} MB a rank); a rank's steady pairs "
               f"{1000 * (t2 - t1):6.1f} ms ({len(pairs)} pairs)")
+    return rows
 
 
 def git_commit() -> str:
@@ -449,7 +453,7 @@ def git_commit() -> str:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def write_json(res: list[dict], path: Path, commit: str, what: str = "") -> None:
+def write_json(res: list[dict], path: Path, commit: str, what: str = "", pure: list[dict] | None = None) -> None:
     """Per-N medians of recovery total and reconfigure, and where and when they were measured, as JSON. ``commit``
     is read when the run starts: the checkout may change while it runs."""
     date, cores = datetime.now().astimezone().isoformat(timespec="seconds"), os.cpu_count()
@@ -460,7 +464,8 @@ def write_json(res: list[dict], path: Path, commit: str, what: str = "") -> None
                        "reconfigure_s": med([r["rec"]["reconfigure_s"] for r in rs]), "repeats": len(rs),
                        "rank_cpu_s": med([r["rec"].get("rank_cpu_s") or 0.0 for r in rs]),
                        "date": date, "commit": commit, "cores": cores, "load1": med([r["load"][0] for r in rs])})
-    doc = {"source": "bench/recovery_scale.py", "date": date, "commit": commit, "cores": cores, "job": what, "points": points}
+    doc = {"source": "bench/recovery_scale.py", "date": date, "commit": commit, "cores": cores, "job": what, "points": points,
+           "pure": pure or []}  # the plan and a rank's own ring at 1K-100K ranks, one process (print_pure_scale)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {len(points)} points to {path}")
@@ -518,9 +523,9 @@ def main():
         print_per_rank(res)
         print_sockets(res)
         print_fits(res)
-        if a.json_out:
-            write_json(res, a.json_out, commit, what)
-    print_pure_scale()
+    pure = print_pure_scale()
+    if res and a.json_out:
+        write_json(res, a.json_out, commit, what, pure)
     for n, rep, why in failed:
         print(f"FAILED N={n} repeat {rep}: {why}")
     print(f"load after: {os.getloadavg()}")

@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import phoenix_runtime as phx
+from phoenix_runtime.elastic_batch import data_world
 
 
 def parse_args(argv=None):
@@ -191,8 +192,9 @@ def fully_shard(module, mesh):
     fs(module, mesh=mesh)
 
 
-def layout_of(a, world: int):
-    """(parallelize, mesh) for the flags; (None, None) for DDP."""
+def layout_of(a, world: int, full: int | None = None):
+    """(parallelize, mesh) for the flags; (None, None) for DDP. ``full``: the job's own world size (HSDP's shard
+    size is ``full // --hsdp``: a rank that joins a job shrunk by whole replica groups builds the shrunk mesh)."""
     if a.pp:
         tp = max(a.tp, 1)
         if a.fsdp or a.hsdp or (a.tp and a.pp_shard):
@@ -208,9 +210,10 @@ def layout_of(a, world: int):
     if a.fsdp:
         return apply_fsdp, {"shard": world}
     if a.hsdp:
-        if world % a.hsdp:
-            raise SystemExit(f"error: --hsdp {a.hsdp} does not divide the world size {world}")
-        return apply_fsdp, {"replicate": a.hsdp, "shard": world // a.hsdp}
+        shard = (full or world) // a.hsdp
+        if (full or world) % a.hsdp or world % shard:
+            raise SystemExit(f"error: --hsdp {a.hsdp} does not divide the world size {full or world}")
+        return apply_fsdp, {"replicate": world // shard, "shard": shard}
     if a.tp:
         if world % a.tp or a.heads % a.tp or a.kv_heads % a.tp:
             raise SystemExit(f"error: --tp {a.tp} must divide the world size {world}, --heads and --kv-heads")
@@ -355,7 +358,8 @@ def main(argv=None):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     ctx = phx.init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    parallelize, mesh = layout_of(a, world)
+    # the job's own size: its logical data ranks (PHOENIX keeps them while a shrink keeps the batch)
+    parallelize, mesh = layout_of(a, world, data_world(getattr(ctx, "members", None), world))
     torch.manual_seed(a.seed)  # the same initial parameters everywhere
     model = Llama(a)
     torch.manual_seed(a.seed + 1 + rank)
@@ -383,9 +387,9 @@ def main(argv=None):
             if a.pp:
                 loss = pipeline_step(training, *batch(a, step, rank, dp_rank))
             else:
-                # its data rank's micro-batch, and after PHOENIX shrank the job keeping the batch (DDP, FSDP2) a part
+                # its data rank's micro-batch, and after PHOENIX shrank the job keeping the batch (DDP, FSDP2, HSDP) a part
                 # of each lost one's (training.data_slices: the even split)
-                shares = [(dp_rank, 0, a.batch, 1.0, True)] if a.tp or a.hsdp else training.data_slices(a.batch)
+                shares = [(dp_rank, 0, a.batch, 1.0, True)] if a.tp else training.data_slices(a.batch)
                 for d, lo, hi, scale, last in shares:
                     with training.accumulating(last):
                         x, y = batch(a, step, rank, d)
@@ -412,7 +416,7 @@ def main(argv=None):
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in training.module.named_parameters()}
         if dist.get_rank() == 0:
             torch.save(full, a.params_file)
-    write_digest(training, a.steps, a.digest_file, world, rank)
+    write_digest(training, a.steps, a.digest_file, dist.get_world_size(), dist.get_rank())  # of now (a resize)
 
 
 if __name__ == "__main__":

@@ -327,7 +327,8 @@ def _report(sup, code: int) -> None:
 
 
 @app.command("status")
-def status(run_dir: Optional[str] = typer.Argument(None, help="Run directory (default: the newest under .)."),
+def status(run_dir: Optional[str] = typer.Argument(None, metavar="RUN_DIR", show_default=False,
+                                                     help="Run directory (default: the newest under .)."),
            run_dir_opt: Optional[str] = typer.Option(None, "--run-dir", help="The same, as kill-node takes it.")) -> None:
     """Print the live snapshot of a job from its run directory."""
     run_dir = run_dir or run_dir_opt

@@ -46,6 +46,7 @@ NODE_TRANSITIONS: dict[NodeState, set[NodeState]] = {
     NodeState.ACTIVE: {
         NodeState.FAILED,  # lost, or replaced after a failure of one of its ranks
         NodeState.JOINING,  # local recovery: the node rejoins as its own replacement
+        NodeState.SPARE,  # healthy, its replica dropped by a shrink (HSDP, pipelines): a warm spare now
         NodeState.STOPPED,
     },
     NodeState.FAILED: {NodeState.DRAINED, NodeState.STOPPED},

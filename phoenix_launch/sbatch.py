@@ -63,6 +63,8 @@ class SystemProfile:
     env: Tuple["EnvDefault", ...]
     #: ``#SBATCH --requeue`` on (the site allows it) or commented out (not known to)
     requeue: bool = True
+    #: the suffix a GPU allocation's account name carries on this system ("" where none)
+    gpu_account_suffix: str = ""
 
 
 _SLINGSHOT_SOURCES = (
@@ -88,6 +90,7 @@ SYSTEMS: Mapping[str, SystemProfile] = {
         gpus_per_node=4,
         nproc_per_node=4,
         account_hint="<project>_g   (Perlmutter GPU allocations end in _g)",
+        gpu_account_suffix="_g",
         setup=(
             "# module load pytorch                     # NERSC's PyTorch module (NCCL + aws-ofi-nccl plugin)",
             "# source /path/to/venv/bin/activate       # ... or your own environment; it needs phoenix-run",
@@ -307,6 +310,24 @@ def render_sbatch(system: str, nodes: int, spares: int, script: str, script_args
     return "\n".join(out) + "\n"
 
 
+def sbatch_warnings(system: str, account: Optional[str], gpus_per_node: Optional[int] = None,
+                    nproc_per_node: Optional[int] = None) -> List[str]:
+    """What a valid but likely wrong request gets said (one line each, the script is written all the same): more
+    ranks a node than GPUs requested, a GPU job's account without the system's GPU suffix."""
+    prof = SYSTEMS[system]
+    # a node's GPUs: those requested, else the system's (one rank each by default; unknown on a generic cluster)
+    gpus = prof.gpus_per_node if gpus_per_node is None else gpus_per_node
+    gpus = gpus or (prof.nproc_per_node if system != "generic" else None)
+    nproc = (gpus or prof.nproc_per_node) if nproc_per_node is None else nproc_per_node
+    out = []
+    if gpus is not None and nproc > gpus:
+        out.append(f"--nproc-per-node {nproc} is more ranks than a node's {gpus} GPU(s): ranks would share a GPU")
+    suffix = prof.gpu_account_suffix
+    if account and suffix and gpus and not account.endswith(suffix):
+        out.append(f"--account {account}: {system.capitalize()} GPU allocations end in {suffix} (did you mean {account}{suffix}?)")
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------
@@ -371,6 +392,9 @@ def sbatch(
                              signal_lead=_int_option("--signal-lead", signal_lead) or 0)
     except ValueError as exc:
         raise _fail(str(exc)) from None
+    for line in sbatch_warnings(system, account, _int_option("--gpus-per-node", gpus_per_node),
+                                _int_option("--nproc-per-node", nproc_per_node)):
+        typer.echo(f"phoenix-run sbatch: warning: {line}", err=True)
 
     if output is not None:
         try:

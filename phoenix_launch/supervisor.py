@@ -298,7 +298,7 @@ class Supervisor:
         dp = s.dp_size()
         return job_status(run_id=self.cfg.launch.run_id, run_dir=self.run_dir, state=s.phase.state.value, gen=self.gen,
                           restarts=s.restarts, nproc=self.nproc, nodes=s.nodes, store=self.store, events=self.events,
-                          members=s.gens.members, protect_every=s.reprotector.every, dp=(dp, s.full_world()) if dp else None,
+                          members=s.gens.members, protect_every=s.reprotector.every, dp=(dp, s.dp_full()) if dp else None,
                           cache=self.digests)
 
     def _write_status(self) -> dict[str, Any]:

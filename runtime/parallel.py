@@ -130,9 +130,29 @@ class Parallel:
         on PHOENIX's own mesh. HSDP, TP+FSDP and a ``mesh_builder``'s meshes keep their size (the old ladder)."""
         return tuple(n for n, _ in self.dims) == ("shard",) and self.builder is None
 
+    @property
+    def whole_replicas(self) -> bool:
+        """HSDP on PHOENIX's own mesh: a shrink drops (a grow adds) whole replica groups, so every rank keeps its
+        shard coordinate (rank ``r * S + s``, renumbered densely in order) and nothing is re-sharded."""
+        return tuple(n for n, _ in self.dims) == ("replicate", "shard") and self.builder is None
+
+    def droppable(self, world: int) -> tuple[int, int]:
+        """(the DP replicas a shrink can drop, the rank stride of a replica's index): FSDP2 over every rank, each
+        rank (re-sharded); HSDP, its replica groups of ``shard`` ranks; ``(0, 1)`` for the other layouts."""
+        if self.resizable:
+            return world, 1
+        if self.whole_replicas:
+            return self.replicas, world // self.replicas
+        return 0, 1
+
     def resize(self, world: int) -> bool:
-        """The mesh of the next generation over ``world`` ranks (a shrink or a grow); False when it has that size."""
+        """The mesh of the next generation over ``world`` ranks (a shrink or a grow); True when the state must be
+        re-sharded (FSDP2), False when it has that size or keeps its shards (HSDP: replica groups dropped or added)."""
         if math.prod(s for _, s in self.dims) == world:
+            return False
+        shard = dict(self.dims).get("shard", 1)
+        if self.whole_replicas and world % shard == 0:
+            self.dims = (("replicate", world // shard), ("shard", shard))
             return False
         if not self.resizable:
             raise UnsupportedLayout(f"mesh {dict(self.dims)}: only FSDP2 over every rank ({{'shard': N}}) changes size")

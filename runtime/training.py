@@ -117,7 +117,8 @@ class ProtectedTraining:
             log.warning("a resume on this GPU job may differ from the uninterrupted run in the last bits; bit-identity "
                         f"needs: {'; '.join(gaps)} (README: GPUs)")
         STATE.enter("training")
-        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=self.shrinkable_dp()))
+        dp, stride = self.shrinkable_dp()
+        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=dp, dp_stride=stride))
 
     # --- the public API ------------------------------------------------------------------------------------
     @property
@@ -155,15 +156,12 @@ class ProtectedTraining:
         no_sync = getattr(self.model, "no_sync", None)
         return contextlib.nullcontext() if no_sync is None else no_sync()
 
-    def shrinkable_dp(self) -> int:
-        """The data-parallel size a shrink can reduce (``launch.on_no_spare: shrink``), 0 where it cannot: every
-        rank a DP replica (no TP/PP) holding the whole optimizer state (replicated) or a shard of it (ZeRO), or
-        FSDP2 over every rank ({"shard": N}: re-sharded over the new world)."""
+    def shrinkable_dp(self) -> tuple[int, int]:
+        """(the DP replicas a shrink can drop, the rank stride of a replica's index); ``(0, 1)``: it cannot (TP, PP).
+        Each rank with DDP, ZeRO, FSDP2 over every rank (re-sharded); HSDP's replica groups (``Parallel.droppable``)."""
         if self.ctx.tp > 1 or self.ctx.pp > 1 or self.kind not in ("replicated", "zero", "fsdp"):
-            return 0
-        if self.parallel is not None and not getattr(self.parallel, "resizable", False):  # HSDP, TP, PP: the ladder
-            return 0
-        return self.ctx.world_size
+            return 0, 1
+        return self.parallel.droppable(self.ctx.world_size) if self.parallel is not None else (self.ctx.world_size, 1)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -276,7 +274,9 @@ class ProtectedTraining:
         params = {n: t.clone() for n, t in state.param_named(self.objs.module)}
         optim = {n: t.clone() for n, t in state.optim_named(self.objs.optimizer)}
         scalars = state.optim_scalars(self.objs.optimizer)
-        resized = self.parallel.resize(self.ctx.world_size)  # a shrink or a grow: FSDP over the new world
+        resized = self.parallel.resize(self.ctx.world_size)  # a shrink or a grow: FSDP over the new world, HSDP's replicas
+        self.replicated = self.parallel.replicated  # HSDP down to one replica: no peer holds a shard, it is replicated
+        self.params_sharded = not self.replicated
         self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
         self.ctx.add_groups(self.parallel.groups())  # a newer generation aborts them too
         self.model = self.objs.module

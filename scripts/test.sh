@@ -22,4 +22,4 @@ if [ "$budget_min" != 0 ]; then
     [ "$left" -gt 60 ] || left=60
     bound=(timeout -s INT -k 120 "${left}s")
 fi
-exec "${bound[@]}" ${PYTHON:-python3} -m pytest -q -p no:cacheprovider --reruns "${PHOENIX_TEST_RERUNS:-1}" "$@"
+exec "${bound[@]}" ${PYTHON:-python3} -m pytest -q -p no:cacheprovider --durations=60 --reruns "${PHOENIX_TEST_RERUNS:-1}" "$@"

@@ -177,3 +177,20 @@ def test_the_projection_is_built_from_labelled_parts_not_a_fitted_curve():
     assert big["ft_hsdp_s"] == 180.0 and big["paper_trend_s"] == pytest.approx(30 + 4.3 * 7.6096, abs=0.1)
     assert big["total_gloo_s"] == pytest.approx(9.5 + 0.5 + next(p["s"] for p in big["parts"] if p["part"].startswith("gen")))
     assert any("published" in line for line in parts.render_lines(rows))
+
+
+def test_the_projection_adds_what_grows_with_n_inside_a_ranks_work():
+    """The planner's plan over N descriptors and a rank's ring of its DP group, measured in one process at 1K-100K
+    ranks (recovery_scale.py's pure parts): added at the size nearest, scaled linearly (labelled so) between."""
+    from phoenix_launch.simulate import parts
+
+    pure = [{"ranks": 1024, "plan_s": 0.01, "pairs_s": 0.002, "descriptors_mb": 0.2},
+            {"ranks": 102400, "plan_s": 0.5, "pairs_s": 0.07, "descriptors_mb": 18.6}]
+    scale = {"points": [{"ranks": 4, "total_s": 0.5, "commit": "abc"}], "pure": pure}
+    without = parts.table((1_000, 10_000, 100_000), [], {"points": scale["points"]})
+    rows = parts.table((1_000, 10_000, 100_000), [], scale)
+    grown = {r["gpus"]: [p for p in r["parts"] if "of it" in p["part"]] for r in rows}
+    assert [p["label"].split(" ")[0] for p in grown[100_000]] == ["measured", "measured"]
+    assert grown[10_000][0]["label"].startswith("scaled linearly from the measured 1,024 ranks")
+    assert grown[100_000][0]["s"] == pytest.approx(0.5 * 100_000 / 102_400)
+    assert rows[-1]["total_gloo_s"] == pytest.approx(without[-1]["total_gloo_s"] + (0.5 + 0.07) * 100_000 / 102_400)

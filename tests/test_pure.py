@@ -961,8 +961,9 @@ def test_fsdp2_resharding_covers_every_row_once_and_names_the_state_by_parameter
 
 
 def test_only_fsdp2_over_every_rank_resizes():
-    """A shrink re-shards FSDP2 over every rank ({"shard": N}); HSDP, TP+FSDP and a mesh_builder's meshes keep the
-    ladder (their ranks report DP 0) and refuse a resize in one line."""
+    """A shrink re-shards FSDP2 over every rank ({"shard": N}); TP+FSDP and a mesh_builder's meshes keep the ladder
+    (their ranks report DP 0) and refuse a resize in one line; so does HSDP to a world that is not whole replica groups
+    (``tests/test_replica_shrink.py``: HSDP drops and adds whole groups)."""
     import torch
 
     from phoenix_runtime.parallel import Parallel, UnsupportedLayout

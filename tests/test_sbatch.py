@@ -264,3 +264,21 @@ def test_cli_submit_failure_is_one_line(tmp_path: Path, monkeypatch: pytest.Monk
     assert res.exit_code == 1
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Invalid account" in lines[0]
+
+
+def test_a_likely_wrong_request_is_warned_and_still_written() -> None:
+    """More ranks a node than its GPUs, and a Perlmutter GPU account without its _g suffix: one warning line each
+    on stderr; the script is written all the same (the request is valid). A right request, or a generic cluster
+    whose GPUs are unknown, gets none."""
+    from phoenix_launch.sbatch import sbatch_warnings
+
+    assert sbatch_warnings("perlmutter", "m1234_g") == []
+    assert sbatch_warnings("generic", None, None, 8) == []
+    (ranks,) = sbatch_warnings("vista", None, None, 4)
+    assert "--nproc-per-node 4" in ranks and "1 GPU" in ranks
+    res = CliRunner().invoke(_app(), ["sbatch", "--system", "perlmutter", "--nodes", "4", "-A", "m1234",
+                                      "--nproc-per-node", "8", "--", "train.py"])
+    assert res.exit_code == 0, res.output
+    warned = [x for x in res.stderr.splitlines() if "warning" in x]
+    assert len(warned) == 2 and "did you mean m1234_g?" in warned[1] and "4 GPU(s)" in warned[0], res.stderr
+    assert "#SBATCH --account=m1234" in res.stdout

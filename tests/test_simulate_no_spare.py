@@ -121,7 +121,19 @@ def test_cli_no_spare_section_text_and_json():
     assert [s["delay_s"] for s in ns["sweep"]] == [600.0, 3600.0, 4 * 3600.0, 24 * 3600.0]
 
 
-@pytest.mark.parametrize("args,needle", [(["--gpus", "64", "--dp", "4"], "--dp"),
+def test_cli_fewer_replicas_than_nodes_harvest_the_dropped_replicas_healthy_nodes():
+    """HSDP / pipelines, ``--dp`` below the node count (256 GPUs = 32 nodes, 8 replicas of 4 nodes): a lost node drops
+    one replica (DP 8 -> 7, 7/8 of the step rate keeping the batch) and its 3 healthy nodes become spares."""
+    args = ["simulate", "--gpus", "256", "--dp", "8", "--replace-delay", "4h", "--trials", "50", "--steps", "2000"]
+    res = CliRunner().invoke(_app(), args + ["--json"])
+    assert res.exit_code == 0, res.output
+    ns = json.loads(res.stdout)["no_spare"]
+    assert (ns["dp"], ns["lost_per_node"], ns["harvested_spares"], ns["keep_batch_speed"]) == (8, 1, 3, 7 / 8)
+    res = CliRunner().invoke(_app(), args)
+    assert "its 3 healthy node(s) become warm spares" in " ".join(res.stdout.split()), res.stdout
+
+
+@pytest.mark.parametrize("args,needle", [(["--gpus", "64", "--dp", "3"], "--dp"),
                                          (["--replace-delay", "soon"], "--replace-delay"),
                                          (["--shrink-cost", "-"], "--shrink-cost")])
 def test_cli_no_spare_bad_input_is_one_line(args, needle):

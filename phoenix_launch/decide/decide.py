@@ -217,12 +217,13 @@ def straggler(policy: str, node: str, what: str, spares: tuple[str, ...]) -> Dec
     return Decision(Kind.IGNORE, f"{what}: reported (detect.straggler: {policy})", node)
 
 
-def grow(missing: int, spares: tuple[str, ...], dp: int, nproc: int) -> Decision:
-    """A shrunk job (``missing`` nodes short of its size, data-parallel size ``dp``) with ``spares`` ready: as many
-    join as are missing, each in a lost node's place (hot-swap joiners); none ready or none missing: nothing."""
-    if not missing or not spares:
+def grow(missing: int, spares: tuple[str, ...], dp: int, nproc: int, unit: int = 1) -> Decision:
+    """A shrunk job (``missing`` nodes short of its size, world size ``dp``) with ``spares`` ready: as many join
+    as are missing, each in a lost node's place (hot-swap joiners), in whole replicas of ``unit`` nodes (HSDP, a
+    pipeline: a replica group); none ready, too few for a replica or none missing: nothing."""
+    join = spares[: min(missing, len(spares)) // unit * unit]
+    if not missing or not join:
         return Decision(Kind.IGNORE, "")
-    join = spares[:missing]
     return Decision(Kind.GROW, f"{', '.join(join)} ready: grow back, data-parallel size {dp} -> {dp + len(join) * nproc}",
                     grow=join)
 

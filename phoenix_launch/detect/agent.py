@@ -374,7 +374,9 @@ class Agent:
 
     def _restart(self, cmd: protocol.AgentRestart) -> None:
         """torchrun's behaviour: a fresh attempt of every rank of this node."""
-        self.terminate_ranks(self.spec.stop_grace_s)
+        # a dropped replica's workers hold nothing the job needs (its survivors do): ended at once, the agent's
+        # heartbeat never waits on them (a shrink making its node a spare, ``resize.harvest``)
+        self.terminate_ranks(0.0 if cmd.role == protocol.ROLE_SPARE else self.spec.stop_grace_s)
         self.epoch = cmd.epoch
         self.spec = replace(self.spec, group_rank=cmd.group_rank, world_size=cmd.world_size, gen=cmd.gen,
                             master_port=cmd.master_port, epoch=cmd.epoch, resume=cmd.resume)

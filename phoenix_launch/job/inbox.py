@@ -30,10 +30,20 @@ def on_agent_up(m: protocol.AgentUp, s: JobState, now: float) -> None:
         s.nodes.transition(node, NodeState.SPARE if node.is_spare else NodeState.ACTIVE, "agent up")
 
 
+NOT_A_MEMBER = "is not a member of generation"  # the runtime's error for a rank a new generation left out (context.form)
+
+
 def on_rank_exit(m: protocol.RankExit, s: JobState, now: float) -> None:
     node = s.nodes.get(m.node)
     if node is None or m.epoch < s.epoch or node.state in (*ENDED,):
         return  # a worker of an earlier attempt, or of a node already replaced
+    if (
+        node.name in s.harvested
+        and node.state is NodeState.SPARE
+        and NOT_A_MEMBER in str(((m.error or {}).get("phoenix") or {}).get("message", ""))
+    ):  # a worker of a replica a shrink dropped, before its agent started it again as a spare: expected
+        s.out.emit("rank_done", node=node.name, slot=m.slot, rank=None, harvested=True)
+        return
     if node.state is NodeState.SPARE or (node.state is NodeState.STARTING and node.is_spare):
         # a warm spare's rank died: the spare is not trusted any more; the job is not disturbed
         s.nodes.exclude(node.name, f"spare rank {m.slot} {describe_exit(m.exit_code, m.signal)}")
@@ -112,6 +122,7 @@ def on_runtime_ready(m: protocol.RuntimeReady, s: JobState, now: float) -> None:
     if m.epoch == s.epoch and m.protect and m.rank is not None:
         s.attempt.runtime_ready.add(int(m.rank))
         s.attempt.dp_sizes[int(m.rank)] = int(m.dp)
+        s.attempt.dp_stride = int(m.dp_stride)
 
 
 def on_node_ready(m: protocol.NodeReady, s: JobState, now: float) -> None:

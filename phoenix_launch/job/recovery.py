@@ -27,7 +27,8 @@ def finish(s: JobState, now: float) -> None:
     for n in s.nodes:
         if n.state is NodeState.JOINING:
             s.nodes.transition(n, NodeState.ACTIVE, f"recovered in generation {s.gen}")
-    s.gens.recovered()
+    # a spare's keys stay (a dropped replica's healthy node was a member: its agent's queue is still read)
+    s.gens.recovered(keep=sorted(n.name for n in s.nodes if n.state is NodeState.SPARE))
     cur = s.recovery.current
     step = cur.resume_step if cur else None
     s.phase.transition(JobPhase.RUNNING, f"generation {s.gen} resumed at step {step}")

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch.decide.incidents import Incident
-from phoenix_launch.job import recovery
+from phoenix_launch.effects import TellAgent
+from phoenix_launch.job import recovery, replicas
 from phoenix_launch.job.restart import exclude
 from phoenix_launch.job.state import JobState
 from phoenix_launch.lifecycle import JobPhase, NodeState
@@ -124,7 +125,8 @@ def grow_due(s: JobState) -> decisions.Decision | None:
     """A shrunk job running undisturbed with a spare ready grows back (``decide.grow``)."""
     if not missing_nodes(s) or s.phase.state is not JobPhase.RUNNING or s.incidents.current:
         return None
-    d = decisions.grow(missing_nodes(s), s.spares(), s.world_size, s.nproc)
+    unit = replicas.nodes_per_replica(s.world_size, s.dp_size(), s.nproc)  # HSDP: a whole replica group at once
+    d = decisions.grow(missing_nodes(s), s.spares(), s.world_size, s.nproc, unit)
     if d.kind is not decisions.Kind.GROW:
         return None
     s.out.emit(
@@ -134,8 +136,10 @@ def grow_due(s: JobState) -> decisions.Decision | None:
 
 
 def dp_lost(s: JobState, failed: tuple[str, ...]) -> int:
-    """The DP replicas on ``failed`` (with a shrinkable layout every rank is one)."""
-    return sum(1 for r in s.gens.members.ranks if r.node in failed)
+    """The DP replicas a shrink without ``failed`` drops (plain DP: every rank one; HSDP: whole replica groups;
+    ``job/replicas.py``); 0 when it cannot drop them cleanly (a healthy node holding a dropped and a kept one)."""
+    drop = replicas.dropped(s.gens.members, set(failed), s.dp_size(), s.dp_stride())
+    return len(drop.replicas) if drop is not None else 0
 
 
 def resize(s: JobState, ranks: list[protocol.RankSlot]) -> None:
@@ -148,11 +152,13 @@ def resize(s: JobState, ranks: list[protocol.RankSlot]) -> None:
     s.gens.world_size = world_size
     s.ladder.catalog.world_size = world_size  # a checkpoint is complete with every rank of now
     att, old = s.attempt, {(r.node, r.slot): r.rank for r in s.gens.members.ranks}
+    per = replicas.ranks_per_replica(s.gens.members.world_size, max(att.dp_sizes.values(), default=0))
     new_of = {old[(r.node, r.slot)]: r.rank for r in ranks if (r.node, r.slot) in old}
     joiners = {r.rank for r in ranks if (r.node, r.slot) not in old}
     att.runtime_ready = {new_of[r] for r in att.runtime_ready if r in new_of} | joiners
     att.done_ranks = {new_of[r] for r in att.done_ranks if r in new_of}
-    att.dp_sizes = {r: world_size for r in {new_of[r] for r in att.dp_sizes if r in new_of} | joiners}
+    # the replicas of the new world (plain DP: one a rank; HSDP: of ``per`` ranks each)
+    att.dp_sizes = {r: world_size // per for r in {new_of[r] for r in att.dp_sizes if r in new_of} | joiners}
 
 
 def shrink(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> None:
@@ -164,8 +170,14 @@ def shrink(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> Non
     # lost, a second loss during a shrink) shrinks from it, without every node that is gone since
     base = gens.stable if s.recovery.active else gens.members
     gone = set(d.lost) | {n.name for n in s.nodes if n.lost or n.state not in (NodeState.ACTIVE, NodeState.JOINING)}
-    ranks, data, prev, slices = shrunk_ranks(base, gone, s.cfg.launch.elastic_batch == "keep")
+    drop = replicas.dropped(
+        base, gone, base.world_size // replicas.ranks_per_replica(gens.members.world_size, s.dp_size()), s.dp_stride()
+    )
+    harvested = drop.harvested if drop is not None else ()
+    ranks, data, prev, slices = shrunk_ranks(base, gone | set(harvested), s.cfg.launch.elastic_batch == "keep")
     resize(s, ranks)
+    for name in harvested:  # before the generation: its workers learn they are spares rather than left out
+        harvest(s, name)
     mem = gens.publish(
         ranks, d.reason, s.attempt_info(), s.nodes.group_ranks(), data=data, prev=prev, prev_world=base.world_size, slices=slices
     )
@@ -179,7 +191,19 @@ def shrink(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> Non
         elastic_batch=s.cfg.launch.elastic_batch,
         data=[list(x) for x in data],
         slices=[[list(p) for p in x] for x in slices],
+        replicas=list(drop.replicas) if drop is not None else None,
+        spares=list(harvested),
     )
+
+
+def harvest(s: JobState, name: str) -> None:
+    """A healthy node of a replica a shrink dropped becomes a warm spare: it leaves its group rank, and its agent
+    starts its workers again as spares (they wait for an assignment: the next failure is a hot-swap onto it)."""
+    node = s.nodes[name]
+    node.group_rank = None
+    s.harvested.add(name)
+    s.nodes.transition(node, NodeState.SPARE, "its replica dropped by a shrink: a warm spare now")
+    s.out.add(TellAgent(name, protocol.AgentRestart(s.epoch, s.master[1], None, s.world_size, s.gen, protocol.ROLE_SPARE)))
 
 
 def grow_back(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> None:

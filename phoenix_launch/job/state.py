@@ -96,6 +96,7 @@ class JobState:
     pace_due: float = 0.0
     master: tuple[str, int] = ("", 0)  # this attempt's rendezvous (host, port)
     status_due: bool = False  # a node's state changed: status.json follows at once
+    harvested: set[str] = field(default_factory=set)  # spares a shrink made of a dropped replica's healthy nodes
 
     @classmethod
     def new(cls, cfg: Config, run_dir: Path, out: Outbox, reads: Reads, domains: Callable[[], dict[str, str]]) -> "JobState":
@@ -160,6 +161,15 @@ class JobState:
         sizes = self.attempt.dp_sizes
         return min(sizes.values()) if len(sizes) == self.world_size else 0
 
+    def dp_full(self) -> int:
+        """The job's own data-parallel size in the unit of ``dp_size`` (HSDP: replica groups, not ranks)."""
+        dp = self.dp_size()
+        return self.full_world() // max(1, self.world_size // dp) if dp else 0
+
+    def dp_stride(self) -> int:
+        """The stride of a replica's index the ranks reported (rank r is in replica (r // stride) % dp_size())."""
+        return max(1, self.attempt.dp_stride)
+
 
 def record(s: JobState) -> SupervisorState:
     """What a new leader needs of the state to go on with the job (the standby's mirror)."""
@@ -183,6 +193,7 @@ def record(s: JobState) -> SupervisorState:
             att.step_time_s,
             att.runtime_seen,
             tuple(sorted(att.dp_sizes.items())),
+            att.dp_stride,
         ),
         final=s.exit_code is not None,
     )
@@ -217,4 +228,5 @@ def restore(s: JobState, rec: SupervisorState, resize: Callable[[JobState, list[
         step_time_s=a.step_time_s,
         runtime_seen=a.runtime_seen,
         dp_sizes=dict(a.dp),
+        dp_stride=a.stride,
     )

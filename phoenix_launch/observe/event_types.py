@@ -358,6 +358,7 @@ class RankDone(Event):
     slot: int | None = None
     rank: int | None = None
     ended_in_teardown_s: float | None = None  # it completed its last step, then stalled in its teardown this long
+    harvested: bool | None = None  # a worker of a replica a shrink dropped (its node a spare now): expected
 
 
 @dataclass(frozen=True)
@@ -529,6 +530,8 @@ class Shrink(Event):
     elastic_batch: str | None = None
     data: list | None = None
     slices: list | None = None  # the even split (Membership.slices): per rank, [data rank, part, parts]
+    replicas: list | None = None  # the DP replicas dropped (HSDP, pipelines: whole replica groups)
+    spares: list | None = None  # the dropped replicas' healthy nodes, warm spares from now on
 
 
 @dataclass(frozen=True)

@@ -97,11 +97,12 @@ class GenerationPublisher:
         self.out.add(PublishGeneration(mem, diff, assign))
         return mem
 
-    def recovered(self) -> None:
+    def recovered(self, keep: Iterable[str] = ()) -> None:
         """Every rank reached the current generation: it is the base the next joiners are counted from. The
         keys of the generations before it, and of the nodes that left the job, are read no more: deleted, so
-        the store stays flat over many recoveries."""
-        now = {r.node for r in self.members.ranks}
+        the store stays flat over many recoveries. ``keep``: nodes out of the generation that stay in the job (a
+        dropped replica's healthy nodes, spares now: their agent's queue and heartbeat are still read)."""
+        now = {r.node for r in self.members.ranks} | set(keep)
         gone = (self._seen | {r.node for r in self.stable.ranks}) - now  # a joiner lost mid-recovery too
         self._seen = set(now)
         self.stable = self.members
@@ -141,7 +142,8 @@ class AttemptProgress:
     step_time_s: float = 0.0
     unrecoverable: dict[int, protocol.Unrecoverable] = field(default_factory=dict)  # ranks that cannot recover
     unrecoverable_t0: float | None = None
-    dp_sizes: dict[int, int] = field(default_factory=dict)  # rank -> the DP size it reported (0: cannot shrink)
+    dp_sizes: dict[int, int] = field(default_factory=dict)  # rank -> the DP replicas it reported (0: cannot shrink)
+    dp_stride: int = 1  # the stride of a replica's index the ranks reported (``job/replicas.py``)
     runtime_seen: bool = False  # a rank of this job (this attempt or one before) runs the PHOENIX runtime
 
 

@@ -63,7 +63,8 @@ def write_report(run_dir: Path, out: Path | None = None, ckpt_every: int | None 
 
 
 def report(
-    run_dir: Optional[str] = typer.Argument(None, help="Run directory (default: the newest under .)."),
+    run_dir: Optional[str] = typer.Argument(None, metavar="RUN_DIR", show_default=False,
+                                                     help="Run directory (default: the newest under .)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to write the page (default: RUN_DIR/report.html)."),
     ckpt_every: Optional[int] = typer.Option(None, "--ckpt-every", help="Your checkpoint interval in steps, for the comparison (default: the script's --ckpt-every, else 100)."),
     restart: Optional[str] = typer.Option(None, "--restart", help="T_restart of checkpoint-restart, e.g. 10m (default 600s)."),

@@ -97,7 +97,8 @@ _Q_DOMAIN_OPTION = _opt(
     "--mttf-domain, else 100 x p].", _PROT)
 _RISK_TARGET_OPTION = _opt(
     "--risk-target", "P", "Per-run risk used to recommend spares \\[default: 0.01].", _PROT)
-_DP_OPTION = _opt("--dp", "N", "Data-parallel size; a lost node takes DP/nodes replicas \\[default: --shards].",
+_DP_OPTION = _opt("--dp", "N", "Data-parallel size; a lost node takes DP/nodes replicas, or below the node count "
+                  "(HSDP, pipelines) its whole replica of nodes/DP nodes \\[default: --shards].",
                   _NOSPARE)
 _MIN_DP_OPTION = _opt("--min-dp", "N", "launch.min_dp: no shrink below this DP size \\[default: 1].", _NOSPARE)
 _REPLACE_DELAY_OPTION = _opt(

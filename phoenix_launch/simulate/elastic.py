@@ -19,7 +19,10 @@ delivering a node, or a repaired one coming back). The policies, per event:
   failure (the restart, the steps since the last checkpoint redone, the interrupted step).
 
 Every cost is linear in R, so its mean over R's distribution is its value at R's mean. Assumed: no second failure
-during R, the run outlasts R, a step's time is its compute (communication unchanged by the shrink). The shrink's
+during R, the run outlasts R, a step's time is its compute (communication unchanged by the shrink). With fewer
+replicas than nodes (``--dp`` < nodes: HSDP's replica groups, pipelines) a lost node drops its whole replica of
+nodes/DP nodes; the others, healthy, become warm spares at once (``harvested_spares``): a second failure during R is
+a hot-swap onto one of them, and the one replacement grows the replica back. The shrink's
 and grow's costs come from measurements where there are some (a run's ``shrink`` / ``grow`` recoveries with
 ``--from-run``, else bench/elastic.py's shrink row) and are labelled measured or assumed.
 """
@@ -73,6 +76,7 @@ class NoSpare:
     grow: Cost            # the grow event: the joiner's hot-swap join
     join: Cost            # wait's hot-swap when the replacement arrives
     restart: Cost         # eq. (2)'s cost of a failure with checkpoint-restart, without the wait for a node
+    harvested: int = 0    # replicas of several nodes (HSDP, pipelines): the lost one's healthy nodes, spares at once
 
 
 def keep_batch_speed(dp: int, lost: int) -> float:
@@ -147,6 +151,7 @@ def compare_no_spare(ns: NoSpare, events_per_run: float | None, events_source: s
                    for p, c in at_mean.items()}
     return {
         "dp": ns.dp, "lost_per_node": ns.lost, "min_dp": ns.min_dp, "can_shrink": can_shrink(ns),
+        "harvested_spares": ns.harvested if can_shrink(ns) else 0,
         "step_time_s": ns.step_time,
         "replace_delay": ns.replace_delay.to_json(), "replace_delay_label": ns.delay_label,
         "costs": {"shrink": ns.shrink.to_json(), "grow": ns.grow.to_json(), "join": ns.join.to_json(),

@@ -298,9 +298,10 @@ def _no_spare(values: _Values, fields: dict[str, Any], run_info: dict | None) ->
     grow, a hot-swap and a restart, each labelled with where it came from."""
     nodes, shards = fields["nodes"], fields["shards"]
     dp = values.count("dp", 1) if values.given("dp") else shards
-    if dp < nodes and values.given("dp"):
-        raise SimulateInputError(f"--dp: at least one DP replica per node ({nodes} nodes), got {dp}")
+    if dp < nodes and values.given("dp") and nodes % dp:
+        raise SimulateInputError(f"--dp: whole replicas per node or whole nodes per replica ({nodes} nodes), got {dp}")
     lost = max(1, dp // nodes)
+    harvested = nodes // dp - 1 if dp < nodes else 0  # HSDP, pipelines: the dropped replica's healthy nodes, spares
     min_dp = values.count("min_dp", 1)
     if values.given("replace_delay"):
         delay, delay_label = values.dist("replace_delay"), f"given ({fields['sources'].get('replace_delay', 'explicit')})"
@@ -321,7 +322,7 @@ def _no_spare(values: _Values, fields: dict[str, Any], run_info: dict | None) ->
     ck = cost_ckpt(fields["step_time"], fields["ckpt_every"], fields["restart"].mean)
     restart = Cost(ck.recovery + ck.replay + ck.partial_not_in_eq,
                    f"eq. (2): --restart ({src.get('restart', 'default')}) + t_step·(K-1)/2 + the interrupted step")
-    return NoSpare(dp=dp, lost=lost, min_dp=min_dp, step_time=fields["step_time"], replace_delay=delay,
+    return NoSpare(dp=dp, lost=lost, min_dp=min_dp, harvested=harvested, step_time=fields["step_time"], replace_delay=delay,
                    delay_label=delay_label, shrink=shrink, grow=grow, join=Cost(hot, hot_label), restart=restart)
 
 

@@ -64,12 +64,30 @@ def parts_at(gpus: int, fleet: list[dict], scale: dict) -> list[dict]:
         p = pts[0]
         out.append({"part": "rank work (own groups, plan, transfers, first step)", "s": p.get("total_s"),
                     "label": f"measured per rank (bench/recovery_scale.py at {p['ranks']} ranks, {p.get('commit', '?')}); "
-                             "flat in N by design"})
+                             "its parts that grow with N below"})
+    out.extend(_grows_with_n(gpus, scale))
     g, s, label = NCCL_INIT_PUBLISHED
     out.append({"part": "NCCL world communicator (torch 2.13 re-forms it)", "s": s if gpus >= g * 0.5 else None,
                 "label": label if gpus >= g * 0.5 else "not published at this size (NCCL issue #1156: '2.5 min above "
                 "certain K GPUs'); 0 on gloo"})
     return out
+
+
+def _grows_with_n(gpus: int, scale: dict) -> list[dict]:
+    """What of a rank's work grows with the job: the planner's plan over N descriptors (one rank) and a rank's ring
+    of its DP group (every rank, plain DP: the world), measured in one process at 1K / 10K / 100K ranks by
+    recovery_scale.py's pure parts; the size nearest ``gpus``, scaled linearly to it (both are O(N))."""
+    rows = [r for r in scale.get("pure", []) if r.get("ranks")]
+    if not rows:
+        return []
+    near = min(rows, key=lambda r: abs(math.log(r["ranks"]) - math.log(gpus)))
+    f = gpus / near["ranks"]
+    how = "measured" if abs(f - 1) <= 0.1 else f"scaled linearly from the measured {near['ranks']:,} ranks"
+    return [{"part": "  of it, the plan over N descriptors (one rank)", "s": near["plan_s"] * f,
+             "label": f"{how} (recovery_scale.py's pure parts, one process; reading the descriptors' "
+                      f"{near.get('descriptors_mb', 0) * f:.1f} MB from the store not included)"},
+            {"part": "  of it, a rank's ring of its DP group (plain DP)", "s": near["pairs_s"] * f,
+             "label": f"{how} (recovery_scale.py's pure parts, one process)"}]
 
 
 def load(fleet_path: Path = FLEET_FILE, scale_path: Path = MEASURED_SCALE_FILE) -> tuple[list[dict], dict]:
@@ -91,6 +109,7 @@ def table(sizes=(1_000, 10_000, 100_000), fleet: list[dict] | None = None, scale
     out = []
     for g in sizes:
         parts = parts_at(g, fleet, scale)
+        # the "  of it" rows: what N adds to the rank work measured at small N (where they are negligible)
         gloo = sum(p["s"] for p in parts if p["s"] is not None and not p["part"].startswith("NCCL"))
         nccl = next((p["s"] for p in parts if p["part"].startswith("NCCL")), None)
         out.append({"gpus": g, "parts": parts, "total_gloo_s": gloo, "total_nccl_s": None if nccl is None else gloo + nccl,

@@ -320,6 +320,10 @@ def _render_no_spare(console, Table, ns: dict) -> None:
             f"training.data_ranks: {ns['whole_ranks_speed'] * 100:.3g} %). --elastic-batch shrink keeps the speed and drops "
             f"{ns['lost_per_node'] / ns['dp'] * 100:.2g} % of the samples while short (counted as goodput lost; "
             "its wall time grows only by the shrink and the grow).")
+        if ns.get("harvested_spares"):
+            console.print(f"  A lost node drops its whole replica ({ns['harvested_spares'] + 1} nodes): its "
+                          f"{ns['harvested_spares']} healthy node(s) become warm spares at once, so a second failure "
+                          "while short is a hot-swap, and one replacement grows the replica back.")
         be = ns["breakeven_delay_s"]
         console.print(f"  Shrinking beats waiting when the replacement takes longer than {_dur(be)}." if be
                       else "  Shrinking loses less than waiting at any replacement delay.")

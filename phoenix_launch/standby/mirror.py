@@ -67,6 +67,7 @@ class AttemptRecord:
     step_time_s: float
     runtime_seen: bool
     dp: tuple[tuple[int, int], ...] = ()  # (rank, the DP size it reported): a new leader can shrink the job too
+    stride: int = 1  # the stride of a replica's index they reported (HSDP: its shard size)
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class SupervisorState:
                                for n in d["nodes"]),
                    attempt=AttemptRecord(tuple(a["done"]), tuple(a["ready"]), bool(a["protect_on"]), int(a["step"]),
                                          float(a["step_time_s"]), bool(a["runtime_seen"]),
-                                         tuple((int(r), int(n)) for r, n in a.get("dp") or ())),
+                                         tuple((int(r), int(n)) for r, n in a.get("dp") or ()), int(a.get("stride", 1))),
                    final=bool(d.get("final")))
 
 

@@ -169,7 +169,8 @@ class RuntimeReady(RankMessage):
     TYPE: ClassVar[MsgType] = MsgType.RUNTIME_READY
     protect: bool = True
     epoch: int = 0
-    dp: int = 0  # the data-parallel size when the layout can shrink (launch.on_no_spare), else 0
+    dp: int = 0  # the data-parallel replicas a shrink can drop (launch.on_no_spare), else 0
+    dp_stride: int = 1  # replica of rank r: (r // dp_stride) % dp (HSDP: the shard size; plain DP, FSDP: 1)
 
 
 @dataclass(frozen=True)

@@ -141,10 +141,11 @@ class _DpGroups(Mapping):
         return self.layout.world_size
 
 
-def plan_grow(descs: list[Descriptor], every: int = 1) -> Course:
+def plan_grow(descs: list[Descriptor], every: int = 1, peers: Mapping[int, list[int]] | None = None) -> Course:
     """A grow (a shrunk job's new nodes join): the resume step is planned over the survivors alone, and each
     joiner takes everything from a survivor (parameters, a replicated optimizer's state, the envelope: its lost
-    rank's own RNG and data position went with it); a ZeRO state is re-partitioned by the all-gather after."""
+    rank's own RNG and data position went with it); a ZeRO state is re-partitioned by the all-gather after.
+    ``peers``: a joiner's DP group (HSDP: the ranks holding its shard), its source one of them."""
     survivors = sorted(d.rank for d in descs if d.has_state)
     joiners = tuple(sorted(d.rank for d in descs if not d.has_state))
     try:
@@ -153,6 +154,8 @@ def plan_grow(descs: list[Descriptor], every: int = 1) -> Course:
     except UnrecoverableError as e:
         return Course(Outcome.GIVE_UP, reason=str(e))
     src = {j: survivors[j % len(survivors)] for j in joiners}
+    if peers is not None:  # the first survivor of its DP group (HSDP: a whole replica group joins beside another)
+        src = {j: next((r for r in peers[j] if r in survivors), src[j]) for j in joiners}
     return Course(Outcome.RESUME, dataclasses.replace(base, joiners=joiners, param_src=src, optim_src=dict(src)))
 
 

@@ -34,7 +34,7 @@ from phoenix_runtime.plane.failover import CALLS
 from phoenix_runtime.layout import Layout
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.recover import resize
-from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, plan_for_layout, plan_grow, replayed_by
+from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, _DpGroups, plan_for_layout, plan_grow, replayed_by
 from phoenix_runtime.protection.fingerprint import intact
 from phoenix_runtime.protection.pairs import recovery_pairs
 from phoenix_runtime.protection.protection import wait_sliced
@@ -119,7 +119,7 @@ class RecoverySession:
         descs += [Descriptor(j, has_state=False) for j in lost]
         at_most = ctx.members.rollback_to if ctx.members is not None else None
         if self._resized() == "grow":
-            return plan_grow(descs, every=ops.cadence_bound())
+            return plan_grow(descs, every=ops.cadence_bound(), peers=_DpGroups(ops.layout()) if self._whole() else None)
         if self._shrunk_sharded():  # planned in the old world: the lost ranks' shards come from their replicas
             m = ctx.members
             old = [dataclasses.replace(d, rank=m.prev[d.rank]) for d in descs]
@@ -142,6 +142,11 @@ class RecoverySession:
         return Descriptor(self.ctx.rank, True, live[0], live[1] and live_usable,
                           tuple(s for s in sorted(committed) if s not in corrupt), reps, self.rs.first_step or 0, corrupt)
 
+    def _whole(self) -> bool:
+        """HSDP: a resize drops or adds whole replica groups, every rank keeps its shard: a shrink is a plain recovery
+        in the new world, a grow's joiners take everything from a DP peer (``plan_grow``'s ``peers``), no re-sharding."""
+        return bool(getattr(getattr(self.ops, "parallel", None), "whole_replicas", False))
+
     def _resized(self) -> str:
         """"shrink" / "grow" when this generation changed the world's size (``Membership.prev``), else ""."""
         m = self.ctx.members
@@ -151,7 +156,7 @@ class RecoverySession:
 
     def _shrunk_sharded(self) -> bool:
         """A shrink of a sharded state (ZeRO, FSDP2): planned in the old world, the lost shards from their replicas."""
-        return self._resized() == "shrink" and self.ops.kind in ("zero", "fsdp")
+        return self._resized() == "shrink" and self.ops.kind in ("zero", "fsdp") and not self._whole()
 
     def _lost_shards(self, plan: Plan) -> dict:
         """A shrink under ZeRO (``plan`` in the old world's ranks, its joiners the lost ones): the lost shards'
@@ -179,7 +184,8 @@ class RecoverySession:
         marks["planned"] = time.time()
         m = ctx.members
         held = {}
-        if self.live is not None and ops.kind == "fsdp":  # the model is on the new mesh already: kept aside
+        fsdp = ops.kind == "fsdp" and not self._whole()  # re-sharded over the new world (HSDP keeps its shards)
+        if self.live is not None and fsdp:  # the model is on the new mesh already: kept aside
             held[m.prev[ctx.rank]] = ops.restore_resized(R, self.live)
             self.live = (R, True)
         elif self.live is not None:
@@ -192,7 +198,7 @@ class RecoverySession:
         ops.faults.fire(R, "recover_optim")
         if ops.kind == "zero":
             ops.repartition_optimizer(lost)
-        elif ops.kind == "fsdp":  # every parameter and its optimizer state re-sharded over the new world
+        elif fsdp:  # every parameter and its optimizer state re-sharded over the new world
             held.update({j: resize.by_fqn(named, state.scalars_of(meta)) for j, (named, meta) in lost.items()})
             ops.reshard_state(held, m.prev_world or sum(1 for p in m.prev if p >= 0))
         marks["optim"] = time.time()
@@ -214,7 +220,7 @@ class RecoverySession:
                            resends=ctx.settings.resends)
             elif me == j:
                 local, meta = recv_named(transport, plan.param_src[j], R, ctx.recovery_timeout, resends=ctx.settings.resends)
-                if ops.kind == "fsdp":  # buffers only: the shards come with the re-sharding (reshard_state)
+                if ops.kind == "fsdp" and not self._whole():  # buffers only: the shards come with the re-sharding
                     state.load_boundary(ops.objs, local)
                 else:
                     state.load_local(ops.objs, {}, local, meta)
