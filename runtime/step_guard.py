@@ -22,6 +22,7 @@ from phoenix_runtime.errors import comm_evidence
 from phoenix_runtime.plane import protocol
 from phoenix_runtime.plane.context import GenerationAbandoned
 from phoenix_runtime.plane.control import STATE
+from phoenix_runtime.plane.threads import wait_until
 from phoenix_runtime.protection.commit import FINGERPRINT_MISMATCH
 from phoenix_runtime.protection.snapshot import DeviceStall
 from phoenix_runtime.protection.transport import TransportError
@@ -129,10 +130,9 @@ class StepGuard:
         if rs.replication_failed_gen == ctx.gen:
             return  # reported once per generation (a broken replicator fails every later step at once)
         rs.replication_failed_gen = ctx.gen
-        deadline = time.monotonic() + max(1.0, 4 * ctx.settings.heartbeat_s)
-        while e.cause not in ("checksum mismatch", "skipped") and time.monotonic() < deadline:
-            ctx.check_generation()
-            time.sleep(0.02)
+        if e.cause not in ("checksum mismatch", "skipped"):  # a newer generation raises here; else trained on
+            wait_until(ctx.check_generation, timeout=max(1.0, 4 * ctx.settings.heartbeat_s), slice_s=0.02,
+                       what="a newer generation", on_timeout=lambda: None)
         log.info(f"step {step}: replication failed, training goes on unprotected for this step: {str(e)[:300]}")
         rs.stats["replication_errors"] = rs.stats.get("replication_errors", 0) + 1
         # a broken replicator (a transfer timed out or tore: gloo closed that pair) protects no later step of this
@@ -149,10 +149,8 @@ class StepGuard:
         if self._sdc_waited_gen == self.ctx.gen:
             return
         self._sdc_waited_gen = self.ctx.gen
-        deadline = time.monotonic() + self.ctx.recovery_timeout
-        while time.monotonic() < deadline:
-            self.ctx.check_generation()
-            time.sleep(0.02)
+        wait_until(self.ctx.check_generation, timeout=self.ctx.recovery_timeout, slice_s=0.02,
+                   what="the repair generation", on_timeout=lambda: None)  # it raises when it comes
         log.warning(f"step {step}: silent data corruption reported, no repair within {self.ctx.recovery_timeout:g} s: training on")
 
     def _progress(self) -> None:

@@ -1,6 +1,6 @@
 """Issue 45: a recovery costs each rank what its own groups cost, not the world's.
 
-In-process: the probe order of an abort, a group's backend. Real jobs (N = 8 and N = 16 ranks, a node lost and
+In-process: the probe order of an abort, a group's backend, one abort per group in a recovery. Real jobs (N = 8 and N = 16 ranks, a node lost and
 hot-swapped): the connections each rank holds to other ranks after the recovery and a few steps do not grow with N
 (gloo groups connect lazily: a rank's ring neighbours in DDP's all-reduce, its replica and commit-tree pairs, the
 recovery's transfer pairs), and each rank's recovery made a bounded number of central-store round trips.
@@ -30,6 +30,66 @@ def test_an_abort_probes_the_ring_neighbours_first_and_the_rest_only_if_needed()
 
 def test_a_group_torch_does_not_know_takes_the_jobs_backend():
     assert backend_of(object(), "nccl") == "nccl"
+
+
+class _Group:
+    """A gloo group as ``Context._abort`` sees it (its rank and size; ``close_pairs`` is counted instead)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+
+class _Transport:
+    def __init__(self):
+        self.aborts = 0
+
+    def abort(self) -> None:
+        self.aborts += 1
+
+
+@pytest.mark.timeout(30)
+def test_one_recovery_aborts_each_group_once(monkeypatch):
+    """Issue 47: one recovery reached the abort from the control thread (a newer generation), the step guard, an
+    injected comm fault and the recovery session (abort, then destroy): each group was aborted up to four times.
+    Now each group and transport is aborted once, whichever path comes first; a group formed after the first
+    abort is aborted once too, and the next generation's groups are aborted again."""
+    import threading
+    from collections import Counter
+
+    from phoenix_runtime.plane import context as cmod
+
+    closed: Counter = Counter()
+    monkeypatch.setattr(cmod, "close_pairs", lambda g, peers: closed.update([g.name]))
+    ctx = object.__new__(cmod.Context)
+    ctx.backend, ctx.gen, ctx.rank, ctx._warm, ctx._held, ctx.mpi_pairs = "gloo", 3, 0, [], {}, None
+    ctx._lock, ctx._gen_seen, ctx._aborted, ctx._aborted_gen = threading.RLock(), threading.Event(), [], -1
+    ctx.pairs = {1: _Group("pair1"), 2: _Group("pair2")}
+    ctx.mesh_groups = [_Group("tp"), ctx.pairs[1]]  # a group listed twice is aborted once
+    mpi = _Transport()
+    ctx._transports = [mpi]
+
+    ctx.abort_groups()  # an injected comm fault (``FaultInjector.abort_links``)
+    watcher = threading.Thread(target=ctx._on_gen_change, args=(4,))  # the control thread sees generation 4
+    watcher.start()
+    ctx.abort_groups()  # the step guard (``ProtectedTraining.recover``), racing the control thread
+    watcher.join(10)
+    assert not watcher.is_alive()
+    ctx._add_pair(5, _Group("late"))  # formed after the control thread's abort: aborted as it arrives
+    ctx.abort_groups()  # the recovery session, then it destroys the groups
+    ctx.destroy_groups()
+    assert closed == {"pair1": 1, "pair2": 1, "tp": 1, "late": 1} and mpi.aborts == 1
+    assert ctx._gen_seen.is_set()
+
+    ctx.gen, ctx.pairs = 4, {1: _Group("pair1 of generation 4")}  # the next generation's: new groups
+    ctx.abort_groups()
+    ctx.abort_groups()
+    assert closed["pair1 of generation 4"] == 1 and closed["pair1"] == 1
 
 
 GPT = str(EXAMPLES / "train_gpt.py")

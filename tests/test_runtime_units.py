@@ -416,3 +416,38 @@ def test_a_generations_keys_are_deleted_once_not_by_every_reader():
     assert store.check(["rank_1"]) and not store.check(["pair/0_1/0"]) and not store.check([f"own_{id(me)}"])
     assert zero.delete_used(read_too=True, read_prefix="pair/") == 2  # its own key and the address (the pair's: gone)
     assert not store.check(["rank_1"]) and not zero.keys and not zero.written
+
+
+@pytest.mark.timeout(30)
+def test_wait_until_returns_the_result_waits_in_slices_and_is_bounded():
+    """Issue 47: the runtime's one bounded wait (``threads.wait_until``)."""
+    import time
+
+    from phoenix_runtime.plane.threads import wait_until
+
+    assert wait_until(lambda: 0, timeout=5, what="generation 0") == 0  # true at once: 0 is a result, returned
+    calls = []
+    got = wait_until(lambda: calls.append(1) or (len(calls) if len(calls) == 3 else None), timeout=10, slice_s=0.001,
+                     what="a third look")
+    assert got == 3 and len(calls) == 3  # true later: each look a slice apart
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="waiting for the spare's address"):  # never true: ends at the bound
+        wait_until(lambda: False, timeout=0.2, slice_s=0.05, what="the spare's address")
+    assert 0.2 <= time.monotonic() - t0 < 10
+    assert wait_until(lambda: None, deadline=time.monotonic() + 0.05, slice_s=0.01, what="x", on_timeout=lambda: "late") == "late"
+
+    def abandoned():
+        calls.append(1)
+        raise RuntimeError("generation 3 abandoned")
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="abandoned"):  # a predicate that raises ends the wait with its error
+        wait_until(abandoned, timeout=10, what="x")
+    assert len(calls) == 1
+    wake = threading.Event()  # a set event ends a slice early: woken, not polled
+    threading.Timer(0.1, wake.set).start()
+    t0 = time.monotonic()
+    assert wait_until(wake.is_set, timeout=20, slice_s=15, wake=wake, what="the bump")
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(ValueError):
+        wait_until(lambda: True, what="x")

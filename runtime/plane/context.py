@@ -24,6 +24,7 @@ from phoenix_runtime.plane.control import STATE, connect_store, control, start_c
 from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
 from phoenix_runtime.plane.store_keys import KeyRecorder, backoff
+from phoenix_runtime.plane.threads import wait_until
 from phoenix_runtime.plane.groups import abort_nccl, backend_of, lazy_gloo, nccl_eager, probe_order, set_timeout, warm_ring
 from phoenix_runtime.protection.transport import close_pairs
 
@@ -84,8 +85,11 @@ class Context:
         self._transports: list = []  # this generation's transports (aborted with its groups)
         self.mesh_groups: list = []  # this generation's DeviceMesh groups (parallelize=), aborted with the others
         self.members: protocol.Membership | None = None
-        self._aborted_gen = -1
-        self._lock = threading.Lock()
+        self._aborted_gen = -1  # the newest generation the control thread saw abandoned: groups added later are aborted
+        #: what was aborted since the groups were last destroyed (groups, transports; by identity): each is aborted
+        #: once, whichever path reaches it first (the control thread, the step guard, an injected fault, the session)
+        self._aborted: list = []
+        self._lock = threading.RLock()  # re-entered: ``_on_gen_change`` aborts under it
         self._gen_seen = threading.Event()  # set by the control thread when it sees a newer generation
         self._own_keys: list[tuple[int, str]] = []
         self._pg_stores: list[tuple[int, KeyRecorder]] = []  # each generation's process-group rendezvous keys
@@ -183,23 +187,39 @@ class Context:
         gloo's abort() alone does not fail a pending receive (torch 2.13); a receive whose
         wait times out closes its pair, which fails every pending op on that pair on both sides. So each
         peer's pair is closed that way first (a 1 ms wait on a reserved tag), then the group is aborted
-        (NCCL: ncclCommAbort)."""
-        world = dist.group.WORLD if dist.is_initialized() else None
-        for t in self._transports:  # MPI: pending ops are cancelled (a peer is not notified; its wait is bounded)
-            t.abort()
-        self._abort([*self.pairs.values(), world, *self.mesh_groups])
+        (NCCL: ncclCommAbort).
+
+        Once per group: one recovery reaches here from the control thread (a newer generation), the step guard
+        (``ProtectedTraining.recover``), an injected fault and the recovery session; the first call aborts, a later
+        one aborts only what was formed since (a group the generation formed after it) and otherwise returns. A
+        call made while another thread aborts waits for it (the lock), so the groups are aborted when it returns
+        (NCCL: before ``destroy_groups`` destroys them)."""
+        with self._lock:
+            world = dist.group.WORLD if dist.is_initialized() else None
+            fresh = [t for t in self._transports if not self._seen_aborted(t)]
+            for t in fresh:  # MPI: pending ops are cancelled (a peer is not notified; its wait is bounded)
+                t.abort()
+            self._abort([*self.pairs.values(), world, *self.mesh_groups])
+
+    def _seen_aborted(self, thing) -> bool:
+        """``thing`` was aborted already since the groups were last destroyed; else it is marked so now."""
+        if any(thing is a for a in self._aborted):
+            return True
+        self._aborted.append(thing)
+        return False
 
     def _abort(self, groups) -> None:
         """gloo groups (the pairs, and any group whose backend is gloo: a DeviceMesh's ``backend_override``, a
         builder's extra group) closed pair by pair (``close_pairs``); NCCL's communicators all inside one NCCL group
         call (``_abort_nccl``), never one at a time."""
-        done: list = []
         pair_groups = list(self.pairs.values())
-        nccl = False
+        nccl, skipped = False, 0
         for g in groups:
-            if g is None or any(g is d for d in done):
+            if g is None:
                 continue
-            done.append(g)
+            if self._seen_aborted(g):  # this call's duplicates, and what an earlier call aborted
+                skipped += 1
+                continue
             if any(g is p for p in pair_groups) or "nccl" not in backend_of(g, self.backend):
                 # the default group connects lazily: only the pairs its ring warm-up connected are probed (a probe on
                 # a pair not connected yet would wait in its connect, without a bound when the peer is dead)
@@ -209,6 +229,8 @@ class Context:
                 nccl = True
         if nccl:
             abort_nccl()
+        if skipped:
+            log.debug(f"generation {self.gen}: {skipped} group(s) aborted already, not again")
 
     def add_groups(self, groups) -> None:
         """Groups built on this generation's (a DeviceMesh's sub-groups: TP, FSDP, HSDP's replicate): a newer
@@ -308,10 +330,12 @@ class Context:
                 dist.destroy_process_group()
             except Exception:
                 pass
-        self.pairs = {}
-        self.mpi_pairs = None
-        self._transports = []
-        self.mesh_groups = []
+        with self._lock:
+            self.pairs = {}
+            self.mpi_pairs = None
+            self._transports = []
+            self.mesh_groups = []
+            self._aborted = []  # the next groups are new objects: each is aborted once again
 
     def _wait_all(self, last: bool, gen: int, deadline: float, pg_store: KeyRecorder) -> None:
         """Every rank arrived: the generation is formed, by every rank or by none. The rank whose arrival was the
@@ -449,15 +473,15 @@ class Context:
         for a starting spare (``spare_wait_s``): while it waits (no spare ready), the survivors keep their state
         and must still be there when the spare is; a spare slower than the recovery timeout would otherwise find
         them gone, and their state with them."""
-        deadline = time.monotonic() + self.recovery_timeout + self.settings.spare_wait_s
-        while time.monotonic() < deadline:
+        def newer() -> int | None:
             self._gen_seen.clear()
             g = self.latest_gen()
-            if g > after:
-                return g
-            # woken by the control thread's bump (``_on_gen_change``) while its watcher is armed; else a poll
-            self._gen_seen.wait(0.05 if self.managed and self.ctl.watching else 0.005)
-        raise TimeoutError(f"no new generation after {after} within {self.recovery_timeout:g} s")
+            return g if g > after else None
+
+        # woken by the control thread's bump (``_on_gen_change``) while its watcher is armed; else a poll
+        return wait_until(newer, timeout=self.recovery_timeout + self.settings.spare_wait_s, wake=self._gen_seen,
+                          slice_s=lambda: 0.05 if self.managed and self.ctl.watching else 0.005,
+                          what=f"a new generation after {after}")
 
     def plan_once(self, gen: int, desc_json: str, deadline: float, plan: Callable[[list[str]], str],
                   ranks: list[int] | None = None) -> str:

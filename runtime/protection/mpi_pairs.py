@@ -25,6 +25,8 @@ import os
 import time
 from typing import Any, Callable
 
+from phoenix_runtime.plane.threads import wait_until
+
 
 def mpi():
     """mpi4py's MPI module, initialised with MPI_THREAD_MULTIPLE and never finalized (see above)."""
@@ -45,12 +47,14 @@ def mpi():
 
 
 def _wait_key(store, key: str, deadline: float, abandoned: Callable[[], bool]) -> str:
-    while not store.check([key]):
+    def there() -> bool:
+        if store.check([key]):
+            return True
         if abandoned():
             raise RuntimeError(f"generation abandoned while waiting for {key}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {key}")
-        time.sleep(0.005)
+        return False
+
+    wait_until(there, deadline=deadline, slice_s=0.005, what=key)
     return store.get(key).decode()
 
 

@@ -77,7 +77,7 @@ from phoenix_runtime.protection.fingerprint import fingerprint_class
 from phoenix_runtime.protection.hostmem import GiB, HostMemoryError, check_host_memory, host_bytes_required  # noqa: F401
 from phoenix_runtime.layout import Layout, ShardId
 from phoenix_runtime.protection.snapshot import D2H, PingPong, Snapshot, decode_envelope
-from phoenix_runtime.plane.threads import background_priority
+from phoenix_runtime.plane.threads import background_priority, wait_until
 from phoenix_runtime.protection.transport import GlooTransport, MpiTransport, Transport, TransportError, Work  # noqa: F401
 from phoenix_runtime.protection.replica_exchange import StepExchange
 from phoenix_runtime.protection.wire import (
@@ -228,23 +228,24 @@ class Replicator:
 
     def wait_committed(self, step: int, timeout: float) -> None:
         """Return once ``S_step`` is committed locally and acked (verified + committed) by every target."""
-        deadline = time.monotonic() + timeout
         with self._cond:
             st = self._steps.get(step)
             if st is None:
                 raise ReplicationError(f"step {step} was never submitted to the replicator", step=step)
-            while not st.done:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = [t for t in self.targets if t not in st.acked]
-                    what = "the local snapshot" if not st.local_ok else f"acks from rank(s) {missing}"
-                    raise ReplicationError(
-                        f"replication of step {step} not committed within {timeout:.3g} s: still waiting for {what}",
-                        step=step,
-                        peer=missing[0] if (st.local_ok and missing) else None,
-                        cause="timeout",
-                    )
-                self._cond.wait(left)
+
+            def timed_out() -> None:
+                missing = [t for t in self.targets if t not in st.acked]
+                what = "the local snapshot" if not st.local_ok else f"acks from rank(s) {missing}"
+                raise ReplicationError(
+                    f"replication of step {step} not committed within {timeout:.3g} s: still waiting for {what}",
+                    step=step,
+                    peer=missing[0] if (st.local_ok and missing) else None,
+                    cause="timeout",
+                )
+
+            # woken by the worker's notify (the lock is released while it waits)
+            wait_until(lambda: st.done, timeout=timeout, slice_s=timeout, wake=self._cond, what=f"step {step}'s commit",
+                       on_timeout=timed_out)
             if st.failures or not st.local_ok or set(self.targets) - st.acked:
                 peer, cause = st.failures[0] if st.failures else (None, "unknown")
                 detail = "; ".join(f"rank {p}: {c}" if p is not None else c for p, c in st.failures)
@@ -261,16 +262,20 @@ class Replicator:
         Without ``commit`` (a single rank, unit tests) it returns at once."""
         if not self.commit:
             return
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while step not in self._global:
-                left = deadline - time.monotonic()
-                if self._broken is not None or self._stopping:
-                    what = f"replicator broken since step {self._broken.step}: {self._broken.cause}" if self._broken else "replicator stopped"
-                    raise ReplicationError(f"step {step} is not committed on every rank: {what}", step=step, cause="not committed everywhere")
-                if left <= 0:
-                    raise ReplicationError(f"step {step} not committed on every rank within {timeout:.3g} s", step=step, cause="timeout")
-                self._cond.wait(min(left, 0.2))
+        def committed() -> bool:
+            if step in self._global:
+                return True
+            if self._broken is not None or self._stopping:
+                what = f"replicator broken since step {self._broken.step}: {self._broken.cause}" if self._broken else "replicator stopped"
+                raise ReplicationError(f"step {step} is not committed on every rank: {what}", step=step, cause="not committed everywhere")
+            return False
+
+        def timed_out() -> None:
+            raise ReplicationError(f"step {step} not committed on every rank within {timeout:.3g} s", step=step, cause="timeout")
+
+        with self._cond:  # woken by the commit point's notify (the lock is released while it waits)
+            wait_until(committed, timeout=timeout, slice_s=0.2, wake=self._cond, what=f"step {step}'s commit everywhere",
+                       on_timeout=timed_out)
             why = self._global[step]
         if why is not None:
             cause = why if why == FINGERPRINT_MISMATCH else "not committed everywhere"

@@ -68,7 +68,7 @@ from phoenix_runtime.protection.codec import (  # noqa: F401  (re-exported: the 
 )
 from phoenix_runtime.errors import CommunicationError, ProtectionError
 from phoenix_runtime.protection.hostmem import check_host_memory, empty_host_cache, pinned_size
-from phoenix_runtime.plane.threads import background_priority
+from phoenix_runtime.plane.threads import background_priority, wait_until
 
 __all__ = [
     "ALIGN",
@@ -441,16 +441,16 @@ class D2H:
 
     def wait(self, step: int, timeout: float) -> Snapshot:
         """The committed snapshot of ``step``; ``TimeoutError`` / ``D2HError`` otherwise."""
-        deadline = time.monotonic() + timeout
+        def timed_out() -> None:
+            raise self.timeout_error(step, timeout)
+
         with self._cond:
             job = self._jobs.get(step)
             if job is None:
                 raise D2HError(f"no D2H snapshot of step {step} was started (known: {sorted(self._jobs)})")
-            while not job.done:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self.timeout_error(step, timeout)
-                self._cond.wait(left)
+            # woken by the copy thread's notify (the lock is released while it waits)
+            wait_until(lambda: job.done, timeout=timeout, slice_s=timeout, wake=self._cond, what=f"step {step}'s D2H copy",
+                       on_timeout=timed_out)
             if job.error is not None:
                 raise D2HError(f"D2H snapshot of step {step} failed: {job.error!r}") from job.error
             if job.snap is None:

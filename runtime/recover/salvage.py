@@ -17,10 +17,10 @@ rank's is in, and only complete steps are ever resumed from):
 from __future__ import annotations
 
 import os
-import time
 
 from phoenix_runtime.recover import persist
 from phoenix_runtime.plane import protocol
+from phoenix_runtime.plane.threads import wait_until
 
 
 def write_from_memory(ctx, committed: dict, step: int | None, lost: dict | None = None, *, replicated: bool,
@@ -49,5 +49,4 @@ def write_from_memory(ctx, committed: dict, step: int | None, lost: dict | None 
 
 def wait_to_be_stopped(deadline: float) -> None:
     """This process trains no more: the supervisor stops the job once every rank has saved what it holds."""
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: False, deadline=deadline, slice_s=0.05, what="the supervisor's stop", on_timeout=lambda: None)
