@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import NoReturn
 
+from phoenix_runtime.errors import UsageError
 from phoenix_runtime.plane.settings import FAULT_MODES, FAULT_PHASES, SDC_TARGETS
 
 EXIT_USAGE = 2
@@ -33,8 +34,8 @@ HELP = {
 USAGE = "Usage: phoenix-run kill-node [OPTIONS] {TARGET}"
 
 
-class _UsageError(Exception):
-    pass
+class _UsageError(UsageError):
+    """A kill-node argument refused while parsing (printed as typer's commands print theirs, exit 2)."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from phoenix_launch.config import Config
+from phoenix_runtime.errors import PhoenixError
 from phoenix_launch.decide.classify import RankReport
 from phoenix_launch.decide.incidents import IncidentTracker
 from phoenix_launch.decide.sdc import Suspects
@@ -178,8 +179,8 @@ class JobState:
 STATE_VERSION = 1  # the form of :func:`dump`'s document; a reader of another refuses it
 
 
-class StateVersionError(ValueError):
-    pass
+class StateVersionError(PhoenixError, ValueError):
+    """A published state of another form (``STATE_VERSION``): a standby of another version refuses it."""
 
 
 def dump(s: JobState, memo: dict[int, str] | None = None) -> dict[str, Any]:
