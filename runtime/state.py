@@ -294,7 +294,7 @@ def _scaler_settings(scaler) -> dict[str, Any] | None:
 
 def _restore_scaler_settings(scaler, sd: dict[str, Any]) -> None:
     if not _torch_scaler(scaler):
-        scaler.load_state_dict(sd)  # another scaler: its own state dict, as before
+        scaler.load_state_dict(sd)  # not torch's GradScaler: it keeps its own state dict
         return
     if not scaler.is_enabled() or not sd:
         return
