@@ -287,14 +287,9 @@ def _forming(store, latest: int, incarnation: int = 0):
     """A Context as ``form`` uses it, on a real store, without a job around it (2 ranks)."""
     from types import SimpleNamespace
 
-    from phoenix_runtime.plane.context import Context
+    from scripts.bare_context import bare_context
 
-    ctx = object.__new__(Context)
-    ctx.managed, ctx.world_size, ctx._committed = True, 2, None
-    ctx.store = SimpleNamespace(add=store.add, incarnation=incarnation)
-    ctx.ctl = SimpleNamespace(latest_gen=latest)
-    ctx.latest_gen = lambda: ctx.ctl.latest_gen
-    return ctx
+    return bare_context(0, 2, SimpleNamespace(add=store.add, incarnation=incarnation), latest_gen=latest)
 
 
 def test_a_generation_is_formed_by_every_rank_or_by_none():

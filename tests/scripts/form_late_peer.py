@@ -4,20 +4,15 @@ newer generation published right after the generation was committed, while rank 
 import sys
 import time
 from datetime import timedelta
-from types import SimpleNamespace
 
 import torch.distributed as dist
+from bare_context import bare_context
 
-from phoenix_runtime.plane.context import Context
 from phoenix_runtime.plane.store_keys import KeyRecorder
 
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-ctx = object.__new__(Context)
-ctx.managed, ctx.world_size, ctx.rank, ctx._committed, ctx.store = True, 2, rank, None, store
-ctx.ctl = SimpleNamespace(latest_gen=1)
-ctx.latest_gen = lambda: ctx.ctl.latest_gen
-ctx.backend, ctx.settings, ctx.timeout, ctx.recovery_timeout = "gloo", SimpleNamespace(protect=False), timedelta(seconds=120), 60.0
+ctx = bare_context(rank, 2, store, protect=False, collective_timeout_s=120.0, recovery_timeout_s=60.0)
 pg = KeyRecorder(dist.PrefixStore("phx/gen/1/pg", store), stop=lambda: ctx._check_gen(1))
 deadline = time.monotonic() + 60
 last = int(store.add("arrived", 1)) >= 2

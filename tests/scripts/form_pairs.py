@@ -8,7 +8,6 @@ recovery's pairs) and abort. Prints one JSON line: what the test checks.
 import json
 import os
 import sys
-import threading
 import time
 from datetime import timedelta
 from types import SimpleNamespace
@@ -16,9 +15,9 @@ from types import SimpleNamespace
 import psutil
 import torch
 import torch.distributed as dist
+from bare_context import bare_context
 
 from phoenix_runtime.layout import Layout
-from phoenix_runtime.plane.context import Context
 from phoenix_runtime.plane.store_keys import KeyRecorder
 from phoenix_runtime.protection import commit
 from phoenix_runtime.protection.pairs import recovery_pairs, steady_pairs
@@ -26,14 +25,7 @@ from phoenix_runtime.protection.transport import MissingPairError, TransportErro
 
 rank, world, k, port = (int(a) for a in sys.argv[1:5])
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-ctx = object.__new__(Context)
-ctx.managed, ctx.world_size, ctx.rank, ctx._committed, ctx.store, ctx.gen = True, world, rank, None, store, 1
-ctx.ctl = SimpleNamespace(latest_gen=1)
-ctx.latest_gen = lambda: ctx.ctl.latest_gen
-ctx.backend, ctx.timeout, ctx.recovery_timeout = "gloo", timedelta(seconds=60), 60.0
-ctx.settings = SimpleNamespace(protect=True, transport="gloo", replicas=k)
-ctx.members, ctx.tp, ctx.pp, ctx.mesh_groups, ctx._transports = None, 1, 1, [], []
-ctx._lock, ctx._aborted_gen, ctx.pairs, ctx.mpi_pairs, ctx._warm, ctx._held = threading.Lock(), -1, {}, None, [], {}
+ctx = bare_context(rank, world, store, collective_timeout_s=60.0, recovery_timeout_s=60.0, transport="gloo", replicas=k)
 pg = KeyRecorder(dist.PrefixStore("phx/gen/1/pg", store), stop=lambda: ctx._check_gen(1))
 ctx._pg_stores = [(1, pg)]
 
