@@ -70,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--times-file", default=None, help="rank 0 writes per-step times and PHOENIX stats as JSON (benchmarks)")
     p.add_argument("--data-log", default=None, metavar="PATH",
                    help="each rank appends 'step generation rank data_rank start stop loss' per micro-batch (or part: samples "
-                        "[start, stop) of the data rank's) of each completed step")
+                        "[start, stop) of the data rank's) of each completed step; with --pp the last stages only")
     p.add_argument("--params-file", default=None, help="rank 0 saves the final full parameters here (torch.save)")
     return p.parse_args(argv)
 
@@ -199,7 +199,8 @@ def layout_of(a, world: int, full: int | None = None):
         tp = max(a.tp, 1)
         if a.fsdp or a.hsdp or (a.tp and a.pp_shard):
             raise SystemExit("error: --pp goes with --tp (TP inside each stage) or --pp-shard, not with --fsdp, --hsdp or both")
-        if world % (a.pp * tp) or world // (a.pp * tp) < 2 or a.layers < a.pp * SCHEDULES[a.schedule][1] or a.batch % a.microbatches:
+        # ``full``: the job's own size (a shrink may have left one pipeline of its two or more)
+        if world % (a.pp * tp) or (full or world) // (a.pp * tp) < 2 or a.layers < a.pp * SCHEDULES[a.schedule][1] or a.batch % a.microbatches:
             raise SystemExit(f"error: --pp {a.pp} (x --tp) must divide the world size {world} with at least 2 pipelines, "
                              f"--layers must give every stage a block, and --microbatches must divide --batch")
         if a.tp and (a.heads % a.tp or a.kv_heads % a.tp):
@@ -378,14 +379,21 @@ def main(argv=None):
         # the optimizer is built by PHOENIX on the parallelised parameters (again after a recovery: in place)
         training = phx.protect(model, lambda params: torch.optim.AdamW(params, lr=a.lr, weight_decay=0.1),
                                parallelize=parallelize, mesh=mesh)
-    dp_rank = rank // (max(a.tp, 1) * a.pp) if a.pp else rank // a.tp if a.tp else rank
+    dp_rank = rank // a.tp if a.tp else rank  # TP+FSDP: ranks of one TP group see the same data
     loss = None
     step_times, t_prev = [], time.perf_counter()
     for step in training.steps(a.steps):
         seen = []
         with training.step():
             if a.pp:
-                loss = pipeline_step(training, *batch(a, step, rank, dp_rank))
+                # its pipeline's micro-batch, and after PHOENIX dropped a pipeline (no spare) each survivor takes whole
+                # micro-batches of the dropped ones' (training.data_slices: the slice's gradients x its scale)
+                for d, lo, hi, scale, last in training.data_slices(a.batch):
+                    with training.accumulating(last, scale):
+                        x, y = batch(a, step, rank, d)
+                        loss = pipeline_step(training, x[lo:hi], y[lo:hi])
+                    if loss is not None:  # the last stage's: one line per pipeline and slice in the data log
+                        seen.append((d, lo, hi, loss.item() if a.data_log else 0.0))
             else:
                 # its data rank's micro-batch, and after PHOENIX shrank the job keeping the batch (DDP, FSDP2, HSDP) a part
                 # of each lost one's (training.data_slices: the even split)
@@ -414,6 +422,10 @@ def main(argv=None):
         write_times(a.times_file, step_times, training)
     if a.params_file:  # the whole parameters: DTensors gathered (a collective, every rank)
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in training.module.named_parameters()}
+        if a.pp:  # each rank holds its stages (``pp<s>.<name>``): every stage's, gathered
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, full)
+            full = {n: t for part in every for n, t in part.items()}
         if dist.get_rank() == 0:
             torch.save(full, a.params_file)
     write_digest(training, a.steps, a.digest_file, dist.get_world_size(), dist.get_rank())  # of now (a resize)
