@@ -60,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=int, default=2, help="microbatches per step (with --pp)")
     p.add_argument("--pp-shard", action="store_true", help="with --pp: FSDP2 within each stage ('shard') instead of DP")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulates a bigger model)")
+    p.add_argument("--sample-sleep", type=float, default=0.0,
+                   help="extra seconds per micro-batch, pro rata for a part of one (a model's compute: bench/elastic.py)")
     p.add_argument("--step-sleep-while", default=None, metavar="PATH",
                    help="--step-sleep only while PATH exists (tests: the job outlives what a test does to it, then ends at full speed)")
     p.add_argument("--optimizer", choices=["adamw", "zero"], default="adamw",
@@ -392,6 +394,7 @@ def main(argv=None):
                     with training.accumulating(last, scale):
                         x, y = batch(a, step, rank, d)
                         loss = pipeline_step(training, x[lo:hi], y[lo:hi])
+                        time.sleep(a.sample_sleep * (hi - lo) / a.batch)
                     if loss is not None:  # the last stage's: one line per pipeline and slice in the data log
                         seen.append((d, lo, hi, loss.item() if a.data_log else 0.0))
             else:
@@ -403,6 +406,7 @@ def main(argv=None):
                         x, y = batch(a, step, rank, d)
                         loss = training.model(x[lo:hi], y[lo:hi])
                         (loss * scale if scale != 1.0 else loss).backward()
+                        time.sleep(a.sample_sleep * (hi - lo) / a.batch)
                         seen.append((d, lo, hi, loss.item() if a.data_log else 0.0))
             training.optimizer_step()
         if a.data_log and training.step_idx == step + 1:  # completed (not interrupted by a recovery)

@@ -103,6 +103,7 @@ class Pipeline(Parallel):
     """The user's pipeline split and schedule, and what PHOENIX needs to build them again (``Parallel``'s mesh,
     optimizer re-binding and shard naming, with the stages in place of a parallelised model)."""
 
+    dims: tuple[tuple[str, int], ...]  # Parallel's (annotated again: a subclass that assigns it)
     stages: Sequence = ()  # this rank's PipelineStage objects, of the live generation
     schedule = None  # the schedule built on them: what the training loop steps
     meta: bool = False  # the user's model was built on the meta device: stages are built on meta, then materialised
@@ -144,9 +145,10 @@ class Pipeline(Parallel):
 
     def resize(self, world: int) -> bool:
         """The mesh of ``world`` ranks after whole pipelines were dropped or added (never re-sharded: False)."""
-        per = math.prod(s for _, s in self.dims[1:])
+        rest = self.dims[1:]  # pp (and tp)
+        per = math.prod(s for _, s in rest)
         if self.whole_replicas and world % per == 0:
-            self.dims = (("dp", world // per), *self.dims[1:])
+            self.dims = (("dp", world // per), *rest)
             return False
         return super().resize(world)
 
