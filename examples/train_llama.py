@@ -414,6 +414,7 @@ def main(argv=None):
                 f.write("".join(f"{step} {ctx.gen} {dist.get_rank()} {d} {lo} {hi} {v!r}\n" for d, lo, hi, v in seen))
         if a.step_sleep and (a.step_sleep_while is None or os.path.exists(a.step_sleep_while)):
             time.sleep(a.step_sleep)
+        rank = dist.get_rank()  # this generation's (a shrink or a grow renumbers the ranks)
         if rank == ((a.pp - 1) * max(a.tp, 1) if a.pp else 0) and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):
             print(f"step {step} loss {loss.item():.4f}", flush=True)
         if rank == 0 and a.step_log and training.step_idx == step + 1:  # completed (not interrupted by a recovery)
@@ -422,7 +423,7 @@ def main(argv=None):
         now = time.perf_counter()
         step_times.append(now - t_prev)
         t_prev = now
-    if rank == 0 and a.times_file:
+    if dist.get_rank() == 0 and a.times_file:
         write_times(a.times_file, step_times, training)
     if a.params_file:  # the whole parameters: DTensors gathered (a collective, every rank)
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in training.module.named_parameters()}
