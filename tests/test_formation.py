@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -100,7 +101,6 @@ def _silent_peer_info(store) -> bytes:
     format (read off a real pair formed here), its IP raised above any host's, so that rank 0 takes the listening
     side of gloo's connect (``tcp::Device::isInitiator`` compares the addresses), and the pair's sequence numbers."""
     import struct
-    import threading
 
     made: dict = {}
     ts = [threading.Thread(target=lambda r=r: made.setdefault(r, dist.ProcessGroupGloo(dist.PrefixStore("real/", store), r, 2, timedelta(seconds=30))))
@@ -140,3 +140,7 @@ def test_a_pair_whose_peer_never_connects_is_given_up_within_its_timeout():
     # gloo's own bound would be 5 x 2 = 10 s; given up at the timeout plus the grace
     assert timeout.total_seconds() <= took < timeout.total_seconds() + PAIR_GRACE_S + 3, took
     assert formed == []
+    # the given-up thread ends with gloo's own bound; joined here, so that no test after this one waits for it
+    for t in [t for t in threading.enumerate() if t.name == "phoenix-pair-1"]:
+        t.join(30)
+        assert not t.is_alive()

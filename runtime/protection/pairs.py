@@ -100,8 +100,8 @@ def form_pairs(pairs, rank: int, have: dict, store, timeout: timedelta, on_forme
     the listening side of a pair's connect by five times the group's timeout only (torch 2.13's gloo,
     ``tcp::Pair::waitUntil``), longer than a recovery's timeout, and its peer may have returned already (the
     initiator is done once its connection is made), so a pair still connecting then is given up
-    (``PairFormationTimeout``; its thread, a daemon, ends with gloo's own timeout and its group is dropped). The
-    first failure is raised once every other attempt has ended or was given up."""
+    (``PairFormationTimeout``; its thread ends with gloo's own timeout and its group is dropped). The first failure
+    is raised once every other attempt has ended or was given up."""
     todo: list[tuple[int, tuple[int, int]]] = []  # (peer, the pair)
     for a, b in own_pairs(pairs, rank):
         peer = b if rank == a else a
@@ -123,7 +123,9 @@ def form_pairs(pairs, rank: int, have: dict, store, timeout: timedelta, on_forme
                 return  # too late: nobody takes it (the group is dropped with this thread's reference)
             done[peer] = got
 
-    threads = [(peer, threading.Thread(target=form_one, args=(peer, a, b), name=f"phoenix-pair-{peer}", daemon=True))
+    # not daemons: a daemon thread still in gloo's constructor when the interpreter finalizes aborts the process as
+    # it wakes (std::terminate); a process that exits meanwhile waits for it instead (at most gloo's bound)
+    threads = [(peer, threading.Thread(target=form_one, args=(peer, a, b), name=f"phoenix-pair-{peer}"))
                for peer, (a, b) in todo]
     for _, t in threads:
         t.start()
