@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from phoenix_runtime.recover.strategies import RecoveryStrategy
+
 
 @dataclass
 class RankState:
@@ -54,7 +56,7 @@ class TrainingOps(Protocol):
 
     protect_on: bool
     replicated: bool  # every DP peer holds the same optimizer state
-    kind: str  # the optimizer's layout: "replicated", "zero", "custom", "fsdp"
+    strategy: RecoveryStrategy  # what a recovery does for this layout (``recover.strategies``), chosen once
     params_sharded: bool  # no peer holds this rank's parameter shard (FSDP without a replicate dimension)
     objs: Any  # state.LoopObjects
     rs: RankState
@@ -85,7 +87,7 @@ class TrainingOps(Protocol):
 
     # the recovery's steps
     def reparallelize(self, gen: int) -> None: ...
-    def rebuild_optimizer(self) -> None: ...
+    def rebuild_optimizer(self) -> None: ...  # ZeRO on the new group (``strategies.Zero``)
     def repartition_optimizer(self, lost: dict) -> None: ...  # ZeRO re-partitioned for a shrink's or grow's world
     def restore_resized(self, R: int, live: tuple[int, bool]) -> dict: ...  # FSDP2 resized: this rank's old shard
     def reshard_state(self, held: dict, old_world: int) -> None: ...  # FSDP2 re-sharded over the new world

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from phoenix_runtime.recover import persist, resize
+from phoenix_runtime.recover import persist, resize, strategies
 from phoenix_runtime.plane import protocol
 from phoenix_runtime import elastic_batch, state, zero
 from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
@@ -43,16 +43,6 @@ from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
 log = logging.getLogger(__name__)
 
 
-def optimizer_kind(optimizer) -> str:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return "zero"
-    if hasattr(optimizer, "phoenix_state"):
-        return "custom"
-    return "replicated"
-
-
 class ProtectedTraining:
     """A protected training loop's state: model, optimizer, everything else it holds, and its protection."""
 
@@ -64,8 +54,8 @@ class ProtectedTraining:
         self.settings = ctx.settings
         self.protect_on = self.settings.protect and ctx.managed
         self.replicas = int(replicas if replicas is not None else self.settings.replicas)
-        self.kind = optimizer_kind(objs.optimizer) if parallel is None else "fsdp"
-        self.replicated = self.kind == "replicated" or (parallel is not None and parallel.replicated)
+        self.strategy = strategies.for_training(objs.optimizer, parallel)  # what a recovery does for this layout
+        self.replicated = self.strategy.replicated or (parallel is not None and parallel.replicated)
         # no peer holds this rank's parameter shard (FSDP without a replicate dimension): it is replicated
         self.params_sharded = parallel is not None and not parallel.replicated
         self.rs = RankState(every=self.settings.protect_every)  # what the step guard and the recovery read and change
@@ -149,7 +139,7 @@ class ProtectedTraining:
 
     def accumulating(self, last: bool):
         """One micro-batch's context: DDP's ``no_sync`` but for the ``last`` (one all-reduce a step); FSDP2: ``micro_batch``."""
-        if self.kind == "fsdp" and self.data_world() > self.ctx.world_size:  # FSDP2: see resize.micro_batch
+        if self.strategy.parallelised and self.data_world() > self.ctx.world_size:  # FSDP2: see resize.micro_batch
             return resize.micro_batch(self.objs.module, last)
         if last:
             return contextlib.nullcontext()
@@ -159,7 +149,7 @@ class ProtectedTraining:
     def shrinkable_dp(self) -> tuple[int, int]:
         """(the DP replicas a shrink can drop, the rank stride of a replica's index); ``(0, 1)``: it cannot (TP, PP).
         Each rank with DDP, ZeRO, FSDP2 over every rank (re-sharded); HSDP's replica groups (``Parallel.droppable``)."""
-        if self.ctx.tp > 1 or self.ctx.pp > 1 or self.kind not in ("replicated", "zero", "fsdp"):
+        if self.ctx.tp > 1 or self.ctx.pp > 1 or not self.strategy.shrinks:
             return 0, 1
         return self.parallel.droppable(self.ctx.world_size) if self.parallel is not None else (self.ctx.world_size, 1)
 
@@ -338,9 +328,8 @@ class ProtectedTraining:
             local.register_step_post_hook(self.faults.optimizer_hook)
 
     def rebuild_optimizer(self) -> None:
-        """ZeRO keeps the group it was built with: re-initialised IN PLACE on the new group (``zero.rebuild``)."""
-        if self.kind != "zero":
-            return
+        """ZeRO keeps the group it was built with: re-initialised IN PLACE on the new group (``zero.rebuild``; the
+        ``Zero`` strategy calls it)."""
         zero.rebuild(self.objs.optimizer)
         self._hook_optimizer()
 
