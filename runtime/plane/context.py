@@ -255,7 +255,7 @@ class Context:
             return GlooTransport() if use == 0 else None
         if self.mpi_pairs is None:
             with self._lock:
-                return PairTransport(self.pairs, self.rank, self.world_size)
+                return PairTransport(self.pairs, self.rank, self.world_size, seen=self._seen_aborted, lock=self._lock)
         t = MpiTransport(pairs=self.mpi_pairs[use], rank=self.rank, size=self.world_size)
         self._transports.append(t)
         return t
