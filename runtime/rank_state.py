@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from phoenix_runtime.recover.strategies import RecoveryStrategy
-
 
 @dataclass
 class RankState:
@@ -56,7 +54,7 @@ class TrainingOps(Protocol):
 
     protect_on: bool
     replicated: bool  # every DP peer holds the same optimizer state
-    strategy: RecoveryStrategy  # what a recovery does for this layout (``recover.strategies``), chosen once
+    strategy: Any  # recover.strategies.RecoveryStrategy: what a recovery does for this layout, chosen once
     params_sharded: bool  # no peer holds this rank's parameter shard (FSDP without a replicate dimension)
     objs: Any  # state.LoopObjects
     rs: RankState

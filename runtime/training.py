@@ -23,7 +23,7 @@ from phoenix_runtime.recover import persist, resize, strategies
 from phoenix_runtime.plane import protocol
 from phoenix_runtime import elastic_batch, state, zero
 from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
-from phoenix_runtime.plane.control import STATE, control
+from phoenix_runtime.plane.control import control
 from phoenix_runtime.device_steps import DeviceSteps, bit_identity_gaps, cuda_event_factory, stream_probe
 from phoenix_runtime.plane.failover import CALLS
 from phoenix_runtime.faults import FaultInjector
@@ -100,13 +100,13 @@ class ProtectedTraining:
         self._warned_layout = False
         self._old_live: tuple[dict, dict] | None = None  # FSDP2 resized: this rank's live state in the old shard layout (reparallelize)
         self._work: float | None = None  # data_slices' work this step (work_share)
-        STATE.runtime = True
-        STATE.device_pending = stream_probe(ctx.device)  # a wait at a device sync is a wait, not a hang (control.py)
+        self.ctx.status.runtime = True
+        self.ctx.status.device_pending = stream_probe(ctx.device)  # a wait at a device sync is a wait, not a hang (control.py)
         gaps = bit_identity_gaps(ctx.device.type, ctx.backend, torch.are_deterministic_algorithms_enabled(), os.environ)
         if gaps and ctx.rank == 0:
             log.warning("a resume on this GPU job may differ from the uninterrupted run in the last bits; bit-identity "
                         f"needs: {'; '.join(gaps)} (README: GPUs)")
-        STATE.enter("training")
+        self.ctx.status.enter("training")
         dp, stride = self.shrinkable_dp()
         ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=dp, dp_stride=stride))
 
@@ -230,7 +230,7 @@ class ProtectedTraining:
             self.d2h.stop(5.0)
         # "finished": what the rank does from now on is the script's own teardown, never a failure of the job
         # (its agent ends it if it stalls there: ``agent.hang_check``, and the supervisor decides no recovery)
-        STATE.enter("finished" if finished else "done")
+        self.ctx.status.enter("finished" if finished else "done")
         beat = control()
         if finished and beat is not None:
             beat.beat_now()  # seen by its agent before the script's teardown may stall (never judged a training hang)
@@ -438,7 +438,7 @@ class ProtectedTraining:
         state.restore_envelope(meta, self.objs)
         self.rs.metas[k] = meta
         self.rs.step = self.rs.first_step = k
-        STATE.stepped(k)
+        self.ctx.status.stepped(k)
         log.info(f"resumed from the persistent checkpoint of step {k} ({step_dir})")
 
     def _report_protection(self, step: int) -> None:
@@ -521,7 +521,7 @@ class ProtectedTraining:
         """The step guard caught a failure: quiesce, then recover in the next generation."""
         marks = {"t0": time.time(), "cpu0": time.process_time(), "tcpu0": time.thread_time(), "calls0": CALLS[0]}  # this process's CPU and store calls so far
         ctx = self.ctx
-        STATE.enter("recovering")
+        ctx.status.enter("recovering")
         log.info(f"step {self.rs.step}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")
         self.device_steps.freeze()  # what the device completed before the abort: the rest is torn (device_steps.py)
         ctx.abort_groups()  # pending transfers of the pipeline fail at once instead of timing out
@@ -586,4 +586,4 @@ class ProtectedTraining:
         self.rs.resumed_at(R, first, every)
         self.rs.reapply = reapply if reapply[1] is not None else None
         self.pace.reset()
-        STATE.stepped(R)
+        self.ctx.status.stepped(R)

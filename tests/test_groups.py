@@ -71,13 +71,15 @@ def test_one_recovery_aborts_each_group_once(monkeypatch):
     monkeypatch.setattr(cmod, "close_pairs", lambda g, peers: closed.update([g.name]))
     monkeypatch.setattr(tmod, "close_pairs", lambda g, peers: closed.update([g.name]))
     ctx = object.__new__(cmod.Context)
-    ctx.backend, ctx.gen, ctx.rank, ctx._warm, ctx._held, ctx.mpi_pairs = "gloo", 3, 0, [], {}, None
+    ctx.status = cmod.RankStatus()
+    ctx.status.gen, ctx.status.rank, ctx.status.world_size = 3, 0, 6
+    ctx.backend, ctx._warm, ctx._held, ctx.mpi_pairs = "gloo", [], {}, None
     ctx._lock, ctx._gen_seen, ctx._aborted, ctx._aborted_gen = threading.RLock(), threading.Event(), [], -1
     ctx.pairs = {1: _Group("pair1"), 2: _Group("pair2")}
     ctx.mesh_groups = [_Group("tp"), ctx.pairs[1]]  # a group listed twice is aborted once
     mpi = _Transport()
     ctx._transports = [mpi]
-    ctx.settings, ctx.managed, ctx.world_size = types.SimpleNamespace(protect=True), True, 6
+    ctx.settings, ctx.managed = types.SimpleNamespace(protect=True), True
     replicator = ctx.new_transport(1)  # the replicator's, on the generation's pairs
 
     ctx.abort_groups()  # an injected comm fault (``FaultInjector.abort_links``)
@@ -93,7 +95,7 @@ def test_one_recovery_aborts_each_group_once(monkeypatch):
     assert closed == {"pair1": 1, "pair2": 1, "tp": 1, "late": 1} and mpi.aborts == 1
     assert ctx._gen_seen.is_set()
 
-    ctx.gen, ctx.pairs = 4, {1: _Group("pair1 of generation 4")}  # the next generation's: new groups
+    ctx.status.gen, ctx.pairs = 4, {1: _Group("pair1 of generation 4")}  # the next generation's: new groups
     ctx.new_transport(1).abort()  # a replicator that failed on its own first: the generation's abort skips its pair
     ctx.abort_groups()
     ctx.abort_groups()

@@ -495,3 +495,28 @@ def test_each_layout_gets_its_recovery_strategy_once_and_it_calls_its_own_operat
             (["restore_resized"] if sharded else ["restore_local"]) + \
             (["repartition_optimizer"] if name == "zero" else ["reshard_state"] if sharded else []), name
         assert kept == ({3: {"old": True}} if sharded else {}), name
+
+
+@pytest.mark.timeout(60)
+def test_a_contexts_generation_is_its_status_and_advances_in_one_place():
+    """Issue 47: the rank's generation lived in the Context's fields (the recovery wrote them) and in a second global
+    ``RankState`` the heartbeat reported. Now the Context reads it from its one ``RankStatus``, which the heartbeat
+    reports too; ``enter_generation`` advances it (a formed generation: its rank and world; a salvage generation: the
+    number and membership only), and nothing writes a Context's generation fields."""
+    from types import SimpleNamespace
+
+    from scripts.bare_context import bare_context
+
+    ctx = bare_context(1, 4, SimpleNamespace(), gen=3)
+    assert (ctx.gen, ctx.rank, ctx.world_size, ctx.members, ctx.joining) == (3, 1, 4, None, False)
+    shrunk = SimpleNamespace(world_size=3)
+    ctx.status.enter_generation(5, shrunk, 2)
+    assert (ctx.gen, ctx.rank, ctx.world_size, ctx.members) == (5, 2, 3, shrunk)
+    salvage = SimpleNamespace(world_size=1)
+    ctx.status.enter_generation(6, salvage)  # no group formed: rank and world stay
+    assert (ctx.gen, ctx.rank, ctx.world_size, ctx.members) == (6, 2, 3, salvage)
+    for name in ("gen", "members", "rank", "world_size", "joining", "epoch"):
+        with pytest.raises(AttributeError):
+            setattr(ctx, name, 0)
+    other = bare_context(0, 4, SimpleNamespace(), gen=3)  # two contexts in one process (tests): each its own status
+    assert other.status is not ctx.status and other.gen == 3

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from phoenix_runtime.plane import protocol
 from phoenix_runtime import state
 from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableError
-from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.plane.failover import CALLS
 from phoenix_runtime.layout import Layout
 from phoenix_runtime.rank_state import RankState, TrainingOps
@@ -55,7 +54,7 @@ class RecoverySession:
     def run(self, gen: int, live: tuple[int, bool] | None, marks: dict, formed: bool) -> None:
         """Recover in generation ``gen`` (formed already when ``formed``), or in the next ones if it fails."""
         ctx, ops = self.ctx, self.ops
-        STATE.enter("recovering")
+        ctx.status.enter("recovering")
         self.live = live  # updated as the state changes: a survivor rolled back, or a joiner that installed S_R
         first = [formed]  # only the first generation tried may be formed already
 
@@ -70,7 +69,7 @@ class RecoverySession:
                 if salvaging:  # a salvage generation: no process group (the lost ranks never join one)
                     if ctx.rank in lost:  # a rank of a node given up for lost that still runs: nothing to add
                         raise UnrecoverableError(f"{ctx.node} is given up for lost")
-                    ctx.gen, ctx.members = g, mem
+                    ctx.status.enter_generation(g, mem)  # no group: its rank and world stay
                 else:
                     ctx.abort_groups()
                     ctx.destroy_groups()
@@ -328,7 +327,7 @@ class RecoverySession:
         ctx = self.ctx
         self.ops.resumed(plan.step, plan.first_step)
         self.ops.rs.reapply_scaler = state.scaler_tensors(self.ops.objs.scaler)  # what a reapply at R restores again
-        ctx.joining = False
+        ctx.status.joined()
         ctx.delete_old_keys()
         t_end = time.time()
         t0 = marks["t0"]
@@ -350,4 +349,4 @@ class RecoverySession:
         log.info(f"generation {gen}: resumed at step {plan.step} ({breakdown})")
         ctx.report(protocol.Recovered(gen=gen, step=plan.step, replayed=plan.replayed.get(ctx.rank, 0), joiner=live is None,
                                       breakdown=breakdown))
-        STATE.enter("training")
+        ctx.status.enter("training")
