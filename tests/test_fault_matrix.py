@@ -415,7 +415,7 @@ def test_shard_lost_everywhere_restarts_from_the_persistent_checkpoint(tmp_path,
     assert not job.leftover, job.leftover
 
 
-@pytest.mark.parametrize("opt", opts(full=()))
+@pytest.mark.parametrize("opt", opts())  # adamw behind full: the zero row saves and resumes the same way
 def test_no_spare_left_saves_the_state_in_memory_and_resume_loses_nothing(tmp_path, failure_free, opt):
     """No spare and no persistent checkpoint cadence (``launch.on_no_spare: wait``, the ladder; a shrink is
     tests/test_elastic.py's): node1 is lost at step 7 and nothing can be hot-swapped onto. Every shard of S_R still survives in memory (node1's replicas are on node0), so before the job

@@ -113,6 +113,7 @@ def test_spare_dies_while_it_joins(tmp_path, baseline, layout):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the TP x FSDP row below rebuilds more groups the same way; PHOENIX_FULL_MATRIX=1
 @pytest.mark.timeout(600)
 def test_survivor_lost_during_the_recovery_fsdp(tmp_path, baseline):
     """4 nodes of 1 rank (FSDP over 4, k=1): node1 lost at step 5, node3 lost while the survivors recover;

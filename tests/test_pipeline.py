@@ -67,6 +67,7 @@ def assert_recovered(r, run_dir, digest, expected, n_recoveries: int = 1):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # GPipe: the 1F1B and interleaved rows lose a node inside their schedules; PHOENIX_FULL_MATRIX=1
 @pytest.mark.timeout(600)
 def test_node_lost_in_the_forward_is_hot_swapped(tmp_path, baseline):
     """GPipe, 2 nodes x 2 ranks (one whole pipeline per node) + 1 spare; node1 (dp 1: stages 0 and 1) is SIGKILLed at

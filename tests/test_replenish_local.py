@@ -29,6 +29,8 @@ def job(tmp_path, name, spares, faults=(), replenish=False, sleep=SLEEP):
     return r, d / "run", d / "digest.json"
 
 
+# the fault matrix's replenished-spare row and the Slurm replenishment row run by default; PHOENIX_FULL_MATRIX=1
+@pytest.mark.full
 def test_one_spare_replenished_covers_two_failures(tmp_path):
     r0, _, base = job(tmp_path, "base", 0, sleep=())
     assert r0.returncode == 0, r0.stderr[-2000:]
