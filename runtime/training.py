@@ -206,7 +206,7 @@ class ProtectedTraining:
                     self.recover(GenerationAbandoned(f"generation {self.ctx.gen} abandoned"))
                     continue
                 yield self.rs.step
-            if self.protect_on and self.parallel is None and self.settings.fingerprint:  # DDP, ZeRO: the same parameters
+            if self.protect_on and self.strategy.same_parameters and self.settings.fingerprint:  # DDP, ZeRO
                 final_check(self)
         finally:
             self.close()

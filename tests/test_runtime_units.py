@@ -470,13 +470,14 @@ def test_each_layout_gets_its_recovery_strategy_once_and_it_calls_its_own_operat
     got = {name: S.for_training(opt, par) for name, opt, par in
            (("ddp", sgd, None), ("custom", custom, None), ("zero", zero, None), ("fsdp", sgd, fsdp), ("hsdp", sgd, hsdp),
             ("pipeline", sgd, pipe))}
-    table = {n: (s.name, s.replicated, s.shrinks, s.sharded_resize, s.grow_from_dp_peer, s.parallelised) for n, s in got.items()}
-    assert table == {"ddp": ("replicated", True, True, False, False, False),
-                     "custom": ("custom", False, False, False, False, False),
-                     "zero": ("zero", False, True, True, False, False),
-                     "fsdp": ("fsdp", False, True, True, False, True),
-                     "hsdp": ("hsdp", False, True, False, True, True),
-                     "pipeline": ("pipeline", False, False, True, False, True)}
+    table = {n: (s.name, s.replicated, s.shrinks, s.sharded_resize, s.grow_from_dp_peer, s.parallelised, s.same_parameters)
+             for n, s in got.items()}
+    assert table == {"ddp": ("replicated", True, True, False, False, False, True),
+                     "custom": ("custom", False, False, False, False, False, True),
+                     "zero": ("zero", False, True, True, False, False, True),
+                     "fsdp": ("fsdp", False, True, True, False, True, False),
+                     "hsdp": ("hsdp", False, True, False, True, True, False),
+                     "pipeline": ("pipeline", False, False, True, False, True, False)}
 
     class Ops:  # records which of the training's operations a strategy calls
         def __init__(self):

@@ -15,7 +15,8 @@ The recovery session (``recovery_session.RecoverySession``) asks its strategy (`
   parameters and optimizer state).
 
 The training asks it ``shrinks`` (``ProtectedTraining.shrinkable_dp``), ``replicated`` (its DP peers hold the same
-optimizer state) and ``parallelised`` (PHOENIX parallelised the model: ``accumulating``'s micro-batches).
+optimizer state), ``parallelised`` (PHOENIX parallelised the model: ``accumulating``'s micro-batches) and
+``same_parameters`` (what is verified at the loop's end: every rank's parameters, ``sdc.final_check``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class RecoveryStrategy:
     sharded_resize = False  # a shrink is planned in the old world, the lost shards from their replicas
     grow_from_dp_peer = False  # a grow's joiners take everything from a DP peer of their shard (``plan_grow``'s peers)
     parallelised = False  # PHOENIX applied the model's parallelism (FSDP2, HSDP, TP, a pipeline)
+    same_parameters = True  # every rank holds the whole model, the same on all: the loop's end compares them
 
     def rebuild_optimizer(self, ops: Any) -> None:
         """Before S_R is restored in a recovery of the same world: the optimizer on the new group (nothing here)."""
@@ -93,6 +95,7 @@ class Fsdp(RecoveryStrategy):
     shrinks = True
     sharded_resize = True
     parallelised = True
+    same_parameters = False
 
     def restore_resized(self, ops: Any, R: int, live: tuple[int, bool], old_rank: int) -> dict:
         return {old_rank: ops.restore_resized(R, live)}  # the model is on the new mesh already: kept aside
@@ -114,6 +117,7 @@ class Hsdp(RecoveryStrategy):
     shrinks = True
     grow_from_dp_peer = True
     parallelised = True
+    same_parameters = False
 
 
 class Pipeline(Fsdp):
