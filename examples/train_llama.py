@@ -60,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=int, default=2, help="microbatches per step (with --pp)")
     p.add_argument("--pp-shard", action="store_true", help="with --pp: FSDP2 within each stage ('shard') instead of DP")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulates a bigger model)")
+    p.add_argument("--sample-sleep", type=float, default=0.0,
+                   help="extra seconds per micro-batch, pro rata for a part of one (a model's compute: bench/elastic.py)")
     p.add_argument("--step-sleep-while", default=None, metavar="PATH",
                    help="--step-sleep only while PATH exists (tests: the job outlives what a test does to it, then ends at full speed)")
     p.add_argument("--optimizer", choices=["adamw", "zero"], default="adamw",
@@ -70,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--times-file", default=None, help="rank 0 writes per-step times and PHOENIX stats as JSON (benchmarks)")
     p.add_argument("--data-log", default=None, metavar="PATH",
                    help="each rank appends 'step generation rank data_rank start stop loss' per micro-batch (or part: samples "
-                        "[start, stop) of the data rank's) of each completed step")
+                        "[start, stop) of the data rank's) of each completed step; with --pp the last stages only")
     p.add_argument("--params-file", default=None, help="rank 0 saves the final full parameters here (torch.save)")
     return p.parse_args(argv)
 
@@ -199,7 +201,8 @@ def layout_of(a, world: int, full: int | None = None):
         tp = max(a.tp, 1)
         if a.fsdp or a.hsdp or (a.tp and a.pp_shard):
             raise SystemExit("error: --pp goes with --tp (TP inside each stage) or --pp-shard, not with --fsdp, --hsdp or both")
-        if world % (a.pp * tp) or world // (a.pp * tp) < 2 or a.layers < a.pp * SCHEDULES[a.schedule][1] or a.batch % a.microbatches:
+        # ``full``: the job's own size (a shrink may have left one pipeline of its two or more)
+        if world % (a.pp * tp) or (full or world) // (a.pp * tp) < 2 or a.layers < a.pp * SCHEDULES[a.schedule][1] or a.batch % a.microbatches:
             raise SystemExit(f"error: --pp {a.pp} (x --tp) must divide the world size {world} with at least 2 pipelines, "
                              f"--layers must give every stage a block, and --microbatches must divide --batch")
         if a.tp and (a.heads % a.tp or a.kv_heads % a.tp):
@@ -378,14 +381,22 @@ def main(argv=None):
         # the optimizer is built by PHOENIX on the parallelised parameters (again after a recovery: in place)
         training = phx.protect(model, lambda params: torch.optim.AdamW(params, lr=a.lr, weight_decay=0.1),
                                parallelize=parallelize, mesh=mesh)
-    dp_rank = rank // (max(a.tp, 1) * a.pp) if a.pp else rank // a.tp if a.tp else rank
+    dp_rank = rank // a.tp if a.tp else rank  # TP+FSDP: ranks of one TP group see the same data
     loss = None
     step_times, t_prev = [], time.perf_counter()
     for step in training.steps(a.steps):
         seen = []
         with training.step():
             if a.pp:
-                loss = pipeline_step(training, *batch(a, step, rank, dp_rank))
+                # its pipeline's micro-batch, and after PHOENIX dropped a pipeline (no spare) each survivor takes whole
+                # micro-batches of the dropped ones' (training.data_slices: the slice's gradients x its scale)
+                for d, lo, hi, scale, last in training.data_slices(a.batch):
+                    with training.accumulating(last, scale):
+                        x, y = batch(a, step, rank, d)
+                        loss = pipeline_step(training, x[lo:hi], y[lo:hi])
+                        time.sleep(a.sample_sleep * (hi - lo) / a.batch)
+                    if loss is not None:  # the last stage's: one line per pipeline and slice in the data log
+                        seen.append((d, lo, hi, loss.item() if a.data_log else 0.0))
             else:
                 # its data rank's micro-batch, and after PHOENIX shrank the job keeping the batch (DDP, FSDP2, HSDP) a part
                 # of each lost one's (training.data_slices: the even split)
@@ -395,6 +406,7 @@ def main(argv=None):
                         x, y = batch(a, step, rank, d)
                         loss = training.model(x[lo:hi], y[lo:hi])
                         (loss * scale if scale != 1.0 else loss).backward()
+                        time.sleep(a.sample_sleep * (hi - lo) / a.batch)
                         seen.append((d, lo, hi, loss.item() if a.data_log else 0.0))
             training.optimizer_step()
         if a.data_log and training.step_idx == step + 1:  # completed (not interrupted by a recovery)
@@ -402,6 +414,7 @@ def main(argv=None):
                 f.write("".join(f"{step} {ctx.gen} {dist.get_rank()} {d} {lo} {hi} {v!r}\n" for d, lo, hi, v in seen))
         if a.step_sleep and (a.step_sleep_while is None or os.path.exists(a.step_sleep_while)):
             time.sleep(a.step_sleep)
+        rank = dist.get_rank()  # this generation's (a shrink or a grow renumbers the ranks)
         if rank == ((a.pp - 1) * max(a.tp, 1) if a.pp else 0) and training.step_idx == step + 1 and (step % a.log_every == 0 or step == a.steps - 1):
             print(f"step {step} loss {loss.item():.4f}", flush=True)
         if rank == 0 and a.step_log and training.step_idx == step + 1:  # completed (not interrupted by a recovery)
@@ -410,10 +423,14 @@ def main(argv=None):
         now = time.perf_counter()
         step_times.append(now - t_prev)
         t_prev = now
-    if rank == 0 and a.times_file:
+    if dist.get_rank() == 0 and a.times_file:
         write_times(a.times_file, step_times, training)
     if a.params_file:  # the whole parameters: DTensors gathered (a collective, every rank)
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in training.module.named_parameters()}
+        if a.pp:  # each rank holds its stages (``pp<s>.<name>``): every stage's, gathered
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, full)
+            full = {n: t for part in every for n, t in part.items()}
         if dist.get_rank() == 0:
             torch.save(full, a.params_file)
     write_digest(training, a.steps, a.digest_file, dist.get_world_size(), dist.get_rank())  # of now (a resize)

@@ -95,7 +95,8 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
         if not mesh:
             raise TypeError("phx.protect(parallelize=/pipeline=...) needs mesh={name: size}, e.g. {'shard': world_size} or {'dp': 2, 'pp': 2}")
         if pipeline is not None:
-            par = Pipeline.create(pipeline, mesh, model, ctx.world_size, ctx.device, builder=mesh_builder)
+            shrunk = bool(getattr(ctx.members, "data", ()))  # a shrink dropped pipelines: one may be left
+            par = Pipeline.create(pipeline, mesh, model, ctx.world_size, ctx.device, builder=mesh_builder, shrunk=shrunk)
         else:
             par = Parallel.create(parallelize, mesh, model, ctx.world_size, ctx.device, builder=mesh_builder)
         build_mesh(ctx, par)

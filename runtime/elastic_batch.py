@@ -13,6 +13,12 @@ Either way every sample of the step is processed exactly once. A slice of ``n`` 
 over them is weighted by ``W n / (DP B)``: DDP's mean over the ``W`` ranks of the weighted sums is then the mean
 over the ``DP x B`` samples, whatever the slices' sizes. Unshrunk: one slice, the whole micro-batch, weight
 exactly 1.0 (the run is bit-identical to one without PHOENIX).
+
+A pipeline's data unit is its replica, ``per`` consecutive ranks (every stage of pipeline ``c`` processes data rank
+``c``; ``replica_slices``): the membership's data ranks are the ranks', so pipeline ``c``'s own data rank is its first
+rank's, divided by ``per``. A dropped pipeline's micro-batches go whole to the survivors in turn: a stage's receive
+buffers are shaped by its first step, so every slice it runs is a whole micro-batch (PP 2 x DP 2 losing one: the
+survivor runs both, exactly the even split).
 """
 
 from __future__ import annotations
@@ -43,12 +49,15 @@ class DataSlice(NamedTuple):
         return out[0] if len(out) == 1 else out
 
 
-def data_slices(members: protocol.Membership | None, rank: int, world: int, batch: int) -> tuple[DataSlice, ...]:
+def data_slices(members: protocol.Membership | None, rank: int, world: int, batch: int,
+                per: int | None = None) -> tuple[DataSlice, ...]:
     """Pure: what ``rank`` of ``world`` processes in a step of micro-batches of ``batch`` samples (``members``:
-    the generation's membership; None: unmanaged). Empty parts (``batch`` smaller than the number of parts) are
-    left out; the last slice is ``last``."""
+    the generation's membership; None: unmanaged; ``per``: a pipeline's ranks, ``replica_slices``). Empty parts
+    (``batch`` smaller than the number of parts) are left out; the last slice is ``last``."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"training.data_slices: the micro-batch size must be a positive int, got {batch!r}")
+    if per is not None:
+        return replica_slices(members, rank, world, batch, per)
     if members is None or not (members.data or members.slices):
         return (DataSlice(rank, 0, batch, 1.0, True),)
     dp = data_world(members, world)
@@ -56,6 +65,19 @@ def data_slices(members: protocol.Membership | None, rank: int, world: int, batc
     parts = [p for p in parts if p[2] > p[1]]
     return tuple(DataSlice(d, lo, hi, world * (hi - lo) / (dp * batch), i == len(parts) - 1)
                  for i, (d, lo, hi) in enumerate(parts))
+
+
+def replica_slices(members: protocol.Membership | None, rank: int, world: int, batch: int, per: int) -> tuple[DataSlice, ...]:
+    """Pure: what the replica of ``per`` consecutive ranks holding ``rank`` processes in a step (a pipeline): its own
+    data rank, then the whole micro-batches of dropped ones spread over the surviving replicas in turn, each weighted
+    ``R / D`` (``R`` replicas now, ``D`` processed; its gradient is then averaged over the ``R``)."""
+    reps, me = world // per, rank // per
+    if members is None or not (members.data or members.slices):
+        return (DataSlice(me, 0, batch, 1.0, True),)
+    own = [min(d for d, _, n in members.slices_of(c * per) if n == 1) // per for c in range(reps)]
+    done = {d // per for r in range(world) for d in members.data_ranks(r)}
+    mine = [own[me], *(d for j, d in enumerate(sorted(done - set(own))) if j % reps == me)]
+    return tuple(DataSlice(d, 0, batch, reps / len(done), i == len(mine) - 1) for i, d in enumerate(mine))
 
 
 def data_world(members: protocol.Membership | None, world: int) -> int:

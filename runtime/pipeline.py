@@ -32,9 +32,10 @@ replicas go around that ring, on other nodes).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -53,13 +54,15 @@ def supported_schedules() -> tuple[type, ...]:
     return ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
 
 
-def check_pipeline_mesh(mesh: dict[str, int], world: int) -> tuple[tuple[str, int], ...]:
+def check_pipeline_mesh(mesh: dict[str, int], world: int, shrunk: bool = False) -> tuple[tuple[str, int], ...]:
+    """The mesh's dimensions, or a one-line refusal. ``shrunk``: a job a shrink left with fewer pipelines (a joiner's
+    mesh may then have one: the stages' parameters are replicated with their optimizer state, as under PP x FSDP)."""
     dims = tuple((str(k), int(v)) for k, v in dict(mesh).items())
     if tuple(n for n, _ in dims) not in PIPELINE_MESHES:
         raise UnsupportedLayout(f"phx.protect(pipeline=..., mesh={dict(mesh)}): unsupported mesh; supported: {PIPELINE_TEXT}")
     if any(s < 1 for _, s in dims) or math.prod(s for _, s in dims) != world:
         raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): the sizes must multiply to the world size {world}; supported: {PIPELINE_TEXT}")
-    if dims[0][0] == "dp" and dims[0][1] < 2:
+    if dims[0][0] == "dp" and dims[0][1] < 2 and not shrunk:
         raise UnsupportedLayout(f"phx.protect(mesh={dict(mesh)}): a stage's state needs a DP peer to be recovered from: 'dp' >= 2; supported: {PIPELINE_TEXT}")
     return dims
 
@@ -100,15 +103,17 @@ class Pipeline(Parallel):
     """The user's pipeline split and schedule, and what PHOENIX needs to build them again (``Parallel``'s mesh,
     optimizer re-binding and shard naming, with the stages in place of a parallelised model)."""
 
+    dims: tuple[tuple[str, int], ...]  # Parallel's (annotated again: a subclass that assigns it)
     stages: Sequence = ()  # this rank's PipelineStage objects, of the live generation
     schedule = None  # the schedule built on them: what the training loop steps
     meta: bool = False  # the user's model was built on the meta device: stages are built on meta, then materialised
 
     @classmethod
-    def create(cls, fn, mesh: dict[str, int], model: torch.nn.Module, world: int, device, builder=None) -> "Pipeline":
+    def create(cls, fn, mesh: dict[str, int], model: torch.nn.Module, world: int, device, builder=None,
+               shrunk: bool = False) -> "Pipeline":
         if any(is_dtensor(p) for p in model.parameters()):
             check_bare(model)
-        dims = check_pipeline_mesh(mesh, world)
+        dims = check_pipeline_mesh(mesh, world, shrunk)
         par = cls(fn, dims, copy.deepcopy(model).to("meta"), torch.device(device), builder=builder)
         par.meta = on_meta(model)
         return par
@@ -124,10 +129,33 @@ class Pipeline(Parallel):
 
     def state_tp(self, world: int) -> int:
         """With ``dp``: ranks with the same (pp, tp) coordinate (rank modulo P x T, dp outermost) hold the same
-        state. With ``shard`` (FSDP2 within each stage) no rank holds another's shard (1: the replicas go around
-        every rank)."""
-        dims = dict(self.dims)
-        return world // dims["dp"] if "dp" in dims else 1
+        state. With ``shard`` (FSDP2 within each stage), or one pipeline left by a shrink, no rank holds another's
+        state (1: the replicas go around every rank, with the parameters)."""
+        return world // self.replicas if self.replicated else 1
+
+    @property
+    def whole_replicas(self) -> bool:
+        """PP x DP on PHOENIX's own mesh (``{"dp": D, "pp": P[, "tp": T]}``, dp outermost): a shrink drops (a grow
+        adds) whole pipelines, the survivors keep their stage and TP coordinates; nothing is re-sharded."""
+        return self.dims[0][0] == "dp" and self.builder is None
+
+    def droppable(self, world: int) -> tuple[int, int]:
+        """(the pipelines a shrink can drop, the rank stride of a pipeline's index: its P x T ranks)."""
+        return (self.replicas, world // self.replicas) if self.whole_replicas else (0, 1)
+
+    def resize(self, world: int) -> bool:
+        """The mesh of ``world`` ranks after whole pipelines were dropped or added (never re-sharded: False)."""
+        rest = self.dims[1:]  # pp (and tp)
+        per = math.prod(s for _, s in rest)
+        if self.whole_replicas and world % per == 0:
+            self.dims = (("dp", world // per), *rest)
+            return False
+        return super().resize(world)
+
+    def data_unit(self, world: int) -> int | None:
+        """The ranks of one data unit, consecutive (a pipeline: every stage of one processes the same samples):
+        P x T with ``dp`` or ``shard`` outermost; None with ``pp`` outermost."""
+        return world // self.dims[0][1] if self.dims[0][0] in ("dp", "shard") else None
 
     def _build(self, model: torch.nn.Module, mesh, init: bool | None = None) -> torch.nn.Module:
         """The user's stages and schedule of ``model`` on ``mesh``; ``init`` (a meta model): each stage's module
@@ -189,6 +217,28 @@ class Pipeline(Parallel):
             n = g.numel()
             p.grad = like(p, flat[offset:offset + n].view_as(g).clone())
             offset += n
+
+
+@contextlib.contextmanager
+def accumulate(module: torch.nn.Module | None, scale: float) -> Iterator[None]:
+    """One slice of a pipeline step (``training.accumulating``): the schedule runs its backward itself and divides
+    the stage's gradients by its micro-batch count (torch's ``scale_grads``), so the gradients accumulated before
+    are set aside meanwhile; then the slice's are multiplied by ``scale`` and added to them. ``module`` None: not a
+    pipeline, where the loop scales its loss itself (a ``scale`` is refused)."""
+    if module is None:
+        raise ValueError("training.accumulating(last, scale=...): scale is a pipeline's (its schedule runs the backward); "
+                         "otherwise multiply the loss by the slice's scale")
+    params = [p for p in module.parameters() if p.requires_grad]
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    yield
+    with torch.no_grad():
+        for p, h in zip(params, held):
+            if p.grad is not None and scale != 1.0:
+                p.grad.mul_(scale)
+            if h is not None:
+                p.grad = h if p.grad is None else h.add_(p.grad)
 
 
 def _local_grad(p) -> torch.Tensor:

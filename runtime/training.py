@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from phoenix_runtime.recover import persist, resize, strategies
 from phoenix_runtime.plane import protocol
-from phoenix_runtime import elastic_batch, state, zero
+from phoenix_runtime import elastic_batch, pipeline, state, zero
 from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.control import control
 from phoenix_runtime.device_steps import DeviceSteps, bit_identity_gaps, cuda_event_factory, stream_probe
@@ -119,14 +119,14 @@ class ProtectedTraining:
         """This rank's share of the step, micro-batches of ``batch`` samples: its data rank's (scale exactly 1.0), and
         after a shrink keeping the batch a part of each lost one's (the even split). Per slice: ``sl.of(*its micro
         batch)`` under ``accumulating(sl.last)``, the loss times ``sl.scale`` (module ``elastic_batch``)."""
-        out = elastic_batch.data_slices(self.ctx.members, self.ctx.rank, self.ctx.world_size, batch)
+        per = self.parallel.data_unit(self.ctx.world_size) if self.stages else None  # a pipeline: its replica's slices
+        out = elastic_batch.data_slices(self.ctx.members, self.ctx.rank, self.ctx.world_size, batch, per)
         self._work = elastic_batch.work(out, batch)  # the pace's unit this step (step_guard)
         return out
 
     def data_ranks(self) -> tuple[int, ...]:
         """The data ranks this rank processes whole, one micro-batch each, loss x ``loss_scale()`` (slower than slices)."""
-        m = self.ctx.members
-        return m.data_ranks(self.ctx.rank) if m is not None else (self.ctx.rank,)
+        return self.ctx.members.data_ranks(self.ctx.rank) if self.ctx.members is not None else (self.ctx.rank,)
 
     def data_world(self) -> int:  # the logical data ranks of a step: the original DP size unless the batch shrank
         return elastic_batch.data_world(self.ctx.members, self.ctx.world_size)
@@ -137,8 +137,11 @@ class ProtectedTraining:
     def work_share(self) -> float:  # Pace's unit: the micro-batches' worth of this step (data_slices or data_ranks)
         return self._work if self._work is not None else float(len(self.data_ranks()))
 
-    def accumulating(self, last: bool):
-        """One micro-batch's context: DDP's ``no_sync`` but for the ``last`` (one all-reduce a step); FSDP2: ``micro_batch``."""
+    def accumulating(self, last: bool, scale: float = 1.0):
+        """One micro-batch's context: DDP's ``no_sync`` but for the ``last`` (one all-reduce a step); FSDP2: ``micro_batch``;
+        a pipeline (its schedule runs the backward, the loop cannot scale the loss): the slice's gradients x ``scale``."""
+        if self.stages or scale != 1.0:  # scale: a pipeline's only (ValueError otherwise: the loop scales its loss)
+            return pipeline.accumulate(self.objs.module if self.stages else None, scale)
         if self.strategy.parallelised and self.data_world() > self.ctx.world_size:  # FSDP2: see resize.micro_batch
             return resize.micro_batch(self.objs.module, last)
         if last:
@@ -147,8 +150,8 @@ class ProtectedTraining:
         return contextlib.nullcontext() if no_sync is None else no_sync()
 
     def shrinkable_dp(self) -> tuple[int, int]:
-        """(the DP replicas a shrink can drop, the rank stride of a replica's index); ``(0, 1)``: it cannot (TP, PP).
-        Each rank with DDP, ZeRO, FSDP2 over every rank (re-sharded); HSDP's replica groups (``Parallel.droppable``)."""
+        """(the DP replicas a shrink can drop, the rank stride of a replica's index); ``(0, 1)``: it cannot (TP+FSDP).
+        Each rank with DDP, ZeRO, FSDP2 over every rank; HSDP's replica groups, whole pipelines (``droppable``)."""
         if self.ctx.tp > 1 or self.ctx.pp > 1 or not self.strategy.shrinks:
             return 0, 1
         return self.parallel.droppable(self.ctx.world_size) if self.parallel is not None else (self.ctx.world_size, 1)
@@ -167,13 +170,10 @@ class ProtectedTraining:
     def timed_modules(self) -> list:
         """Whose forward is this rank's own compute (``pace.Pace``): the bare model, or a pipeline's stage modules
         (the schedule's receives come before their forwards)."""
-        if getattr(self.parallel, "stages", None):
-            return list(self.objs.module.values())
-        return [self.objs.module]
+        return list(self.objs.module.values()) if self.stages else [self.objs.module]
 
     @property
-    def stages(self) -> list:
-        """This rank's PipelineStage objects (``pipeline=``), of the live generation."""
+    def stages(self) -> list:  # this rank's PipelineStage objects (``pipeline=``), of the live generation
         return list(getattr(self.parallel, "stages", ()))
 
     @property

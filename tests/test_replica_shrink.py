@@ -183,3 +183,60 @@ def test_a_grow_gives_each_joiner_a_survivor_of_its_dp_group():
              Descriptor(2, True, 9, True, (8, 9)), Descriptor(3, True, 9, True, (8, 9))]
     plan = plan_grow(descs, peers=_DpGroups(Layout(4, tp_size=2))).plan
     assert plan is not None and plan.param_src == {0: 2, 1: 3} and plan.joiners == (0, 1)
+
+
+def test_a_pipeline_reports_its_pipelines_resizes_by_whole_ones_and_takes_the_dropped_micro_batches():
+    """``Pipeline``: PP 2 x DP 2 ({"dp": 2, "pp": 2}, dp outermost) reports 2 pipelines of stride 2 and resizes to one
+    (nothing re-sharded; its state replicated with the parameters: ``state_tp`` 1) and back. ``replica_slices`` of the
+    shrink that dropped pipeline 0 (ranks 0-1, launcher's ``shrunk_ranks``): both stages of the survivor run data rank
+    1 then 0, whole, each weighted 1/2; dropping the share instead: its own only, weight 1.0. A mesh without a "dp"
+    (PP x FSDP) cannot shrink; a joiner's mesh of one pipeline is accepted only in a shrunk job."""
+    from phoenix_runtime.parallel import UnsupportedLayout
+    from phoenix_runtime.pipeline import Pipeline, check_pipeline_mesh
+
+    par = Pipeline.create(lambda m, mesh: None, {"dp": 2, "pp": 2}, torch.nn.Linear(2, 2), 4, "cpu")
+    assert par.droppable(4) == (2, 2) and par.whole_replicas and par.data_unit(4) == 2 and par.state_tp(4) == 2
+    assert par.resize(2) is False and par.dims == (("dp", 1), ("pp", 2)) and not par.replicated and par.state_tp(2) == 1
+    assert par.resize(4) is False and par.replicated
+    tp = Pipeline.create(lambda m, mesh: None, {"dp": 2, "pp": 2, "tp": 2}, torch.nn.Linear(2, 2), 8, "cpu")
+    assert tp.droppable(8) == (2, 4) and tp.resize(4) is False and tp.dims == (("dp", 1), ("pp", 2), ("tp", 2))
+    sharded = Pipeline.create(lambda m, mesh: None, {"shard": 2, "pp": 2}, torch.nn.Linear(2, 2), 4, "cpu")
+    assert sharded.droppable(4) == (0, 1) and sharded.data_unit(4) == 2
+    with pytest.raises(UnsupportedLayout):
+        check_pipeline_mesh({"dp": 1, "pp": 2}, 2)
+    assert check_pipeline_mesh({"dp": 1, "pp": 2}, 2, shrunk=True) == (("dp", 1), ("pp", 2))
+
+    mem = job(4)
+    drop = replicas.dropped(mem, {"n1"}, dp=2, stride=2)
+    assert drop is not None and (drop.replicas, drop.harvested) == ((0,), ("n0",))
+    for keep, want in ((True, [(1, 0.5, False), (0, 0.5, True)]), (False, [(1, 1.0, True)])):
+        ranks, data, prev, slices = shrunk_ranks(mem, set(drop.gone), keep_batch=keep)
+        new = Membership(1, 2, tuple(ranks), data=data, prev=prev, prev_world=4, slices=slices)
+        for r in range(2):
+            got = data_slices(new, r, 2, 4, per=2)
+            assert [(s.data_rank, s.scale, s.last) for s in got] == want and all((s.start, s.stop) == (0, 4) for s in got)
+    assert [s.data_rank for r in range(4) for s in data_slices(None, r, 4, 4, per=2)] == [0, 0, 1, 1]
+    three = replicas.dropped(job(6), {"n3"}, dp=3, stride=2)  # 3 pipelines of 2: pipeline 1 dropped, n2 harvested
+    ranks, data, prev, slices = shrunk_ranks(job(6), set(three.gone), keep_batch=True)
+    new = Membership(1, 4, tuple(ranks), data=data, prev=prev, prev_world=6, slices=slices)
+    assert [[(s.data_rank, s.scale) for s in data_slices(new, r, 4, 4, per=2)] for r in (0, 2)] == \
+        [[(0, 2 / 3), (1, 2 / 3)], [(2, 2 / 3)]]
+
+
+def test_a_pipeline_slice_scales_its_gradients_and_adds_them_to_the_steps():
+    """``pipeline.accumulate``: the gradients held before a slice are set aside while the schedule runs it (torch
+    divides the stage's gradients by the micro-batch count in place), then the slice's x ``scale`` added: two slices
+    of 1/2 each give the mean of their gradients; ``scale`` is refused where the loop scales its loss itself."""
+    from phoenix_runtime.pipeline import accumulate
+
+    m = torch.nn.Linear(3, 1, bias=False)
+    xs = [torch.randn(4, 3), torch.randn(4, 3)]
+    for x in xs:
+        with accumulate(m, 0.5):
+            m(x).mean().backward()
+            m.weight.grad.div_(2)  # what the schedule's scale_grads does to everything the stage holds
+    want = sum(torch.autograd.grad(m(x).mean(), m.weight)[0] / 2 * 0.5 for x in xs)
+    assert torch.allclose(m.weight.grad, want, atol=0, rtol=1e-6)
+    with pytest.raises(ValueError, match="scale is a pipeline's"):
+        with accumulate(None, 0.5):
+            pass

@@ -452,7 +452,7 @@ def test_wait_until_returns_the_result_waits_in_slices_and_is_bounded():
 def test_each_layout_gets_its_recovery_strategy_once_and_it_calls_its_own_operations():
     """``strategies.for_training`` picks one strategy per layout; its answers are what the session's switches on the
     layout's name answered (ZeRO and FSDP2 over every rank re-shard on a shrink, HSDP keeps its shards and grows from
-    a DP peer, a pipeline never shrinks), and each calls only its layout's operations on the training."""
+    a DP peer, and so do PP x DP's whole pipelines), and each calls only its layout's operations on the training."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from phoenix_runtime.parallel import Parallel
@@ -467,9 +467,10 @@ def test_each_layout_gets_its_recovery_strategy_once_and_it_calls_its_own_operat
     fsdp = Parallel.create(lambda m, mesh: None, {"shard": 4}, model, 4, "cpu")
     hsdp = Parallel.create(lambda m, mesh: None, {"replicate": 2, "shard": 2}, model, 4, "cpu")
     pipe = Pipeline.create(lambda m, mesh: None, {"dp": 2, "pp": 2}, model, 4, "cpu")
+    sharded_pipe = Pipeline.create(lambda m, mesh: None, {"shard": 2, "pp": 2}, model, 4, "cpu")
     got = {name: S.for_training(opt, par) for name, opt, par in
            (("ddp", sgd, None), ("custom", custom, None), ("zero", zero, None), ("fsdp", sgd, fsdp), ("hsdp", sgd, hsdp),
-            ("pipeline", sgd, pipe))}
+            ("pipeline", sgd, pipe), ("pipeline-sharded", sgd, sharded_pipe))}
     table = {n: (s.name, s.replicated, s.shrinks, s.sharded_resize, s.grow_from_dp_peer, s.parallelised, s.same_parameters)
              for n, s in got.items()}
     assert table == {"ddp": ("replicated", True, True, False, False, False, True),
@@ -477,7 +478,8 @@ def test_each_layout_gets_its_recovery_strategy_once_and_it_calls_its_own_operat
                      "zero": ("zero", False, True, True, False, False, True),
                      "fsdp": ("fsdp", False, True, True, False, True, False),
                      "hsdp": ("hsdp", False, True, False, True, True, False),
-                     "pipeline": ("pipeline", False, False, True, False, True, False)}
+                     "pipeline": ("pipeline", False, True, False, True, True, False),
+                     "pipeline-sharded": ("pipeline-sharded", False, True, True, False, True, False)}
 
     class Ops:  # records which of the training's operations a strategy calls
         def __init__(self):
@@ -491,7 +493,7 @@ def test_each_layout_gets_its_recovery_strategy_once_and_it_calls_its_own_operat
         s.rebuild_optimizer(ops)
         kept = s.restore_resized(ops, 5, (5, True), old_rank=3)
         s.redistribute(ops, {}, held, 4)
-        sharded = name in ("fsdp", "pipeline")
+        sharded = name in ("fsdp", "pipeline-sharded")
         assert ops.calls == (["rebuild_optimizer"] if name == "zero" else []) + \
             (["restore_resized"] if sharded else ["restore_local"]) + \
             (["repartition_optimizer"] if name == "zero" else ["reshard_state"] if sharded else []), name

@@ -113,7 +113,9 @@ def test_cli_no_spare_section_text_and_json():
     ns = json.loads(res.stdout)["no_spare"]
     assert (ns["dp"], ns["lost_per_node"], ns["keep_batch_speed"], ns["whole_ranks_speed"]) == (256, 8, 248 / 256, 0.5)
     keep = ns["per_event"]["shrink_keep"]["goodput_lost_s"]
-    assert keep == pytest.approx(ns["costs"]["shrink"]["s"] + ns["costs"]["grow"]["s"] + 4 * 3600 * 8 / 256)
+    second = ns["second_failure"]  # plain DP: a second failure while short shrinks again
+    assert second["expected"] > 0 and second["hotswaps_onto_harvested"] == 0.0
+    assert keep == pytest.approx(ns["costs"]["shrink"]["s"] + ns["costs"]["grow"]["s"] + 4 * 3600 * 8 / 256 + second["cost_s"])
     assert ns["per_event"]["wait"]["goodput_lost_s"] == pytest.approx(4 * 3600 + 30.0)
     assert ns["best"] == "shrink_keep" and ns["events_per_run"] is not None
     assert ns["breakeven_delay_s"] == pytest.approx(max(0.0, (ns["costs"]["shrink"]["s"] + ns["costs"]["grow"]["s"]
@@ -131,6 +133,8 @@ def test_cli_fewer_replicas_than_nodes_harvest_the_dropped_replicas_healthy_node
     assert (ns["dp"], ns["lost_per_node"], ns["harvested_spares"], ns["keep_batch_speed"]) == (8, 1, 3, 7 / 8)
     res = CliRunner().invoke(_app(), args)
     assert "its 3 healthy node(s) become warm spares" in " ".join(res.stdout.split()), res.stdout
+    assert ns["second_failure"]["hotswaps_onto_harvested"] > 0  # the harvested spares take the second failures
+    assert "hot-swaps onto the harvested spares" in " ".join(res.stdout.split()), res.stdout
 
 
 @pytest.mark.parametrize("args,needle", [(["--gpus", "64", "--dp", "3"], "--dp"),
@@ -139,3 +143,25 @@ def test_cli_fewer_replicas_than_nodes_harvest_the_dropped_replicas_healthy_node
 def test_cli_no_spare_bad_input_is_one_line(args, needle):
     res = CliRunner().invoke(_app(), ["simulate", "--trials", "5", "--steps", "100", *args])
     assert res.exit_code == 2 and needle in res.stderr and "Traceback" not in res.output, res.output
+
+
+def test_a_second_failure_while_short_is_a_hot_swap_onto_a_harvested_spare_or_another_shrink():
+    """``second_failure``: N ~ Poisson(rate x R x (DP-L)/DP) nodes fail while shrunk; the first H (harvested spares)
+    are hot-swaps (join each), the rest shrink again (shrink + grow each); the shrink rows are charged it, waiting
+    and restarting are not. Rate 0 (hand-made inputs): nothing. One harvested spare: E[min(N, 1)] = 1 - e^-m."""
+    import dataclasses
+    import math
+
+    from phoenix_launch.simulate.elastic import second_failure
+
+    base = _ns(dp=2, lost=1, shrink=10.0, grow=20.0, join=5.0)
+    assert second_failure(base, 3600.0)["expected"] == 0.0
+    ns = dataclasses.replace(base, rate=1 / 3600.0, harvested=1)  # a node failure an hour; HSDP 2 x 2: one spare
+    sf = second_failure(ns, 7200.0)  # 2 h short with half the nodes: m = 1
+    assert sf["expected"] == pytest.approx(1.0) and sf["hotswaps_onto_harvested"] == pytest.approx(1 - math.exp(-1))
+    assert sf["cost_s"] == pytest.approx((1 - math.exp(-1)) * 5.0 + math.exp(-1) * 30.0)
+    plain = second_failure(dataclasses.replace(ns, harvested=0), 7200.0)  # plain DP: every second failure shrinks
+    assert plain["hotswaps_onto_harvested"] == 0.0 and plain["cost_s"] == pytest.approx(30.0)
+    c, c0 = event_costs(ns, 7200.0), event_costs(base, 7200.0)
+    assert c["shrink_keep"]["wall_s"] == pytest.approx(c0["shrink_keep"]["wall_s"] + sf["cost_s"])
+    assert c["wait"] == c0["wait"] and c["restart"] == c0["restart"]

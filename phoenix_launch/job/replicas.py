@@ -3,7 +3,7 @@
 Each rank reports the DP replicas a shrink can drop (``dp``) and the stride of a replica's index (``stride``): rank
 ``r`` belongs to replica ``(r // stride) % dp``. Plain DP, ZeRO and FSDP2 over every rank: ``stride`` 1, every rank a
 replica. HSDP ``{"replicate": R, "shard": S}``: R replicas of S consecutive ranks (stride S); so is PHOENIX's pipeline
-mesh ``{"dp": D, "pp": P}`` (dp outermost: stride P; its runtime side is not built yet: a pipeline reports 0). A
+mesh ``{"dp": D, "pp": P}`` (dp outermost: stride P; ``runtime/pipeline.py``'s ``Pipeline.droppable``). A
 layout ordered ``rank = (pp * D + dp) * T + tp`` (``runtime/layout.py``): D replicas with stride T, each spread over
 every stage.
 

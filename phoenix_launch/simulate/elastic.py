@@ -18,11 +18,18 @@ delivering a node, or a repaired one coming back). The policies, per event:
 * restart from a checkpoint (checkpoint-restart, which also needs the replacement): R plus eq. (2)'s cost of a
   failure (the restart, the steps since the last checkpoint redone, the interrupted step).
 
-Every cost is linear in R, so its mean over R's distribution is its value at R's mean. Assumed: no second failure
-during R, the run outlasts R, a step's time is its compute (communication unchanged by the shrink). With fewer
+Assumed: the run outlasts R, a step's time is its compute (communication unchanged by the shrink). With fewer
 replicas than nodes (``--dp`` < nodes: HSDP's replica groups, pipelines) a lost node drops its whole replica of
 nodes/DP nodes; the others, healthy, become warm spares at once (``harvested_spares``): a second failure during R is
-a hot-swap onto one of them, and the one replacement grows the replica back. The shrink's
+a hot-swap onto one of them, and the one replacement grows the replica back.
+
+A second failure while short (``second_failure``): the nodes still in the job fail at the node failure rate, so N ~
+Poisson(rate x R x (DP-L)/DP) of them fail during R; the first H (the harvested spares) are hot-swaps (the join's
+cost each), the others shrink the job again (a shrink's and a grow's cost each; the further slowdown is left out).
+The shrink policies are charged E[min(N, H)] x join + (E[N] - E[min(N, H)]) x (shrink + grow); with no harvested
+spare (plain DP) every second failure is a shrink. Waiting and restarting are charged nothing for it (the job is
+stopped; its replacement is assumed to arrive with the first's). This term is not linear in R: it is taken at R's
+mean, as the others (exact for them). The shrink's
 and grow's costs come from measurements where there are some (a run's ``shrink`` / ``grow`` recoveries with
 ``--from-run``, else bench/elastic.py's shrink row) and are labelled measured or assumed.
 """
@@ -77,6 +84,7 @@ class NoSpare:
     join: Cost            # wait's hot-swap when the replacement arrives
     restart: Cost         # eq. (2)'s cost of a failure with checkpoint-restart, without the wait for a node
     harvested: int = 0    # replicas of several nodes (HSDP, pipelines): the lost one's healthy nodes, spares at once
+    rate: float = 0.0     # node failures per second, the whole job (a second failure while short); 0: not costed
 
 
 def keep_batch_speed(dp: int, lost: int) -> float:
@@ -99,13 +107,27 @@ def can_shrink(ns: NoSpare) -> bool:
     return ns.dp - ns.lost >= max(1, ns.min_dp)
 
 
+def second_failure(ns: NoSpare, delay: float) -> dict:
+    """A second node failure while shrunk for ``delay`` seconds (module doc): the expected failures, those that are
+    hot-swaps onto the harvested spares, and their cost in seconds. Pure."""
+    m = ns.rate * delay * (ns.dp - ns.lost) / ns.dp if can_shrink(ns) else 0.0
+    # E[min(N, H)] = sum over k < H of P(N > k), N ~ Poisson(m)
+    p, cdf, swaps = math.exp(-m), 0.0, 0.0
+    for k in range(ns.harvested):
+        cdf += p
+        swaps += 1.0 - cdf
+        p *= m / (k + 1)
+    cost = swaps * ns.join.seconds + (m - swaps) * (ns.shrink.seconds + ns.grow.seconds)
+    return {"expected": m, "hotswaps_onto_harvested": swaps, "shrinks_again": m - swaps, "cost_s": cost}
+
+
 def event_costs(ns: NoSpare, delay: float) -> dict[str, dict]:
     """Per policy, for one event with a replacement after ``delay`` seconds: ``wall_s`` (time added to finish the
     run's steps), ``goodput_lost_s`` (wall_s plus the time-equivalent of samples never trained on), ``goodput``
     (samples per second while the node is missing, as a fraction of the full job's) and ``available``."""
     out: dict[str, dict] = {}
     shrinkable = can_shrink(ns)
-    events = ns.shrink.seconds + ns.grow.seconds
+    events = ns.shrink.seconds + ns.grow.seconds + second_failure(ns, delay)["cost_s"]
     if shrinkable:
         speed = keep_batch_speed(ns.dp, ns.lost)
         dropped = delay * ns.lost / ns.dp
@@ -132,7 +154,8 @@ def best_policy(costs: dict[str, dict]) -> str:
 
 def breakeven_delay(ns: NoSpare) -> float | None:
     """The replacement delay above which shrinking (keeping the batch) loses less than waiting: shrink + grow +
-    R (1 - speed) < R + join, i.e. R > (shrink + grow - join) / speed; 0 when it always does, None if it cannot."""
+    R (1 - speed) < R + join, i.e. R > (shrink + grow - join) / speed (a second failure while short left out); 0 when
+    it always does, None if it cannot."""
     if not can_shrink(ns):
         return None
     speed = keep_batch_speed(ns.dp, ns.lost)
@@ -151,7 +174,7 @@ def compare_no_spare(ns: NoSpare, events_per_run: float | None, events_source: s
                    for p, c in at_mean.items()}
     return {
         "dp": ns.dp, "lost_per_node": ns.lost, "min_dp": ns.min_dp, "can_shrink": can_shrink(ns),
-        "harvested_spares": ns.harvested if can_shrink(ns) else 0,
+        "harvested_spares": ns.harvested if can_shrink(ns) else 0, "second_failure": second_failure(ns, mean),
         "step_time_s": ns.step_time,
         "replace_delay": ns.replace_delay.to_json(), "replace_delay_label": ns.delay_label,
         "costs": {"shrink": ns.shrink.to_json(), "grow": ns.grow.to_json(), "join": ns.join.to_json(),

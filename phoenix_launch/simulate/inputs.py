@@ -322,7 +322,8 @@ def _no_spare(values: _Values, fields: dict[str, Any], run_info: dict | None) ->
     ck = cost_ckpt(fields["step_time"], fields["ckpt_every"], fields["restart"].mean)
     restart = Cost(ck.recovery + ck.replay + ck.partial_not_in_eq,
                    f"eq. (2): --restart ({src.get('restart', 'default')}) + t_step·(K-1)/2 + the interrupted step")
-    return NoSpare(dp=dp, lost=lost, min_dp=min_dp, harvested=harvested, step_time=fields["step_time"], replace_delay=delay,
+    rate = 1.0 / fields["mttf_node_sys"] if fields["mttf_node_sys"] > 0 else 0.0  # node failures per second, the job
+    return NoSpare(dp=dp, lost=lost, min_dp=min_dp, harvested=harvested, rate=rate, step_time=fields["step_time"], replace_delay=delay,
                    delay_label=delay_label, shrink=shrink, grow=grow, join=Cost(hot, hot_label), restart=restart)
 
 

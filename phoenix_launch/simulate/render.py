@@ -324,11 +324,16 @@ def _render_no_spare(console, Table, ns: dict) -> None:
             console.print(f"  A lost node drops its whole replica ({ns['harvested_spares'] + 1} nodes): its "
                           f"{ns['harvested_spares']} healthy node(s) become warm spares at once, so a second failure "
                           "while short is a hot-swap, and one replacement grows the replica back.")
+        sf = ns.get("second_failure") or {}
+        if sf.get("expected"):
+            console.print(f"  A second failure while short (at R's mean): {_num(sf['expected'])} expected, "
+                          f"{_num(sf['hotswaps_onto_harvested'])} of them hot-swaps onto the harvested spares, "
+                          f"{_num(sf['shrinks_again'])} shrinks again: {_dur(sf['cost_s'])} added to the shrink rows.")
         be = ns["breakeven_delay_s"]
         console.print(f"  Shrinking beats waiting when the replacement takes longer than {_dur(be)}." if be
                       else "  Shrinking loses less than waiting at any replacement delay.")
     console.print(f"  Per run: × {_num(ns['events_per_run'])} no-spare events ({ns['events_source']}). "
-                  "Assumed: no second failure while short; the run outlasts the delay.")
+                  "Assumed: the run outlasts the delay; a second failure during a wait overlaps it.")
     rows = [("replacement delay R", _dist(ns["replace_delay"]), ns["replace_delay_label"]),
             ("shrink", _dur(costs["shrink"]["s"]), costs["shrink"]["label"]),
             ("grow", _dur(costs["grow"]["s"]), costs["grow"]["label"]),

@@ -4,9 +4,9 @@ when the training is protected (``for_training``), in place of switches on a lay
 The recovery session (``recovery_session.RecoverySession``) asks its strategy (``TrainingOps.strategy``):
 
 - ``sharded_resize``: is a shrink planned in the old world, the lost ranks' shards taken from their replicas
-  (ZeRO, FSDP2 over every rank), or is it a plain recovery in the new world (DDP, HSDP)?
-- ``grow_from_dp_peer``: does a grow's joiner take everything from a DP peer holding its shard (HSDP), or from the
-  survivor the plan names?
+  (ZeRO, FSDP2 over every rank), or is it a plain recovery in the new world (DDP, HSDP, PP x DP)?
+- ``grow_from_dp_peer``: does a grow's joiner take everything from a DP peer holding its shard (HSDP, PP x DP), or
+  from the survivor the plan names?
 - ``rebuild_optimizer``: what is rebuilt on the new group before S_R is restored (ZeRO's optimizer);
 - ``restore_resized``: how a survivor rolls back to S_R in a resized world (FSDP2: its old shard kept aside);
 - ``install_from_peer``: what a grow's joiner loads of what its survivor sent (FSDP2: the buffers, the shards come
@@ -120,20 +120,28 @@ class Hsdp(RecoveryStrategy):
     same_parameters = False
 
 
-class Pipeline(Fsdp):
-    """A pipeline PHOENIX builds (``pipeline=``): recovered as FSDP's layouts; its mesh never changes size."""
+class Pipeline(Hsdp):
+    """PP x DP on PHOENIX's own mesh (``pipeline=``, ``{"dp": D, "pp": P[, "tp": T]}``): a resize drops or adds
+    whole pipelines, the survivors keep their stages; recovered as HSDP (``Pipeline.whole_replicas``)."""
 
     name = "pipeline"
-    shrinks = False
+
+
+class ShardedPipeline(Fsdp):
+    """A pipeline whose stages are FSDP2-sharded (``{"shard": N, "pp": P}``, ``{"pp": P, "shard": N}``) or a mesh
+    builder's: recovered as FSDP2 (its mesh never changes size: ``Pipeline.droppable``)."""
+
+    name = "pipeline-sharded"
 
 
 def for_training(optimizer, parallel) -> RecoveryStrategy:
     """The strategy of a training's layout, chosen once: by its optimizer when PHOENIX does not parallelise the
-    model, else by its parallelism (``parallel.Parallel``, ``pipeline.Pipeline``)."""
+    model, else by its parallelism (``parallel.Parallel``, ``pipeline.Pipeline``): whole replica groups (HSDP) or
+    whole pipelines (PP x DP) on PHOENIX's own mesh, else sharded."""
     from phoenix_runtime.pipeline import Pipeline as PipelineParallel
 
     if parallel is None:
         return {"zero": Zero, "custom": RecoveryStrategy}.get(optimizer_kind(optimizer), Replicated)()
     if isinstance(parallel, PipelineParallel):
-        return Pipeline()
+        return Pipeline() if parallel.whole_replicas else ShardedPipeline()
     return Hsdp() if parallel.whole_replicas else Fsdp()
