@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -92,3 +94,53 @@ def test_one_timed_out_probe_closes_every_pair_of_a_world_group():
     assert res[0]["probes"] == 1, res[0]
     for r in (1, 2, 3):  # each receive fails long before its own 30 s timeout: its pair was closed by rank 0
         assert res[r]["failed_after_s"] is not None and res[r]["failed_after_s"] < 15, res[r]
+
+
+def _silent_peer_info(store) -> bytes:
+    """Rank 1's published address of a 2-rank gloo pair whose rank 1 never connects: this host's own address
+    format (read off a real pair formed here), its IP raised above any host's, so that rank 0 takes the listening
+    side of gloo's connect (``tcp::Device::isInitiator`` compares the addresses), and the pair's sequence numbers."""
+    import struct
+
+    made: dict = {}
+    ts = [threading.Thread(target=lambda r=r: made.setdefault(r, dist.ProcessGroupGloo(dist.PrefixStore("real/", store), r, 2, timedelta(seconds=30))))
+          for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    info = bytes(store.get("real//0/1"))  # gloo's tcp ``Rank``: hostname, device address, pair sequence numbers
+    (host_len,) = struct.unpack_from("<Q", info, 0)
+    at = 8 + host_len
+    (addr_len,) = struct.unpack_from("<Q", info, at)
+    addr = bytearray(info[at + 8:at + 8 + addr_len])
+    (family,) = struct.unpack_from("<H", addr, 0)
+    ip = slice(4, 8) if family == 2 else slice(8, 24)  # sockaddr_in / sockaddr_in6
+    addr[ip] = b"\xff" * (ip.stop - ip.start)
+    return info[:at + 8] + bytes(addr) + info[at + 8 + addr_len:]
+
+
+@pytest.mark.timeout(60)
+def test_a_pair_whose_peer_never_connects_is_given_up_within_its_timeout():
+    """Issue 45 (the hang of test_first_stage_node_lost_in_a_backward_microbatch): a rank forming its pair groups
+    waited while its peers had formed theirs and gone on. A pair's peer published its address and never connected
+    (it took the pair as formed, or died): this rank, the listening side of gloo's connect, waited five times the
+    pair's timeout (torch 2.13's gloo), past the recovery's. ``form_pairs`` now gives the pair up at its timeout with
+    an error naming the peer. Real gloo and store; the silent peer is its published address."""
+    from phoenix_runtime.protection.pairs import PAIR_GRACE_S, PairFormationTimeout, form_pairs
+
+    store = dist.HashStore()
+    store.set("pair/0_1//0/1", _silent_peer_info(store))
+    timeout = timedelta(seconds=3)
+    formed: list = []
+    t0 = time.monotonic()
+    with pytest.raises(PairFormationTimeout, match=r"rank\(s\) \[1\] did not connect within 8 s"):
+        form_pairs([(0, 1)], 0, {}, store, timeout, lambda peer, group: formed.append(peer))
+    took = time.monotonic() - t0
+    # gloo's own bound: 5 x 3 = 15 s; given up at the timeout plus the grace (8 s)
+    assert timeout.total_seconds() <= took < timeout.total_seconds() + PAIR_GRACE_S + 3.5, took
+    assert formed == []
+    # the given-up thread ends with gloo's own bound; joined here, so that no test after this one waits for it
+    for t in [t for t in threading.enumerate() if t.name == "phoenix-pair-1"]:
+        t.join(30)
+        assert not t.is_alive()

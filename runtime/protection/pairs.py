@@ -21,11 +21,13 @@ own gloo groups do.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from phoenix_runtime.errors import CommunicationError
 from phoenix_runtime.protection.commit import tree_partners
 
 def pair(a: int, b: int) -> tuple[int, int]:
@@ -78,13 +80,29 @@ def own_pairs(pairs, rank: int) -> list[tuple[int, int]]:
     return [p for p in sorted(set(pairs)) if rank in p]
 
 
+#: a pair's formation may run this much past its timeout before it is given up (``form_pairs``): a healthy pair is
+#: formed within the timeout (each store wait and the initiator's connect are bounded by it), plus its connect (slow
+#: on a loaded host)
+PAIR_GRACE_S = 5.0
+
+
+class PairFormationTimeout(CommunicationError, TimeoutError, RuntimeError):
+    """A pair group was not connected within its timeout (``form_pairs``): its peer published its address but
+    never connected to this rank (it took the pair as formed, or it died). A TimeoutError (a recovery tries the
+    next generation) and a RuntimeError (so does the first formation), as gloo's own formation errors are."""
+
+
 def form_pairs(pairs, rank: int, have: dict, store, timeout: timedelta, on_formed=lambda peer, group: None) -> list[int]:
     """Form ``rank``'s pairs among ``pairs`` that ``have`` (peer -> group) lacks, on ``store`` (the generation's), all
     at once: one thread a pair (gloo's constructor releases the GIL while it connects). Formed one after the other,
     the ring's pairs were a chain across the job, (0,1) before (1,2) before (2,3)...: a formation time that grew
     with N. Each formed group is handed to ``on_formed(peer, group)`` in the global order. Returns the peers
-    formed. Blocks until each peer forms its side (bounded by ``timeout``); the first failure is raised once every
-    attempt has ended (nothing is left connecting behind it)."""
+    formed. Blocks until each peer forms its side, bounded by ``timeout`` (plus ``PAIR_GRACE_S``): gloo bounds
+    the listening side of a pair's connect by five times the group's timeout only (torch 2.13's gloo,
+    ``tcp::Pair::waitUntil``), longer than a recovery's timeout, and its peer may have returned already (the
+    initiator is done once its connection is made), so a pair still connecting then is given up
+    (``PairFormationTimeout``; its thread ends with gloo's own timeout and its group is dropped). The first failure
+    is raised once every other attempt has ended or was given up."""
     todo: list[tuple[int, tuple[int, int]]] = []  # (peer, the pair)
     for a, b in own_pairs(pairs, rank):
         peer = b if rank == a else a
@@ -92,18 +110,44 @@ def form_pairs(pairs, rank: int, have: dict, store, timeout: timedelta, on_forme
             todo.append((peer, (a, b)))
     if not todo:
         return []
-    if len(todo) == 1:
-        (peer, (a, b)), = todo
-        on_formed(peer, pair_group(store, a, b, rank, timeout))
-        return [peer]
-    with ThreadPoolExecutor(len(todo), thread_name_prefix="phoenix-pair") as pool:
-        futures = [(peer, pool.submit(pair_group, store, a, b, rank, timeout)) for peer, (a, b) in todo]
-    errors = [e for _, f in futures if (e := f.exception()) is not None]
+    done: dict[int, tuple[object, BaseException | None]] = {}  # peer -> (its group, or the error)
+    given_up: set[int] = set()  # peers whose pair was still connecting at the bound
+    lock = threading.Lock()
+
+    def form_one(peer: int, a: int, b: int) -> None:
+        try:
+            got: tuple[object, BaseException | None] = (pair_group(store, a, b, rank, timeout), None)
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread, raised there
+            got = (None, e)
+        with lock:
+            if peer in given_up:
+                return  # too late: nobody takes it (the group is dropped with this thread's reference)
+            done[peer] = got
+
+    # not daemons: a daemon thread still in gloo's constructor when the interpreter finalizes aborts the process as
+    # it wakes (std::terminate); a process that exits meanwhile waits for it instead (at most gloo's bound)
+    threads = [(peer, threading.Thread(target=form_one, args=(peer, a, b), name=f"phoenix-pair-{peer}"))
+               for peer, (a, b) in todo]
+    for _, t in threads:
+        t.start()
+    end = time.monotonic() + timeout.total_seconds() + PAIR_GRACE_S
+    for _, t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    with lock:
+        given_up.update(peer for peer, _ in todo if peer not in done)
+        results = dict(done)
     formed = []
-    for peer, f in futures:
-        if f.exception() is None:
-            on_formed(peer, f.result())
+    for peer, _ in todo:
+        group, err = results.get(peer, (None, None))
+        if group is not None and err is None:
+            on_formed(peer, group)
             formed.append(peer)
+    errors = [err for peer, _ in todo if (err := results.get(peer, (None, None))[1]) is not None]
+    if given_up:
+        raise PairFormationTimeout(
+            f"rank {rank}: the pair group(s) with rank(s) {sorted(given_up)} did not connect within "
+            f"{timeout.total_seconds() + PAIR_GRACE_S:g} s: the peer published its address but never connected "
+            f"(it took the pair as formed, or it died)")
     if errors:
         raise errors[0]
     return formed
@@ -114,4 +158,4 @@ def pair_group(store, a: int, b: int, rank: int, timeout: timedelta):
     return dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{a}_{b}/", store), 0 if rank == a else 1, 2, timeout)
 
 
-__all__ = ["pair", "pair_group", "steady_pairs", "recovery_pairs", "own_pairs", "form_pairs"]
+__all__ = ["PAIR_GRACE_S", "PairFormationTimeout", "pair", "pair_group", "steady_pairs", "recovery_pairs", "own_pairs", "form_pairs"]
