@@ -17,6 +17,7 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 from phoenix_runtime.plane import auth, control, protocol
+from phoenix_runtime.plane.rank_status import RankStatus
 from phoenix_runtime.plane.rank_env import RankEnv
 
 auth.set_key(b"k" * 32)
@@ -26,7 +27,7 @@ protocol.put_value(master, protocol.K_GEN, "0")
 env = RankEnv.from_environ({protocol.ENV_STORE_HOST: "127.0.0.1", protocol.ENV_STORE_PORT: str(master.port),
                             protocol.ENV_NODE: "node0", protocol.ENV_SLOT: "0", protocol.ENV_GEN: "0",
                             protocol.ENV_HEARTBEAT_S: "0.5", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
-ctl = control.ControlThread(control.RankState(), env)
+ctl = control.ControlThread(RankStatus(), env)
 seen = []
 ctl.on_gen_change.append(lambda g: seen.append((g, time.monotonic())))
 time.sleep(1.0)

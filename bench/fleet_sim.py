@@ -56,6 +56,7 @@ from pathlib import Path
 
 from phoenix_launch.observe.events import write_json_atomic
 from phoenix_runtime.plane import auth, control, protocol
+from phoenix_runtime.plane.rank_status import RankStatus
 from phoenix_runtime.plane.channel import open_value
 from phoenix_runtime.plane.relay import NodeRelay, ReadyRelay
 from phoenix_runtime.plane.watch import Bump, bump_for, read_bump
@@ -168,7 +169,7 @@ class SimRank(control.ControlThread):
 
     def __init__(self, node: str, slot: int, rank: int | None, store, local: NodeLocal, watcher: SimWatcher,
                  heartbeat_s: float, seen: dict, world_size: int):
-        self.state = control.RankState()
+        self.state = RankStatus()
         self.state.phase = "training" if rank is not None else "spare"
         self.node, self.slot, self.rank, self.heartbeat_s = node, slot, rank, heartbeat_s
         self.full_read_s = control.full_read_every(heartbeat_s, world_size)

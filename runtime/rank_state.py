@@ -54,7 +54,7 @@ class TrainingOps(Protocol):
 
     protect_on: bool
     replicated: bool  # every DP peer holds the same optimizer state
-    kind: str  # the optimizer's layout: "replicated", "zero", "custom", "fsdp"
+    strategy: Any  # recover.strategies.RecoveryStrategy: what a recovery does for this layout, chosen once
     params_sharded: bool  # no peer holds this rank's parameter shard (FSDP without a replicate dimension)
     objs: Any  # state.LoopObjects
     rs: RankState
@@ -85,7 +85,7 @@ class TrainingOps(Protocol):
 
     # the recovery's steps
     def reparallelize(self, gen: int) -> None: ...
-    def rebuild_optimizer(self) -> None: ...
+    def rebuild_optimizer(self) -> None: ...  # ZeRO on the new group (``strategies.Zero``)
     def repartition_optimizer(self, lost: dict) -> None: ...  # ZeRO re-partitioned for a shrink's or grow's world
     def restore_resized(self, R: int, live: tuple[int, bool]) -> dict: ...  # FSDP2 resized: this rank's old shard
     def reshard_state(self, held: dict, old_world: int) -> None: ...  # FSDP2 re-sharded over the new world

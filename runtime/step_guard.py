@@ -21,7 +21,6 @@ from phoenix_runtime import state
 from phoenix_runtime.errors import comm_evidence
 from phoenix_runtime.plane import protocol
 from phoenix_runtime.plane.context import GenerationAbandoned
-from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.plane.threads import wait_until
 from phoenix_runtime.protection.commit import FINGERPRINT_MISMATCH
 from phoenix_runtime.protection.snapshot import DeviceStall
@@ -94,8 +93,8 @@ class StepGuard:
             ops.recover(e)
             return
         rs.step = step + 1
-        STATE.own_s = ops.pace.stepped(ops.work_share())  # per micro-batch: a shrunk rank's extra share is no slowness
-        STATE.stepped(rs.step)
+        ctx.status.own_s = ops.pace.stepped(ops.work_share())  # per micro-batch: a shrunk rank's extra share is no slowness
+        ctx.status.stepped(rs.step)
         self._progress()
 
     def optimizer_step(self) -> None:
@@ -161,11 +160,11 @@ class StepGuard:
         self._step_waits = (self._step_waits + [self._waited])[-20:]
         self._waited = 0.0
         self._t_step = now
-        STATE.steps_per_s = len(self._step_times) / max(sum(self._step_times), 1e-9)
+        ctx.status.steps_per_s = len(self._step_times) / max(sum(self._step_times), 1e-9)
         if ctx.rank == 0 and ctx.managed and time.time() - self._last_progress > 2.0:
             self._last_progress = time.time()
             median = sorted(self._step_times)[len(self._step_times) // 2]
-            ctx.post(protocol.Progress(step=self.rs.step, step_time_s=round(median, 5), sps=round(STATE.steps_per_s, 3),
+            ctx.post(protocol.Progress(step=self.rs.step, step_time_s=round(median, 5), sps=round(ctx.status.steps_per_s, 3),
                                        total=self.rs.total, wait_frac=self._wait_frac() if self.ops.protect_on else None,
                                        scalars=getattr(getattr(self.ops, "metrics", None), "latest", None)))
 

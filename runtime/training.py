@@ -19,11 +19,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from phoenix_runtime.recover import persist, resize
+from phoenix_runtime.recover import persist, resize, strategies
 from phoenix_runtime.plane import protocol
 from phoenix_runtime import elastic_batch, pipeline, state, zero
 from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
-from phoenix_runtime.plane.control import STATE, control
+from phoenix_runtime.plane.control import control
 from phoenix_runtime.device_steps import DeviceSteps, bit_identity_gaps, cuda_event_factory, stream_probe
 from phoenix_runtime.plane.failover import CALLS
 from phoenix_runtime.faults import FaultInjector
@@ -43,16 +43,6 @@ from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
 log = logging.getLogger(__name__)
 
 
-def optimizer_kind(optimizer) -> str:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return "zero"
-    if hasattr(optimizer, "phoenix_state"):
-        return "custom"
-    return "replicated"
-
-
 class ProtectedTraining:
     """A protected training loop's state: model, optimizer, everything else it holds, and its protection."""
 
@@ -64,8 +54,8 @@ class ProtectedTraining:
         self.settings = ctx.settings
         self.protect_on = self.settings.protect and ctx.managed
         self.replicas = int(replicas if replicas is not None else self.settings.replicas)
-        self.kind = optimizer_kind(objs.optimizer) if parallel is None else "fsdp"
-        self.replicated = self.kind == "replicated" or (parallel is not None and parallel.replicated)
+        self.strategy = strategies.for_training(objs.optimizer, parallel)  # what a recovery does for this layout
+        self.replicated = self.strategy.replicated or (parallel is not None and parallel.replicated)
         # no peer holds this rank's parameter shard (FSDP without a replicate dimension): it is replicated
         self.params_sharded = parallel is not None and not parallel.replicated
         self.rs = RankState(every=self.settings.protect_every)  # what the step guard and the recovery read and change
@@ -110,13 +100,13 @@ class ProtectedTraining:
         self._warned_layout = False
         self._old_live: tuple[dict, dict] | None = None  # FSDP2 resized: this rank's live state in the old shard layout (reparallelize)
         self._work: float | None = None  # data_slices' work this step (work_share)
-        STATE.runtime = True
-        STATE.device_pending = stream_probe(ctx.device)  # a wait at a device sync is a wait, not a hang (control.py)
+        self.ctx.status.runtime = True
+        self.ctx.status.device_pending = stream_probe(ctx.device)  # a wait at a device sync is a wait, not a hang (control.py)
         gaps = bit_identity_gaps(ctx.device.type, ctx.backend, torch.are_deterministic_algorithms_enabled(), os.environ)
         if gaps and ctx.rank == 0:
             log.warning("a resume on this GPU job may differ from the uninterrupted run in the last bits; bit-identity "
                         f"needs: {'; '.join(gaps)} (README: GPUs)")
-        STATE.enter("training")
+        self.ctx.status.enter("training")
         dp, stride = self.shrinkable_dp()
         ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=dp, dp_stride=stride))
 
@@ -152,7 +142,7 @@ class ProtectedTraining:
         a pipeline (its schedule runs the backward, the loop cannot scale the loss): the slice's gradients x ``scale``."""
         if self.stages or scale != 1.0:  # scale: a pipeline's only (ValueError otherwise: the loop scales its loss)
             return pipeline.accumulate(self.objs.module if self.stages else None, scale)
-        if self.kind == "fsdp" and self.data_world() > self.ctx.world_size:  # FSDP2: see resize.micro_batch
+        if self.strategy.parallelised and self.data_world() > self.ctx.world_size:  # FSDP2: see resize.micro_batch
             return resize.micro_batch(self.objs.module, last)
         if last:
             return contextlib.nullcontext()
@@ -162,7 +152,7 @@ class ProtectedTraining:
     def shrinkable_dp(self) -> tuple[int, int]:
         """(the DP replicas a shrink can drop, the rank stride of a replica's index); ``(0, 1)``: it cannot (TP+FSDP).
         Each rank with DDP, ZeRO, FSDP2 over every rank; HSDP's replica groups, whole pipelines (``droppable``)."""
-        if self.ctx.tp > 1 or self.ctx.pp > 1 or self.kind not in ("replicated", "zero", "fsdp"):
+        if self.ctx.tp > 1 or self.ctx.pp > 1 or not self.strategy.shrinks:
             return 0, 1
         return self.parallel.droppable(self.ctx.world_size) if self.parallel is not None else (self.ctx.world_size, 1)
 
@@ -216,7 +206,7 @@ class ProtectedTraining:
                     self.recover(GenerationAbandoned(f"generation {self.ctx.gen} abandoned"))
                     continue
                 yield self.rs.step
-            if self.protect_on and self.parallel is None and self.settings.fingerprint:  # DDP, ZeRO: the same parameters
+            if self.protect_on and self.strategy.same_parameters and self.settings.fingerprint:  # DDP, ZeRO
                 final_check(self)
         finally:
             self.close()
@@ -240,7 +230,7 @@ class ProtectedTraining:
             self.d2h.stop(5.0)
         # "finished": what the rank does from now on is the script's own teardown, never a failure of the job
         # (its agent ends it if it stalls there: ``agent.hang_check``, and the supervisor decides no recovery)
-        STATE.enter("finished" if finished else "done")
+        self.ctx.status.enter("finished" if finished else "done")
         beat = control()
         if finished and beat is not None:
             beat.beat_now()  # seen by its agent before the script's teardown may stall (never judged a training hang)
@@ -338,9 +328,8 @@ class ProtectedTraining:
             local.register_step_post_hook(self.faults.optimizer_hook)
 
     def rebuild_optimizer(self) -> None:
-        """ZeRO keeps the group it was built with: re-initialised IN PLACE on the new group (``zero.rebuild``)."""
-        if self.kind != "zero":
-            return
+        """ZeRO keeps the group it was built with: re-initialised IN PLACE on the new group (``zero.rebuild``; the
+        ``Zero`` strategy calls it)."""
         zero.rebuild(self.objs.optimizer)
         self._hook_optimizer()
 
@@ -449,7 +438,7 @@ class ProtectedTraining:
         state.restore_envelope(meta, self.objs)
         self.rs.metas[k] = meta
         self.rs.step = self.rs.first_step = k
-        STATE.stepped(k)
+        self.ctx.status.stepped(k)
         log.info(f"resumed from the persistent checkpoint of step {k} ({step_dir})")
 
     def _report_protection(self, step: int) -> None:
@@ -532,7 +521,7 @@ class ProtectedTraining:
         """The step guard caught a failure: quiesce, then recover in the next generation."""
         marks = {"t0": time.time(), "cpu0": time.process_time(), "tcpu0": time.thread_time(), "calls0": CALLS[0]}  # this process's CPU and store calls so far
         ctx = self.ctx
-        STATE.enter("recovering")
+        ctx.status.enter("recovering")
         log.info(f"step {self.rs.step}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")
         self.device_steps.freeze()  # what the device completed before the abort: the rest is torn (device_steps.py)
         ctx.abort_groups()  # pending transfers of the pipeline fail at once instead of timing out
@@ -597,4 +586,4 @@ class ProtectedTraining:
         self.rs.resumed_at(R, first, every)
         self.rs.reapply = reapply if reapply[1] is not None else None
         self.pace.reset()
-        STATE.stepped(R)
+        self.ctx.status.stepped(R)

@@ -173,7 +173,8 @@ def test_a_bump_wakes_the_control_thread_at_once_and_the_notify_keys_stay_few(se
     only the newest ``NOTIFY_KEEP`` of those keys."""
     from torch.distributed import TCPStore
 
-    from phoenix_runtime.plane.control import ControlThread, RankState
+    from phoenix_runtime.plane.control import ControlThread
+    from phoenix_runtime.plane.rank_status import RankStatus
     from phoenix_runtime.plane.rank_env import RankEnv
 
     master = TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, timeout=timedelta(seconds=30))
@@ -181,7 +182,7 @@ def test_a_bump_wakes_the_control_thread_at_once_and_the_notify_keys_stay_few(se
     env = RankEnv.from_environ({protocol.ENV_STORE_HOST: "127.0.0.1", protocol.ENV_STORE_PORT: str(master.port),
                                 protocol.ENV_NODE: "node0", protocol.ENV_SLOT: "0", protocol.ENV_GEN: "0",
                                 protocol.ENV_HEARTBEAT_S: "5", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
-    ctl = ControlThread(RankState(), env)
+    ctl = ControlThread(RankStatus(), env)
     try:
         seen: list[tuple[int, float]] = []
         ctl.on_gen_change.append(lambda g: seen.append((g, time.monotonic())))

@@ -58,21 +58,29 @@ def test_one_recovery_aborts_each_group_once(monkeypatch):
     """Issue 47: one recovery reached the abort from the control thread (a newer generation), the step guard, an
     injected comm fault and the recovery session (abort, then destroy): each group was aborted up to four times.
     Now each group and transport is aborted once, whichever path comes first; a group formed after the first
-    abort is aborted once too, and the next generation's groups are aborted again."""
+    abort is aborted once too, and the next generation's groups are aborted again. The replicator's transport, aborted
+    at the protection's teardown after the recovery aborted the groups (or before it), closes no pair a second time."""
     import threading
+    import types
     from collections import Counter
 
     from phoenix_runtime.plane import context as cmod
+    from phoenix_runtime.protection import transport as tmod
 
     closed: Counter = Counter()
     monkeypatch.setattr(cmod, "close_pairs", lambda g, peers: closed.update([g.name]))
+    monkeypatch.setattr(tmod, "close_pairs", lambda g, peers: closed.update([g.name]))
     ctx = object.__new__(cmod.Context)
-    ctx.backend, ctx.gen, ctx.rank, ctx._warm, ctx._held, ctx.mpi_pairs = "gloo", 3, 0, [], {}, None
+    ctx.status = cmod.RankStatus()
+    ctx.status.gen, ctx.status.rank, ctx.status.world_size = 3, 0, 6
+    ctx.backend, ctx._warm, ctx._held, ctx.mpi_pairs = "gloo", [], {}, None
     ctx._lock, ctx._gen_seen, ctx._aborted, ctx._aborted_gen = threading.RLock(), threading.Event(), [], -1
     ctx.pairs = {1: _Group("pair1"), 2: _Group("pair2")}
     ctx.mesh_groups = [_Group("tp"), ctx.pairs[1]]  # a group listed twice is aborted once
     mpi = _Transport()
     ctx._transports = [mpi]
+    ctx.settings, ctx.managed = types.SimpleNamespace(protect=True), True
+    replicator = ctx.new_transport(1)  # the replicator's, on the generation's pairs
 
     ctx.abort_groups()  # an injected comm fault (``FaultInjector.abort_links``)
     watcher = threading.Thread(target=ctx._on_gen_change, args=(4,))  # the control thread sees generation 4
@@ -81,12 +89,14 @@ def test_one_recovery_aborts_each_group_once(monkeypatch):
     watcher.join(10)
     assert not watcher.is_alive()
     ctx._add_pair(5, _Group("late"))  # formed after the control thread's abort: aborted as it arrives
+    replicator.abort()  # the protection's teardown (``ProtectedTraining.recover``): its pairs were closed already
     ctx.abort_groups()  # the recovery session, then it destroys the groups
     ctx.destroy_groups()
     assert closed == {"pair1": 1, "pair2": 1, "tp": 1, "late": 1} and mpi.aborts == 1
     assert ctx._gen_seen.is_set()
 
-    ctx.gen, ctx.pairs = 4, {1: _Group("pair1 of generation 4")}  # the next generation's: new groups
+    ctx.status.gen, ctx.pairs = 4, {1: _Group("pair1 of generation 4")}  # the next generation's: new groups
+    ctx.new_transport(1).abort()  # a replicator that failed on its own first: the generation's abort skips its pair
     ctx.abort_groups()
     ctx.abort_groups()
     assert closed["pair1 of generation 4"] == 1 and closed["pair1"] == 1

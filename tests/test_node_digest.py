@@ -20,6 +20,7 @@ import pytest
 from phoenix_launch.detect.agent import Agent
 from phoenix_launch.observe import status
 from phoenix_runtime.plane import auth, channel, control, protocol
+from phoenix_runtime.plane.rank_status import RankStatus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -147,7 +148,7 @@ def test_the_digest_round_trips_what_status_shows():
 def test_a_recoverys_first_step_is_read_as_the_first_of_its_phase_not_the_latest(secret):
     """The recovery event's ``first_step_s`` takes the first step after the resume and its time: a heartbeat read
     later carries newer steps as its latest (``step``/``t_step``), the first one of the phase beside them."""
-    st = control.RankState()
+    st = RankStatus()
     st.enter("recovering")
     st.stepped(24)  # the resume point, restored during the recovery
     st.enter("training")

@@ -502,7 +502,7 @@ def test_the_first_step_after_a_start_or_a_recovery_gets_the_longer_bound():
     ``first_step_timeout_s`` (or a silent heartbeat) makes a rank hung; a heartbeat without ``warm`` (an older
     runtime) keeps the old rule."""
     from phoenix_launch.detect.agent import hang_check
-    from phoenix_runtime.plane.control import RankState
+    from phoenix_runtime.plane.rank_status import RankStatus
 
     cold = protocol.RankHeartbeat(t=100.0, step=-1, phase="training", t_step=50.0, blocked_in="code", warm=False)
     assert hang_check(cold, 100.2, 10.0, 600.0) is None  # 50 s into its first step: not hung
@@ -511,7 +511,7 @@ def test_the_first_step_after_a_start_or_a_recovery_gets_the_longer_bound():
     assert hang_check(protocol.RankHeartbeat(t=100.0, step=-1, phase="training", t_step=50.0, warm=False), 111.0, 10.0, 600.0)[0] == "heartbeat"
     warm = protocol.RankHeartbeat(t=100.0, step=7, phase="training", t_step=80.0, warm=True)
     assert hang_check(warm, 100.2, 10.0, 600.0)[0] == "progress"
-    st = RankState()
+    st = RankStatus()
     st.enter("training")
     assert not st.warm
     st.stepped(1)

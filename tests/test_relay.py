@@ -23,7 +23,8 @@ import pytest
 
 from conftest import wait_for
 from phoenix_runtime.plane import auth, channel, control, protocol
-from phoenix_runtime.plane.control import ControlThread, RankState
+from phoenix_runtime.plane.control import ControlThread
+from phoenix_runtime.plane.rank_status import RankStatus
 from phoenix_runtime.plane.rank_env import RankEnv
 from phoenix_runtime.plane.relay import READ_S, LocalWatchStore, NodeRelay
 from phoenix_runtime.plane.watch import NotifyWatcher
@@ -117,7 +118,7 @@ def test_a_generations_bump_costs_no_central_read_but_the_agents_watchers_and_no
             relays.append(relay)
             threading.Thread(target=agent, args=(node, relay, Counted(connect("127.0.0.1", central.port, 10.0), log, f"agent {node}")),
                              daemon=True).start()
-            ranks += [ControlThread(RankState(), _rank_env(central.port, port, node, s, n_nodes * nproc)) for s in range(nproc)]
+            ranks += [ControlThread(RankStatus(), _rank_env(central.port, port, node, s, n_nodes * nproc)) for s in range(nproc)]
         wait_for(lambda: all(r.relayed and r._watcher is None for r in ranks), 60, "every rank relayed by its agent")
         wait_for(lambda: all(r.watcher.armed for r in relays), 30, "every agent's watcher armed")
         time.sleep(0.5)  # a pass of each control thread since it switched (its last central read, if any, is done)
@@ -200,7 +201,7 @@ def test_a_rank_whose_agent_is_stopped_or_killed_still_sees_the_next_generation(
     rank = None
     try:
         line = wait_for(lambda: agent.stdout.readline(), 60, "the agent's local port")  # type: ignore[union-attr]
-        rank = ControlThread(RankState(), _rank_env(central.port, int(line), "node0", 0, 1, heartbeat_s=1.0))
+        rank = ControlThread(RankStatus(), _rank_env(central.port, int(line), "node0", 0, 1, heartbeat_s=1.0))
         assert rank.full_read_s == 5.0
         seen: list = []
         rank.on_gen_change.append(lambda g: seen.append((g, time.monotonic())))
@@ -330,7 +331,7 @@ def test_a_nodes_ranks_report_ready_through_their_agent_in_one_central_message(s
     monkeypatch.setattr(control, "connect_store", lambda env=None, timeout_s=30.0, *, handed=False:
                         FailoverStore(("127.0.0.1", central.port), None, timeout_s=10.0, reconnect_s=5.0))
     local, port = start_store("127.0.0.1")
-    ranks = [ControlThread(RankState(), _rank_env(central.port, port, "node0", s, nproc)) for s in range(nproc)]
+    ranks = [ControlThread(RankStatus(), _rank_env(central.port, port, "node0", s, nproc)) for s in range(nproc)]
     q_sup = protocol.Queue(central, protocol.Q_SUPERVISOR)
     relay = ReadyRelay("node0", nproc, local)
     try:

@@ -446,3 +446,80 @@ def test_wait_until_returns_the_result_waits_in_slices_and_is_bounded():
     assert time.monotonic() - t0 < 10
     with pytest.raises(ValueError):
         wait_until(lambda: True, what="x")
+
+
+@pytest.mark.timeout(60)
+def test_each_layout_gets_its_recovery_strategy_once_and_it_calls_its_own_operations():
+    """``strategies.for_training`` picks one strategy per layout; its answers are what the session's switches on the
+    layout's name answered (ZeRO and FSDP2 over every rank re-shard on a shrink, HSDP keeps its shards and grows from
+    a DP peer, and so do PP x DP's whole pipelines), and each calls only its layout's operations on the training."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from phoenix_runtime.parallel import Parallel
+    from phoenix_runtime.pipeline import Pipeline
+    from phoenix_runtime.recover import strategies as S
+
+    model = torch.nn.Linear(2, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    custom = torch.optim.SGD(model.parameters(), lr=0.1)
+    custom.phoenix_state = lambda: {}  # type: ignore[attr-defined]
+    zero = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)  # isinstance only: no process group here
+    fsdp = Parallel.create(lambda m, mesh: None, {"shard": 4}, model, 4, "cpu")
+    hsdp = Parallel.create(lambda m, mesh: None, {"replicate": 2, "shard": 2}, model, 4, "cpu")
+    pipe = Pipeline.create(lambda m, mesh: None, {"dp": 2, "pp": 2}, model, 4, "cpu")
+    sharded_pipe = Pipeline.create(lambda m, mesh: None, {"shard": 2, "pp": 2}, model, 4, "cpu")
+    got = {name: S.for_training(opt, par) for name, opt, par in
+           (("ddp", sgd, None), ("custom", custom, None), ("zero", zero, None), ("fsdp", sgd, fsdp), ("hsdp", sgd, hsdp),
+            ("pipeline", sgd, pipe), ("pipeline-sharded", sgd, sharded_pipe))}
+    table = {n: (s.name, s.replicated, s.shrinks, s.sharded_resize, s.grow_from_dp_peer, s.parallelised, s.same_parameters)
+             for n, s in got.items()}
+    assert table == {"ddp": ("replicated", True, True, False, False, False, True),
+                     "custom": ("custom", False, False, False, False, False, True),
+                     "zero": ("zero", False, True, True, False, False, True),
+                     "fsdp": ("fsdp", False, True, True, False, True, False),
+                     "hsdp": ("hsdp", False, True, False, True, True, False),
+                     "pipeline": ("pipeline", False, True, False, True, True, False),
+                     "pipeline-sharded": ("pipeline-sharded", False, True, True, False, True, False)}
+
+    class Ops:  # records which of the training's operations a strategy calls
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):
+            return lambda *a: self.calls.append(name) or {"old": True}
+
+    for name, s in got.items():
+        ops, held = Ops(), {}
+        s.rebuild_optimizer(ops)
+        kept = s.restore_resized(ops, 5, (5, True), old_rank=3)
+        s.redistribute(ops, {}, held, 4)
+        sharded = name in ("fsdp", "pipeline-sharded")
+        assert ops.calls == (["rebuild_optimizer"] if name == "zero" else []) + \
+            (["restore_resized"] if sharded else ["restore_local"]) + \
+            (["repartition_optimizer"] if name == "zero" else ["reshard_state"] if sharded else []), name
+        assert kept == ({3: {"old": True}} if sharded else {}), name
+
+
+@pytest.mark.timeout(60)
+def test_a_contexts_generation_is_its_status_and_advances_in_one_place():
+    """Issue 47: the rank's generation lived in the Context's fields (the recovery wrote them) and in a second global
+    ``RankState`` the heartbeat reported. Now the Context reads it from its one ``RankStatus``, which the heartbeat
+    reports too; ``enter_generation`` advances it (a formed generation: its rank and world; a salvage generation: the
+    number and membership only), and nothing writes a Context's generation fields."""
+    from types import SimpleNamespace
+
+    from scripts.bare_context import bare_context
+
+    ctx = bare_context(1, 4, SimpleNamespace(), gen=3)
+    assert (ctx.gen, ctx.rank, ctx.world_size, ctx.members, ctx.joining) == (3, 1, 4, None, False)
+    shrunk = SimpleNamespace(world_size=3)
+    ctx.status.enter_generation(5, shrunk, 2)
+    assert (ctx.gen, ctx.rank, ctx.world_size, ctx.members) == (5, 2, 3, shrunk)
+    salvage = SimpleNamespace(world_size=1)
+    ctx.status.enter_generation(6, salvage)  # no group formed: rank and world stay
+    assert (ctx.gen, ctx.rank, ctx.world_size, ctx.members) == (6, 2, 3, salvage)
+    for name in ("gen", "members", "rank", "world_size", "joining", "epoch"):
+        with pytest.raises(AttributeError):
+            setattr(ctx, name, 0)
+    other = bare_context(0, 4, SimpleNamespace(), gen=3)  # two contexts in one process (tests): each its own status
+    assert other.status is not ctx.status and other.gen == 3

@@ -211,8 +211,10 @@ def main() -> None:
     argv = sys.argv[1:]
     import torch  # noqa: F401  (warm: the script's own import is then free)
 
-    from phoenix_runtime.plane.control import STATE, start_control
+    from phoenix_runtime.plane.control import start_control
+    from phoenix_runtime.plane.rank_status import process_status
 
+    status = process_status()  # the Context's once the script calls phx.init()
     logs.configure_rank()
     role = rank_env_module.rank_env().role
     auth.key()  # the job's secret, out of the environment before the user's script can see it
@@ -230,8 +232,8 @@ def main() -> None:
         os.environ[protocol.ENV_JOINING] = "1"
         os.environ[protocol.ENV_ROLE] = protocol.ROLE_ACTIVE
         rank_env_module.reload()
-        STATE.gen = int(assignment["gen"])
-        STATE.enter("starting")
+        status.gen = int(assignment["gen"])
+        status.enter("starting")
     code = 0
     try:
         _run_user_code(argv)
@@ -242,15 +244,15 @@ def main() -> None:
     except KeyboardInterrupt:
         code = 130
     except UsageError as e:  # bad input the user can fix (phx.init refused the layout): one line, no traceback
-        write_error_file(e, STATE.step if STATE.step >= 0 else None)
+        write_error_file(e, status.step if status.step >= 0 else None)
         print(f"phoenix: {e}", file=sys.stderr)
         code = 2
     except BaseException as e:  # noqa: BLE001 -- recorded, printed once, then a non-zero exit
-        write_error_file(e, STATE.step if STATE.step >= 0 else None)
+        write_error_file(e, status.step if status.step >= 0 else None)
         traceback.print_exc()
         code = 1
-    if STATE.phase != "finished":  # the loop's completion stays visible until the process is gone
-        STATE.enter("done")
+    if status.phase != "finished":  # the loop's completion stays visible until the process is gone
+        status.enter("done")
     _exit(code)
 
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from phoenix_runtime import logs
 from phoenix_runtime.plane import protocol
 from phoenix_runtime.device_steps import device_index
-from phoenix_runtime.plane.control import STATE, connect_store, control, start_control
+from phoenix_runtime.plane.control import connect_store, control, start_control
+from phoenix_runtime.plane.rank_status import RankStatus, process_status
 from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
 from phoenix_runtime.plane.store_keys import KeyRecorder, backoff
@@ -64,8 +65,14 @@ def plan_key(gen: int) -> str:
     return f"phx/gen/{gen}/plan"
 
 
+def _status(name: str) -> property:
+    return property(lambda self: getattr(self.status, name), doc=f"``status.{name}`` (``rank_status.RankStatus``)")
+
+
 class Context:
     _layout = None  # (members, (world, tp, pp), Layout): ``layout()`` of the current membership
+    # this rank's generation, read from its one status (``enter_generation`` advances it)
+    gen, members, rank, world_size, joining, epoch = map(_status, ("gen", "members", "rank", "world_size", "joining", "epoch"))
 
     def __init__(self, env: RankEnv, backend: str | None, tp: int, pp: int):
         self.env = env
@@ -73,18 +80,14 @@ class Context:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.tp, self.pp = tp, pp
         self.managed = env.managed
-        self.rank = env.rank
-        self.world_size = env.world_size
+        self.status = process_status() if env.managed else RankStatus()  # the control thread reports the process's
+        self.status.start(env)
         self.node, self.slot = env.node, env.slot
-        self.joining = env.joining  # the one representation of "this rank replaces a lost one"
-        self.gen = env.gen
-        self.epoch = env.restart_count
         self.pairs: dict = {}  # this generation's gloo pair groups (pairs.py): peer -> the group of this rank and it
         # runtime.transport: mpi: (recovery, replication) maps peer -> MPI communicator
         self.mpi_pairs: tuple[dict[int, object], dict[int, object]] | None = None
         self._transports: list = []  # this generation's transports (aborted with its groups)
         self.mesh_groups: list = []  # this generation's DeviceMesh groups (parallelize=), aborted with the others
-        self.members: protocol.Membership | None = None
         self._aborted_gen = -1  # the newest generation the control thread saw abandoned: groups added later are aborted
         #: what was aborted since the groups were last destroyed (groups, transports; by identity): each is aborted
         #: once, whichever path reaches it first (the control thread, the step guard, an injected fault, the session)
@@ -255,7 +258,7 @@ class Context:
             return GlooTransport() if use == 0 else None
         if self.mpi_pairs is None:
             with self._lock:
-                return PairTransport(self.pairs, self.rank, self.world_size)
+                return PairTransport(self.pairs, self.rank, self.world_size, seen=self._seen_aborted, lock=self._lock)
         t = MpiTransport(pairs=self.mpi_pairs[use], rank=self.rank, size=self.world_size)
         self._transports.append(t)
         return t
@@ -375,15 +378,12 @@ class Context:
 
     def form(self, gen: int, deadline: float) -> None:
         """Form generation ``gen``'s process groups on a fresh generation-scoped store prefix."""
-        self.gen = gen
         self.mesh_groups = []  # the last generation's (parallelize=): this one's are added when its mesh is built
-        self.members = protocol.read_members(self.store, gen)
-        me = self.members.rank_at(self.node, self.slot)
+        members = protocol.read_members(self.store, gen)
+        me = members.rank_at(self.node, self.slot)
+        self.status.enter_generation(gen, members, me)  # its world is smaller after a shrink (``launch.on_no_spare``)
         if me is None:
             raise UnrecoverableError(f"{self.node}/{self.slot} is not a member of generation {gen}")
-        self.rank = me
-        self.world_size = self.members.world_size  # smaller after a shrink (``launch.on_no_spare``)
-        STATE.gen = gen
         pg_store = KeyRecorder(dist.PrefixStore(protocol.k_pg_prefix(gen), self.store), stop=lambda: self._check_gen(gen))
         self._pg_stores.append((gen, pg_store))  # its keys (the fate's too) are deleted with the generation
         last = int(self.store.add(protocol.k_arrived(gen), 1)) >= self.world_size
@@ -584,7 +584,7 @@ def init(backend: str | None = None, *, tp: int = 1, pp: int = 1) -> Context:
         return ctx
     # the script runs on the PHOENIX runtime (its heartbeat says so): a failure before its first step loses
     # nothing, so the supervisor starts the attempt fresh (with a spare for a lost node) instead of stopping
-    STATE.runtime = True
+    ctx.status.runtime = True
     if ctx.joining:
         log.info(f"joining generation {ctx.gen} as rank {ctx.rank}")
     gen = max(ctx.gen, ctx.latest_gen()) if ctx.joining else ctx.gen

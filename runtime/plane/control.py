@@ -39,11 +39,11 @@ from typing import Any, Callable
 from phoenix_runtime.plane import auth, protocol
 from phoenix_runtime.plane.channel import incarnation_of
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
+from phoenix_runtime.plane.rank_status import RankStatus, process_status
 from phoenix_runtime.plane.relay import RelayReader
 from phoenix_runtime.plane.watch import POLL_S, NotifyWatcher  # noqa: F401  (POLL_S: the fleet bench's too)
 
 log = logging.getLogger(__name__)
-PHASES = ("starting", "training", "recovering", "finished", "done")
 # A full read with the watcher armed (every writer bumps the counter, so this only bounds how late a wake-up
 # lost in the store is noticed): at 80,000 ranks one every heartbeat was ~6 round trips x 160,000 a second.
 # Every FULL_READ_S, and no more often than the whole job makes ~1,000 of them a second (80,000 ranks: 80 s).
@@ -79,13 +79,13 @@ def blocked_in(path: str | None, device_pending: bool | None = None) -> str:
 
 def main_thread_blocked_in(frame=None, device_pending: Callable[[], bool] | None = None) -> str:
     """``blocked_in`` of the main thread now (``frame``: its innermost frame, read here when not given;
-    ``device_pending``: the probe of its stream, ``STATE.device_pending`` when not given). A rank whose loop
+    ``device_pending``: the probe of its stream, the process status's when not given). A rank whose loop
     stalls makes its peers stop progressing too, blocked in the next collective or the next device sync: this
     tells the stalled rank (``code``) from the ranks waiting for it (``collective``, ``device``)."""
     if frame is None:
         ident = threading.main_thread().ident  # None only before the thread starts
         frame = sys._current_frames().get(ident) if ident is not None else None
-    probe = device_pending if device_pending is not None else STATE.device_pending
+    probe = device_pending if device_pending is not None else process_status().device_pending
     pending = None
     if probe is not None:
         try:
@@ -93,43 +93,6 @@ def main_thread_blocked_in(frame=None, device_pending: Callable[[], bool] | None
         except Exception:  # noqa: BLE001 -- a device in error: not evidence of a wait
             pending = None
     return blocked_in(frame.f_code.co_filename if frame is not None else None, pending)
-
-
-class RankState:
-    """What the rank reports; written by the training thread, read by the control thread."""
-
-    def __init__(self) -> None:
-        self.step: int = -1
-        self.gen: int = 0
-        self.runtime: bool = False
-        self.phase: str = "starting"
-        self.t_step: float = time.time()
-        self.steps_per_s: float = 0.0
-        self.warm = False  # a step completed since ``enter``: the first one is judged by the longer bound
-        self.formed = False  # torch.distributed's default group has existed in this process (sticky)
-        #: (step, unix time) of the first step completed in the current phase: a recovery's first step after the
-        #: resume, exact, where ``step``/``t_step`` are the latest when the heartbeat is written (up to one
-        #: heartbeat's worth of steps later)
-        self.first: tuple[int, float] | None = None
-        self.own_s: float | None = None  # its own compute time per step (``phoenix_runtime.pace``), for stragglers
-        #: the training's probe: has the main thread's CUDA stream work pending? (``main_thread_blocked_in``)
-        self.device_pending: Callable[[], bool] | None = None
-
-    def enter(self, phase: str) -> None:
-        """A new phase; ``t_step`` restarts from now (progress is measured within a phase)."""
-        if phase != self.phase:
-            self.phase = phase
-            self.t_step = time.time()
-            self.warm = False
-            self.first = None
-
-    def stepped(self, step: int) -> None:
-        now = time.time()
-        if not self.warm:
-            self.first = (step, now)
-        self.step = step
-        self.t_step = now
-        self.warm = True
 
 
 _HANDED = None  # a spare's store client, connected while it waited, for its Context (``hand_over``)
@@ -227,7 +190,7 @@ class LocalStoreLink:
 
 
 class ControlThread:
-    def __init__(self, state: RankState, env: RankEnv):
+    def __init__(self, state: RankStatus, env: RankEnv):
         self.state = state
         self.node = env.node
         self.slot = env.slot
@@ -507,7 +470,6 @@ class _Chained(threading.Event):
 
 
 _CONTROL: ControlThread | None = None
-STATE = RankState()
 
 
 def control() -> ControlThread | None:
@@ -519,6 +481,7 @@ def start_control() -> ControlThread | None:
     global _CONTROL
     env = rank_env()
     if _CONTROL is None and env.managed:
-        STATE.gen = env.gen
-        _CONTROL = ControlThread(STATE, env)
+        status = process_status()
+        status.gen = env.gen
+        _CONTROL = ControlThread(status, env)
     return _CONTROL

@@ -17,12 +17,13 @@ requests and cancels them on abort.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
 import warnings
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -168,13 +169,18 @@ class MissingPairError(ProtectionError, LookupError):
 class PairTransport(Transport):
     """Point-to-point over one 2-rank gloo group per peer (``pairs.py``): ``pairs`` maps a peer's logical rank to
     the group of this rank and that peer (group ranks 0 and 1). A peer without a pair raises
-    ``MissingPairError``; ``abort()`` closes every pair held (``close_pairs``)."""
+    ``MissingPairError``; ``abort()`` closes every pair held (``close_pairs``).
 
-    def __init__(self, pairs: dict, rank: int, size: int):
+    ``seen`` (the context's ``_seen_aborted``, under its ``lock``): a pair the generation's abort closed already is
+    not closed again when the replicator's teardown aborts this transport, nor the other way round."""
+
+    def __init__(self, pairs: dict, rank: int, size: int, *, seen: Callable[[Any], bool] | None = None,
+                 lock: Any = None):
         self.pairs = dict(pairs)
         self.rank, self.size = rank, size
         self._aborted = False
         self._lock = threading.Lock()
+        self._seen, self._guard = seen, lock if lock is not None else contextlib.nullcontext()
 
     def _route(self, peer: int):
         """(the pair group with ``peer``, the peer's rank in it)."""
@@ -199,8 +205,10 @@ class PairTransport(Transport):
     def abort(self) -> None:
         with self._lock:
             self._aborted = True
-        for group in self.pairs.values():
-            close_pairs(group, [1 - group.rank()])
+        with self._guard:
+            for group in self.pairs.values():
+                if self._seen is None or not self._seen(group):
+                    close_pairs(group, [1 - group.rank()])
 
 
 class _MpiWork(Work):

@@ -29,11 +29,9 @@ import torch.distributed as dist
 from phoenix_runtime.plane import protocol
 from phoenix_runtime import state
 from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableError
-from phoenix_runtime.plane.control import STATE
 from phoenix_runtime.plane.failover import CALLS
 from phoenix_runtime.layout import Layout
 from phoenix_runtime.rank_state import RankState, TrainingOps
-from phoenix_runtime.recover import resize
 from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, _DpGroups, plan_for_layout, plan_grow, replayed_by
 from phoenix_runtime.protection.fingerprint import intact
 from phoenix_runtime.protection.pairs import recovery_pairs
@@ -56,7 +54,7 @@ class RecoverySession:
     def run(self, gen: int, live: tuple[int, bool] | None, marks: dict, formed: bool) -> None:
         """Recover in generation ``gen`` (formed already when ``formed``), or in the next ones if it fails."""
         ctx, ops = self.ctx, self.ops
-        STATE.enter("recovering")
+        ctx.status.enter("recovering")
         self.live = live  # updated as the state changes: a survivor rolled back, or a joiner that installed S_R
         first = [formed]  # only the first generation tried may be formed already
 
@@ -71,7 +69,7 @@ class RecoverySession:
                 if salvaging:  # a salvage generation: no process group (the lost ranks never join one)
                     if ctx.rank in lost:  # a rank of a node given up for lost that still runs: nothing to add
                         raise UnrecoverableError(f"{ctx.node} is given up for lost")
-                    ctx.gen, ctx.members = g, mem
+                    ctx.status.enter_generation(g, mem)  # no group: its rank and world stay
                 else:
                     ctx.abort_groups()
                     ctx.destroy_groups()
@@ -119,7 +117,8 @@ class RecoverySession:
         descs += [Descriptor(j, has_state=False) for j in lost]
         at_most = ctx.members.rollback_to if ctx.members is not None else None
         if self._resized() == "grow":
-            return plan_grow(descs, every=ops.cadence_bound(), peers=_DpGroups(ops.layout()) if self._whole() else None)
+            peers = _DpGroups(ops.layout()) if ops.strategy.grow_from_dp_peer else None
+            return plan_grow(descs, every=ops.cadence_bound(), peers=peers)
         if self._shrunk_sharded():  # planned in the old world: the lost ranks' shards come from their replicas
             m = ctx.members
             old = [dataclasses.replace(d, rank=m.prev[d.rank]) for d in descs]
@@ -142,11 +141,6 @@ class RecoverySession:
         return Descriptor(self.ctx.rank, True, live[0], live[1] and live_usable,
                           tuple(s for s in sorted(committed) if s not in corrupt), reps, self.rs.first_step or 0, corrupt)
 
-    def _whole(self) -> bool:
-        """HSDP: a resize drops or adds whole replica groups, every rank keeps its shard: a shrink is a plain recovery
-        in the new world, a grow's joiners take everything from a DP peer (``plan_grow``'s ``peers``), no re-sharding."""
-        return bool(getattr(getattr(self.ops, "parallel", None), "whole_replicas", False))
-
     def _resized(self) -> str:
         """"shrink" / "grow" when this generation changed the world's size (``Membership.prev``), else ""."""
         m = self.ctx.members
@@ -156,7 +150,7 @@ class RecoverySession:
 
     def _shrunk_sharded(self) -> bool:
         """A shrink of a sharded state (ZeRO, FSDP2): planned in the old world, the lost shards from their replicas."""
-        return self._resized() == "shrink" and self.ops.kind in ("zero", "fsdp") and not self._whole()
+        return self._resized() == "shrink" and self.ops.strategy.sharded_resize
 
     def _lost_shards(self, plan: Plan) -> dict:
         """A shrink under ZeRO (``plan`` in the old world's ranks, its joiners the lost ones): the lost shards'
@@ -182,25 +176,17 @@ class RecoverySession:
                  + (f"lost rank(s) {list(plan.joiners)}' optimizer shards from {plan.optim_src}" if self._shrunk_sharded()
                     else f"joiner(s) {list(plan.joiners)} from {plan.param_src}"))
         marks["planned"] = time.time()
-        m = ctx.members
-        held = {}
-        fsdp = ops.kind == "fsdp" and not self._whole()  # re-sharded over the new world (HSDP keeps its shards)
-        if self.live is not None and fsdp:  # the model is on the new mesh already: kept aside
-            held[m.prev[ctx.rank]] = ops.restore_resized(R, self.live)
-            self.live = (R, True)
-        elif self.live is not None:
-            ops.restore_local(R, self.live)
+        m, strategy = ctx.members, ops.strategy
+        held: dict = {}  # FSDP2: the old world's shards kept aside, old rank -> state (``strategies.Fsdp``)
+        if self.live is not None:
+            held = strategy.restore_resized(ops, R, self.live, m.prev[ctx.rank])
             self.live = (R, True)
         lost = self._lost_shards(plan) if self._shrunk_sharded() else {}
         if not self._shrunk_sharded() and plan.joiners:
             self._give_joiners(plan, deadline)
         marks["params"] = time.time()
         ops.faults.fire(R, "recover_optim")
-        if ops.kind == "zero":
-            ops.repartition_optimizer(lost)
-        elif fsdp:  # every parameter and its optimizer state re-sharded over the new world
-            held.update({j: resize.by_fqn(named, state.scalars_of(meta)) for j, (named, meta) in lost.items()})
-            ops.reshard_state(held, m.prev_world or sum(1 for p in m.prev if p >= 0))
+        strategy.redistribute(ops, lost, held, m.prev_world or sum(1 for p in m.prev if p >= 0))
         marks["optim"] = time.time()
         self._protect_and_meet(gen, R)
         if ops.d2h is not None:  # a snapshot of another step is of the old world's layout: never a resume point
@@ -220,10 +206,7 @@ class RecoverySession:
                            resends=ctx.settings.resends)
             elif me == j:
                 local, meta = recv_named(transport, plan.param_src[j], R, ctx.recovery_timeout, resends=ctx.settings.resends)
-                if ops.kind == "fsdp" and not self._whole():  # buffers only: the shards come with the re-sharding
-                    state.load_boundary(ops.objs, local)
-                else:
-                    state.load_local(ops.objs, {}, local, meta)
+                ops.strategy.install_from_peer(ops.objs, local, meta)
                 state.restore_envelope(meta, ops.objs)
                 self.rs.metas[R] = meta
                 self.live = (R, True)
@@ -244,7 +227,7 @@ class RecoverySession:
         marks["planned"] = time.time()
         if live is not None and ctx.rank in plan.joiners:  # its snapshot of R is corrupt (``descriptor``)
             live = self.live = None
-        ops.rebuild_optimizer()  # ZeRO on the new group, in place (the user's scheduler keeps acting on it)
+        ops.strategy.rebuild_optimizer(ops)  # ZeRO on the new group, in place (the user's scheduler keeps acting on it)
         if live is not None:
             ops.restore_local(R, live)
             self.live = (R, True)  # if this generation is abandoned now, the live state is S_R
@@ -344,7 +327,7 @@ class RecoverySession:
         ctx = self.ctx
         self.ops.resumed(plan.step, plan.first_step)
         self.ops.rs.reapply_scaler = state.scaler_tensors(self.ops.objs.scaler)  # what a reapply at R restores again
-        ctx.joining = False
+        ctx.status.joined()
         ctx.delete_old_keys()
         t_end = time.time()
         t0 = marks["t0"]
@@ -366,4 +349,4 @@ class RecoverySession:
         log.info(f"generation {gen}: resumed at step {plan.step} ({breakdown})")
         ctx.report(protocol.Recovered(gen=gen, step=plan.step, replayed=plan.replayed.get(ctx.rank, 0), joiner=live is None,
                                       breakdown=breakdown))
-        STATE.enter("training")
+        ctx.status.enter("training")
