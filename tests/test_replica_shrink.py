@@ -240,3 +240,20 @@ def test_a_pipeline_slice_scales_its_gradients_and_adds_them_to_the_steps():
     with pytest.raises(ValueError, match="scale is a pipeline's"):
         with accumulate(None, 0.5):
             pass
+
+
+def test_a_node_lost_during_a_grow_that_leaves_no_whole_replica_is_not_a_shrink(tmp_path):
+    """HSDP 2 x 2 shrunk to n2, n3 (n0 harvested); a new node and n0 make a whole replica: GROW. n3 is lost during
+    that grow: a shrink would start from the last generation every rank reached (n2, n3), whose only replica lost
+    n3, and leave no rank: the supervisor crashed there (``shrunk_ranks``: ``min`` of nothing). The decision sees
+    the same basis as the shrink (``resize.dp_lost``), so it is no shrink: the ladder's rung decides (here the
+    survivors save what their memory holds)."""
+    j = hsdp_job(tmp_path)
+    assert decision(j.settle(AgentExit("n1", -9))) == K.SHRINK.value
+    j.recover(6.0)
+    spare = j.s.nodes.add(type(j.s.nodes["n2"]).new("s9", up=True))
+    j.s.nodes.transition(spare, NodeState.SPARE, "test")
+    eff = j.step(Tick(), 8.0) + j.step(Tick(), 9.0)
+    assert decision(eff) == K.GROW.value and j.s.recovery.active
+    eff = j.step(AgentExit("n3", -9), 9.5) + j.step(Tick(), 14.0)
+    assert decision(eff) not in (K.SHRINK.value, None), events(eff, "decision")

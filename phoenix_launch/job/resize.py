@@ -139,7 +139,25 @@ def dp_lost(s: JobState, failed: tuple[str, ...]) -> int:
     """The DP replicas a shrink without ``failed`` drops (plain DP: every rank one; HSDP: whole replica groups;
     ``job/replicas.py``); 0 when it cannot drop them cleanly (a healthy node holding a dropped and a kept one)."""
     drop = replicas.dropped(s.gens.members, set(failed), s.dp_size(), s.dp_stride())
-    return len(drop.replicas) if drop is not None else 0
+    if drop is None:
+        return 0
+    base, gone, whole = shrink_basis(s, failed)
+    if not [r for r in base.ranks if r.node not in gone | set(whole.harvested if whole is not None else ())]:
+        return s.dp_size()  # the shrink ``shrink`` would make leaves no rank (every replica lost one): none is taken
+    return len(drop.replicas)
+
+
+def shrink_basis(s: JobState, lost) -> tuple[protocol.Membership, set[str], replicas.Drop | None]:
+    """What a shrink without ``lost`` starts from: the last generation every rank reached (a failure during a
+    recovery shrinks from it), the nodes gone since (``lost`` and every node no longer active or joining), and the
+    replicas that leave with them (``job/replicas.py``)."""
+    gens = s.gens
+    base = gens.stable if s.recovery.active else gens.members
+    gone = set(lost) | {n.name for n in s.nodes if n.lost or n.state not in (NodeState.ACTIVE, NodeState.JOINING)}
+    drop = replicas.dropped(
+        base, gone, base.world_size // replicas.ranks_per_replica(gens.members.world_size, s.dp_size()), s.dp_stride()
+    )
+    return base, gone, drop
 
 
 def resize(s: JobState, ranks: list[protocol.RankSlot]) -> None:
@@ -168,11 +186,7 @@ def shrink(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> Non
     before = gens.members.world_size
     # the state lives in the last generation every rank reached: a failure during a recovery (a grow's joiner
     # lost, a second loss during a shrink) shrinks from it, without every node that is gone since
-    base = gens.stable if s.recovery.active else gens.members
-    gone = set(d.lost) | {n.name for n in s.nodes if n.lost or n.state not in (NodeState.ACTIVE, NodeState.JOINING)}
-    drop = replicas.dropped(
-        base, gone, base.world_size // replicas.ranks_per_replica(gens.members.world_size, s.dp_size()), s.dp_stride()
-    )
+    base, gone, drop = shrink_basis(s, d.lost)
     harvested = drop.harvested if drop is not None else ()
     ranks, data, prev, slices = shrunk_ranks(base, gone | set(harvested), s.cfg.launch.elastic_batch == "keep")
     resize(s, ranks)
