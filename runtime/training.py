@@ -100,6 +100,7 @@ class ProtectedTraining:
         self._warned_layout = False
         self._old_live: tuple[dict, dict] | None = None  # FSDP2 resized: this rank's live state in the old shard layout (reparallelize)
         self._work: float | None = None  # data_slices' work this step (work_share)
+        self._memo: tuple[tuple, dict] = ((), {})  # ((generation, its membership), what ``_of_generation`` made)
         self.ctx.status.runtime = True
         self.ctx.status.device_pending = stream_probe(ctx.device)  # a wait at a device sync is a wait, not a hang (control.py)
         gaps = bit_identity_gaps(ctx.device.type, ctx.backend, torch.are_deterministic_algorithms_enabled(), os.environ)
@@ -120,7 +121,8 @@ class ProtectedTraining:
         after a shrink keeping the batch a part of each lost one's (the even split). Per slice: ``sl.of(*its micro
         batch)`` under ``accumulating(sl.last)``, the loss times ``sl.scale`` (module ``elastic_batch``)."""
         per = self.parallel.data_unit(self.ctx.world_size) if self.stages else None  # a pipeline: its replica's slices
-        out = elastic_batch.data_slices(self.ctx.members, self.ctx.rank, self.ctx.world_size, batch, per)
+        out = self._of_generation(("slices", batch, per), lambda: elastic_batch.data_slices(
+            self.ctx.members, self.ctx.rank, self.ctx.world_size, batch, per))
         self._work = elastic_batch.work(out, batch)  # the pace's unit this step (step_guard)
         return out
 
@@ -129,7 +131,13 @@ class ProtectedTraining:
         return self.ctx.members.data_ranks(self.ctx.rank) if self.ctx.members is not None else (self.ctx.rank,)
 
     def data_world(self) -> int:  # the logical data ranks of a step: the original DP size unless the batch shrank
-        return elastic_batch.data_world(self.ctx.members, self.ctx.world_size)
+        return self._of_generation("world", lambda: elastic_batch.data_world(self.ctx.members, self.ctx.world_size))
+
+    def _of_generation(self, key, make):
+        """``make()`` once per generation (what the membership decides, read every step: O(N) to compute when shrunk)."""
+        if self._memo[0] != (self.ctx.gen, id(self.ctx.members)):
+            self._memo = ((self.ctx.gen, id(self.ctx.members)), {})
+        return self._memo[1][key] if key in self._memo[1] else self._memo[1].setdefault(key, make())
 
     def loss_scale(self) -> float:  # data_ranks()' loss factor: exactly 1.0 when every rank has one (bit-identical)
         return self.ctx.world_size / self.data_world()
