@@ -120,7 +120,8 @@ class ProtectedTraining:
         """This rank's share of the step, micro-batches of ``batch`` samples: its data rank's (scale exactly 1.0), and
         after a shrink keeping the batch a part of each lost one's (the even split). Per slice: ``sl.of(*its micro
         batch)`` under ``accumulating(sl.last)``, the loss times ``sl.scale`` (module ``elastic_batch``)."""
-        per = self.parallel.data_unit(self.ctx.world_size) if self.stages else None  # a pipeline: its replica's slices
+        # a pipeline's or a TP group's: its replica's slices (``elastic_batch.replica_slices``)
+        per = self.parallel.data_unit(self.ctx.world_size) if self.parallel is not None else None
         out = self._of_generation(("slices", batch, per), lambda: elastic_batch.data_slices(
             self.ctx.members, self.ctx.rank, self.ctx.world_size, batch, per))
         self._work = elastic_batch.work(out, batch)  # the pace's unit this step (step_guard)
@@ -158,8 +159,9 @@ class ProtectedTraining:
         return contextlib.nullcontext() if no_sync is None else no_sync()
 
     def shrinkable_dp(self) -> tuple[int, int]:
-        """(the DP replicas a shrink can drop, the rank stride of a replica's index); ``(0, 1)``: it cannot (TP+FSDP).
-        Each rank with DDP, ZeRO, FSDP2 over every rank; HSDP's replica groups, whole pipelines (``droppable``)."""
+        """(the DP replicas a shrink can drop, the rank stride of a replica's index); ``(0, 1)``: it cannot (a mesh
+        builder's, a layout ``init(tp=, pp=)`` describes). Each rank with DDP, ZeRO, FSDP2 over every rank; TP x FSDP's
+        TP groups, HSDP's replica groups, whole pipelines (``droppable``)."""
         if self.ctx.tp > 1 or self.ctx.pp > 1 or not self.strategy.shrinks:
             return 0, 1
         return self.parallel.droppable(self.ctx.world_size) if self.parallel is not None else (self.ctx.world_size, 1)
@@ -359,7 +361,7 @@ class ProtectedTraining:
     def reshard_state(self, held: dict, old_world: int) -> None:
         """FSDP2: the parameters and optimizer state of the new mesh's shards from the old world's (``held``: old
         shard index -> ``resize.by_fqn``), every rank of the new generation at once (``resize.reshard_state``)."""
-        resize.reshard_state(self.objs.module, self.objs.optimizer, self.parallel.key_of, held, old_world)
+        resize.reshard_state(self.objs.module, self.objs.optimizer, self.parallel.key_of, held, old_world, self.parallel.tp)
         self._old_live = None
 
     def envelope_of(self, R: int) -> dict:
@@ -368,7 +370,14 @@ class ProtectedTraining:
         return snap.meta if snap is not None else (self.rs.metas.get(R) or state.capture_envelope(R, self.objs))
 
     def layout(self):
-        return self.ctx.layout(self.parallel.state_tp(self.ctx.world_size) if self.parallel is not None else None)
+        return self.ctx.layout(self.parallel.state_tp(self.ctx.world_size, self.replicas) if self.parallel is not None else None)
+
+    def layout_of(self, world: int):
+        """The shard ids and DP groups of a ``world``-rank generation of this layout (a sharded shrink is planned in
+        the old world: its replicas were named by that world's layout), without nodes."""
+        from phoenix_runtime.layout import Layout
+
+        return Layout(world, tp_size=self.parallel.state_tp(world, self.replicas) if self.parallel is not None else 1)
 
     # --- protection ------------------------------------------------------------------------------------------
     def start_protection(self, gen: int) -> None:

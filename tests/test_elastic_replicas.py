@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.timeout(900)]
 
 LLAMA = str(EXAMPLES / "train_llama.py")
 #: layout -> (its flags, the data ranks of a step: HSDP one per rank, a pipeline one per pipeline)
-LAYOUTS = {"hsdp": (["--hsdp", "2"], 4), "pp": (["--pp", "2"], 2)}
+LAYOUTS = {"hsdp": (["--hsdp", "2"], 4), "pp": (["--pp", "2"], 2), "tp": (["--tp", "2"], 2)}
 STEPS = 24
 BATCH = 4
 LR = 1e-3
@@ -67,7 +67,7 @@ def final_loss(d, data_ranks: int) -> float:
 
 # the pipeline row by default (its runtime side is the newer); HSDP's, whose launcher side is the same, with
 # PHOENIX_FULL_MATRIX=1 (the suite's time)
-@pytest.mark.parametrize("layout", [pytest.param("hsdp", marks=pytest.mark.full), "pp"])
+@pytest.mark.parametrize("layout", [pytest.param("hsdp", marks=pytest.mark.full), "pp", pytest.param("tp", marks=pytest.mark.full)])
 def test_a_replica_is_dropped_its_node_harvested_hot_swapped_onto_and_the_job_grows_back(tmp_path, layout):
     data_ranks = LAYOUTS[layout][1]
     (tmp_path / "base").mkdir()
