@@ -109,7 +109,8 @@ class ProtectedTraining:
                         f"needs: {'; '.join(gaps)} (README: GPUs)")
         self.ctx.status.enter("training")
         dp, stride = self.shrinkable_dp()
-        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=dp, dp_stride=stride))
+        unit = (self.parallel.data_unit(ctx.world_size) if self.parallel is not None else None) or 1
+        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=dp, dp_stride=stride, data_unit=unit))
 
     # --- the public API ------------------------------------------------------------------------------------
     @property

@@ -96,11 +96,11 @@ def test_pp2_dp2_drops_the_whole_pipeline_and_its_other_stage_becomes_a_spare():
     assert three is not None and three.harvested == ("n1",) and replicas.replica_data(3, three, True) == ((0, 1), (2,))
 
 
-def hsdp_job(tmp_path, nodes: int = 4, dp: int = 2, stride: int = 2) -> Job:
+def hsdp_job(tmp_path, nodes: int = 4, dp: int = 2, stride: int = 2, unit: int = 1) -> Job:
     j = Job(tmp_path, nodes=nodes, nproc=1, spares=0, ready=False, launch__on_no_spare="shrink")
     for r in range(j.s.world_size):
         slot = j.s.gens.members.slot_of(r)
-        j.step(protocol.RuntimeReady(node=slot.node, slot=slot.slot, rank=r, protect=True, dp=dp, dp_stride=stride))
+        j.step(protocol.RuntimeReady(node=slot.node, slot=slot.slot, rank=r, protect=True, dp=dp, dp_stride=stride, data_unit=unit))
     j.s.out.take()
     return j
 
@@ -323,3 +323,24 @@ def test_a_node_lost_during_a_grow_that_leaves_no_whole_replica_is_not_a_shrink(
     assert decision(eff) == K.GROW.value and j.s.recovery.active
     eff = j.step(AgentExit("n3", -9), 9.5) + j.step(Tick(), 14.0)
     assert decision(eff) not in (K.SHRINK.value, None), events(eff, "decision")
+
+
+@pytest.mark.parametrize("unit", [1, 2])
+def test_the_shrink_events_slices_are_what_each_rank_runs(tmp_path, unit):
+    """The supervisor's step, 4 nodes x 1 rank reporting 2 replicas of stride 2, n1 lost: the shrink event's
+    ``slices`` are what ``training.data_slices`` gives each rank of the published membership. HSDP 2 x 2 (every rank
+    its own samples, ``data_unit`` 1): the even split, each rank a half of each dropped micro-batch. PP 2 x DP 2 or
+    TP 2 x FSDP 2 (a pipeline's or a TP group's ranks process the same samples, ``data_unit`` 2): the surviving
+    replica's whole micro-batches in the replicas' data ranks, its own (1) then the dropped one's (0), on both of its
+    ranks (the per-rank even split was shown before, which no rank ran)."""
+    j = hsdp_job(tmp_path, unit=unit)
+    eff = j.settle(AgentExit("n1", -9))
+    (pub,) = of(eff, PublishGeneration)
+    (ev,) = events(eff, "shrink")
+    mem = pub.members
+    runs = [[(d, *protocol.slice_bounds(4, k, n)) for d, k, n in x] for x in ev["slices"]]
+    assert runs == [[(s.data_rank, s.start, s.stop) for s in data_slices(mem, r, 2, 4, per=unit if unit > 1 else None)]
+                    for r in range(2)]
+    assert ev["data_unit"] == unit
+    want = [[[2, 0, 1], [0, 0, 2], [1, 1, 2]], [[3, 0, 1], [0, 1, 2], [1, 0, 2]]] if unit == 1 else [[[1, 0, 1], [0, 0, 1]]] * 2
+    assert ev["slices"] == want
