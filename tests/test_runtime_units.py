@@ -523,3 +523,31 @@ def test_a_contexts_generation_is_its_status_and_advances_in_one_place():
             setattr(ctx, name, 0)
     other = bare_context(0, 4, SimpleNamespace(), gen=3)  # two contexts in one process (tests): each its own status
     assert other.status is not ctx.status and other.gen == 3
+
+
+def test_a_generation_this_rank_failed_on_its_own_is_reported_and_an_abandoned_one_is_not():
+    """``through_generations``' ``on_retry``: called for a generation that is still the newest when its attempt
+    failed (the recovery reports a pair that never connected, so the supervisor re-forms it at once), not for one
+    a newer generation had already replaced."""
+    from types import SimpleNamespace
+
+    from scripts.bare_context import bare_context
+
+    ctx = bare_context(0, 2, SimpleNamespace(), latest_gen=4, gen=4)
+    reported, tried = [], []
+
+    def attempt(g):
+        tried.append(g)
+        if g == 4:  # failed on its own: still the newest
+            raise TimeoutError("a pair never connected")
+        if g == 5:  # abandoned: 6 was published under it
+            ctx.ctl.latest_gen = 6
+            raise TimeoutError("abandoned")
+
+    def on_retry(g, e):
+        reported.append((g, str(e)))
+        ctx.ctl.latest_gen = g + 1  # the supervisor's answer: the same members in a new generation
+
+    ctx.through_generations(4, attempt, retry=lambda e: isinstance(e, TimeoutError), cleanup=lambda: None,
+                            what="test", on_retry=on_retry)
+    assert tried == [4, 5, 6] and reported == [(4, "a pair never connected")]
