@@ -27,6 +27,7 @@ from phoenix_runtime.plane.control import control
 from phoenix_runtime.device_steps import DeviceSteps, bit_identity_gaps, cuda_event_factory, stream_probe
 from phoenix_runtime.plane.failover import CALLS
 from phoenix_runtime.faults import FaultInjector
+from phoenix_runtime.layout import Layout
 from phoenix_runtime.pace import Pace
 from phoenix_runtime.parallel import reshard
 from phoenix_runtime.protection.pairs import steady_pairs
@@ -96,8 +97,7 @@ class ProtectedTraining:
         # the first step() / steps() recovers (a joiner, or a rank whose first generation replaced the one it
         # started in) or builds DDP: both are collectives, so a peer lost meanwhile is a failure recovered from
         self._pending = ctx.formed_after_a_failure and self.protect_on
-        self._wrapped = False
-        self._warned_layout = False
+        self._wrapped = self._warned_layout = False
         self._old_live: tuple[dict, dict] | None = None  # FSDP2 resized: this rank's live state in the old shard layout (reparallelize)
         self._work: float | None = None  # data_slices' work this step (work_share)
         self._memo: tuple[tuple, dict] = ((), {})  # ((generation, its membership), what ``_of_generation`` made)
@@ -109,8 +109,8 @@ class ProtectedTraining:
                         f"needs: {'; '.join(gaps)} (README: GPUs)")
         self.ctx.status.enter("training")
         dp, stride = self.shrinkable_dp()
-        unit = (self.parallel.data_unit(ctx.world_size) if self.parallel is not None else None) or 1
-        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=dp, dp_stride=stride, data_unit=unit))
+        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=dp, dp_stride=stride,
+                                         data_unit=(self.parallel.data_unit(ctx.world_size) if self.parallel else None) or 1))
 
     # --- the public API ------------------------------------------------------------------------------------
     @property
@@ -121,8 +121,7 @@ class ProtectedTraining:
         """This rank's share of the step, micro-batches of ``batch`` samples: its data rank's (scale exactly 1.0), and
         after a shrink keeping the batch a part of each lost one's (the even split). Per slice: ``sl.of(*its micro
         batch)`` under ``accumulating(sl.last)``, the loss times ``sl.scale`` (module ``elastic_batch``)."""
-        # a pipeline's or a TP group's: its replica's slices (``elastic_batch.replica_slices``)
-        per = self.parallel.data_unit(self.ctx.world_size) if self.parallel is not None else None
+        per = self.parallel.data_unit(self.ctx.world_size) if self.parallel is not None else None  # a pipeline's, TP group's
         out = self._of_generation(("slices", batch, per), lambda: elastic_batch.data_slices(
             self.ctx.members, self.ctx.rank, self.ctx.world_size, batch, per))
         self._work = elastic_batch.work(out, batch)  # the pace's unit this step (step_guard)
@@ -160,9 +159,8 @@ class ProtectedTraining:
         return contextlib.nullcontext() if no_sync is None else no_sync()
 
     def shrinkable_dp(self) -> tuple[int, int]:
-        """(the DP replicas a shrink can drop, the rank stride of a replica's index); ``(0, 1)``: it cannot (a mesh
-        builder's, a layout ``init(tp=, pp=)`` describes). Each rank with DDP, ZeRO, FSDP2 over every rank; TP x FSDP's
-        TP groups, HSDP's replica groups, whole pipelines (``droppable``)."""
+        """(the DP replicas a shrink can drop, the rank stride of a replica's index); ``(0, 1)``: it cannot. Each rank
+        with DDP, ZeRO, FSDP2; TP x FSDP's TP groups, HSDP's replica groups, whole pipelines (``droppable``)."""
         if self.ctx.tp > 1 or self.ctx.pp > 1 or not self.strategy.shrinks:
             return 0, 1
         return self.parallel.droppable(self.ctx.world_size) if self.parallel is not None else (self.ctx.world_size, 1)
@@ -278,9 +276,8 @@ class ProtectedTraining:
         resized = self.parallel.resize(self.ctx.world_size)  # a shrink or a grow: FSDP over the new world, HSDP's replicas
         self.replicated = self.parallel.replicated  # HSDP down to one replica: no peer holds a shard, it is replicated
         self.params_sharded = not self.replicated
-        self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
+        self.model = self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
         self.ctx.add_groups(self.parallel.groups())  # a newer generation aborts them too
-        self.model = self.objs.module
         self.pace.attach(*self.timed_modules())
         self._hook_stages()
         if resized:  # the old shard does not fit the new one: kept for restore_resized (until reshard_state ends:
@@ -373,11 +370,7 @@ class ProtectedTraining:
     def layout(self):
         return self.ctx.layout(self.parallel.state_tp(self.ctx.world_size, self.replicas) if self.parallel is not None else None)
 
-    def layout_of(self, world: int):
-        """The shard ids and DP groups of a ``world``-rank generation of this layout (a sharded shrink is planned in
-        the old world: its replicas were named by that world's layout), without nodes."""
-        from phoenix_runtime.layout import Layout
-
+    def layout_of(self, world: int):  # a world's shard ids and DP groups, no nodes (a sharded shrink plans in the old one)
         return Layout(world, tp_size=self.parallel.state_tp(world, self.replicas) if self.parallel is not None else 1)
 
     # --- protection ------------------------------------------------------------------------------------------
