@@ -72,8 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--times-file", default=None, help="rank 0 writes per-step times and PHOENIX stats as JSON (benchmarks)")
     p.add_argument("--data-log", default=None, metavar="PATH",
                    help="each rank appends 'step generation rank data_rank start stop loss' per micro-batch (or part: samples "
-                        "[start, stop) of the data rank's) of each completed step; with --pp the last stages only, with --tp the TP "
-                        "groups' first ranks only")
+                        "[start, stop) of the data rank's) of each completed step; with --pp the last stages only, with --tp a TP "
+                        "group's first rank only")
     p.add_argument("--params-file", default=None, help="rank 0 saves the final full parameters here (torch.save)")
     return p.parse_args(argv)
 
@@ -395,7 +395,7 @@ def main(argv=None):
                         x, y = batch(a, step, rank, d)
                         loss = pipeline_step(training, x[lo:hi], y[lo:hi])
                         time.sleep(a.sample_sleep * (hi - lo) / a.batch)
-                    if loss is not None:  # the last stage's: one line per pipeline and slice in the data log
+                    if loss is not None and (not a.tp or dist.get_rank() % a.tp == 0):  # one line per pipeline and slice
                         seen.append((d, lo, hi, loss.item() if a.data_log else 0.0))
             else:
                 # its data rank's micro-batch, and after PHOENIX shrank the job keeping the batch (DDP, FSDP2, HSDP) a part
