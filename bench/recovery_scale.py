@@ -260,6 +260,8 @@ def measure(td: Path, n: int, rep: int, a) -> dict:
         before = sample(job, store_port)
         spare = before.pop(f"node{n}", None)  # the warm spare (the last node) holds no rank yet
         step_at_kill, uptime = job.steps(), os.getloadavg()
+        warm = [t for _, t in step_log(job.log)[0][-a.warm_steps:]]
+        steady = med([b - a_ for a_, b in zip(warm, warm[1:])]) if len(warm) > 2 else float("nan")  # a step at this N
         cpu0, t0 = cpu_seconds(job), time.monotonic()
         r = subprocess.run(phoenix("kill-node", "node1", "--run-dir", job.run_dir), cwd=d, env=env(),
                            capture_output=True, text=True, timeout=60)
@@ -274,7 +276,7 @@ def measure(td: Path, n: int, rep: int, a) -> dict:
         after = sample(job, store_port)
         per = breakdowns(job.run_dir, 1)
         return {"n": n, "rec": rec, "before": before, "after": after, "forms": formation(job.run_dir), "spare": spare,
-                "step_at_kill": step_at_kill, "load": uptime, "cpu": cpu, "opened": opened(before, after),
+                "step_at_kill": step_at_kill, "load": uptime, "cpu": cpu, "opened": opened(before, after), "steady_s": steady,
                 "cpu_per_rank": [b.get("cpu_s", 0.0) for b in per.values()],
                 "thread_cpu_per_rank": [b.get("thread_cpu_s", 0.0) for b in per.values()],
                 "wall_per_rank": [sum(b.get(p, 0.0) for p in PHASES if p != "detect_s") for b in per.values()],
@@ -388,6 +390,10 @@ def print_per_rank(res: list[dict]) -> None:
             a, b = rows[lo][i], rows[hi][i]
             ratio = b / a if a else float("inf") if b else 1.0
             print(f"  {what}: N={hi} / N={lo} = {ratio:.2f}x (target <= {target:g}x) {'met' if ratio <= target else 'NOT met'}")
+        st = {n: med([r.get("steady_s", float("nan")) for r in res if r["n"] == n]) for n in (lo, hi)}
+        fs = {n: med([r["rec"]["total_s"] - r["rec"]["recovered_s"] for r in res if r["n"] == n]) for n in (lo, hi)}
+        print(f"  of kill -> first step, the first step after the recovery: {fs[lo]:.3f} s at N={lo}, {fs[hi]:.3f} s at N={hi}; "
+              f"a steady step before the kill (its own time at that N on these cores): {st[lo]:.3f} / {st[hi]:.3f} s")
         a, b = rows[lo][4], rows[hi][4]
         print(f"  of the CPU, the recovering thread's own: N={hi} / N={lo} = {b / a if a else float('nan'):.2f}x (the rest is the "
               "rank's other threads while it waits: it grows with the recovery's wall time, i.e. with this machine's load)")
