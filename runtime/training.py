@@ -95,8 +95,7 @@ class ProtectedTraining:
         self._hook_optimizer()
         # the first step() / steps() recovers (a joiner, or a rank whose first generation replaced the one it
         # started in) or builds DDP: both are collectives, so a peer lost meanwhile is a failure recovered from
-        self._pending = ctx.formed_after_a_failure and self.protect_on
-        self._wrapped = False
+        ctx.status.protected(recover_first=ctx.formed_after_a_failure and self.protect_on)  # ``recover_if_pending``
         self._warned_layout = False
         self._old_live: tuple[dict, dict] | None = None  # FSDP2 resized: this rank's live state in the old shard layout (reparallelize)
         self._work: float | None = None  # data_slices' work this step (work_share)
@@ -503,10 +502,9 @@ class ProtectedTraining:
         """Before the first step: a joiner (or a rank whose first generation replaced the one it started in)
         recovers through the same entry point as the survivors; the others build DDP, and a failure while they
         do (a peer lost before the first step) is recovered from like any other."""
-        rs = self.rs
-        if not self._pending:
-            if not self._wrapped:
-                self._wrapped = True
+        rs, start = self.rs, self.ctx.status.begin()
+        if start != "recover":
+            if start == "wrap":
                 if self.ctx.env.resume and self.protect_on and rs.first_step is None:
                     self.resume_from_checkpoint()
                 try:
@@ -518,8 +516,6 @@ class ProtectedTraining:
                         raise
                     self.recover(e)
             return
-        self._pending = False
-        self._wrapped = True
         live = None if self.ctx.joining else (rs.step, True)
         if live is not None and rs.first_step is None:
             rs.first_step = rs.step

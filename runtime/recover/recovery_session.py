@@ -2,8 +2,8 @@
 
     RecoverySession(ctx, rank_state, ops).run(gen, live, marks, formed)
 
-``live`` is what this rank holds: ``(live_step, live_clean)`` for a survivor, ``None`` for a joiner (the one
-representation of "who is joining"). Each generation is tried with its own recovery deadline: form its
+``live`` is what this rank holds: ``(live_step, live_clean)`` for a survivor, ``None`` for a joiner; it is kept in
+the rank's status (``RankStatus.holds``), which the session changes as the state does. Each generation is tried with its own recovery deadline: form its
 groups, exchange descriptors, and plan; the plan's outcome (``recovery.Outcome``) is one of
 
 - resume: roll back / transfer (through the ``Transport`` on pair groups formed for the plan, checksum-verified,
@@ -50,12 +50,16 @@ class RecoverySession:
     def __init__(self, ctx, rs: RankState, ops: TrainingOps):
         self.ctx, self.rs, self.ops = ctx, rs, ops
 
+    @property
+    def live(self) -> tuple[int, bool] | None:
+        """What this rank's live state is in this recovery (``RankStatus.holds``): (step, still S_step), or None."""
+        return self.ctx.status.holds
+
     # --- the entry point -------------------------------------------------------------------------------
     def run(self, gen: int, live: tuple[int, bool] | None, marks: dict, formed: bool) -> None:
         """Recover in generation ``gen`` (formed already when ``formed``), or in the next ones if it fails."""
         ctx, ops = self.ctx, self.ops
-        ctx.status.enter("recovering")
-        self.live = live  # updated as the state changes: a survivor rolled back, or a joiner that installed S_R
+        ctx.status.recovering(live)  # updated as the state changes: a survivor rolled back, or a joiner that installed S_R
         first = [formed]  # only the first generation tried may be formed already
 
         def attempt(g: int) -> None:
@@ -76,7 +80,7 @@ class RecoverySession:
                     ctx.form(g, deadline)
             marks["formed"] = time.time()
             if ctx.members is not None and ctx.rank in ctx.members.resync:
-                self.live = None  # a repair of silent data corruption: this rank's copy is corrupt, a peer sends S_R
+                ctx.status.hold(None)  # a repair of silent data corruption: this rank's copy is corrupt, a peer sends S_R
             course = self._course(g, lost, deadline, salvaging)
             if course.outcome is Outcome.RESUME:
                 self._resume(g, course.plan, marks, deadline)
@@ -180,7 +184,7 @@ class RecoverySession:
         held: dict = {}  # FSDP2: the old world's shards kept aside, old rank -> state (``strategies.Fsdp``)
         if self.live is not None:
             held = strategy.restore_resized(ops, R, self.live, m.prev[ctx.rank])
-            self.live = (R, True)
+            ctx.status.hold((R, True))
         lost = self._lost_shards(plan) if self._shrunk_sharded() else {}
         if not self._shrunk_sharded() and plan.joiners:
             self._give_joiners(plan, deadline)
@@ -209,7 +213,7 @@ class RecoverySession:
                 ops.strategy.install_from_peer(ops.objs, local, meta)
                 state.restore_envelope(meta, ops.objs)
                 self.rs.metas[R] = meta
-                self.live = (R, True)
+                ctx.status.hold((R, True))
 
     # --- the three outcomes -----------------------------------------------------------------------------
     def _resume(self, gen: int, plan: Plan, marks: dict, deadline: float) -> None:
@@ -226,11 +230,12 @@ class RecoverySession:
                  f"replicas from {plan.optim_src}{', fresh ' + str(list(plan.fresh)) if plan.fresh else ''}")
         marks["planned"] = time.time()
         if live is not None and ctx.rank in plan.joiners:  # its snapshot of R is corrupt (``descriptor``)
-            live = self.live = None
+            live = None
+            ctx.status.hold(None)
         ops.strategy.rebuild_optimizer(ops)  # ZeRO on the new group, in place (the user's scheduler keeps acting on it)
         if live is not None:
             ops.restore_local(R, live)
-            self.live = (R, True)  # if this generation is abandoned now, the live state is S_R
+            ctx.status.hold((R, True))  # if this generation is abandoned now, the live state is S_R
         marks["local"] = time.time()
         ctx.form_pairs(recovery_pairs(plan), deadline)  # every rank, the same list: each forms its own
         transport = ctx.new_transport(0)
@@ -321,7 +326,7 @@ class RecoverySession:
                 state.load_local(ops.objs, shard, local or {}, meta)
                 state.restore_envelope(meta, ops.objs)
                 self.rs.metas[R] = meta
-                self.live = (R, True)  # it holds S_R now: if this generation is abandoned, it is a survivor
+                self.ctx.status.hold((R, True))  # it holds S_R now: if this generation is abandoned, it is a survivor
 
     def _finish(self, gen: int, plan: Plan, live, marks: dict) -> None:
         ctx = self.ctx
