@@ -579,15 +579,18 @@ class ProtectedTraining:
         shard = dict(self.shard_named(state.boundary_copies(self.objs)))
         return shard, self.rs.metas.get(R) or state.capture_envelope(R, self.objs)
 
-    def resumed(self, R: int, first: int) -> None:
+    def resumed(self, R: int, first: int, resized: bool = False) -> None:
         """The recovery resumed at R: every shard of S_R is in two places again (the old replicas are freed) and
         the cadence restarts there, the supervisor's (raised when the copy did not fit) or the setting."""
         every = (protocol.read_protect_every(self.ctx.store) if self.ctx.managed else 0) or self.settings.protect_every
-        if self.device_steps.torn is not None and self.d2h is not None:
-            self.d2h.keep_only(R)  # a snapshot after R holds the torn step's effect: never offered again
+        if (self.device_steps.torn is not None or resized) and self.d2h is not None:
+            # a snapshot after R holds the torn step's effect; after a resize, one of another step is of the old
+            # world's layout: never offered again
+            self.d2h.keep_only(R)
         self.device_steps.resumed()
         reapply = self.rs.reapply if self.rs.reapply and self.rs.reapply[0] == R else (R, self.rs.metas.get(R))
         self.rs.resumed_at(R, first, every)
         self.rs.reapply = reapply if reapply[1] is not None else None
+        self.rs.reapply_scaler = state.scaler_tensors(self.objs.scaler)  # what a reapply at R restores again
         self.pace.reset()
         self.ctx.status.stepped(R)

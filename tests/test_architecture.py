@@ -119,3 +119,8 @@ def test_the_step_guard_and_the_recovery_reach_only_the_rank_state_and_the_train
         assert reached["rs"] <= fields, (cls, reached["rs"] - fields)
         assert reached["ops"] <= ops, (cls, reached["ops"] - ops)
         assert not _reached(path, cls, ("t",))["t"], cls  # no training object held as ``self.t``
+    path = ROOT / "runtime" / "recover" / "strategies.py"  # a layout's strategy calls the same operations
+    import ast
+
+    for cls in (n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)):
+        assert _reached(path, cls, ("ops",))["ops"] <= ops, (cls, _reached(path, cls, ("ops",))["ops"] - ops)

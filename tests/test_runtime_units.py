@@ -490,11 +490,13 @@ def test_each_layout_gets_its_recovery_strategy_once_and_it_calls_its_own_operat
 
     for name, s in got.items():
         ops, held = Ops(), {}
+        s.reparallelize(ops, 2)
         s.rebuild_optimizer(ops)
         kept = s.restore_resized(ops, 5, (5, True), old_rank=3)
         s.redistribute(ops, {}, held, 4)
         sharded = name in ("fsdp", "pipeline-sharded")
-        assert ops.calls == (["rebuild_optimizer"] if name == "zero" else []) + \
+        assert ops.calls == (["reparallelize"] if s.parallelised else []) + \
+            (["rebuild_optimizer"] if name == "zero" else []) + \
             (["restore_resized"] if sharded else ["restore_local"]) + \
             (["repartition_optimizer"] if name == "zero" else ["reshard_state"] if sharded else []), name
         assert kept == ({3: {"old": True}} if sharded else {}), name

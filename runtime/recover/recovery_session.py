@@ -104,7 +104,7 @@ class RecoverySession:
         if not salvaging:
             ops.faults.where(ctx.rank, gen)
             ops.faults.fire(live[0] if live is not None else None, "recover_exchange")  # a joiner's step: not known yet
-            ops.reparallelize(gen)  # the mesh's groups: the first collective of the generation, on every rank
+            ops.strategy.reparallelize(ops, gen)  # the mesh's groups: the generation's first collective, every rank
         survivors = [r for r in range(ctx.world_size) if r not in lost] if lost else None
         # a salvage writes committed local snapshots only: the live state may be mid-step
         mine = self.descriptor(live, live_usable=not salvaging)
@@ -120,15 +120,16 @@ class RecoverySession:
         ctx, ops = self.ctx, self.ops
         descs += [Descriptor(j, has_state=False) for j in lost]
         at_most = ctx.members.rollback_to if ctx.members is not None else None
+        every = ops.cadence_bound()
         if self._resized() == "grow":
             peers = _DpGroups(ops.layout()) if ops.strategy.grow_from_dp_peer else None
-            return plan_grow(descs, every=ops.cadence_bound(), peers=peers)
+            return plan_grow(descs, every=every, peers=peers)
         if self._shrunk_sharded():  # planned in the old world: the lost ranks' shards come from their replicas
             m = ctx.members
             old = [dataclasses.replace(d, rank=m.prev[d.rank]) for d in descs]
             old += [Descriptor(j, has_state=False) for j in range(m.prev_world) if j not in m.prev]
-            return plan_for_layout(old, Layout(m.prev_world), m.prev_world, replicated=False, every=ops.cadence_bound())
-        return plan_for_layout(descs, ops.layout(), ctx.world_size, replicated=ops.replicated, every=ops.cadence_bound(),
+            return plan_for_layout(old, Layout(m.prev_world), m.prev_world, replicated=False, every=every)
+        return plan_for_layout(descs, ops.layout(), ctx.world_size, replicated=ops.replicated, every=every,
                                lost=lost, at_most=at_most, salvage=salvaging)
 
     def descriptor(self, live, live_usable: bool = True) -> Descriptor:
@@ -193,11 +194,9 @@ class RecoverySession:
         strategy.redistribute(ops, lost, held, m.prev_world or sum(1 for p in m.prev if p >= 0))
         marks["optim"] = time.time()
         self._protect_and_meet(gen, R)
-        if ops.d2h is not None:  # a snapshot of another step is of the old world's layout: never a resume point
-            ops.d2h.keep_only(R)
         live = self.live
         self._finish(gen, dataclasses.replace(plan, replayed={}), live if ctx.rank not in plan.joiners or
-                     self._shrunk_sharded() else None, marks)
+                     self._shrunk_sharded() else None, marks, resized=True)
 
     def _give_joiners(self, plan: Plan, deadline: float) -> None:
         """A grow: each joiner receives a survivor's parameters, buffers, replicated optimizer state and envelope."""
@@ -211,9 +210,7 @@ class RecoverySession:
             elif me == j:
                 local, meta = recv_named(transport, plan.param_src[j], R, ctx.recovery_timeout, resends=ctx.settings.resends)
                 ops.strategy.install_from_peer(ops.objs, local, meta)
-                state.restore_envelope(meta, ops.objs)
-                self.rs.metas[R] = meta
-                ctx.status.hold((R, True))
+                self._installed(R, meta)
 
     # --- the three outcomes -----------------------------------------------------------------------------
     def _resume(self, gen: int, plan: Plan, marks: dict, deadline: float) -> None:
@@ -324,14 +321,19 @@ class RecoverySession:
                     snap = recv_snapshot(transport, plan.optim_src[j], timeout, step=R, resends=self.ctx.settings.resends)
                     shard, meta = snap.views()[0], snap.meta  # its own buffer; load_local copies it in
                 state.load_local(ops.objs, shard, local or {}, meta)
-                state.restore_envelope(meta, ops.objs)
-                self.rs.metas[R] = meta
-                self.ctx.status.hold((R, True))  # it holds S_R now: if this generation is abandoned, it is a survivor
+                self._installed(R, meta)
 
-    def _finish(self, gen: int, plan: Plan, live, marks: dict) -> None:
+    def _installed(self, R: int, meta: dict) -> None:
+        """A joiner installed S_R's state (sent by its peers): with its own envelope, it holds S_R now; if this
+        generation is abandoned, it is a survivor."""
+        state.restore_envelope(meta, self.ops.objs)
+        self.rs.metas[R] = meta
+        self.ctx.status.hold((R, True))
+
+    def _finish(self, gen: int, plan: Plan, live, marks: dict, resized: bool = False) -> None:
+        """Training goes on at S_R (``resized``: the world changed size, the old world's snapshots are dropped)."""
         ctx = self.ctx
-        self.ops.resumed(plan.step, plan.first_step)
-        self.ops.rs.reapply_scaler = state.scaler_tensors(self.ops.objs.scaler)  # what a reapply at R restores again
+        self.ops.resumed(plan.step, plan.first_step, resized)
         ctx.status.joined()
         ctx.delete_old_keys()
         t_end = time.time()
