@@ -519,7 +519,7 @@ class ProtectedTraining:
         live = None if self.ctx.joining else (rs.step, True)
         if live is not None and rs.first_step is None:
             rs.first_step = rs.step
-        RecoverySession(self.ctx, rs, self).run(self.ctx.gen, live, {"t0": time.time(), "cpu0": time.process_time(), "tcpu0": time.thread_time(), "calls0": CALLS[0]}, formed=True)
+        RecoverySession(self.ctx, rs, self, self.faults).run(self.ctx.gen, live, {"t0": time.time(), "cpu0": time.process_time(), "tcpu0": time.thread_time(), "calls0": CALLS[0]}, formed=True)
 
     def recover(self, cause: BaseException) -> None:
         """The step guard caught a failure: quiesce, then recover in the next generation."""
@@ -543,7 +543,7 @@ class ProtectedTraining:
         self.unwrap()  # drop DDP (it holds the old group) before the group is destroyed
         marks["quiesced"] = time.time()
         log.info(f"quiesced in {marks['quiesced'] - marks['t0']:.3f}s")
-        RecoverySession(ctx, self.rs, self).run(ctx.wait_new_gen(ctx.gen), live, marks, formed=False)
+        RecoverySession(ctx, self.rs, self, self.faults).run(ctx.wait_new_gen(ctx.gen), live, marks, formed=False)
 
     def unwrap(self) -> None:
         """The bare module again: DDP holds the generation's process group."""

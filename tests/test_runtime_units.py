@@ -549,7 +549,7 @@ def test_where_a_rank_is_is_read_from_its_status_by_the_training_and_the_recover
     status.protected(recover_first=True)  # a joiner's training: its first step recovers first
     assert status.recovery_pending and status.begin() == "recover" and not status.recovery_pending
 
-    session = RecoverySession(ctx, RankState(), SimpleNamespace())
+    session = RecoverySession(ctx, RankState(), SimpleNamespace(), faults=None)
     status.recovering((7, True))  # a survivor caught a failure in step 7, its optimizer not started
     assert (status.phase, status.holds, session.live) == ("recovering", (7, True), (7, True))
     status.hold(None)  # its copy of S_R is corrupt: it takes S_R from its peers

@@ -1,6 +1,6 @@
 """The recovery session: Algorithm 2 on this rank, ONE entry point for survivors and joiners alike.
 
-    RecoverySession(ctx, rank_state, ops).run(gen, live, marks, formed)
+    RecoverySession(ctx, rank_state, ops, faults).run(gen, live, marks, formed)
 
 ``live`` is what this rank holds: ``(live_step, live_clean)`` for a survivor, ``None`` for a joiner; it is kept in
 the rank's status (``RankStatus.holds``), which the session changes as the state does. Each generation is tried with its own recovery deadline: form its
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import torch.distributed as dist
 
@@ -45,10 +46,11 @@ log = logging.getLogger(__name__)
 
 class RecoverySession:
     """One recovery of this rank: ``ctx`` its control plane, ``rs`` its state (read and updated), ``ops`` the
-    operations on its model, optimizer and protection (``rank_state.TrainingOps``)."""
+    operations on its model, optimizer and protection (``rank_state.TrainingOps``), ``faults`` the fault injector
+    (``faults.FaultInjector``) whose recovery points it passes."""
 
-    def __init__(self, ctx, rs: RankState, ops: TrainingOps):
-        self.ctx, self.rs, self.ops = ctx, rs, ops
+    def __init__(self, ctx, rs: RankState, ops: TrainingOps, faults: Any):
+        self.ctx, self.rs, self.ops, self.faults = ctx, rs, ops, faults
 
     @property
     def live(self) -> tuple[int, bool] | None:
@@ -102,8 +104,8 @@ class RecoverySession:
         ctx, ops, live = self.ctx, self.ops, self.live
         salvaging = salvaging or bool(lost)
         if not salvaging:
-            ops.faults.where(ctx.rank, gen)
-            ops.faults.fire(live[0] if live is not None else None, "recover_exchange")  # a joiner's step: not known yet
+            self.faults.where(ctx.rank, gen)
+            self.faults.fire(live[0] if live is not None else None, "recover_exchange")  # a joiner's step: not known yet
             ops.strategy.reparallelize(ops, gen)  # the mesh's groups: the generation's first collective, every rank
         survivors = [r for r in range(ctx.world_size) if r not in lost] if lost else None
         # a salvage writes committed local snapshots only: the live state may be mid-step
@@ -190,7 +192,7 @@ class RecoverySession:
         if not self._shrunk_sharded() and plan.joiners:
             self._give_joiners(plan, deadline)
         marks["params"] = time.time()
-        ops.faults.fire(R, "recover_optim")
+        self.faults.fire(R, "recover_optim")
         strategy.redistribute(ops, lost, held, m.prev_world or sum(1 for p in m.prev if p >= 0))
         marks["optim"] = time.time()
         self._protect_and_meet(gen, R)
@@ -236,10 +238,10 @@ class RecoverySession:
         marks["local"] = time.time()
         ctx.form_pairs(recovery_pairs(plan), deadline)  # every rank, the same list: each forms its own
         transport = ctx.new_transport(0)
-        ops.faults.fire(R, "recover_params")
+        self.faults.fire(R, "recover_params")
         local = self._transfer_params(plan, transport, live)
         marks["params"] = time.time()
-        ops.faults.fire(R, "recover_optim")
+        self.faults.fire(R, "recover_optim")
         self._transfer_replicas(plan, transport, local)
         marks["optim"] = time.time()
         self._protect_and_meet(gen, R)
@@ -251,11 +253,11 @@ class RecoverySession:
         ops = self.ops
         ops.wrap(synced=True)
         self.rs.step = R
-        ops.faults.fire(R, "recover_reprotect")
+        self.faults.fire(R, "recover_reprotect")
         ops.start_protection(gen)
         ops.protect_now(R)
         ops.protection.wait(R, self.ctx.check_generation)
-        ops.faults.fire(R, "recover_barrier")
+        self.faults.fire(R, "recover_barrier")
         rep = ops.replicator
         if rep is not None and rep.commit:  # S_R's commit point spans every rank (a tree on the pairs): the meet
             wait_sliced(lambda t: rep.wait_global(R, t), self.ctx.recovery_timeout, self.ctx.check_generation)
