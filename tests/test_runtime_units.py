@@ -561,3 +561,31 @@ def test_where_a_rank_is_is_read_from_its_status_by_the_training_and_the_recover
     status.enter("training")  # resumed: the recovery's view of the live state ends with it
     assert status.holds is None and session.live is None
     training.close()
+
+
+def test_a_generation_this_rank_failed_on_its_own_is_reported_and_an_abandoned_one_is_not():
+    """``through_generations``' ``on_retry``: called for a generation that is still the newest when its attempt
+    failed (the recovery reports a pair that never connected, so the supervisor re-forms it at once), not for one
+    a newer generation had already replaced."""
+    from types import SimpleNamespace
+
+    from scripts.bare_context import bare_context
+
+    ctx = bare_context(0, 2, SimpleNamespace(), latest_gen=4, gen=4)
+    reported, tried = [], []
+
+    def attempt(g):
+        tried.append(g)
+        if g == 4:  # failed on its own: still the newest
+            raise TimeoutError("a pair never connected")
+        if g == 5:  # abandoned: 6 was published under it
+            ctx.ctl.latest_gen = 6
+            raise TimeoutError("abandoned")
+
+    def on_retry(g, e):
+        reported.append((g, str(e)))
+        ctx.ctl.latest_gen = g + 1  # the supervisor's answer: the same members in a new generation
+
+    ctx.through_generations(4, attempt, retry=lambda e: isinstance(e, TimeoutError), cleanup=lambda: None,
+                            what="test", on_retry=on_retry)
+    assert tried == [4, 5, 6] and reported == [(4, "a pair never connected")]

@@ -237,6 +237,31 @@ def test_a_recovery_past_its_deadline_takes_the_late_nodes_as_hung(tmp_path):
     assert events(eff, "recovery_abandoned")
 
 
+def test_a_generation_a_rank_could_not_form_is_reformed_at_once_and_only_twice(tmp_path):
+    job = Job(tmp_path, spares=2)
+    job.settle(AgentExit("n1", -9))
+    err = {"type": "PairFormationTimeout", "message": "rank 2: the pair group(s) with rank(s) [0] did not connect"}
+    step_failed = {"type": "RuntimeError", "message": "Connection closed by peer"}  # a recovered rank's first step
+    assert job.step(protocol.RankError(node="n0", slot=0, rank=0, gen=1, error=step_failed), 6.0) == []
+    err["while"] = "forming"
+    assert job.step(protocol.RankError(node="s0", slot=0, rank=2, gen=0, error=err), 6.0) == []  # an older generation's
+    for n in (1, 2):
+        eff = job.step(protocol.RankError(node="s0", slot=0, rank=2, gen=job.s.gen, error=err), 6.0 + n)
+        (pub,) = of(eff, fx.PublishGeneration)
+        assert pub.members.gen == 1 + n and pub.members.joiners == (2, 3)  # the spare still joins, nobody else
+        assert pub.members.ranks == protocol.read_members(job.store, 1).ranks
+        assert "could not form generation" in events(eff, "recovery_abandoned")[0]["reason"]
+        assert job.s.recovery.current.reforms == n
+        assert not events(eff, "reprotect") and job.s.recovery.current.path == "hotswap"
+    # a third: the recovery's deadline decides (a peer that never connects is named there)
+    assert job.step(protocol.RankError(node="s0", slot=0, rank=2, gen=job.s.gen, error=err), 9.0) == []
+    eff = job.recover(10.0)
+    assert job.s.phase.state is JobPhase.RUNNING and job.s.nodes["s0"].state is NodeState.ACTIVE
+    # running again: a rank's error is evidence of a failure, not a re-form
+    job.step(protocol.RankError(node="n0", slot=0, rank=0, gen=job.s.gen, error={"type": "RuntimeError"}), 11.0)
+    assert job.s.incidents.current is not None
+
+
 def test_no_spare_ready_but_one_coming_waits_then_stops(tmp_path):
     job = Job(tmp_path, spares=0, requested=1)
     eff = job.settle(AgentExit("n1", -9))

@@ -1,6 +1,7 @@
 """The transitions that keep the job's members' processes: a hot-swap (``Kind.HOTSWAP``: warm spares take the
 failed nodes' places), a local recovery (``Kind.LOCAL``: the node rejoins as its own replacement) and a re-form
-(``Kind.REFORM``: the same members form a new generation). Each publishes a generation (its joiners' assignments,
+(``Kind.REFORM``: the same members form a new generation: a new cadence, a takeover, a generation a rank could not
+form). Each publishes a generation (its joiners' assignments,
 then the bump), asks the agents to respawn the dead ranks on the kept nodes, and begins the recovery's watch.
 """
 
@@ -54,6 +55,12 @@ def reform(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> Non
     """The same members form a new generation (a broken replicator, a new cadence, a takeover mid-recovery)."""
     if d.path == "reprotect":
         s.out.add(PutValue(protocol.K_PROTECT_EVERY, str(s.reprotector.every)))  # read in the recovery
+    if d.path == "formation":  # the recovery goes on in a new generation: its joiners are still joiners
+        assert s.recovery.current is not None
+        path, joiners = s.recovery.current.path, s.gens.members.joiners
+        s.gens.publish(s.gens.members.ranks, d.reason, s.attempt_info(), s.nodes.group_ranks(), respawned=joiners)
+        recovery.begin(s, path, d, inc, now)
+        return
     mem = s.gens.publish(s.gens.members.ranks, d.reason, s.attempt_info(), s.nodes.group_ranks())
     recovery.begin(s, d.path, d, inc, now)
     s.out.emit("reprotect", gen=mem.gen, reason=d.reason, protect_every=s.reprotector.every)

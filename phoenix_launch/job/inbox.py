@@ -98,12 +98,17 @@ def on_rank_hang(m: protocol.RankHang, s: JobState, now: float) -> None:
         )
 
 
-def on_rank_error(m: protocol.RankError, s: JobState, now: float) -> None:
-    """A live rank saw a step fail (a collective, a peer): evidence of the generation's failure."""
+def on_rank_error(m: protocol.RankError, s: JobState, now: float) -> decisions.Decision | None:
+    """A live rank saw a step fail (a collective, a peer): evidence of the generation's failure. During a recovery:
+    a rank that could not form the current generation waits for the next (``recovery.formation_failed``)."""
     node = s.nodes.get(m.node)
-    if node is None or m.gen != s.gen or s.phase.state is not JobPhase.RUNNING:
-        return
-    s.incidents.rank_failed(RankReport(node.name, m.rank, None, None, m.error or {}, "", time=m.t or now), now, exited=False)
+    if node is None or m.gen != s.gen:
+        return None
+    if s.phase.state is JobPhase.RECOVERING and (m.error or {}).get("while") == "forming":
+        return recovery.formation_failed(s, m, now)
+    if s.phase.state is JobPhase.RUNNING:
+        s.incidents.rank_failed(RankReport(node.name, m.rank, None, None, m.error or {}, "", time=m.t or now), now, exited=False)
+    return None
 
 
 def on_replica_failed(m: protocol.ReplicaFailed, s: JobState, now: float) -> None:

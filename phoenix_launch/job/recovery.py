@@ -11,13 +11,18 @@ from phoenix_launch.decide.incidents import Incident
 from phoenix_launch.job.state import JobState
 from phoenix_launch.lifecycle import JobPhase, NodeState
 from phoenix_launch.observe.status import read_rank_steps
+from phoenix_runtime.plane import protocol
+
+REFORMS_PER_RECOVERY = 2  # a generation no rank could form twice is left to the deadline (its peer is gone)
 
 
 def begin(s: JobState, path: str, d: decisions.Decision, inc: Incident, now: float) -> None:
     flush_event(s, final=True)
     abandoned = s.recovery.begin(path, s.gen, now, t_detect=inc.t0, t_kill=inc.t_kill, t_observed=inc.t_observed)
     if abandoned:
-        s.out.emit("recovery_abandoned", gen=s.gen - 1, reason="a failure during the recovery")
+        s.out.emit(
+            "recovery_abandoned", gen=s.gen - 1, reason=d.reason if d.path == "formation" else "a failure during the recovery"
+        )
     s.phase.transition(JobPhase.RECOVERING, d.reason)
 
 
@@ -59,6 +64,25 @@ def deadline(s: JobState, now: float) -> decisions.Decision | None:
     timeout = s.cfg.detect.recovery_timeout_s
     s.out.emit("recovery_timeout", gen=s.gen, missing=list(missing), nodes=late, timeout_s=timeout)
     return decisions.recovery_timed_out(tuple(missing), s.world_size, tuple(late), timeout)
+
+
+def formation_failed(s: JobState, m: protocol.RankError, now: float) -> decisions.Decision | None:
+    """A rank could not form (or recover in) the generation being recovered and waits for the next one: the same
+    members form a new generation now, not at the recovery's deadline. Not while an incident is being gathered (its
+    decision publishes the next generation), nor for a resize or a repair (their membership says more than who), nor more
+    than ``REFORMS_PER_RECOVERY`` times in one recovery (a peer that never connects: the deadline names it)."""
+    cur = s.recovery.current
+    if cur is None or not s.recovery.active or cur.gen != m.gen or s.incidents.current is not None:
+        return None
+    mem = s.gens.members
+    if mem.prev or mem.lost or mem.resync or mem.rollback_to is not None or cur.reforms >= REFORMS_PER_RECOVERY:
+        return None
+    cur.reforms += 1
+    why = (m.error or {}).get("type")
+    return decisions.reform(
+        "formation",
+        f"rank {m.rank} ({m.node}) could not form generation {m.gen} ({why}): re-formed, {cur.reforms} of {REFORMS_PER_RECOVERY}",
+    )
 
 
 def mark_hung(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> None:

@@ -29,6 +29,7 @@ class Recovery:
     recovered: dict[int, protocol.Recovered] = field(default_factory=dict)
     t_recovered: float | None = None  # every rank reported ``recovered`` for ``gen``
     resume_step: int | None = None
+    reforms: int = 0  # generations re-formed with the same members because a rank could not form one
 
 
 class RecoveryWatch:

@@ -443,11 +443,11 @@ class Context:
         self.form_pairs(pairs, deadline)
 
     def through_generations(self, gen: int, attempt: Callable[[int], None], *, retry: Callable[[BaseException], bool],
-                            cleanup: Callable[[], None], what: str) -> None:
+                            cleanup: Callable[[], None], what: str, on_retry: Callable[[int, BaseException], None] | None = None) -> None:
         """The one "generation abandoned, try the next" loop: ``attempt(gen)``; when it fails and ``retry(e)`` says the
         generation was given up under it, ``cleanup()``, wait (bounded) for the next generation and attempt that.
-        Forming the first generation, building its mesh and a recovery all go through here. ``UnrecoverableError`` is
-        never retried."""
+        ``on_retry(gen, e)`` first if the generation is still the newest (this rank failed it on its own). Forming the
+        first generation, building its mesh and a recovery go through here. ``UnrecoverableError`` is never retried."""
         while True:
             try:
                 attempt(gen)
@@ -458,6 +458,8 @@ class Context:
                 if not retry(e):
                     raise
                 log.info(f"generation {gen} {what} ({type(e).__name__}: {str(e)[:160]})")
+                if on_retry is not None and self.latest_gen() <= gen:
+                    on_retry(gen, e)
                 cleanup()
                 gen = self.wait_new_gen(gen)
 

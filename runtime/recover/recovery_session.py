@@ -35,7 +35,7 @@ from phoenix_runtime.layout import Layout
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, _DpGroups, plan_for_layout, plan_grow, replayed_by
 from phoenix_runtime.protection.fingerprint import intact
-from phoenix_runtime.protection.pairs import recovery_pairs
+from phoenix_runtime.protection.pairs import PairFormationTimeout, recovery_pairs
 from phoenix_runtime.protection.protection import wait_sliced
 from phoenix_runtime.protection.replication import recv_snapshot, send_snapshot
 from phoenix_runtime.recover.salvage import wait_to_be_stopped, write_from_memory
@@ -95,7 +95,14 @@ class RecoverySession:
             ops.teardown_protection()
             ops.unwrap()
 
-        ctx.through_generations(gen, attempt, cleanup=cleanup, what="abandoned during its recovery",
+        def failed(g: int, e: BaseException) -> None:
+            """A pair this rank waited for never connected, the generation still the newest: without this report
+            the supervisor would wait for its recovery deadline (a dead peer's errors are not reported: its loss
+            is detected and decided on its own)."""
+            if isinstance(e, PairFormationTimeout):
+                ctx.report(protocol.RankError(gen=g, error={"type": type(e).__name__, "message": str(e)[:2000], "while": "forming"}))
+
+        ctx.through_generations(gen, attempt, cleanup=cleanup, what="abandoned during its recovery", on_retry=failed,
                                 retry=lambda e: ops.is_failure(e) or isinstance(e, (GenerationAbandoned, TimeoutError)))
 
     # --- the plan ---------------------------------------------------------------------------------------
