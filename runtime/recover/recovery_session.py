@@ -263,9 +263,10 @@ class RecoverySession:
         self.faults.fire(R, "recover_reprotect")
         ops.start_protection(gen)
         ops.protect_now(R)
-        ops.protection.wait(R, self.ctx.check_generation)
+        protection = ops.protection  # started by protect_now
+        protection.wait(R, self.ctx.check_generation)
         self.faults.fire(R, "recover_barrier")
-        rep = ops.replicator
+        rep = protection.replicator
         if rep is not None and rep.commit:  # S_R's commit point spans every rank (a tree on the pairs): the meet
             wait_sliced(lambda t: rep.wait_global(R, t), self.ctx.recovery_timeout, self.ctx.check_generation)
         else:  # no replication: a barrier of the world group (gloo's connects log2 N peers for it)
