@@ -3,8 +3,9 @@
     RecoverySession(ctx, rank_state, ops, faults).run(gen, live, marks, formed)
 
 ``live`` is what this rank holds: ``(live_step, live_clean)`` for a survivor, ``None`` for a joiner; it is kept in
-the rank's status (``RankStatus.holds``), which the session changes as the state does. Each generation is tried with its own recovery deadline: form its
-groups, exchange descriptors, and plan; the plan's outcome (``recovery.Outcome``) is one of
+the rank's status (``RankStatus.holds``), which the session changes as the state does. Each generation is tried
+with its own recovery deadline: form its groups, exchange descriptors, and plan; the plan's outcome
+(``recovery.Outcome``) is one of
 
 - resume: roll back / transfer (through the ``Transport`` on pair groups formed for the plan, checksum-verified,
   resent on a mismatch), rebuild DDP/ZeRO, re-protect S_R, barrier;
