@@ -260,6 +260,8 @@ def measure(td: Path, n: int, rep: int, a) -> dict:
         before = sample(job, store_port)
         spare = before.pop(f"node{n}", None)  # the warm spare (the last node) holds no rank yet
         step_at_kill, uptime = job.steps(), os.getloadavg()
+        warm = [t for _, t in step_log(job.log)[0][-a.warm_steps:]]
+        steady = med([b - a_ for a_, b in zip(warm, warm[1:])]) if len(warm) > 2 else float("nan")  # a step at this N
         cpu0, t0 = cpu_seconds(job), time.monotonic()
         r = subprocess.run(phoenix("kill-node", "node1", "--run-dir", job.run_dir), cwd=d, env=env(),
                            capture_output=True, text=True, timeout=60)
@@ -274,9 +276,11 @@ def measure(td: Path, n: int, rep: int, a) -> dict:
         after = sample(job, store_port)
         per = breakdowns(job.run_dir, 1)
         return {"n": n, "rec": rec, "before": before, "after": after, "forms": formation(job.run_dir), "spare": spare,
-                "step_at_kill": step_at_kill, "load": uptime, "cpu": cpu, "opened": opened(before, after),
+                "step_at_kill": step_at_kill, "load": uptime, "cpu": cpu, "opened": opened(before, after), "steady_s": steady,
                 "cpu_per_rank": [b.get("cpu_s", 0.0) for b in per.values()],
                 "thread_cpu_per_rank": [b.get("thread_cpu_s", 0.0) for b in per.values()],
+                "wall_per_rank": [sum(b.get(p, 0.0) for p in PHASES if p != "detect_s") for b in per.values()],
+                "runq_per_rank": [b.get("runq_s", 0.0) for b in per.values()],
                 "calls_per_rank": [b.get("store_calls", 0) for b in per.values() if "store_calls" in b]}
     finally:
         job.stop()
@@ -354,6 +358,7 @@ def print_fits(res: list[dict]) -> None:
         t_hi = med([r["rec"][key] for r in res if r["n"] == hi])
         print(f"ratio {key}(N={hi}) / {key}(N={lo}) in this run ({what}): {t_hi / t_lo:.2f}x (target <= 2x)")
     print_cpu_floor(res, ns)
+    print_runq(res)
     own = {n: med([r["rec"]["recovered_s"] - med([b for _, b in r["forms"].get(1, [])]) for r in res if r["n"] == n]) for n in (lo, hi)}
     print(f"ratio without torch's default group (recovered_s less the median rank's default-group formation in generation 1): "
           f"{own[hi]:.3f} / {own[lo]:.3f} s = {own[hi] / own[lo]:.2f}x")
@@ -385,9 +390,34 @@ def print_per_rank(res: list[dict]) -> None:
             a, b = rows[lo][i], rows[hi][i]
             ratio = b / a if a else float("inf") if b else 1.0
             print(f"  {what}: N={hi} / N={lo} = {ratio:.2f}x (target <= {target:g}x) {'met' if ratio <= target else 'NOT met'}")
+        st = {n: med([r.get("steady_s", float("nan")) for r in res if r["n"] == n]) for n in (lo, hi)}
+        fs = {n: med([r["rec"]["total_s"] - r["rec"]["recovered_s"] for r in res if r["n"] == n]) for n in (lo, hi)}
+        print(f"  of kill -> first step, the first step after the recovery: {fs[lo]:.3f} s at N={lo}, {fs[hi]:.3f} s at N={hi}; "
+              f"a steady step before the kill (its own time at that N on these cores): {st[lo]:.3f} / {st[hi]:.3f} s")
         a, b = rows[lo][4], rows[hi][4]
         print(f"  of the CPU, the recovering thread's own: N={hi} / N={lo} = {b / a if a else float('nan'):.2f}x (the rest is the "
               "rank's other threads while it waits: it grows with the recovery's wall time, i.e. with this machine's load)")
+
+
+def print_runq(res: list[dict]) -> None:
+    """Each rank's own recovery (its phases, from its quiesce to its resume) and, of its wall time, how long its
+    recovering thread waited for a CPU while it could run (Linux's schedstat, the runtime's ``runq_s``): the part
+    that is N ranks sharing this machine's cores. Ranks on cores of their own do not wait there; what is left
+    (wall less that wait) still holds the waits on peers, who waited for a CPU too: an estimate, not a measure."""
+    ns = sorted({r["n"] for r in res})
+    rows = {}
+    print("\nper rank, its own recovery's wall s / of it waiting for a CPU s / wall less that wait s (median over the ranks):")
+    for n in ns:
+        rs = [r for r in res if r["n"] == n]
+        pairs = [(w, q) for r in rs for w, q in zip(r.get("wall_per_rank", []), r.get("runq_per_rank", []))]
+        if not pairs:
+            continue
+        rows[n] = (med([w for w, _ in pairs]), med([q for _, q in pairs]), med([w - q for w, q in pairs]))
+        print(f"  N={n:3d}: {rows[n][0]:.3f} / {rows[n][1]:.3f} / {rows[n][2]:.3f}")
+    if len(rows) > 1:
+        lo, hi = min(rows), max(rows)
+        print(f"  wall: N={hi} / N={lo} = {rows[hi][0] / rows[lo][0]:.2f}x; less the wait for a CPU: "
+              f"{rows[hi][2] / rows[lo][2]:.2f}x (an estimate; the target's figure is the kill -> first step above)")
 
 
 def print_cpu_floor(res: list[dict], ns: list[int]) -> None:

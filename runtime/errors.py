@@ -22,6 +22,12 @@ class CommunicationError(PhoenixError):
     """A peer, the control plane or a running job did not answer, or a transfer to it failed."""
 
 
+class FormationTimeout(CommunicationError, TimeoutError, RuntimeError):
+    """A connection of a generation's groups was not made within its bound (a pair group, the default group's ring):
+    the peer is gone, or it took the connection as made. A TimeoutError (a recovery tries the next generation, and
+    reports it: the supervisor re-forms at once) and a RuntimeError (so does the first formation)."""
+
+
 class ProtocolError(PhoenixError):
     """A control-plane message or a state transition that the protocol does not allow."""
 

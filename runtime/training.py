@@ -25,7 +25,6 @@ from phoenix_runtime import elastic_batch, pipeline, state, zero
 from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.control import control
 from phoenix_runtime.device_steps import DeviceSteps, bit_identity_gaps, cuda_event_factory, stream_probe
-from phoenix_runtime.plane.failover import CALLS
 from phoenix_runtime.faults import FaultInjector
 from phoenix_runtime.pace import Pace
 from phoenix_runtime.parallel import reshard
@@ -35,7 +34,7 @@ from phoenix_runtime.quiet import quiet_unused_parameters_warning
 from phoenix_runtime.rank_state import RankState
 from phoenix_runtime.protection.at_rest import AtRestVerifier
 from phoenix_runtime.sdc import final_check, SdcMonitor
-from phoenix_runtime.recover.recovery_session import RecoverySession
+from phoenix_runtime.recover.recovery_session import RecoverySession, recovery_marks
 from phoenix_runtime.protection.snapshot import D2H
 from phoenix_runtime import user_metrics
 from phoenix_runtime.step_guard import StepGuard, looks_like_comm_failure
@@ -519,11 +518,11 @@ class ProtectedTraining:
         live = None if self.ctx.joining else (rs.step, True)
         if live is not None and rs.first_step is None:
             rs.first_step = rs.step
-        RecoverySession(self.ctx, rs, self, self.faults).run(self.ctx.gen, live, {"t0": time.time(), "cpu0": time.process_time(), "tcpu0": time.thread_time(), "calls0": CALLS[0]}, formed=True)
+        RecoverySession(self.ctx, rs, self, self.faults).run(self.ctx.gen, live, recovery_marks(), formed=True)
 
     def recover(self, cause: BaseException) -> None:
         """The step guard caught a failure: quiesce, then recover in the next generation."""
-        marks = {"t0": time.time(), "cpu0": time.process_time(), "tcpu0": time.thread_time(), "calls0": CALLS[0]}  # this process's CPU and store calls so far
+        marks = recovery_marks()
         ctx = self.ctx
         ctx.status.enter("recovering")
         log.info(f"step {self.rs.step}: failure caught at the step boundary: {type(cause).__name__}: {str(cause)[:200]}")

@@ -144,3 +144,31 @@ def test_a_pair_whose_peer_never_connects_is_given_up_within_its_timeout():
     for t in [t for t in threading.enumerate() if t.name == "phoenix-pair-1"]:
         t.join(30)
         assert not t.is_alive()
+
+
+WARM_SCRIPT = Path(__file__).parent / "scripts" / "warm_dead_peer.py"
+
+
+@pytest.mark.timeout(120)
+def test_a_ring_warm_up_whose_neighbour_hangs_fails_within_its_bound():
+    """Issue 45: the default group's pairs connect lazily, inside the warm-up's ``isend``, and gloo's listening side
+    of a connect waits five times the group's timeout, beyond ``Work.wait``'s bound. A neighbour that arrived and
+    then hung (SIGSTOPped: its kernel still accepts the connection) fails the warm-up within its timeout plus
+    ``WARM_GRACE_S`` (``warm_ring`` also gives a warm-up up at that bound), never silently. (A dead neighbour fails
+    it at once: connection refused.)"""
+    from phoenix_runtime.plane.groups import WARM_GRACE_S
+
+    timeout = 3.0
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, str(WARM_SCRIPT), str(r), "1", str(store.port), str(timeout), "stop"], env=env,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    try:
+        out, err = procs[0].communicate(timeout=90)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(30)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["error"] is not None, (got, err[-2000:])
+    assert timeout - 0.5 < got["took"] < timeout + WARM_GRACE_S + 3, got

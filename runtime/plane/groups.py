@@ -18,10 +18,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from phoenix_runtime.errors import FormationTimeout
 
 log = logging.getLogger(__name__)
 
@@ -92,18 +95,43 @@ def lazy_gloo(on: bool = True):
         os.environ.pop(LAZY_GLOO, None)
 
 
+#: the ring's warm-up may run this much past its timeout before it is given up (a loaded host's connect)
+WARM_GRACE_S = 5.0
+
+
 def warm_ring(rank: int, size: int, timeout: timedelta) -> list[int]:
     """Connect the default group's pairs to this rank's ring neighbours now, while every rank of the generation is
     alive: a byte to the next, one from the previous (each pair connects once, O(1) a rank, no chain across the
     job). DDP's all-reduce runs on them; and they are the pairs an abort probes: a probe that times out closes
     every pair of the group's gloo context, which frees a thread waiting in the lazy connect of another pair (whose
-    peer may be dead: gloo's listening side waits for it without a bound). Returns the peers connected."""
+    peer may be dead: gloo's listening side waits for it without a bound). Returns the peers connected.
+
+    Bounded by ``timeout`` plus ``WARM_GRACE_S``: a lazy pair connects inside ``isend`` itself, and gloo's listening
+    side waits there for five times the group's timeout (torch 2.13's gloo, ``tcp::Pair::waitUntil``) when the peer
+    died since it arrived; ``Work.wait``'s timeout does not reach it. The warm-up runs on a thread that is then left
+    to the generation's abort (``FormationTimeout``)."""
     if size < 2:
         return []
     nxt, prv = (rank + 1) % size, (rank - 1) % size
-    out, got = torch.zeros(1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
-    works = [dist.isend(out, nxt, tag=TAG_WARM), dist.irecv(got, prv, tag=TAG_WARM)]
-    for w in works:
-        assert w is not None  # None only on a rank outside the group: this is the default group
-        w.wait(timeout)
+    done: list[BaseException | None] = []
+
+    def warm() -> None:
+        out, got = torch.zeros(1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
+        try:
+            works = [dist.isend(out, nxt, tag=TAG_WARM), dist.irecv(got, prv, tag=TAG_WARM)]
+            for w in works:
+                assert w is not None  # None only on a rank outside the group: this is the default group
+                w.wait(timeout)
+            done.append(None)
+        except BaseException as e:  # noqa: BLE001 -- raised on the forming thread below
+            done.append(e)
+
+    t = threading.Thread(target=warm, name="phoenix-warm-ring")  # not a daemon: gloo's bound ends it
+    t.start()
+    t.join(timeout.total_seconds() + WARM_GRACE_S)
+    if not done:
+        raise FormationTimeout(f"rank {rank}: the default group's ring (ranks {nxt} and {prv}) did not connect within "
+                               f"{timeout.total_seconds() + WARM_GRACE_S:.0f} s: a neighbour is gone")
+    if done[0] is not None:
+        raise done[0]
     return list(dict.fromkeys((nxt, prv)))

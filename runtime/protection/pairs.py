@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from phoenix_runtime.errors import CommunicationError
+from phoenix_runtime.errors import FormationTimeout
 from phoenix_runtime.protection.commit import tree_partners
 
 def pair(a: int, b: int) -> tuple[int, int]:
@@ -86,10 +86,9 @@ def own_pairs(pairs, rank: int) -> list[tuple[int, int]]:
 PAIR_GRACE_S = 5.0
 
 
-class PairFormationTimeout(CommunicationError, TimeoutError, RuntimeError):
+class PairFormationTimeout(FormationTimeout):
     """A pair group was not connected within its timeout (``form_pairs``): its peer published its address but
-    never connected to this rank (it took the pair as formed, or it died). A TimeoutError (a recovery tries the
-    next generation) and a RuntimeError (so does the first formation), as gloo's own formation errors are."""
+    never connected to this rank (it took the pair as formed, or it died)."""
 
 
 def form_pairs(pairs, rank: int, have: dict, store, timeout: timedelta, on_formed=lambda peer, group: None) -> list[int]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from phoenix_runtime.errors import FormationTimeout
 from phoenix_runtime.plane import protocol
 from phoenix_runtime import state
 from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableError
@@ -36,13 +37,30 @@ from phoenix_runtime.layout import Layout
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, _DpGroups, plan_for_layout, plan_grow, replayed_by
 from phoenix_runtime.protection.fingerprint import intact
-from phoenix_runtime.protection.pairs import PairFormationTimeout, recovery_pairs
+from phoenix_runtime.protection.pairs import recovery_pairs
 from phoenix_runtime.protection.protection import wait_sliced
 from phoenix_runtime.protection.replication import recv_snapshot, send_snapshot
 from phoenix_runtime.recover.salvage import wait_to_be_stopped, write_from_memory
 from phoenix_runtime.protection.wire import recv_named, send_named
 
 log = logging.getLogger(__name__)
+
+
+
+def runq_wait_s() -> float:
+    """Seconds the calling thread has waited for a CPU while runnable (Linux's ``schedstat``; 0 elsewhere): on a
+    few shared cores the part of a recovery's wall time that is contention, not its own work or its peers'."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def recovery_marks() -> dict:
+    """A recovery's start: wall time, this process's and this thread's CPU, run-queue wait and store calls so far."""
+    return {"t0": time.time(), "cpu0": time.process_time(), "tcpu0": time.thread_time(), "runq0": runq_wait_s(),
+            "calls0": CALLS[0]}
 
 
 class RecoverySession:
@@ -97,10 +115,10 @@ class RecoverySession:
             ops.unwrap()
 
         def failed(g: int, e: BaseException) -> None:
-            """A pair this rank waited for never connected, the generation still the newest: without this report
+            """A connection this rank waited for was never made, the generation still the newest: without this report
             the supervisor would wait for its recovery deadline (a dead peer's errors are not reported: its loss
             is detected and decided on its own)."""
-            if isinstance(e, PairFormationTimeout):
+            if isinstance(e, FormationTimeout):
                 ctx.report(protocol.RankError(gen=g, error={"type": type(e).__name__, "message": str(e)[:2000], "while": "forming"}))
 
         ctx.through_generations(gen, attempt, cleanup=cleanup, what="abandoned during its recovery", on_retry=failed,
@@ -361,6 +379,7 @@ class RecoverySession:
             # of it, the recovering thread's own: the rest is the rank's other threads while it waits (their CPU
             # grows with the recovery's wall time, which grows with the load of N ranks on a few shared cores)
             "thread_cpu_s": round(time.thread_time() - marks.get("tcpu0", time.thread_time()), 4),
+            "runq_s": round(runq_wait_s() - marks.get("runq0", runq_wait_s()), 4),  # of its wall: waiting for a CPU
             "store_calls": CALLS[0] - marks.get("calls0", 0),  # round trips to the central store, every thread's
         }
         self.rs.stats["recoveries"].append({"gen": gen, "step": plan.step, **breakdown})
