@@ -72,7 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--times-file", default=None, help="rank 0 writes per-step times and PHOENIX stats as JSON (benchmarks)")
     p.add_argument("--data-log", default=None, metavar="PATH",
                    help="each rank appends 'step generation rank data_rank start stop loss' per micro-batch (or part: samples "
-                        "[start, stop) of the data rank's) of each completed step; with --pp the last stages only")
+                        "[start, stop) of the data rank's) of each completed step; with --pp the last stages only, with --tp a TP "
+                        "group's first rank only")
     p.add_argument("--params-file", default=None, help="rank 0 saves the final full parameters here (torch.save)")
     return p.parse_args(argv)
 
@@ -381,7 +382,6 @@ def main(argv=None):
         # the optimizer is built by PHOENIX on the parallelised parameters (again after a recovery: in place)
         training = phx.protect(model, lambda params: torch.optim.AdamW(params, lr=a.lr, weight_decay=0.1),
                                parallelize=parallelize, mesh=mesh)
-    dp_rank = rank // a.tp if a.tp else rank  # TP+FSDP: ranks of one TP group see the same data
     loss = None
     step_times, t_prev = [], time.perf_counter()
     for step in training.steps(a.steps):
@@ -395,19 +395,20 @@ def main(argv=None):
                         x, y = batch(a, step, rank, d)
                         loss = pipeline_step(training, x[lo:hi], y[lo:hi])
                         time.sleep(a.sample_sleep * (hi - lo) / a.batch)
-                    if loss is not None:  # the last stage's: one line per pipeline and slice in the data log
+                    if loss is not None and (not a.tp or dist.get_rank() % a.tp == 0):  # one line per pipeline and slice
                         seen.append((d, lo, hi, loss.item() if a.data_log else 0.0))
             else:
                 # its data rank's micro-batch, and after PHOENIX shrank the job keeping the batch (DDP, FSDP2, HSDP) a part
-                # of each lost one's (training.data_slices: the even split)
-                shares = [(dp_rank, 0, a.batch, 1.0, True)] if a.tp else training.data_slices(a.batch)
-                for d, lo, hi, scale, last in shares:
+                # of each lost one's (training.data_slices: the even split); TP x FSDP: its TP group's (every rank of
+                # the group the same samples), a dropped TP group's micro-batches whole to the surviving groups in turn
+                for d, lo, hi, scale, last in training.data_slices(a.batch):
                     with training.accumulating(last):
                         x, y = batch(a, step, rank, d)
                         loss = training.model(x[lo:hi], y[lo:hi])
                         (loss * scale if scale != 1.0 else loss).backward()
                         time.sleep(a.sample_sleep * (hi - lo) / a.batch)
-                        seen.append((d, lo, hi, loss.item() if a.data_log else 0.0))
+                        if not a.tp or dist.get_rank() % a.tp == 0:  # TP x FSDP: one line per TP group
+                            seen.append((d, lo, hi, loss.item() if a.data_log else 0.0))
             training.optimizer_step()
         if a.data_log and training.step_idx == step + 1:  # completed (not interrupted by a recovery)
             with open(a.data_log, "a") as f:  # one write per step (O_APPEND: the ranks' lines do not interleave)

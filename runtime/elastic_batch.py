@@ -74,10 +74,9 @@ def replica_slices(members: protocol.Membership | None, rank: int, world: int, b
     reps, me = world // per, rank // per
     if members is None or not (members.data or members.slices):
         return (DataSlice(me, 0, batch, 1.0, True),)
-    own = [min(d for d, _, n in members.slices_of(c * per) if n == 1) // per for c in range(reps)]
-    done = {d // per for r in range(world) for d in members.data_ranks(r)}
-    mine = [own[me], *(d for j, d in enumerate(sorted(done - set(own))) if j % reps == me)]
-    return tuple(DataSlice(d, 0, batch, reps / len(done), i == len(mine) - 1) for i, d in enumerate(mine))
+    units = members.replica_units(per)  # what the supervisor's shrink event reports too
+    done, mine = sum(len(u) for u in units), units[me]
+    return tuple(DataSlice(d, 0, batch, reps / done, i == len(mine) - 1) for i, d in enumerate(mine))
 
 
 def data_world(members: protocol.Membership | None, world: int) -> int:

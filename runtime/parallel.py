@@ -125,10 +125,17 @@ class Parallel:
         return self.replicated
 
     @property
+    def tp(self) -> int:
+        """The tensor-parallel degree (1 without a "tp" dimension)."""
+        return dict(self.dims).get("tp", 1)
+
+    @property
     def resizable(self) -> bool:
-        """A shrink or a grow can re-shard it over another world size: FSDP2 over every rank (``{"shard": N}``),
-        on PHOENIX's own mesh. HSDP, TP+FSDP and a ``mesh_builder``'s meshes keep their size (the old ladder)."""
-        return tuple(n for n, _ in self.dims) == ("shard",) and self.builder is None
+        """A shrink or a grow can re-shard it over another world size: FSDP2 over every rank (``{"shard": N}``) and
+        TP x FSDP (``{"shard": N, "tp": T}``: whole TP groups dropped or added, the FSDP shards re-sharded over the
+        others; the TP degree never changes), on PHOENIX's own mesh. HSDP keeps its shards (``whole_replicas``);
+        HSDP x TP and a ``mesh_builder``'s meshes keep their size (the old ladder)."""
+        return tuple(n for n, _ in self.dims) in (("shard",), ("shard", "tp")) and self.builder is None
 
     @property
     def whole_replicas(self) -> bool:
@@ -138,30 +145,44 @@ class Parallel:
 
     def droppable(self, world: int) -> tuple[int, int]:
         """(the DP replicas a shrink can drop, the rank stride of a replica's index): FSDP2 over every rank, each
-        rank (re-sharded); HSDP, its replica groups of ``shard`` ranks; ``(0, 1)`` for the other layouts."""
+        rank (re-sharded); TP x FSDP, its TP groups of ``tp`` consecutive ranks (tp innermost; the FSDP shards
+        re-sharded over the rest); HSDP, its replica groups of ``shard`` ranks; ``(0, 1)`` for the other layouts."""
         if self.resizable:
-            return world, 1
+            return world // self.tp, self.tp
         if self.whole_replicas:
             return self.replicas, world // self.replicas
         return 0, 1
 
+    def data_unit(self, world: int) -> int | None:
+        """The ranks of one data unit, consecutive, that process the same samples: a TP group (``tp`` ranks, tp
+        innermost); None where every rank processes its own (FSDP2, HSDP)."""
+        return self.tp if self.tp > 1 else None
+
     def resize(self, world: int) -> bool:
         """The mesh of the next generation over ``world`` ranks (a shrink or a grow); True when the state must be
-        re-sharded (FSDP2), False when it has that size or keeps its shards (HSDP: replica groups dropped or added)."""
+        re-sharded (FSDP2, TP x FSDP: over ``world / tp`` FSDP shards), False when it has that size or keeps its
+        shards (HSDP: replica groups dropped or added)."""
         if math.prod(s for _, s in self.dims) == world:
             return False
         shard = dict(self.dims).get("shard", 1)
         if self.whole_replicas and world % shard == 0:
             self.dims = (("replicate", world // shard), ("shard", shard))
             return False
-        if not self.resizable:
-            raise UnsupportedLayout(f"mesh {dict(self.dims)}: only FSDP2 over every rank ({{'shard': N}}) changes size")
-        self.dims = (("shard", world),)
+        if not self.resizable or world % self.tp:
+            raise UnsupportedLayout(f"mesh {dict(self.dims)}: only FSDP2 ({{'shard': N}}) and TP x FSDP ({{'shard': N, "
+                                    f"'tp': T}}) change size, by whole TP groups; not to {world} ranks")
+        self.dims = (("shard", world // self.tp), *((n, s) for n, s in self.dims if n == "tp"))
         return True
 
-    def state_tp(self, world: int) -> int:
-        """The layout's "tp" size: ranks that share a coordinate modulo it hold the same state (see module doc)."""
-        return world // self.replicas if self.replicated else 1
+    def state_tp(self, world: int, k: int = 1) -> int:
+        """The layout's "tp" size (``layout.Layout``'s DP groups: the ranks with the same coordinate modulo it, the
+        ring of a rank's ``k`` replicas). HSDP: the ranks that hold the same state. FSDP2: 1 (the ring goes around
+        every rank). TP x FSDP: ``tp`` while each TP coordinate has over ``k`` FSDP shards, so a shard's replicas
+        are held with its TP coordinate in OTHER TP groups: a shrink dropping a whole TP group finds every shard of
+        it on the survivors (a ring around every rank may put rank r's replica in its own TP group, on r + 1)."""
+        if self.replicated:
+            return world // self.replicas
+        return self.tp if world // self.tp > k else 1
 
     def build_mesh(self, gen: int):
         """The DeviceMesh of generation ``gen`` (its default process group); collective: every rank, once.

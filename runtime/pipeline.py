@@ -127,7 +127,7 @@ class Pipeline(Parallel):
         """A pipeline's DP peers hold the same stage, but their fingerprints are not compared (not covered yet)."""
         return False
 
-    def state_tp(self, world: int) -> int:
+    def state_tp(self, world: int, k: int = 1) -> int:
         """With ``dp``: ranks with the same (pp, tp) coordinate (rank modulo P x T, dp outermost) hold the same
         state. With ``shard`` (FSDP2 within each stage), or one pipeline left by a shrink, no rank holds another's
         state (1: the replicas go around every rank, with the parameters)."""

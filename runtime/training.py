@@ -26,6 +26,7 @@ from phoenix_runtime.plane.context import Context, GenerationAbandoned, Unrecove
 from phoenix_runtime.plane.control import control
 from phoenix_runtime.device_steps import DeviceSteps, bit_identity_gaps, cuda_event_factory, stream_probe
 from phoenix_runtime.faults import FaultInjector
+from phoenix_runtime.layout import Layout
 from phoenix_runtime.pace import Pace
 from phoenix_runtime.parallel import reshard
 from phoenix_runtime.protection.pairs import steady_pairs
@@ -107,7 +108,8 @@ class ProtectedTraining:
                         f"needs: {'; '.join(gaps)} (README: GPUs)")
         self.ctx.status.enter("training")
         dp, stride = self.shrinkable_dp()
-        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=dp, dp_stride=stride))
+        ctx.report(protocol.RuntimeReady(protect=self.protect_on, epoch=ctx.epoch, dp=dp, dp_stride=stride,
+                                         data_unit=(self.parallel.data_unit(ctx.world_size) if self.parallel else None) or 1))
 
     # --- the public API ------------------------------------------------------------------------------------
     @property
@@ -118,7 +120,7 @@ class ProtectedTraining:
         """This rank's share of the step, micro-batches of ``batch`` samples: its data rank's (scale exactly 1.0), and
         after a shrink keeping the batch a part of each lost one's (the even split). Per slice: ``sl.of(*its micro
         batch)`` under ``accumulating(sl.last)``, the loss times ``sl.scale`` (module ``elastic_batch``)."""
-        per = self.parallel.data_unit(self.ctx.world_size) if self.stages else None  # a pipeline: its replica's slices
+        per = self.parallel.data_unit(self.ctx.world_size) if self.parallel is not None else None  # a pipeline's, TP group's
         out = self._of_generation(("slices", batch, per), lambda: elastic_batch.data_slices(
             self.ctx.members, self.ctx.rank, self.ctx.world_size, batch, per))
         self._work = elastic_batch.work(out, batch)  # the pace's unit this step (step_guard)
@@ -156,8 +158,8 @@ class ProtectedTraining:
         return contextlib.nullcontext() if no_sync is None else no_sync()
 
     def shrinkable_dp(self) -> tuple[int, int]:
-        """(the DP replicas a shrink can drop, the rank stride of a replica's index); ``(0, 1)``: it cannot (TP+FSDP).
-        Each rank with DDP, ZeRO, FSDP2 over every rank; HSDP's replica groups, whole pipelines (``droppable``)."""
+        """(the DP replicas a shrink can drop, the rank stride of a replica's index); ``(0, 1)``: it cannot. Each rank
+        with DDP, ZeRO, FSDP2; TP x FSDP's TP groups, HSDP's replica groups, whole pipelines (``droppable``)."""
         if self.ctx.tp > 1 or self.ctx.pp > 1 or not self.strategy.shrinks:
             return 0, 1
         return self.parallel.droppable(self.ctx.world_size) if self.parallel is not None else (self.ctx.world_size, 1)
@@ -273,9 +275,8 @@ class ProtectedTraining:
         resized = self.parallel.resize(self.ctx.world_size)  # a shrink or a grow: FSDP over the new world, HSDP's replicas
         self.replicated = self.parallel.replicated  # HSDP down to one replica: no peer holds a shard, it is replicated
         self.params_sharded = not self.replicated
-        self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
+        self.model = self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
         self.ctx.add_groups(self.parallel.groups())  # a newer generation aborts them too
-        self.model = self.objs.module
         self.pace.attach(*self.timed_modules())
         self._hook_stages()
         if resized:  # the old shard does not fit the new one: kept for restore_resized (until reshard_state ends:
@@ -357,7 +358,7 @@ class ProtectedTraining:
     def reshard_state(self, held: dict, old_world: int) -> None:
         """FSDP2: the parameters and optimizer state of the new mesh's shards from the old world's (``held``: old
         shard index -> ``resize.by_fqn``), every rank of the new generation at once (``resize.reshard_state``)."""
-        resize.reshard_state(self.objs.module, self.objs.optimizer, self.parallel.key_of, held, old_world)
+        resize.reshard_state(self.objs.module, self.objs.optimizer, self.parallel.key_of, held, old_world, self.parallel.tp)
         self._old_live = None
 
     def envelope_of(self, R: int) -> dict:
@@ -366,7 +367,10 @@ class ProtectedTraining:
         return snap.meta if snap is not None else (self.rs.metas.get(R) or state.capture_envelope(R, self.objs))
 
     def layout(self):
-        return self.ctx.layout(self.parallel.state_tp(self.ctx.world_size) if self.parallel is not None else None)
+        return self.ctx.layout(self.parallel.state_tp(self.ctx.world_size, self.replicas) if self.parallel is not None else None)
+
+    def layout_of(self, world: int):  # a world's shard ids and DP groups, no nodes (a sharded shrink plans in the old one)
+        return Layout(world, tp_size=self.parallel.state_tp(world, self.replicas) if self.parallel is not None else 1)
 
     # --- protection ------------------------------------------------------------------------------------------
     def start_protection(self, gen: int) -> None:

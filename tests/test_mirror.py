@@ -96,7 +96,7 @@ def _populate(leader) -> None:
     a.protect_on, a.step, a.step_time_s, a.runtime_seen = False, 12, 0.25, True
     a.unrecoverable[1], a.unrecoverable_t0 = protocol.Unrecoverable(node="n1", rank=1, checkpoint="c", t=5.0), 5.0
     a.dp_sizes.update({0: 2, 1: 2})
-    a.dp_stride = 2
+    a.dp_stride, a.data_unit = 2, 2
     s.agent_health["n1"] = {"ok": False, "failed": ["gpu 0"]}
     s.probing.add("n2")
     s.harvested.add("n2")

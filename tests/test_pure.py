@@ -960,10 +960,11 @@ def test_fsdp2_resharding_covers_every_row_once_and_names_the_state_by_parameter
     assert values == {"blocks.0.w": {"lr_mult": 0.5}}
 
 
-def test_only_fsdp2_over_every_rank_resizes():
-    """A shrink re-shards FSDP2 over every rank ({"shard": N}); TP+FSDP and a mesh_builder's meshes keep the ladder
-    (their ranks report DP 0) and refuse a resize in one line; so does HSDP to a world that is not whole replica groups
-    (``tests/test_replica_shrink.py``: HSDP drops and adds whole groups)."""
+def test_only_fsdp2_and_tp_fsdp_resize():
+    """A shrink re-shards FSDP2 over every rank ({"shard": N}) and TP x FSDP ({"shard": N, "tp": T}, by whole TP
+    groups); HSDP x TP and a mesh_builder's meshes keep the ladder (their ranks report DP 0) and refuse a resize in
+    one line; so do HSDP to a world that is not whole replica groups (``tests/test_replica_shrink.py``: HSDP drops
+    and adds whole groups) and TP x FSDP to one that is not whole TP groups."""
     import torch
 
     from phoenix_runtime.parallel import Parallel, UnsupportedLayout
@@ -973,8 +974,11 @@ def test_only_fsdp2_over_every_rank_resizes():
 
     fsdp = par({"shard": 4})
     assert fsdp.resizable and not fsdp.resize(4) and fsdp.resize(3) and fsdp.dims == (("shard", 3),)
-    for mesh, builder in (({"replicate": 2, "shard": 2}, None), ({"shard": 2, "tp": 2}, None), ({"shard": 4}, object())):
+    tp = par({"shard": 2, "tp": 2})
+    assert tp.resizable and tp.resize(2) and tp.dims == (("shard", 1), ("tp", 2))
+    for mesh, builder in (({"replicate": 2, "shard": 2}, None), ({"replicate": 2, "shard": 1, "tp": 2}, None),
+                          ({"shard": 4}, object()), ({"shard": 2, "tp": 2}, None)):
         p = par(mesh, builder)
-        assert not p.resizable
-        with pytest.raises(UnsupportedLayout, match="only FSDP2 over every rank"):
+        assert p.resizable == (mesh == {"shard": 2, "tp": 2} and builder is None)
+        with pytest.raises(UnsupportedLayout, match="change size"):
             p.resize(3)

@@ -96,11 +96,11 @@ def test_pp2_dp2_drops_the_whole_pipeline_and_its_other_stage_becomes_a_spare():
     assert three is not None and three.harvested == ("n1",) and replicas.replica_data(3, three, True) == ((0, 1), (2,))
 
 
-def hsdp_job(tmp_path, nodes: int = 4, dp: int = 2, stride: int = 2) -> Job:
+def hsdp_job(tmp_path, nodes: int = 4, dp: int = 2, stride: int = 2, unit: int = 1) -> Job:
     j = Job(tmp_path, nodes=nodes, nproc=1, spares=0, ready=False, launch__on_no_spare="shrink")
     for r in range(j.s.world_size):
         slot = j.s.gens.members.slot_of(r)
-        j.step(protocol.RuntimeReady(node=slot.node, slot=slot.slot, rank=r, protect=True, dp=dp, dp_stride=stride))
+        j.step(protocol.RuntimeReady(node=slot.node, slot=slot.slot, rank=r, protect=True, dp=dp, dp_stride=stride, data_unit=unit))
     j.s.out.take()
     return j
 
@@ -171,7 +171,73 @@ def test_hsdp_reports_its_replicas_and_resizes_by_whole_groups():
     assert hsdp.droppable(4) == (2, 2) and hsdp.whole_replicas
     assert hsdp.resize(2) is False and hsdp.dims == (("replicate", 1), ("shard", 2)) and not hsdp.replicated
     assert hsdp.resize(4) is False and hsdp.replicated
-    assert par({"shard": 4}).droppable(4) == (4, 1) and par({"shard": 2, "tp": 2}).droppable(4) == (0, 1)
+    assert par({"shard": 4}).droppable(4) == (4, 1) and par({"replicate": 2, "shard": 1, "tp": 2}).droppable(4) == (0, 1)
+
+
+def test_tp_fsdp_reports_its_tp_groups_and_resizes_by_whole_ones():
+    """TP x FSDP {"shard": 2, "tp": 2} (rank = shard * 2 + tp): 2 droppable replicas, its TP groups of stride 2, the
+    data unit a TP group; a world of 2 is one TP group, re-sharded (True), the TP degree kept; a world that is not
+    whole TP groups is refused. ``state_tp``: each TP coordinate its own replica ring while it has over k shards,
+    so rank r's replica goes to the same TP coordinate of another TP group (one ring around every rank put rank 0's
+    on rank 1, in its own TP group: a shrink dropping that group lost it); one TP group left: around every rank."""
+    from phoenix_runtime.parallel import Parallel, UnsupportedLayout
+
+    par = Parallel.create(lambda m, mesh: None, {"shard": 2, "tp": 2}, torch.nn.Linear(2, 2), 4, "cpu")
+    assert par.droppable(4) == (2, 2) and par.data_unit(4) == 2 and par.resizable and not par.whole_replicas
+    assert par.state_tp(4) == 2 and par.state_tp(4, k=2) == 1
+    nodes = tuple(f"n{r}" for r in range(4))
+    ring = Layout(4, tp_size=par.state_tp(4), nodes=nodes)
+    assert [ring.replica_targets(r, 1) for r in range(4)] == [[2], [3], [0], [1]]
+    assert par.resize(2) is True and par.dims == (("shard", 1), ("tp", 2)) and par.state_tp(2) == 1
+    assert par.droppable(2) == (1, 2) and par.resize(4) is True and par.dims == (("shard", 2), ("tp", 2))
+    with pytest.raises(UnsupportedLayout):
+        par.resize(3)
+
+
+def test_a_tp_fsdp_shrink_is_planned_with_every_lost_shard_on_a_survivor():
+    """TP 2 x FSDP 2 on 4 nodes x 1 rank, n1 lost: TP group 0 (ranks 0, 1) dropped, n0 harvested; the shrink is
+    planned in the old world (``RecoverySession._plan``): both dropped shards' replicas (named by the old world's
+    ``Layout(4, tp_size=2)``) are held by ranks 2 and 3, so it resumes. The survivors take both micro-batches, each
+    weighted 1/2 (``replica_slices``, the TP group as the data unit), the same on both ranks of the group."""
+    from phoenix_runtime.recover.recovery import Descriptor, Outcome, plan_for_layout
+
+    mem = job(4)
+    drop, new = shrink(mem, {"n1"}, dp=2, stride=2)
+    assert (drop.replicas, drop.harvested, new.prev) == ((0,), ("n0",), (2, 3))
+    old = Layout(4, tp_size=2)
+    reps = {r: {str(old.shard_of(s)): [7] for s in old.replica_sources(r, 1)} for r in (2, 3)}
+    descs = [Descriptor(0, False), Descriptor(1, False), *(Descriptor(r, True, 7, True, (7,), reps[r]) for r in (2, 3))]
+    course = plan_for_layout(descs, old, 4, replicated=False)
+    assert course.outcome is Outcome.RESUME and course.plan is not None
+    assert course.plan.step == 7 and course.plan.optim_src == {0: 2, 1: 3}
+    for r in range(2):
+        got = data_slices(new, r, 2, 4, per=2)
+        assert [(s.data_rank, s.start, s.stop, s.scale, s.last) for s in got] == [(1, 0, 4, 0.5, False), (0, 0, 4, 0.5, True)]
+
+
+def test_the_step_shrinks_tp_fsdp_by_its_tp_group_and_grows_back_with_one_node(tmp_path):
+    """The supervisor's step, TP 2 x FSDP 2 on 2 nodes x 2 ranks (TP inside a node, as on 8-GPU nodes), no spare:
+    the runtime reports 2 replicas of stride 2; n1 lost -> SHRINK to n0's TP group, nothing harvested (the group was
+    the node); one replenished node is a whole TP group: GROW back to 4 ranks, the joiners in n1's place."""
+    j = Job(tmp_path, nodes=2, nproc=2, spares=0, ready=False, launch__on_no_spare="shrink")
+    for r in range(4):
+        slot = j.s.gens.members.slot_of(r)
+        j.step(protocol.RuntimeReady(node=slot.node, slot=slot.slot, rank=r, protect=True, dp=2, dp_stride=2))
+    j.s.out.take()
+    eff = j.settle(AgentExit("n1", -9))
+    assert decision(eff) == K.SHRINK.value
+    (pub,) = of(eff, PublishGeneration)
+    assert [(r.node, r.slot) for r in pub.members.ranks] == [("n0", 0), ("n0", 1)] and pub.members.prev == (0, 1)
+    (ev,) = events(eff, "shrink")
+    assert ev["replicas"] == [1] and ev["spares"] == [] and ev["dp_to"] == 2
+    j.recover(6.0)
+    spare = j.s.nodes.add(type(j.s.nodes["n0"]).new("s9", up=True))
+    j.s.nodes.transition(spare, NodeState.SPARE, "test")
+    eff = j.step(Tick(), 8.0)
+    assert decision(eff) == K.GROW.value
+    (pub,) = of(eff, PublishGeneration)
+    assert pub.members.world_size == 4 and sorted(pub.members.joiners) == [2, 3]
+    assert [r.node for r in pub.members.ranks] == ["n0", "n0", "s9", "s9"]
 
 
 def test_a_grow_gives_each_joiner_a_survivor_of_its_dp_group():
@@ -257,3 +323,24 @@ def test_a_node_lost_during_a_grow_that_leaves_no_whole_replica_is_not_a_shrink(
     assert decision(eff) == K.GROW.value and j.s.recovery.active
     eff = j.step(AgentExit("n3", -9), 9.5) + j.step(Tick(), 14.0)
     assert decision(eff) not in (K.SHRINK.value, None), events(eff, "decision")
+
+
+@pytest.mark.parametrize("unit", [1, 2])
+def test_the_shrink_events_slices_are_what_each_rank_runs(tmp_path, unit):
+    """The supervisor's step, 4 nodes x 1 rank reporting 2 replicas of stride 2, n1 lost: the shrink event's
+    ``slices`` are what ``training.data_slices`` gives each rank of the published membership. HSDP 2 x 2 (every rank
+    its own samples, ``data_unit`` 1): the even split, each rank a half of each dropped micro-batch. PP 2 x DP 2 or
+    TP 2 x FSDP 2 (a pipeline's or a TP group's ranks process the same samples, ``data_unit`` 2): the surviving
+    replica's whole micro-batches in the replicas' data ranks, its own (1) then the dropped one's (0), on both of its
+    ranks (the per-rank even split was shown before, which no rank ran)."""
+    j = hsdp_job(tmp_path, unit=unit)
+    eff = j.settle(AgentExit("n1", -9))
+    (pub,) = of(eff, PublishGeneration)
+    (ev,) = events(eff, "shrink")
+    mem = pub.members
+    runs = [[(d, *protocol.slice_bounds(4, k, n)) for d, k, n in x] for x in ev["slices"]]
+    assert runs == [[(s.data_rank, s.start, s.stop) for s in data_slices(mem, r, 2, 4, per=unit if unit > 1 else None)]
+                    for r in range(2)]
+    assert ev["data_unit"] == unit
+    want = [[[2, 0, 1], [0, 0, 2], [1, 1, 2]], [[3, 0, 1], [0, 1, 2], [1, 0, 2]]] if unit == 1 else [[[1, 0, 1], [0, 0, 1]]] * 2
+    assert ev["slices"] == want

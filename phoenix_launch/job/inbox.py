@@ -128,6 +128,7 @@ def on_runtime_ready(m: protocol.RuntimeReady, s: JobState, now: float) -> None:
         s.attempt.runtime_ready.add(int(m.rank))
         s.attempt.dp_sizes[int(m.rank)] = int(m.dp)
         s.attempt.dp_stride = int(m.dp_stride)
+        s.attempt.data_unit = int(m.data_unit)
 
 
 def on_node_ready(m: protocol.NodeReady, s: JobState, now: float) -> None:

@@ -95,6 +95,17 @@ def grown_ranks(
     return ranks, tuple(tuple(sorted(x)) for x in data), prev, even_slices([(o,) for o in own], shared)
 
 
+def what_runs(mem: protocol.Membership, slices: Slices, unit: int) -> list:
+    """An event's ``slices``: what each rank of ``mem`` runs in a step. Its even split (``slices``), where every rank
+    processes its own samples; where ``unit`` consecutive ranks process the same ones (a pipeline, a TP group: the
+    ranks' ``data_unit``), their replica's whole micro-batches (``Membership.replica_units``: in the replicas' data
+    ranks, ``[d, 0, 1]`` each), as ``training.data_slices`` gives them; empty when every rank runs its own alone."""
+    if unit <= 1 or not (mem.data or mem.slices) or mem.world_size % unit:
+        return [[list(p) for p in x] for x in slices]
+    units = mem.replica_units(unit)
+    return [[[d, 0, 1] for d in units[r // unit]] for r in range(mem.world_size)]
+
+
 def missing_nodes(s: JobState) -> int:
     """Nodes the job's world is short of its own size (a shrink): what a grow brings back."""
     return (s.full_world() - s.world_size) // s.nproc
@@ -204,7 +215,8 @@ def shrink(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> Non
         dp_to=len(ranks),
         elastic_batch=s.cfg.launch.elastic_batch,
         data=[list(x) for x in data],
-        slices=[[list(p) for p in x] for x in slices],
+        slices=what_runs(mem, slices, s.attempt.data_unit),
+        data_unit=s.attempt.data_unit,
         replicas=list(drop.replicas) if drop is not None else None,
         spares=list(harvested),
     )
@@ -247,5 +259,6 @@ def grow_back(s: JobState, d: decisions.Decision, inc: Incident, now: float) -> 
         dp_to=len(ranks),
         joiners=list(mem.joiners),
         data=[list(x) for x in data],
-        slices=[[list(p) for p in x] for x in slices],
+        slices=what_runs(mem, slices, s.attempt.data_unit),
+        data_unit=s.attempt.data_unit,
     )

@@ -1,13 +1,11 @@
 """The job's events, typed: one frozen dataclass per event type of ``events.jsonl``.
 
-Every event the launcher writes is one of these (``EventLog.emit`` builds it from its type and fields and refuses
-a type or a field the schema does not have); every reader (the report, the status's counters, the metrics) reads
-them back as these (:func:`decode`). On disk an event stays one JSON object per line: ``v`` (the schema's version,
-``SCHEMA``: the set of types and fields below), ``t`` (when it was written), ``type`` and the fields its writer named
-(a typed event built directly writes all of its fields). Reading is lenient where writing is strict: a field a reader
-does not know (a newer writer) is kept in ``Logged.extra``, a field missing (an older one) is None, an unknown type is
-an :class:`Unknown`.
-"""
+Every event the launcher writes is one of these (``EventLog.emit`` builds it from its type and fields and refuses a
+type or a field the schema lacks); every reader (the report, the status's counters, the metrics) reads them back as
+these (:func:`decode`). On disk an event is one JSON object per line: ``v`` (the schema's version, ``SCHEMA``: the
+types and fields below), ``t`` (when written), ``type`` and the fields its writer named (a typed event built directly
+writes all of its fields). Reading is lenient where writing is strict: a field a reader does not know (a newer writer)
+is kept in ``Logged.extra``, a field missing (an older one) is None, an unknown type is an :class:`Unknown`."""
 
 from __future__ import annotations
 
@@ -201,7 +199,8 @@ class Grow(Event):
     dp_to: int | None = None
     joiners: list | None = None
     data: list | None = None
-    slices: list | None = None  # the even split (Membership.slices): per rank, [data rank, part, parts]
+    slices: list | None = None  # what runs (resize.what_runs): per rank, [data rank, part, parts] (its even split)
+    data_unit: int | None = None  # > 1: a replica's ranks run its whole micro-batches, slices in replicas' data ranks
 
 
 @dataclass(frozen=True)
@@ -529,7 +528,8 @@ class Shrink(Event):
     dp_to: int | None = None
     elastic_batch: str | None = None
     data: list | None = None
-    slices: list | None = None  # the even split (Membership.slices): per rank, [data rank, part, parts]
+    slices: list | None = None  # what runs (resize.what_runs): per rank, [data rank, part, parts] (its even split)
+    data_unit: int | None = None  # > 1: a replica's ranks run its whole micro-batches, slices in replicas' data ranks
     replicas: list | None = None  # the DP replicas dropped (HSDP, pipelines: whole replica groups)
     spares: list | None = None  # the dropped replicas' healthy nodes, warm spares from now on
 

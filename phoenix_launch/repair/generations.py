@@ -155,6 +155,7 @@ class AttemptProgress:
     unrecoverable_t0: float | None = None
     dp_sizes: dict[int, int] = field(default_factory=dict)  # rank -> the DP replicas it reported (0: cannot shrink)
     dp_stride: int = 1  # the stride of a replica's index the ranks reported (``job/replicas.py``)
+    data_unit: int = 1  # the consecutive ranks that process the same samples (``Membership.replica_units``)
     runtime_seen: bool = False  # a rank of this job (this attempt or one before) runs the PHOENIX runtime
 
 

@@ -171,6 +171,7 @@ class RuntimeReady(RankMessage):
     epoch: int = 0
     dp: int = 0  # the data-parallel replicas a shrink can drop (launch.on_no_spare), else 0
     dp_stride: int = 1  # replica of rank r: (r // dp_stride) % dp (HSDP: the shard size; plain DP, FSDP: 1)
+    data_unit: int = 1  # the consecutive ranks that process the same samples (a pipeline: P x T; TP x FSDP: T)
 
 
 @dataclass(frozen=True)

@@ -290,6 +290,15 @@ class Membership:
         """The ``(data rank, part, parts)`` this rank processes in a step: ``slices``, else its whole data ranks."""
         return tuple(self.slices[rank]) if self.slices else tuple((d, 0, 1) for d in self.data_ranks(rank))
 
+    def replica_units(self, per: int) -> tuple[tuple[int, ...], ...]:
+        """Pure: the data units each replica of ``per`` consecutive ranks (a pipeline, a TP group: every rank of it
+        processes the same samples) processes whole in a step: its own (its first rank's whole data rank // per),
+        then the others processed, sorted, dealt to the replicas in turn (``elastic_batch.replica_slices``)."""
+        reps = self.world_size // per
+        own = [min(d for d, _, n in self.slices_of(c * per) if n == 1) // per for c in range(reps)]
+        rest = sorted({d // per for r in range(self.world_size) for d in self.data_ranks(r)} - set(own))
+        return tuple((own[c], *rest[c::reps]) for c in range(reps))
+
     def to_json(self, canonical: bool = False) -> str:
         """Its JSON, the ranks as runs (``_runs``: ~30 bytes a node where one object per rank took ~360); ``canonical``:
         keys sorted (its digest's form)."""
@@ -304,10 +313,8 @@ class Membership:
             d["ranks"] = tuple(RankSlot(r0 + i, str(node), s0 + i) for node, r0, s0, n in d.pop("runs") for i in range(n))
         else:  # one object per rank (the form before runs)
             d["ranks"] = tuple(RankSlot(**r) for r in d["ranks"])
-        d["joiners"], d["lost"] = tuple(d.get("joiners", ())), tuple(d.get("lost", ()))
-        d["resync"] = tuple(d.get("resync", ()))
-        d["data"] = tuple(tuple(x) for x in d.get("data", ()))
-        d["prev"] = tuple(d.get("prev", ()))
+        d["joiners"], d["lost"], d["resync"] = tuple(d.get("joiners", ())), tuple(d.get("lost", ())), tuple(d.get("resync", ()))
+        d["data"], d["prev"] = tuple(tuple(x) for x in d.get("data", ())), tuple(d.get("prev", ()))
         d["slices"] = tuple(tuple((int(a), int(k), int(n)) for a, k, n in x) for x in d.get("slices", ()))
         return cls(**d)
 
@@ -321,11 +328,7 @@ class Membership:
         return None
 
     def nodes(self) -> list[str]:
-        seen: list[str] = []
-        for r in self.ranks:
-            if r.node not in seen:
-                seen.append(r.node)
-        return seen
+        return list(dict.fromkeys(r.node for r in self.ranks))
 
 
 def slice_bounds(batch: int, part: int, parts: int) -> tuple[int, int]:

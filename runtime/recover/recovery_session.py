@@ -33,7 +33,6 @@ from phoenix_runtime.plane import protocol
 from phoenix_runtime import state
 from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.failover import CALLS
-from phoenix_runtime.layout import Layout
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, _DpGroups, plan_for_layout, plan_grow, replayed_by
 from phoenix_runtime.protection.fingerprint import intact
@@ -156,7 +155,7 @@ class RecoverySession:
             m = ctx.members
             old = [dataclasses.replace(d, rank=m.prev[d.rank]) for d in descs]
             old += [Descriptor(j, has_state=False) for j in range(m.prev_world) if j not in m.prev]
-            return plan_for_layout(old, Layout(m.prev_world), m.prev_world, replicated=False, every=every)
+            return plan_for_layout(old, ops.layout_of(m.prev_world), m.prev_world, replicated=False, every=every)
         return plan_for_layout(descs, ops.layout(), ctx.world_size, replicated=ops.replicated, every=every,
                                lost=lost, at_most=at_most, salvage=salvaging)
 
@@ -189,7 +188,7 @@ class RecoverySession:
         """A shrink under ZeRO (``plan`` in the old world's ranks, its joiners the lost ones): the lost shards'
         state at R from the replicas held here, old rank -> (named tensors, envelope)."""
         ops, R, me = self.ops, plan.step, self.ctx.members.prev[self.ctx.rank]
-        old = Layout(self.ctx.members.prev_world)
+        old = ops.layout_of(self.ctx.members.prev_world)
         lost = {}
         for j in plan.joiners:
             if plan.optim_src[j] == me and j not in plan.fresh:

@@ -8,6 +8,10 @@ tensors). Each rank then receives exactly the rows of its new shard from their h
 ``all_to_all_single`` per tensor over the new generation's group: no rank (a grow's joiner included) ever holds
 more than its own new shard of any tensor, never a full parameter.
 
+TP x FSDP (``{"shard": N, "tp": T}``) changes size by whole TP groups, its TP degree kept: each TP coordinate ``t``
+is an FSDP2 job of its own over the TP-local tensors (FSDP2 chunks TP's local tensor over "shard"), so the same
+re-sharding runs per TP coordinate, from ``N`` shards to ``N'``, in the same collective.
+
 The 0-dim state (Adam's ``step``) and the optimizer's non-tensor state are the same on every rank at S_R: they
 come with the small metadata every rank shares first (one ``all_gather_object``), which also tells each rank
 which old shards each peer holds and which state keys exist (a joiner has none yet).
@@ -96,14 +100,31 @@ def restore_own(ops, R: int, live: tuple[int, bool]) -> tuple[dict, dict]:
     return by_fqn(named, scalars)
 
 
-def _plan(module) -> list[tuple[str, torch.nn.Parameter]]:
+def _plan(module, tp: int) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters to re-shard: each FSDP2-sharded on dim 0 over the "shard" mesh dimension (``Shard(0)``, or
+    ``_StridedShard(0)`` over a TP dimension that shards dim 0 too), and with ``tp`` > 1 optionally over "tp" too."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
     out = []
     for fqn, p in module.named_parameters():
-        if not is_dtensor(p) or len(p.placements) != 1 or not p.placements[0].is_shard(dim=0):
+        pl = tuple(getattr(p, "placements", ()))
+        fsdp = isinstance(pl[0], (Shard, _StridedShard)) and pl[0].dim == 0 if pl else False
+        if not is_dtensor(p) or not fsdp or not (len(pl) == 1 or (len(pl) == 2 and tp > 1 and isinstance(pl[1], (Shard, Replicate)))):
             raise UsageError(f"a shrink / grow under FSDP2 re-shards parameters sharded on dim 0 over one mesh "
-                             f"dimension; {fqn} is {getattr(p, 'placements', 'not a DTensor')}")
+                             f"dimension (then over 'tp' if any); {fqn} is {getattr(p, 'placements', 'not a DTensor')}")
         out.append((fqn, p))
     return out
+
+
+def tp_rows(p, tp: int, t: int) -> int:
+    """The dim-0 rows FSDP2 shards on the ranks of TP coordinate ``t``: TP's local tensor's (DTensor's ``Shard``
+    splits as ``torch.chunk``; FSDP2 then chunks that local tensor over "shard", torch 2.13 ``_fsdp_param.py``
+    ``_init_sharding_spec_tp``); the whole dim 0 for a parameter not sharded over "tp" on it."""
+    pl = tuple(p.placements)
+    if len(pl) == 2 and pl[1].is_shard(0):
+        lo, hi = rows(p.shape[0], tp, t)
+        return hi - lo
+    return p.shape[0]
 
 
 def _meta(held: dict[int, tuple[dict, dict]]) -> dict:
@@ -125,12 +146,16 @@ def _meta(held: dict[int, tuple[dict, dict]]) -> dict:
 
 
 @torch.no_grad()
-def reshard_state(module, optimizer, key_of, held: dict[int, tuple[dict, dict]], old_world: int) -> None:
+def reshard_state(module, optimizer, key_of, held: dict[int, tuple[dict, dict]], old_world: int, tp: int = 1) -> None:
     """Collective over the new generation's default group (every rank, the same point): the parameters and the
     optimizer state of ``module`` (freshly parallelised on the new mesh) filled from the old world's shards.
-    ``held``: old shard index -> (``by_fqn`` tensors, non-tensor state) held here; ``key_of``: a parameter of the
-    live model -> its shard id (``Parallel.key_of``)."""
+    ``held``: old shard index (the old rank) -> (``by_fqn`` tensors, non-tensor state) held here; ``key_of``: a
+    parameter of the live model -> its shard id (``Parallel.key_of``). ``tp``: TP x FSDP (``{"shard": N, "tp": T}``,
+    tp innermost: rank ``s * T + t``), whose TP degree stays: each TP coordinate's FSDP shards are re-sharded from
+    ``old_world / T`` to ``world / T`` shards, the rows going between ranks of the same TP coordinate only."""
     world, me = dist.get_world_size(), dist.get_rank()
+    if old_world % tp or world % tp:
+        raise RuntimeError(f"re-sharding: {old_world} -> {world} ranks is not by whole TP groups of {tp}")
     every: list = [None] * world
     dist.all_gather_object(every, _meta(held))
     owner: dict[int, int] = {}
@@ -149,9 +174,9 @@ def reshard_state(module, optimizer, key_of, held: dict[int, tuple[dict, dict]],
     srcs = {r: sorted(i for i, o in owner.items() if o == r) for r in range(world)}
     optim: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
-    for fqn, p in _plan(module):
+    for fqn, p in _plan(module, tp):
         for key, dtype in [("param", None), *((k, d) for k, d in keys.get(fqn, {}).items() if k != "param")]:
-            local = _exchange(fqn, key, p, mine, srcs, old_world, getattr(torch, dtype) if dtype else None)
+            local = _exchange(fqn, key, p, mine, srcs, (old_world, tp), getattr(torch, dtype) if dtype else None)
             if key == "param":
                 local_of(p.data).copy_(local)
             else:
@@ -161,20 +186,28 @@ def reshard_state(module, optimizer, key_of, held: dict[int, tuple[dict, dict]],
     state.load_optim(optimizer, optim, scalars)
 
 
-def _exchange(fqn: str, key: str, p, mine: dict, srcs: dict[int, list[int]], old_world: int, dtype) -> torch.Tensor:
+def _exchange(fqn: str, key: str, p, mine: dict, srcs: dict[int, list[int]], old: tuple[int, int], dtype) -> torch.Tensor:
     """This rank's new shard of tensor ``key`` of parameter ``fqn``: each rank sends every other the rows of its
-    new shard that fall in the old shards it holds (``srcs[r]``: the old shards rank r sends from, in order)."""
+    new shard that fall in the old shards it holds (``srcs[r]``: the old shards rank r sends from, in order).
+    ``old``: (the old world, the TP degree ``T``): shard ``i`` of either world is FSDP shard ``i // T`` of TP
+    coordinate ``i % T``'s local tensor (``tp_rows``); rows go between shards of the same TP coordinate only."""
     world, me = dist.get_world_size(), dist.get_rank()
-    n = p.shape[0]
-    width = math.prod(p.shape[1:])  # elements per row
+    old_world, tp = old
     dtype = dtype or p.dtype
-    lo, hi = rows(n, world, me)
+
+    def span(i: int, size: int) -> tuple[int, int]:  # shard i's rows of a world of ``size`` ranks
+        return rows(tp_rows(p, tp, i % tp), size // tp, i // tp)
+
+    lo, hi = span(me, world)
     if local_of(p).shape[0] != hi - lo:
         raise RuntimeError(f"re-sharding {fqn}: FSDP2 gave this rank {local_of(p).shape[0]} rows, expected {hi - lo}")
+    width = math.prod(local_of(p).shape[1:])  # elements per row (of this rank's TP coordinate)
 
     def overlap(i: int, r: int) -> tuple[int, int]:
-        a, b = rows(n, old_world, i)
-        c, d = rows(n, world, r)
+        if i % tp != r % tp:
+            return 0, 0
+        a, b = span(i, old_world)
+        c, d = span(r, world)
         return max(a, c), max(min(b, d), max(a, c))
 
     parts, sizes = [], []
@@ -183,15 +216,16 @@ def _exchange(fqn: str, key: str, p, mine: dict, srcs: dict[int, list[int]], old
         for i in srcs[me]:
             a, b = overlap(i, r)
             if b > a:
-                t = mine[i][fqn][key]
-                parts.append(t[a - rows(n, old_world, i)[0]:b - rows(n, old_world, i)[0]].reshape(-1).to(p.device, dtype))
-                size += (b - a) * width
+                start = span(i, old_world)[0]
+                piece = mine[i][fqn][key][a - start:b - start].reshape(-1).to(p.device, dtype)
+                parts.append(piece)
+                size += piece.numel()
         sizes.append(size)
     recv = [sum(max(0, overlap(i, me)[1] - overlap(i, me)[0]) * width for i in srcs[r]) for r in range(world)]
     out = torch.empty(sum(recv), dtype=dtype, device=p.device)
     inp = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=p.device)
     dist.all_to_all_single(out, inp, recv, sizes)
-    shard = torch.empty((hi - lo, *p.shape[1:]), dtype=dtype, device=p.device)
+    shard = torch.empty((hi - lo, *local_of(p).shape[1:]), dtype=dtype, device=p.device)
     flat, at = shard.reshape(-1), 0
     for r in range(world):
         for i in srcs[r]:

@@ -105,7 +105,8 @@ class Parallelised(RecoveryStrategy):
 
 class Fsdp(Parallelised):
     """FSDP2 (and TP+FSDP, a mesh builder's meshes) on PHOENIX's mesh: each rank holds its shard only; over every
-    rank (``{"shard": N}``) a resize re-shards the parameters and the optimizer state over the new world."""
+    rank (``{"shard": N}``) a resize re-shards the parameters and the optimizer state over the new world, and under
+    TP+FSDP (``{"shard": N, "tp": T}``, whole TP groups dropped or added) over its FSDP shards per TP coordinate."""
 
     name = "fsdp"
     shrinks = True
