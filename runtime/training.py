@@ -95,8 +95,8 @@ class ProtectedTraining:
         self._hook_optimizer()
         # the first step() / steps() recovers (a joiner, or a rank whose first generation replaced the one it
         # started in) or builds DDP: both are collectives, so a peer lost meanwhile is a failure recovered from
-        self._pending = ctx.formed_after_a_failure and self.protect_on
-        self._wrapped = self._warned_layout = False
+        ctx.status.protected(recover_first=ctx.formed_after_a_failure and self.protect_on)  # ``recover_if_pending``
+        self._warned_layout = False
         self._old_live: tuple[dict, dict] | None = None  # FSDP2 resized: this rank's live state in the old shard layout (reparallelize)
         self._work: float | None = None  # data_slices' work this step (work_share)
         self._memo: tuple[tuple, dict] = ((), {})  # ((generation, its membership), what ``_of_generation`` made)
@@ -505,10 +505,9 @@ class ProtectedTraining:
         """Before the first step: a joiner (or a rank whose first generation replaced the one it started in)
         recovers through the same entry point as the survivors; the others build DDP, and a failure while they
         do (a peer lost before the first step) is recovered from like any other."""
-        rs = self.rs
-        if not self._pending:
-            if not self._wrapped:
-                self._wrapped = True
+        rs, start = self.rs, self.ctx.status.begin()
+        if start != "recover":
+            if start == "wrap":
                 if self.ctx.env.resume and self.protect_on and rs.first_step is None:
                     self.resume_from_checkpoint()
                 try:
@@ -520,12 +519,10 @@ class ProtectedTraining:
                         raise
                     self.recover(e)
             return
-        self._pending = False
-        self._wrapped = True
         live = None if self.ctx.joining else (rs.step, True)
         if live is not None and rs.first_step is None:
             rs.first_step = rs.step
-        RecoverySession(self.ctx, rs, self).run(self.ctx.gen, live, recovery_marks(), formed=True)
+        RecoverySession(self.ctx, rs, self, self.faults).run(self.ctx.gen, live, recovery_marks(), formed=True)
 
     def recover(self, cause: BaseException) -> None:
         """The step guard caught a failure: quiesce, then recover in the next generation."""
@@ -549,7 +546,7 @@ class ProtectedTraining:
         self.unwrap()  # drop DDP (it holds the old group) before the group is destroyed
         marks["quiesced"] = time.time()
         log.info(f"quiesced in {marks['quiesced'] - marks['t0']:.3f}s")
-        RecoverySession(ctx, self.rs, self).run(ctx.wait_new_gen(ctx.gen), live, marks, formed=False)
+        RecoverySession(ctx, self.rs, self, self.faults).run(ctx.wait_new_gen(ctx.gen), live, marks, formed=False)
 
     def unwrap(self) -> None:
         """The bare module again: DDP holds the generation's process group."""
@@ -585,15 +582,18 @@ class ProtectedTraining:
         shard = dict(self.shard_named(state.boundary_copies(self.objs)))
         return shard, self.rs.metas.get(R) or state.capture_envelope(R, self.objs)
 
-    def resumed(self, R: int, first: int) -> None:
+    def resumed(self, R: int, first: int, resized: bool = False) -> None:
         """The recovery resumed at R: every shard of S_R is in two places again (the old replicas are freed) and
         the cadence restarts there, the supervisor's (raised when the copy did not fit) or the setting."""
         every = (protocol.read_protect_every(self.ctx.store) if self.ctx.managed else 0) or self.settings.protect_every
-        if self.device_steps.torn is not None and self.d2h is not None:
-            self.d2h.keep_only(R)  # a snapshot after R holds the torn step's effect: never offered again
+        if (self.device_steps.torn is not None or resized) and self.d2h is not None:
+            # a snapshot after R holds the torn step's effect; after a resize, one of another step is of the old
+            # world's layout: never offered again
+            self.d2h.keep_only(R)
         self.device_steps.resumed()
         reapply = self.rs.reapply if self.rs.reapply and self.rs.reapply[0] == R else (R, self.rs.metas.get(R))
         self.rs.resumed_at(R, first, every)
         self.rs.reapply = reapply if reapply[1] is not None else None
+        self.rs.reapply_scaler = state.scaler_tensors(self.objs.scaler)  # what a reapply at R restores again
         self.pace.reset()
         self.ctx.status.stepped(R)

@@ -490,11 +490,13 @@ def test_each_layout_gets_its_recovery_strategy_once_and_it_calls_its_own_operat
 
     for name, s in got.items():
         ops, held = Ops(), {}
+        s.reparallelize(ops, 2)
         s.rebuild_optimizer(ops)
         kept = s.restore_resized(ops, 5, (5, True), old_rank=3)
         s.redistribute(ops, {}, held, 4)
         sharded = name in ("fsdp", "pipeline-sharded")
-        assert ops.calls == (["rebuild_optimizer"] if name == "zero" else []) + \
+        assert ops.calls == (["reparallelize"] if s.parallelised else []) + \
+            (["rebuild_optimizer"] if name == "zero" else []) + \
             (["restore_resized"] if sharded else ["restore_local"]) + \
             (["repartition_optimizer"] if name == "zero" else ["reshard_state"] if sharded else []), name
         assert kept == ({3: {"old": True}} if sharded else {}), name
@@ -523,6 +525,42 @@ def test_a_contexts_generation_is_its_status_and_advances_in_one_place():
             setattr(ctx, name, 0)
     other = bare_context(0, 4, SimpleNamespace(), gen=3)  # two contexts in one process (tests): each its own status
     assert other.status is not ctx.status and other.gen == 3
+
+
+def test_where_a_rank_is_is_read_from_its_status_by_the_training_and_the_recovery():
+    """Issue 47: where a rank is lived in the recovery session (``live``) and in the training's flags (a recovery
+    pending before the first step, DDP built). Now its status answers all of it: how the training's first step
+    begins, what a recovery's live state is; the session's ``live`` is a read-only view of it."""
+    from types import SimpleNamespace
+
+    from phoenix_runtime.plane.context import Context
+    from phoenix_runtime.rank_state import RankState
+    from phoenix_runtime.recover.recovery_session import RecoverySession
+    from phoenix_runtime.training import ProtectedTraining
+
+    ctx = Context(RankEnv(managed=False, rank=0, world_size=1, gen=1), "gloo", 1, 1)
+    status = ctx.status
+    model = torch.nn.Linear(2, 2)
+    training = ProtectedTraining(ctx, state.LoopObjects(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                                 ddp=None, replicas=None)
+    assert (status.phase, status.begins, status.recovery_pending) == ("training", "wrap", False)
+    training.recover_if_pending()  # the first step builds DDP (none here: one rank) once
+    assert status.begins == "" and status.begin() == ""
+    status.protected(recover_first=True)  # a joiner's training: its first step recovers first
+    assert status.recovery_pending and status.begin() == "recover" and not status.recovery_pending
+
+    session = RecoverySession(ctx, RankState(), SimpleNamespace(), faults=None)
+    status.recovering((7, True))  # a survivor caught a failure in step 7, its optimizer not started
+    assert (status.phase, status.holds, session.live) == ("recovering", (7, True), (7, True))
+    status.hold(None)  # its copy of S_R is corrupt: it takes S_R from its peers
+    assert session.live is None
+    status.hold((5, True))  # it rolled back to S_5
+    assert session.live == (5, True)
+    with pytest.raises(AttributeError):
+        session.live = (6, True)  # type: ignore[misc]
+    status.enter("training")  # resumed: the recovery's view of the live state ends with it
+    assert status.holds is None and session.live is None
+    training.close()
 
 
 def test_a_generation_this_rank_failed_on_its_own_is_reported_and_an_abandoned_one_is_not():

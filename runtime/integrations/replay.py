@@ -32,7 +32,7 @@ def guarded(training, body) -> bool:
     """One step of a framework's loop inside the step guard; True when it completed, False when a failure in it (or a
     new generation between two steps) was recovered from: the loop's objects are those of S_R, run the step again.
     A StopIteration of the body (the framework's end of an epoch) ends the step normally and is raised again."""
-    if training.protect_on and training.ctx.managed and not training._pending and training.ctx.abandoned():
+    if training.protect_on and training.ctx.managed and not training.ctx.status.recovery_pending and training.ctx.abandoned():
         # a new generation between two steps (as ``steps()`` does): recover before the step begins
         training.rs.opt_started = False
         training.recover(GenerationAbandoned(f"generation {training.ctx.gen} abandoned"))

@@ -1,10 +1,16 @@
-"""This rank's one status: which generation it is in, and what it reports (its phase and its last step).
+"""This rank's one status: which generation it is in, where it is in its life, and what it reports.
 
 The ``Context`` owns it (``ctx.status``) and reads its generation from it (``Context.gen``, ``members``, ``rank``,
 ``world_size``, ``joining``, ``epoch``); the training, the step guard and the recovery write their phase and steps
 to it; the control thread reports it in its heartbeat (``control.ControlThread.beat``). ``enter_generation`` is the
 one place a rank enters a new generation: forming it (``Context.form``) or a salvage generation's membership
 (``RecoverySession``), its number reported with it.
+
+Where the rank is: its ``phase`` (reported); how the training's first step begins (``begins``: a recovery first, a
+joiner's or a rank's whose generation replaced the one it started in, or DDP built; ``ProtectedTraining``'s
+``recover_if_pending``); in a recovery, what its live state is (``holds``: the session's ``live``), and whether it
+replaces a lost rank (``joining``). The training and the recovery session read these here, as views, and change
+them through the methods below.
 
 Under phoenix-run it is the process's (``process_status``): the bootstrap writes it before the user's script runs
 (``starting``, a spare's assigned generation) and the Context takes it over. Elsewhere (torchrun, a test's
@@ -48,6 +54,13 @@ class RankStatus:
         self.own_s: float | None = None  # its own compute time per step (``phoenix_runtime.pace``), for stragglers
         #: the training's probe: has the main thread's CUDA stream work pending? (``main_thread_blocked_in``)
         self.device_pending: Callable[[], bool] | None = None
+        # where the rank is in its training and its recovery (not reported)
+        #: what the protected training's first step does before it runs: "recover" (the ranks agree on the state
+        #: first), "wrap" (DDP over the generation's group), "" (begun: one of them ran); set by ``protected``
+        self.begins = ""
+        #: in a recovery, this rank's live state: (its step, still S_step) for a survivor, None when it takes S_R
+        #: from its peers (a joiner, a copy found corrupt); (R, True) once it holds S_R (``RecoverySession``)
+        self.holds: tuple[int, bool] | None = None
 
     def start(self, env: Any) -> None:
         """The process's start as its environment (``rank_env.RankEnv``) gives it: generation, rank, world, attempt."""
@@ -61,6 +74,30 @@ class RankStatus:
         if rank is not None:
             self.rank, self.world_size = rank, members.world_size
 
+    def protected(self, recover_first: bool) -> None:
+        """``phx.protect()`` made a training: its first step recovers first, or builds DDP."""
+        self.begins = "recover" if recover_first else "wrap"
+
+    @property
+    def recovery_pending(self) -> bool:
+        """The training's first step recovers before it runs (``protected(recover_first=True)``, not begun yet)."""
+        return self.begins == "recover"
+
+    def begin(self) -> str:
+        """The training's first step begins: what it does first ("recover", "wrap"), or "" when it began already."""
+        begins, self.begins = self.begins, ""
+        return begins
+
+    def recovering(self, holds: tuple[int, bool] | None) -> None:
+        """A recovery starts (or goes on, ``RecoverySession.run``) with ``holds`` as this rank's live state."""
+        self.enter("recovering")
+        self.holds = holds
+
+    def hold(self, holds: tuple[int, bool] | None) -> None:
+        """In a recovery, this rank's live state changed: rolled back or installed S_R (``(R, True)``), or None (its
+        copy is corrupt: its peers send S_R)."""
+        self.holds = holds
+
     def joined(self) -> None:
         """A joiner's recovery ended: it holds the state like every other rank."""
         self.joining = False
@@ -72,6 +109,8 @@ class RankStatus:
             self.t_step = time.time()
             self.warm = False
             self.first = None
+            if phase != "recovering":
+                self.holds = None  # the recovery ended: its view of the live state with it
 
     def stepped(self, step: int) -> None:
         now = time.time()

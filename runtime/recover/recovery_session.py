@@ -1,10 +1,11 @@
 """The recovery session: Algorithm 2 on this rank, ONE entry point for survivors and joiners alike.
 
-    RecoverySession(ctx, rank_state, ops).run(gen, live, marks, formed)
+    RecoverySession(ctx, rank_state, ops, faults).run(gen, live, marks, formed)
 
-``live`` is what this rank holds: ``(live_step, live_clean)`` for a survivor, ``None`` for a joiner (the one
-representation of "who is joining"). Each generation is tried with its own recovery deadline: form its
-groups, exchange descriptors, and plan; the plan's outcome (``recovery.Outcome``) is one of
+``live`` is what this rank holds: ``(live_step, live_clean)`` for a survivor, ``None`` for a joiner; it is kept in
+the rank's status (``RankStatus.holds``), which the session changes as the state does. Each generation is tried
+with its own recovery deadline: form its groups, exchange descriptors, and plan; the plan's outcome
+(``recovery.Outcome``) is one of
 
 - resume: roll back / transfer (through the ``Transport`` on pair groups formed for the plan, checksum-verified,
   resent on a mismatch), rebuild DDP/ZeRO, re-protect S_R, barrier;
@@ -23,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import torch.distributed as dist
 
@@ -62,17 +64,22 @@ def recovery_marks() -> dict:
 
 class RecoverySession:
     """One recovery of this rank: ``ctx`` its control plane, ``rs`` its state (read and updated), ``ops`` the
-    operations on its model, optimizer and protection (``rank_state.TrainingOps``)."""
+    operations on its model, optimizer and protection (``rank_state.TrainingOps``), ``faults`` the fault injector
+    (``faults.FaultInjector``) whose recovery points it passes."""
 
-    def __init__(self, ctx, rs: RankState, ops: TrainingOps):
-        self.ctx, self.rs, self.ops = ctx, rs, ops
+    def __init__(self, ctx, rs: RankState, ops: TrainingOps, faults: Any):
+        self.ctx, self.rs, self.ops, self.faults = ctx, rs, ops, faults
+
+    @property
+    def live(self) -> tuple[int, bool] | None:
+        """What this rank's live state is in this recovery (``RankStatus.holds``): (step, still S_step), or None."""
+        return self.ctx.status.holds
 
     # --- the entry point -------------------------------------------------------------------------------
     def run(self, gen: int, live: tuple[int, bool] | None, marks: dict, formed: bool) -> None:
         """Recover in generation ``gen`` (formed already when ``formed``), or in the next ones if it fails."""
         ctx, ops = self.ctx, self.ops
-        ctx.status.enter("recovering")
-        self.live = live  # updated as the state changes: a survivor rolled back, or a joiner that installed S_R
+        ctx.status.recovering(live)  # updated as the state changes: a survivor rolled back, or a joiner that installed S_R
         first = [formed]  # only the first generation tried may be formed already
 
         def attempt(g: int) -> None:
@@ -93,7 +100,7 @@ class RecoverySession:
                     ctx.form(g, deadline)
             marks["formed"] = time.time()
             if ctx.members is not None and ctx.rank in ctx.members.resync:
-                self.live = None  # a repair of silent data corruption: this rank's copy is corrupt, a peer sends S_R
+                ctx.status.hold(None)  # a repair of silent data corruption: this rank's copy is corrupt, a peer sends S_R
             course = self._course(g, lost, deadline, salvaging)
             if course.outcome is Outcome.RESUME:
                 self._resume(g, course.plan, marks, deadline)
@@ -122,9 +129,9 @@ class RecoverySession:
         ctx, ops, live = self.ctx, self.ops, self.live
         salvaging = salvaging or bool(lost)
         if not salvaging:
-            ops.faults.where(ctx.rank, gen)
-            ops.faults.fire(live[0] if live is not None else None, "recover_exchange")  # a joiner's step: not known yet
-            ops.reparallelize(gen)  # the mesh's groups: the first collective of the generation, on every rank
+            self.faults.where(ctx.rank, gen)
+            self.faults.fire(live[0] if live is not None else None, "recover_exchange")  # a joiner's step: not known yet
+            ops.strategy.reparallelize(ops, gen)  # the mesh's groups: the generation's first collective, every rank
         survivors = [r for r in range(ctx.world_size) if r not in lost] if lost else None
         # a salvage writes committed local snapshots only: the live state may be mid-step
         mine = self.descriptor(live, live_usable=not salvaging)
@@ -140,15 +147,16 @@ class RecoverySession:
         ctx, ops = self.ctx, self.ops
         descs += [Descriptor(j, has_state=False) for j in lost]
         at_most = ctx.members.rollback_to if ctx.members is not None else None
+        every = ops.cadence_bound()
         if self._resized() == "grow":
             peers = _DpGroups(ops.layout()) if ops.strategy.grow_from_dp_peer else None
-            return plan_grow(descs, every=ops.cadence_bound(), peers=peers)
+            return plan_grow(descs, every=every, peers=peers)
         if self._shrunk_sharded():  # planned in the old world: the lost ranks' shards come from their replicas
             m = ctx.members
             old = [dataclasses.replace(d, rank=m.prev[d.rank]) for d in descs]
             old += [Descriptor(j, has_state=False) for j in range(m.prev_world) if j not in m.prev]
-            return plan_for_layout(old, ops.layout_of(m.prev_world), m.prev_world, replicated=False, every=ops.cadence_bound())
-        return plan_for_layout(descs, ops.layout(), ctx.world_size, replicated=ops.replicated, every=ops.cadence_bound(),
+            return plan_for_layout(old, ops.layout_of(m.prev_world), m.prev_world, replicated=False, every=every)
+        return plan_for_layout(descs, ops.layout(), ctx.world_size, replicated=ops.replicated, every=every,
                                lost=lost, at_most=at_most, salvage=salvaging)
 
     def descriptor(self, live, live_usable: bool = True) -> Descriptor:
@@ -204,20 +212,18 @@ class RecoverySession:
         held: dict = {}  # FSDP2: the old world's shards kept aside, old rank -> state (``strategies.Fsdp``)
         if self.live is not None:
             held = strategy.restore_resized(ops, R, self.live, m.prev[ctx.rank])
-            self.live = (R, True)
+            ctx.status.hold((R, True))
         lost = self._lost_shards(plan) if self._shrunk_sharded() else {}
         if not self._shrunk_sharded() and plan.joiners:
             self._give_joiners(plan, deadline)
         marks["params"] = time.time()
-        ops.faults.fire(R, "recover_optim")
+        self.faults.fire(R, "recover_optim")
         strategy.redistribute(ops, lost, held, m.prev_world or sum(1 for p in m.prev if p >= 0))
         marks["optim"] = time.time()
         self._protect_and_meet(gen, R)
-        if ops.d2h is not None:  # a snapshot of another step is of the old world's layout: never a resume point
-            ops.d2h.keep_only(R)
         live = self.live
         self._finish(gen, dataclasses.replace(plan, replayed={}), live if ctx.rank not in plan.joiners or
-                     self._shrunk_sharded() else None, marks)
+                     self._shrunk_sharded() else None, marks, resized=True)
 
     def _give_joiners(self, plan: Plan, deadline: float) -> None:
         """A grow: each joiner receives a survivor's parameters, buffers, replicated optimizer state and envelope."""
@@ -231,9 +237,7 @@ class RecoverySession:
             elif me == j:
                 local, meta = recv_named(transport, plan.param_src[j], R, ctx.recovery_timeout, resends=ctx.settings.resends)
                 ops.strategy.install_from_peer(ops.objs, local, meta)
-                state.restore_envelope(meta, ops.objs)
-                self.rs.metas[R] = meta
-                self.live = (R, True)
+                self._installed(R, meta)
 
     # --- the three outcomes -----------------------------------------------------------------------------
     def _resume(self, gen: int, plan: Plan, marks: dict, deadline: float) -> None:
@@ -250,18 +254,19 @@ class RecoverySession:
                  f"replicas from {plan.optim_src}{', fresh ' + str(list(plan.fresh)) if plan.fresh else ''}")
         marks["planned"] = time.time()
         if live is not None and ctx.rank in plan.joiners:  # its snapshot of R is corrupt (``descriptor``)
-            live = self.live = None
+            live = None
+            ctx.status.hold(None)
         ops.strategy.rebuild_optimizer(ops)  # ZeRO on the new group, in place (the user's scheduler keeps acting on it)
         if live is not None:
             ops.restore_local(R, live)
-            self.live = (R, True)  # if this generation is abandoned now, the live state is S_R
+            ctx.status.hold((R, True))  # if this generation is abandoned now, the live state is S_R
         marks["local"] = time.time()
         ctx.form_pairs(recovery_pairs(plan), deadline)  # every rank, the same list: each forms its own
         transport = ctx.new_transport(0)
-        ops.faults.fire(R, "recover_params")
+        self.faults.fire(R, "recover_params")
         local = self._transfer_params(plan, transport, live)
         marks["params"] = time.time()
-        ops.faults.fire(R, "recover_optim")
+        self.faults.fire(R, "recover_optim")
         self._transfer_replicas(plan, transport, local)
         marks["optim"] = time.time()
         self._protect_and_meet(gen, R)
@@ -273,12 +278,13 @@ class RecoverySession:
         ops = self.ops
         ops.wrap(synced=True)
         self.rs.step = R
-        ops.faults.fire(R, "recover_reprotect")
+        self.faults.fire(R, "recover_reprotect")
         ops.start_protection(gen)
         ops.protect_now(R)
-        ops.protection.wait(R, self.ctx.check_generation)
-        ops.faults.fire(R, "recover_barrier")
-        rep = ops.replicator
+        protection = ops.protection  # started by protect_now
+        protection.wait(R, self.ctx.check_generation)
+        self.faults.fire(R, "recover_barrier")
+        rep = protection.replicator
         if rep is not None and rep.commit:  # S_R's commit point spans every rank (a tree on the pairs): the meet
             wait_sliced(lambda t: rep.wait_global(R, t), self.ctx.recovery_timeout, self.ctx.check_generation)
         else:  # no replication: a barrier of the world group (gloo's connects log2 N peers for it)
@@ -343,14 +349,19 @@ class RecoverySession:
                     snap = recv_snapshot(transport, plan.optim_src[j], timeout, step=R, resends=self.ctx.settings.resends)
                     shard, meta = snap.views()[0], snap.meta  # its own buffer; load_local copies it in
                 state.load_local(ops.objs, shard, local or {}, meta)
-                state.restore_envelope(meta, ops.objs)
-                self.rs.metas[R] = meta
-                self.live = (R, True)  # it holds S_R now: if this generation is abandoned, it is a survivor
+                self._installed(R, meta)
 
-    def _finish(self, gen: int, plan: Plan, live, marks: dict) -> None:
+    def _installed(self, R: int, meta: dict) -> None:
+        """A joiner installed S_R's state (sent by its peers): with its own envelope, it holds S_R now; if this
+        generation is abandoned, it is a survivor."""
+        state.restore_envelope(meta, self.ops.objs)
+        self.rs.metas[R] = meta
+        self.ctx.status.hold((R, True))
+
+    def _finish(self, gen: int, plan: Plan, live, marks: dict, resized: bool = False) -> None:
+        """Training goes on at S_R (``resized``: the world changed size, the old world's snapshots are dropped)."""
         ctx = self.ctx
-        self.ops.resumed(plan.step, plan.first_step)
-        self.ops.rs.reapply_scaler = state.scaler_tensors(self.ops.objs.scaler)  # what a reapply at R restores again
+        self.ops.resumed(plan.step, plan.first_step, resized)
         ctx.status.joined()
         ctx.delete_old_keys()
         t_end = time.time()

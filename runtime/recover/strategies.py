@@ -7,6 +7,7 @@ The recovery session (``recovery_session.RecoverySession``) asks its strategy (`
   (ZeRO, FSDP2 over every rank), or is it a plain recovery in the new world (DDP, HSDP, PP x DP)?
 - ``grow_from_dp_peer``: does a grow's joiner take everything from a DP peer holding its shard (HSDP, PP x DP), or
   from the survivor the plan names?
+- ``reparallelize``: the model parallelised on the new generation's mesh (a model PHOENIX parallelised);
 - ``rebuild_optimizer``: what is rebuilt on the new group before S_R is restored (ZeRO's optimizer);
 - ``restore_resized``: how a survivor rolls back to S_R in a resized world (FSDP2: its old shard kept aside);
 - ``install_from_peer``: what a grow's joiner loads of what its survivor sent (FSDP2: the buffers, the shards come
@@ -49,6 +50,10 @@ class RecoveryStrategy:
     parallelised = False  # PHOENIX applied the model's parallelism (FSDP2, HSDP, TP, a pipeline)
     same_parameters = True  # every rank holds the whole model, the same on all: the loop's end compares them
 
+    def reparallelize(self, ops: Any, gen: int) -> None:
+        """The recovery's first collective, every rank: the model parallelised on generation ``gen``'s mesh again
+        (nothing here: PHOENIX did not parallelise it)."""
+
     def rebuild_optimizer(self, ops: Any) -> None:
         """Before S_R is restored in a recovery of the same world: the optimizer on the new group (nothing here)."""
 
@@ -87,7 +92,18 @@ class Zero(RecoveryStrategy):
         ops.repartition_optimizer(lost)  # the lost ranks' partitions from their replicas (a shrink), then re-split
 
 
-class Fsdp(RecoveryStrategy):
+class Parallelised(RecoveryStrategy):
+    """A model PHOENIX parallelised (``parallel.Parallel``, ``pipeline.Pipeline``): its mesh is built again for
+    each generation, the model parallelised on it keeping this rank's live state."""
+
+    parallelised = True
+    same_parameters = False
+
+    def reparallelize(self, ops: Any, gen: int) -> None:
+        ops.reparallelize(gen)  # the new mesh's groups, then the model rebuilt on it (``ProtectedTraining``)
+
+
+class Fsdp(Parallelised):
     """FSDP2 (and TP+FSDP, a mesh builder's meshes) on PHOENIX's mesh: each rank holds its shard only; over every
     rank (``{"shard": N}``) a resize re-shards the parameters and the optimizer state over the new world, and under
     TP+FSDP (``{"shard": N, "tp": T}``, whole TP groups dropped or added) over its FSDP shards per TP coordinate."""
@@ -95,8 +111,6 @@ class Fsdp(RecoveryStrategy):
     name = "fsdp"
     shrinks = True
     sharded_resize = True
-    parallelised = True
-    same_parameters = False
 
     def restore_resized(self, ops: Any, R: int, live: tuple[int, bool], old_rank: int) -> dict:
         return {old_rank: ops.restore_resized(R, live)}  # the model is on the new mesh already: kept aside
@@ -109,7 +123,7 @@ class Fsdp(RecoveryStrategy):
         ops.reshard_state(held, old_world)  # every parameter and its optimizer state re-sharded over the new world
 
 
-class Hsdp(RecoveryStrategy):
+class Hsdp(Parallelised):
     """HSDP on PHOENIX's own mesh (``Parallel.whole_replicas``): a resize drops or adds whole replica groups and
     every rank keeps its shard: a shrink is a plain recovery in the new world, a grow's joiner takes everything from
     a DP peer."""
@@ -117,8 +131,6 @@ class Hsdp(RecoveryStrategy):
     name = "hsdp"
     shrinks = True
     grow_from_dp_peer = True
-    parallelised = True
-    same_parameters = False
 
 
 class Pipeline(Hsdp):
