@@ -121,15 +121,16 @@ def test_a_generations_bump_costs_no_central_read_but_the_agents_watchers_and_no
             ranks += [ControlThread(RankStatus(), _rank_env(central.port, port, node, s, n_nodes * nproc)) for s in range(nproc)]
         wait_for(lambda: all(r.relayed and r._watcher is None for r in ranks), 60, "every rank relayed by its agent")
         wait_for(lambda: all(r.watcher.armed for r in relays), 30, "every agent's watcher armed")
-        time.sleep(0.5)  # a pass of each control thread since it switched (its last central read, if any, is done)
         # a bump ends the waits the ranks' central watchers were blocked in when their relay took over: do it once first
         _publish(central, 1)
         wait_for(lambda: all(r.latest_gen == 1 for r in ranks), 20, "generation 1 seen by every rank")
-        time.sleep(0.5)
+        # each watcher's wait returned for that bump before its ranks saw it: armed again, it is blocked in the next
+        wait_for(lambda: all(r.watcher.armed for r in relays), 20, "every agent's watcher armed again")
         log.clear()
         _publish(central, 2)
         wait_for(lambda: all(r.latest_gen == 2 for r in ranks), 20, "generation 2 seen by every rank")
-        time.sleep(0.3)  # nothing else follows
+        wait_for(lambda: all({"compare_set", "wait"} <= {c[0] for c in log if c[1] == f"agent node{i}"} for i in range(n_nodes)),
+                 20, "every agent's watcher read the bump and waits for the next")
         calls = list(log)
         assert not [c for c in calls if c[1].startswith("rank")], f"a rank read the central store at a bump: {calls}"
         for i in range(n_nodes):
@@ -162,7 +163,8 @@ def test_a_generations_bump_costs_no_central_read_but_the_agents_watchers_and_no
         protocol.Queue(central, protocol.q_rank("node1", 1)).put(protocol.RankFault("comm", None))
         protocol.notify_ranks(central, queued=True)  # as the injection does: the bump carries nothing
         wait_for(lambda: seen, 20, "the fault read by its rank")
-        time.sleep(0.3)
+        wait_for(lambda: all({"compare_set", "multi_get", "wait"} <= {c[0] for c in log if c[1] == f"agent node{i}"}
+                             for i in range(n_nodes)), 20, "every relay read its batch and waits for the next bump")
         readers = {c[1] for c in log if c[1].startswith("rank")}
         assert readers == {"rank node1/1"} and seen[0]["mode"] == "comm", (readers, seen)
         for i in range(n_nodes):  # each relay read its batch: the queues' counters are in it
