@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from phoenix_launch.detect.agent import Agent
@@ -92,17 +93,23 @@ def test_a_rank_heartbeats_into_its_agents_local_store_served_late(secret):
     stop = threading.Event()
     link = control.LocalStoreLink(sock.getsockname()[1], stop)
     try:
-        time.sleep(1.5)  # the rank is connecting; nothing serves yet
+        port, deadline = sock.getsockname()[1], time.monotonic() + 20
+        while not any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+                      for c in psutil.Process().net_connections("tcp")):  # in the backlog: nothing serves yet
+            assert time.monotonic() < deadline, "the rank never began connecting to its agent's store"
+            time.sleep(0.02)
         assert link.store is None and not link.put("x", "y")
         local, _ = start_store("127.0.0.1", sock=sock)
-        deadline = time.monotonic() + 20
         while link.store is None:
             assert time.monotonic() < deadline, "the rank never connected to its agent's store"
             time.sleep(0.05)
         key = protocol.k_rank_hb("n0", 0)
         assert link.put(key, json.dumps({"t": 1.0, "step": 3, "pid": 11}))
         agent = SimpleNamespace(local=local, node="n0", nproc=2)
-        beats = Agent.read_beats(agent)  # type: ignore[arg-type]
+        # a store's set is not answered: the agent's own connection sees it once the server has read it
+        while 0 not in (beats := Agent.read_beats(agent)):  # type: ignore[arg-type]
+            assert time.monotonic() < deadline, "the rank's heartbeat never reached its agent's store"
+            time.sleep(0.02)
         assert beats[0].step == 3 and 1 not in beats
     finally:
         stop.set()
