@@ -238,6 +238,35 @@ def breakdowns(run_dir: Path, gen: int) -> dict[int, dict]:
     return out
 
 
+STAGES = ("arrived", "every rank arrived", "default group formed", "process groups formed", "plan:", "resumed at")
+STAGE = re.compile(r"^\[phoenix (\d\d:\d\d:\d\d\.\d{3}) rank (\d+)\] generation (\d+): (" + "|".join(STAGES) + ")")
+
+
+def critical_path(run_dir: Path, gen: int) -> dict[str, tuple[float, float]]:
+    """The recovery's critical path as the ranks lived it: for each stage of generation ``gen`` (a rank arrived,
+    saw every rank arrive, formed torch's group, formed its pairs, read the plan, resumed), (the first rank's, the
+    last rank's) time after the kill (kill-node's ``injected`` event), from their log lines. Each stage begins only once
+    the one before it ended on the ranks it waits for: the last rank's column is the path, the spread between
+    the two columns is how far apart the ranks run (on 2 cores, N ranks queue for them)."""
+    evs = events(run_dir)
+    kill = next((e["t"] for e in evs if e["type"] == "injected"), None)  # kill-node's SIGKILL
+    kill = kill if kill is not None else next((e["t"] for e in evs if e["type"] == "failure"), None)
+    if kill is None:
+        return {}
+    k = datetime.fromtimestamp(kill)
+    k_s = k.hour * 3600 + k.minute * 60 + k.second + k.microsecond / 1e6
+    seen: dict[str, list[float]] = {}
+    for f in sorted((run_dir / "logs").glob("*/*.log")):
+        if f.name == "agent.log":
+            continue
+        for line in f.read_text(errors="replace").splitlines():
+            m = STAGE.match(line)
+            if m and int(m[3]) == gen:
+                t = datetime.strptime(m[1], "%H:%M:%S.%f")
+                seen.setdefault(m[4], []).append((t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6 - k_s) % 86400)
+    return {st: (min(v), max(v)) for st in STAGES if (v := seen.get(st))}
+
+
 def opened(before: dict, after: dict) -> dict[str, int]:
     """Node -> the connections to other ranks its rank holds after the recovery that it did not hold before (the
     spare's rank: all of them): what the recovery and its first steps opened."""
@@ -275,8 +304,9 @@ def measure(td: Path, n: int, rep: int, a) -> dict:
         wait(lambda: job.alive() or job.steps() >= after_step + a.warm_steps, 300, f"N={n}: no training after recovery in 300 s")
         after = sample(job, store_port)
         per = breakdowns(job.run_dir, 1)
+        path = critical_path(job.run_dir, 1)
         return {"n": n, "rec": rec, "before": before, "after": after, "forms": formation(job.run_dir), "spare": spare,
-                "step_at_kill": step_at_kill, "load": uptime, "cpu": cpu, "opened": opened(before, after), "steady_s": steady,
+                "step_at_kill": step_at_kill, "load": uptime, "path": path, "cpu": cpu, "opened": opened(before, after), "steady_s": steady,
                 "cpu_per_rank": [b.get("cpu_s", 0.0) for b in per.values()],
                 "thread_cpu_per_rank": [b.get("thread_cpu_s", 0.0) for b in per.values()],
                 "wall_per_rank": [sum(b.get(p, 0.0) for p in PHASES if p != "detect_s") for b in per.values()],
@@ -394,9 +424,30 @@ def print_per_rank(res: list[dict]) -> None:
         fs = {n: med([r["rec"]["total_s"] - r["rec"]["recovered_s"] for r in res if r["n"] == n]) for n in (lo, hi)}
         print(f"  of kill -> first step, the first step after the recovery: {fs[lo]:.3f} s at N={lo}, {fs[hi]:.3f} s at N={hi}; "
               f"a steady step before the kill (its own time at that N on these cores): {st[lo]:.3f} / {st[hi]:.3f} s")
+        tot = {n: med([r["rec"]["total_s"] for r in res if r["n"] == n]) for n in (lo, hi)}
+        print(f"  kill -> first step in steady steps of its own N (this machine's 2 cores make a step of N={hi} "
+              f"{st[hi] / st[lo]:.2f}x one of N={lo}): {tot[lo] / st[lo]:.2f} at N={lo}, {tot[hi] / st[hi]:.2f} at N={hi}, "
+              f"{(tot[hi] / st[hi]) / (tot[lo] / st[lo]):.2f}x (a normalisation of this bench's, not the issue's target)")
         a, b = rows[lo][4], rows[hi][4]
         print(f"  of the CPU, the recovering thread's own: N={hi} / N={lo} = {b / a if a else float('nan'):.2f}x (the rest is the "
               "rank's other threads while it waits: it grows with the recovery's wall time, i.e. with this machine's load)")
+
+
+def print_path(res: list[dict]) -> None:
+    """``critical_path`` per N (median over repeats): each stage's last rank, and in brackets its first, seconds
+    after the kill; then the first step after the recovery (the ``recovery`` event's total)."""
+    ns = sorted({r["n"] for r in res})
+    print("\nthe recovery's critical path, s after the kill: the last rank to reach each stage (the first in brackets)")
+    print(f"{'N':>4s} " + " ".join(f"{st.rstrip(':'):>24s}" for st in STAGES) + f" {'first step done':>16s}")
+    for n in ns:
+        rs = [r for r in res if r["n"] == n and r.get("path")]
+        if not rs:
+            continue
+        cells = []
+        for st in STAGES:
+            got = [r["path"][st] for r in rs if st in r["path"]]
+            cells.append(f"{med([b for _, b in got]):.3f} ({med([a for a, _ in got]):.3f})" if got else "-")
+        print(f"{n:4d} " + " ".join(f"{c:>24s}" for c in cells) + f" {med([r['rec']['total_s'] for r in rs]):16.3f}")
 
 
 def print_runq(res: list[dict]) -> None:
@@ -493,6 +544,9 @@ def write_json(res: list[dict], path: Path, commit: str, what: str = "", pure: l
         points.append({"ranks": n, "total_s": med([r["rec"]["total_s"] for r in rs]), "recovered_s": med([r["rec"]["recovered_s"] for r in rs]),
                        "reconfigure_s": med([r["rec"]["reconfigure_s"] for r in rs]), "repeats": len(rs),
                        "rank_cpu_s": med([r["rec"].get("rank_cpu_s") or 0.0 for r in rs]),
+                       # a rank's round trips to the central store in its recovery (median over the ranks): N of them
+                       # are served one at a time by the store (simulate's central-store part)
+                       "store_calls": med([c for r in rs for c in r["calls_per_rank"]]) if any(r["calls_per_rank"] for r in rs) else None,
                        "date": date, "commit": commit, "cores": cores, "load1": med([r["load"][0] for r in rs])})
     doc = {"source": "bench/recovery_scale.py", "date": date, "commit": commit, "cores": cores, "job": what, "points": points,
            "pure": pure or []}  # the plan and a rank's own ring at 1K-100K ranks, one process (print_pure_scale)
@@ -524,6 +578,7 @@ def main():
                     help="dp: DDP (examples/train_gpt.py, --optimizer); hsdp: HSDP N/2 x 2; pp-dp: PP 2 x DP N/2 "
                          "(examples/train_llama.py)")
     ap.add_argument("--json-out", type=Path, help="also write the per-N medians as JSON (for simulate --scale-from)")
+    ap.add_argument("--keep", type=Path, help="copy each run's folder (events, the ranks' logs) under this folder")
     a = ap.parse_args()
     ns = [4, 8] if a.quick else [int(x) for x in a.ranks.split(",")]
     reps = 1 if a.quick else a.repeats
@@ -544,6 +599,9 @@ def main():
                     failed.append((n, rep, str(e)[:300]))
                     continue
                 res.append(r)
+                if a.keep:
+                    shutil.copytree(Path(td) / f"n{n}-r{rep}", a.keep / f"n{n}-r{rep}", dirs_exist_ok=True,
+                                    ignore=shutil.ignore_patterns("*.sock"))
                 print(f"N={n} repeat {rep}: total {r['rec']['total_s']} s, reconfigure {r['rec']['reconfigure_s']} s, "
                       f"killed at step {r['step_at_kill']}, load {r['load'][0]:.2f} ({time.monotonic() - t0:.0f} s); "
                       "CPU s from the kill to the recovery event seen: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu"].items()),
@@ -551,6 +609,7 @@ def main():
     if res:
         print_table(res)
         print_per_rank(res)
+        print_path(res)
         print_sockets(res)
         print_fits(res)
     pure = print_pure_scale()

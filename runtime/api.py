@@ -23,6 +23,7 @@ import logging
 import torch
 
 from phoenix_runtime.plane.context import Context, init  # noqa: F401  (the public init)
+from phoenix_runtime.plane.groups import lazy_gloo
 from phoenix_runtime.parallel import Parallel, check_bare, make_optimizer
 from phoenix_runtime.pipeline import Pipeline
 from phoenix_runtime.state import LoopObjects, name_by_shard
@@ -117,7 +118,9 @@ def build_mesh(ctx, par: Parallel) -> None:
     def attempt(gen: int) -> None:
         if gen != ctx.gen:  # the generation formed in init() was abandoned: form the next one first
             ctx.form_first(gen)
-        par.build_mesh(ctx.gen)
+        with lazy_gloo(ctx.backend == "gloo"):  # its groups connect their rings (add_groups), not every pair
+            par.build_mesh(ctx.gen)
+        ctx.add_groups(par.groups(), lazy=True)  # their rings connected now, while every rank is alive
 
     def cleanup() -> None:
         ctx.abort_groups()

@@ -24,6 +24,7 @@ from phoenix_runtime.plane import protocol
 from phoenix_runtime import elastic_batch, pipeline, state, zero
 from phoenix_runtime.plane.context import Context, GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.control import control
+from phoenix_runtime.plane.groups import lazy_gloo
 from phoenix_runtime.device_steps import DeviceSteps, bit_identity_gaps, cuda_event_factory, stream_probe
 from phoenix_runtime.faults import FaultInjector
 from phoenix_runtime.layout import Layout
@@ -262,10 +263,9 @@ class ProtectedTraining:
         return state.local_named(self.objs.module, self.objs.optimizer, self.replicated, state.scaler_tensors(self.objs.scaler) if buffers is None else buffers, params=not self.params_sharded)
 
     def reparallelize(self, gen: int) -> None:
-        """Generation ``gen``'s DeviceMesh, and the model parallelised on it again (the old one holds the old
-        process groups), keeping this rank's live state; the optimizer is re-bound in place. Collective (the
-        mesh's groups): every rank at the start of a recovery, before any other collective; a joiner built its
-        generation's in ``protect()``."""
+        """Generation ``gen``'s DeviceMesh, and the model parallelised on it again (the old one holds the old groups),
+        keeping this rank's live state; the optimizer is re-bound in place. Collective (the mesh's groups): every
+        rank at the start of a recovery, before any other collective; a joiner built its generation's in ``protect()``."""
         if self.parallel is None or self.parallel.gen == gen:
             return
         reshard(self.objs.module)
@@ -275,8 +275,9 @@ class ProtectedTraining:
         resized = self.parallel.resize(self.ctx.world_size)  # a shrink or a grow: FSDP over the new world, HSDP's replicas
         self.replicated = self.parallel.replicated  # HSDP down to one replica: no peer holds a shard, it is replicated
         self.params_sharded = not self.replicated
-        self.model = self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
-        self.ctx.add_groups(self.parallel.groups())  # a newer generation aborts them too
+        with lazy_gloo(self.ctx.backend == "gloo"):  # the mesh's groups: their rings only (add_groups)
+            self.model = self.objs.module = self.parallel.rebuild(gen, self.objs.optimizer)
+        self.ctx.add_groups(self.parallel.groups(), lazy=True)  # a newer generation aborts them too; rings warmed
         self.pace.attach(*self.timed_modules())
         self._hook_stages()
         if resized:  # the old shard does not fit the new one: kept for restore_resized (until reshard_state ends:

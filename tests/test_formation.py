@@ -172,3 +172,25 @@ def test_a_ring_warm_up_whose_neighbour_hangs_fails_within_its_bound():
     got = json.loads(out.strip().splitlines()[-1])
     assert got["error"] is not None, (got, err[-2000:])
     assert timeout - 0.5 < got["took"] < timeout + WARM_GRACE_S + 3, got
+
+
+LAZY_MESH_SCRIPT = Path(__file__).parent / "scripts" / "lazy_mesh.py"
+
+
+@pytest.mark.timeout(180)
+def test_a_meshs_groups_connect_their_rings_not_every_pair():
+    """Issue 45: a generation's DeviceMesh is built lazily and its rings warmed (``Context.lazy_groups``,
+    ``add_groups(lazy=True)``): 8 real ranks, replicate 4 x shard 2 (HSDP's). Made, a rank holds no socket to
+    another rank (eagerly, each replicate group connected its 3 peers and the shard group its one); warmed, its
+    replicate ring's two neighbours and its shard peer; an all-reduce over the replicate group and an all-gather
+    over the shard group give the right values on them."""
+    n = 8
+    res = ranks_json(LAZY_MESH_SCRIPT, n, lambda r, port: [r, port], timeout=150)
+    for r, o in res.items():
+        reps = o["replicate_ranks"]
+        assert len(reps) == 4 and r in reps, o
+        assert o["sockets_made"] == 0, o  # eagerly: 3 + 1
+        assert [len(w) for w in o["warmed"]] == [2, 1] and o["sockets_warm"] == 3, o
+        assert o["replicate_sum"] == sum(reps), o
+        assert sorted(o["shard_gathered"]) == sorted({float(r), float(r ^ 1)}), o
+    assert {tuple(sorted(o["replicate_ranks"])) for o in res.values()} == {(0, 2, 4, 6), (1, 3, 5, 7)}

@@ -73,7 +73,7 @@ def test_one_recovery_aborts_each_group_once(monkeypatch):
     ctx = object.__new__(cmod.Context)
     ctx.status = cmod.RankStatus()
     ctx.status.gen, ctx.status.rank, ctx.status.world_size = 3, 0, 6
-    ctx.backend, ctx._warm, ctx._held, ctx.mpi_pairs = "gloo", [], {}, None
+    ctx.backend, ctx._warm, ctx._rings, ctx._held, ctx.mpi_pairs = "gloo", [], cmod.LazyRings(), {}, None
     ctx._lock, ctx._gen_seen, ctx._aborted, ctx._aborted_gen = threading.RLock(), threading.Event(), [], -1
     ctx.pairs = {1: _Group("pair1"), 2: _Group("pair2")}
     ctx.mesh_groups = [_Group("tp"), ctx.pairs[1]]  # a group listed twice is aborted once
@@ -204,3 +204,21 @@ def test_the_projection_adds_what_grows_with_n_inside_a_ranks_work():
     assert grown[10_000][0]["label"].startswith("scaled linearly from the measured 1,024 ranks")
     assert grown[100_000][0]["s"] == pytest.approx(0.5 * 100_000 / 102_400)
     assert rows[-1]["total_gloo_s"] == pytest.approx(without[-1]["total_gloo_s"] + (0.5 + 0.07) * 100_000 / 102_400)
+
+
+def test_the_projection_adds_the_central_stores_share_of_every_ranks_round_trips():
+    """Every rank's round trips to the one control-plane store in its recovery (flat in N a rank, measured by
+    recovery_scale.py) are served one at a time (its rate measured by store_reads.py): N x calls / rate, labelled
+    extrapolated, in both totals; left out (not guessed) when either measurement is missing."""
+    from phoenix_launch.simulate import parts
+
+    scale = {"points": [{"ranks": 4, "total_s": 0.5, "store_calls": 33}, {"ranks": 32, "total_s": 0.9, "store_calls": 36}]}
+    store = {"reads_per_s": 90_000.0, "commit": "abc"}
+    rows = parts.table((1_000, 100_000), [], scale, store)
+    central = {r["gpus"]: next(p for p in r["parts"] if p["part"].startswith("central store")) for r in rows}
+    assert central[100_000]["s"] == pytest.approx(100_000 * 36 / 90_000)  # the most a rank made at any N
+    assert central[1_000]["label"].startswith("extrapolated from two measurements: 1,000 ranks x 36 round trips")
+    assert rows[-1]["total_gloo_s"] == pytest.approx(0.5 + 40.0)
+    for missing in ({}, {"reads_per_s": None}):
+        assert not any(p["part"].startswith("central") for p in parts.table((1_000,), [], scale, missing)[0]["parts"])
+    assert not any(p["part"].startswith("central") for p in parts.table((1_000,), [], {"points": [{"ranks": 4, "total_s": 0.5}]}, store)[0]["parts"])

@@ -26,7 +26,7 @@ from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
 from phoenix_runtime.plane.store_keys import KeyRecorder, backoff
 from phoenix_runtime.plane.threads import wait_until
-from phoenix_runtime.plane.groups import abort_nccl, backend_of, lazy_gloo, nccl_eager, probe_order, set_timeout, warm_ring
+from phoenix_runtime.plane.groups import LazyRings, abort_nccl, backend_of, lazy_gloo, nccl_eager, probe_order, set_timeout, warm_ring
 from phoenix_runtime.protection.transport import close_pairs
 
 FATE_KEY = protocol.k_fate(0).rsplit("/", 1)[1]  # under a generation's process-group prefix: "go" or "cancel"
@@ -103,6 +103,7 @@ class Context:
         #: the GIL held, and a worker thread that frees a finished op's tensors waits for the GIL: a deadlock
         self._held: dict[int, tuple[list, list]] = {}
         self._warm: list[int] = []  # the default group's peers whose pairs are connected (``warm_ring``): the abort's probes
+        self._rings = LazyRings()  # the generation's lazily made mesh groups and their warmed peers (``add_groups``)
         self.timeout = timedelta(seconds=self.settings.collective_timeout_s)
         self.recovery_timeout = self.settings.recovery_timeout_s
         if torch.cuda.is_available():  # NCCL: one GPU per rank, or a one-line refusal (device_steps.device_index)
@@ -185,18 +186,13 @@ class Context:
                 self.abort_groups()
 
     def abort_groups(self) -> None:
-        """Make every pending op of this generation's groups fail at once, here and at the peers.
-
-        gloo's abort() alone does not fail a pending receive (torch 2.13); a receive whose
-        wait times out closes its pair, which fails every pending op on that pair on both sides. So each
-        peer's pair is closed that way first (a 1 ms wait on a reserved tag), then the group is aborted
-        (NCCL: ncclCommAbort).
-
-        Once per group: one recovery reaches here from the control thread (a newer generation), the step guard
-        (``ProtectedTraining.recover``), an injected fault and the recovery session; the first call aborts, a later
-        one aborts only what was formed since (a group the generation formed after it) and otherwise returns. A
-        call made while another thread aborts waits for it (the lock), so the groups are aborted when it returns
-        (NCCL: before ``destroy_groups`` destroys them)."""
+        """Make every pending op of this generation's groups fail at once, here and at the peers. gloo's abort()
+        alone does not fail a pending receive (torch 2.13); a receive whose wait times out closes its pair, which
+        fails every pending op on that pair on both sides: each peer's pair is closed that way first (a 1 ms wait on
+        a reserved tag), then the group is aborted (NCCL: ncclCommAbort). Once per group: one recovery reaches here
+        from the control thread (a newer generation), the step guard, an injected fault and the recovery session;
+        a later call aborts only what was formed since. A call made while another thread aborts waits for it (the
+        lock), so the groups are aborted when it returns (NCCL: before ``destroy_groups`` destroys them)."""
         with self._lock:
             world = dist.group.WORLD if dist.is_initialized() else None
             fresh = [t for t in self._transports if not self._seen_aborted(t)]
@@ -226,8 +222,8 @@ class Context:
             if any(g is p for p in pair_groups) or "nccl" not in backend_of(g, self.backend):
                 # the default group connects lazily: only the pairs its ring warm-up connected are probed (a probe on
                 # a pair not connected yet would wait in its connect, without a bound when the peer is dead)
-                lazy = g is dist.group.WORLD if dist.is_initialized() else False
-                close_pairs(g, self._warm if lazy else probe_order(g.rank(), g.size()))
+                warm = self._warm if dist.is_initialized() and g is dist.group.WORLD else self._rings.of(g)
+                close_pairs(g, warm if warm is not None else probe_order(g.rank(), g.size()))
             else:
                 nccl = True
         if nccl:
@@ -235,18 +231,24 @@ class Context:
         if skipped:
             log.debug(f"generation {self.gen}: {skipped} group(s) aborted already, not again")
 
-    def add_groups(self, groups) -> None:
+    def add_groups(self, groups, lazy: bool = False) -> None:
         """Groups built on this generation's (a DeviceMesh's sub-groups: TP, FSDP, HSDP's replicate): a newer
         generation aborts them with the others, so that a collective blocked on one fails at once (a rank whose
         sub-groups hold no lost rank is otherwise blocked until a surviving peer's collective times out). Groups
-        added after this generation was abandoned are aborted here."""
+        added after this generation was abandoned are aborted here. ``lazy``: made inside ``lazy_gloo`` (a mesh:
+        HSDP's replicate group would connect N / 2 - 1 peers a rank eagerly): their rings are warmed, outside the
+        lock (an abort is never held up by it)."""
         with self._lock:
             self.mesh_groups = list(groups)
             for g in self.mesh_groups:  # new_group's default is NCCL's 10 min: the collectives' own timeout, as WORLD's
                 set_timeout(g, self.timeout)
+            todo = self._rings.claim(self.mesh_groups, self.backend) if lazy and self.backend == "gloo" else []
             self.hold()
             if self._aborted_gen >= self.gen:
                 self._abort(self.mesh_groups)
+                return
+        if todo:
+            self._rings.warm(todo, timedelta(seconds=max(5.0, min(self.timeout.total_seconds(), self.recovery_timeout / 2))), self._lock)
 
     def new_transport(self, use: int):
         """A transport over this generation's ranks (``use``: 0 recovery transfers, 1 replication), or None
@@ -338,6 +340,7 @@ class Context:
             self.mpi_pairs = None
             self._transports = []
             self.mesh_groups = []
+            self._rings = LazyRings()
             self._aborted = []  # the next groups are new objects: each is aborted once again
 
     def _wait_all(self, last: bool, gen: int, deadline: float, pg_store: KeyRecorder) -> None:
@@ -400,11 +403,8 @@ class Context:
             raise GenerationAbandoned(f"generation {gen} abandoned")
 
     def _form_groups(self, gen: int, pg_store: KeyRecorder, deadline: float) -> None:
-        # Forming is bounded by half the recovery timeout, not by the collectives' timeout: a committed rank waits
-        # for a peer's address (lost after the commit) with this timeout, and must be free while the next
-        # generation (its deadline is a whole recovery timeout) can still form. The ranks all arrived already:
-        # this takes seconds. The listening side of gloo's connect does not honour this timeout (torch 2.13): a
-        # rank stranded there is only freed by the recovery deadline.
+        # Bounded by half the recovery timeout, not the collectives': a committed rank waits for a peer's address
+        # (lost after the commit) this long, and must be free while the next generation can still form.
         bound = min(self.timeout.total_seconds(), deadline - time.monotonic(), self.recovery_timeout / 2)
         forming = timedelta(seconds=max(5.0, bound))
         self._warm = []

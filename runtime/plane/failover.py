@@ -22,7 +22,9 @@ as after any failure during a recovery.
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import socket
 import threading
 import time
@@ -173,6 +175,16 @@ def _tcp(addr: tuple[str, int], timeout_s: float):
 
 #: this process's calls to the central store through every ``FailoverStore`` (a recovery's share: its breakdown)
 CALLS = [0]
+#: the same round trips by call and key kind (``kind_of``): what a recovery's calls are (its log line)
+CALLS_BY: collections.Counter = collections.Counter()
+
+
+def kind_of(name: str, args: tuple) -> str:
+    """``name`` and its key's kind: the key's path without its numbers (``wait phx/gen/*/pg/pair/*_*``)."""
+    key = args[0] if args else ""
+    if isinstance(key, (list, tuple)):
+        key = key[0] if key else ""
+    return f"{name} {re.sub(r'[0-9]+', '*', str(key))[:48]}"
 
 
 class FailoverStore(dist.Store):
@@ -260,6 +272,7 @@ class FailoverStore(dist.Store):
 
     def _call(self, name: str, *args: Any) -> Any:
         CALLS[0] += 1  # one round trip to the central store (a reconnect's own calls not counted)
+        CALLS_BY[kind_of(name, args)] += 1
         try:
             return self._guarded(name, *args)
         except dist.DistNetworkError as e:

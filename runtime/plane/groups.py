@@ -5,7 +5,8 @@ Which torch gives which path (read in torch 2.13's ``distributed_c10d.py`` and t
 - gloo, torch >= 2.6: ``TORCH_GLOO_LAZY_INIT`` read by each group's constructor: a pair connects at its first use
   (a connect to a peer that died fails at once when its port refuses, else within the group's timeout; a pending
   connect on the listening side is ended by ``close_pairs``'s probe). PHOENIX re-forms the world lazily each
-  generation: each rank connects its ring neighbours and its own groups' peers, not N - 1.
+  generation, and its DeviceMesh's groups: each rank connects its ring neighbours in each group it is in (and
+  what its collectives use at their first use), not N - 1, nor a group's size - 1 (HSDP's replicate group).
 - NCCL: ``device_id=`` creates the communicator at ``init_process_group`` (non-blocking: an abort reaches it);
   ``_abort_process_group()`` aborts every communicator in one ncclGroupStart/End. torch 2.13's ``shrink_group``
   (NCCL >= 2.27, ``ncclCommShrink``) can drop lost ranks without a new world communicator, but a hot-swap also
@@ -83,8 +84,9 @@ TAG_WARM = 32759  # a tag no other op uses (beside transport.TAG_ABORT): the rin
 
 @contextlib.contextmanager
 def lazy_gloo(on: bool = True):
-    """gloo groups made inside connect their pairs at first use (the default group); elsewhere eagerly (the mesh
-    groups: the layout's group sizes; the pairs: ``form_pairs``), unless the job set ``TORCH_GLOO_LAZY_INIT``."""
+    """gloo groups made inside connect their pairs at first use (the default group, a DeviceMesh's groups: their
+    rings are warmed after, ``warm_rings``); elsewhere eagerly (the pairs: ``form_pairs``, connected while both
+    members are alive), unless the job set ``TORCH_GLOO_LAZY_INIT``."""
     if not on or LAZY_GLOO in os.environ:
         yield
         return
@@ -104,23 +106,36 @@ def warm_ring(rank: int, size: int, timeout: timedelta) -> list[int]:
     alive: a byte to the next, one from the previous (each pair connects once, O(1) a rank, no chain across the
     job). DDP's all-reduce runs on them; and they are the pairs an abort probes: a probe that times out closes
     every pair of the group's gloo context, which frees a thread waiting in the lazy connect of another pair (whose
-    peer may be dead: gloo's listening side waits for it without a bound). Returns the peers connected.
+    peer may be dead: gloo's listening side waits for it without a bound). Returns the peers connected."""
+    if size < 2:
+        return []
+    return warm_rings([dist.group.WORLD], timeout)[0]
+
+
+def warm_rings(groups, timeout: timedelta) -> list[list[int]]:
+    """``warm_ring`` for each of ``groups`` (lazily connected gloo groups this rank is a member of: the default group,
+    a DeviceMesh's dimensions), all at once: each group's pairs to this rank's ring neighbours in it, in group
+    ranks. Every member of a group calls this for it (the mesh's groups are built on every rank alike). Returns,
+    per group, the group ranks connected (the abort's probes).
 
     Bounded by ``timeout`` plus ``WARM_GRACE_S``: a lazy pair connects inside ``isend`` itself, and gloo's listening
     side waits there for five times the group's timeout (torch 2.13's gloo, ``tcp::Pair::waitUntil``) when the peer
     died since it arrived; ``Work.wait``'s timeout does not reach it. The warm-up runs on a thread that is then left
     to the generation's abort (``FormationTimeout``)."""
-    if size < 2:
-        return []
-    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    rings = [(g, (g.rank() + 1) % g.size(), (g.rank() - 1) % g.size()) for g in groups]
     done: list[BaseException | None] = []
 
     def warm() -> None:
-        out, got = torch.zeros(1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
         try:
-            works = [dist.isend(out, nxt, tag=TAG_WARM), dist.irecv(got, prv, tag=TAG_WARM)]
+            works = []
+            for g, nxt, prv in rings:
+                if g.size() < 2:
+                    continue
+                out, got = torch.zeros(1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
+                works += [dist.isend(out, group=g, group_dst=nxt, tag=TAG_WARM),
+                          dist.irecv(got, group=g, group_src=prv, tag=TAG_WARM)]
             for w in works:
-                assert w is not None  # None only on a rank outside the group: this is the default group
+                assert w is not None  # None only on a rank outside the group: callers pass their own groups
                 w.wait(timeout)
             done.append(None)
         except BaseException as e:  # noqa: BLE001 -- raised on the forming thread below
@@ -130,8 +145,36 @@ def warm_ring(rank: int, size: int, timeout: timedelta) -> list[int]:
     t.start()
     t.join(timeout.total_seconds() + WARM_GRACE_S)
     if not done:
-        raise FormationTimeout(f"rank {rank}: the default group's ring (ranks {nxt} and {prv}) did not connect within "
+        which = ", ".join(f"ranks {nxt} and {prv} of a group of {g.size()}" for g, nxt, prv in rings)
+        raise FormationTimeout(f"rank {dist.get_rank()}: the ring warm-up ({which}) did not connect within "
                                f"{timeout.total_seconds() + WARM_GRACE_S:.0f} s: a neighbour is gone")
     if done[0] is not None:
         raise done[0]
-    return list(dict.fromkeys((nxt, prv)))
+    return [list(dict.fromkeys((nxt, prv))) if g.size() > 1 else [] for g, nxt, prv in rings]
+
+
+class LazyRings:
+    """A generation's lazily made mesh groups (``lazy_gloo``) and, for each, the group ranks its ring warm-up
+    connected: what an abort probes (``Context._abort``), as for the default group. A group not warmed yet has no
+    peer to probe: a probe on a pair not connected would wait in its connect (without a bound if the peer died)."""
+
+    def __init__(self):
+        self._peers: dict[int, list[int]] = {}  # id(group) -> warmed peers; the generation keeps its groups alive
+
+    def claim(self, groups, backend: str) -> list:
+        """The gloo groups of ``groups`` (the default group aside) not claimed yet, now claimed with no peer."""
+        world = dist.group.WORLD if dist.is_initialized() else None
+        todo = [g for g in dict.fromkeys(groups) if g is not world and id(g) not in self._peers and g.size() > 1
+                and "nccl" not in backend_of(g, backend)]
+        self._peers.update((id(g), []) for g in todo)
+        return todo
+
+    def warm(self, todo, timeout: timedelta, lock) -> None:
+        """``warm_rings`` on ``todo``; each group's peers recorded under ``lock`` (the caller's abort lock)."""
+        for g, peers in zip(todo, warm_rings(todo, timeout)):
+            with lock:
+                self._peers[id(g)] = peers
+
+    def of(self, group) -> list[int] | None:
+        """The warmed peers of ``group``, None for a group made eagerly (every pair may be probed)."""
+        return self._peers.get(id(group))

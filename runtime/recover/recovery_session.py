@@ -32,7 +32,7 @@ from phoenix_runtime.errors import FormationTimeout
 from phoenix_runtime.plane import protocol
 from phoenix_runtime import state
 from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableError
-from phoenix_runtime.plane.failover import CALLS
+from phoenix_runtime.plane.failover import CALLS, CALLS_BY
 from phoenix_runtime.rank_state import RankState, TrainingOps
 from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, _DpGroups, plan_for_layout, plan_grow, replayed_by
 from phoenix_runtime.protection.fingerprint import intact
@@ -59,7 +59,7 @@ def runq_wait_s() -> float:
 def recovery_marks() -> dict:
     """A recovery's start: wall time, this process's and this thread's CPU, run-queue wait and store calls so far."""
     return {"t0": time.time(), "cpu0": time.process_time(), "tcpu0": time.thread_time(), "runq0": runq_wait_s(),
-            "calls0": CALLS[0]}
+            "calls0": CALLS[0], "calls_by0": dict(CALLS_BY)}
 
 
 class RecoverySession:
@@ -383,6 +383,8 @@ class RecoverySession:
         }
         self.rs.stats["recoveries"].append({"gen": gen, "step": plan.step, **breakdown})
         log.info(f"generation {gen}: resumed at step {plan.step} ({breakdown})")
+        by = {k: n - marks.get("calls_by0", {}).get(k, 0) for k, n in CALLS_BY.items()}
+        log.info(f"generation {gen}: its store calls by kind: {dict(sorted((k, n) for k, n in by.items() if n))}")
         ctx.report(protocol.Recovered(gen=gen, step=plan.step, replayed=plan.replayed.get(ctx.rank, 0), joiner=live is None,
                                       breakdown=breakdown))
         ctx.status.enter("training")
