@@ -9,6 +9,9 @@ curve fitted to 32 processes sharing 2 cores (``--scale-from``).
 - rank work: one rank's recovery (forming its own groups, the plan, its transfers, the first step), measured by
   bench/recovery_scale.py at its smallest N, where every rank has a core: by design it does not grow with the job
   (each rank connects its own groups' peers, waits on O(1) keys), which the per-rank table of that bench checks.
+- central store: every rank's round trips to the control plane's one store in its recovery (the arrival, its pairs'
+  addresses, the plan), served one at a time: N x a rank's round trips (measured by bench/recovery_scale.py, flat in
+  N) / the store's requests a second (measured by bench/store_reads.py): extrapolated from those two measurements.
 - NCCL communicators: PHOENIX re-forms a generation's communicators with torch 2.13 (``runtime/plane/groups.py``):
   on NCCL that includes the world communicator, whose init at scale is published, not measured here: ~265 s at
   96K GPUs for stock NCCL (NCCLX paper summary, ANCHORS.md [S61]); no published figure at 1K / 10K.
@@ -24,6 +27,7 @@ from pathlib import Path
 from .measurements import MEASURED_SCALE_FILE
 
 FLEET_FILE = MEASURED_SCALE_FILE.parent / "fleet_latest.json"
+STORE_FILE = MEASURED_SCALE_FILE.parent / "store_reads.json"
 GPUS_PER_NODE = 8
 NCCL_INIT_PUBLISHED = (96_000, 265.0, "published: stock NCCL communicator init ~265 s at 96K GPUs (NCCLX paper, ANCHORS.md S61)")
 FT_HSDP_S = 180.0  # FT-HSDP (Meta): the stall at O(100K) GPUs, 10 min -> 3 min (ANCHORS.md S34)
@@ -41,8 +45,9 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def parts_at(gpus: int, fleet: list[dict], scale: dict) -> list[dict]:
-    """The parts of one recovery at ``gpus`` GPUs: name, seconds (None: no figure) and label. Pure."""
+def parts_at(gpus: int, fleet: list[dict], scale: dict, store: dict | None = None) -> list[dict]:
+    """The parts of one recovery at ``gpus`` GPUs (a rank each): name, seconds (None: no figure) and label. ``store``:
+    bench/store_reads.py's measured rate (the central store's part). Pure."""
     nodes = max(1, math.ceil(gpus / GPUS_PER_NODE))
     rows = sorted((r for r in fleet if r.get("started") and r.get("propagate_s") is not None), key=lambda r: r["n"])
     out = []
@@ -66,11 +71,24 @@ def parts_at(gpus: int, fleet: list[dict], scale: dict) -> list[dict]:
                     "label": f"measured per rank (bench/recovery_scale.py at {p['ranks']} ranks, {p.get('commit', '?')}); "
                              "its parts that grow with N below"})
     out.extend(_grows_with_n(gpus, scale))
+    out.extend(_central_store(gpus, pts, store or {}))
     g, s, label = NCCL_INIT_PUBLISHED
     out.append({"part": "NCCL world communicator (torch 2.13 re-forms it)", "s": s if gpus >= g * 0.5 else None,
                 "label": label if gpus >= g * 0.5 else "not published at this size (NCCL issue #1156: '2.5 min above "
                 "certain K GPUs'); 0 on gloo"})
     return out
+
+
+def _central_store(gpus: int, pts: list[dict], store: dict) -> list[dict]:
+    """The store's time serving every rank's recovery round trips: ``gpus`` x the most a rank made at any N measured
+    (flat in N) / the store's measured rate. None of it is in the rank work measured at small N."""
+    calls = max((p["store_calls"] for p in pts if p.get("store_calls")), default=None)
+    rate = store.get("reads_per_s")
+    if not calls or not rate:
+        return []
+    return [{"part": "central store: every rank's round trips, one at a time", "s": gpus * calls / rate,
+             "label": f"extrapolated from two measurements: {gpus:,} ranks x {calls:g} round trips a rank (recovery_scale.py) "
+                      f"/ {rate:,.0f} a second (store_reads.py, {store.get('commit', '?')})"}]
 
 
 def _grows_with_n(gpus: int, scale: dict) -> list[dict]:
@@ -90,6 +108,14 @@ def _grows_with_n(gpus: int, scale: dict) -> list[dict]:
              "label": f"{how} (recovery_scale.py's pure parts, one process)"}]
 
 
+def load_store(path: Path = STORE_FILE) -> dict:
+    """bench/data's store_reads.json ({} where missing or unreadable)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def load(fleet_path: Path = FLEET_FILE, scale_path: Path = MEASURED_SCALE_FILE) -> tuple[list[dict], dict]:
     """bench/data's fleet and recovery_scale files ([] / {} where missing or unreadable)."""
     def read(p: Path, empty):
@@ -101,14 +127,16 @@ def load(fleet_path: Path = FLEET_FILE, scale_path: Path = MEASURED_SCALE_FILE) 
     return (fleet.get("rows", []) if isinstance(fleet, dict) else fleet), read(scale_path, {})
 
 
-def table(sizes=(1_000, 10_000, 100_000), fleet: list[dict] | None = None, scale: dict | None = None) -> list[dict]:
+def table(sizes=(1_000, 10_000, 100_000), fleet: list[dict] | None = None, scale: dict | None = None,
+          store: dict | None = None) -> list[dict]:
     """Per size: its parts, the total on gloo (measured and extrapolated parts only) and with NCCL's published init,
     the paper's trend and FT-HSDP's figure where it has one."""
     if fleet is None or scale is None:
         fleet, scale = load()
+    store = load_store() if store is None else store
     out = []
     for g in sizes:
-        parts = parts_at(g, fleet, scale)
+        parts = parts_at(g, fleet, scale, store)
         # the "  of it" rows: what N adds to the rank work measured at small N (where they are negligible)
         gloo = sum(p["s"] for p in parts if p["s"] is not None and not p["part"].startswith("NCCL"))
         nccl = next((p["s"] for p in parts if p["part"].startswith("NCCL")), None)
