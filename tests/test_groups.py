@@ -222,3 +222,41 @@ def test_the_projection_adds_the_central_stores_share_of_every_ranks_round_trips
     for missing in ({}, {"reads_per_s": None}):
         assert not any(p["part"].startswith("central") for p in parts.table((1_000,), [], scale, missing)[0]["parts"])
     assert not any(p["part"].startswith("central") for p in parts.table((1_000,), [], {"points": [{"ranks": 4, "total_s": 0.5}]}, store)[0]["parts"])
+
+
+def test_a_rank_reads_its_own_rendezvous_keys_without_a_round_trip():
+    """gloo's rendezvous reads every member's address, its own included: a wait and a get of a key this rank just
+    wrote, 2 of a pair's 5 round trips on the one central store (issue 45: N ranks' round trips are served one at
+    a time). ``KeyRecorder`` answers them from what it wrote; a peer's key still goes to the store, and its
+    ``delete_used`` forgets both."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phoenix_runtime.plane.store_keys import KeyRecorder
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, []
+
+        def __getattr__(self, name):
+            def call(*a):
+                self.calls.append((name, a[0]))
+                return getattr(self.inner, name)(*a)
+            return call
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    inner = Counting(server)
+    mine, theirs = KeyRecorder(inner, stop=lambda: None), KeyRecorder(Counting(server), stop=lambda: None)
+    mine.set("pair/0_1//0/0", b"addr0")
+    theirs.set("pair/0_1//0/1", b"addr1")
+    inner.calls.clear()
+    mine.wait(["pair/0_1//0/0"], timedelta(seconds=5))
+    assert mine.get("pair/0_1//0/0") == b"addr0" and inner.calls == []  # its own: no round trip
+    mine.wait(["pair/0_1//0/1"], timedelta(seconds=5))
+    assert mine.get("pair/0_1//0/1") == b"addr1"
+    assert [c for c, _ in inner.calls] == ["check", "get"]  # the peer's: from the store
+    assert mine.delete_used() == 2 and not server.check(["pair/0_1//0/0"])
+    inner.calls.clear()
+    mine.set("pair/0_1//0/0", b"again")
+    assert mine.get("pair/0_1//0/0") == b"again"

@@ -42,6 +42,9 @@ class KeyRecorder(dist.Store):
         self.keys: set[str] = set()
         self.written: set[str] = set()
         self._present = threading.local()  # the keys this thread's last ``wait`` found (see ``get``)
+        # what this rank wrote, read back without a round trip: gloo's rendezvous reads every member's address, its
+        # own included (a wait and a get of its own key: 2 of a pair's 5 round trips, on the one central store)
+        self._mine: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
     def _used(self, key: str, wrote: bool = False) -> None:
@@ -52,7 +55,10 @@ class KeyRecorder(dist.Store):
 
     def set(self, key, value):
         self._used(key, True)
-        return self.inner.set(key, value)
+        out = self.inner.set(key, value)
+        with self._lock:  # after the write: a reader of the cache never sees a key the store lacks
+            self._mine[key] = value if isinstance(value, bytes) else str(value).encode()
+        return out
 
     def add(self, key, value):
         self._used(key, True)
@@ -64,6 +70,9 @@ class KeyRecorder(dist.Store):
 
     def get(self, key):
         self._used(key)
+        mine = self._mine.get(key)
+        if mine is not None:
+            return mine
         # gloo's rendezvous waits for each peer's key and then gets it: the key is there, the wait is not made
         # twice (at N ranks that is N - 1 polls fewer per rank and generation)
         if self.stop is not None and key not in getattr(self._present, "keys", ()):
@@ -81,6 +90,8 @@ class KeyRecorder(dist.Store):
         keys = list(keys)
         for key in keys:
             self._used(key)
+        if all(k in self._mine for k in keys):
+            return None  # written here: in the store already
         if self.stop is None:
             return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
         # Store.timeout is a pybind property torch's stubs leave out
@@ -112,7 +123,7 @@ class KeyRecorder(dist.Store):
         the one store, in the recovery's last phase)."""
         with self._lock:
             keys = sorted(k for k in self.keys if read_too or k in self.written or (read_prefix and k.startswith(read_prefix)))
-            self.keys, self.written = set(), set()
+            self.keys, self.written, self._mine = set(), set(), {}
         n = 0
         for key in keys:
             try:
