@@ -227,8 +227,8 @@ def test_the_projection_adds_the_central_stores_share_of_every_ranks_round_trips
 def test_a_rank_reads_its_own_rendezvous_keys_without_a_round_trip():
     """gloo's rendezvous reads every member's address, its own included: a wait and a get of a key this rank just
     wrote, 2 of a pair's 5 round trips on the one central store (issue 45: N ranks' round trips are served one at
-    a time). ``KeyRecorder`` answers them from what it wrote; a peer's key still goes to the store, and its
-    ``delete_used`` forgets both."""
+    a time). ``KeyRecorder`` answers them from what it wrote; a peer's key is read by the wait's own look (one
+    round trip, not a check and a get); ``delete_used`` forgets both."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -255,7 +255,11 @@ def test_a_rank_reads_its_own_rendezvous_keys_without_a_round_trip():
     assert mine.get("pair/0_1//0/0") == b"addr0" and inner.calls == []  # its own: no round trip
     mine.wait(["pair/0_1//0/1"], timedelta(seconds=5))
     assert mine.get("pair/0_1//0/1") == b"addr1"
-    assert [c for c, _ in inner.calls] == ["check", "get"]  # the peer's: from the store
+    assert [c for c, _ in inner.calls] == ["compare_set"]  # the peer's: read by the wait's one look, not check + get
+    inner.calls.clear()
+    with pytest.raises(dist.DistStoreError):  # a key nobody wrote: waited for, bounded, never created by the look
+        mine.wait(["pair/0_1//0/9"], timedelta(seconds=0.2))
+    assert not server.check(["pair/0_1//0/9"]) and {c for c, _ in inner.calls} == {"compare_set"}
     assert mine.delete_used() == 2 and not server.check(["pair/0_1//0/0"])
     inner.calls.clear()
     mine.set("pair/0_1//0/0", b"again")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 # from 1 ms to a cap: the peers usually arrive within milliseconds of each other, and a rank that waits longer
 # (for a starting joiner) makes ~60 round trips a second, not ~300 at a steady 3 ms.
 POLL_MAX_S = 0.016
+ABSENT = "\x00phoenix-absent"  # a value no writer uses: a ``compare_set`` against it reads a key without writing it
 
 
 def backoff(pause: float, cap: float = POLL_MAX_S) -> float:
@@ -73,10 +74,16 @@ class KeyRecorder(dist.Store):
         mine = self._mine.get(key)
         if mine is not None:
             return mine
-        # gloo's rendezvous waits for each peer's key and then gets it: the key is there, the wait is not made
-        # twice (at N ranks that is N - 1 polls fewer per rank and generation)
-        if self.stop is not None and key not in getattr(self._present, "keys", ()):
+        # gloo's rendezvous waits for each peer's key and then gets it: the wait read its value already (one round
+        # trip where a check and a get were two)
+        if self.stop is not None:
+            got = getattr(self._present, "values", {}).get(key)
+            if got is not None:
+                return got
             self.wait([key])  # a key another rank writes: the wait stops if the generation is abandoned
+            got = getattr(self._present, "values", {}).get(key)
+            if got is not None:
+                return got
         return self.inner.get(key)
 
     def check(self, keys):
@@ -98,14 +105,23 @@ class KeyRecorder(dist.Store):
         limit = (timeout if timeout is not None else self.inner.timeout).total_seconds()  # type: ignore[attr-defined]
         deadline = time.monotonic() + limit if limit > 0 else float("inf")  # 0: no timeout (c10d's kNoTimeout)
         pause = 0.0
-        self._present.keys = ()
-        while not self.inner.check(keys):
+        self._present.values = {}
+        while not (got := self._poll(keys)):
             self.stop()
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(f"wait timeout after {limit:g} s for keys {keys}")
             pause = backoff(pause, 0.02)
-        self._present.keys = frozenset(keys)  # written once, never deleted while the generation lives
+        self._present.values = got if isinstance(got, dict) else {}  # written once, never deleted while the generation lives
         return None
+
+    def _poll(self, keys: list[str]) -> dict | bool:
+        """One look: a single key is read with it (``compare_set`` against a value no writer uses writes nothing
+        and returns the value if the key exists: {key: value}, or {}); several are checked (True or False)."""
+        if len(keys) != 1:
+            return self.inner.check(keys)
+        got = self.inner.compare_set(keys[0], ABSENT, ABSENT)
+        got = got if isinstance(got, bytes) else str(got).encode()
+        return {} if got == ABSENT.encode() else {keys[0]: got}
 
     def delete_key(self, key):
         return self.inner.delete_key(key)
