@@ -52,6 +52,7 @@ from torchtitan.trainer import Trainer
 
 import phoenix_runtime as phx
 from phoenix_runtime.errors import UsageError
+from phoenix_runtime.plane.groups import lazy_gloo
 from phoenix_titan import compat
 
 class TitanUsageError(UsageError, ValueError):
@@ -112,7 +113,11 @@ class PhoenixTrainer(Trainer):
         """torchtitan's ParallelDims of generation ``gen``, its meshes built on that generation's default group."""
         if self._dims_gen != gen:
             dims = ParallelDims.from_config(self.config.parallelism, dist.get_world_size())
-            dims.build_mesh()
+            # lazily, as PHOENIX builds every generation's mesh (phx.protect warms their rings): a joiner building
+            # its first one here must connect as the survivors, who rebuild theirs lazily (built eagerly, its
+            # new_group crashed in gloo: tests/test_titan.py)
+            with lazy_gloo(dist.get_backend() == "gloo"):
+                dims.build_mesh()
             self._dims, self._dims_gen = dims, gen
         return self._dims
 
