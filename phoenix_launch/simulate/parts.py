@@ -86,7 +86,7 @@ def _central_store(gpus: int, pts: list[dict], store: dict) -> list[dict]:
     rate = store.get("reads_per_s")
     if not calls or not rate:
         return []
-    return [{"part": "central store: every rank's round trips, one at a time", "s": gpus * calls / rate,
+    return [{"part": "central store (every rank's round trips, one by one)", "s": gpus * calls / rate,
              "label": f"extrapolated from two measurements: {gpus:,} ranks x {calls:g} round trips a rank (recovery_scale.py) "
                       f"/ {rate:,.0f} a second (store_reads.py, {store.get('commit', '?')})"}]
 
