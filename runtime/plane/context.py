@@ -236,8 +236,7 @@ class Context:
         generation aborts them with the others, so that a collective blocked on one fails at once (a rank whose
         sub-groups hold no lost rank is otherwise blocked until a surviving peer's collective times out). Groups
         added after this generation was abandoned are aborted here. ``lazy``: made inside ``lazy_gloo`` (a mesh:
-        HSDP's replicate group would connect N / 2 - 1 peers a rank eagerly): their rings are warmed, outside the
-        lock (an abort is never held up by it)."""
+        HSDP's replicate group would connect N / 2 - 1 peers a rank eagerly): rings warmed, outside the lock."""
         with self._lock:
             self.mesh_groups = list(groups)
             for g in self.mesh_groups:  # new_group's default is NCCL's 10 min: the collectives' own timeout, as WORLD's
@@ -248,7 +247,8 @@ class Context:
                 self._abort(self.mesh_groups)
                 return
         if todo:
-            self._rings.warm(todo, timedelta(seconds=max(5.0, min(self.timeout.total_seconds(), self.recovery_timeout / 2))), self._lock)
+            bound, gen = timedelta(seconds=max(5.0, min(self.timeout.total_seconds(), self.recovery_timeout / 2))), self.gen
+            self._rings.warm(todo, bound, self._lock, stop=lambda: self._check_gen(gen))  # a newer one: leave at once
 
     def new_transport(self, use: int):
         """A transport over this generation's ranks (``use``: 0 recovery transfers, 1 replication), or None

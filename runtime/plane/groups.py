@@ -20,7 +20,9 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -112,7 +114,7 @@ def warm_ring(rank: int, size: int, timeout: timedelta) -> list[int]:
     return warm_rings([dist.group.WORLD], timeout)[0]
 
 
-def warm_rings(groups, timeout: timedelta) -> list[list[int]]:
+def warm_rings(groups, timeout: timedelta, stop: Callable[[], None] = lambda: None) -> list[list[int]]:
     """``warm_ring`` for each of ``groups`` (lazily connected gloo groups this rank is a member of: the default group,
     a DeviceMesh's dimensions), all at once: each group's pairs to this rank's ring neighbours in it, in group
     ranks. Every member of a group calls this for it (the mesh's groups are built on every rank alike). Returns,
@@ -121,7 +123,9 @@ def warm_rings(groups, timeout: timedelta) -> list[list[int]]:
     Bounded by ``timeout`` plus ``WARM_GRACE_S``: a lazy pair connects inside ``isend`` itself, and gloo's listening
     side waits there for five times the group's timeout (torch 2.13's gloo, ``tcp::Pair::waitUntil``) when the peer
     died since it arrived; ``Work.wait``'s timeout does not reach it. The warm-up runs on a thread that is then left
-    to the generation's abort (``FormationTimeout``)."""
+    to the generation's abort (``FormationTimeout``). ``stop()`` is called while it waits and may raise (the
+    generation was abandoned): a send to a peer that left the generation before its receive waits out the timeout,
+    and an abort does not end it (a lazily made group's abort probes no pair before its ring is warm)."""
     rings = [(g, (g.rank() + 1) % g.size(), (g.rank() - 1) % g.size()) for g in groups]
     done: list[BaseException | None] = []
 
@@ -143,7 +147,11 @@ def warm_rings(groups, timeout: timedelta) -> list[list[int]]:
 
     t = threading.Thread(target=warm, name="phoenix-warm-ring")  # not a daemon: gloo's bound ends it
     t.start()
-    t.join(timeout.total_seconds() + WARM_GRACE_S)
+    end = time.monotonic() + timeout.total_seconds() + WARM_GRACE_S
+    while t.is_alive() and time.monotonic() < end:
+        t.join(min(0.05, max(0.0, end - time.monotonic())))
+        if t.is_alive():
+            stop()
     if not done:
         which = ", ".join(f"ranks {nxt} and {prv} of a group of {g.size()}" for g, nxt, prv in rings)
         raise FormationTimeout(f"rank {dist.get_rank()}: the ring warm-up ({which}) did not connect within "
@@ -169,9 +177,10 @@ class LazyRings:
         self._peers.update((id(g), []) for g in todo)
         return todo
 
-    def warm(self, todo, timeout: timedelta, lock) -> None:
-        """``warm_rings`` on ``todo``; each group's peers recorded under ``lock`` (the caller's abort lock)."""
-        for g, peers in zip(todo, warm_rings(todo, timeout)):
+    def warm(self, todo, timeout: timedelta, lock, stop: Callable[[], None]) -> None:
+        """``warm_rings`` on ``todo`` (``stop`` as there); each group's peers recorded under ``lock`` (the caller's
+        abort lock)."""
+        for g, peers in zip(todo, warm_rings(todo, timeout, stop)):
             with lock:
                 self._peers[id(g)] = peers
 
