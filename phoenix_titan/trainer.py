@@ -113,9 +113,9 @@ class PhoenixTrainer(Trainer):
         """torchtitan's ParallelDims of generation ``gen``, its meshes built on that generation's default group."""
         if self._dims_gen != gen:
             dims = ParallelDims.from_config(self.config.parallelism, dist.get_world_size())
-            # lazily, as PHOENIX builds every generation's mesh (phx.protect warms their rings): a joiner building
-            # its first one here must connect as the survivors, who rebuild theirs lazily (built eagerly, its
-            # new_group crashed in gloo: tests/test_titan.py)
+            # lazily, as PHOENIX builds every generation's mesh (phx.protect warms their rings): every member must
+            # make a group the same way, and a joiner builds its first one here while the survivors rebuild theirs
+            # (a gloo group made eagerly on one member and lazily on another crashes its new_group)
             with lazy_gloo(dist.get_backend() == "gloo"):
                 dims.build_mesh()
             self._dims, self._dims_gen = dims, gen

@@ -101,8 +101,7 @@ def protect(model: torch.nn.Module, optimizer, *, ddp: dict | bool | None = None
         else:
             par = Parallel.create(parallelize, mesh, model, ctx.world_size, ctx.device, builder=mesh_builder)
         build_mesh(ctx, par)
-        model = par.apply(model, ctx.gen, local=ctx.formed_after_a_failure)
-        ctx.add_groups(par.groups())  # a newer generation aborts them too
+        model = par.apply(model, ctx.gen, local=ctx.formed_after_a_failure)  # on the mesh build_mesh registered
         optimizer = make_optimizer(optimizer, model)
         name_by_shard(optimizer, par.key_of)  # its state named by logical shard id, not position
         ddp = False
@@ -120,7 +119,7 @@ def build_mesh(ctx, par: Parallel) -> None:
             ctx.form_first(gen)
         with lazy_gloo(ctx.backend == "gloo"):  # its groups connect their rings (add_groups), not every pair
             par.build_mesh(ctx.gen)
-        ctx.add_groups(par.groups(), lazy=True)  # their rings connected now, while every rank is alive
+        ctx.add_groups(par.groups(), lazy=True)  # aborted with the generation; rings connected while every rank lives
 
     def cleanup() -> None:
         ctx.abort_groups()

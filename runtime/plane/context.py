@@ -412,7 +412,7 @@ class Context:
             dist.init_process_group(self.backend, store=pg_store, rank=self.rank, world_size=self.world_size, timeout=forming,
                                     **(nccl_eager(self.device) if self.backend == "nccl" else {}))
         if self.backend == "gloo":
-            self._warm = warm_ring(self.rank, self.world_size, forming)
+            self._warm = warm_ring(self.world_size, forming)
         dist.distributed_c10d._set_pg_timeout(self.timeout)  # formed: the collectives' own timeout from now on
         # gloo: the ring's two pairs connected (DDP's all-reduce uses them), the others at their first use
         log.info(f"generation {gen}: default group formed")  # the pair groups follow (bench/recovery_scale.py reads both)

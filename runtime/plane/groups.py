@@ -103,7 +103,7 @@ def lazy_gloo(on: bool = True):
 WARM_GRACE_S = 5.0
 
 
-def warm_ring(rank: int, size: int, timeout: timedelta) -> list[int]:
+def warm_ring(size: int, timeout: timedelta) -> list[int]:
     """Connect the default group's pairs to this rank's ring neighbours now, while every rank of the generation is
     alive: a byte to the next, one from the previous (each pair connects once, O(1) a rank, no chain across the
     job). DDP's all-reduce runs on them; and they are the pairs an abort probes: a probe that times out closes

@@ -42,7 +42,7 @@ class KeyRecorder(dist.Store):
         self.stop = stop  # called while a wait polls: raises to stop it (the generation was abandoned)
         self.keys: set[str] = set()
         self.written: set[str] = set()
-        self._present = threading.local()  # the keys this thread's last ``wait`` found (see ``get``)
+        self._present = threading.local()  # ``values``: what this thread's last one-key ``wait`` read (see ``get``)
         # what this rank wrote, read back without a round trip: gloo's rendezvous reads every member's address, its
         # own included (a wait and a get of its own key: 2 of a pair's 5 round trips, on the one central store)
         self._mine: dict[str, bytes] = {}
@@ -77,13 +77,12 @@ class KeyRecorder(dist.Store):
         # gloo's rendezvous waits for each peer's key and then gets it: the wait read its value already (one round
         # trip where a check and a get were two)
         if self.stop is not None:
-            got = getattr(self._present, "values", {}).get(key)
-            if got is not None:
-                return got
-            self.wait([key])  # a key another rank writes: the wait stops if the generation is abandoned
-            got = getattr(self._present, "values", {}).get(key)
-            if got is not None:
-                return got
+            values = getattr(self._present, "values", {})
+            if key not in values:
+                self.wait([key])  # a key another rank writes: the wait stops if the generation is abandoned
+                values = self._present.values
+            if key in values:
+                return values[key]
         return self.inner.get(key)
 
     def check(self, keys):

@@ -33,7 +33,7 @@ while psutil.pid_exists(pid) and psutil.Process(pid).status() not in gone and ti
     time.sleep(0.01)  # poll: the peer's process is gone (or stopped)
 t0 = time.monotonic()
 try:
-    warm_ring(rank, 2, timedelta(seconds=timeout_s))
+    warm_ring(2, timedelta(seconds=timeout_s))
     error = None
 except Exception as e:  # noqa: BLE001 -- reported to the test
     error = type(e).__name__
