@@ -254,7 +254,7 @@ class ProtectedTraining:
     def _abort_groups(self) -> None:
         """Abort the generation's groups (an injected comm fault), having first seen what the device completed."""
         self.device_steps.freeze()
-        self.ctx.abort_groups()
+        self.ctx.abort_groups(links=True)
 
     def shard_named(self, buffers: dict | None) -> list:  # the region replicated to k peers (state.shard_named)
         return state.shard_named(self.objs.optimizer, self.replicated, buffers, self.objs.module if self.params_sharded else None)

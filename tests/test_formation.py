@@ -66,7 +66,7 @@ def test_a_rank_connects_only_the_pairs_it_uses_not_every_rank():
     ``Context._form_groups``. Each holds one socket a ring or tree partner (at most 2k + 3) and two of the default
     group's, its ring neighbours' (the others connect at their first use, issue 45; it was N - 1 a rank), the ring and the commit
     barrier run on them, a peer without a pair is refused, a recovery's pairs are added for the ranks of its plan
-    only, and an abort fails the peer's pending receive at once."""
+    only, and an abort of a pair with an op in flight fails the peer's pending receive at once."""
     n, k = 8, 1
     res = ranks_json(PAIRS_SCRIPT, n, lambda r, port: [r, n, k, port], timeout=150)
     for r, o in res.items():
@@ -80,6 +80,30 @@ def test_a_rank_connects_only_the_pairs_it_uses_not_every_rank():
     assert "formed no pair group with rank 4" in (res[0]["missing_pair"] or ""), res[0]
     assert res[3]["from_5"] == 55
     assert res[3]["abort_failed_after_s"] is not None and res[3]["abort_failed_after_s"] < 10, res[3]
+
+
+KEEP_SCRIPT = Path(__file__).parent / "scripts" / "keep_pairs.py"
+
+
+@pytest.mark.timeout(150)
+def test_a_recovery_keeps_the_pairs_idle_on_both_sides_and_forms_only_the_others():
+    """Issue 45: a recovery re-forms only the groups the failure broke. 4 real ranks form a protected generation
+    (k = 1: each rank pairs with the 3 others) and use the pairs; rank 0 leaves a receive from rank 1 in flight;
+    every rank aborts and forms the next generation, the same ranks. The pair with an op in flight is closed by
+    the abort (rank 0's receive fails) and formed anew through the store by both its ranks; every other pair is
+    kept: no store key of its own in the new generation, the same group object, and one socket a pair as before.
+    The ring and the commit barrier run on the kept and the new pairs alike."""
+    n = 4
+    res = ranks_json(KEEP_SCRIPT, n, lambda r, port: [r, n, port], timeout=120)
+    for r, o in res.items():
+        closed = {0: [1], 1: [0]}.get(r, [])
+        assert o["peers"] == sorted(set(range(n)) - {r}), o
+        assert o["formed_in_store"] == closed, o
+        assert o["kept"] == sorted(set(o["peers"]) - set(closed)), o
+        assert o["sockets"] == len(o["peers"]) + 2, o  # one a pair (the closed one's gone); the default group's two
+        assert o["from_pred_1"] == 3 * ((r - 1) % n) and o["from_pred_2"] == 5 * ((r - 1) % n), o
+        assert o["form_2_s"] < 10, o  # the check of a pair its peer closed fails at once, not at its 10 s bound
+    assert "pair closure" in res[0]["pending"], res[0]
 
 
 CLOSE_SCRIPT = Path(__file__).parent / "scripts" / "close_world.py"

@@ -74,6 +74,7 @@ def test_one_recovery_aborts_each_group_once(monkeypatch):
     ctx.status = cmod.RankStatus()
     ctx.status.gen, ctx.status.rank, ctx.status.world_size = 3, 0, 6
     ctx.backend, ctx._warm, ctx._rings, ctx._held, ctx.mpi_pairs = "gloo", [], cmod.LazyRings(), {}, None
+    ctx._use, ctx._carry = cmod.PairUse(), (0, -1, {})
     ctx._lock, ctx._gen_seen, ctx._aborted, ctx._aborted_gen = threading.RLock(), threading.Event(), [], -1
     ctx.pairs = {1: _Group("pair1"), 2: _Group("pair2")}
     ctx.mesh_groups = [_Group("tp"), ctx.pairs[1]]  # a group listed twice is aborted once
@@ -82,7 +83,7 @@ def test_one_recovery_aborts_each_group_once(monkeypatch):
     ctx.settings, ctx.managed = types.SimpleNamespace(protect=True), True
     replicator = ctx.new_transport(1)  # the replicator's, on the generation's pairs
 
-    ctx.abort_groups()  # an injected comm fault (``FaultInjector.abort_links``)
+    ctx.abort_groups(links=True)  # an injected comm fault (``FaultInjector.abort_links``): every pair drops
     watcher = threading.Thread(target=ctx._on_gen_change, args=(4,))  # the control thread sees generation 4
     watcher.start()
     ctx.abort_groups()  # the step guard (``ProtectedTraining.recover``), racing the control thread
@@ -95,11 +96,15 @@ def test_one_recovery_aborts_each_group_once(monkeypatch):
     assert closed == {"pair1": 1, "pair2": 1, "tp": 1, "late": 1} and mpi.aborts == 1
     assert ctx._gen_seen.is_set()
 
-    ctx.status.gen, ctx.pairs = 4, {1: _Group("pair1 of generation 4")}  # the next generation's: new groups
+    ctx.status.gen, ctx.pairs = 4, {1: _Group("pair1 of generation 4"), 2: _Group("idle pair2 of generation 4")}
+    ctx._use.begin(ctx.pairs[1])  # an op in flight on it
     ctx.new_transport(1).abort()  # a replicator that failed on its own first: the generation's abort skips its pair
     ctx.abort_groups()
     ctx.abort_groups()
     assert closed["pair1 of generation 4"] == 1 and closed["pair1"] == 1
+    assert closed["idle pair2 of generation 4"] == 0  # nothing in flight: left open for the next generation to keep
+    ctx.destroy_groups()
+    assert list(ctx._carry[2]) == [2]
 
 
 GPT = str(EXAMPLES / "train_gpt.py")

@@ -24,24 +24,20 @@ from phoenix_runtime.plane.control import connect_store, control, start_control
 from phoenix_runtime.plane.rank_status import RankStatus, process_status
 from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
-from phoenix_runtime.plane.store_keys import KeyRecorder, backoff
+from phoenix_runtime.plane.store_keys import KeyRecorder
 from phoenix_runtime.plane.threads import wait_until
+from phoenix_runtime.plane.exchange import Exchange, GenerationAbandoned, desc_key, plan_key  # noqa: F401 -- re-exported
 from phoenix_runtime.plane.groups import LazyRings, abort_nccl, backend_of, lazy_gloo, nccl_eager, probe_order, set_timeout, warm_ring
-from phoenix_runtime.protection.transport import close_pairs
+from phoenix_runtime.protection.transport import PairUse, close_pairs
 
 FATE_KEY = protocol.k_fate(0).rsplit("/", 1)[1]  # under a generation's process-group prefix: "go" or "cancel"
 #: a wait for the fate, between two looks at a newer generation and the deadline (``Context._wait_all``): the
 #: supervisor's next generation writes "cancel" there (``GenerationPublisher.publish``), which ends the wait at once
 FATE_SLICE_S = 2.0
-KEY_SLICE_S = 0.5  # a wait for a recovery's plan or descriptors, between two looks at a newer generation
 
 
 class UnrecoverableError(RecoveryError, RuntimeError):
     """Recovery from memory is impossible (a shard lost with every replica, or no state at all)."""
-
-
-class GenerationAbandoned(RecoveryError, RuntimeError):
-    """The supervisor published a newer generation while this one was running or being formed."""
 
 
 log = logging.getLogger(__name__)
@@ -55,21 +51,11 @@ def _log_rank() -> int | None:
 logs.rank_source = _log_rank
 
 
-def desc_key(gen: int, rank: int) -> str:
-    """The store key of rank ``rank``'s recovery descriptor in generation ``gen`` (owned by the runtime)."""
-    return f"phx/gen/{gen}/desc/{rank}"
-
-
-def plan_key(gen: int) -> str:
-    """The store key of generation ``gen``'s recovery plan, written by its planner (``Context.plan_once``)."""
-    return f"phx/gen/{gen}/plan"
-
-
 def _status(name: str) -> property:
     return property(lambda self: getattr(self.status, name), doc=f"``status.{name}`` (``rank_status.RankStatus``)")
 
 
-class Context:
+class Context(Exchange):
     _layout = None  # (members, (world, tp, pp), Layout): ``layout()`` of the current membership
     # this rank's generation, read from its one status (``enter_generation`` advances it)
     gen, members, rank, world_size, joining, epoch = map(_status, ("gen", "members", "rank", "world_size", "joining", "epoch"))
@@ -84,6 +70,8 @@ class Context:
         self.status.start(env)
         self.node, self.slot = env.node, env.slot
         self.pairs: dict = {}  # this generation's gloo pair groups (pairs.py): peer -> the group of this rank and it
+        self._use = PairUse()  # what this generation's pairs are doing (their transports' ops in flight)
+        self._carry: tuple[int, int, dict] = (0, -1, {})  # (world, rank, pairs idle when it was left): ``form``'s to keep
         # runtime.transport: mpi: (recovery, replication) maps peer -> MPI communicator
         self.mpi_pairs: tuple[dict[int, object], dict[int, object]] | None = None
         self._transports: list = []  # this generation's transports (aborted with its groups)
@@ -185,7 +173,7 @@ class Context:
                 self._aborted_gen = self.gen
                 self.abort_groups()
 
-    def abort_groups(self) -> None:
+    def abort_groups(self, links: bool = False) -> None:
         """Make every pending op of this generation's groups fail at once, here and at the peers. gloo's abort()
         alone does not fail a pending receive (torch 2.13); a receive whose wait times out closes its pair, which
         fails every pending op on that pair on both sides: each peer's pair is closed that way first (a 1 ms wait on
@@ -198,7 +186,13 @@ class Context:
             fresh = [t for t in self._transports if not self._seen_aborted(t)]
             for t in fresh:  # MPI: pending ops are cancelled (a peer is not notified; its wait is bounded)
                 t.abort()
-            self._abort([*self.pairs.values(), world, *self.mesh_groups])
+            self._use.seal()  # no op is posted on a pair of this generation from now on
+            # a pair with an op in flight is closed (``links``: every one, an injected link fault); an idle one stays
+            # open: the next generation keeps it if its peer did too (``pairs.keep_pairs``)
+            busy = [g for g in self.pairs.values() if links or not self._use.idle(g)]
+            for g in busy:
+                self._use.close(g)
+            self._abort([*busy, world, *self.mesh_groups])
 
     def _seen_aborted(self, thing) -> bool:
         """``thing`` was aborted already since the groups were last destroyed; else it is marked so now."""
@@ -260,7 +254,7 @@ class Context:
             return GlooTransport() if use == 0 else None
         if self.mpi_pairs is None:
             with self._lock:
-                return PairTransport(self.pairs, self.rank, self.world_size, seen=self._seen_aborted, lock=self._lock)
+                return PairTransport(self.pairs, self.rank, self.world_size, seen=self._seen_aborted, lock=self._lock, use=self._use)
         t = MpiTransport(pairs=self.mpi_pairs[use], rank=self.rank, size=self.world_size)
         self._transports.append(t)
         return t
@@ -292,6 +286,10 @@ class Context:
             return
         end = deadline if deadline is not None else time.monotonic() + self.recovery_timeout
         bound = min(self.timeout.total_seconds(), end - time.monotonic(), self.recovery_timeout / 2)
+        world, rank, carried = self._carry  # the first pairs formed in a generation: those carried are kept or closed
+        self._carry = (0, -1, {})
+        if carried:
+            self._keep(carried if (world, rank) == (self.world_size, self.rank) else {}, carried, pairs, max(1.0, bound / 3))
         committed = self._committed
         self._committed = (self.gen, self._incarnation())
         try:  # eager: each pair connected now, while both ranks are alive (the transport's abort needs it connected)
@@ -301,6 +299,27 @@ class Context:
             self._committed = committed
         if formed:
             log.info(f"generation {self.gen}: pair groups with ranks {sorted(formed)} formed; pairs with {sorted(self.pairs)}")
+
+    def _keep(self, usable: dict, carried: dict, pairs, bound: float) -> None:
+        """Keep the ``usable`` pairs carried from the last generation (its world and this rank's number unchanged)
+        that ``pairs`` has and whose peer survived, when the peer kept them too (``keep_pairs``); close the rest."""
+        from phoenix_runtime.protection.pairs import keep_pairs, own_pairs
+
+        mine = {a if b == self.rank else b for a, b in own_pairs(pairs, self.rank)}
+        joiners = set(self.members.joiners) if self.members is not None else set()
+        want = {p: g for p, g in usable.items() if p in mine and p not in joiners and p not in self.pairs}
+        for p, g in carried.items():
+            if p not in want:
+                close_pairs(g, [1 - g.rank()])
+        if want:
+            with self._lock:  # registered first: this generation's abort closes them while they are checked
+                self.pairs.update(want)
+            kept = keep_pairs(want, self.rank, self.gen, self._use, bound)
+            with self._lock:
+                for p in set(want) - set(kept):
+                    self.pairs.pop(p, None)
+            log.info(f"generation {self.gen}: kept the pair groups with ranks {sorted(kept)}; "
+                     f"{len(want) - len(kept)} its peer closed, formed anew")
 
     def _gen_store(self) -> KeyRecorder:
         """This generation's process-group store (its keys are deleted with the generation)."""
@@ -336,6 +355,9 @@ class Context:
             except Exception:
                 pass
         with self._lock:
+            self._use.seal()  # an old transport posts nothing on a pair carried into the next generation
+            carry = {p: g for p, g in self.pairs.items() if self._use.idle(g)} if self.mpi_pairs is None else {}
+            self._carry, self._use = (self.world_size, self.rank, carry), PairUse()
             self.pairs = {}
             self.mpi_pairs = None
             self._transports = []
@@ -484,66 +506,6 @@ class Context:
         return wait_until(newer, timeout=self.recovery_timeout + self.settings.spare_wait_s, wake=self._gen_seen,
                           slice_s=lambda: 0.05 if self.managed and self.ctl.watching else 0.005,
                           what=f"a new generation after {after}")
-
-    def plan_once(self, gen: int, desc_json: str, deadline: float, plan: Callable[[list[str]], str],
-                  ranks: list[int] | None = None) -> str:
-        """Publish this rank's descriptor of generation ``gen``; the planner (the lowest of ``ranks``, default every
-        rank) reads them all, runs ``plan`` on them and publishes what it returns; every rank returns that. The
-        bytes read are O(N) in all (the planner's N descriptors, one plan each for the others; every rank reading
-        every descriptor would be ~200 bytes x N^2). The plan's key is the generation's barrier: it exists once
-        every descriptor does."""
-        planner = min(ranks) if ranks else 0
-        if self.rank == planner:
-            out = plan(self.exchange(gen, desc_json, deadline, ranks))
-            key = plan_key(gen)
-            protocol.put_value(self.store, key, out)
-            self._own_keys.append((gen, key))
-            log.info(f"generation {gen}: planned from {len(ranks) if ranks else self.world_size} descriptors; "
-                     f"the plan every other rank reads: {len(out)} bytes")
-            return out
-        key = desc_key(gen, self.rank)
-        protocol.put_value(self.store, key, desc_json)
-        self._own_keys.append((gen, key))
-        pause = 0.0
-        while True:
-            if self._wait_keys([plan_key(gen)], gen, deadline, f"no plan from rank {planner}"):
-                got = protocol.get_value(self.store, plan_key(gen))
-                if got is not None:  # a forged one is refused and waited past, as a missing one
-                    return got
-                pause = backoff(pause)
-
-    def exchange(self, gen: int, desc_json: str, deadline: float, ranks: list[int] | None = None) -> list[str]:
-        """Publish this rank's descriptor of generation ``gen`` and read everybody's (or ``ranks``'s; bounded; a
-        forged one is refused and waited past, as a missing one)."""
-        key = desc_key(gen, self.rank)
-        protocol.put_value(self.store, key, desc_json)
-        self._own_keys.append((gen, key))
-        keys = [desc_key(gen, r) for r in (range(self.world_size) if ranks is None else ranks)]
-        self._own_keys += [(gen, k) for k in keys if k != key]  # a dead rank's too: deleted with the generation
-        got: dict[str, str] = {}
-        pause = 0.0
-        while True:
-            missing = [k for k in keys if k not in got]
-            if self._wait_keys(missing, gen, deadline, "descriptors missing"):  # all there: one batch for all of them
-                got.update({k: v for k, v in protocol.get_values(self.store, missing, present=True).items() if v is not None})
-                if len(got) == len(keys):
-                    return [got[k] for k in keys]
-                pause = backoff(pause)
-
-    def _wait_keys(self, keys: list[str], gen: int, deadline: float, what: str) -> bool:
-        """Wait (bounded) until ``keys`` exist in the store: one blocking wait, answered when the last is written (a
-        round trip or two, however long it takes), a slice at a time so that a newer generation (raises
-        ``GenerationAbandoned``) and the deadline (``TimeoutError``) are seen. True once they exist."""
-        if self.latest_gen() > gen:
-            raise GenerationAbandoned(f"generation {gen} abandoned")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"generation {gen}: {what} after the recovery timeout")
-        try:
-            self.store.wait(keys, timedelta(seconds=min(KEY_SLICE_S, left)))
-            return True
-        except Exception:  # noqa: BLE001 -- the slice passed (DistStoreError): look at the generation again
-            return False
 
     def delete_old_keys(self) -> None:
         """Delete the store keys this rank wrote for generations before the current one: its descriptors, and

@@ -25,10 +25,12 @@ import threading
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from phoenix_runtime.errors import FormationTimeout
 from phoenix_runtime.protection.commit import tree_partners
+from phoenix_runtime.protection.transport import PairTransport, TransportError, close_pairs
 
 def pair(a: int, b: int) -> tuple[int, int]:
     return (a, b) if a < b else (b, a)
@@ -158,3 +160,40 @@ def pair_group(store, a: int, b: int, rank: int, timeout: timedelta):
 
 
 __all__ = ["PAIR_GRACE_S", "PairFormationTimeout", "pair", "pair_group", "steady_pairs", "recovery_pairs", "own_pairs", "form_pairs"]
+
+
+#: a tag no other op uses (beside ``transport.TAG_ABORT`` and ``groups.TAG_WARM``): the check of a kept pair
+TAG_KEEP = 32758
+
+
+def keep_pairs(carried: dict, rank: int, gen: int, use, timeout: float) -> dict:
+    """Of the pair groups ``carried`` into generation ``gen`` (peer -> group: both ranks survived, the pair idle
+    on this side when the old generation was abandoned), those its peer kept too, checked over the pair itself:
+    both ranks send ``gen`` and receive the other's, every pair's ops posted before any is waited for (no pair
+    waits for another). A pair its peer closed (an op was in flight there) fails at once, and both ranks form it
+    anew through the store; a kept one costs no round trip to the store (a formation costs 2 to 4, and a connect).
+    ``use``: the generation's ``PairUse`` (the checks are ops in flight: the generation's abort closes them). Each
+    wait is bounded by ``timeout`` s in all. Returns peer -> group of those kept; the others are closed."""
+    t = PairTransport(carried, rank, -1, use=use)
+    works = {}
+    for peer in sorted(carried):
+        mine, theirs = torch.tensor([gen], dtype=torch.int64), torch.full((1,), -1, dtype=torch.int64)
+        try:
+            works[peer] = (theirs, t.irecv(peer, theirs.view(torch.uint8), TAG_KEEP), t.isend(peer, mine.view(torch.uint8), TAG_KEEP))
+        except TransportError:
+            pass
+    end = time.monotonic() + timeout
+    kept = {}
+    for peer, (theirs, *ops) in works.items():
+        try:
+            for op in ops:
+                op.wait(max(0.001, end - time.monotonic()))
+        except TransportError:
+            continue
+        if int(theirs.item()) == gen:
+            kept[peer] = carried[peer]
+    for peer, g in carried.items():
+        if peer not in kept:
+            use.close(g)
+            close_pairs(g, [1 - g.rank()])
+    return kept

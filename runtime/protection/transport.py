@@ -91,27 +91,81 @@ class Transport(ABC):
 
 
 class _GlooWork(Work):
-    def __init__(self, work, what: str):
+    def __init__(self, work, what: str, done: Callable[[bool], None] | None = None):
         self._work = work
         self._what = what
+        self._done = done  # told once whether the op completed (``PairUse.end``)
+
+    def _end(self, ok: bool) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done(ok)
 
     def wait(self, timeout: float) -> None:
         ms = max(1, int(timeout * 1000))
         try:
             ok = self._work.wait(datetime.timedelta(milliseconds=ms))
         except Exception as e:  # gloo raises RuntimeError
+            self._end(False)
             raise TransportError(f"{self._what}: {str(e).splitlines()[0][:300]}") from e
         if ok is False:
+            self._end(False)
             raise TransportError(f"{self._what}: wait returned False")
+        self._end(True)
 
 
-def _post(op, buf: torch.Tensor, peer: int, tag: int, what: str) -> Work:
+def _post(op, buf: torch.Tensor, peer: int, tag: int, what: str, use: "PairUse | None" = None, group=None) -> Work:
     """A gloo group's ``send``/``recv`` (``op``) of ``buf`` with ``peer`` (its rank in that group); an error
-    raised while posting it becomes a ``TransportError`` that names ``what``."""
+    raised while posting it becomes a ``TransportError`` that names ``what``. With ``use``: counted in flight on
+    ``group`` until it is waited for."""
+    if use is not None:
+        use.begin(group)
     try:
-        return _GlooWork(op([buf], peer, tag), what)
+        return _GlooWork(op([buf], peer, tag), what, None if use is None else lambda ok: use.end(group, ok))
     except Exception as e:
+        if use is not None:
+            use.end(group, False)
         raise TransportError(f"{what}: {str(e).splitlines()[0][:300]}") from e
+
+
+class PairUse:
+    """What a rank's pair groups are doing: the ops posted on each and not waited for yet, and the pairs closed (a
+    wait failed, an abort closed it). Shared by the context and its ``PairTransport``s. When a generation is
+    abandoned, a pair with no op in flight is left open (``Context._abort``) and can be kept into the next
+    generation (``pairs.keep_pairs``): in gloo's protocol a send completes only once the peer posted its receive,
+    so a pair idle on both sides holds nothing of the old generation. ``seal()`` (the generation's abort): no op
+    is posted on its pairs any more, as on closed ones."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy: dict[Any, int] = {}  # group -> ops posted, not waited for
+        self._closed: set[Any] = set()
+        self._sealed = False
+
+    def begin(self, group) -> None:
+        with self._lock:
+            if self._sealed:
+                raise TransportError("the generation's pairs were aborted")
+            self._busy[group] = self._busy.get(group, 0) + 1
+
+    def end(self, group, ok: bool) -> None:
+        with self._lock:
+            self._busy[group] = self._busy.get(group, 1) - 1
+            if not ok:
+                self._closed.add(group)
+
+    def close(self, group) -> None:
+        with self._lock:
+            self._closed.add(group)
+
+    def seal(self) -> None:
+        with self._lock:
+            self._sealed = True
+
+    def idle(self, group) -> bool:
+        """No op in flight on ``group`` and never closed: nothing of this generation left on it, this side."""
+        with self._lock:
+            return self._busy.get(group, 0) == 0 and group not in self._closed
 
 
 class GlooTransport(Transport):
@@ -175,12 +229,13 @@ class PairTransport(Transport):
     not closed again when the replicator's teardown aborts this transport, nor the other way round."""
 
     def __init__(self, pairs: dict, rank: int, size: int, *, seen: Callable[[Any], bool] | None = None,
-                 lock: Any = None):
+                 lock: Any = None, use: PairUse | None = None):
         self.pairs = dict(pairs)
         self.rank, self.size = rank, size
         self._aborted = False
         self._lock = threading.Lock()
         self._seen, self._guard = seen, lock if lock is not None else contextlib.nullcontext()
+        self._use = use
 
     def _route(self, peer: int):
         """(the pair group with ``peer``, the peer's rank in it)."""
@@ -195,20 +250,26 @@ class PairTransport(Transport):
     def isend(self, dst: int, buf: torch.Tensor, tag: int) -> Work:
         group, peer = self._route(dst)
         what = f"send to rank {dst} (tag {tag}, {buf.numel()} B)"
-        return _post(group.send, buf, peer, tag, what)
+        return _post(group.send, buf, peer, tag, what, self._use, group)
 
     def irecv(self, src: int, buf: torch.Tensor, tag: int) -> Work:
         group, peer = self._route(src)
         what = f"recv from rank {src} (tag {tag}, {buf.numel()} B)"
-        return _post(group.recv, buf, peer, tag, what)
+        return _post(group.recv, buf, peer, tag, what, self._use, group)
 
     def abort(self) -> None:
+        """Closes the pairs with an op in flight (all of them without a ``PairUse``); an idle pair stays open for
+        the next generation (``pairs.keep_pairs``): no op of this transport is posted on it any more."""
         with self._lock:
             self._aborted = True
         with self._guard:
             for group in self.pairs.values():
+                if self._use is not None and self._use.idle(group):
+                    continue
                 if self._seen is None or not self._seen(group):
                     close_pairs(group, [1 - group.rank()])
+                    if self._use is not None:
+                        self._use.close(group)
 
 
 class _MpiWork(Work):

@@ -92,6 +92,7 @@ elif rank == 3:
 elif rank == 6:
     store.wait(["posted"])
     time.sleep(0.2)  # rank 3 waits in its recv by now (nothing here depends on it: a later abort fails it too)
+    t0.irecv(3, torch.zeros(1, dtype=torch.uint8), 12)  # in flight: the abort closes the pair (an idle one stays open)
     ctx.abort_groups()
 print(json.dumps(out), flush=True)
 barrier("done")
