@@ -286,10 +286,8 @@ class Context(Exchange):
             return
         end = deadline if deadline is not None else time.monotonic() + self.recovery_timeout
         bound = min(self.timeout.total_seconds(), end - time.monotonic(), self.recovery_timeout / 2)
-        world, rank, carried = self._carry  # the first pairs formed in a generation: those carried are kept or closed
-        self._carry = (0, -1, {})
-        if carried:
-            self._keep(carried if (world, rank) == (self.world_size, self.rank) else {}, carried, pairs, max(1.0, bound / 3))
+        if self._carry[2]:
+            self._keep(pairs, max(1.0, bound / 3))
         committed = self._committed
         self._committed = (self.gen, self._incarnation())
         try:  # eager: each pair connected now, while both ranks are alive (the transport's abort needs it connected)
@@ -300,16 +298,20 @@ class Context(Exchange):
         if formed:
             log.info(f"generation {self.gen}: pair groups with ranks {sorted(formed)} formed; pairs with {sorted(self.pairs)}")
 
-    def _keep(self, usable: dict, carried: dict, pairs, bound: float) -> None:
-        """Keep the ``usable`` pairs carried from the last generation (its world and this rank's number unchanged)
-        that ``pairs`` has and whose peer survived, when the peer kept them too (``keep_pairs``); close the rest."""
+    def _keep(self, pairs, bound: float) -> None:
+        """Of the pairs carried from the last generation, those in ``pairs`` (the rest wait for a later list of this
+        generation: a ``Training``'s layout's): kept when this rank's world and number are unchanged, the peer
+        survived and kept it too (``keep_pairs``); closed otherwise."""
         from phoenix_runtime.protection.pairs import keep_pairs, own_pairs
 
+        world, rank, carried = self._carry
         mine = {a if b == self.rank else b for a, b in own_pairs(pairs, self.rank)}
+        self._carry = (world, rank, {p: g for p, g in carried.items() if p not in mine})
         joiners = set(self.members.joiners) if self.members is not None else set()
-        want = {p: g for p, g in usable.items() if p in mine and p not in joiners and p not in self.pairs}
+        usable = (world, rank) == (self.world_size, self.rank)
+        want = {p: g for p, g in carried.items() if usable and p in mine and p not in joiners and p not in self.pairs}
         for p, g in carried.items():
-            if p not in want:
+            if p in mine and p not in want:
                 close_pairs(g, [1 - g.rank()])
         if want:
             with self._lock:  # registered first: this generation's abort closes them while they are checked
@@ -356,6 +358,8 @@ class Context(Exchange):
                 pass
         with self._lock:
             self._use.seal()  # an old transport posts nothing on a pair carried into the next generation
+            for g in self._carry[2].values():  # carried into this generation, never asked for: let go
+                close_pairs(g, [1 - g.rank()])
             carry = {p: g for p, g in self.pairs.items() if self._use.idle(g)} if self.mpi_pairs is None else {}
             self._carry, self._use = (self.world_size, self.rank, carry), PairUse()
             self.pairs = {}
