@@ -75,6 +75,7 @@ def test_one_recovery_aborts_each_group_once(monkeypatch):
     ctx.status.gen, ctx.status.rank, ctx.status.world_size = 3, 0, 6
     ctx.backend, ctx._warm, ctx._rings, ctx._held, ctx.mpi_pairs = "gloo", [], cmod.LazyRings(), {}, None
     ctx._use, ctx._carry = cmod.PairUse(), (0, -1, {})
+    ctx._use.gen = 3  # formed in generation 3 (``_form_groups``)
     ctx._lock, ctx._gen_seen, ctx._aborted, ctx._aborted_gen = threading.RLock(), threading.Event(), [], -1
     ctx.pairs = {1: _Group("pair1"), 2: _Group("pair2")}
     ctx.mesh_groups = [_Group("tp"), ctx.pairs[1]]  # a group listed twice is aborted once
@@ -105,6 +106,38 @@ def test_one_recovery_aborts_each_group_once(monkeypatch):
     assert closed["idle pair2 of generation 4"] == 0  # nothing in flight: left open for the next generation to keep
     ctx.destroy_groups()
     assert list(ctx._carry[2]) == [2]
+
+
+@pytest.mark.timeout(30)
+def test_a_newer_generation_seen_between_two_generations_does_not_seal_the_next_ones_pairs(monkeypatch):
+    """A joiner left generation 1 before it was formed and destroyed its groups; the control thread then saw generation
+    2 while the rank was still in generation 1: its abort sealed the pairs' book the rank had just made for
+    generation 2, and every transfer of generation 2 failed ("the generation's pairs were aborted": the hot-swap of
+    ``test_supervisor_lost_during_a_hot_swap`` ran into its 90 s recovery timeout). The book seals only once its
+    generation's groups are formed."""
+    import threading
+    import types
+
+    from phoenix_runtime.plane import context as cmod
+    from phoenix_runtime.protection.transport import TransportError
+
+    monkeypatch.setattr(cmod, "close_pairs", lambda g, peers: None)
+    ctx = object.__new__(cmod.Context)
+    ctx.status = cmod.RankStatus()
+    ctx.status.gen, ctx.status.rank, ctx.status.world_size = 1, 2, 4
+    ctx.backend, ctx._warm, ctx._rings, ctx._held, ctx.mpi_pairs = "gloo", [], cmod.LazyRings(), {}, None
+    ctx._lock, ctx._gen_seen, ctx._aborted, ctx._aborted_gen = threading.RLock(), threading.Event(), [], -1
+    ctx.pairs, ctx.mesh_groups, ctx._transports, ctx._use, ctx._carry = {}, [], [], cmod.PairUse(), (0, -1, {})
+    ctx.settings, ctx.managed = types.SimpleNamespace(protect=True), True
+    ctx.destroy_groups()  # generation 1 left before it was formed
+    ctx._on_gen_change(2)  # the control thread: generation 2, the rank still in 1
+    pair = _Group("pair of generation 2")
+    ctx._use.begin(pair)  # generation 2's transfers post on its pairs
+    ctx._use.end(pair, True)
+    ctx._use.gen = ctx.status.gen = 2  # formed (``_form_groups``); a newer generation seals it
+    ctx._on_gen_change(3)
+    with pytest.raises(TransportError, match="aborted"):
+        ctx._use.begin(pair)
 
 
 GPT = str(EXAMPLES / "train_gpt.py")

@@ -186,7 +186,8 @@ class Context(Exchange):
             fresh = [t for t in self._transports if not self._seen_aborted(t)]
             for t in fresh:  # MPI: pending ops are cancelled (a peer is not notified; its wait is bounded)
                 t.abort()
-            self._use.seal()  # no op is posted on a pair of this generation from now on
+            if self._use.gen == self.gen:  # not the next generation's, made by ``destroy_groups`` before it is formed
+                self._use.seal()  # no op is posted on a pair of this generation from now on
             # a pair with an op in flight is closed (``links``: every one, an injected link fault); an idle one stays
             # open: the next generation keeps it if its peer did too (``pairs.keep_pairs``)
             busy = [g for g in self.pairs.values() if links or not self._use.idle(g)]
@@ -433,7 +434,7 @@ class Context(Exchange):
         # (lost after the commit) this long, and must be free while the next generation can still form.
         bound = min(self.timeout.total_seconds(), deadline - time.monotonic(), self.recovery_timeout / 2)
         forming = timedelta(seconds=max(5.0, bound))
-        self._warm = []
+        self._warm, self._use.gen = [], gen
         with lazy_gloo(self.backend == "gloo"):  # no connection made here: the ring's two below, others at first use
             dist.init_process_group(self.backend, store=pg_store, rank=self.rank, world_size=self.world_size, timeout=forming,
                                     **(nccl_eager(self.device) if self.backend == "nccl" else {}))

@@ -134,9 +134,11 @@ class PairUse:
     abandoned, a pair with no op in flight is left open (``Context._abort``) and can be kept into the next
     generation (``pairs.keep_pairs``): in gloo's protocol a send completes only once the peer posted its receive,
     so a pair idle on both sides holds nothing of the old generation. ``seal()`` (the generation's abort): no op
-    is posted on its pairs any more, as on closed ones."""
+    is posted on its pairs any more, as on closed ones. ``gen``: the generation whose groups it follows, set when
+    they are formed (an abort seen between two generations, before the next one's groups exist, must not seal it)."""
 
     def __init__(self) -> None:
+        self.gen = -1
         self._lock = threading.Lock()
         self._busy: dict[Any, int] = {}  # group -> ops posted, not waited for
         self._closed: set[Any] = set()
