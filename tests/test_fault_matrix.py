@@ -216,7 +216,7 @@ def test_node_crash_at_step(tmp_path, failure_free, opt, step):
 
 @pytest.mark.parametrize("opt,step,phase,resume", rows("opt,step,phase,resume", [
     ("zero", 5, "begin", 3), ("zero", 8, "optimizer", 6), ("adamw", 7, "forward", 6), ("adamw", 1, "begin", 0)],
-    full={("adamw", 1, "begin", 0), ("adamw", 7, "forward", 6)}))
+    full={("adamw", 1, "begin", 0), ("adamw", 7, "forward", 6), ("zero", 5, "begin", 3)}))  # CI: a loss mid-cadence
 def test_protection_every_third_step(tmp_path, failure_free, opt, step, phase, resume):
     """runtime.protect_every: 3 (what the supervisor adapts to when the copy does not fit in a step): S_0, S_3,
     S_6... are protected, the steps between them are not; a node lost at any of them resumes at the last
@@ -253,7 +253,8 @@ def test_node_crash_in_step_phase(tmp_path, failure_free, opt, phase):
     assert_recovered(job, failure_free(opt, 2, 2))
 
 
-@pytest.mark.parametrize("opt,phase", rows("opt,phase", [("zero", "optimizer"), ("adamw", "begin")]))
+# CI: plain DDP, whose forward broadcasts rank 0's buffers (ZeRO's optimizer phase: test_node_crash_in_step_phase)
+@pytest.mark.parametrize("opt,phase", rows("opt,phase", [("zero", "optimizer"), ("adamw", "begin")], full={("zero", "optimizer")}))
 def test_node_of_rank0_lost(tmp_path, failure_free, opt, phase):
     """Rank 0's node lost: its replacement must resume with rank 0's own BatchNorm statistics (DDP
     broadcasts rank 0's buffers at every forward, so a peer's would spread to every rank)."""
