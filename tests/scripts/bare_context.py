@@ -20,3 +20,15 @@ def bare_context(rank: int, world: int, store, latest_gen: int = 1, gen: int = 1
     ctx.managed, ctx.store = True, store
     ctx.ctl = SimpleNamespace(latest_gen=latest_gen, watching=True)  # ``latest_gen()`` reads it
     return ctx
+
+
+def store_barrier(store, world: int, name: str, timeout: float = 60.0) -> None:
+    """Every one of ``world`` ranks reached ``name``, counted on ``store`` (the groups under test carry nothing)."""
+    import time
+
+    store.add(name, 1)
+    deadline = time.monotonic() + timeout
+    while int(store.add(name, 0)) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(name)
+        time.sleep(0.01)

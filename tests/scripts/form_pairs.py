@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import psutil
 import torch
 import torch.distributed as dist
-from bare_context import bare_context
+from bare_context import bare_context, store_barrier
 
 from phoenix_runtime.layout import Layout
 from phoenix_runtime.plane.store_keys import KeyRecorder
@@ -31,13 +31,7 @@ ctx._pg_stores = [(1, pg)]
 
 
 def barrier(name: str) -> None:
-    """Every rank reached ``name`` (on the store: the groups under test carry nothing here)."""
-    store.add(name, 1)
-    deadline = time.monotonic() + 60
-    while int(store.add(name, 0)) < world:
-        if time.monotonic() > deadline:
-            raise TimeoutError(name)
-        time.sleep(0.01)
+    store_barrier(store, world, name)
 
 
 def rank_sockets() -> int:

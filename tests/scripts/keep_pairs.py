@@ -15,7 +15,7 @@ from datetime import timedelta
 import psutil
 import torch
 import torch.distributed as dist
-from bare_context import bare_context
+from bare_context import bare_context, store_barrier
 
 from phoenix_runtime.plane.store_keys import KeyRecorder
 from phoenix_runtime.protection import commit
@@ -27,13 +27,7 @@ ctx = bare_context(rank, world, store, collective_timeout_s=60.0, recovery_timeo
 
 
 def barrier(name: str) -> None:
-    """Every rank reached ``name`` (on the store: the groups under test carry nothing here)."""
-    store.add(name, 1)
-    deadline = time.monotonic() + 60
-    while int(store.add(name, 0)) < world:
-        if time.monotonic() > deadline:
-            raise TimeoutError(name)
-        time.sleep(0.01)
+    store_barrier(store, world, name)
 
 
 def form(gen: int) -> KeyRecorder:
