@@ -333,6 +333,7 @@ class Context(Exchange):
         with self._lock:
             self.pairs[peer] = group
             if self._aborted_gen >= self.gen:
+                self._use.close(group)  # closed: not carried into the next generation
                 self._abort([group])
 
     def hold(self, *users) -> None:
