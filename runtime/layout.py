@@ -147,8 +147,11 @@ class Layout:
 
     def dp_group(self, rank: int) -> list[int]:
         """Ranks with the same (pp, tp) as ``rank``, ordered by dp index."""
-        first, stop, stride = self._dp_slice(rank)
-        return list(range(first, stop, stride))
+        return list(self.dp_range(rank))
+
+    def dp_range(self, rank: int) -> range:
+        """``dp_group`` as a range: O(1) to make and to look a rank up in, whatever the DP size."""
+        return range(*self._dp_slice(rank))
 
     def _dp_slice(self, rank: int) -> tuple[int, int, int]:
         """``rank``'s DP group as a slice of the ranks (start, stop, step): ``rank_of(pp, d, tp)`` for every d."""

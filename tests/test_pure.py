@@ -178,9 +178,9 @@ def test_the_planner_makes_the_dp_groups_of_the_joiners_only():
     from phoenix_runtime.recover.recovery import Outcome, plan_for_layout
 
     class Counting(Layout):
-        def dp_group(self, rank):
+        def dp_range(self, rank):
             asked.append(rank)
-            return super().dp_group(rank)
+            return super().dp_range(rank)
 
     asked: list[int] = []
     layout = Counting(64)

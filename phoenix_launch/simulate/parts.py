@@ -92,20 +92,36 @@ def _central_store(gpus: int, pts: list[dict], store: dict) -> list[dict]:
 
 
 def _grows_with_n(gpus: int, scale: dict) -> list[dict]:
-    """What of a rank's work grows with the job: the planner's plan over N descriptors (one rank) and a rank's ring
-    of its DP group (every rank, plain DP: the world), measured in one process at 1K / 10K / 100K ranks by
-    recovery_scale.py's pure parts; the size nearest ``gpus``, scaled linearly to it (both are O(N))."""
+    """What of a rank's work depends on the job's size: the plan made up a tree of ranks (a level's merge of 16
+    children's summaries, once per level of the tree, then the root's plan; from a bench of before the tree: the
+    planner's plan over N descriptors, O(N)) and a rank's ring of its DP group (every rank, plain DP: the world,
+    O(N)), measured in one process at 1K / 10K / 100K ranks by recovery_scale.py's pure parts; the size nearest
+    ``gpus``, scaled to it."""
     rows = [r for r in scale.get("pure", []) if r.get("ranks")]
     if not rows:
         return []
     near = min(rows, key=lambda r: abs(math.log(r["ranks"]) - math.log(gpus)))
     f = gpus / near["ranks"]
     how = "measured" if abs(f - 1) <= 0.1 else f"scaled linearly from the measured {near['ranks']:,} ranks"
-    return [{"part": "  of it, the plan over N descriptors (one rank)", "s": near["plan_s"] * f,
-             "label": f"{how} (recovery_scale.py's pure parts, one process; reading the descriptors' "
-                      f"{near.get('descriptors_mb', 0) * f:.1f} MB from the store not included)"},
-            {"part": "  of it, a rank's ring of its DP group (plain DP)", "s": near["pairs_s"] * f,
-             "label": f"{how} (recovery_scale.py's pure parts, one process)"}]
+    if "depth" in near:  # the tree: its depth at ``gpus``, each level's merge and the root's plan as measured
+        levels = tree_depth(gpus, near.get("fan", 16))
+        plan = {"part": f"  of it, the plan up a tree of ranks ({levels} levels)", "s": levels * near["merge_s"] + near["root_plan_s"],
+                "label": f"measured per level at {near['ranks']:,} ranks (recovery_scale.py's pure parts, one process; "
+                         f"a rank reads {near['read_kb']:g} kB; the levels' store round trips are in the central store's part)"}
+    else:
+        plan = {"part": "  of it, the plan over N descriptors (one rank)", "s": near["plan_s"] * f,
+                "label": f"{how} (recovery_scale.py's pure parts, one process; reading the descriptors' "
+                         f"{near.get('descriptors_mb', 0) * f:.1f} MB from the store not included)"}
+    return [plan, {"part": "  of it, a rank's ring of its DP group (plain DP)", "s": near["pairs_s"] * f,
+                   "label": f"{how} (recovery_scale.py's pure parts, one process)"}]
+
+
+def tree_depth(n: int, fan: int = 16) -> int:
+    """The levels under the root of a tree of ``n`` ranks with ``fan`` children each (``exchange.tree_children``)."""
+    depth, size = 0, 1
+    while size < n:
+        depth, size = depth + 1, size + fan ** (depth + 1)
+    return depth
 
 
 def load_store(path: Path = STORE_FILE) -> dict:

@@ -34,7 +34,8 @@ from phoenix_runtime import state
 from phoenix_runtime.plane.context import GenerationAbandoned, UnrecoverableError
 from phoenix_runtime.plane.failover import CALLS, CALLS_BY
 from phoenix_runtime.rank_state import RankState, TrainingOps
-from phoenix_runtime.recover.recovery import Course, Descriptor, Outcome, Plan, _DpGroups, plan_for_layout, plan_grow, replayed_by
+from phoenix_runtime.recover.recovery import (Course, Descriptor, NeedsDescriptors, Outcome, Plan, Summary, grow_summary,
+                                              plan_layout, replayed_by)
 from phoenix_runtime.protection.fingerprint import intact
 from phoenix_runtime.protection.pairs import recovery_pairs
 from phoenix_runtime.protection.protection import wait_sliced
@@ -132,32 +133,62 @@ class RecoverySession:
             self.faults.where(ctx.rank, gen)
             self.faults.fire(live[0] if live is not None else None, "recover_exchange")  # a joiner's step: not known yet
             ops.strategy.reparallelize(ops, gen)  # the mesh's groups: the generation's first collective, every rank
-        survivors = [r for r in range(ctx.world_size) if r not in lost] if lost else None
         # a salvage writes committed local snapshots only: the live state may be mid-step
         mine = self.descriptor(live, live_usable=not salvaging)
-        planned = ctx.plan_once(gen, mine.to_json(), deadline, ranks=survivors,
-                                plan=lambda got: self._plan([Descriptor.from_json(d) for d in got], lost, salvaging).to_json())
+        interest = self._interest(lost)
+        merge = lambda parts: Summary.merge([Summary.from_json(p) for p in parts]).to_json()  # noqa: E731
+
+        def plan(summary: str, read_all) -> str:
+            try:
+                return self._plan(Summary.from_json(summary), lost, salvaging).to_json()
+            except NeedsDescriptors as e:  # a survivor's snapshot found corrupt at rest: its shard's holders
+                log.info(f"generation {gen}: {e} is not in the summary: planning from every descriptor")
+                every = Summary.merge([Summary.from_json(self._summarize(d, None)) for d in read_all()])
+                return self._plan(every, lost, salvaging).to_json()
+
+        planned = ctx.plan_once(gen, mine.to_json(), deadline, plan, lambda d: self._summarize(d, interest), merge, lost)
         course = Course.from_json(planned)
         if course.plan is not None and mine.has_state and ctx.rank not in course.plan.joiners:
             course = dataclasses.replace(course, plan=dataclasses.replace(course.plan, replayed={ctx.rank: replayed_by(mine, course.plan)}))
         return course
 
-    def _plan(self, descs: list[Descriptor], lost: tuple[int, ...], salvaging: bool = False) -> Course:
-        """The planner's part of ``_course``: the generation's descriptors -> its course (the same on every rank)."""
+    def _summarize(self, desc: str, interest: tuple[str, ...] | None) -> str:
+        """A descriptor's ``Summary`` (a shrink of a sharded state: in the old world's ranks, where it is planned)."""
+        d = Descriptor.from_json(desc)
+        if self._shrunk_sharded():
+            d = dataclasses.replace(d, rank=self.ctx.members.prev[d.rank])
+        return Summary.of(d, interest).to_json()
+
+    def _interest(self, lost: tuple[int, ...]) -> tuple[str, ...] | None:
+        """The shards whose replica holders the plan may need, as every rank knows them from the membership: the
+        joiners', the lost ranks' and those of the ranks resynced from their peers (None: all of them)."""
+        m, ops = self.ctx.members, self.ops
+        if m is None:
+            return None
+        if self._resized() == "grow":
+            return ()  # a joiner takes everything from a survivor, no replica
+        if self._shrunk_sharded():
+            layout, gone = ops.layout_of(m.prev_world), set(range(m.prev_world)) - set(m.prev)
+        else:
+            layout, gone = ops.layout(), {*m.joiners, *m.resync, *lost}
+        return tuple(sorted({str(layout.shard_of(j)) for j in gone}))
+
+    def _plan(self, summary: Summary, lost: tuple[int, ...], salvaging: bool = False) -> Course:
+        """The planner's part of ``_course``: the generation's descriptors (their summary) -> its course (the same
+        on every rank)."""
         ctx, ops = self.ctx, self.ops
-        descs += [Descriptor(j, has_state=False) for j in lost]
         at_most = ctx.members.rollback_to if ctx.members is not None else None
         every = ops.cadence_bound()
         if self._resized() == "grow":
-            peers = _DpGroups(ops.layout()) if ops.strategy.grow_from_dp_peer else None
-            return plan_grow(descs, every=every, peers=peers)
+            peers = ops.layout().dp_range if ops.strategy.grow_from_dp_peer else None
+            return grow_summary(summary.with_stateless(lost), ctx.world_size, every, peers)
         if self._shrunk_sharded():  # planned in the old world: the lost ranks' shards come from their replicas
             m = ctx.members
-            old = [dataclasses.replace(d, rank=m.prev[d.rank]) for d in descs]
-            old += [Descriptor(j, has_state=False) for j in range(m.prev_world) if j not in m.prev]
-            return plan_for_layout(old, ops.layout_of(m.prev_world), m.prev_world, replicated=False, every=every)
-        return plan_for_layout(descs, ops.layout(), ctx.world_size, replicated=ops.replicated, every=every,
-                               lost=lost, at_most=at_most, salvage=salvaging)
+            gone = set(range(m.prev_world)) - set(m.prev)
+            return plan_layout(summary.with_stateless(gone), ops.layout_of(m.prev_world), m.prev_world, replicated=False,
+                               every=every)
+        return plan_layout(summary, ops.layout(), ctx.world_size, replicated=ops.replicated, every=every,
+                           lost=lost, at_most=at_most, salvage=salvaging)
 
     def descriptor(self, live, live_usable: bool = True) -> Descriptor:
         if live is None:
