@@ -19,7 +19,7 @@ from conftest import SCRIPTS, events, job_processes, of_type, run_phoenix
 from phoenix_launch.decide import decide as decisions
 from phoenix_launch.decide.classify import Action, FailureClass, Verdict
 from phoenix_launch.decide.sdc import Copy, find_corrupt
-from phoenix_launch.detect.agent import hang_check
+from phoenix_launch.detect.health import hang_check
 from phoenix_runtime import state
 from phoenix_runtime.plane import protocol
 

@@ -27,7 +27,7 @@ from phoenix_runtime.plane.control import ControlThread
 from phoenix_runtime.plane.rank_status import RankStatus
 from phoenix_runtime.plane.rank_env import RankEnv
 from phoenix_runtime.plane.relay import READ_S, LocalWatchStore, NodeRelay
-from phoenix_runtime.plane.watch import NotifyWatcher
+from phoenix_runtime.plane.watch import LinkedEvent, NotifyWatcher
 
 KEY = b"r" * 32
 HERE = Path(__file__).resolve().parent
@@ -417,3 +417,40 @@ def test_a_whole_membership_is_written_compressed_and_read_back_or_refused(monke
         protocol.members_from_text(text)
     with pytest.raises(ValueError, match="does not inflate"):
         protocol.members_from_text(protocol.MEMBERS_Z + "bm90IGRlZmxhdGU=")
+
+
+@pytest.mark.timeout(60)
+def test_a_quiet_agent_pauses_longer_and_a_rank_exit_or_a_bump_wakes_it_at_once():
+    """An agent whose watchers are armed and whose node is quiet passes every ``IDLE_S`` (it made 50 passes a
+    second), or sooner for its heartbeat; ``PASS_S`` while things move (``hot_until``) or a watcher is not armed.
+    What it must not be late for wakes its loop: a rank's exit (a thread blocked in the rank's wait, which leaves
+    ``poll`` working), and a command or a relay bump (``LinkedEvent``: their own flags stay set for their readers)."""
+    from types import SimpleNamespace
+
+    from phoenix_launch.detect import agent as ag
+
+    a = SimpleNamespace(hot_until=0.0, cmd_watcher=SimpleNamespace(armed=True), relay=SimpleNamespace(watcher=SimpleNamespace(armed=True)))
+    now = time.monotonic()
+    assert ag.Agent._pause(a, now + 5) == ag.IDLE_S > ag.PASS_S
+    assert ag.Agent._pause(a, now + 0.01) <= 0.01  # its heartbeat first
+    a.hot_until = now + 5
+    assert ag.Agent._pause(a, now + 5) == ag.PASS_S
+    a.hot_until, a.relay.watcher.armed = 0.0, False
+    assert ag.Agent._pause(a, now + 5) == ag.PASS_S  # polling for what the watcher would say
+    a.relay = None
+    assert ag.Agent._pause(a, now + 5) == ag.IDLE_S
+    wake = threading.Event()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        threading.Thread(target=ag._wake_on_exit, args=(proc, wake), daemon=True).start()
+        assert proc.poll() is None and not wake.is_set()
+        proc.kill()
+        assert wake.wait(20), "a rank's exit did not wake the loop"
+        assert proc.poll() == -9  # the loop's own look at it still sees the exit
+    finally:
+        proc.kill()
+    loop = threading.Event()
+    cmd = LinkedEvent(loop)
+    cmd.set()
+    loop.clear()  # the loop's pass begins
+    assert cmd.is_set() and not loop.is_set()

@@ -16,11 +16,14 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import psutil
 
 from phoenix_launch.detect.failure_text import XID_CLASS, XID_LINE, slurm_state_bad
+
+if TYPE_CHECKING:
+    from phoenix_runtime.plane import protocol
 
 DEFAULT_PROBE_TIMEOUT = timedelta(seconds=5)
 
@@ -436,3 +439,37 @@ def with_probe_evidence(signals, agent_health: dict[str, dict], scheduler: dict[
     failing = {n for n, h in agent_health.items() if h.get("problems")} | {n for n, s in slurm.items() if slurm_state_bad(s)}
     return replace(signals, xid={**signals.xid, **xid}, ecc_uncorrected={**signals.ecc_uncorrected, **ecc},
                    slurm_state={**signals.slurm_state, **slurm}, healthy_nodes=signals.healthy_nodes - failing)
+
+
+# --------------------------------------------------------------------------------------------
+# A rank's heartbeat: hung or not
+# --------------------------------------------------------------------------------------------
+
+def hang_check(hb: protocol.RankHeartbeat, now: float, hang_timeout_s: float,
+               first_step_timeout_s: float | None = None) -> tuple[str, float] | None:
+    """Pure: is the rank whose latest heartbeat is ``hb`` hung at ``now``? Returns (why, seconds) or None.
+
+    With ``phase`` and ``t_step`` (the runtime's progress report): in phase "training", no step completed
+    for ``hang_timeout_s`` is a hang, whatever its heartbeat thread says (the main thread may be blocked
+    while that thread beats on). Outside training (start-up, a recovery, done) and from a rank without
+    them, only a heartbeat silent for ``hang_timeout_s`` is. A warm spare idles by design; a starting rank
+    may hold the GIL in imports: neither is judged by its heartbeat. When one rank's loop stalls, its peers
+    stop progressing too, blocked in the next collective: one waiting there (or at a device sync, its stream busy:
+    ``blocked_in``) is not the hung one; the one stuck in its own code is (every rank waiting: the collective timeout).
+    Until the rank completed a step since it entered training (``hb.warm`` False: its first step after a start or a
+    recovery), no step is a hang only after ``first_step_timeout_s`` (that step builds DDP's broadcast, torch.compile).
+    A rank whose loop completed its last step (``finished``) and whose heartbeat then went silent is stuck in its own
+    teardown ("teardown"): the agent ends it, and the supervisor counts it finished, not failed."""
+    silent = now - hb.t
+    if hb.phase in ("starting", "spare") or (hb.phase == "finished" and silent <= hang_timeout_s):
+        return None
+    if hb.phase == "finished":  # its loop completed its last step: a stall now is in its own teardown
+        return "teardown", silent
+    limit = first_step_timeout_s if hb.warm is False and first_step_timeout_s else hang_timeout_s
+    if hb.phase == "training" and hb.t_step is not None and now - hb.t_step > limit:
+        if hb.blocked_in in ("collective", "device") and silent <= hang_timeout_s:
+            return None  # waiting for a peer (in a collective, or at a device sync behind one): not the hung one
+        return "progress", now - hb.t_step
+    if silent > hang_timeout_s:
+        return "heartbeat", silent
+    return None

@@ -17,6 +17,19 @@ from phoenix_runtime.plane.channel import read_raw
 POLL_S = 0.02  # the poll interval of a reader whose watcher is not armed (or whose message is half written)
 
 
+class LinkedEvent(threading.Event):
+    """An event whose ``set`` also sets ``also``: a loop waits on that one event for several sources (an agent: its
+    command watcher and its relay's), each of which still tells its own reader (``is_set``) that it fired."""
+
+    def __init__(self, also: threading.Event):
+        super().__init__()
+        self.also = also
+
+    def set(self) -> None:
+        super().set()
+        self.also.set()
+
+
 @dataclass(frozen=True)
 class Bump:
     """What bump ``n`` of a counter says (``protocol.notify``): the one node it is for (``to``, None: every reader)
