@@ -135,6 +135,20 @@ def kill_job(proc: subprocess.Popen, run_dir: Path | None) -> None:
 
 
 @pytest.fixture
+def job_secret():
+    """The job's secret in this process (values sealed and checked), restored afterwards."""
+    from phoenix_runtime.plane import auth, channel
+
+    saved = (auth._key, auth._loaded)
+    auth.set_key(b"k" * 32)
+    auth.drain()
+    yield
+    auth.drain()
+    auth._key, auth._loaded = saved
+    channel.forget("phx/")
+
+
+@pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 

@@ -12,20 +12,14 @@ from datetime import timedelta
 import pytest
 
 from phoenix_runtime.layout import Layout
-from phoenix_runtime.plane import auth
 from phoenix_runtime.plane.exchange import FAN, Exchange, nth_outside, plan_key, tree_children
 from phoenix_runtime.recover.recovery import (Descriptor, NeedsDescriptors, Summary, plan_for_layout, plan_layout,
                                               plan_summary)
 
 
 @pytest.fixture
-def secret():
-    saved = (auth._key, auth._loaded)
-    auth.set_key(b"t" * 32)
-    auth.drain()
-    yield
-    auth.drain()
-    auth._key, auth._loaded = saved
+def secret(job_secret):
+    return None
 
 
 def test_nth_outside_a_range_is_the_nth_of_the_listed_ranks():
