@@ -191,11 +191,14 @@ class Parallel:
         group (torchtitan's ``ParallelDims``) gives PHOENIX a mesh with the dimensions of ``mesh=`` made of those
         groups, and the other groups it built (aborted with the generation's); called here, once per generation,
         where PHOENIX would build its own, so every rank builds the same groups in the same order."""
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.gen != gen:
             names, sizes = tuple(n for n, _ in self.dims), tuple(s for _, s in self.dims)
-            if self.builder is None:
+            if self.builder is None and len(sizes) > 1 and dist.get_backend() == "gloo":
+                self.mesh = own_groups_mesh(self.device.type, sizes, names)
+            elif self.builder is None:  # NCCL: torch splits each dimension's groups off the world communicator
                 self.mesh = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
             else:
                 self.mesh, self.extra_groups = self.builder(gen)
@@ -270,6 +273,29 @@ class Parallel:
                                  "the parallelised model (the factory must build it on the params it is given)")
             key = self.keys[id(p)] = shard_key(fqn, p)[2:]
         return key
+
+
+def own_groups_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """``init_device_mesh(device_type, sizes, mesh_dim_names=names)`` where each rank makes only the groups it is in,
+    one a dimension (``new_group(ranks, use_local_synchronization=True)``: named after its ranks, made by its
+    members alone), then ``DeviceMesh.from_group``. On gloo torch's makes every group of every dimension on every
+    rank (it splits a bound NCCL communicator instead): O(N) ``new_group`` calls a rank at each generation, 12,508
+    for an HSDP mesh of 100K ranks as 12,500 x 8."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = torch.arange(math.prod(sizes), dtype=torch.int).view(*sizes)
+    coord: list[int] = []
+    left = dist.get_rank()
+    for size in reversed(sizes):  # this rank's coordinate, innermost dimension first
+        left, c = divmod(left, size)
+        coord.insert(0, c)
+    groups = []
+    for d in range(len(sizes)):  # this rank's group along dimension d: the other coordinates its own
+        at: list = list(coord)
+        at[d] = slice(None)
+        groups.append(dist.new_group(mesh[tuple(at)].tolist(), use_local_synchronization=True))
+    return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
 
 
 def on_meta(model: torch.nn.Module) -> bool:

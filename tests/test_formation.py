@@ -207,11 +207,13 @@ def test_a_meshs_groups_connect_their_rings_not_every_pair():
     ``add_groups(lazy=True)``): 8 real ranks, replicate 4 x shard 2 (HSDP's). Made, a rank holds no socket to
     another rank (eagerly, each replicate group connected its 3 peers and the shard group its one); warmed, its
     replicate ring's two neighbours and its shard peer; an all-reduce over the replicate group and an all-gather
-    over the shard group give the right values on them."""
+    over the shard group give the right values on them. Each rank makes its own two groups, no other
+    (``own_groups_mesh``; torch's ``init_device_mesh`` makes all six on every rank: O(N) a rank)."""
     n = 8
     res = ranks_json(LAZY_MESH_SCRIPT, n, lambda r, port: [r, port], timeout=150)
     for r, o in res.items():
         reps = o["replicate_ranks"]
+        assert o["made"] == [reps, sorted({r, r ^ 1})], o
         assert len(reps) == 4 and r in reps, o
         assert o["sockets_made"] == 0, o  # eagerly: 3 + 1
         assert [len(w) for w in o["warmed"]] == [2, 1] and o["sockets_warm"] == 3, o

@@ -1,7 +1,8 @@
 """One rank of an 8-rank gloo world (tests/test_formation.py): the world and a DeviceMesh (replicate 4 x shard 2,
-HSDP's) made inside ``lazy_gloo``, as a generation's are, then the mesh's rings warmed (``warm_rings``). Reports the
-sockets it holds to other ranks after each part, the peers warmed, and the results of an all-reduce over the
-replicate group and an all-gather over the shard group. Prints one JSON line."""
+HSDP's) made inside ``lazy_gloo``, as a generation's are (``parallel.own_groups_mesh``: this rank's own groups
+only), then the mesh's rings warmed (``warm_rings``). Reports the groups it made, the sockets it holds to other
+ranks after each part, the peers warmed, and the results of an all-reduce over the replicate group and an
+all-gather over the shard group. Prints one JSON line."""
 
 import datetime
 import json
@@ -10,8 +11,9 @@ import sys
 import psutil
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+import torch.distributed.distributed_c10d as c10d
 
+from phoenix_runtime.parallel import own_groups_mesh
 from phoenix_runtime.plane.groups import lazy_gloo, warm_rings
 
 rank, port, n = int(sys.argv[1]), int(sys.argv[2]), 8
@@ -25,11 +27,20 @@ def sockets() -> int:
                and port not in (c.raddr.port, c.laddr.port))
 
 
-out = {"rank": rank}
+out = {"rank": rank, "made": []}
+made = c10d._new_group_with_tag
+
+
+def counted(ranks=None, *a, **kw):
+    out["made"].append(sorted(ranks) if ranks is not None else None)
+    return made(ranks, *a, **kw)
+
+
+c10d._new_group_with_tag = counted  # every new_group call of this process (torch's own init_device_mesh's too)
 with lazy_gloo():
     dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=60))
-    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = own_groups_mesh("cpu", (4, 2), ("replicate", "shard"))
 groups = [mesh.get_group("replicate"), mesh.get_group("shard")]
 out["sockets_made"] = sockets()
 store.set(f"made/{rank}", "1")  # no rank's warm-up reaches another before that one counted
