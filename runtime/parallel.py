@@ -279,8 +279,8 @@ def own_groups_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, 
     """``init_device_mesh(device_type, sizes, mesh_dim_names=names)`` where each rank makes only the groups it is in,
     one a dimension (``new_group(ranks, use_local_synchronization=True)``: named after its ranks, made by its
     members alone), then ``DeviceMesh.from_group``. On gloo torch's makes every group of every dimension on every
-    rank (it splits a bound NCCL communicator instead): O(N) ``new_group`` calls a rank at each generation, 12,508
-    for an HSDP mesh of 100K ranks as 12,500 x 8."""
+    rank (it splits a bound NCCL communicator instead): O(N) ``new_group`` calls a rank at each generation (an
+    HSDP mesh of R replicas x S shards: R + S of them)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 

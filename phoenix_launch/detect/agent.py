@@ -290,8 +290,8 @@ class Agent:
 
     def _pause(self, next_hb: float) -> float:
         """The loop's pause: PASS_S while things move (or a watcher is not armed: then it polls), else until the
-        next heartbeat, IDLE_S at most. An idle agent made 50 passes a second; on a 2-core machine running 32
-        simulated nodes those were a sixth of its CPU."""
+        next heartbeat, IDLE_S at most: a quiet agent's passes are CPU its node's ranks (and, on a machine running
+        many simulated nodes, every other node) do not get."""
         now = time.monotonic()
         armed = all(w is not None and w.armed for w in [self.cmd_watcher, *([self.relay.watcher] if self.relay else [])])
         return PASS_S if now < self.hot_until or not armed else max(0.0, min(IDLE_S, next_hb - now))

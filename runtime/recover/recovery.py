@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from phoenix_runtime.errors import RecoveryError
 from phoenix_runtime.plane.context import UnrecoverableError
 from phoenix_runtime.plane.exchange import nth_outside
 
@@ -167,7 +168,7 @@ class Summary:
                    None if d["interest"] is None else tuple(d["interest"]))
 
 
-class NeedsDescriptors(Exception):
+class NeedsDescriptors(RecoveryError):
     """A plan needs the replica holders of a shard a ``Summary`` did not keep: plan from every descriptor."""
 
 
