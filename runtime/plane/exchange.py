@@ -98,7 +98,8 @@ class Exchange:
         if kids:
             ranks = [nth_outside(range(world), out, c) for c in kids]
             keys = [sum_key(gen, r) if tree_children(c, n) else desc_key(gen, r) for c, r in zip(kids, ranks)]
-            self._own_keys += [(gen, k) for k in keys]  # a dead child's too: deleted with the generation
+            # a dead child's too, an inner one's descriptor included: deleted with the generation
+            self._own_keys += [(gen, k) for k in keys] + [(gen, desc_key(gen, r)) for r in ranks]
             got = self._read_keys(gen, keys, deadline, f"descriptors of ranks {ranks[0]}-{ranks[-1]}")
             mine = merge([mine, *(v if "/sum/" in k else summarize(v) for k, v in zip(keys, got))])
         if pos == 0:
