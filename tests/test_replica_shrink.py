@@ -243,11 +243,12 @@ def test_the_step_shrinks_tp_fsdp_by_its_tp_group_and_grows_back_with_one_node(t
 def test_a_grow_gives_each_joiner_a_survivor_of_its_dp_group():
     """``plan_grow`` with ``peers`` (HSDP 2 x 2 growing back from one group, survivors ranks 2 and 3): joiner 0 takes
     its shard from rank 2 and joiner 1 from rank 3 (the same shard coordinate), not any survivor in turn."""
-    from phoenix_runtime.recover.recovery import Descriptor, _DpGroups, plan_grow
+    from phoenix_runtime.recover.recovery import Descriptor, plan_grow
 
     descs = [Descriptor(0, has_state=False), Descriptor(1, has_state=False),
              Descriptor(2, True, 9, True, (8, 9)), Descriptor(3, True, 9, True, (8, 9))]
-    plan = plan_grow(descs, peers=_DpGroups(Layout(4, tp_size=2))).plan
+    layout = Layout(4, tp_size=2)
+    plan = plan_grow(descs, peers={r: layout.dp_group(r) for r in range(4)}).plan
     assert plan is not None and plan.param_src == {0: 2, 1: 3} and plan.joiners == (0, 1)
 
 

@@ -103,7 +103,7 @@ def _grows_with_n(gpus: int, scale: dict) -> list[dict]:
     near = min(rows, key=lambda r: abs(math.log(r["ranks"]) - math.log(gpus)))
     f = gpus / near["ranks"]
     how = "measured" if abs(f - 1) <= 0.1 else f"scaled linearly from the measured {near['ranks']:,} ranks"
-    if "depth" in near:  # the tree: its depth at ``gpus``, each level's merge and the root's plan as measured
+    if "depth" in near:  # the tree: its depth at ``gpus`` times a level's merge, plus the root's plan
         levels = tree_depth(gpus, near.get("fan", 16))
         plan = {"part": f"  of it, the plan up a tree of ranks ({levels} levels)", "s": levels * near["merge_s"] + near["root_plan_s"],
                 "label": f"measured per level at {near['ranks']:,} ranks (recovery_scale.py's pure parts, one process; "

@@ -207,22 +207,6 @@ def plan_layout(summary: Summary, layout, world_size: int, *, replicated: bool, 
     return Course(Outcome.SALVAGE, plan)
 
 
-class _DpGroups(Mapping):
-    """``layout``'s DP group of a rank, made when asked."""
-
-    def __init__(self, layout):
-        self.layout = layout
-
-    def __getitem__(self, rank: int) -> list[int]:
-        return self.layout.dp_group(rank)
-
-    def __iter__(self):
-        return iter(range(self.layout.world_size))
-
-    def __len__(self) -> int:
-        return self.layout.world_size
-
-
 def plan_grow(descs: list[Descriptor], every: int = 1, peers: Mapping[int, list[int]] | None = None) -> Course:
     """``grow_summary``, from the generation's descriptors (each rank of the new world's)."""
     return grow_summary(Summary.merge([Summary.of(d) for d in descs]), len(descs), every,
