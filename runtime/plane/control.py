@@ -41,7 +41,7 @@ from phoenix_runtime.plane.channel import incarnation_of
 from phoenix_runtime.plane.rank_env import RankEnv, rank_env
 from phoenix_runtime.plane.rank_status import RankStatus, process_status
 from phoenix_runtime.plane.relay import RelayReader
-from phoenix_runtime.plane.watch import POLL_S, NotifyWatcher  # noqa: F401  (POLL_S: the fleet bench's too)
+from phoenix_runtime.plane.watch import POLL_S, LinkedEvent, NotifyWatcher  # noqa: F401  (POLL_S: the fleet bench's too)
 
 log = logging.getLogger(__name__)
 # A full read with the watcher armed (every writer bumps the counter, so this only bounds how late a wake-up
@@ -214,7 +214,7 @@ class ControlThread:
         self._outbox: collections.deque = collections.deque(maxlen=16)  # reports posted by the training thread
         self._q_sup = protocol.Queue(self.store, protocol.Q_SUPERVISOR)
         self._env = env
-        self._central_wake, self._relay_wake = _Chained(self._wake), _Chained(self._wake)
+        self._central_wake, self._relay_wake = LinkedEvent(self._wake), LinkedEvent(self._wake)
         self._watcher: NotifyWatcher | None = None  # on the central counter; while the relay is not armed only
         self._central_stop = threading.Event()
         self._watch_centrally(first=True)
@@ -454,19 +454,6 @@ class ControlThread:
         self._wake.set()
         self._beat_wake.set()
         self._thread.join(timeout=2)  # the watcher, blocked in the store, is a daemon: it is not waited for
-
-
-class _Chained(threading.Event):
-    """An event whose ``set`` also sets ``then`` (the control thread's one wake-up), so that the thread can tell
-    which watcher woke it."""
-
-    def __init__(self, then: threading.Event):
-        super().__init__()
-        self.then = then
-
-    def set(self) -> None:
-        super().set()
-        self.then.set()
 
 
 _CONTROL: ControlThread | None = None

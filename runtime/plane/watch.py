@@ -19,7 +19,8 @@ POLL_S = 0.02  # the poll interval of a reader whose watcher is not armed (or wh
 
 class LinkedEvent(threading.Event):
     """An event whose ``set`` also sets ``also``: a loop waits on that one event for several sources (an agent: its
-    command watcher and its relay's), each of which still tells its own reader (``is_set``) that it fired."""
+    command watcher and its relay's; a rank's control thread: its central and its relay watcher), each of which
+    still tells its own reader (``is_set``) which one fired."""
 
     def __init__(self, also: threading.Event):
         super().__init__()
