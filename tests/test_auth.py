@@ -243,6 +243,59 @@ def test_a_spare_sees_its_assignment_at_once_and_waits_out_a_forged_one(secret, 
         rank_env_module.reload()
 
 
+@pytest.mark.timeout(60)
+def test_a_spare_keeps_waiting_in_the_store_across_its_passes_not_polling(secret, monkeypatch):
+    """A compare_set read of an absent key wakes torch's store waiters on that key (libuv ``compareAndSet``): the
+    spare's pass each ``wake_s`` read its absent assignment that way, which ended its waiter thread at the second
+    pass, and from then on the spare polled the store a hundred times a second, for as long as it stayed a spare.
+    Its passes only ``check`` the key now: after 20 of them the waiter is still blocked in the store, no pass read
+    the absent key, and the assignment is taken as soon as it is written."""
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from phoenix_runtime.plane import bootstrap, control
+    from phoenix_runtime.plane import rank_env as rank_env_module
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, timeout=timedelta(seconds=30))
+    for k, v in {protocol.ENV_STORE_HOST: "127.0.0.1", protocol.ENV_STORE_PORT: str(master.port), protocol.ENV_NODE: "spare0",
+                 protocol.ENV_SLOT: "0", protocol.ENV_GEN: "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    rank_env_module.reload()
+    calls: list[tuple[str, str]] = []  # (the calling thread, the store method)
+
+    class Counted:  # the spare's own clients, each call recorded
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            f = getattr(self.inner, name)
+            if not callable(f):
+                return f
+            return lambda *a, **k: (calls.append((threading.current_thread().name, name)), f(*a, **k))[1]
+
+    real = control.connect_store
+    monkeypatch.setattr(control, "connect_store", lambda *a, **k: Counted(real(*a, **k)))
+    monkeypatch.setattr(control, "_HANDED", None)
+    key = protocol.k_assign("spare0", 0)
+    try:
+        got: list = []
+        th = threading.Thread(target=lambda: got.append(bootstrap.wait_for_assignment(wake_s=0.02)), name="spare", daemon=True)
+        th.start()
+        wait_for(lambda: ("phoenix-assign", "wait_or_move") in calls, 10, "the spare's waiter blocked in the store")
+        wait_for(lambda: calls.count(("spare", "check")) >= 20, 10, "20 passes of the spare")
+        assert any(w.name == "phoenix-assign" for w in threading.enumerate()), calls[-10:]
+        assert ("spare", "compare_set") not in calls, calls[-10:]  # the absent key was never read
+        assert not got and th.is_alive()
+        protocol.put_value(master, key, json.dumps({"rank": 1, "gen": 2, "env": {}}))
+        th.join(20)
+        assert got and got[0]["gen"] == 2, got
+    finally:
+        master.delete_key(key)
+        monkeypatch.undo()
+        rank_env_module.reload()
+
+
 @pytest.mark.timeout(30)
 def test_an_assignment_sets_only_the_launchers_variables(secret, monkeypatch):
     from phoenix_runtime.plane import bootstrap

@@ -79,7 +79,10 @@ def wait_for_assignment(poll_s: float = 0.01, wake_s: float = 1.0) -> dict:
 
     A daemon thread blocks in the store on the assignment's key (``_AssignmentWaiter``) and wakes this thread
     when the key appears: the assignment is read at once, and a spare that waits for days makes one store call
-    a second (``wake_s``), not a hundred. This thread waits on an event, not in the store, so that SIGTERM's
+    a second (``wake_s``), not a hundred. That call is a ``check``, and the key is read only once it exists: a
+    read of an absent key by ``compare_set`` (``channel.read_raw``) wakes the store's waiters on it as if it had
+    been written (torch's libuv ``TCPStore``, ``compareAndSet``), which ended the waiter, and the spare polled
+    every ``poll_s`` from its second pass on. This thread waits on an event, not in the store, so that SIGTERM's
     handler runs at once. Once a value was refused (a forged assignment, reported), or when the waiter has no
     store, it polls every ``poll_s`` until the supervisor's own is there."""
     from phoenix_runtime.plane.control import connect_store, hand_over
@@ -90,7 +93,7 @@ def wait_for_assignment(poll_s: float = 0.01, wake_s: float = 1.0) -> dict:
     waiter = _AssignmentWaiter(key)
     try:
         while True:
-            text = protocol.get_value(store, key)
+            text = protocol.get_value(store, key) if waiter.done.is_set() or store.check([key]) else None
             if text is not None:
                 hand_over(store)  # the joiner's Context uses this connection: no new one on the recovery's path
                 return json.loads(text)
@@ -120,8 +123,8 @@ class _AssignmentWaiter:
             store = connect_store()
             while not self.stop.is_set():
                 try:
-                    if store.wait_or_move([self.key], timedelta(seconds=self.WAIT_S)):
-                        break
+                    if store.wait_or_move([self.key], timedelta(seconds=self.WAIT_S)) and store.check([self.key]):
+                        break  # there (a wait also ends at a compare_set of the absent key: see wait_for_assignment)
                 except Exception as e:  # noqa: BLE001 - a timeout: wait again; else the spare polls
                     if "timeout" not in str(e).lower():
                         return

@@ -59,7 +59,10 @@ def read_raw(store: Any, key: str) -> bytes | str | None:
     """The raw value at ``key``, None when absent, in one round trip and without waiting: ``compare_set`` with an
     expected value no writer uses returns the value unchanged, or that expected value when the key is absent
     (torch's ``get`` and ``multi_get`` wait for their keys first: two round trips, three with the ``check`` that
-    keeps them from blocking on an absent key). A store without ``compare_set``: ``check``, then ``get``."""
+    keeps them from blocking on an absent key). A store without ``compare_set``: ``check``, then ``get``.
+    Not for a key that a thread of the job may be waiting on while it is absent: torch's libuv ``TCPStore`` wakes
+    a key's waiters at a ``compare_set`` of it even when the key is absent (``LibUVStoreDaemon::compareAndSet``),
+    so the waiter returns as if it had been written (``check`` first, as a spare's wait does)."""
     if hasattr(store, "compare_set"):
         raw = store.compare_set(key, ABSENT, ABSENT)
         return None if raw in (ABSENT, ABSENT.encode()) else raw
