@@ -15,22 +15,12 @@ Each pair is a ``ProcessGroupGloo`` of its own, made on the generation's store u
 are deleted with the generation) and not registered with torch.distributed: only the transport uses it, through
 the group object's ``send``/``recv``, so no collective of the world is needed to make it and no name has to agree
 between the two members (``new_group(use_local_synchronization=True)`` names a group after how many groups its
-process made before, which differs between the two).
-
-A process's pair groups share two gloo devices (``pair_devices``), so two I/O threads serve them all, however many
-pairs it has: a gloo device's event loop wakes every 10 ms whatever its traffic (``tcp::Loop::run``'s
-``epoll_wait``), and a device a group, torch's default, would be one more thread and 100 idle wake-ups a second per
-pair. torch's constructor documents the sharing ("the same object multiple times means all contexts share a single
-I/O thread", ``ProcessGroupGloo.cpp``). A pair with a higher rank takes the first device, one with a lower rank the
-second: gloo's loop thread moves a large message's bytes both ways (it reads what arrives, and writes what the
-socket did not take at once), and a rank's ring successors are mostly above it and its predecessors below it, so
-the replica it sends and the one it receives keep a thread each. The devices honour ``GLOO_SOCKET_IFNAME`` as
-torch's own gloo groups do.
+process made before, which differs between the two). Its constructor honours ``GLOO_SOCKET_IFNAME`` as torch's
+own gloo groups do.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from datetime import timedelta
@@ -164,35 +154,12 @@ def form_pairs(pairs, rank: int, have: dict, store, timeout: timedelta, on_forme
     return formed
 
 
-_devices_lock = threading.Lock()
-_devices: dict[int, list] = {}
-
-
-def pair_devices(lane: int) -> list:
-    """The gloo devices of lane ``lane`` (0 or 1) that this process's pair groups share, made at its first call: one
-    device per interface of ``GLOO_SOCKET_IFNAME`` (comma-separated) or the host's default, as torch's gloo
-    constructor picks them. Eager (``lazy_init=False``) whatever ``TORCH_GLOO_LAZY_INIT`` says: a pair connects
-    while both members are alive."""
-    with _devices_lock:
-        if lane not in _devices:
-            gloo = dist.ProcessGroupGloo
-            names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
-            _devices[lane] = ([gloo.create_device(interface=n, lazy_init=False) for n in names]
-                              or [gloo.create_default_device(lazy_init=False)])
-        return list(_devices[lane])
-
-
 def pair_group(store, a: int, b: int, rank: int, timeout: timedelta):
-    """The 2-rank gloo group of ranks ``a < b`` (this rank is one of them), connected when it returns, on a lane of
-    the process's shared devices (``pair_devices``: lane 0 when the peer's rank is the higher). One worker thread:
-    the transport uses ``send`` and ``recv``, which run on the caller's thread, never a collective (the workers'
-    queue)."""
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._devices, options._timeout, options._threads = pair_devices(0 if rank == a else 1), timeout, 1
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{a}_{b}/", store), 0 if rank == a else 1, 2, options)
+    """The 2-rank gloo group of ranks ``a < b`` (this rank is one of them), connected when it returns."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{a}_{b}/", store), 0 if rank == a else 1, 2, timeout)
 
 
-__all__ = ["PAIR_GRACE_S", "PairFormationTimeout", "pair", "pair_group", "pair_devices", "steady_pairs", "recovery_pairs", "own_pairs", "form_pairs"]
+__all__ = ["PAIR_GRACE_S", "PairFormationTimeout", "pair", "pair_group", "steady_pairs", "recovery_pairs", "own_pairs", "form_pairs"]
 
 
 #: a tag no other op uses (beside ``transport.TAG_ABORT`` and ``groups.TAG_WARM``): the check of a kept pair

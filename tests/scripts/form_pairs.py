@@ -40,23 +40,11 @@ def rank_sockets() -> int:
     return sum(1 for c in conns if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port != port)
 
 
-def io_threads() -> int:
-    """This process's gloo I/O threads (each gloo device runs one event loop, named by gloo)."""
-    names = []
-    for t in os.listdir("/proc/self/task"):
-        try:
-            names.append(open(f"/proc/self/task/{t}/comm").read().strip())
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return names.count("gloo_tcp_loop")
-
-
 out = {"rank": rank}
 ctx._form_groups(1, pg, time.monotonic() + 60)
 barrier("formed")  # every rank's pairs are formed: none of its sockets is still being connected
 out["steady_peers"] = sorted(ctx.pairs)
 out["sockets"] = rank_sockets()
-out["io_threads"] = io_threads()
 out["expected_peers"] = sorted({b if a == rank else a for a, b in steady_pairs(Layout(world), k) if rank in (a, b)})
 barrier("counted")
 
@@ -80,7 +68,6 @@ ctx.form_pairs(recovery_pairs(plan), time.monotonic() + 60)
 barrier("recovery_formed")
 out["peers"] = sorted(ctx.pairs)
 out["sockets_after_recovery_pairs"] = rank_sockets()
-out["io_threads_after_recovery_pairs"] = io_threads()
 barrier("recounted")
 t0 = ctx.new_transport(0)
 if rank == 5:
