@@ -204,16 +204,10 @@ def test_a_bump_wakes_the_control_thread_at_once_and_the_notify_keys_stay_few(se
         ctl.stop()
 
 
-@pytest.mark.timeout(60)
-def test_a_spare_sees_its_assignment_at_once_and_waits_out_a_forged_one(secret, monkeypatch):
-    """The spare's warm wait blocks in the store (a waiter thread), not in a 10 ms poll: a genuine assignment is
-    read well within ``wake_s`` (here 30 s, so that only the waiter can be what woke it). A forged one is refused
-    (reported) and the spare goes on waiting, polling, until the supervisor's own comes."""
-    import threading
-
+def _spare_store(monkeypatch):
+    """A real store, and the environment of a spare ``spare0`` slot 0 that waits on it (``bootstrap.wait_for_assignment``)."""
     from torch.distributed import TCPStore
 
-    from phoenix_runtime.plane import bootstrap
     from phoenix_runtime.plane import rank_env as rank_env_module
 
     master = TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, timeout=timedelta(seconds=30))
@@ -221,6 +215,20 @@ def test_a_spare_sees_its_assignment_at_once_and_waits_out_a_forged_one(secret, 
                  protocol.ENV_SLOT: "0", protocol.ENV_GEN: "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(k, v)
     rank_env_module.reload()
+    return master
+
+
+@pytest.mark.timeout(60)
+def test_a_spare_sees_its_assignment_at_once_and_waits_out_a_forged_one(secret, monkeypatch):
+    """The spare's warm wait blocks in the store (a waiter thread), not in a 10 ms poll: a genuine assignment is
+    read well within ``wake_s`` (here 30 s, so that only the waiter can be what woke it). A forged one is refused
+    (reported) and the spare goes on waiting, polling, until the supervisor's own comes."""
+    import threading
+
+    from phoenix_runtime.plane import bootstrap
+    from phoenix_runtime.plane import rank_env as rank_env_module
+
+    master = _spare_store(monkeypatch)
     key = protocol.k_assign("spare0", 0)
     try:
         for forged in (True, False):  # (a refused value reads as the last genuine one: the forged case first)
@@ -252,16 +260,10 @@ def test_a_spare_keeps_waiting_in_the_store_across_its_passes_not_polling(secret
     the absent key, and the assignment is taken as soon as it is written."""
     import threading
 
-    from torch.distributed import TCPStore
-
     from phoenix_runtime.plane import bootstrap, control
     from phoenix_runtime.plane import rank_env as rank_env_module
 
-    master = TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, timeout=timedelta(seconds=30))
-    for k, v in {protocol.ENV_STORE_HOST: "127.0.0.1", protocol.ENV_STORE_PORT: str(master.port), protocol.ENV_NODE: "spare0",
-                 protocol.ENV_SLOT: "0", protocol.ENV_GEN: "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
-    rank_env_module.reload()
+    master = _spare_store(monkeypatch)
     calls: list[tuple[str, str]] = []  # (the calling thread, the store method)
 
     class Counted:  # the spare's own clients, each call recorded

@@ -81,8 +81,8 @@ def wait_for_assignment(poll_s: float = 0.01, wake_s: float = 1.0) -> dict:
     when the key appears: the assignment is read at once, and a spare that waits for days makes one store call
     a second (``wake_s``), not a hundred. That call is a ``check``, and the key is read only once it exists: a
     read of an absent key by ``compare_set`` (``channel.read_raw``) wakes the store's waiters on it as if it had
-    been written (torch's libuv ``TCPStore``, ``compareAndSet``), which ended the waiter, and the spare polled
-    every ``poll_s`` from its second pass on. This thread waits on an event, not in the store, so that SIGTERM's
+    been written (torch's libuv ``TCPStore``, ``compareAndSet``), which would end the waiter and leave the spare
+    polling every ``poll_s``. This thread waits on an event, not in the store, so that SIGTERM's
     handler runs at once. Once a value was refused (a forged assignment, reported), or when the waiter has no
     store, it polls every ``poll_s`` until the supervisor's own is there."""
     from phoenix_runtime.plane.control import connect_store, hand_over
