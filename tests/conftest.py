@@ -89,6 +89,25 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
+def stop_fully(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGSTOP ``proc`` and return once every thread of it is stopped. ``kill`` returns before that: the kernel
+    wakes one thread to begin the group stop and the others stop after it ran, so a store server's thread woken
+    by a request meanwhile can still answer it (a loaded machine makes that window wide)."""
+    proc.send_signal(signal.SIGSTOP)
+    task = Path(f"/proc/{proc.pid}/task")
+
+    def all_stopped() -> bool:
+        states = []
+        for t in task.iterdir():
+            try:
+                states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # a thread that ended meanwhile
+        return bool(states) and all(s == "T" for s in states)
+
+    wait_for(all_stopped, timeout, f"every thread of pid {proc.pid} stopped", interval=0.005)
+
+
 def events(run_dir: Path) -> list[dict]:
     p = Path(run_dir) / "events.jsonl"
     if not p.exists():

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import stop_fully, wait_for
 from phoenix_runtime.plane import auth, channel, control, protocol
 from phoenix_runtime.plane.control import ControlThread
 from phoenix_runtime.plane.rank_status import RankStatus
@@ -210,7 +210,7 @@ def test_a_rank_whose_agent_is_stopped_or_killed_still_sees_the_next_generation(
         wait_for(lambda: rank.relayed and rank._watcher is None, 60, "the rank relayed by its agent")
         _publish(central, 1)
         wait_for(lambda: rank.latest_gen == 1, 20, "generation 1 seen through the relay")
-        agent.send_signal(signal.SIGSTOP)
+        stop_fully(agent)
         t = time.monotonic()
         _publish(central, 2)
         wait_for(lambda: rank.latest_gen == 2, 30, "generation 2 seen with the agent stopped")

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from conftest import (EXAMPLES, assert_same_digest, events, job_processes, kill_job, load_digest, of_type, phoenix_cmd,
-                      run_phoenix, start_phoenix, wait_for)
+                      run_phoenix, start_phoenix, stop_fully, wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -251,7 +251,7 @@ def test_a_store_call_on_a_lost_leader_is_cut_not_left_hanging(monkeypatch, how)
         monkeypatch.setattr(failover, "STALL_S", 0.5)
         if how == "vanished":
             monkeypatch.setattr(failover, "reachable", lambda a, *args, **kw: a != addr)
-        server.send_signal(signal.SIGSTOP)  # the call below gets no answer, and no reset
+        stop_fully(server)  # the call below gets no answer, and no reset
         t0 = time.monotonic()
         with pytest.raises(dist.DistError):
             with failover.guarded(addr, (lambda: True) if how == "superseded" else None):
