@@ -172,7 +172,9 @@ def _recovery_calls(run_dir: Path) -> list[int]:
 def _job(tmp_path: Path, nodes: int) -> dict:
     """``nodes`` nodes x 4 ranks + 1 spare node: node1 lost at step 4; once the job trained 6 steps past the
     recovery, each rank's sockets to other ranks and its recovery's store round trips. Detection's timeouts are
-    long: the test is about connections, and 20 ranks start on this machine's few cores."""
+    long: the test is about connections, and 20 ranks start on this machine's few cores. AdamW (DDP's ring): the
+    user's own collectives add no peers of their own (ZeRO's broadcasts from every owner connect gloo's trees,
+    about 2 log2 N peers a rank, whatever PHOENIX does)."""
     d = tmp_path / f"n{4 * nodes}"
     d.mkdir()
     (d / "cfg.yaml").write_text(yaml.safe_dump({"inject": {"faults": [{"node": "node1", "step": 4, "mode": "crash"}]},
@@ -180,7 +182,7 @@ def _job(tmp_path: Path, nodes: int) -> dict:
                                                            "hang_timeout_s": 60}}))
     run_dir = d / "run"
     proc = start_phoenix(["--config", str(d / "cfg.yaml"), "--nodes", str(nodes), "--nproc-per-node", "4", "--spares", "1",
-                          "--run-dir", str(run_dir), GPT, "--steps", "100000", "--step-sleep", "0.2", *TINY], d)
+                          "--run-dir", str(run_dir), GPT, "--steps", "100000", "--step-sleep", "0.2", "--optimizer", "adamw", *TINY], d)
     try:
         rec = wait_for(lambda: of_type(events(run_dir), "recovery") or proc.poll() is not None, 400, "the recovery")
         assert proc.poll() is None and rec, proc.stderr.read()[-3000:] if proc.poll() is not None else ""
@@ -199,10 +201,10 @@ def test_the_connections_each_rank_opens_do_not_grow_with_the_world(tmp_path):
     for job in (small, large):
         assert len(job["peers"]) == job["n"], job  # every rank of the job sampled (the spare's took node1's)
         # the ring's two neighbours (DDP), the replica ring and commit tree (<= 2k + 3, k = 1), the recovery's
-        # transfer pairs (a joiner's source): never the world's N - 1
-        assert max(job["peers"].values()) <= 12, job
+        # transfer pairs (a joiner's two sources): never the world's N - 1
+        assert max(job["peers"].values()) <= 2 + 5 + 2, job
         assert job["calls"] and max(job["calls"]) <= 200, job
-    assert statistics.median(large["peers"].values()) <= statistics.median(small["peers"].values()) + 2, (small, large)
+    assert statistics.median(large["peers"].values()) <= statistics.median(small["peers"].values()) + 1, (small, large)
     assert max(large["peers"].values()) < large["n"] - 1, large  # a full mesh would be 15 a rank
 
 
