@@ -477,15 +477,27 @@ def print_cpu_floor(res: list[dict], ns: list[int]) -> None:
     over the machine's cores. Flat CPU per rank is what scales; the floor is this machine's, not the design's."""
     cores = os.cpu_count() or 1
     print(f"\nCPU of the ranks in their recovery (the kill's generation; {cores} cores here):")
+    floors = {}
     for n in ns:
         rs = [r for r in res if r["n"] == n and r["rec"].get("rank_cpu_s")]
         if not rs:
             continue
         cpu = med([r["rec"]["rank_cpu_s"] for r in rs])
         rec = med([r["rec"]["recovered_s"] for r in rs])
-        floor = cpu / cores
+        floor = floors[n] = cpu / cores
         print(f"  N={n:3d}: {cpu:.3f} CPU s in all, {cpu / n * 1000:.1f} ms per rank; floor {floor:.3f} s "
               f"(all of it over {cores} cores); recovered in {rec:.3f} s = {rec / floor:.1f}x the floor")
+    lo, hi = ns[0], ns[-1]
+    if len(ns) > 1 and hi in floors:
+        total = {n: med([r["rec"]["total_s"] for r in res if r["n"] == n]) for n in (lo, hi)}
+        first = med([r["rec"]["total_s"] - r["rec"]["recovered_s"] for r in res if r["n"] == hi])
+        left = 2 * total[lo] - first  # what a 2x kill -> first step leaves from the kill to every rank recovered
+        detect = med([r["rec"].get("detect_s", 0.0) for r in res if r["n"] == hi])
+        need = detect + floors[hi]  # the ranks recover once the loss is detected; their CPU packed on every core
+        print(f"  the 2x target at N={hi}: 2 x {total[lo]:.3f} s less its first step after the recovery ({first:.3f} s, "
+              f"measured) leaves {left:.3f} s from the kill to every rank recovered; detection ({detect:.3f} s) and the "
+              f"ranks' recovery CPU on {cores} cores ({floors[hi]:.3f} s) take at least {need:.3f} s without any wait "
+              f"on a peer: {'within reach' if left > need else 'out of reach'} on this machine")
 
 
 def best(fn, reps: int = 5):
