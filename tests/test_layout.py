@@ -270,3 +270,40 @@ def test_equal_nodes_are_dealt_without_a_conflict_and_shared_domains_go_to_the_g
     assert layout_module._dealt_ring(layout_module._labels(tuple(two)), (), 2) is None  # 2 nodes, k = 2
     racks = tuple("r0" if i < 8 else "r1" for i in range(16))
     assert layout_module._dealt_ring(layout_module._labels(tuple(f"n{i // 4}" for i in range(16))), racks, 1) is None
+
+
+def test_a_ranks_ring_window_is_the_built_rings_and_whole_nodes_skip_building_it():
+    """``Layout.ring_window`` (a rank's replica targets and sources, its steady pairs) equals the window read off the
+    ring ``replica_ring`` builds, for every rank of layouts with TP and PP, nodes in runs, shuffled, uneven or
+    unknown, failure domains, and k up to the group's size; where the group is dealt from whole nodes it does not
+    build the ring (plain DP at 102,400 ranks took 44 ms a rank at every generation to build it)."""
+    from phoenix_runtime import layout as layout_module
+
+    def built(lay: Layout, r: int, k: int) -> list[int]:
+        ring = lay.replica_ring(r, k)
+        pos = ring.index(r)
+        return [ring[(pos + j) % len(ring)] for j in range(-k, k + 1)]
+
+    rng = random.Random(7)
+    cases = []
+    for per, m, tp, pp in ((8, 16, 1, 1), (4, 6, 2, 1), (2, 5, 1, 2), (4, 4, 2, 2), (1, 9, 1, 1), (3, 2, 1, 1)):
+        n = per * m * tp * pp
+        runs = tuple(f"n{r // (per * tp)}" for r in range(n))
+        shuffled = list(runs)
+        rng.shuffle(shuffled)
+        uneven = tuple(f"n{min(r // 3, 2)}" for r in range(n))
+        cases += [Layout(n, tp, pp, nodes=runs), Layout(n, tp, pp, nodes=tuple(shuffled)), Layout(n, tp, pp, nodes=uneven),
+                  Layout(n, tp, pp), Layout(n, tp, pp, nodes=runs[:-1] + ("",)),
+                  Layout(n, tp, pp, nodes=runs, domains=tuple(f"d{r // (2 * per * tp)}" for r in range(n)))]
+    for lay in cases:
+        for k in sorted({1, 2, 3, min(lay.dp_size - 1, 12)} & set(range(1, lay.dp_size))):
+            for r in range(lay.world_size):
+                want = built(lay, r, k)
+                assert lay.ring_window(r, k) == want, (lay, r, k)
+                assert lay.replica_targets(r, k) == want[k + 1:] and lay.replica_sources(r, k) == want[:k][::-1]
+    big = Layout(8192, nodes=tuple(f"n{r // 8}" for r in range(8192)))
+    layout_module._ring_order.cache_clear()
+    assert big.ring_window(4100, 1) == built(big, 4100, 1)
+    layout_module._ring_order.cache_clear()
+    big.ring_window(4100, 2), big.replica_targets(17, 1), big.replica_sources(17, 1)
+    assert layout_module._ring_order.cache_info().misses == 0  # dealt from whole nodes: no ring built

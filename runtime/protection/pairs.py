@@ -39,17 +39,15 @@ def pair(a: int, b: int) -> tuple[int, int]:
 def steady_pairs(layout, k: int, rank: int | None = None) -> list[tuple[int, int]]:
     """The pairs the protection of a generation uses on ``layout`` with ``k`` replicas: each rank with its ring
     successors up to ``k`` (so with its predecessors too) and with its commit tree parent. None when no replica
-    fits (a DP group of one rank: no replicator, no commit point). With ``rank``: that rank's pairs only, read off
-    its own DP group's ring and its tree neighbours (what a rank forms at each generation: its cost is its group's,
-    where every pair of the job is O(N) on every rank)."""
+    fits (a DP group of one rank: no replicator, no commit point). With ``rank``: that rank's pairs only, its window
+    of its DP group's ring (``Layout.ring_window``: arithmetic where the group is dealt from whole nodes) and its
+    tree neighbours (what a rank forms at each generation, where every pair of the job is O(N) on every rank)."""
     k = max(0, min(k, layout.dp_size - 1))
     if k == 0 or layout.world_size < 2:
         return []
     out: set[tuple[int, int]] = set()
     if rank is not None:
-        ring = layout.replica_ring(rank, k)
-        i = ring.index(rank)
-        out.update(pair(rank, ring[(i + j) % len(ring)]) for j in range(-k, k + 1) if j)
+        out.update(pair(rank, r) for r in layout.ring_window(rank, k) if r != rank)
         parent, children = tree_partners(rank, layout.world_size)
         out.update(pair(rank, p) for p in ([parent] if parent is not None else []) + children)
         return sorted(out)
