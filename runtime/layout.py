@@ -199,16 +199,15 @@ class Layout:
         members, at least ``k + 1`` nodes, every node known, no failure domain) is dealt row by row, the ring's
         position ``row * M + node``: its window is arithmetic, O(k) past a scan of the group's labels in C, where
         building the ring is a Python loop over the whole group, at every generation (plain DP: the world)."""
-        start, stop, step = self._dp_slice(rank)
-        group = range(start, stop, step)
-        n, i = len(group), (rank - start) // step
-        reps = _dealt_rows(self.nodes[start:stop:step] if self.nodes else (), self.domains[start:stop:step] if self.domains else (),
-                           min(k, n - 1)) if k > 0 and n > 1 else None
+        sl = slice(*self._dp_slice(rank))
+        group = range(self.world_size)[sl]
+        n = len(group)
+        reps = _dealt_rows(self.nodes[sl], self.domains[sl], min(k, n - 1)) if k > 0 and n > 1 else None
         if reps is None:
             ring = self.replica_ring(rank, k)
             pos = ring.index(rank)
             return [ring[(pos + j) % n] for j in range(-k, k + 1)]
-        m = n // reps  # nodes; member i is row i % R of node i // R, at position row * m + node
+        m, i = n // reps, group.index(rank)  # m nodes; member i is row i % R of node i // R, at row * m + node
         pos = (i % reps) * m + i // reps
         return [group[(q % m) * reps + q // m] for q in ((pos + j) % n for j in range(-k, k + 1))]
 

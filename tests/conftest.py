@@ -90,9 +90,9 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
 
 
 def stop_fully(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    """SIGSTOP ``proc`` and return once every thread of it is stopped. ``kill`` returns before that: the kernel
-    wakes one thread to begin the group stop and the others stop after it ran, so a store server's thread woken
-    by a request meanwhile can still answer it (a loaded machine makes that window wide)."""
+    """SIGSTOP ``proc`` and return once every thread of it is stopped. ``kill`` returns before that (each thread
+    carries the stop out when it next runs), so a store server's thread woken by a request meanwhile can still
+    answer it (a loaded machine makes that window wide)."""
     proc.send_signal(signal.SIGSTOP)
     task = Path(f"/proc/{proc.pid}/task")
 
